@@ -1,0 +1,547 @@
+//! NVMe passthrough: NVMe I/O commands sent straight to the controller through io_uring
+//! `IORING_OP_URING_CMD` (`NVME_URING_CMD_IO`) on the generic char device `/dev/ngXnY`, with
+//! 128-byte SQEs and 32-byte CQEs. No block layer, no page cache, no filesystem.
+//!
+//! - Geometry comes from Identify Namespace (admin passthrough ioctl): LBA size is
+//!   `1 << lbaf[flbas].ds`; capacity is NSZE. Identify Controller gives MDTS and whether Write
+//!   Zeroes and Dataset Management exist.
+//! - Data commands use the registered DMA pool (`IORING_URING_CMD_FIXED`, buffer 0).
+//! - Completions are polled (`IORING_SETUP_IOPOLL`) when the namespace's queue has poll queues
+//!   (`nvme poll_queues=N`), interrupt-driven otherwise; a log line says which.
+//! - Data-less commands (Flush, Write Zeroes) go on a second ring without IOPOLL: on Linux 6.1 a
+//!   Flush on an IOPOLL ring with poll queues can oops the kernel.
+//!
+//! Fault model: `cqe.res` < 0 is an errno, > 0 an NVMe status (named in the error, with the DNR
+//! bit), 0 success. Nothing is retried here. A failed `io_uring_enter` makes the queue fail-stop.
+
+pub mod abi;
+
+use super::ring::{drain_before_drop, Ring, RingSetup};
+use super::slots::{InFlight, Slots};
+use crate::dma::HugepagePolicy;
+use crate::{
+    validate, BlockDevice, Completion, CompletionMode, DevError, DeviceInfo, DmaPool, NvmeStatus,
+    Op, OpKind, Rejected, Request,
+};
+use abi::*;
+use io_uring::{cqueue, opcode, squeue, types};
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// Whether to poll for completions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IoPoll {
+    /// Poll when the device has poll queues.
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+#[derive(Debug, Clone)]
+pub struct PassthroughConfig {
+    pub queue_depth: u32,
+    pub buf_bytes: usize,
+    pub buf_count: u32,
+    pub iopoll: IoPoll,
+    pub hugepages: HugepagePolicy,
+}
+
+impl Default for PassthroughConfig {
+    fn default() -> Self {
+        PassthroughConfig {
+            queue_depth: 128,
+            buf_bytes: 128 << 10,
+            buf_count: 256,
+            iopoll: IoPoll::Auto,
+            hugepages: HugepagePolicy::Prefer,
+        }
+    }
+}
+
+type Ring128 = Ring<squeue::Entry128, cqueue::Entry32>;
+
+pub struct PassthroughDevice {
+    // Field order matters: the rings drop before the pool their buffers are registered from.
+    data_ring: Ring128,
+    /// Flush and Write Zeroes, never polled (see the module docs).
+    dataless_ring: Ring128,
+    slots: Slots,
+    info: DeviceInfo,
+    pool: DmaPool,
+    file: File,
+    nsid: u32,
+    namespace: NamespaceId,
+    controller: ControllerId,
+    failed: Option<DevError>,
+}
+
+impl PassthroughDevice {
+    pub fn open(path: &Path, config: &PassthroughConfig) -> Result<PassthroughDevice, DevError> {
+        let path_text = path.display().to_string();
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags_cloexec()
+            .open(path)
+            .map_err(|e| {
+                let hint = match e.raw_os_error() {
+                    Some(libc::ENOENT) => {
+                        "no such NVMe generic device: list them with `ls /dev/ng*` (Linux 5.19+ \
+                         creates /dev/ngXnY for every namespace)"
+                    }
+                    Some(libc::EACCES | libc::EPERM) => {
+                        "passthrough needs read-write access to the char device (root, or a udev \
+                         rule granting it)"
+                    }
+                    _ => "",
+                };
+                DevError::setup(format!("opening {path_text}"), &e, hint)
+            })?;
+        let fd = file.as_raw_fd();
+
+        // SAFETY: NVME_IOCTL_ID takes no argument and returns the namespace id or -1.
+        let nsid = unsafe { libc::ioctl(fd, NVME_IOCTL_ID) };
+        if nsid <= 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(DevError::setup(
+                format!("NVME_IOCTL_ID on {path_text}"),
+                &e,
+                "is this an NVMe generic char device (/dev/ngXnY)?",
+            ));
+        }
+        let nsid = nsid as u32;
+        let namespace = NamespaceId::parse(&identify(fd, nsid, 0, &path_text)?).map_err(|why| {
+            DevError::BadSpec {
+                spec: format!("nvme:{path_text}"),
+                why,
+            }
+        })?;
+        let controller = ControllerId::parse(&identify(fd, 0, 1, &path_text)?).map_err(|why| {
+            DevError::BadSpec {
+                spec: format!("nvme:{path_text}"),
+                why,
+            }
+        })?;
+        if namespace.metadata_bytes != 0 {
+            return Err(DevError::BadSpec {
+                spec: format!("nvme:{path_text}"),
+                why: format!(
+                    "the namespace is formatted with {} metadata bytes per LBA; corefs needs a \
+                     format without metadata (nvme format --lbaf=N)",
+                    namespace.metadata_bytes
+                ),
+            });
+        }
+
+        let max_io_bytes = max_transfer_bytes(&path_text, &controller, config.buf_bytes);
+        let poll_queues = device_has_poll_queues(path);
+        let iopoll = match config.iopoll {
+            IoPoll::Auto => poll_queues,
+            IoPoll::On => true,
+            IoPoll::Off => false,
+        };
+        if iopoll {
+            tracing::info!("nvme:{path_text}: IOPOLL on the device's poll queues");
+        } else {
+            tracing::info!(
+                "nvme:{path_text}: interrupt completions{}",
+                if poll_queues {
+                    ""
+                } else {
+                    " (no poll queues; load the nvme module with poll_queues=N to poll)"
+                }
+            );
+        }
+
+        let pool = DmaPool::new(config.buf_bytes, config.buf_count, config.hugepages)?;
+        let queue_depth = config.queue_depth.next_power_of_two();
+        let setup = RingSetup {
+            entries: queue_depth,
+            iopoll,
+            sqpoll_idle_ms: None,
+        };
+        let mut data_ring = Ring128::new(setup, &path_text)?;
+        data_ring.register_pool(&pool, &path_text);
+        let dataless_ring = Ring128::new(
+            RingSetup {
+                iopoll: false,
+                ..setup
+            },
+            &path_text,
+        )?;
+
+        Ok(PassthroughDevice {
+            data_ring,
+            dataless_ring,
+            slots: Slots::new(queue_depth),
+            info: DeviceInfo {
+                name: format!("nvme:{path_text}"),
+                lba_size_bytes: namespace.lba_size_bytes,
+                capacity_lbas: namespace.size_lbas,
+                queue_depth,
+                max_io_bytes,
+                fua_native: true,
+                completion_mode: if iopoll {
+                    CompletionMode::Polled
+                } else {
+                    CompletionMode::Interrupt
+                },
+            },
+            pool,
+            file,
+            nsid,
+            namespace,
+            controller,
+            failed: None,
+        })
+    }
+
+    pub fn namespace(&self) -> NamespaceId {
+        self.namespace
+    }
+    pub fn controller(&self) -> ControllerId {
+        self.controller
+    }
+    pub fn fixed_buffers(&self) -> bool {
+        self.data_ring.fixed_buffers
+    }
+
+    /// Builds the NVMe command for `op`. Returns the command, the data buffer address and
+    /// length, and whether it goes on the data-less ring.
+    fn command(&self, op: &Op, dsm: Option<&crate::DmaBuf>) -> (NvmeUringCmd, bool) {
+        let mut cmd = NvmeUringCmd {
+            nsid: self.nsid,
+            ..Default::default()
+        };
+        let lba_size = self.info.lba_size_bytes as u64;
+        let set_range = |cmd: &mut NvmeUringCmd, lba: u64, lbas: u64| {
+            cmd.cdw10 = lba as u32;
+            cmd.cdw11 = (lba >> 32) as u32;
+            cmd.cdw12 = (lbas - 1) as u32;
+        };
+        match op {
+            Op::Read { lba, buf } => {
+                cmd.opcode = NVME_CMD_READ;
+                cmd.addr = buf.as_ptr() as u64;
+                cmd.data_len = buf.len() as u32;
+                set_range(&mut cmd, *lba, buf.len() as u64 / lba_size);
+                (cmd, false)
+            }
+            Op::Write { lba, buf, fua } => {
+                cmd.opcode = NVME_CMD_WRITE;
+                cmd.addr = buf.as_ptr() as u64;
+                cmd.data_len = buf.len() as u32;
+                set_range(&mut cmd, *lba, buf.len() as u64 / lba_size);
+                if *fua {
+                    cmd.cdw12 |= CDW12_FUA;
+                }
+                (cmd, false)
+            }
+            Op::Flush => {
+                cmd.opcode = NVME_CMD_FLUSH;
+                (cmd, true)
+            }
+            Op::WriteZeroes { lba, lbas } => {
+                cmd.opcode = NVME_CMD_WRITE_ZEROES;
+                set_range(&mut cmd, *lba, *lbas as u64);
+                (cmd, true)
+            }
+            Op::Deallocate { .. } => {
+                let ranges = dsm.expect("a deallocate carries its range list");
+                cmd.opcode = NVME_CMD_DSM;
+                cmd.addr = ranges.as_ptr() as u64;
+                cmd.data_len = std::mem::size_of::<DsmRange>() as u32;
+                cmd.cdw10 = 0; // one range (0-based count)
+                cmd.cdw11 = DSM_ATTR_DEALLOCATE;
+                (cmd, false)
+            }
+        }
+    }
+
+    fn check_supported(&self, op: &Op) -> Result<(), DevError> {
+        match op {
+            Op::WriteZeroes { lbas, .. } | Op::Deallocate { lbas, .. } => {
+                let supported = match op.kind() {
+                    OpKind::WriteZeroes => self.controller.supports_write_zeroes,
+                    _ => self.controller.supports_dsm,
+                };
+                if !supported {
+                    return Err(DevError::Unsupported {
+                        what: if op.kind() == OpKind::WriteZeroes {
+                            "NVMe Write Zeroes"
+                        } else {
+                            "NVMe Dataset Management"
+                        },
+                    });
+                }
+                if *lbas as u64 > MAX_LBAS_PER_CMD {
+                    return Err(DevError::BadLength {
+                        len_bytes: *lbas as u64 * self.info.lba_size_bytes as u64,
+                        lba_size_bytes: self.info.lba_size_bytes,
+                        max_io_bytes: (MAX_LBAS_PER_CMD * self.info.lba_size_bytes as u64) as u32,
+                    });
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn reap(&mut self, out: &mut Vec<Completion>) -> usize {
+        let mut count = 0;
+        for ring in [&mut self.data_ring, &mut self.dataless_ring] {
+            let mut cq = ring.ring.completion();
+            cq.sync();
+            for cqe in &mut cq {
+                let mut slot = self.slots.release(cqe.user_data());
+                let res = cqe.result();
+                let result = match res {
+                    0 => Ok(()),
+                    r if r < 0 => Err(DevError::Io {
+                        op: slot.kind,
+                        errno: -r,
+                    }),
+                    status => Err(DevError::Nvme {
+                        op: slot.kind,
+                        status: NvmeStatus(status as u16),
+                    }),
+                };
+                if slot.internal_buf {
+                    // The DSM range list goes back to the pool; the caller gave no buffer.
+                    slot.buf = None;
+                }
+                out.push(Completion {
+                    token: slot.token,
+                    kind: slot.kind,
+                    result,
+                    buf: slot.buf,
+                });
+                count += 1;
+            }
+        }
+        count
+    }
+
+    fn enter_all(&mut self, want: usize, timeout: Option<Duration>) -> Result<(), DevError> {
+        let in_flight = self.slots.in_flight();
+        for ring in [&mut self.data_ring, &mut self.dataless_ring] {
+            if ring.needs_enter(in_flight) {
+                ring.enter(want, timeout)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl BlockDevice for PassthroughDevice {
+    fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    fn pool(&self) -> &DmaPool {
+        &self.pool
+    }
+
+    fn submit(&mut self, request: Request) -> Result<(), Rejected> {
+        if let Some(failed) = &self.failed {
+            return Err(Rejected {
+                request,
+                reason: failed.clone(),
+            });
+        }
+        if self.slots.is_full() {
+            return Err(Rejected {
+                request,
+                reason: DevError::QueueFull,
+            });
+        }
+        if let Err(reason) = validate(&self.info, &self.pool, &request.op)
+            .and_then(|()| self.check_supported(&request.op))
+        {
+            return Err(Rejected { request, reason });
+        }
+        let dsm = match request.op {
+            Op::Deallocate { lba, lbas } => {
+                let Some(mut list) = self.pool.alloc(self.pool.buf_bytes().min(4096)) else {
+                    return Err(Rejected {
+                        request,
+                        reason: DevError::PoolExhausted,
+                    });
+                };
+                let range = DsmRange {
+                    context_attributes: 0,
+                    lbas,
+                    start_lba: lba,
+                };
+                list.as_mut_slice()[0..4].copy_from_slice(&range.context_attributes.to_le_bytes());
+                list.as_mut_slice()[4..8].copy_from_slice(&range.lbas.to_le_bytes());
+                list.as_mut_slice()[8..16].copy_from_slice(&range.start_lba.to_le_bytes());
+                Some(list)
+            }
+            _ => None,
+        };
+        let (cmd, dataless) = self.command(&request.op, dsm.as_ref());
+        let user_data = self.slots.next_index();
+        let mut uring_cmd =
+            opcode::UringCmd80::new(types::Fd(self.file.as_raw_fd()), NVME_URING_CMD_IO)
+                .cmd(cmd.to_sqe_cmd());
+        let fixed = !dataless && self.data_ring.fixed_buffers;
+        if fixed {
+            uring_cmd = uring_cmd.buf_index(Some(0));
+        }
+        let sqe = uring_cmd.build().user_data(user_data);
+        let ring = if dataless {
+            &mut self.dataless_ring
+        } else {
+            &mut self.data_ring
+        };
+        if let Err(reason) = ring.push(&sqe) {
+            self.failed = Some(reason.clone());
+            return Err(Rejected { request, reason });
+        }
+        let kind = request.op.kind();
+        let expect_bytes = cmd.data_len;
+        let internal_buf = dsm.is_some();
+        let buf = dsm.or_else(|| request.op.into_buf());
+        let taken = self.slots.take(InFlight {
+            token: request.token,
+            kind,
+            buf,
+            expect_bytes,
+            internal_buf,
+        });
+        assert_eq!(taken, user_data, "slot table handed out a different slot");
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize, DevError> {
+        if let Some(failed) = &self.failed {
+            return Err(failed.clone());
+        }
+        if let Err(e) = self.enter_all(0, None) {
+            self.failed = Some(e.clone());
+            return Err(e);
+        }
+        Ok(self.reap(out))
+    }
+
+    fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> Result<usize, DevError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let found = self.poll(out)?;
+            if found > 0 || self.slots.in_flight() == 0 || Instant::now() >= deadline {
+                return Ok(found);
+            }
+            if self.info.completion_mode == CompletionMode::Interrupt
+                || self.dataless_ring.needs_enter(self.slots.in_flight())
+            {
+                // Interrupt-driven: sleep in the kernel on whichever ring has work. A polled
+                // data ring spins in `poll` instead (polling is the point of IOPOLL).
+                let left = deadline.saturating_duration_since(Instant::now());
+                let ring = if self.info.completion_mode == CompletionMode::Interrupt {
+                    &mut self.data_ring
+                } else {
+                    &mut self.dataless_ring
+                };
+                let wait_here = if self.info.completion_mode == CompletionMode::Polled {
+                    left.min(Duration::from_micros(50))
+                } else {
+                    left
+                };
+                if let Err(e) = ring.enter(1, Some(wait_here)) {
+                    self.failed = Some(e.clone());
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    fn in_flight(&self) -> u32 {
+        self.slots.in_flight()
+    }
+}
+
+impl Drop for PassthroughDevice {
+    fn drop(&mut self) {
+        if self.slots.in_flight() > 0 && self.failed.is_none() {
+            drain_before_drop(self, || {});
+        }
+        if self.slots.in_flight() > 0 {
+            // The controller may still DMA into these buffers: never return them to the pool.
+            std::mem::forget(std::mem::replace(&mut self.slots, Slots::new(1)));
+        }
+    }
+}
+
+/// Identify (admin opcode 0x06) through the admin passthrough ioctl; 4096 bytes of data.
+fn identify(fd: i32, nsid: u32, cns: u32, path_text: &str) -> Result<Vec<u8>, DevError> {
+    let mut data = vec![0u8; 4096];
+    let mut cmd = NvmePassthruCmd {
+        opcode: NVME_ADMIN_IDENTIFY,
+        nsid,
+        addr: data.as_mut_ptr() as u64,
+        data_len: data.len() as u32,
+        cdw10: cns,
+        ..Default::default()
+    };
+    // SAFETY: the ioctl reads the 72-byte command and writes at most data_len bytes to addr,
+    // which points at `data`, alive for the call.
+    let rc = unsafe { libc::ioctl(fd, NVME_IOCTL_ADMIN_CMD, &mut cmd) };
+    match rc {
+        0 => Ok(data),
+        rc if rc < 0 => Err(DevError::setup(
+            format!("Identify (CNS {cns}) on {path_text}"),
+            &std::io::Error::last_os_error(),
+            "admin passthrough needs CAP_SYS_ADMIN",
+        )),
+        status => Err(DevError::BadSpec {
+            spec: format!("nvme:{path_text}"),
+            why: format!(
+                "Identify (CNS {cns}) failed with {}",
+                NvmeStatus(status as u16)
+            ),
+        }),
+    }
+}
+
+/// The largest transfer: the DMA buffer size, capped by the controller's MDTS (in units of the
+/// 4 KiB minimum page size) and by the block layer's limit, which passthrough also obeys.
+fn max_transfer_bytes(path_text: &str, controller: &ControllerId, buf_bytes: usize) -> u32 {
+    let mut max = buf_bytes as u64;
+    if controller.mdts != 0 && controller.mdts < 32 {
+        max = max.min(4096u64 << controller.mdts);
+    }
+    if let Some(kb) = sysfs_block_attr(Path::new(path_text), "max_hw_sectors_kb")
+        .and_then(|s| s.parse::<u64>().ok())
+    {
+        max = max.min(kb * 1024);
+    }
+    max as u32
+}
+
+/// Reads `/sys/block/nvmeXnY/queue/ATTR` for the namespace behind `/dev/ngXnY`.
+fn sysfs_block_attr(path: &Path, attr: &str) -> Option<String> {
+    let name = path.file_name()?.to_str()?;
+    let block = name.strip_prefix("ng").map(|rest| format!("nvme{rest}"))?;
+    std::fs::read_to_string(format!("/sys/block/{block}/queue/{attr}"))
+        .ok()
+        .map(|s| s.trim().to_string())
+}
+
+/// Whether the namespace's queue polls (the driver has poll queues).
+fn device_has_poll_queues(path: &Path) -> bool {
+    sysfs_block_attr(path, "io_poll").as_deref() == Some("1")
+}
+
+trait CloexecExt {
+    fn custom_flags_cloexec(&mut self) -> &mut Self;
+}
+impl CloexecExt for OpenOptions {
+    fn custom_flags_cloexec(&mut self) -> &mut Self {
+        use std::os::unix::fs::OpenOptionsExt;
+        self.custom_flags(libc::O_CLOEXEC)
+    }
+}

@@ -1,0 +1,186 @@
+//! What the two io_uring backends share: building a ring with the best flags the kernel takes,
+//! registering the DMA pool, entering the kernel only when there is something to do, and
+//! draining in-flight requests before the memory they point at can be reused.
+//!
+//! Fault model: `io_uring_enter` failing with anything but EINTR/EAGAIN/EBUSY/ETIME means the
+//! ring is unusable; the error is made sticky by the caller (`DevError::QueueFailed`).
+
+use crate::DevError;
+use io_uring::{cqueue, squeue, IoUring};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct RingSetup {
+    pub entries: u32,
+    pub iopoll: bool,
+    /// Kernel submission-queue polling thread, with its idle time before it sleeps.
+    pub sqpoll_idle_ms: Option<u32>,
+}
+
+pub(crate) struct Ring<S: squeue::EntryMarker, C: cqueue::EntryMarker> {
+    pub ring: IoUring<S, C>,
+    /// SQEs pushed but not yet handed to the kernel.
+    unsubmitted: u32,
+    /// The kernel raises IORING_SQ_TASKRUN when completions wait for us to enter; without the
+    /// flag we must enter whenever something is in flight.
+    taskrun_flag: bool,
+    pub fixed_buffers: bool,
+}
+
+static WARNED_REGISTER: AtomicBool = AtomicBool::new(false);
+
+impl<S: squeue::EntryMarker, C: cqueue::EntryMarker> Ring<S, C> {
+    pub fn new(setup: RingSetup, what: &str) -> Result<Self, DevError> {
+        let entries = setup.entries.next_power_of_two().max(2);
+        let build = |cooperative: bool| {
+            let mut builder = IoUring::<S, C>::builder();
+            builder.setup_cqsize(entries * 2);
+            if setup.iopoll {
+                builder.setup_iopoll();
+            }
+            if let Some(idle_ms) = setup.sqpoll_idle_ms {
+                builder.setup_sqpoll(idle_ms);
+            }
+            if cooperative {
+                // Completions run as task work only when we enter the kernel: no IPIs into a
+                // polling reactor, and the TASKRUN flag tells us when an enter is worth it.
+                builder.setup_coop_taskrun().setup_taskrun_flag();
+            }
+            builder.build(entries)
+        };
+        let (ring, taskrun_flag) = match build(true) {
+            Ok(ring) => (ring, true),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                tracing::info!("{what}: kernel lacks IORING_SETUP_COOP_TASKRUN (5.19+); entering on every poll");
+                (build(false).map_err(|e| ring_error(what, &e))?, false)
+            }
+            Err(e) => return Err(ring_error(what, &e)),
+        };
+        Ok(Ring {
+            ring,
+            unsubmitted: 0,
+            taskrun_flag,
+            fixed_buffers: false,
+        })
+    }
+
+    /// Registers the pool's slab as fixed buffer 0. Failure (RLIMIT_MEMLOCK, old kernel) is not
+    /// fatal: I/O then goes through unregistered buffers, and we say so once.
+    pub fn register_pool(&mut self, pool: &crate::DmaPool, what: &str) {
+        let iovec = pool.iovec();
+        // SAFETY: the slab stays mapped for as long as the pool lives, and every device holding
+        // this ring also holds a clone of the pool, dropped after the ring (field order) and
+        // after all in-flight I/O has drained (`drain_before_drop`).
+        match unsafe { self.ring.submitter().register_buffers(&[iovec]) } {
+            Ok(()) => self.fixed_buffers = true,
+            Err(e) => {
+                if !WARNED_REGISTER.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        "{what}: registering the {} MiB DMA pool failed ({}); using unregistered \
+                         buffers (one page-pinning per I/O). Raise the locked-memory limit \
+                         (ulimit -l unlimited, or LimitMEMLOCK=infinity) or run with CAP_IPC_LOCK",
+                        iovec.iov_len >> 20,
+                        crate::error::errno_name(e.raw_os_error().unwrap_or(0))
+                    );
+                }
+            }
+        }
+    }
+
+    /// Queues one SQE; the ring's SQ has as many entries as the queue depth, and the caller never
+    /// has more than that in flight, so a full SQ only means we must hand entries to the kernel.
+    pub fn push(&mut self, sqe: &S) -> Result<(), DevError> {
+        // SAFETY: every pointer in the SQE refers to a buffer (or command block) that the in-flight
+        // slot owns until the CQE is reaped.
+        if unsafe { self.ring.submission().push(sqe) }.is_err() {
+            self.enter(0, None)?;
+            // SAFETY: as above.
+            unsafe { self.ring.submission().push(sqe) }.map_err(|_| DevError::QueueFull)?;
+        }
+        self.unsubmitted += 1;
+        Ok(())
+    }
+
+    /// True when entering the kernel would do something: submit, run completion task work, or
+    /// poll an IOPOLL ring.
+    pub fn needs_enter(&mut self, in_flight: u32) -> bool {
+        if self.unsubmitted > 0 {
+            return true;
+        }
+        if in_flight == 0 {
+            return false;
+        }
+        if self.ring.params().is_setup_iopoll() || !self.taskrun_flag {
+            return true;
+        }
+        self.ring.submission().taskrun()
+    }
+
+    /// Submits what is queued and, with `want` > 0, waits for that many completions or the
+    /// timeout. EINTR, EAGAIN, EBUSY and ETIME are transient: the caller polls again.
+    pub fn enter(&mut self, want: usize, timeout: Option<Duration>) -> Result<(), DevError> {
+        let result = match timeout {
+            Some(timeout) if want > 0 && !self.ring.params().is_setup_iopoll() => {
+                let ts = io_uring::types::Timespec::from(timeout);
+                let args = io_uring::types::SubmitArgs::new().timespec(&ts);
+                self.ring.submitter().submit_with_args(want, &args)
+            }
+            _ => self.ring.submit_and_wait(want),
+        };
+        match result {
+            Ok(_) => {
+                self.unsubmitted = self.ring.submission().len() as u32;
+                Ok(())
+            }
+            Err(e) => match e.raw_os_error() {
+                Some(libc::EINTR | libc::EAGAIN | libc::EBUSY | libc::ETIME) => {
+                    self.unsubmitted = self.ring.submission().len() as u32;
+                    Ok(())
+                }
+                Some(errno) => Err(DevError::QueueFailed { errno }),
+                None => Err(DevError::QueueFailed { errno: libc::EIO }),
+            },
+        }
+    }
+}
+
+fn ring_error(what: &str, e: &std::io::Error) -> DevError {
+    let hint = match e.raw_os_error() {
+        Some(libc::ENOSYS) => "this kernel has no io_uring (5.19+ needed)",
+        Some(libc::EPERM) => {
+            "io_uring is disabled: set sysctl kernel.io_uring_disabled=0 (or add this user to \
+             kernel.io_uring_group)"
+        }
+        Some(libc::ENOMEM) => {
+            "raise the locked-memory limit (ulimit -l) or use a smaller queue depth"
+        }
+        Some(libc::EINVAL) => {
+            "this kernel lacks a ring feature corefs needs (5.19+ for NVMe passthrough)"
+        }
+        _ => "",
+    };
+    DevError::setup(format!("creating the io_uring for {what}"), e, hint)
+}
+
+/// Spins on `poll` until nothing is in flight, so no buffer is reused while the kernel may
+/// still DMA into it. If the device will not finish (a hung controller), the buffers are leaked
+/// rather than freed: a leak is safe, a use-after-DMA is corruption.
+pub(crate) fn drain_before_drop(dev: &mut dyn crate::BlockDevice, leak: impl FnOnce()) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let mut sink = Vec::new();
+    while dev.in_flight() > 0 && std::time::Instant::now() < deadline {
+        if dev.wait(&mut sink, Duration::from_millis(100)).is_err() {
+            break;
+        }
+        sink.clear();
+    }
+    if dev.in_flight() > 0 {
+        tracing::error!(
+            "{}: {} requests still in flight at close; leaking their buffers",
+            dev.info().name,
+            dev.in_flight()
+        );
+        leak();
+    }
+}

@@ -1,0 +1,65 @@
+//! The in-flight table of an io_uring queue: a fixed array of slots indexed by the SQE's
+//! `user_data`.
+//!
+//! Invariants: the table never grows past the queue depth it was made with; a slot is taken at
+//! submit and released exactly once, when its CQE is reaped; `user_data` is the slot index, so a
+//! CQE naming a free or out-of-range slot is a kernel or memory-safety bug and panics.
+
+use crate::{DmaBuf, OpKind};
+
+pub(crate) struct InFlight {
+    pub token: u64,
+    pub kind: OpKind,
+    /// The data buffer, owned by the queue while the device may touch it.
+    pub buf: Option<DmaBuf>,
+    /// Bytes a read or write must transfer; 0 for data-less ops.
+    pub expect_bytes: u32,
+    /// True when the op's buffer is internal (a DSM range list) and is not handed back.
+    pub internal_buf: bool,
+}
+
+pub(crate) struct Slots {
+    entries: Vec<Option<InFlight>>,
+    free: Vec<u32>,
+}
+
+impl Slots {
+    pub fn new(depth: u32) -> Slots {
+        Slots {
+            entries: (0..depth).map(|_| None).collect(),
+            free: (0..depth).rev().collect(),
+        }
+    }
+
+    pub fn in_flight(&self) -> u32 {
+        (self.entries.len() - self.free.len()) as u32
+    }
+
+    pub fn is_full(&self) -> bool {
+        self.free.is_empty()
+    }
+
+    /// Takes a slot; the caller has checked `is_full` first.
+    pub fn take(&mut self, entry: InFlight) -> u64 {
+        let index = self.free.pop().expect("Slots::take on a full table");
+        let slot = &mut self.entries[index as usize];
+        assert!(slot.is_none(), "free list named a busy slot {index}");
+        *slot = Some(entry);
+        index as u64
+    }
+
+    /// The slot the next `take` will return, so an SQE can carry it before the slot is taken.
+    pub fn next_index(&self) -> u64 {
+        *self.free.last().expect("Slots::next_index on a full table") as u64
+    }
+
+    pub fn release(&mut self, user_data: u64) -> InFlight {
+        let entry = self
+            .entries
+            .get_mut(user_data as usize)
+            .and_then(Option::take)
+            .unwrap_or_else(|| panic!("completion for slot {user_data}, which is not in flight"));
+        self.free.push(user_data as u32);
+        entry
+    }
+}

@@ -1,0 +1,306 @@
+//! DMA buffer pools: one slab per queue, allocated once at start-up, carved into equal buffers.
+//!
+//! The slab comes from 2 MiB hugepages (`MAP_HUGETLB`) so the IOMMU and the kernel's pinning see
+//! few, large pages. When none are reserved it falls back to ordinary anonymous memory advised
+//! with `MADV_HUGEPAGE` and says so once, with the command that reserves them.
+//!
+//! # Invariants
+//! - The slab is never resized or unmapped while a buffer of it lives: every [`DmaBuf`] holds
+//!   the pool alive through an `Arc`.
+//! - A buffer index is owned by at most one [`DmaBuf`] at a time; dropping the buffer returns
+//!   the index to a bounded lock-free free list. This single ownership is what makes handing the
+//!   buffer's memory to the device (and to another thread) sound.
+//! - Every buffer starts at a multiple of its size within a 2 MiB-aligned slab, and sizes are
+//!   multiples of 4 KiB, so buffers are aligned for every LBA size up to 4 KiB.
+//! - An exhausted pool returns `None` from [`DmaPool::alloc`]: backpressure, never growth.
+
+use crossbeam_queue::ArrayQueue;
+use memmap2::{MmapMut, MmapOptions};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+const HUGEPAGE_BYTES: usize = 2 << 20;
+/// Smallest buffer size and alignment: the largest LBA size corefs supports.
+pub const BUF_ALIGN_BYTES: usize = 4096;
+
+/// Where a pool's slab came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolBacking {
+    /// Reserved 2 MiB hugepages (`MAP_HUGETLB`).
+    Hugepages,
+    /// Ordinary anonymous memory with a transparent-hugepage hint.
+    Anonymous,
+}
+
+/// Whether a pool may use hugepages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HugepagePolicy {
+    /// Use hugepages when reserved, fall back otherwise (and say so once).
+    #[default]
+    Prefer,
+    /// Never try hugepages (tests, tools).
+    Never,
+}
+
+static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
+static WARNED_NO_HUGEPAGES: AtomicBool = AtomicBool::new(false);
+
+struct PoolInner {
+    id: u64,
+    base: *mut u8,
+    buf_bytes: usize,
+    buf_count: u32,
+    backing: PoolBacking,
+    free: ArrayQueue<u32>,
+    /// Keeps the mapping alive; `base` points into it.
+    _map: MmapMut,
+}
+
+// SAFETY: the raw `base` pointer refers to the mapping owned by `_map`, which lives as long as
+// the `PoolInner`. Distinct buffers address disjoint ranges and each range is reachable only
+// through the single `DmaBuf` owning its index, so sharing the pool between threads cannot
+// create aliasing mutable access.
+unsafe impl Send for PoolInner {}
+// SAFETY: see `Send`; the only shared mutable state is the lock-free `free` queue.
+unsafe impl Sync for PoolInner {}
+
+/// A bounded pool of equal DMA buffers; cheap to clone (shared handle).
+#[derive(Clone)]
+pub struct DmaPool {
+    inner: Arc<PoolInner>,
+}
+
+impl std::fmt::Debug for DmaPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DmaPool")
+            .field("id", &self.inner.id)
+            .field("buf_bytes", &self.inner.buf_bytes)
+            .field("buf_count", &self.inner.buf_count)
+            .field("backing", &self.inner.backing)
+            .field("free", &self.inner.free.len())
+            .finish()
+    }
+}
+
+impl DmaPool {
+    /// Maps `buf_count` buffers of `buf_bytes` each. `buf_bytes` must be a non-zero multiple of
+    /// 4 KiB; the slab is rounded up to whole 2 MiB pages.
+    pub fn new(
+        buf_bytes: usize,
+        buf_count: u32,
+        policy: HugepagePolicy,
+    ) -> Result<DmaPool, crate::DevError> {
+        assert!(
+            buf_bytes > 0 && buf_bytes % BUF_ALIGN_BYTES == 0,
+            "DMA buffer size {buf_bytes} must be a non-zero multiple of {BUF_ALIGN_BYTES}"
+        );
+        assert!(buf_count > 0, "a DMA pool needs at least one buffer");
+        let slab_bytes = (buf_bytes * buf_count as usize).next_multiple_of(HUGEPAGE_BYTES);
+
+        let (map, backing) = match policy {
+            HugepagePolicy::Prefer => match MmapOptions::new()
+                .len(slab_bytes)
+                .huge(Some(21))
+                .populate()
+                .map_anon()
+            {
+                Ok(map) => (map, PoolBacking::Hugepages),
+                Err(_) => {
+                    if !WARNED_NO_HUGEPAGES.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(
+                            "no 2 MiB hugepages reserved for a {} MiB DMA pool; using ordinary \
+                             memory (slower DMA mapping). Reserve them as root with: \
+                             echo {} > /proc/sys/vm/nr_hugepages",
+                            slab_bytes >> 20,
+                            slab_bytes / HUGEPAGE_BYTES
+                        );
+                    }
+                    (Self::map_anonymous(slab_bytes)?, PoolBacking::Anonymous)
+                }
+            },
+            HugepagePolicy::Never => (Self::map_anonymous(slab_bytes)?, PoolBacking::Anonymous),
+        };
+
+        let free = ArrayQueue::new(buf_count as usize);
+        for index in 0..buf_count {
+            free.push(index)
+                .expect("free list sized to the buffer count");
+        }
+        let mut map = map;
+        let base = map.as_mut_ptr();
+        assert_eq!(
+            base as usize % BUF_ALIGN_BYTES,
+            0,
+            "mmap returns page-aligned memory"
+        );
+        Ok(DmaPool {
+            inner: Arc::new(PoolInner {
+                id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
+                base,
+                buf_bytes,
+                buf_count,
+                backing,
+                free,
+                _map: map,
+            }),
+        })
+    }
+
+    fn map_anonymous(slab_bytes: usize) -> Result<MmapMut, crate::DevError> {
+        let map = MmapOptions::new()
+            .len(slab_bytes)
+            .map_anon()
+            .map_err(|e| crate::DevError::setup("mapping the DMA buffer pool", &e, ""))?;
+        // A failed hint costs speed only, so it is not an error.
+        let _ = map.advise(memmap2::Advice::HugePage);
+        Ok(map)
+    }
+
+    /// Takes a buffer of `len_bytes` (at most the buffer size), or `None` when every buffer is
+    /// in use. The content is whatever the previous user left.
+    pub fn alloc(&self, len_bytes: usize) -> Option<DmaBuf> {
+        assert!(
+            len_bytes <= self.inner.buf_bytes,
+            "asked for {len_bytes} bytes from a pool of {}-byte buffers",
+            self.inner.buf_bytes
+        );
+        let index = self.inner.free.pop()?;
+        Some(DmaBuf {
+            pool: Arc::clone(&self.inner),
+            index,
+            len_bytes,
+        })
+    }
+
+    pub fn buf_bytes(&self) -> usize {
+        self.inner.buf_bytes
+    }
+    pub fn buf_count(&self) -> u32 {
+        self.inner.buf_count
+    }
+    pub fn free_count(&self) -> usize {
+        self.inner.free.len()
+    }
+    pub fn backing(&self) -> PoolBacking {
+        self.inner.backing
+    }
+
+    /// The whole slab as one iovec, for `io_uring_register_buffers` (registered buffer 0).
+    pub fn iovec(&self) -> libc::iovec {
+        libc::iovec {
+            iov_base: self.inner.base.cast(),
+            iov_len: self.inner.buf_bytes * self.inner.buf_count as usize,
+        }
+    }
+}
+
+/// One buffer of a [`DmaPool`]; returns itself to the pool on drop.
+pub struct DmaBuf {
+    pool: Arc<PoolInner>,
+    index: u32,
+    len_bytes: usize,
+}
+
+impl DmaBuf {
+    pub fn len(&self) -> usize {
+        self.len_bytes
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len_bytes == 0
+    }
+    pub fn capacity(&self) -> usize {
+        self.pool.buf_bytes
+    }
+
+    /// Changes the transfer length; at most the buffer's capacity.
+    pub fn set_len(&mut self, len_bytes: usize) {
+        assert!(
+            len_bytes <= self.pool.buf_bytes,
+            "DmaBuf::set_len past capacity"
+        );
+        self.len_bytes = len_bytes;
+    }
+
+    pub fn as_ptr(&self) -> *const u8 {
+        // SAFETY: index < buf_count, so the offset stays inside the slab.
+        unsafe {
+            self.pool
+                .base
+                .add(self.index as usize * self.pool.buf_bytes)
+        }
+    }
+
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.as_ptr().cast_mut()
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: the range is inside the slab, owned by this buffer alone (module invariant).
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len_bytes) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, and `&mut self` makes this the only live reference.
+        unsafe { std::slice::from_raw_parts_mut(self.as_mut_ptr(), self.len_bytes) }
+    }
+
+    /// True when this buffer was carved from `pool`'s slab.
+    pub fn belongs_to(&self, pool: &DmaPool) -> bool {
+        self.pool.id == pool.inner.id
+    }
+}
+
+impl Drop for DmaBuf {
+    fn drop(&mut self) {
+        // The free list holds exactly buf_count slots and this index was taken from it, so the
+        // push cannot fail unless the single-ownership invariant is broken.
+        let pushed = self.pool.free.push(self.index);
+        assert!(pushed.is_ok(), "DMA buffer {} returned twice", self.index);
+    }
+}
+
+impl std::fmt::Debug for DmaBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "DmaBuf(pool {} #{} {}B)",
+            self.pool.id, self.index, self.len_bytes
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exhausted_pool_gives_backpressure_and_recovers() {
+        let pool = DmaPool::new(8192, 3, HugepagePolicy::Never).unwrap();
+        let a = pool.alloc(4096).unwrap();
+        let b = pool.alloc(8192).unwrap();
+        let c = pool.alloc(512).unwrap();
+        assert!(
+            pool.alloc(4096).is_none(),
+            "a fourth buffer from a pool of three"
+        );
+        assert_eq!(pool.free_count(), 0);
+        drop(b);
+        let d = pool.alloc(4096).expect("a dropped buffer is reusable");
+        assert!(a.belongs_to(&pool) && c.belongs_to(&pool) && d.belongs_to(&pool));
+        let other = DmaPool::new(4096, 1, HugepagePolicy::Never).unwrap();
+        assert!(!a.belongs_to(&other));
+    }
+
+    #[test]
+    fn buffers_are_aligned_and_disjoint() {
+        let pool = DmaPool::new(4096, 16, HugepagePolicy::Prefer).unwrap();
+        let mut bufs: Vec<DmaBuf> = (0..16).map(|_| pool.alloc(4096).unwrap()).collect();
+        for (i, buf) in bufs.iter_mut().enumerate() {
+            assert_eq!(buf.as_ptr() as usize % BUF_ALIGN_BYTES, 0);
+            buf.as_mut_slice().fill(i as u8);
+        }
+        for (i, buf) in bufs.iter().enumerate() {
+            assert!(buf.as_slice().iter().all(|&b| b == i as u8));
+        }
+    }
+}

@@ -1,0 +1,368 @@
+//! The corefs device layer: one queue interface over every block device corefs runs on.
+//!
+//! A [`BlockDevice`] is one submission/completion queue pair on one device. The caller's loop
+//! drives it: [`BlockDevice::submit`] queues a [`Request`] carrying a caller token,
+//! [`BlockDevice::poll`] pushes queued requests to the device and drains finished ones into a
+//! caller-owned vector, and [`BlockDevice::wait`] parks until something finishes. No backend
+//! starts a thread of its own.
+//!
+//! Backends ([`backend`]): NVMe passthrough (`nvme:/dev/ngXnY`), io_uring on a file or block
+//! device (`file:PATH`), and memory (`mem:SIZE`). Wrappers ([`wrap`]) record every write for crash
+//! testing and inject seeded faults.
+//!
+//! # Invariants
+//! - At most [`DeviceInfo::queue_depth`] requests are in flight on one queue; a full queue rejects
+//!   with [`DevError::QueueFull`] and hands the request back (backpressure, never growth).
+//! - Every request submitted completes exactly once, with the caller's token and, for reads and
+//!   writes, the caller's buffer handed back.
+//! - Data buffers come from the queue's [`DmaPool`], are aligned to the LBA size, and their length
+//!   is a whole number of LBAs. A buffer in flight is owned by the device, so it cannot be touched
+//!   while the hardware reads or writes it.
+//!
+//! # Fault model
+//! A completion's result is the device's word: `Ok` means the operation is done as the device
+//! defines done (a write without FUA may still sit in a volatile cache until a flush). Errors are
+//! reported, never retried here: the caller decides, and corefs's engine fails the shard stop.
+
+pub mod backend;
+pub mod dma;
+pub mod error;
+pub mod probe;
+pub mod spec;
+pub mod wrap;
+
+pub use dma::{DmaBuf, DmaPool, PoolBacking};
+pub use error::{DevError, NvmeStatus};
+pub use spec::{open_device, DeviceSpec, OpenOptions};
+
+use std::time::Duration;
+
+/// What a request asks the device to do. Reads and writes carry their buffer, whose length sets
+/// the transfer size.
+#[derive(Debug)]
+pub enum Op {
+    /// Reads `buf.len()` bytes starting at `lba`.
+    Read { lba: u64, buf: DmaBuf },
+    /// Writes `buf` at `lba`; with `fua` the data is durable when the write completes.
+    Write { lba: u64, buf: DmaBuf, fua: bool },
+    /// Makes every write completed before this flush was submitted durable.
+    Flush,
+    /// Sets `lbas` blocks from `lba` to zero without transferring data.
+    WriteZeroes { lba: u64, lbas: u32 },
+    /// Tells the device `lbas` blocks from `lba` hold nothing worth keeping. Reads of them
+    /// afterwards return zeroes on every backend corefs ships (NVMe with DLFEAT read-zeroes,
+    /// punched file holes, memory), but callers must not rely on the content.
+    Deallocate { lba: u64, lbas: u32 },
+}
+
+/// The kind of an [`Op`], without its payload; used in errors, statistics and records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OpKind {
+    Read,
+    Write,
+    Flush,
+    WriteZeroes,
+    Deallocate,
+}
+
+impl Op {
+    pub fn kind(&self) -> OpKind {
+        match self {
+            Op::Read { .. } => OpKind::Read,
+            Op::Write { .. } => OpKind::Write,
+            Op::Flush => OpKind::Flush,
+            Op::WriteZeroes { .. } => OpKind::WriteZeroes,
+            Op::Deallocate { .. } => OpKind::Deallocate,
+        }
+    }
+
+    /// The block range the op touches, if it touches one: (first lba, count of lbas).
+    pub fn lba_range(&self, lba_size_bytes: u32) -> Option<(u64, u64)> {
+        match self {
+            Op::Read { lba, buf } | Op::Write { lba, buf, .. } => {
+                Some((*lba, buf.len() as u64 / lba_size_bytes as u64))
+            }
+            Op::WriteZeroes { lba, lbas } | Op::Deallocate { lba, lbas } => {
+                Some((*lba, *lbas as u64))
+            }
+            Op::Flush => None,
+        }
+    }
+
+    /// Takes the data buffer out of a read or write.
+    pub fn into_buf(self) -> Option<DmaBuf> {
+        match self {
+            Op::Read { buf, .. } | Op::Write { buf, .. } => Some(buf),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for OpKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            OpKind::Read => "read",
+            OpKind::Write => "write",
+            OpKind::Flush => "flush",
+            OpKind::WriteZeroes => "write-zeroes",
+            OpKind::Deallocate => "deallocate",
+        })
+    }
+}
+
+/// One operation and the caller's token that comes back with its completion.
+#[derive(Debug)]
+pub struct Request {
+    pub token: u64,
+    pub op: Op,
+}
+
+/// A finished request. `buf` returns the read or write buffer to the caller; `result` is the
+/// device's word on the operation.
+#[derive(Debug)]
+pub struct Completion {
+    pub token: u64,
+    pub kind: OpKind,
+    pub result: Result<(), DevError>,
+    pub buf: Option<DmaBuf>,
+}
+
+/// A request the queue would not take, handed back with the reason.
+#[derive(Debug)]
+pub struct Rejected {
+    pub request: Request,
+    pub reason: DevError,
+}
+
+/// The static facts of one device queue.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// The device string this queue was opened from (`nvme:/dev/ng0n1`, `file:...`, `mem:...`).
+    pub name: String,
+    pub lba_size_bytes: u32,
+    pub capacity_lbas: u64,
+    /// Most requests in flight at once on this queue.
+    pub queue_depth: u32,
+    /// Largest single read or write, in bytes (the DMA buffer size).
+    pub max_io_bytes: u32,
+    /// True when a FUA write is cheaper than write + flush on this device (NVMe does FUA
+    /// natively; a file emulates it with RWF_DSYNC).
+    pub fua_native: bool,
+    /// How completions are found: interrupt-driven, polled, or immediate (memory).
+    pub completion_mode: CompletionMode,
+}
+
+impl DeviceInfo {
+    pub fn capacity_bytes(&self) -> u64 {
+        self.capacity_lbas * self.lba_size_bytes as u64
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CompletionMode {
+    /// Completions are posted by the kernel on interrupt; polling only reads the ring.
+    Interrupt,
+    /// Completions are found by polling the device's poll queues (IOPOLL).
+    Polled,
+    /// Operations complete at submission (memory backend).
+    Immediate,
+}
+
+/// One submission/completion queue on a block device. See the module docs for the contract.
+pub trait BlockDevice: Send {
+    fn info(&self) -> &DeviceInfo;
+
+    /// The DMA buffer pool registered with this queue. Buffers for reads and writes must come
+    /// from it (backends using registered buffers reject foreign ones).
+    fn pool(&self) -> &DmaPool;
+
+    /// Queues one request. It reaches the device at the next [`poll`](Self::poll) or
+    /// [`wait`](Self::wait) at the latest. On rejection the request comes back untouched.
+    fn submit(&mut self, request: Request) -> Result<(), Rejected>;
+
+    /// Pushes queued requests to the device and appends every finished one to `out`, without
+    /// blocking. Returns how many were appended. An `Err` means the queue itself broke (the ring
+    /// failed); every later call fails too.
+    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize, DevError>;
+
+    /// Like [`poll`](Self::poll) but blocks until at least one completion is appended or
+    /// `timeout` passes. Returns immediately when nothing is in flight.
+    fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> Result<usize, DevError>;
+
+    /// Requests submitted and not yet handed back by `poll`/`wait`.
+    fn in_flight(&self) -> u32;
+
+    /// Direct synchronous access to the stored blocks, for simulation only (the fault wrapper's
+    /// crash model, crash-state tools). Real devices return `None`.
+    fn sim_access(&mut self) -> Option<&mut dyn SimAccess> {
+        None
+    }
+}
+
+/// Synchronous block access that bypasses the queue; offered by simulated devices only.
+pub trait SimAccess {
+    fn sim_read(&self, lba: u64, out: &mut [u8]);
+    fn sim_write(&mut self, lba: u64, data: &[u8]);
+}
+
+impl<D: BlockDevice + ?Sized> BlockDevice for Box<D> {
+    fn info(&self) -> &DeviceInfo {
+        (**self).info()
+    }
+    fn pool(&self) -> &DmaPool {
+        (**self).pool()
+    }
+    fn submit(&mut self, request: Request) -> Result<(), Rejected> {
+        (**self).submit(request)
+    }
+    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize, DevError> {
+        (**self).poll(out)
+    }
+    fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> Result<usize, DevError> {
+        (**self).wait(out, timeout)
+    }
+    fn in_flight(&self) -> u32 {
+        (**self).in_flight()
+    }
+    fn sim_access(&mut self) -> Option<&mut dyn SimAccess> {
+        (**self).sim_access()
+    }
+}
+
+/// Checks a request against the queue's geometry before it reaches a device: alignment,
+/// length, range. Cheap, so it runs on every submit of every backend; a device never sees a
+/// request that could scribble outside the namespace.
+pub fn validate(info: &DeviceInfo, pool: &DmaPool, op: &Op) -> Result<(), DevError> {
+    let lba_size = info.lba_size_bytes;
+    if let Op::Read { buf, .. } | Op::Write { buf, .. } = op {
+        if !buf.belongs_to(pool) {
+            return Err(DevError::ForeignBuffer);
+        }
+        let len = buf.len();
+        if len == 0 || len % lba_size as usize != 0 || len > info.max_io_bytes as usize {
+            return Err(DevError::BadLength {
+                len_bytes: len as u64,
+                lba_size_bytes: lba_size,
+                max_io_bytes: info.max_io_bytes,
+            });
+        }
+    }
+    if let Some((lba, lbas)) = op.lba_range(lba_size) {
+        if lbas == 0
+            || lba
+                .checked_add(lbas)
+                .is_none_or(|end| end > info.capacity_lbas)
+        {
+            return Err(DevError::OutOfRange {
+                lba,
+                lbas,
+                capacity_lbas: info.capacity_lbas,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Submits one request and spins on `poll` until it completes; for tools, tests and mkfs, never
+/// for the hot path. Other completions found meanwhile are returned in `others`.
+pub fn run_sync(
+    dev: &mut dyn BlockDevice,
+    op: Op,
+    others: &mut Vec<Completion>,
+) -> Result<Completion, DevError> {
+    const SYNC_TOKEN: u64 = u64::MAX;
+    let mut request = Request {
+        token: SYNC_TOKEN,
+        op,
+    };
+    loop {
+        match dev.submit(request) {
+            Ok(()) => break,
+            Err(Rejected {
+                request: back,
+                reason: DevError::QueueFull,
+            }) => {
+                request = back;
+                dev.wait(others, Duration::from_millis(10))?;
+            }
+            Err(rejected) => return Err(rejected.reason),
+        }
+    }
+    let mut done = Vec::new();
+    loop {
+        dev.wait(&mut done, Duration::from_millis(100))?;
+        let mut found = None;
+        for completion in done.drain(..) {
+            if completion.token == SYNC_TOKEN && found.is_none() {
+                found = Some(completion);
+            } else {
+                others.push(completion);
+            }
+        }
+        if let Some(completion) = found {
+            return Ok(completion);
+        }
+    }
+}
+
+/// Reads `out.len()` bytes at `lba` synchronously through the pool, in chunks of at most
+/// `max_io_bytes`. For tools and tests.
+pub fn read_sync(dev: &mut dyn BlockDevice, lba: u64, out: &mut [u8]) -> Result<(), DevError> {
+    let lba_size = dev.info().lba_size_bytes as usize;
+    let chunk_bytes = dev.info().max_io_bytes as usize;
+    assert_eq!(
+        out.len() % lba_size,
+        0,
+        "read_sync length must be whole LBAs"
+    );
+    let mut others = Vec::new();
+    for (index, piece) in out.chunks_mut(chunk_bytes).enumerate() {
+        let buf = dev
+            .pool()
+            .alloc(piece.len())
+            .ok_or(DevError::PoolExhausted)?;
+        let at = lba + (index * chunk_bytes / lba_size) as u64;
+        let done = run_sync(dev, Op::Read { lba: at, buf }, &mut others)?;
+        done.result?;
+        let buf = done.buf.expect("a read completion returns its buffer");
+        piece.copy_from_slice(buf.as_slice());
+    }
+    assert!(others.is_empty(), "read_sync must run on an idle queue");
+    Ok(())
+}
+
+/// Writes `data` at `lba` synchronously through the pool, in chunks. For tools and tests.
+pub fn write_sync(
+    dev: &mut dyn BlockDevice,
+    lba: u64,
+    data: &[u8],
+    fua: bool,
+) -> Result<(), DevError> {
+    let lba_size = dev.info().lba_size_bytes as usize;
+    let chunk_bytes = dev.info().max_io_bytes as usize;
+    assert_eq!(
+        data.len() % lba_size,
+        0,
+        "write_sync length must be whole LBAs"
+    );
+    let mut others = Vec::new();
+    for (index, piece) in data.chunks(chunk_bytes).enumerate() {
+        let mut buf = dev
+            .pool()
+            .alloc(piece.len())
+            .ok_or(DevError::PoolExhausted)?;
+        buf.as_mut_slice().copy_from_slice(piece);
+        let at = lba + (index * chunk_bytes / lba_size) as u64;
+        run_sync(dev, Op::Write { lba: at, buf, fua }, &mut others)?.result?;
+    }
+    assert!(others.is_empty(), "write_sync must run on an idle queue");
+    Ok(())
+}
+
+/// Flushes synchronously. For tools and tests.
+pub fn flush_sync(dev: &mut dyn BlockDevice) -> Result<(), DevError> {
+    let mut others = Vec::new();
+    let result = run_sync(dev, Op::Flush, &mut others)?.result;
+    assert!(others.is_empty(), "flush_sync must run on an idle queue");
+    result
+}

@@ -1,0 +1,45 @@
+//! Device wrappers for testing what corefs does when the device misbehaves or the power fails:
+//! - [`recording`]: logs every completed write and flush, in completion order, so any crash
+//!   state can be rebuilt afterwards ([`crash`]);
+//! - [`fault`]: seeded fault injection — EIO, bit rot, misdirected and lost writes, ignored
+//!   flushes, latency spikes, and a simulated power cut that drops or tears unflushed writes.
+//!
+//! Both wrap any [`crate::BlockDevice`] and are devices themselves, so they stack.
+
+pub mod crash;
+pub mod fault;
+pub mod recording;
+
+pub use crash::{crash_image, CrashMode};
+pub use fault::{FaultConfig, FaultDevice, FaultStats};
+pub use recording::{Record, RecordingDevice, WriteLog};
+
+/// Maps wrapper-issued tokens to per-request state: a fixed table indexed by the token, sized to
+/// the queue depth, so a wrapper never allocates per I/O once warm.
+pub(crate) struct TokenTable<T> {
+    entries: Vec<Option<T>>,
+    free: Vec<u64>,
+}
+
+impl<T> TokenTable<T> {
+    pub fn new(depth: u32) -> Self {
+        TokenTable {
+            entries: (0..depth).map(|_| None).collect(),
+            free: (0..depth as u64).rev().collect(),
+        }
+    }
+
+    pub fn insert(&mut self, value: T) -> Option<u64> {
+        let token = self.free.pop()?;
+        self.entries[token as usize] = Some(value);
+        Some(token)
+    }
+
+    pub fn remove(&mut self, token: u64) -> T {
+        let value = self.entries[token as usize]
+            .take()
+            .unwrap_or_else(|| panic!("wrapper token {token} completed twice or never issued"));
+        self.free.push(token);
+        value
+    }
+}

@@ -1,0 +1,426 @@
+//! One conformance suite for every backend that runs on this machine (memory, io_uring file at
+//! 512 B and 4 KiB LBAs, SQPOLL, and both wrappers): random operation sequences at queue depth up
+//! to 64 checked against an in-memory model, plus the rejection contract (queue full, range,
+//! alignment, foreign buffers). Seeds are printed so a failure replays.
+
+use nvme::backend::mem::{MemConfig, MemDevice};
+use nvme::backend::uring_file::{FileConfig, FileDevice};
+use nvme::dma::HugepagePolicy;
+use nvme::wrap::{FaultConfig, FaultDevice, RecordingDevice};
+use nvme::{BlockDevice, Completion, DevError, Op, Request};
+use proptest::prelude::*;
+use rand::{Rng, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
+use std::time::Duration;
+
+const CAPACITY_BYTES: u64 = 8 << 20;
+
+fn mem(lba: u32) -> MemDevice {
+    MemDevice::new(MemConfig {
+        capacity_bytes: CAPACITY_BYTES,
+        lba_size_bytes: lba,
+        queue_depth: 64,
+        buf_bytes: 64 << 10,
+        buf_count: 96,
+    })
+    .unwrap()
+}
+
+fn file(dir: &tempfile::TempDir, lba: u32, sqpoll: bool) -> FileDevice {
+    FileDevice::open(
+        &dir.path().join("image"),
+        &FileConfig {
+            create_bytes: Some(CAPACITY_BYTES),
+            lba_size_bytes: lba,
+            queue_depth: 64,
+            buf_bytes: 64 << 10,
+            buf_count: 96,
+            sqpoll_idle_ms: sqpoll.then_some(100),
+            hugepages: HugepagePolicy::Never,
+        },
+    )
+    .unwrap()
+}
+
+/// What each in-flight token expects when it completes.
+enum Expect {
+    Read { lba: u64, model_snapshot: Vec<u8> },
+    Other,
+}
+
+/// Runs `ops` random operations with up to `depth` in flight and checks every read against the
+/// model. Overlapping in-flight operations are avoided, because their order is undefined.
+fn run_model(dev: &mut dyn BlockDevice, seed: u64, ops: usize, depth: usize) {
+    let info = dev.info().clone();
+    let lba_size = info.lba_size_bytes as usize;
+    let max_lbas = (info.max_io_bytes as usize / lba_size).min(32);
+    let mut model = vec![0u8; info.capacity_bytes() as usize];
+    // Start from a known state: zero the whole device.
+    let mut done = Vec::new();
+    let zero_lbas = info.capacity_lbas.min(8192) as u32;
+    let mut lba = 0;
+    while lba < info.capacity_lbas {
+        let n = zero_lbas.min((info.capacity_lbas - lba) as u32);
+        let c = nvme::run_sync(dev, Op::WriteZeroes { lba, lbas: n }, &mut done).unwrap();
+        c.result.unwrap();
+        lba += n as u64;
+    }
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+    let mut in_flight: Vec<(u64, u64, u64, Expect)> = Vec::new(); // token, lba, lbas, expect
+    let mut next_token = 1u64;
+    let mut completions: Vec<Completion> = Vec::new();
+    let mut issued = 0;
+    while issued < ops || !in_flight.is_empty() {
+        if issued < ops && in_flight.len() < depth {
+            let lbas = rng.random_range(1..=max_lbas) as u64;
+            let lba = rng.random_range(0..info.capacity_lbas - lbas + 1);
+            let overlaps = in_flight
+                .iter()
+                .any(|(_, l, n, _)| lba < l + n && *l < lba + lbas);
+            let kind = rng.random_range(0..100);
+            if !overlaps {
+                let range = lba as usize * lba_size..(lba + lbas) as usize * lba_size;
+                let (op, expect) = if kind < 45 {
+                    let mut buf = dev.pool().alloc(range.len()).expect("pool sized for depth");
+                    rng.fill(buf.as_mut_slice());
+                    model[range].copy_from_slice(buf.as_slice());
+                    (
+                        Op::Write {
+                            lba,
+                            buf,
+                            fua: kind < 5,
+                        },
+                        Expect::Other,
+                    )
+                } else if kind < 85 {
+                    let buf = dev.pool().alloc(range.len()).expect("pool sized for depth");
+                    (
+                        Op::Read { lba, buf },
+                        Expect::Read {
+                            lba,
+                            model_snapshot: model[range].to_vec(),
+                        },
+                    )
+                } else if kind < 92 {
+                    model[range].fill(0);
+                    (
+                        Op::WriteZeroes {
+                            lba,
+                            lbas: lbas as u32,
+                        },
+                        Expect::Other,
+                    )
+                } else if kind < 96 {
+                    model[range].fill(0);
+                    (
+                        Op::Deallocate {
+                            lba,
+                            lbas: lbas as u32,
+                        },
+                        Expect::Other,
+                    )
+                } else {
+                    (Op::Flush, Expect::Other)
+                };
+                let (lba, lbas) = if matches!(op, Op::Flush) {
+                    (0, 0)
+                } else {
+                    (lba, lbas)
+                };
+                dev.submit(Request {
+                    token: next_token,
+                    op,
+                })
+                .unwrap_or_else(|r| panic!("seed {seed}: submit rejected: {}", r.reason));
+                in_flight.push((next_token, lba, lbas, expect));
+                next_token += 1;
+                issued += 1;
+                continue;
+            }
+        }
+        completions.clear();
+        dev.wait(&mut completions, Duration::from_secs(5)).unwrap();
+        for c in completions.drain(..) {
+            let at = in_flight
+                .iter()
+                .position(|(t, ..)| *t == c.token)
+                .unwrap_or_else(|| panic!("seed {seed}: unknown token {}", c.token));
+            let (_, _, _, expect) = in_flight.swap_remove(at);
+            c.result
+                .as_ref()
+                .unwrap_or_else(|e| panic!("seed {seed}: {:?} failed: {e}", c.kind));
+            if let Expect::Read {
+                lba,
+                model_snapshot,
+            } = expect
+            {
+                let buf = c.buf.expect("read returns its buffer");
+                assert!(
+                    buf.as_slice() == &model_snapshot[..],
+                    "seed {seed}: read at lba {lba} differs from the model"
+                );
+            }
+        }
+    }
+    nvme::flush_sync(dev).unwrap();
+    // Whole-device check at the end.
+    let mut image = vec![0u8; model.len()];
+    nvme::read_sync(dev, 0, &mut image).unwrap();
+    assert!(
+        image == model,
+        "seed {seed}: final image differs from the model"
+    );
+    assert_eq!(dev.in_flight(), 0);
+    assert_eq!(
+        dev.pool().free_count(),
+        dev.pool().buf_count() as usize,
+        "seed {seed}: buffers leaked"
+    );
+}
+
+fn seed() -> u64 {
+    let seed = std::env::var("COREFS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random);
+    eprintln!("seed {seed} (replay with COREFS_SEED={seed})");
+    seed
+}
+
+#[test]
+fn mem_backend_matches_model() {
+    for lba in [512, 4096] {
+        run_model(&mut mem(lba), seed(), 3000, 32);
+    }
+}
+
+#[test]
+fn file_backend_matches_model_at_512_and_4096() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    run_model(&mut file(&dir, 4096, false), seed(), 3000, 64);
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    run_model(&mut file(&dir, 512, false), seed(), 2000, 33);
+}
+
+#[test]
+fn file_backend_with_sqpoll_matches_model() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    run_model(&mut file(&dir, 4096, true), seed(), 1000, 16);
+}
+
+#[test]
+fn wrappers_without_faults_are_transparent() {
+    run_model(&mut RecordingDevice::new(mem(4096)), seed(), 1500, 16);
+    run_model(
+        &mut FaultDevice::new(
+            mem(4096),
+            FaultConfig {
+                seed: seed(),
+                ..Default::default()
+            },
+        ),
+        seed(),
+        1500,
+        16,
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+    #[test]
+    fn prop_file_and_mem_agree(seed in any::<u64>(), depth in 1usize..48) {
+        run_model(&mut mem(4096), seed, 300, depth);
+        let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+        run_model(&mut file(&dir, 4096, false), seed, 300, depth);
+    }
+}
+
+fn check_rejections(dev: &mut dyn BlockDevice) {
+    let info = dev.info().clone();
+    let lba = info.lba_size_bytes as usize;
+    // Out of range.
+    let buf = dev.pool().alloc(lba).unwrap();
+    let r = dev
+        .submit(Request {
+            token: 1,
+            op: Op::Read {
+                lba: info.capacity_lbas,
+                buf,
+            },
+        })
+        .unwrap_err();
+    assert!(
+        matches!(r.reason, DevError::OutOfRange { .. }),
+        "{}",
+        r.reason
+    );
+    assert!(
+        matches!(r.request.op, Op::Read { .. }),
+        "the request comes back"
+    );
+    let r = dev
+        .submit(Request {
+            token: 1,
+            op: Op::WriteZeroes {
+                lba: u64::MAX,
+                lbas: 2,
+            },
+        })
+        .unwrap_err();
+    assert!(
+        matches!(r.reason, DevError::OutOfRange { .. }),
+        "overflowing range: {}",
+        r.reason
+    );
+    // Not a whole LBA.
+    let buf = dev.pool().alloc(lba + 1).unwrap();
+    let r = dev
+        .submit(Request {
+            token: 1,
+            op: Op::Write {
+                lba: 0,
+                buf,
+                fua: false,
+            },
+        })
+        .unwrap_err();
+    assert!(
+        matches!(r.reason, DevError::BadLength { .. }),
+        "{}",
+        r.reason
+    );
+    // A buffer from another pool.
+    let other = nvme::DmaPool::new(4096, 1, HugepagePolicy::Never).unwrap();
+    let foreign = other.alloc(lba).unwrap();
+    let r = dev
+        .submit(Request {
+            token: 1,
+            op: Op::Write {
+                lba: 0,
+                buf: foreign,
+                fua: false,
+            },
+        })
+        .unwrap_err();
+    assert_eq!(r.reason, DevError::ForeignBuffer);
+    // Queue full: fill the queue without polling, the next one bounces and comes back whole.
+    for token in 0..info.queue_depth as u64 {
+        dev.submit(Request {
+            token,
+            op: Op::Flush,
+        })
+        .unwrap();
+    }
+    let buf = dev.pool().alloc(lba).unwrap();
+    let r = dev
+        .submit(Request {
+            token: 999,
+            op: Op::Write {
+                lba: 0,
+                buf,
+                fua: false,
+            },
+        })
+        .unwrap_err();
+    assert_eq!(r.reason, DevError::QueueFull);
+    assert_eq!(r.request.token, 999);
+    let mut done = Vec::new();
+    while done.len() < info.queue_depth as usize {
+        dev.wait(&mut done, Duration::from_secs(5)).unwrap();
+    }
+    assert!(done.iter().all(|c| c.result.is_ok()));
+    let mut tokens: Vec<u64> = done.iter().map(|c| c.token).collect();
+    tokens.sort();
+    assert_eq!(
+        tokens,
+        (0..info.queue_depth as u64).collect::<Vec<_>>(),
+        "every request completes exactly once"
+    );
+    assert_eq!(dev.in_flight(), 0);
+}
+
+#[test]
+fn backends_reject_bad_requests_and_give_backpressure() {
+    check_rejections(&mut mem(4096));
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    check_rejections(&mut file(&dir, 4096, false));
+    check_rejections(&mut RecordingDevice::new(mem(512)));
+    check_rejections(&mut FaultDevice::new(mem(512), FaultConfig::default()));
+}
+
+#[test]
+fn file_device_strings_create_size_and_reopen() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = dir.path().join("img");
+    let spec = format!("file:{},size=4MiB,qd=8,hugepages=off", path.display());
+    let mut dev = nvme::open_device(&spec, &Default::default()).unwrap();
+    assert_eq!(dev.info().capacity_bytes(), 4 << 20);
+    assert_eq!(dev.info().queue_depth, 8);
+    nvme::write_sync(&mut *dev, 7, &[0xab; 4096], true).unwrap();
+    drop(dev);
+    // Reopen without a size: the existing file's size and content are kept.
+    let mut dev =
+        nvme::open_device(&format!("file:{}", path.display()), &Default::default()).unwrap();
+    assert_eq!(dev.info().capacity_bytes(), 4 << 20);
+    let mut back = [0u8; 4096];
+    nvme::read_sync(&mut *dev, 7, &mut back).unwrap();
+    assert!(back.iter().all(|&b| b == 0xab));
+    // Missing file without a size: a clear error that says how to create it.
+    let err = nvme::open_device(
+        &format!("file:{}/missing", dir.path().display()),
+        &Default::default(),
+    )
+    .err()
+    .unwrap();
+    assert!(
+        err.to_string().contains("ENOENT") && err.to_string().contains("size="),
+        "{err}"
+    );
+    let mem = nvme::open_device("mem:1MiB,lba=512", &Default::default()).unwrap();
+    assert_eq!(
+        (mem.info().capacity_lbas, mem.info().lba_size_bytes),
+        (2048, 512)
+    );
+}
+
+#[test]
+fn file_backend_reports_io_errors_by_name() {
+    // A read past the end of a file that shrank under us is a short transfer, never silent.
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let mut dev = file(&dir, 4096, false);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.path().join("image"))
+        .unwrap()
+        .set_len(4096)
+        .unwrap();
+    let mut out = [0u8; 8192];
+    let err = nvme::read_sync(&mut dev, 0, &mut out).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            DevError::ShortTransfer {
+                expected_bytes: 8192,
+                got_bytes: 4096,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn kernel_probe_finds_io_uring() {
+    let report = nvme::probe::probe();
+    eprintln!("{report}");
+    assert!(
+        report.feature("io_uring").unwrap().available,
+        "io_uring is needed for the file backend:\n{report}"
+    );
+    assert!(
+        report
+            .feature("io_uring READ_FIXED/WRITE_FIXED")
+            .unwrap()
+            .available
+    );
+}
