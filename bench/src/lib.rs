@@ -1,1 +1,10 @@
-//! placeholder
+//! corefs benchmarks. Numbers are printed, never asserted: speed targets are checked by people
+//! reading these reports (and by `compare` runs), not by timed unit tests.
+//!
+//! - [`device`]: the device-layer micro-benchmark — CPU cost per operation on the memory
+//!   backend, latency percentiles at queue depth 1 and 32 on the file (and NVMe) backends, side
+//!   by side with `fio` on the same file in the same run.
+
+pub mod device;
+pub mod fio;
+pub mod stats;

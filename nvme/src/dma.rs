@@ -42,6 +42,10 @@ pub enum HugepagePolicy {
     Never,
 }
 
+/// io_uring registers at most 16384 buffers per ring (IORING_MAX_REG_BUFFERS), and buffer
+/// indexes travel in 16-bit SQE fields.
+pub const MAX_BUFFERS: u32 = 1 << 14;
+
 static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
 static WARNED_NO_HUGEPAGES: AtomicBool = AtomicBool::new(false);
 
@@ -94,7 +98,10 @@ impl DmaPool {
             buf_bytes > 0 && buf_bytes % BUF_ALIGN_BYTES == 0,
             "DMA buffer size {buf_bytes} must be a non-zero multiple of {BUF_ALIGN_BYTES}"
         );
-        assert!(buf_count > 0, "a DMA pool needs at least one buffer");
+        assert!(
+            buf_count > 0 && buf_count <= MAX_BUFFERS,
+            "a DMA pool has 1..={MAX_BUFFERS} buffers, not {buf_count}"
+        );
         let slab_bytes = (buf_bytes * buf_count as usize).next_multiple_of(HUGEPAGE_BYTES);
 
         let (map, backing) = match policy {
@@ -185,12 +192,21 @@ impl DmaPool {
         self.inner.backing
     }
 
-    /// The whole slab as one iovec, for `io_uring_register_buffers` (registered buffer 0).
-    pub fn iovec(&self) -> libc::iovec {
-        libc::iovec {
-            iov_base: self.inner.base.cast(),
-            iov_len: self.inner.buf_bytes * self.inner.buf_count as usize,
-        }
+    /// One iovec per buffer, in index order, for `io_uring_register_buffers`: buffer `i` of
+    /// the pool is registered buffer `i` of the ring ([`DmaBuf::index`]).
+    ///
+    /// Why not the whole slab as one registered buffer: Linux 6.1 builds the bvec iterator of a
+    /// fixed NVMe passthrough command over every page left in the registered buffer, and
+    /// `blk_rq_map_user_bvec` rejects it (EINVAL) once that exceeds the queue's segment limit.
+    /// Per-buffer registration keeps each iterator to one buffer's pages.
+    pub fn iovecs(&self) -> Vec<libc::iovec> {
+        (0..self.inner.buf_count as usize)
+            .map(|index| libc::iovec {
+                // SAFETY: index < buf_count, so the offset stays inside the slab.
+                iov_base: unsafe { self.inner.base.add(index * self.inner.buf_bytes) }.cast(),
+                iov_len: self.inner.buf_bytes,
+            })
+            .collect()
     }
 }
 
@@ -242,6 +258,11 @@ impl DmaBuf {
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as in `as_slice`, and `&mut self` makes this the only live reference.
         unsafe { std::slice::from_raw_parts_mut(self.as_mut_ptr(), self.len_bytes) }
+    }
+
+    /// The buffer's index in its pool, which is also its registered-buffer index.
+    pub fn index(&self) -> u16 {
+        self.index as u16
     }
 
     /// True when this buffer was carved from `pool`'s slab.

@@ -168,6 +168,8 @@ pub fn open_device(spec: &str, defaults: &OpenOptions) -> Result<Box<dyn BlockDe
                 buf_count: o.buf_count,
                 iopoll: o.iopoll,
                 hugepages: o.hugepages,
+                check_ranges: true,
+                register_buffers: true,
             },
         )?),
         DeviceSpec::File { path } => Box::new(FileDevice::open(

@@ -424,3 +424,26 @@ fn kernel_probe_finds_io_uring() {
             .available
     );
 }
+
+#[test]
+fn a_queue_belongs_to_the_thread_that_first_submits() {
+    // Opened here, used on another thread: the first submitter becomes the owner.
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let mut dev = file(&dir, 4096, false);
+    let mut dev = std::thread::spawn(move || {
+        nvme::write_sync(&mut dev, 3, &[7u8; 4096], false).unwrap();
+        dev
+    })
+    .join()
+    .unwrap();
+    // Back on this thread, a ring with deferred task run refuses us with a clear, sticky error
+    // instead of corrupting anything; a kernel without deferred task run simply works.
+    let mut out = [0u8; 4096];
+    match nvme::read_sync(&mut dev, 3, &mut out) {
+        Ok(()) => assert_eq!(out, [7u8; 4096]),
+        Err(e) => {
+            assert_eq!(e, DevError::QueueFailed { errno: libc::EEXIST }, "{e}");
+            assert!(nvme::flush_sync(&mut dev).is_err(), "the failure is sticky");
+        }
+    }
+}

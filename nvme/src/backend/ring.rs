@@ -25,7 +25,19 @@ pub(crate) struct Ring<S: squeue::EntryMarker, C: cqueue::EntryMarker> {
     /// The kernel raises IORING_SQ_TASKRUN when completions wait for us to enter; without the
     /// flag we must enter whenever something is in flight.
     taskrun_flag: bool,
+    /// False until the owning thread enables a ring created disabled (deferred task run).
+    enabled: bool,
     pub fixed_buffers: bool,
+}
+
+/// How the kernel runs completion work for a ring, best first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TaskRun {
+    /// IORING_SETUP_DEFER_TASKRUN + SINGLE_ISSUER (Linux 6.1).
+    Deferred,
+    /// IORING_SETUP_COOP_TASKRUN (Linux 5.19).
+    Cooperative,
+    Plain,
 }
 
 static WARNED_REGISTER: AtomicBool = AtomicBool::new(false);
@@ -33,7 +45,7 @@ static WARNED_REGISTER: AtomicBool = AtomicBool::new(false);
 impl<S: squeue::EntryMarker, C: cqueue::EntryMarker> Ring<S, C> {
     pub fn new(setup: RingSetup, what: &str) -> Result<Self, DevError> {
         let entries = setup.entries.next_power_of_two().max(2);
-        let build = |cooperative: bool| {
+        let build = |mode: TaskRun| {
             let mut builder = IoUring::<S, C>::builder();
             builder.setup_cqsize(entries * 2);
             if setup.iopoll {
@@ -42,37 +54,80 @@ impl<S: squeue::EntryMarker, C: cqueue::EntryMarker> Ring<S, C> {
             if let Some(idle_ms) = setup.sqpoll_idle_ms {
                 builder.setup_sqpoll(idle_ms);
             }
-            if cooperative {
-                // Completions run as task work only when we enter the kernel: no IPIs into a
-                // polling reactor, and the TASKRUN flag tells us when an enter is worth it.
-                builder.setup_coop_taskrun().setup_taskrun_flag();
+            match mode {
+                // Completions are queued to this ring's own thread and run only when it enters
+                // with GETEVENTS: no IPIs and no wake-ups of a polling reactor, which is what a
+                // queue owned by one thread wants. The ring starts disabled so that the thread
+                // that first submits, not the one that opened the device, becomes its issuer.
+                TaskRun::Deferred => {
+                    builder
+                        .setup_single_issuer()
+                        .setup_defer_taskrun()
+                        .setup_taskrun_flag()
+                        .setup_r_disabled();
+                }
+                // Completions run as task work only when we enter the kernel; the TASKRUN flag
+                // tells us when an enter is worth it.
+                TaskRun::Cooperative => {
+                    builder.setup_coop_taskrun().setup_taskrun_flag();
+                }
+                TaskRun::Plain => {}
             }
-            builder.build(entries)
+            builder.build(entries).map(|ring| (ring, mode))
         };
-        let (ring, taskrun_flag) = match build(true) {
-            Ok(ring) => (ring, true),
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                tracing::info!("{what}: kernel lacks IORING_SETUP_COOP_TASKRUN (5.19+); entering on every poll");
-                (build(false).map_err(|e| ring_error(what, &e))?, false)
+        let deferred_ok = setup.sqpoll_idle_ms.is_none() && !setup.iopoll;
+        let first = if deferred_ok {
+            TaskRun::Deferred
+        } else {
+            TaskRun::Cooperative
+        };
+        let mut result = build(first);
+        for fallback in [TaskRun::Cooperative, TaskRun::Plain] {
+            match &result {
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) && fallback != first => {
+                    tracing::debug!("{what}: kernel refused io_uring task-run mode {first:?}; trying {fallback:?}");
+                    result = build(fallback);
+                }
+                _ => {}
             }
-            Err(e) => return Err(ring_error(what, &e)),
-        };
+        }
+        let (ring, mode) = result.map_err(|e| ring_error(what, &e))?;
+        if mode == TaskRun::Plain {
+            tracing::info!(
+                "{what}: kernel lacks IORING_SETUP_COOP_TASKRUN (5.19+); entering on every poll"
+            );
+        }
         Ok(Ring {
             ring,
             unsubmitted: 0,
-            taskrun_flag,
+            taskrun_flag: mode != TaskRun::Plain,
+            enabled: mode != TaskRun::Deferred,
             fixed_buffers: false,
         })
     }
 
-    /// Registers the pool's slab as fixed buffer 0. Failure (RLIMIT_MEMLOCK, old kernel) is not
+    /// A deferred-task-run ring is bound to the first thread that submits: enable it there.
+    fn enable_here(&mut self) -> Result<(), DevError> {
+        if !self.enabled {
+            self.ring
+                .submitter()
+                .register_enable_rings()
+                .map_err(|e| DevError::QueueFailed {
+                    errno: e.raw_os_error().unwrap_or(libc::EIO),
+                })?;
+            self.enabled = true;
+        }
+        Ok(())
+    }
+
+    /// Registers each pool buffer as the fixed buffer of the same index. Failure (RLIMIT_MEMLOCK, old kernel) is not
     /// fatal: I/O then goes through unregistered buffers, and we say so once.
     pub fn register_pool(&mut self, pool: &crate::DmaPool, what: &str) {
-        let iovec = pool.iovec();
+        let iovecs = pool.iovecs();
         // SAFETY: the slab stays mapped for as long as the pool lives, and every device holding
         // this ring also holds a clone of the pool, dropped after the ring (field order) and
         // after all in-flight I/O has drained (`drain_before_drop`).
-        match unsafe { self.ring.submitter().register_buffers(&[iovec]) } {
+        match unsafe { self.ring.submitter().register_buffers(&iovecs) } {
             Ok(()) => self.fixed_buffers = true,
             Err(e) => {
                 if !WARNED_REGISTER.swap(true, Ordering::Relaxed) {
@@ -80,7 +135,7 @@ impl<S: squeue::EntryMarker, C: cqueue::EntryMarker> Ring<S, C> {
                         "{what}: registering the {} MiB DMA pool failed ({}); using unregistered \
                          buffers (one page-pinning per I/O). Raise the locked-memory limit \
                          (ulimit -l unlimited, or LimitMEMLOCK=infinity) or run with CAP_IPC_LOCK",
-                        iovec.iov_len >> 20,
+                        (pool.buf_bytes() * pool.buf_count() as usize) >> 20,
                         crate::error::errno_name(e.raw_os_error().unwrap_or(0))
                     );
                 }
@@ -91,6 +146,7 @@ impl<S: squeue::EntryMarker, C: cqueue::EntryMarker> Ring<S, C> {
     /// Queues one SQE; the ring's SQ has as many entries as the queue depth, and the caller never
     /// has more than that in flight, so a full SQ only means we must hand entries to the kernel.
     pub fn push(&mut self, sqe: &S) -> Result<(), DevError> {
+        self.enable_here()?;
         // SAFETY: every pointer in the SQE refers to a buffer (or command block) that the in-flight
         // slot owns until the CQE is reaped.
         if unsafe { self.ring.submission().push(sqe) }.is_err() {
@@ -120,6 +176,7 @@ impl<S: squeue::EntryMarker, C: cqueue::EntryMarker> Ring<S, C> {
     /// Submits what is queued and, with `want` > 0, waits for that many completions or the
     /// timeout. EINTR, EAGAIN, EBUSY and ETIME are transient: the caller polls again.
     pub fn enter(&mut self, want: usize, timeout: Option<Duration>) -> Result<(), DevError> {
+        self.enable_here()?;
         let result = match timeout {
             Some(timeout) if want > 0 && !self.ring.params().is_setup_iopoll() => {
                 let ts = io_uring::types::Timespec::from(timeout);
@@ -137,6 +194,12 @@ impl<S: squeue::EntryMarker, C: cqueue::EntryMarker> Ring<S, C> {
                 Some(libc::EINTR | libc::EAGAIN | libc::EBUSY | libc::ETIME) => {
                     self.unsubmitted = self.ring.submission().len() as u32;
                     Ok(())
+                }
+                Some(libc::EEXIST) => {
+                    tracing::error!("an io_uring queue was used from a second thread; a queue belongs to the thread that first submitted to it");
+                    Err(DevError::QueueFailed {
+                        errno: libc::EEXIST,
+                    })
                 }
                 Some(errno) => Err(DevError::QueueFailed { errno }),
                 None => Err(DevError::QueueFailed { errno: libc::EIO }),

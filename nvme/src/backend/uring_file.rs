@@ -188,7 +188,7 @@ impl FileDevice {
                 let ptr = buf.as_ptr().cast_mut();
                 let len = buf.len() as u32;
                 if fixed {
-                    opcode::ReadFixed::new(fd, ptr, len, 0)
+                    opcode::ReadFixed::new(fd, ptr, len, buf.index())
                         .offset(lba * lba_size)
                         .build()
                 } else {
@@ -201,7 +201,7 @@ impl FileDevice {
                 let flags = if *fua { libc::RWF_DSYNC } else { 0 };
                 let len = buf.len() as u32;
                 if fixed {
-                    opcode::WriteFixed::new(fd, buf.as_ptr(), len, 0)
+                    opcode::WriteFixed::new(fd, buf.as_ptr(), len, buf.index())
                         .offset(lba * lba_size)
                         .rw_flags(flags)
                         .build()
@@ -327,7 +327,12 @@ impl BlockDevice for FileDevice {
     }
 
     fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> Result<usize, DevError> {
-        let found = self.poll(out)?;
+        if let Some(failed) = &self.failed {
+            return Err(failed.clone());
+        }
+        // Completions already posted need no syscall; otherwise submit and wait in one enter,
+        // which is what keeps queue-depth-1 latency at one syscall per I/O.
+        let found = self.reap(out);
         if found > 0 || self.slots.in_flight() == 0 {
             return Ok(found);
         }

@@ -1,1 +1,308 @@
-fn main() {}
+//! The NVMe passthrough test that runs inside the QEMU guest (scripts/nvme-guest), statically
+//! linked, against a real (emulated) NVMe controller: `/dev/ng0n1`.
+//!
+//! Usage: `nvme-guest-test DEVICE EXPECTED_LBA_BYTES EXPECT_POLLED(yes|no) [hugepages|anonymous]`.
+//! Prints one `ok NAME` or `FAIL NAME: why` line per check and a closing `N passed, M failed`
+//! line; exits 0 only when every check passed.
+
+use nvme::backend::passthrough::{IoPoll, PassthroughConfig, PassthroughDevice};
+use nvme::dma::HugepagePolicy;
+use nvme::{BlockDevice, CompletionMode, DevError, Op, Request};
+use std::path::Path;
+use std::time::Duration;
+
+type Check = Result<(), String>;
+
+fn pattern(lba: u64, salt: u8, lba_size: usize) -> Vec<u8> {
+    (0..lba_size)
+        .map(|i| (lba as u8).wrapping_mul(31) ^ (i as u8).wrapping_mul(7) ^ salt ^ (i >> 8) as u8)
+        .collect()
+}
+
+fn open(path: &str, check_ranges: bool) -> Result<PassthroughDevice, String> {
+    PassthroughDevice::open(
+        Path::new(path),
+        &PassthroughConfig {
+            queue_depth: 128,
+            buf_bytes: 64 << 10,
+            buf_count: 160,
+            iopoll: IoPoll::Auto,
+            hugepages: HugepagePolicy::Prefer,
+            check_ranges,
+            register_buffers: std::env::var_os("COREFS_NO_FIXED").is_none(),
+        },
+    )
+    .map_err(|e| e.to_string())
+}
+
+fn write_read_patterns(dev: &mut PassthroughDevice) -> Check {
+    let lba_size = dev.info().lba_size_bytes as usize;
+    let last = dev.info().capacity_lbas - 1;
+    for (lba, salt) in [(0, 1u8), (1, 2), (17, 3), (last / 2, 4), (last, 5)] {
+        let data = pattern(lba, salt, lba_size);
+        nvme::write_sync(dev, lba, &data, false).map_err(|e| format!("write {lba}: {e}"))?;
+        let mut back = vec![0u8; lba_size];
+        nvme::read_sync(dev, lba, &mut back).map_err(|e| format!("read {lba}: {e}"))?;
+        if back != data {
+            return Err(format!("lba {lba} read back different data"));
+        }
+    }
+    // A multi-block transfer of the largest size.
+    let blocks = dev.info().max_io_bytes as usize / lba_size;
+    let data: Vec<u8> = (0..blocks as u64)
+        .flat_map(|b| pattern(100 + b, 9, lba_size))
+        .collect();
+    nvme::write_sync(dev, 100, &data, false).map_err(|e| e.to_string())?;
+    let mut back = vec![0u8; data.len()];
+    nvme::read_sync(dev, 100, &mut back).map_err(|e| e.to_string())?;
+    (back == data)
+        .then_some(())
+        .ok_or_else(|| format!("{blocks}-block transfer differs"))
+}
+
+fn flush_and_fua(dev: &mut PassthroughDevice) -> Check {
+    nvme::flush_sync(dev).map_err(|e| format!("flush: {e}"))?;
+    let lba_size = dev.info().lba_size_bytes as usize;
+    let data = pattern(40, 0x5a, lba_size);
+    nvme::write_sync(dev, 40, &data, true).map_err(|e| format!("FUA write: {e}"))?;
+    let mut back = vec![0u8; lba_size];
+    nvme::read_sync(dev, 40, &mut back).map_err(|e| e.to_string())?;
+    if back != data {
+        return Err("FUA write read back different data".into());
+    }
+    // Flushes interleaved with data commands in flight at once, across both rings.
+    let mut others = Vec::new();
+    for round in 0..20 {
+        nvme::write_sync(dev, 41 + round, &pattern(41 + round, 1, lba_size), false)
+            .map_err(|e| e.to_string())?;
+        let c = nvme::run_sync(dev, Op::Flush, &mut others).map_err(|e| e.to_string())?;
+        c.result.map_err(|e| format!("flush {round}: {e}"))?;
+    }
+    Ok(())
+}
+
+fn write_zeroes_and_deallocate(dev: &mut PassthroughDevice) -> Check {
+    let lba_size = dev.info().lba_size_bytes as usize;
+    let data: Vec<u8> = (0..8).flat_map(|b| pattern(200 + b, 7, lba_size)).collect();
+    nvme::write_sync(dev, 200, &data, false).map_err(|e| e.to_string())?;
+    let mut others = Vec::new();
+    let c = nvme::run_sync(dev, Op::WriteZeroes { lba: 202, lbas: 3 }, &mut others)
+        .map_err(|e| e.to_string())?;
+    c.result.map_err(|e| format!("write zeroes: {e}"))?;
+    let mut back = vec![0u8; data.len()];
+    nvme::read_sync(dev, 200, &mut back).map_err(|e| e.to_string())?;
+    for b in 0..8 {
+        let got = &back[b * lba_size..(b + 1) * lba_size];
+        let zeroed = (2..5).contains(&b);
+        let want = if zeroed {
+            vec![0u8; lba_size]
+        } else {
+            data[b * lba_size..(b + 1) * lba_size].to_vec()
+        };
+        if got != want {
+            return Err(format!(
+                "block {} after write-zeroes of 202..205 is wrong",
+                200 + b
+            ));
+        }
+    }
+    nvme::write_sync(dev, 300, &data, false).map_err(|e| e.to_string())?;
+    let c = nvme::run_sync(dev, Op::Deallocate { lba: 300, lbas: 8 }, &mut others)
+        .map_err(|e| e.to_string())?;
+    c.result.map_err(|e| format!("deallocate: {e}"))?;
+    if dev.namespace().deallocate_reads_zeroes {
+        nvme::read_sync(dev, 300, &mut back).map_err(|e| e.to_string())?;
+        if back.iter().any(|&b| b != 0) {
+            return Err("deallocated blocks do not read as zeroes though DLFEAT says so".into());
+        }
+    }
+    if dev.pool().free_count() != dev.pool().buf_count() as usize {
+        return Err("the DSM range buffer was not returned to the pool".into());
+    }
+    Ok(())
+}
+
+fn out_of_range(path: &str) -> Check {
+    let mut checked = open(path, true)?;
+    let cap = checked.info().capacity_lbas;
+    let lba_size = checked.info().lba_size_bytes as usize;
+    let buf = checked.pool().alloc(lba_size).ok_or("pool")?;
+    match checked.submit(Request {
+        token: 1,
+        op: Op::Read { lba: cap, buf },
+    }) {
+        Err(r) if matches!(r.reason, DevError::OutOfRange { .. }) => {}
+        Err(r) => return Err(format!("expected OutOfRange at submit, got {}", r.reason)),
+        Ok(()) => return Err("an out-of-range read was accepted".into()),
+    }
+    drop(checked);
+    // Let the controller judge: it must answer LBA Out of Range, mapped to a named error.
+    let mut raw = open(path, false)?;
+    let buf = raw.pool().alloc(lba_size).ok_or("pool")?;
+    let mut others = Vec::new();
+    let c = nvme::run_sync(
+        &mut raw,
+        Op::Write {
+            lba: cap,
+            buf,
+            fua: false,
+        },
+        &mut others,
+    )
+    .map_err(|e| e.to_string())?;
+    match c.result {
+        Err(DevError::Nvme { status, .. })
+            if status.status_code() == 0x80 && status.status_code_type() == 0 =>
+        {
+            println!("  device said: {}", c.result.unwrap_err());
+            Ok(())
+        }
+        other => Err(format!("expected NVMe LBA Out of Range, got {other:?}")),
+    }
+}
+
+fn many_in_flight(dev: &mut PassthroughDevice) -> Check {
+    let lba_size = dev.info().lba_size_bytes as usize;
+    let count = 96u64;
+    let mut max_in_flight = 0;
+    for token in 0..count {
+        let mut buf = dev.pool().alloc(lba_size).ok_or("pool exhausted")?;
+        buf.as_mut_slice()
+            .copy_from_slice(&pattern(1000 + token, 0x33, lba_size));
+        dev.submit(Request {
+            token,
+            op: Op::Write {
+                lba: 1000 + token,
+                buf,
+                fua: false,
+            },
+        })
+        .map_err(|r| r.reason.to_string())?;
+        max_in_flight = max_in_flight.max(dev.in_flight());
+    }
+    let mut done = Vec::new();
+    while done.len() < count as usize {
+        dev.wait(&mut done, Duration::from_secs(5))
+            .map_err(|e| e.to_string())?;
+    }
+    for c in done.drain(..) {
+        c.result.map_err(|e| format!("write {}: {e}", c.token))?;
+    }
+    for token in 0..count {
+        let buf = dev.pool().alloc(lba_size).ok_or("pool exhausted")?;
+        dev.submit(Request {
+            token,
+            op: Op::Read {
+                lba: 1000 + token,
+                buf,
+            },
+        })
+        .map_err(|r| r.reason.to_string())?;
+        max_in_flight = max_in_flight.max(dev.in_flight());
+    }
+    while done.len() < count as usize {
+        dev.wait(&mut done, Duration::from_secs(5))
+            .map_err(|e| e.to_string())?;
+    }
+    for c in done {
+        c.result.map_err(|e| format!("read {}: {e}", c.token))?;
+        if c.buf.as_ref().map(|b| b.as_slice().to_vec())
+            != Some(pattern(1000 + c.token, 0x33, lba_size))
+        {
+            return Err(format!("read {} returned the wrong data", c.token));
+        }
+    }
+    println!("  {max_in_flight} commands in flight at once");
+    (max_in_flight >= 32)
+        .then_some(())
+        .ok_or_else(|| format!("only {max_in_flight} in flight"))
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let path = args.get(1).map(String::as_str).unwrap_or("/dev/ng0n1");
+    let want_lba: Option<u32> = args.get(2).and_then(|s| s.parse().ok());
+    let want_polled = args.get(3).map(|s| s == "yes");
+    let want_hugepages = args.get(4).map(|s| s == "hugepages");
+    let (mut passed, mut failed) = (0, 0);
+    let mut report = |name: &str, result: Check| match result {
+        Ok(()) => {
+            passed += 1;
+            println!("ok {name}");
+        }
+        Err(why) => {
+            failed += 1;
+            println!("FAIL {name}: {why}");
+        }
+    };
+    match open(path, true) {
+        Err(why) => report("open", Err(why)),
+        Ok(mut dev) => {
+            let info = dev.info().clone();
+            println!(
+                "{}: {} LBAs of {} bytes, max I/O {} bytes, {:?} completions, fixed buffers {}, \
+                 write zeroes {}, DSM {}, pool {:?}",
+                info.name,
+                info.capacity_lbas,
+                info.lba_size_bytes,
+                info.max_io_bytes,
+                info.completion_mode,
+                dev.fixed_buffers(),
+                dev.controller().supports_write_zeroes,
+                dev.controller().supports_dsm,
+                dev.pool().backing(),
+            );
+            report(
+                "identify",
+                match want_lba {
+                    Some(want) if want != info.lba_size_bytes => Err(format!(
+                        "LBA size {} but the namespace was made with {want}",
+                        info.lba_size_bytes
+                    )),
+                    _ => Ok(()),
+                },
+            );
+            report(
+                "completion mode",
+                match want_polled {
+                    Some(true) if info.completion_mode != CompletionMode::Polled => {
+                        Err("poll queues exist but the ring does not poll".into())
+                    }
+                    Some(false) if info.completion_mode != CompletionMode::Interrupt => {
+                        Err("no poll queues but the ring polls".into())
+                    }
+                    _ => Ok(()),
+                },
+            );
+            report(
+                "DMA pool backing",
+                match want_hugepages {
+                    Some(true) if dev.pool().backing() != nvme::PoolBacking::Hugepages => {
+                        Err("hugepages are reserved but the pool did not use them".into())
+                    }
+                    Some(false) if dev.pool().backing() != nvme::PoolBacking::Anonymous => {
+                        Err("no hugepages reserved, yet the pool claims them".into())
+                    }
+                    _ => Ok(()),
+                },
+            );
+            report(
+                "fixed buffers",
+                dev.fixed_buffers()
+                    .then_some(())
+                    .ok_or_else(|| "pool not registered".into()),
+            );
+            report("write/read patterns", write_read_patterns(&mut dev));
+            report("flush and FUA", flush_and_fua(&mut dev));
+            report(
+                "write zeroes and deallocate",
+                write_zeroes_and_deallocate(&mut dev),
+            );
+            report("32+ in flight", many_in_flight(&mut dev));
+            drop(dev);
+            report("out-of-range LBA", out_of_range(path));
+        }
+    }
+    println!("{passed} passed, {failed} failed");
+    std::process::exit(if failed == 0 { 0 } else { 1 });
+}

@@ -5,7 +5,8 @@
 //! - Geometry comes from Identify Namespace (admin passthrough ioctl): LBA size is
 //!   `1 << lbaf[flbas].ds`; capacity is NSZE. Identify Controller gives MDTS and whether Write
 //!   Zeroes and Dataset Management exist.
-//! - Data commands use the registered DMA pool (`IORING_URING_CMD_FIXED`, buffer 0).
+//! - Data commands use the registered DMA pool (`IORING_URING_CMD_FIXED`; buffer `i` of the pool
+//!   is registered buffer `i`, see [`crate::DmaPool::iovecs`] for why not one big buffer).
 //! - Completions are polled (`IORING_SETUP_IOPOLL`) when the namespace's queue has poll queues
 //!   (`nvme poll_queues=N`), interrupt-driven otherwise; a log line says which.
 //! - Data-less commands (Flush, Write Zeroes) go on a second ring without IOPOLL: on Linux 6.1 a
@@ -47,6 +48,11 @@ pub struct PassthroughConfig {
     pub buf_count: u32,
     pub iopoll: IoPoll,
     pub hugepages: HugepagePolicy,
+    /// Reject out-of-range LBAs before they reach the controller (the default). Off only to
+    /// test the controller's own range check and its status mapping.
+    pub check_ranges: bool,
+    /// Register the DMA pool with the ring (fixed buffers). Off only to compare.
+    pub register_buffers: bool,
 }
 
 impl Default for PassthroughConfig {
@@ -57,6 +63,8 @@ impl Default for PassthroughConfig {
             buf_count: 256,
             iopoll: IoPoll::Auto,
             hugepages: HugepagePolicy::Prefer,
+            check_ranges: true,
+            register_buffers: true,
         }
     }
 }
@@ -76,6 +84,7 @@ pub struct PassthroughDevice {
     namespace: NamespaceId,
     controller: ControllerId,
     failed: Option<DevError>,
+    check_ranges: bool,
 }
 
 impl PassthroughDevice {
@@ -164,7 +173,9 @@ impl PassthroughDevice {
             sqpoll_idle_ms: None,
         };
         let mut data_ring = Ring128::new(setup, &path_text)?;
-        data_ring.register_pool(&pool, &path_text);
+        if config.register_buffers {
+            data_ring.register_pool(&pool, &path_text);
+        }
         let dataless_ring = Ring128::new(
             RingSetup {
                 iopoll: false,
@@ -196,6 +207,7 @@ impl PassthroughDevice {
             namespace,
             controller,
             failed: None,
+            check_ranges: config.check_ranges,
         })
     }
 
@@ -358,9 +370,11 @@ impl BlockDevice for PassthroughDevice {
                 reason: DevError::QueueFull,
             });
         }
-        if let Err(reason) = validate(&self.info, &self.pool, &request.op)
-            .and_then(|()| self.check_supported(&request.op))
-        {
+        let checked = match validate(&self.info, &self.pool, &request.op) {
+            Err(DevError::OutOfRange { .. }) if !self.check_ranges => Ok(()),
+            other => other,
+        };
+        if let Err(reason) = checked.and_then(|()| self.check_supported(&request.op)) {
             return Err(Rejected { request, reason });
         }
         let dsm = match request.op {
@@ -388,9 +402,14 @@ impl BlockDevice for PassthroughDevice {
         let mut uring_cmd =
             opcode::UringCmd80::new(types::Fd(self.file.as_raw_fd()), NVME_URING_CMD_IO)
                 .cmd(cmd.to_sqe_cmd());
-        let fixed = !dataless && self.data_ring.fixed_buffers;
-        if fixed {
-            uring_cmd = uring_cmd.buf_index(Some(0));
+        // Fixed buffers: the command's addr points into registered buffer `index`.
+        let buf_index = match (&request.op, &dsm) {
+            (_, Some(list)) => Some(list.index()),
+            (Op::Read { buf, .. } | Op::Write { buf, .. }, None) => Some(buf.index()),
+            _ => None,
+        };
+        if self.data_ring.fixed_buffers && !dataless {
+            uring_cmd = uring_cmd.buf_index(buf_index);
         }
         let sqe = uring_cmd.build().user_data(user_data);
         let ring = if dataless {

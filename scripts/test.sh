@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# test.sh - runs every corefs test on a fresh Debian machine: installs what the tests need
+# (when root), checks formatting and lints, runs the workspace tests, then the NVMe
+# passthrough tests inside a QEMU guest. Fails loudly when a required piece is missing.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+need_packages=(qemu-system-x86 busybox-static cpio kmod fio libc6-dev)
+missing=()
+for p in "${need_packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  if [[ $(id -u) == 0 ]]; then
+    echo "test.sh: installing ${missing[*]}" >&2
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+  else
+    echo "test.sh: missing packages: ${missing[*]}; run as root or: sudo apt-get install ${missing[*]}" >&2
+    exit 1
+  fi
+fi
+command -v cargo >/dev/null || { echo "test.sh: cargo not found (install Rust with rustup)" >&2; exit 1; }
+rustup component list --installed 2>/dev/null | grep -q rustfmt || rustup component add rustfmt clippy >&2
+
+echo "== cargo fmt --check" >&2
+cargo fmt --all -- --check
+echo "== cargo clippy -D warnings" >&2
+cargo clippy --locked --all-targets -- -D warnings
+echo "== cargo test" >&2
+cargo test --locked --workspace
+echo "== NVMe passthrough in a QEMU guest" >&2
+scripts/nvme-guest/prepare.sh --quiet
+scripts/test-nvme-guest.sh
