@@ -442,7 +442,13 @@ fn a_queue_belongs_to_the_thread_that_first_submits() {
     match nvme::read_sync(&mut dev, 3, &mut out) {
         Ok(()) => assert_eq!(out, [7u8; 4096]),
         Err(e) => {
-            assert_eq!(e, DevError::QueueFailed { errno: libc::EEXIST }, "{e}");
+            assert_eq!(
+                e,
+                DevError::QueueFailed {
+                    errno: libc::EEXIST
+                },
+                "{e}"
+            );
             assert!(nvme::flush_sync(&mut dev).is_err(), "the failure is sticky");
         }
     }
