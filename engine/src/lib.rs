@@ -1,7 +1,15 @@
-//! corefs engine: the on-disk format, copy-on-write metadata trees, transactions and the commit
-//! state machine, the per-shard fsync log and its replay. It runs on any
-//! [`nvme::BlockDevice`]; one thread may drive every shard (tests), or reactors spread shards
-//! over cores.
+//! corefs engine: the on-disk format, copy-on-write metadata trees, space allocation,
+//! transactions and the commit state machine. It runs on any [`nvme::BlockDevice`]; one thread
+//! may drive every shard (tests, tools), or reactors spread shards over cores.
 //!
-//! Not built yet: this crate is the engine issue's work. It deliberately exports nothing, so
-//! nothing can depend on a half-made engine.
+//! Where things are:
+//! - [`format`]: every on-disk structure and its codec (superblock, nodes, keys);
+//! - [`tree`]: the copy-on-write B+tree of one shard;
+//! - [`space`]: the per-shard block allocator with generation-pinned frees;
+//! - [`commit`]: mkfs, mount and the commit state machine (Running → … → Completed).
+
+pub mod error;
+pub mod format;
+pub mod tree;
+
+pub use error::{EngineError, Result};

@@ -1,0 +1,49 @@
+//! Engine errors. Every error that comes from the disk says what and where; POSIX-facing
+//! errors map to one errno each ([`EngineError::errno`]).
+
+use nvme::DevError;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EngineError {
+    #[error("device error: {0}")]
+    Device(#[from] DevError),
+    #[error("corrupt {what} at block {block}: {why}")]
+    Corrupt {
+        what: &'static str,
+        block: u64,
+        why: String,
+    },
+    #[error("no space left on device")]
+    NoSpace,
+    #[error("the filesystem is read-only after an earlier failure: {0}")]
+    ReadOnly(String),
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+}
+
+impl EngineError {
+    pub fn corrupt(what: &'static str, block: u64, why: impl Into<String>) -> Self {
+        EngineError::Corrupt {
+            what,
+            block,
+            why: why.into(),
+        }
+    }
+
+    /// The errno a POSIX caller sees.
+    pub fn errno(&self) -> i32 {
+        match self {
+            EngineError::Device(_) => libc_eio(),
+            EngineError::Corrupt { .. } => 117, // EUCLEAN, as btrfs and ext4 report corruption
+            EngineError::NoSpace => 28,         // ENOSPC
+            EngineError::ReadOnly(_) => 30,     // EROFS
+            EngineError::Invalid(_) => 22,      // EINVAL
+        }
+    }
+}
+
+const fn libc_eio() -> i32 {
+    5
+}
+
+pub type Result<T> = std::result::Result<T, EngineError>;

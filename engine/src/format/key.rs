@@ -1,0 +1,81 @@
+//! Item keys, btrfs-style: (object id, item kind, offset), ordered in that order. An inode's
+//! items sort together; within an inode, by kind; within a kind, by offset (file offset for
+//! extents, name hash for directory items, sequence for directory index items).
+
+/// What an item holds. The numeric values are on disk: never renumber.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[repr(u8)]
+pub enum ItemKind {
+    InodeItem = 1,
+    InodeRef = 12,
+    XattrItem = 24,
+    DirItem = 84,
+    DirIndex = 96,
+    ExtentData = 108,
+    ExtentCsum = 128,
+    SpaceBitmap = 200,
+    /// Keys used by tests of the tree alone.
+    Test = 255,
+}
+
+impl ItemKind {
+    pub fn from_u8(value: u8) -> Option<ItemKind> {
+        Some(match value {
+            1 => ItemKind::InodeItem,
+            12 => ItemKind::InodeRef,
+            24 => ItemKind::XattrItem,
+            84 => ItemKind::DirItem,
+            96 => ItemKind::DirIndex,
+            108 => ItemKind::ExtentData,
+            128 => ItemKind::ExtentCsum,
+            200 => ItemKind::SpaceBitmap,
+            255 => ItemKind::Test,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Key {
+    pub objectid: u64,
+    pub kind: ItemKind,
+    pub offset: u64,
+}
+
+impl Key {
+    /// objectid u64, kind u8, offset u64.
+    pub const ENCODED_BYTES: usize = 17;
+    pub const MIN: Key = Key {
+        objectid: 0,
+        kind: ItemKind::InodeItem,
+        offset: 0,
+    };
+    pub const MAX: Key = Key {
+        objectid: u64::MAX,
+        kind: ItemKind::Test,
+        offset: u64::MAX,
+    };
+
+    pub fn new(objectid: u64, kind: ItemKind, offset: u64) -> Key {
+        Key {
+            objectid,
+            kind,
+            offset,
+        }
+    }
+
+    pub fn encode(&self, out: &mut [u8]) {
+        out[0..8].copy_from_slice(&self.objectid.to_le_bytes());
+        out[8] = self.kind as u8;
+        out[9..17].copy_from_slice(&self.offset.to_le_bytes());
+    }
+
+    /// Decodes a key; `None` for an unknown kind (a corrupt or newer-format block).
+    pub fn decode(bytes: &[u8]) -> Option<Key> {
+        Some(Key {
+            objectid: super::le_u64(bytes, 0),
+            kind: ItemKind::from_u8(bytes[8])?,
+            offset: super::le_u64(bytes, 9),
+        })
+    }
+}

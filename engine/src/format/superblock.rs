@@ -1,0 +1,211 @@
+//! The superblock: one 4 KiB block, two copies (blocks 0 and 1) written alternately.
+//!
+//! Layout: crc32c u32 (of bytes 4..4096) | magic u64 `CoreFSsb` | format version u32 |
+//! generation u64 | total blocks u64 | device LBA size u32 | shard count u32 | blocks per shard
+//! region u64 | uuid [16] | label [32] | 32 reserved | shard roots from byte 128, 48 bytes each:
+//! tree pointer (address u64, generation u64, crc32c u32) | tree level u8 | 3 reserved |
+//! used blocks u64 | 16 reserved.
+//!
+//! Decoding validates every field against the others (sizes, region bounds, levels) so that a
+//! corrupt superblock is reported by name and never trusted.
+
+use super::node::MAX_LEVEL;
+use super::{
+    block_crc, le_u32, le_u64, BlockPtr, BLOCK_BYTES, FIRST_REGION_BLOCK, FORMAT_VERSION,
+    MAX_SHARDS,
+};
+
+pub const SUPERBLOCK_MAGIC: u64 = u64::from_le_bytes(*b"CoreFSsb");
+const SHARD_ROOTS_AT: usize = 128;
+const SHARD_ROOT_BYTES: usize = 48;
+const _: () = assert!(SHARD_ROOTS_AT + MAX_SHARDS as usize * SHARD_ROOT_BYTES <= BLOCK_BYTES);
+
+/// One shard's entry in the superblock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ShardRoot {
+    /// Root of the shard's tree; address 0 means an empty tree (block 0 is never a node).
+    pub tree: BlockPtr,
+    pub level: u8,
+    /// Blocks of the shard's region in use (tree nodes and data).
+    pub used_blocks: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Superblock {
+    pub generation: u64,
+    pub total_blocks: u64,
+    pub lba_size_bytes: u32,
+    pub region_blocks: u64,
+    pub uuid: [u8; 16],
+    pub label: String,
+    pub shards: Vec<ShardRoot>,
+}
+
+impl Superblock {
+    /// The first block of shard `shard`'s region.
+    pub fn region_start(&self, shard: u32) -> u64 {
+        FIRST_REGION_BLOCK + shard as u64 * self.region_blocks
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        assert!(!self.shards.is_empty() && self.shards.len() <= MAX_SHARDS as usize);
+        assert!(self.label.len() <= 32, "label longer than 32 bytes");
+        let mut b = vec![0u8; BLOCK_BYTES];
+        b[4..12].copy_from_slice(&SUPERBLOCK_MAGIC.to_le_bytes());
+        b[12..16].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        b[16..24].copy_from_slice(&self.generation.to_le_bytes());
+        b[24..32].copy_from_slice(&self.total_blocks.to_le_bytes());
+        b[32..36].copy_from_slice(&self.lba_size_bytes.to_le_bytes());
+        b[36..40].copy_from_slice(&(self.shards.len() as u32).to_le_bytes());
+        b[40..48].copy_from_slice(&self.region_blocks.to_le_bytes());
+        b[48..64].copy_from_slice(&self.uuid);
+        b[64..64 + self.label.len()].copy_from_slice(self.label.as_bytes());
+        for (i, shard) in self.shards.iter().enumerate() {
+            let at = SHARD_ROOTS_AT + i * SHARD_ROOT_BYTES;
+            shard.tree.encode(&mut b[at..]);
+            b[at + 20] = shard.level;
+            b[at + 24..at + 32].copy_from_slice(&shard.used_blocks.to_le_bytes());
+        }
+        let crc = block_crc(&b);
+        b[0..4].copy_from_slice(&crc.to_le_bytes());
+        b
+    }
+
+    /// Decodes and validates a superblock read from a device of `device_blocks` blocks.
+    pub fn decode(b: &[u8], device_blocks: u64) -> Result<Superblock, String> {
+        if b.len() != BLOCK_BYTES {
+            return Err(format!("superblock is {} bytes", b.len()));
+        }
+        if le_u64(b, 4) != SUPERBLOCK_MAGIC {
+            return Err("bad magic: not a corefs filesystem".into());
+        }
+        let (stored, computed) = (le_u32(b, 0), block_crc(b));
+        if stored != computed {
+            return Err(format!(
+                "checksum mismatch (stored {stored:#010x}, computed {computed:#010x})"
+            ));
+        }
+        let version = le_u32(b, 12);
+        if version != FORMAT_VERSION {
+            return Err(format!(
+                "format version {version}; this corefs reads version {FORMAT_VERSION}"
+            ));
+        }
+        let generation = le_u64(b, 16);
+        let total_blocks = le_u64(b, 24);
+        let lba_size_bytes = le_u32(b, 32);
+        let shard_count = le_u32(b, 36);
+        let region_blocks = le_u64(b, 40);
+        if total_blocks > device_blocks {
+            return Err(format!(
+                "filesystem of {total_blocks} blocks on a device of {device_blocks}"
+            ));
+        }
+        if !lba_size_bytes.is_power_of_two() || !(512..=4096).contains(&lba_size_bytes) {
+            return Err(format!("impossible LBA size {lba_size_bytes}"));
+        }
+        if shard_count == 0 || shard_count > MAX_SHARDS {
+            return Err(format!("impossible shard count {shard_count}"));
+        }
+        let regions_end = (shard_count as u64)
+            .checked_mul(region_blocks)
+            .and_then(|r| r.checked_add(FIRST_REGION_BLOCK))
+            .ok_or("shard regions overflow")?;
+        if region_blocks == 0 || regions_end > total_blocks {
+            return Err(format!(
+                "{shard_count} regions of {region_blocks} blocks exceed {total_blocks} blocks"
+            ));
+        }
+        let label_bytes = &b[64..96];
+        let label_len = label_bytes.iter().position(|&c| c == 0).unwrap_or(32);
+        let label = String::from_utf8(label_bytes[..label_len].to_vec())
+            .map_err(|_| "label is not UTF-8")?;
+        let mut sb = Superblock {
+            generation,
+            total_blocks,
+            lba_size_bytes,
+            region_blocks,
+            uuid: b[48..64].try_into().expect("16 bytes"),
+            label,
+            shards: Vec::with_capacity(shard_count as usize),
+        };
+        for i in 0..shard_count {
+            let at = SHARD_ROOTS_AT + i as usize * SHARD_ROOT_BYTES;
+            let root = ShardRoot {
+                tree: BlockPtr::decode(&b[at..]),
+                level: b[at + 20],
+                used_blocks: le_u64(b, at + 24),
+            };
+            let start = sb.region_start(i);
+            if root.tree.addr != 0 && !(start..start + region_blocks).contains(&root.tree.addr) {
+                return Err(format!(
+                    "shard {i} root at block {} is outside its region",
+                    root.tree.addr
+                ));
+            }
+            if root.tree.generation > generation
+                || root.level > MAX_LEVEL
+                || root.used_blocks > region_blocks
+            {
+                return Err(format!("shard {i} root is impossible: {root:?}"));
+            }
+            sb.shards.push(root);
+        }
+        Ok(sb)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Superblock {
+        Superblock {
+            generation: 9,
+            total_blocks: 10_000,
+            lba_size_bytes: 512,
+            region_blocks: 1000,
+            uuid: [7; 16],
+            label: "data".into(),
+            shards: (0..4)
+                .map(|i| ShardRoot {
+                    tree: BlockPtr {
+                        addr: 2 + i * 1000 + 5,
+                        generation: 8,
+                        crc: 1,
+                    },
+                    level: 1,
+                    used_blocks: 10,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn round_trips_and_rejects_corruption_by_name() {
+        let sb = sample();
+        let bytes = sb.encode();
+        assert_eq!(Superblock::decode(&bytes, 10_000).unwrap(), sb);
+        let mut flipped = bytes.clone();
+        flipped[100] ^= 4;
+        assert!(Superblock::decode(&flipped, 10_000)
+            .unwrap_err()
+            .contains("checksum"));
+        assert!(Superblock::decode(&vec![0u8; 4096], 10_000)
+            .unwrap_err()
+            .contains("magic"));
+        assert!(Superblock::decode(&bytes, 5_000)
+            .unwrap_err()
+            .contains("device"));
+        let mut bad = sample();
+        bad.shards[2].tree.addr = 1;
+        assert!(Superblock::decode(&bad.encode(), 10_000)
+            .unwrap_err()
+            .contains("outside its region"));
+        let mut bad = sample();
+        bad.region_blocks = 5000;
+        assert!(Superblock::decode(&bad.encode(), 10_000)
+            .unwrap_err()
+            .contains("exceed"));
+    }
+}

@@ -1,0 +1,825 @@
+//! The copy-on-write B+tree of one shard.
+//!
+//! Nodes live in an arena and are loaded lazily from disk through [`NodeIo`]. The first change
+//! to a clean node in a transaction copies it on write: it gets a new block address from the
+//! allocator and its old address is freed *pinned* (reusable only after the superblock that no
+//! longer references it is durable; [`crate::space`] enforces that). Every ancestor of a
+//! changed node is copied too, because its pointer to the child changes. At commit,
+//! [`Tree::write_dirty`] serializes dirty nodes bottom-up, so each parent records its child's
+//! final crc32c, and returns the new root pointer.
+//!
+//! # Invariants
+//! - Internal entry `i` has a key ≤ every key in child `i`'s subtree and < entry `i + 1`'s key.
+//! - A dirty node's ancestors are dirty; a clean node's loaded children are clean or dirty, and
+//!   a dirty child forces its parent dirty (checked by [`Tree::check`]).
+//! - Leaves fit one block ([`node::LEAF_SPACE_BYTES`]); internal nodes hold at most
+//!   [`node::INTERNAL_FANOUT`] children; no item exceeds [`node::MAX_ITEM_BYTES`].
+//! - The loaded node count is bounded by [`Tree::evict_clean`], which unloads clean subtrees.
+
+use crate::error::{EngineError, Result};
+use crate::format::node::{
+    self, leaf_used_bytes, NodeHeader, INTERNAL_FANOUT, LEAF_SPACE_BYTES, MAX_ITEM_BYTES,
+};
+use crate::format::{encode_node, BlockPtr, Key, NodeBody, BLOCK_BYTES};
+
+/// How the tree reaches the disk and the allocator.
+pub trait NodeIo {
+    /// Reads and verifies the node `ptr` points at (see [`crate::format::decode_node`]).
+    fn read_node(&mut self, ptr: &BlockPtr, owner: u32, level: u8) -> Result<NodeBody>;
+    /// A block for a new or copied node, inside the shard's region.
+    fn alloc_block(&mut self) -> Result<u64>;
+    /// Frees `addr`. `written` says whether a committed tree may still reference it: such a
+    /// block stays pinned until the next super-commit; an unwritten one is free at once.
+    fn free_block(&mut self, addr: u64, written: bool);
+}
+
+type NodeId = u32;
+
+#[derive(Debug, Clone)]
+struct Child {
+    key: Key,
+    ptr: BlockPtr,
+    loaded: Option<NodeId>,
+}
+
+#[derive(Debug)]
+enum Body {
+    Leaf(Vec<(Key, Vec<u8>)>),
+    Internal(Vec<Child>),
+}
+
+#[derive(Debug)]
+struct Node {
+    level: u8,
+    body: Body,
+    addr: u64,
+    /// Changed in the running transaction: `addr` was allocated in it and is not yet written.
+    dirty: bool,
+}
+
+impl Node {
+    fn leaf(&self) -> &Vec<(Key, Vec<u8>)> {
+        match &self.body {
+            Body::Leaf(items) => items,
+            Body::Internal(_) => panic!("expected a leaf"),
+        }
+    }
+    fn leaf_mut(&mut self) -> &mut Vec<(Key, Vec<u8>)> {
+        match &mut self.body {
+            Body::Leaf(items) => items,
+            Body::Internal(_) => panic!("expected a leaf"),
+        }
+    }
+    fn children(&self) -> &Vec<Child> {
+        match &self.body {
+            Body::Internal(children) => children,
+            Body::Leaf(_) => panic!("expected an internal node"),
+        }
+    }
+    fn children_mut(&mut self) -> &mut Vec<Child> {
+        match &mut self.body {
+            Body::Internal(children) => children,
+            Body::Leaf(_) => panic!("expected an internal node"),
+        }
+    }
+    fn first_key(&self) -> Option<Key> {
+        match &self.body {
+            Body::Leaf(items) => items.first().map(|(k, _)| *k),
+            Body::Internal(children) => children.first().map(|c| c.key),
+        }
+    }
+    /// True when the node no longer fits a block and must split.
+    fn overfull(&self) -> bool {
+        match &self.body {
+            Body::Leaf(items) => leaf_used_bytes(items) > LEAF_SPACE_BYTES,
+            Body::Internal(children) => children.len() > INTERNAL_FANOUT,
+        }
+    }
+    /// True when the node is small enough to try merging with a sibling.
+    fn underfull(&self) -> bool {
+        match &self.body {
+            Body::Leaf(items) => leaf_used_bytes(items) < LEAF_SPACE_BYTES / 4,
+            Body::Internal(children) => children.len() < INTERNAL_FANOUT / 4,
+        }
+    }
+}
+
+/// Counters for tests and statistics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TreeStats {
+    pub nodes_loaded: usize,
+    pub dirty_nodes: usize,
+    pub reads: u64,
+    pub cow_copies: u64,
+    pub splits: u64,
+    pub merges: u64,
+}
+
+pub struct Tree {
+    owner: u32,
+    nodes: Vec<Option<Node>>,
+    free_ids: Vec<NodeId>,
+    /// The root: a loaded node, or the on-disk pointer and level, or nothing (empty tree).
+    root: Option<Child>,
+    root_level: u8,
+    /// The tree became empty in this transaction (its old root must be committed away).
+    emptied: bool,
+    stats: TreeStats,
+}
+
+impl Tree {
+    /// An empty tree for shard `owner`.
+    pub fn empty(owner: u32) -> Tree {
+        Tree {
+            owner,
+            nodes: Vec::new(),
+            free_ids: Vec::new(),
+            root: None,
+            root_level: 0,
+            emptied: false,
+            stats: TreeStats::default(),
+        }
+    }
+
+    /// A tree whose root is on disk at `root` (address 0 = empty).
+    pub fn open(owner: u32, root: BlockPtr, level: u8) -> Tree {
+        let mut tree = Tree::empty(owner);
+        if root.addr != 0 {
+            tree.root = Some(Child {
+                key: Key::MIN,
+                ptr: root,
+                loaded: None,
+            });
+            tree.root_level = level;
+        }
+        tree
+    }
+
+    pub fn stats(&self) -> TreeStats {
+        let loaded = self.nodes.iter().flatten();
+        TreeStats {
+            nodes_loaded: loaded.clone().count(),
+            dirty_nodes: loaded.filter(|n| n.dirty).count(),
+            ..self.stats
+        }
+    }
+
+    pub fn is_dirty(&self) -> bool {
+        self.emptied
+            || self
+                .root
+                .as_ref()
+                .and_then(|r| r.loaded)
+                .is_some_and(|id| self.node(id).dirty)
+    }
+
+    fn node(&self, id: NodeId) -> &Node {
+        self.nodes[id as usize].as_ref().expect("live node id")
+    }
+    fn node_mut(&mut self, id: NodeId) -> &mut Node {
+        self.nodes[id as usize].as_mut().expect("live node id")
+    }
+    fn add_node(&mut self, node: Node) -> NodeId {
+        match self.free_ids.pop() {
+            Some(id) => {
+                self.nodes[id as usize] = Some(node);
+                id
+            }
+            None => {
+                self.nodes.push(Some(node));
+                (self.nodes.len() - 1) as NodeId
+            }
+        }
+    }
+    fn drop_node(&mut self, id: NodeId) -> Node {
+        let node = self.nodes[id as usize].take().expect("live node id");
+        self.free_ids.push(id);
+        node
+    }
+
+    fn load(&mut self, io: &mut dyn NodeIo, ptr: &BlockPtr, level: u8) -> Result<NodeId> {
+        let body = io.read_node(ptr, self.owner, level)?;
+        self.stats.reads += 1;
+        let body = match body {
+            NodeBody::Leaf(items) => Body::Leaf(items),
+            NodeBody::Internal(entries) => Body::Internal(
+                entries
+                    .into_iter()
+                    .map(|(key, ptr)| Child {
+                        key,
+                        ptr,
+                        loaded: None,
+                    })
+                    .collect(),
+            ),
+        };
+        Ok(self.add_node(Node {
+            level,
+            body,
+            addr: ptr.addr,
+            dirty: false,
+        }))
+    }
+
+    /// The root node, loaded.
+    fn root_id(&mut self, io: &mut dyn NodeIo) -> Result<Option<NodeId>> {
+        let Some(root) = self.root.clone() else {
+            return Ok(None);
+        };
+        if let Some(id) = root.loaded {
+            return Ok(Some(id));
+        }
+        let id = self.load(io, &root.ptr, self.root_level)?;
+        self.root.as_mut().expect("root checked").loaded = Some(id);
+        Ok(Some(id))
+    }
+
+    /// Child `index` of `parent`, loaded.
+    fn child_id(&mut self, io: &mut dyn NodeIo, parent: NodeId, index: usize) -> Result<NodeId> {
+        let child = self.node(parent).children()[index].clone();
+        if let Some(id) = child.loaded {
+            return Ok(id);
+        }
+        let level = self.node(parent).level - 1;
+        let id = self.load(io, &child.ptr, level)?;
+        let first = self.node(id).first_key();
+        if first.is_some_and(|k| k < child.key) {
+            return Err(EngineError::corrupt(
+                "tree node",
+                child.ptr.addr,
+                "holds a key below its parent's bound",
+            ));
+        }
+        self.node_mut(parent).children_mut()[index].loaded = Some(id);
+        Ok(id)
+    }
+
+    /// Makes `id` writable in this transaction: a clean node moves to a new block.
+    fn cow(&mut self, io: &mut dyn NodeIo, id: NodeId) -> Result<()> {
+        if self.node(id).dirty {
+            return Ok(());
+        }
+        let new_addr = io.alloc_block()?;
+        let node = self.node_mut(id);
+        let old_addr = node.addr;
+        node.addr = new_addr;
+        node.dirty = true;
+        io.free_block(old_addr, true);
+        self.stats.cow_copies += 1;
+        Ok(())
+    }
+
+    /// Index of the child whose subtree may hold `key`.
+    fn child_index(children: &[Child], key: &Key) -> usize {
+        children
+            .partition_point(|c| c.key <= *key)
+            .saturating_sub(1)
+    }
+
+    /// Looks `key` up.
+    pub fn get(&mut self, io: &mut dyn NodeIo, key: &Key) -> Result<Option<Vec<u8>>> {
+        let Some(mut id) = self.root_id(io)? else {
+            return Ok(None);
+        };
+        loop {
+            match &self.node(id).body {
+                Body::Leaf(items) => {
+                    return Ok(items
+                        .binary_search_by(|(k, _)| k.cmp(key))
+                        .ok()
+                        .map(|i| items[i].1.clone()));
+                }
+                Body::Internal(children) => {
+                    let index = Self::child_index(children, key);
+                    id = self.child_id(io, id, index)?;
+                }
+            }
+        }
+    }
+
+    /// The first item with a key ≥ `key`, if any.
+    pub fn seek(&mut self, io: &mut dyn NodeIo, key: &Key) -> Result<Option<(Key, Vec<u8>)>> {
+        let Some(root) = self.root_id(io)? else {
+            return Ok(None);
+        };
+        self.seek_in(io, root, key)
+    }
+
+    fn seek_in(
+        &mut self,
+        io: &mut dyn NodeIo,
+        id: NodeId,
+        key: &Key,
+    ) -> Result<Option<(Key, Vec<u8>)>> {
+        match &self.node(id).body {
+            Body::Leaf(items) => {
+                let i = items.partition_point(|(k, _)| k < key);
+                Ok(items.get(i).cloned())
+            }
+            Body::Internal(children) => {
+                let count = children.len();
+                for index in Self::child_index(children, key)..count {
+                    let child = self.child_id(io, id, index)?;
+                    if let Some(found) = self.seek_in(io, child, key)? {
+                        return Ok(Some(found));
+                    }
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    /// Every item with `start` ≤ key < `end`, in key order.
+    pub fn range(
+        &mut self,
+        io: &mut dyn NodeIo,
+        start: Key,
+        end: Key,
+    ) -> Result<Vec<(Key, Vec<u8>)>> {
+        let mut out = Vec::new();
+        let mut at = start;
+        while let Some((key, value)) = self.seek(io, &at)? {
+            if key >= end {
+                break;
+            }
+            out.push((key, value));
+            match key.successor() {
+                Some(next) => at = next,
+                None => break,
+            }
+        }
+        Ok(out)
+    }
+
+    /// Inserts or replaces `key`'s value. Returns the previous value.
+    pub fn insert(
+        &mut self,
+        io: &mut dyn NodeIo,
+        key: Key,
+        value: Vec<u8>,
+    ) -> Result<Option<Vec<u8>>> {
+        if value.len() > MAX_ITEM_BYTES {
+            return Err(EngineError::Invalid(format!(
+                "item of {} bytes exceeds {MAX_ITEM_BYTES}",
+                value.len()
+            )));
+        }
+        let root = match self.root_id(io)? {
+            Some(root) => root,
+            None => {
+                let addr = io.alloc_block()?;
+                let id = self.add_node(Node {
+                    level: 0,
+                    body: Body::Leaf(Vec::new()),
+                    addr,
+                    dirty: true,
+                });
+                self.root = Some(Child {
+                    key: Key::MIN,
+                    ptr: BlockPtr::default(),
+                    loaded: Some(id),
+                });
+                self.root_level = 0;
+                id
+            }
+        };
+        self.cow(io, root)?;
+        let previous = self.insert_in(io, root, key, value)?;
+        if self.node(root).overfull() {
+            // Grow: a new root above the old one, then split the old one under it.
+            let addr = io.alloc_block()?;
+            let level = self.node(root).level + 1;
+            let first = self.node(root).first_key().unwrap_or(Key::MIN);
+            let new_root = self.add_node(Node {
+                level,
+                body: Body::Internal(vec![Child {
+                    key: first,
+                    ptr: BlockPtr::default(),
+                    loaded: Some(root),
+                }]),
+                addr,
+                dirty: true,
+            });
+            self.split_child(io, new_root, 0)?;
+            self.root = Some(Child {
+                key: Key::MIN,
+                ptr: BlockPtr::default(),
+                loaded: Some(new_root),
+            });
+            self.root_level = level;
+        }
+        Ok(previous)
+    }
+
+    /// Inserts into the subtree of `id`, which is already copied on write.
+    fn insert_in(
+        &mut self,
+        io: &mut dyn NodeIo,
+        id: NodeId,
+        key: Key,
+        value: Vec<u8>,
+    ) -> Result<Option<Vec<u8>>> {
+        if self.node(id).level == 0 {
+            let items = self.node_mut(id).leaf_mut();
+            return Ok(match items.binary_search_by(|(k, _)| k.cmp(&key)) {
+                Ok(i) => Some(std::mem::replace(&mut items[i].1, value)),
+                Err(i) => {
+                    items.insert(i, (key, value));
+                    None
+                }
+            });
+        }
+        let index = Self::child_index(self.node(id).children(), &key);
+        let child = self.child_id(io, id, index)?;
+        self.cow(io, child)?;
+        let children = self.node_mut(id).children_mut();
+        if key < children[index].key {
+            // Only child 0 can be asked to hold a key below its bound; lower the bound.
+            children[index].key = key;
+        }
+        let previous = self.insert_in(io, child, key, value)?;
+        if self.node(child).overfull() {
+            self.split_child(io, id, index)?;
+        }
+        Ok(previous)
+    }
+
+    /// Splits child `index` of `parent` in two (by bytes for leaves, by count otherwise).
+    fn split_child(&mut self, io: &mut dyn NodeIo, parent: NodeId, index: usize) -> Result<()> {
+        let child = self.node(parent).children()[index]
+            .loaded
+            .expect("split child is loaded");
+        let addr = io.alloc_block()?;
+        let node = self.node_mut(child);
+        let level = node.level;
+        let right_body = match &mut node.body {
+            Body::Leaf(items) => {
+                let total = leaf_used_bytes(items);
+                let mut used = 0;
+                let mut cut = 0;
+                while cut < items.len()
+                    && used + node::LEAF_ITEM_HEADER_BYTES + items[cut].1.len() <= total / 2
+                {
+                    used += node::LEAF_ITEM_HEADER_BYTES + items[cut].1.len();
+                    cut += 1;
+                }
+                let cut = cut.clamp(1, items.len() - 1);
+                Body::Leaf(items.split_off(cut))
+            }
+            Body::Internal(children) => {
+                let cut = children.len() / 2;
+                Body::Internal(children.split_off(cut))
+            }
+        };
+        let right = Node {
+            level,
+            body: right_body,
+            addr,
+            dirty: true,
+        };
+        let right_key = right.first_key().expect("a split half is not empty");
+        let right_id = self.add_node(right);
+        self.node_mut(parent).children_mut().insert(
+            index + 1,
+            Child {
+                key: right_key,
+                ptr: BlockPtr::default(),
+                loaded: Some(right_id),
+            },
+        );
+        self.stats.splits += 1;
+        // A leaf split can still leave one half overfull only if items are huge; MAX_ITEM_BYTES
+        // makes any two items fit, and a byte-balanced cut keeps both halves within a block.
+        assert!(
+            !self.node(child).overfull() && !self.node(right_id).overfull(),
+            "split left a node overfull"
+        );
+        Ok(())
+    }
+
+    /// Removes `key`. Returns its value, if it was there.
+    pub fn remove(&mut self, io: &mut dyn NodeIo, key: &Key) -> Result<Option<Vec<u8>>> {
+        let Some(root) = self.root_id(io)? else {
+            return Ok(None);
+        };
+        // Look first, so a miss copies nothing.
+        if self.get(io, key)?.is_none() {
+            return Ok(None);
+        }
+        self.cow(io, root)?;
+        let removed = self.remove_in(io, root, key)?;
+        // Shrink: a root with one child hands over to it; an empty leaf root empties the tree.
+        loop {
+            let root = self
+                .root
+                .as_ref()
+                .and_then(|r| r.loaded)
+                .expect("root is loaded");
+            let node = self.node(root);
+            match &node.body {
+                Body::Internal(children) if children.len() == 1 => {
+                    let only = children[0].loaded.expect("the path child is loaded");
+                    let old = self.drop_node(root);
+                    io.free_block(old.addr, false);
+                    self.root = Some(Child {
+                        key: Key::MIN,
+                        ptr: BlockPtr::default(),
+                        loaded: Some(only),
+                    });
+                    self.root_level = old.level - 1;
+                }
+                Body::Leaf(items) if items.is_empty() => {
+                    let old = self.drop_node(root);
+                    io.free_block(old.addr, false);
+                    self.root = None;
+                    self.root_level = 0;
+                    self.emptied = true;
+                    break;
+                }
+                _ => break,
+            }
+        }
+        Ok(removed)
+    }
+
+    fn remove_in(&mut self, io: &mut dyn NodeIo, id: NodeId, key: &Key) -> Result<Option<Vec<u8>>> {
+        if self.node(id).level == 0 {
+            let items = self.node_mut(id).leaf_mut();
+            return Ok(items
+                .binary_search_by(|(k, _)| k.cmp(key))
+                .ok()
+                .map(|i| items.remove(i).1));
+        }
+        let index = Self::child_index(self.node(id).children(), key);
+        let child = self.child_id(io, id, index)?;
+        self.cow(io, child)?;
+        let removed = self.remove_in(io, child, key)?;
+        if self.node(child).underfull() {
+            self.rebalance(io, id, index)?;
+        }
+        Ok(removed)
+    }
+
+    /// Merges an underfull child with a neighbour when both fit one node; drops empty leaves.
+    fn rebalance(&mut self, io: &mut dyn NodeIo, parent: NodeId, index: usize) -> Result<()> {
+        let count = self.node(parent).children().len();
+        let child = self.node(parent).children()[index]
+            .loaded
+            .expect("path child is loaded");
+        if self.node(child).level == 0 && self.node(child).leaf().is_empty() && count > 1 {
+            let gone = self.drop_node(child);
+            io.free_block(gone.addr, false);
+            self.node_mut(parent).children_mut().remove(index);
+            self.stats.merges += 1;
+            return Ok(());
+        }
+        if count < 2 {
+            return Ok(());
+        }
+        let (left_index, right_index) = if index + 1 < count {
+            (index, index + 1)
+        } else {
+            (index - 1, index)
+        };
+        let left = self.child_id(io, parent, left_index)?;
+        let right = self.child_id(io, parent, right_index)?;
+        let fits = match (&self.node(left).body, &self.node(right).body) {
+            (Body::Leaf(a), Body::Leaf(b)) => {
+                leaf_used_bytes(a) + leaf_used_bytes(b) <= LEAF_SPACE_BYTES
+            }
+            (Body::Internal(a), Body::Internal(b)) => a.len() + b.len() <= INTERNAL_FANOUT,
+            _ => unreachable!("siblings share a level"),
+        };
+        if !fits {
+            return Ok(());
+        }
+        self.cow(io, left)?;
+        let gone = self.drop_node(right);
+        // The right node was copied on write before (it is on the path) or is clean: free its
+        // block, pinned if a committed tree may reference it.
+        io.free_block(gone.addr, !gone.dirty);
+        match (&mut self.node_mut(left).body, gone.body) {
+            (Body::Leaf(a), Body::Leaf(mut b)) => a.append(&mut b),
+            (Body::Internal(a), Body::Internal(mut b)) => a.append(&mut b),
+            _ => unreachable!("siblings share a level"),
+        }
+        self.node_mut(parent).children_mut().remove(right_index);
+        self.stats.merges += 1;
+        Ok(())
+    }
+
+    /// Serializes every dirty node bottom-up into `out` as (block address, block bytes), marks
+    /// them clean as of `generation`, and returns the new root pointer and level (address 0:
+    /// empty tree).
+    pub fn write_dirty(
+        &mut self,
+        generation: u64,
+        out: &mut Vec<(u64, Vec<u8>)>,
+    ) -> (BlockPtr, u8) {
+        self.emptied = false;
+        let Some(root) = self.root.clone() else {
+            return (BlockPtr::default(), 0);
+        };
+        let Some(id) = root.loaded.filter(|&id| self.node(id).dirty) else {
+            return (root.ptr, self.root_level);
+        };
+        let ptr = self.write_node(id, generation, out);
+        self.root.as_mut().expect("root checked").ptr = ptr;
+        (ptr, self.root_level)
+    }
+
+    fn write_node(
+        &mut self,
+        id: NodeId,
+        generation: u64,
+        out: &mut Vec<(u64, Vec<u8>)>,
+    ) -> BlockPtr {
+        if let Body::Internal(children) = &self.node(id).body {
+            let dirty_children: Vec<(usize, NodeId)> = children
+                .iter()
+                .enumerate()
+                .filter_map(|(i, c)| c.loaded.map(|l| (i, l)))
+                .filter(|(_, l)| self.node(*l).dirty)
+                .collect();
+            for (index, child) in dirty_children {
+                let ptr = self.write_node(child, generation, out);
+                self.node_mut(id).children_mut()[index].ptr = ptr;
+            }
+        }
+        let node = self.node(id);
+        assert!(node.dirty, "write_node is only called on dirty nodes");
+        let header = NodeHeader {
+            addr: node.addr,
+            generation,
+            owner: self.owner,
+            level: node.level,
+        };
+        let body = match &node.body {
+            Body::Leaf(items) => NodeBody::Leaf(items.clone()),
+            Body::Internal(children) => {
+                NodeBody::Internal(children.iter().map(|c| (c.key, c.ptr)).collect())
+            }
+        };
+        let mut block = vec![0u8; BLOCK_BYTES];
+        let crc = encode_node(&header, &body, &mut block);
+        out.push((node.addr, block));
+        self.node_mut(id).dirty = false;
+        BlockPtr {
+            addr: header.addr,
+            generation,
+            crc,
+        }
+    }
+
+    /// Unloads clean subtrees until at most `max_nodes` nodes are loaded (the root and dirty
+    /// nodes always stay).
+    pub fn evict_clean(&mut self, max_nodes: usize) {
+        let Some(root) = self.root.as_ref().and_then(|r| r.loaded) else {
+            return;
+        };
+        let mut loaded = self.nodes.iter().flatten().count();
+        // Unload from the bottom: clean children of level-1 nodes first, then higher levels.
+        for level in 1..=self.root_level {
+            if loaded <= max_nodes {
+                return;
+            }
+            self.evict_at(root, level, &mut loaded, max_nodes);
+        }
+    }
+
+    fn evict_at(&mut self, id: NodeId, level: u8, loaded: &mut usize, max_nodes: usize) {
+        let node = self.node(id);
+        if node.level < level || matches!(node.body, Body::Leaf(_)) {
+            return;
+        }
+        let children: Vec<(usize, NodeId)> = node
+            .children()
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| c.loaded.map(|l| (i, l)))
+            .collect();
+        for (index, child) in children {
+            if *loaded <= max_nodes {
+                return;
+            }
+            if node_level_is(self, id, level) {
+                if !self.subtree_dirty(child) {
+                    *loaded -= self.unload(child);
+                    self.node_mut(id).children_mut()[index].loaded = None;
+                }
+            } else {
+                self.evict_at(child, level, loaded, max_nodes);
+            }
+        }
+
+        fn node_level_is(tree: &Tree, id: NodeId, level: u8) -> bool {
+            tree.node(id).level == level
+        }
+    }
+
+    fn subtree_dirty(&self, id: NodeId) -> bool {
+        let node = self.node(id);
+        node.dirty
+            || matches!(&node.body, Body::Internal(children) if children.iter().filter_map(|c| c.loaded).any(|c| self.subtree_dirty(c)))
+    }
+
+    fn unload(&mut self, id: NodeId) -> usize {
+        let node = self.drop_node(id);
+        let mut count = 1;
+        if let Body::Internal(children) = node.body {
+            for child in children.into_iter().filter_map(|c| c.loaded) {
+                count += self.unload(child);
+            }
+        }
+        count
+    }
+
+    /// Checks the tree's invariants over every node, loading all of it: key order and bounds,
+    /// levels, fill limits, and that dirty nodes have dirty ancestors. Returns the item count
+    /// and every block address the tree uses.
+    pub fn check(&mut self, io: &mut dyn NodeIo) -> Result<(u64, Vec<u64>)> {
+        let mut blocks = Vec::new();
+        let Some(root) = self.root_id(io)? else {
+            return Ok((0, blocks));
+        };
+        let items = self.check_node(io, root, None, None, &mut blocks)?;
+        Ok((items, blocks))
+    }
+
+    fn check_node(
+        &mut self,
+        io: &mut dyn NodeIo,
+        id: NodeId,
+        low: Option<Key>,
+        high: Option<Key>,
+        blocks: &mut Vec<u64>,
+    ) -> Result<u64> {
+        let addr = self.node(id).addr;
+        blocks.push(addr);
+        let bad = |why: String| EngineError::corrupt("tree node", addr, why);
+        if self.node(id).overfull() {
+            return Err(bad("overfull".into()));
+        }
+        let keys: Vec<Key> = match &self.node(id).body {
+            Body::Leaf(items) => items.iter().map(|(k, _)| *k).collect(),
+            Body::Internal(children) => children.iter().map(|c| c.key).collect(),
+        };
+        if keys.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(bad("keys out of order".into()));
+        }
+        if keys.first().zip(low).is_some_and(|(k, l)| *k < l)
+            || keys.last().zip(high).is_some_and(|(k, h)| *k >= h)
+        {
+            return Err(bad(format!(
+                "keys outside the parent's bounds {low:?}..{high:?}"
+            )));
+        }
+        if self.node(id).level == 0 {
+            return Ok(keys.len() as u64);
+        }
+        if keys.is_empty() {
+            return Err(bad("internal node without children".into()));
+        }
+        let parent_dirty = self.node(id).dirty;
+        let mut items = 0;
+        for index in 0..keys.len() {
+            let child = self.child_id(io, id, index)?;
+            if self.node(child).level + 1 != self.node(id).level {
+                return Err(bad("child level mismatch".into()));
+            }
+            if self.node(child).dirty && !parent_dirty {
+                return Err(bad("dirty child under a clean parent".into()));
+            }
+            let child_low = Some(keys[index]);
+            let child_high = keys.get(index + 1).copied().or(high);
+            items += self.check_node(io, child, child_low, child_high, blocks)?;
+        }
+        Ok(items)
+    }
+}
+
+impl Key {
+    /// The smallest key greater than this one, if any.
+    pub fn successor(&self) -> Option<Key> {
+        if let Some(offset) = self.offset.checked_add(1) {
+            return Some(Key { offset, ..*self });
+        }
+        let next_kind = (self.kind as u8..=u8::MAX)
+            .skip(1)
+            .find_map(crate::format::ItemKind::from_u8);
+        match next_kind {
+            Some(kind) => Some(Key {
+                kind,
+                offset: 0,
+                ..*self
+            }),
+            None => self.objectid.checked_add(1).map(|objectid| Key {
+                objectid,
+                ..Key::MIN
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
