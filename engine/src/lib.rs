@@ -8,8 +8,13 @@
 //! - [`space`]: the per-shard block allocator with generation-pinned frees;
 //! - [`commit`]: mkfs, mount and the commit state machine (Running → … → Completed).
 
+pub mod commit;
 pub mod error;
 pub mod format;
+pub mod fs;
+pub mod space;
 pub mod tree;
 
+pub use commit::{CommitState, CommitStats};
 pub use error::{EngineError, Result};
+pub use fs::{Filesystem, MkfsOptions, MountOptions};

@@ -28,6 +28,10 @@ pub trait NodeIo {
     fn read_node(&mut self, ptr: &BlockPtr, owner: u32, level: u8) -> Result<NodeBody>;
     /// A block for a new or copied node, inside the shard's region.
     fn alloc_block(&mut self) -> Result<u64>;
+    /// Fails with NoSpace unless `blocks` more blocks can be allocated. Changes call it first,
+    /// so an allocation never fails halfway through a change.
+    /// `shrinking`: the change frees space overall (a removal) and may use more of the reserve.
+    fn ensure_free(&mut self, blocks: u64, shrinking: bool) -> Result<()>;
     /// Frees `addr`. `written` says whether a committed tree may still reference it: such a
     /// block stays pinned until the next super-commit; an unwritten one is free at once.
     fn free_block(&mut self, addr: u64, written: bool);
@@ -351,6 +355,11 @@ impl Tree {
         Ok(out)
     }
 
+    /// The most blocks one change can allocate: a copy and a split per level, and a new root.
+    fn worst_case_blocks(&self) -> u64 {
+        2 * (self.root_level as u64 + 1) + 2
+    }
+
     /// Inserts or replaces `key`'s value. Returns the previous value.
     pub fn insert(
         &mut self,
@@ -364,6 +373,7 @@ impl Tree {
                 value.len()
             )));
         }
+        io.ensure_free(self.worst_case_blocks(), false)?;
         let root = match self.root_id(io)? {
             Some(root) => root,
             None => {
@@ -506,6 +516,7 @@ impl Tree {
         if self.get(io, key)?.is_none() {
             return Ok(None);
         }
+        io.ensure_free(self.worst_case_blocks(), true)?;
         self.cow(io, root)?;
         let removed = self.remove_in(io, root, key)?;
         // Shrink: a root with one child hands over to it; an empty leaf root empties the tree.

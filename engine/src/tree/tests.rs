@@ -37,6 +37,9 @@ impl NodeIo for MemIo {
         assert!(self.allocated.insert(addr), "block {addr} allocated twice");
         Ok(addr)
     }
+    fn ensure_free(&mut self, _blocks: u64, _shrinking: bool) -> Result<()> {
+        Ok(())
+    }
     fn free_block(&mut self, addr: u64, written: bool) {
         assert!(
             self.allocated.remove(&addr),

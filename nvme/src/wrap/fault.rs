@@ -23,6 +23,7 @@ use crate::{
 use rand::{Rng, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Fault probabilities, each per operation of the kind named. All zero by default.
@@ -83,7 +84,26 @@ pub struct FaultDevice<D: BlockDevice> {
     unflushed: Vec<Unflushed>,
     stats: FaultStats,
     /// One-shot failures requested by a test, by op kind: the next N ops of that kind fail.
-    fail_next: HashMap<OpKind, u32>,
+    /// Shared with [`FaultHandle`]s so a test can arm them while the device is owned elsewhere.
+    fail_next: Arc<Mutex<HashMap<OpKind, u32>>>,
+}
+
+/// Arms one-shot faults on a [`FaultDevice`] that something else owns (a mounted filesystem).
+#[derive(Clone)]
+pub struct FaultHandle {
+    fail_next: Arc<Mutex<HashMap<OpKind, u32>>>,
+}
+
+impl FaultHandle {
+    /// Makes the next `count` operations of `kind` fail with EIO.
+    pub fn fail_next(&self, kind: OpKind, count: u32) {
+        *self
+            .fail_next
+            .lock()
+            .expect("fault handle lock")
+            .entry(kind)
+            .or_default() += count;
+    }
 }
 
 impl<D: BlockDevice> FaultDevice<D> {
@@ -103,7 +123,14 @@ impl<D: BlockDevice> FaultDevice<D> {
             rotten: HashMap::new(),
             unflushed: Vec::new(),
             stats: FaultStats::default(),
-            fail_next: HashMap::new(),
+            fail_next: Arc::new(Mutex::new(HashMap::new())),
+        }
+    }
+
+    /// A handle that arms one-shot faults from outside.
+    pub fn handle(&self) -> FaultHandle {
+        FaultHandle {
+            fail_next: Arc::clone(&self.fail_next),
         }
     }
 
@@ -133,7 +160,7 @@ impl<D: BlockDevice> FaultDevice<D> {
 
     /// Makes the next `count` operations of `kind` fail with EIO.
     pub fn fail_next(&mut self, kind: OpKind, count: u32) {
-        *self.fail_next.entry(kind).or_default() += count;
+        self.handle().fail_next(kind, count);
     }
 
     /// Marks one bit of `lba` as rotten: every read of it returns the bit flipped until it is
@@ -148,7 +175,12 @@ impl<D: BlockDevice> FaultDevice<D> {
     }
 
     fn take_one_shot(&mut self, kind: OpKind) -> bool {
-        match self.fail_next.get_mut(&kind) {
+        match self
+            .fail_next
+            .lock()
+            .expect("fault handle lock")
+            .get_mut(&kind)
+        {
             Some(n) if *n > 0 => {
                 *n -= 1;
                 true

@@ -11,7 +11,7 @@ pub mod fault;
 pub mod recording;
 
 pub use crash::{crash_image, CrashMode};
-pub use fault::{FaultConfig, FaultDevice, FaultStats};
+pub use fault::{FaultConfig, FaultDevice, FaultHandle, FaultStats};
 pub use recording::{Record, RecordingDevice, WriteLog};
 
 /// Maps wrapper-issued tokens to per-request state: a fixed table indexed by the token, sized to

@@ -1,0 +1,243 @@
+//! The commit state machine: how the running transaction (generation N) becomes durable.
+//!
+//! ```text
+//! Running ──► CommitStart ──► CommitDoing ──► Unblocked ──► SuperCommitted ──► Completed ──► Running (N+1)
+//! ```
+//!
+//! - **Running**: changes join generation N.
+//! - **CommitStart**: N stops taking new joiners; changes from now on belong to N+1.
+//! - **CommitDoing**: each shard persists its space bitmap into its tree (a fixpoint: writing a
+//!   bitmap item can copy a leaf, which allocates, which changes the bitmap), serializes its
+//!   dirty nodes bottom-up, and the blocks are written and flushed.
+//! - **Unblocked**: N's metadata is on stable media but not yet referenced; N+1 may run.
+//! - **SuperCommitted**: the superblock naming N's roots is durable (one FUA write of copy
+//!   N % 2). Waiters for N (fsync fallbacks, sync) are released here — not later.
+//! - **Completed**: blocks freed in N are unpinned and may be reused by N+1 onwards. Unpinning
+//!   happens after waiters are released, off their critical path.
+//!
+//! A power cut anywhere leaves generation N−1 (superblock not yet durable) or N (durable):
+//! nothing in between, because no block N−1 references is overwritten before N's superblock is
+//! durable (pinned frees, [`crate::space`]), and the superblock copy N writes is not the copy
+//! holding N−1.
+//!
+//! Fault model: a device error during a commit makes the filesystem fail-stop (sticky error,
+//! read-only); the durable state is the previous generation and a remount recovers it.
+
+use crate::error::{EngineError, Result};
+use crate::format::{ItemKind, Key, ShardRoot, Superblock, BLOCK_BYTES, SUPERBLOCK_ADDRS};
+use crate::fs::{block_lba, Filesystem, Shard, ShardIo, SPACE_OBJECTID};
+use nvme::{BlockDevice, DevError, Op, Request};
+use std::time::{Duration, Instant};
+
+/// Where the commit of the running transaction stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CommitState {
+    Running,
+    CommitStart,
+    CommitDoing,
+    Unblocked,
+    SuperCommitted,
+    Completed,
+}
+
+/// Commit statistics, in the style of btrfs's commit_stats.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CommitStats {
+    pub commits: u64,
+    pub commit_ns_total: u64,
+    pub commit_ns_max: u64,
+    pub last_commit_ns: u64,
+    pub blocks_written: u64,
+    /// Time from commit start to SuperCommitted (what waiters wait), last commit.
+    pub last_super_commit_ns: u64,
+    /// Blocks unpinned after SuperCommitted, last commit.
+    pub last_unpinned_blocks: u64,
+    pub bitmap_fixpoint_rounds_max: u32,
+}
+
+impl Filesystem {
+    pub fn commit_state(&self) -> CommitState {
+        self.state
+    }
+
+    pub fn commit_stats(&self) -> CommitStats {
+        self.stats
+    }
+
+    /// True when the running transaction has changes to commit.
+    pub fn is_dirty(&self) -> bool {
+        self.shards.iter().any(|s| s.tree.is_dirty())
+    }
+
+    /// Commits the running transaction. Returns the generation now durable. A commit with
+    /// nothing to write does nothing.
+    pub fn commit(&mut self) -> Result<u64> {
+        self.check_writable()?;
+        if !self.is_dirty() {
+            return Ok(self.sb.generation);
+        }
+        let started = Instant::now();
+        let generation = self.generation;
+        self.state = CommitState::CommitStart;
+        self.state = CommitState::CommitDoing;
+        let result = self.commit_doing(generation, started);
+        if let Err(e) = &result {
+            self.failed.get_or_insert(e.clone());
+            self.state = CommitState::Running;
+            tracing::error!(
+                generation,
+                "commit failed, filesystem is now read-only: {e}"
+            );
+        }
+        result
+    }
+
+    fn commit_doing(&mut self, generation: u64, started: Instant) -> Result<u64> {
+        let mut blocks: Vec<(u64, Vec<u8>)> = Vec::new();
+        let mut roots = Vec::with_capacity(self.shards.len());
+        for Shard { tree, space } in self.shards.iter_mut() {
+            let mut io = ShardIo {
+                dev: &mut *self.dev,
+                space,
+                generation,
+                for_commit: true,
+            };
+            // Persist the space bitmap until writing it changes it no more.
+            let mut rounds = 0;
+            loop {
+                let chunks = io.space.take_dirty_chunks();
+                if chunks.is_empty() {
+                    break;
+                }
+                rounds += 1;
+                assert!(rounds <= 16, "space bitmap fixpoint did not converge");
+                let items: Vec<(u64, Vec<u8>)> = chunks
+                    .into_iter()
+                    .map(|c| (c, io.space.chunk_bytes(c)))
+                    .collect();
+                for (chunk, bytes) in items {
+                    tree.insert(
+                        &mut io,
+                        Key::new(SPACE_OBJECTID, ItemKind::SpaceBitmap, chunk),
+                        bytes,
+                    )?;
+                }
+            }
+            self.stats.bitmap_fixpoint_rounds_max =
+                self.stats.bitmap_fixpoint_rounds_max.max(rounds);
+            let (ptr, level) = tree.write_dirty(generation, &mut blocks);
+            roots.push(ShardRoot {
+                tree: ptr,
+                level,
+                used_blocks: io.space.allocated_blocks(),
+            });
+        }
+        let block_count = blocks.len() as u64;
+        write_blocks(&mut *self.dev, blocks)?;
+        nvme::flush_sync(&mut *self.dev)?;
+        self.state = CommitState::Unblocked;
+
+        let sb = Superblock {
+            generation,
+            shards: roots,
+            ..self.sb.clone()
+        };
+        let copy = SUPERBLOCK_ADDRS[(generation % 2) as usize];
+        let lba = block_lba(&*self.dev, copy);
+        nvme::write_sync(&mut *self.dev, lba, &sb.encode(), true)?;
+        self.sb = sb;
+        self.generation = generation + 1;
+        self.state = CommitState::SuperCommitted;
+        let super_ns = started.elapsed().as_nanos() as u64;
+
+        let mut unpinned = 0;
+        for shard in &mut self.shards {
+            unpinned += shard.space.unpin(generation);
+            shard.tree.evict_clean(self.options.cache_nodes_per_shard);
+        }
+        self.state = CommitState::Completed;
+        let ns = started.elapsed().as_nanos() as u64;
+        self.stats.commits += 1;
+        self.stats.commit_ns_total += ns;
+        self.stats.commit_ns_max = self.stats.commit_ns_max.max(ns);
+        self.stats.last_commit_ns = ns;
+        self.stats.last_super_commit_ns = super_ns;
+        self.stats.last_unpinned_blocks = unpinned;
+        self.stats.blocks_written += block_count + 1;
+        self.state = CommitState::Running;
+        tracing::debug!(
+            generation,
+            blocks = block_count,
+            unpinned,
+            commit_us = ns / 1000,
+            "committed"
+        );
+        Ok(generation)
+    }
+}
+
+/// Writes whole blocks, coalescing neighbours into larger I/Os, with as many in flight as the
+/// queue allows. Every completion is checked; the first failure is returned after all finish.
+pub(crate) fn write_blocks(
+    dev: &mut dyn BlockDevice,
+    mut blocks: Vec<(u64, Vec<u8>)>,
+) -> Result<()> {
+    blocks.sort_unstable_by_key(|(addr, _)| *addr);
+    let max_blocks = (dev.info().max_io_bytes as usize / BLOCK_BYTES).max(1);
+    let mut runs: Vec<(u64, Vec<u8>)> = Vec::new();
+    for (addr, block) in blocks {
+        match runs.last_mut() {
+            Some((start, data))
+                if *start + (data.len() / BLOCK_BYTES) as u64 == addr
+                    && data.len() / BLOCK_BYTES < max_blocks =>
+            {
+                data.extend_from_slice(&block)
+            }
+            _ => runs.push((addr, block)),
+        }
+    }
+    let depth = dev.info().queue_depth as usize;
+    let mut done = Vec::new();
+    let mut first_error: Option<DevError> = None;
+    let mut runs = runs.into_iter().peekable();
+    let mut in_flight = 0usize;
+    loop {
+        while in_flight < depth {
+            let Some((_, data)) = runs.peek() else { break };
+            let Some(mut buf) = dev.pool().alloc(data.len()) else {
+                if in_flight == 0 {
+                    return Err(EngineError::Device(DevError::PoolExhausted));
+                }
+                break; // buffers come back with completions
+            };
+            let (addr, data) = runs.next().expect("peeked");
+            buf.as_mut_slice().copy_from_slice(&data);
+            let lba = block_lba(dev, addr);
+            if let Err(rejected) = dev.submit(Request {
+                token: addr,
+                op: Op::Write {
+                    lba,
+                    buf,
+                    fua: false,
+                },
+            }) {
+                return Err(EngineError::Device(rejected.reason));
+            }
+            in_flight += 1;
+        }
+        if in_flight == 0 {
+            break;
+        }
+        dev.wait(&mut done, Duration::from_secs(1))?;
+        for completion in done.drain(..) {
+            in_flight -= 1;
+            if let Err(e) = completion.result {
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    match first_error {
+        Some(e) => Err(EngineError::Device(e)),
+        None => Ok(()),
+    }
+}

@@ -1,0 +1,408 @@
+//! A corefs filesystem on one device: mkfs, mount, and the shards (tree + space) that the
+//! commit state machine ([`crate::commit`]) makes durable.
+//!
+//! Fault model: every metadata read is verified (checksum, address, generation, owner, level)
+//! and a failure is reported as corruption naming the block, never used. A device error or a
+//! failed commit makes the filesystem fail-stop: the error is sticky, every later change and
+//! commit fails with it, and a remount recovers the last durable generation. Mount never
+//! writes.
+
+use crate::commit::{CommitState, CommitStats};
+use crate::error::{EngineError, Result};
+use crate::format::{
+    decode_node, BlockPtr, ItemKind, Key, NodeBody, ShardRoot, Superblock, BLOCK_BYTES,
+    DEFAULT_SHARDS, FIRST_REGION_BLOCK, MAX_SHARDS, SUPERBLOCK_ADDRS,
+};
+use crate::space::{MetaNeed, Space};
+use crate::tree::{NodeIo, Tree};
+use nvme::BlockDevice;
+
+/// Object id of the space bitmap items in every shard tree. Object ids below
+/// [`FIRST_INODE`] are the engine's own.
+pub const SPACE_OBJECTID: u64 = 1;
+pub const FIRST_INODE: u64 = 256;
+
+#[derive(Debug, Clone)]
+pub struct MkfsOptions {
+    pub shards: u32,
+    pub label: String,
+}
+
+impl Default for MkfsOptions {
+    fn default() -> Self {
+        MkfsOptions {
+            shards: DEFAULT_SHARDS,
+            label: String::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct MountOptions {
+    /// Loaded tree nodes kept per shard after a commit (the metadata cache bound).
+    pub cache_nodes_per_shard: usize,
+}
+
+impl Default for MountOptions {
+    fn default() -> Self {
+        MountOptions {
+            cache_nodes_per_shard: 4096,
+        }
+    }
+}
+
+pub(crate) struct Shard {
+    pub tree: Tree,
+    pub space: Space,
+}
+
+pub struct Filesystem {
+    pub(crate) dev: Box<dyn BlockDevice>,
+    /// The last durable superblock.
+    pub(crate) sb: Superblock,
+    pub(crate) shards: Vec<Shard>,
+    /// The running transaction's generation.
+    pub(crate) generation: u64,
+    pub(crate) state: CommitState,
+    pub(crate) failed: Option<EngineError>,
+    pub(crate) stats: CommitStats,
+    pub(crate) options: MountOptions,
+}
+
+/// The device LBAs of filesystem block `block`.
+pub(crate) fn block_lba(dev: &dyn BlockDevice, block: u64) -> u64 {
+    block * (BLOCK_BYTES as u64 / dev.info().lba_size_bytes as u64)
+}
+
+/// Reads one filesystem block.
+pub(crate) fn read_block(dev: &mut dyn BlockDevice, block: u64) -> Result<Vec<u8>> {
+    let mut out = vec![0u8; BLOCK_BYTES];
+    let lba = block_lba(dev, block);
+    nvme::read_sync(dev, lba, &mut out)?;
+    Ok(out)
+}
+
+/// What a shard's tree uses to reach the device and the shard's allocator.
+pub(crate) struct ShardIo<'a> {
+    pub dev: &'a mut dyn BlockDevice,
+    pub space: &'a mut Space,
+    pub generation: u64,
+    /// The commit is allocating: it may use the whole metadata reserve.
+    pub for_commit: bool,
+}
+
+impl NodeIo for ShardIo<'_> {
+    fn read_node(&mut self, ptr: &BlockPtr, owner: u32, level: u8) -> Result<NodeBody> {
+        let (start, len) = self.space.region();
+        if !(start..start + len).contains(&ptr.addr) {
+            return Err(EngineError::corrupt(
+                "tree node",
+                ptr.addr,
+                format!("pointer outside shard {owner}'s region"),
+            ));
+        }
+        let block = read_block(self.dev, ptr.addr)?;
+        decode_node(&block, ptr, owner, Some(level))
+            .map(|(_, body)| body)
+            .map_err(|why| EngineError::corrupt("tree node", ptr.addr, why))
+    }
+    fn alloc_block(&mut self) -> Result<u64> {
+        self.space.alloc_meta()
+    }
+    fn ensure_free(&mut self, blocks: u64, shrinking: bool) -> Result<()> {
+        let need = match (self.for_commit, shrinking) {
+            (true, _) => MetaNeed::Commit,
+            (false, true) => MetaNeed::Shrink,
+            (false, false) => MetaNeed::Grow,
+        };
+        if self.space.can_alloc_meta(blocks, need) {
+            Ok(())
+        } else {
+            Err(EngineError::NoSpace)
+        }
+    }
+    fn free_block(&mut self, addr: u64, written: bool) {
+        self.space.free(addr, 1, written.then_some(self.generation));
+    }
+}
+
+impl Filesystem {
+    /// Creates an empty filesystem on `dev`, destroying what was there.
+    pub fn mkfs(dev: &mut dyn BlockDevice, options: &MkfsOptions) -> Result<()> {
+        let info = dev.info().clone();
+        if BLOCK_BYTES as u32 % info.lba_size_bytes != 0 {
+            return Err(EngineError::Invalid(format!(
+                "LBA size {} does not divide the 4 KiB block",
+                info.lba_size_bytes
+            )));
+        }
+        if options.shards == 0 || options.shards > MAX_SHARDS {
+            return Err(EngineError::Invalid(format!(
+                "shard count {} is not 1..={MAX_SHARDS}",
+                options.shards
+            )));
+        }
+        if options.label.len() > 32 {
+            return Err(EngineError::Invalid("label longer than 32 bytes".into()));
+        }
+        let total_blocks = info.capacity_bytes() / BLOCK_BYTES as u64;
+        let region_blocks = total_blocks.saturating_sub(FIRST_REGION_BLOCK) / options.shards as u64;
+        if region_blocks < 64 {
+            return Err(EngineError::Invalid(format!(
+                "{} MiB is too small for {} shards (each needs 64 blocks)",
+                info.capacity_bytes() >> 20,
+                options.shards
+            )));
+        }
+        let mut uuid = [0u8; 16];
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        uuid.copy_from_slice(&(seed ^ (std::process::id() as u128) << 64).to_le_bytes());
+        let sb = Superblock {
+            generation: 1,
+            total_blocks,
+            lba_size_bytes: info.lba_size_bytes,
+            region_blocks,
+            uuid,
+            label: options.label.clone(),
+            shards: vec![ShardRoot::default(); options.shards as usize],
+        };
+        let bytes = sb.encode();
+        for addr in SUPERBLOCK_ADDRS {
+            let lba = block_lba(dev, addr);
+            nvme::write_sync(dev, lba, &bytes, false)?;
+        }
+        nvme::flush_sync(dev)?;
+        Ok(())
+    }
+
+    /// Mounts the newest valid superblock's generation. Never writes.
+    pub fn mount(mut dev: Box<dyn BlockDevice>, options: MountOptions) -> Result<Filesystem> {
+        let device_blocks = dev.info().capacity_bytes() / BLOCK_BYTES as u64;
+        if device_blocks < FIRST_REGION_BLOCK || BLOCK_BYTES as u32 % dev.info().lba_size_bytes != 0
+        {
+            return Err(EngineError::Invalid(
+                "device too small or LBA size larger than 4 KiB".into(),
+            ));
+        }
+        let mut best: Option<Superblock> = None;
+        let mut problems = Vec::new();
+        for addr in SUPERBLOCK_ADDRS {
+            match read_block(&mut *dev, addr).map(|b| Superblock::decode(&b, device_blocks)) {
+                Ok(Ok(sb)) => {
+                    if best.as_ref().is_none_or(|b| sb.generation > b.generation) {
+                        best = Some(sb);
+                    }
+                }
+                Ok(Err(why)) => problems.push(format!("copy {addr}: {why}")),
+                Err(e) => problems.push(format!("copy {addr}: {e}")),
+            }
+        }
+        let sb = best.ok_or_else(|| EngineError::corrupt("superblock", 0, problems.join("; ")))?;
+        if !problems.is_empty() {
+            tracing::warn!(
+                "mounting generation {} from the intact superblock copy; {}",
+                sb.generation,
+                problems.join("; ")
+            );
+        }
+        let mut shards = Vec::with_capacity(sb.shards.len());
+        for (id, root) in sb.shards.iter().enumerate() {
+            let mut tree = Tree::open(id as u32, root.tree, root.level);
+            let mut space = Space::new(sb.region_start(id as u32), sb.region_blocks);
+            let mut io = ShardIo {
+                dev: &mut *dev,
+                space: &mut space,
+                generation: sb.generation + 1,
+                for_commit: false,
+            };
+            let chunks = tree.range(
+                &mut io,
+                Key::new(SPACE_OBJECTID, ItemKind::SpaceBitmap, 0),
+                Key::new(SPACE_OBJECTID, ItemKind::SpaceBitmap, u64::MAX),
+            )?;
+            for (key, bytes) in chunks {
+                space.load_chunk(key.offset, &bytes).map_err(|why| {
+                    EngineError::corrupt(
+                        "space bitmap",
+                        root.tree.addr,
+                        format!("shard {id}: {why}"),
+                    )
+                })?;
+            }
+            space.take_dirty_chunks();
+            if space.allocated_blocks() != root.used_blocks {
+                return Err(EngineError::corrupt(
+                    "space bitmap",
+                    root.tree.addr,
+                    format!(
+                        "shard {id} bitmap counts {} blocks, superblock says {}",
+                        space.allocated_blocks(),
+                        root.used_blocks
+                    ),
+                ));
+            }
+            shards.push(Shard { tree, space });
+        }
+        Ok(Filesystem {
+            generation: sb.generation + 1,
+            dev,
+            sb,
+            shards,
+            state: CommitState::Running,
+            failed: None,
+            stats: CommitStats::default(),
+            options,
+        })
+    }
+
+    /// The last durable generation.
+    pub fn durable_generation(&self) -> u64 {
+        self.sb.generation
+    }
+    /// The running transaction's generation.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+    pub fn shard_count(&self) -> u32 {
+        self.shards.len() as u32
+    }
+    pub fn superblock(&self) -> &Superblock {
+        &self.sb
+    }
+    pub fn device(&self) -> &dyn BlockDevice {
+        &*self.dev
+    }
+
+    pub(crate) fn check_writable(&self) -> Result<()> {
+        match &self.failed {
+            Some(e) => Err(EngineError::ReadOnly(e.to_string())),
+            None => Ok(()),
+        }
+    }
+
+    /// Runs `f` on shard `shard`'s tree with its I/O context. A device error, or corruption
+    /// met while changing the tree (`mutating`), leaves the tree half-changed: the filesystem
+    /// fails stop. NoSpace and invalid arguments are checked before anything changes.
+    pub(crate) fn with_tree<T>(
+        &mut self,
+        shard: u32,
+        mutating: bool,
+        f: impl FnOnce(&mut Tree, &mut ShardIo) -> Result<T>,
+    ) -> Result<T> {
+        let Shard { tree, space } = &mut self.shards[shard as usize];
+        let mut io = ShardIo {
+            dev: &mut *self.dev,
+            space,
+            generation: self.generation,
+            for_commit: false,
+        };
+        let result = f(tree, &mut io);
+        match &result {
+            Err(e @ EngineError::Device(_)) => {
+                self.failed.get_or_insert(e.clone());
+            }
+            Err(e @ EngineError::Corrupt { .. }) if mutating => {
+                self.failed.get_or_insert(e.clone());
+            }
+            _ => {}
+        }
+        result
+    }
+
+    fn check_key(key: &Key) -> Result<()> {
+        if key.objectid < FIRST_INODE {
+            return Err(EngineError::Invalid(format!(
+                "object id {} is reserved",
+                key.objectid
+            )));
+        }
+        Ok(())
+    }
+
+    /// Inserts or replaces an item in shard `shard`'s tree (joins the running transaction).
+    pub fn insert_item(&mut self, shard: u32, key: Key, value: Vec<u8>) -> Result<Option<Vec<u8>>> {
+        self.check_writable()?;
+        Self::check_key(&key)?;
+        self.with_tree(shard, true, |tree, io| tree.insert(io, key, value))
+    }
+
+    pub fn remove_item(&mut self, shard: u32, key: &Key) -> Result<Option<Vec<u8>>> {
+        self.check_writable()?;
+        Self::check_key(key)?;
+        self.with_tree(shard, true, |tree, io| tree.remove(io, key))
+    }
+
+    pub fn get_item(&mut self, shard: u32, key: &Key) -> Result<Option<Vec<u8>>> {
+        self.with_tree(shard, false, |tree, io| tree.get(io, key))
+    }
+
+    /// Items with `start` ≤ key < `end` in shard `shard`.
+    pub fn range_items(&mut self, shard: u32, start: Key, end: Key) -> Result<Vec<(Key, Vec<u8>)>> {
+        self.with_tree(shard, false, |tree, io| tree.range(io, start, end))
+    }
+
+    /// Walks every shard's tree and checks every invariant: tree structure and checksums,
+    /// and that the space bitmap marks exactly the blocks the tree uses (no leak, no double
+    /// use). Returns the number of items (space items included).
+    pub fn check(&mut self) -> Result<u64> {
+        let mut items = 0;
+        for shard in 0..self.shard_count() {
+            let generation = self.generation;
+            let Shard { tree, space } = &mut self.shards[shard as usize];
+            let mut io = ShardIo {
+                dev: &mut *self.dev,
+                space,
+                generation,
+                for_commit: false,
+            };
+            let (count, blocks) = tree.check(&mut io)?;
+            items += count;
+            let mut used: Vec<u64> = blocks;
+            used.sort_unstable();
+            if let Some(w) = used.windows(2).find(|w| w[0] == w[1]) {
+                return Err(EngineError::corrupt(
+                    "tree node",
+                    w[0],
+                    format!("shard {shard}: block used twice"),
+                ));
+            }
+            for &block in &used {
+                if !space.is_allocated(block) {
+                    return Err(EngineError::corrupt(
+                        "space bitmap",
+                        block,
+                        format!("shard {shard}: tree block marked free"),
+                    ));
+                }
+            }
+            if space.allocated_blocks() != used.len() as u64 {
+                return Err(EngineError::corrupt(
+                    "space bitmap",
+                    0,
+                    format!(
+                        "shard {shard}: {} blocks allocated, the tree uses {}",
+                        space.allocated_blocks(),
+                        used.len()
+                    ),
+                ));
+            }
+        }
+        Ok(items)
+    }
+
+    /// Gives the device back without committing: what a crash leaves (tests, tools).
+    pub fn into_device(self) -> Box<dyn BlockDevice> {
+        self.dev
+    }
+
+    /// Commits and gives the device back (clean unmount).
+    pub fn unmount(mut self) -> Result<Box<dyn BlockDevice>> {
+        if self.failed.is_none() {
+            self.commit()?;
+        }
+        Ok(self.dev)
+    }
+}
