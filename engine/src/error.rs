@@ -19,6 +19,22 @@ pub enum EngineError {
     ReadOnly(String),
     #[error("invalid argument: {0}")]
     Invalid(String),
+    #[error("no such file or directory")]
+    NotFound,
+    #[error("file exists")]
+    Exists,
+    #[error("directory not empty")]
+    NotEmpty,
+    #[error("not a directory")]
+    NotDir,
+    #[error("is a directory")]
+    IsDir,
+    #[error("name longer than 255 bytes")]
+    NameTooLong,
+    #[error("no such attribute")]
+    NoData,
+    #[error("value too large for this filesystem ({0})")]
+    TooBig(String),
 }
 
 impl EngineError {
@@ -38,6 +54,14 @@ impl EngineError {
             EngineError::NoSpace => 28,         // ENOSPC
             EngineError::ReadOnly(_) => 30,     // EROFS
             EngineError::Invalid(_) => 22,      // EINVAL
+            EngineError::NotFound => 2,         // ENOENT
+            EngineError::Exists => 17,          // EEXIST
+            EngineError::NotEmpty => 39,        // ENOTEMPTY
+            EngineError::NotDir => 20,          // ENOTDIR
+            EngineError::IsDir => 21,           // EISDIR
+            EngineError::NameTooLong => 36,     // ENAMETOOLONG
+            EngineError::NoData => 61,          // ENODATA
+            EngineError::TooBig(_) => 27,       // EFBIG
         }
     }
 }

@@ -9,10 +9,12 @@
 
 use crate::commit::{CommitState, CommitStats};
 use crate::error::{EngineError, Result};
+use crate::format::items::{InodeItem, Timespec};
 use crate::format::{
     decode_node, BlockPtr, ItemKind, Key, NodeBody, ShardRoot, Superblock, BLOCK_BYTES,
     DEFAULT_SHARDS, FIRST_REGION_BLOCK, MAX_SHARDS, SUPERBLOCK_ADDRS,
 };
+use crate::inode::{ROOT_INO, S_IFDIR};
 use crate::space::{MetaNeed, Space};
 use crate::tree::{NodeIo, Tree};
 use nvme::BlockDevice;
@@ -67,6 +69,8 @@ pub struct Filesystem {
     pub(crate) failed: Option<EngineError>,
     pub(crate) stats: CommitStats,
     pub(crate) options: MountOptions,
+    /// Round-robin cursor spreading new inodes over shards.
+    pub(crate) next_create_shard: u64,
 }
 
 /// The device LBAs of filesystem block `block`.
@@ -127,8 +131,12 @@ impl NodeIo for ShardIo<'_> {
 }
 
 impl Filesystem {
-    /// Creates an empty filesystem on `dev`, destroying what was there.
-    pub fn mkfs(dev: &mut dyn BlockDevice, options: &MkfsOptions) -> Result<()> {
+    /// Creates an empty filesystem on `dev`, destroying what was there: superblocks, then the
+    /// root directory in a first commit. Returns the device.
+    pub fn mkfs(
+        mut dev: Box<dyn BlockDevice>,
+        options: &MkfsOptions,
+    ) -> Result<Box<dyn BlockDevice>> {
         let info = dev.info().clone();
         if BLOCK_BYTES as u32 % info.lba_size_bytes != 0 {
             return Err(EngineError::Invalid(format!(
@@ -171,11 +179,25 @@ impl Filesystem {
         };
         let bytes = sb.encode();
         for addr in SUPERBLOCK_ADDRS {
-            let lba = block_lba(dev, addr);
-            nvme::write_sync(dev, lba, &bytes, false)?;
+            let lba = block_lba(&*dev, addr);
+            nvme::write_sync(&mut *dev, lba, &bytes, false)?;
         }
-        nvme::flush_sync(dev)?;
-        Ok(())
+        nvme::flush_sync(&mut *dev)?;
+        let mut fs = Filesystem::mount(dev, MountOptions::default())?;
+        let now = Timespec::now();
+        let root = InodeItem {
+            mode: S_IFDIR | 0o755,
+            nlink: 2,
+            atime: now,
+            mtime: now,
+            ctime: now,
+            crtime: now,
+            generation: fs.generation,
+            next_index: crate::dir::FIRST_INDEX,
+            ..Default::default()
+        };
+        fs.store_inode(ROOT_INO, &root)?;
+        fs.unmount()
     }
 
     /// Mounts the newest valid superblock's generation. Never writes.
@@ -255,6 +277,7 @@ impl Filesystem {
             failed: None,
             stats: CommitStats::default(),
             options,
+            next_create_shard: 0,
         })
     }
 
@@ -312,6 +335,31 @@ impl Filesystem {
         result
     }
 
+    /// Fails with NoSpace unless shard `shard` has room for `tree_ops` more tree changes; for
+    /// multi-step changes, checked before the first step so none fails halfway.
+    pub(crate) fn ensure_meta_room(&mut self, shard: u32, tree_ops: u64) -> Result<()> {
+        const WORST_BLOCKS_PER_OP: u64 = 12;
+        if self.shards[shard as usize]
+            .space
+            .can_alloc_meta(tree_ops * WORST_BLOCKS_PER_OP, MetaNeed::Grow)
+        {
+            Ok(())
+        } else {
+            Err(EngineError::NoSpace)
+        }
+    }
+
+    /// A step of a multi-step change failed after earlier steps changed the tree: the
+    /// in-memory state is half-changed, so the filesystem fails stop (the durable state is
+    /// intact and a remount recovers it).
+    pub(crate) fn fail_stop_on_error<T>(&mut self, result: Result<T>) -> Result<T> {
+        if let Err(e) = &result {
+            tracing::error!("a change failed halfway, filesystem is now read-only: {e}");
+            self.failed.get_or_insert(e.clone());
+        }
+        result
+    }
+
     fn check_key(key: &Key) -> Result<()> {
         if key.objectid < FIRST_INODE {
             return Err(EngineError::Invalid(format!(
@@ -342,55 +390,6 @@ impl Filesystem {
     /// Items with `start` ≤ key < `end` in shard `shard`.
     pub fn range_items(&mut self, shard: u32, start: Key, end: Key) -> Result<Vec<(Key, Vec<u8>)>> {
         self.with_tree(shard, false, |tree, io| tree.range(io, start, end))
-    }
-
-    /// Walks every shard's tree and checks every invariant: tree structure and checksums,
-    /// and that the space bitmap marks exactly the blocks the tree uses (no leak, no double
-    /// use). Returns the number of items (space items included).
-    pub fn check(&mut self) -> Result<u64> {
-        let mut items = 0;
-        for shard in 0..self.shard_count() {
-            let generation = self.generation;
-            let Shard { tree, space } = &mut self.shards[shard as usize];
-            let mut io = ShardIo {
-                dev: &mut *self.dev,
-                space,
-                generation,
-                for_commit: false,
-            };
-            let (count, blocks) = tree.check(&mut io)?;
-            items += count;
-            let mut used: Vec<u64> = blocks;
-            used.sort_unstable();
-            if let Some(w) = used.windows(2).find(|w| w[0] == w[1]) {
-                return Err(EngineError::corrupt(
-                    "tree node",
-                    w[0],
-                    format!("shard {shard}: block used twice"),
-                ));
-            }
-            for &block in &used {
-                if !space.is_allocated(block) {
-                    return Err(EngineError::corrupt(
-                        "space bitmap",
-                        block,
-                        format!("shard {shard}: tree block marked free"),
-                    ));
-                }
-            }
-            if space.allocated_blocks() != used.len() as u64 {
-                return Err(EngineError::corrupt(
-                    "space bitmap",
-                    0,
-                    format!(
-                        "shard {shard}: {} blocks allocated, the tree uses {}",
-                        space.allocated_blocks(),
-                        used.len()
-                    ),
-                ));
-            }
-        }
-        Ok(items)
     }
 
     /// Gives the device back without committing: what a crash leaves (tests, tools).

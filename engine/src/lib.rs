@@ -8,13 +8,21 @@
 //! - [`space`]: the per-shard block allocator with generation-pinned frees;
 //! - [`commit`]: mkfs, mount and the commit state machine (Running → … → Completed).
 
+pub mod check;
 pub mod commit;
+pub mod dir;
 pub mod error;
+pub mod file;
 pub mod format;
 pub mod fs;
+pub mod inode;
 pub mod space;
 pub mod tree;
 
+pub use check::CheckReport;
 pub use commit::{CommitState, CommitStats};
+pub use dir::{DirEntry, RenameFlags};
 pub use error::{EngineError, Result};
+pub use file::FallocateMode;
 pub use fs::{Filesystem, MkfsOptions, MountOptions};
+pub use inode::{SetAttr, Stat};

@@ -34,16 +34,13 @@ fn mem_config(bytes: u64) -> MemConfig {
 }
 
 fn mkfs_mem(bytes: u64, shards: u32) -> MemDevice {
-    let mut dev = MemDevice::new(mem_config(bytes)).unwrap();
-    Filesystem::mkfs(
-        &mut dev,
-        &MkfsOptions {
-            shards,
-            label: "test".into(),
-        },
-    )
-    .unwrap();
-    dev
+    let dev = MemDevice::new(mem_config(bytes)).unwrap();
+    let options = MkfsOptions {
+        shards,
+        label: "test".into(),
+    };
+    let dev = Filesystem::mkfs(Box::new(dev), &options).unwrap();
+    MemDevice::from_image(&image_of(dev), mem_config(bytes)).unwrap()
 }
 
 fn random_change(fs: &mut Filesystem, model: &mut Model, rng: &mut Xoshiro256PlusPlus) {
@@ -67,9 +64,12 @@ fn random_change(fs: &mut Filesystem, model: &mut Model, rng: &mut Xoshiro256Plu
 
 fn assert_matches(fs: &mut Filesystem, model: &Model, context: &str) {
     for shard in 0..fs.shard_count() {
-        let got = fs
+        let got: Vec<(Key, Vec<u8>)> = fs
             .range_items(shard, Key::new(256, ItemKind::InodeItem, 0), Key::MAX)
-            .unwrap();
+            .unwrap()
+            .into_iter()
+            .filter(|(k, _)| k.kind == ItemKind::Test)
+            .collect();
         let want: Vec<(Key, Vec<u8>)> = model
             .range((shard, Key::MIN)..=(shard, Key::MAX))
             .map(|((_, k), v)| (*k, v.clone()))
@@ -123,12 +123,16 @@ fn changes_survive_unmount_and_mount() {
 fn a_commit_with_nothing_to_do_writes_nothing() {
     let mut fs =
         Filesystem::mount(Box::new(mkfs_mem(8 << 20, 2)), MountOptions::default()).unwrap();
-    assert_eq!(fs.commit().unwrap(), 1);
+    assert_eq!(
+        fs.commit().unwrap(),
+        2,
+        "mkfs committed the root as generation 2"
+    );
     assert_eq!(fs.commit_stats().commits, 0);
     fs.insert_item(1, Key::new(300, ItemKind::Test, 0), vec![1])
         .unwrap();
-    assert_eq!(fs.commit().unwrap(), 2);
-    assert_eq!(fs.commit().unwrap(), 2);
+    assert_eq!(fs.commit().unwrap(), 3);
+    assert_eq!(fs.commit().unwrap(), 3);
     assert_eq!(fs.commit_stats().commits, 1);
     assert!(matches!(
         fs.insert_item(0, Key::new(5, ItemKind::Test, 0), vec![]),
@@ -154,7 +158,7 @@ fn power_cut_at_every_write_gives_a_whole_generation() {
     )
     .unwrap();
     let mut models: BTreeMap<u64, Model> = BTreeMap::new();
-    models.insert(1, Model::new());
+    models.insert(2, Model::new());
     let mut model = Model::new();
     for _ in 0..6 {
         for _ in 0..rng.random_range(50..400) {
@@ -167,8 +171,8 @@ fn power_cut_at_every_write_gives_a_whole_generation() {
     let records = log.snapshot();
     // Which generation each record index has made durable: superblock writes are FUA.
     let superblock_lbas = [0u64, 8]; // blocks 0 and 1 at 512-byte LBAs
-    let mut durable_at = vec![1u64; records.len() + 1];
-    let mut durable = 1;
+    let mut durable_at = vec![2u64; records.len() + 1];
+    let mut durable = 2;
     for (i, record) in records.iter().enumerate() {
         if let Record::Write {
             lba,
@@ -266,7 +270,7 @@ fn corrupt_images_are_refused_by_name_and_one_bad_superblock_is_survived() {
     };
     torn[newest + 300] ^= 1;
     let fs = mount(&torn).unwrap();
-    assert_eq!(fs.durable_generation(), 1, "fell back to mkfs's generation");
+    assert_eq!(fs.durable_generation(), 2, "fell back to mkfs's generation");
 
     // A flipped bit in a tree node: reported with its block when read, never returned.
     for shard in 0..2u32 {
@@ -306,7 +310,7 @@ fn a_failed_write_makes_the_filesystem_fail_stop_and_remount_recovers() {
         let mut fs = Filesystem::mount(Box::new(faulty), MountOptions::default()).unwrap();
         let key = |i: u64| Key::new(256 + i, ItemKind::Test, 0);
         fs.insert_item(0, key(1), vec![1; 10]).unwrap();
-        assert_eq!(fs.commit().unwrap(), 2);
+        assert_eq!(fs.commit().unwrap(), 3);
         fs.insert_item(0, key(2), vec![2; 10]).unwrap();
         faults.fail_next(kind, 1);
         let err = fs.commit().unwrap_err();
@@ -319,7 +323,7 @@ fn a_failed_write_makes_the_filesystem_fail_stop_and_remount_recovers() {
             "{kind}: not sticky"
         );
         assert!(matches!(fs.commit(), Err(EngineError::ReadOnly(_))));
-        assert_eq!(fs.durable_generation(), 2);
+        assert_eq!(fs.durable_generation(), 3);
         // A remount recovers the last durable generation: key 1, not key 2.
         let image = image_of(fs.into_device());
         let mut fs = Filesystem::mount(
@@ -327,7 +331,7 @@ fn a_failed_write_makes_the_filesystem_fail_stop_and_remount_recovers() {
             MountOptions::default(),
         )
         .unwrap();
-        assert_eq!(fs.durable_generation(), 2, "{kind}");
+        assert_eq!(fs.durable_generation(), 3, "{kind}");
         assert_eq!(fs.get_item(0, &key(1)).unwrap(), Some(vec![1; 10]));
         assert_eq!(fs.get_item(0, &key(2)).unwrap(), None);
         fs.check().unwrap();

@@ -12,6 +12,7 @@ pub enum ItemKind {
     DirItem = 84,
     DirIndex = 96,
     ExtentData = 108,
+    SymlinkTarget = 110,
     ExtentCsum = 128,
     SpaceBitmap = 200,
     /// Keys used by tests of the tree alone.
@@ -27,6 +28,7 @@ impl ItemKind {
             84 => ItemKind::DirItem,
             96 => ItemKind::DirIndex,
             108 => ItemKind::ExtentData,
+            110 => ItemKind::SymlinkTarget,
             128 => ItemKind::ExtentCsum,
             200 => ItemKind::SpaceBitmap,
             255 => ItemKind::Test,

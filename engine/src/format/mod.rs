@@ -9,6 +9,7 @@
 //! - blocks 2..: one equal region per shard; a shard allocates its tree nodes and data extents
 //!   only inside its region.
 
+pub mod items;
 pub mod key;
 pub mod node;
 pub mod superblock;

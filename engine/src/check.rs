@@ -1,0 +1,350 @@
+//! The checker (`corefs fsck` and every test): walks every shard's tree and verifies every
+//! invariant the engine promises, reporting the first violation with what and where.
+//!
+//! - tree structure: checksums, addresses, generations, key order and bounds, fill limits;
+//! - placement: every item of inode `i` is in shard `i % shards`;
+//! - names: each directory-item entry has the matching index item and inode back-reference,
+//!   and vice versa; hashes are right; every name points at an existing inode;
+//! - link counts: a file's nlink is its number of names; a directory's is 2 + subdirectories;
+//!   every inode but the root has a name;
+//! - data: extents of an inode never overlap; `blocks` matches them; every data block is
+//!   inside the shard's region and used once;
+//! - space: the bitmap marks exactly the tree blocks plus the data blocks.
+
+use crate::error::{EngineError, Result};
+use crate::format::items::{decode_names, decode_xattrs, name_hash, ExtentItem, InodeItem};
+use crate::format::{ItemKind, Key, BLOCK_BYTES};
+use crate::fs::{Filesystem, ShardIo, FIRST_INODE, SPACE_OBJECTID};
+use crate::inode::{INO_COUNTER_OBJECTID, ROOT_INO, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// What the checker saw.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CheckReport {
+    pub items: u64,
+    pub inodes: u64,
+    pub directories: u64,
+    pub names: u64,
+    pub tree_blocks: u64,
+    pub data_blocks: u64,
+}
+
+fn bad(what: &'static str, where_: u64, why: impl Into<String>) -> EngineError {
+    EngineError::corrupt(what, where_, why)
+}
+
+impl Filesystem {
+    /// Verifies every invariant; see the module docs.
+    pub fn check(&mut self) -> Result<CheckReport> {
+        let mut report = CheckReport::default();
+        let shard_count = self.shard_count() as u64;
+        let mut inodes: BTreeMap<u64, InodeItem> = BTreeMap::new();
+        // (dir, name) → (child, kind) from directory items; from index items with their seq.
+        let mut dir_items: BTreeMap<(u64, Vec<u8>), (u64, u8)> = BTreeMap::new();
+        let mut index_items: BTreeMap<(u64, Vec<u8>), (u64, u8, u64)> = BTreeMap::new();
+        // (child, dir, name) → seq from back-references.
+        let mut back_refs: BTreeMap<(u64, u64, Vec<u8>), u64> = BTreeMap::new();
+        let mut extents: BTreeMap<u64, Vec<(u64, ExtentItem)>> = BTreeMap::new();
+
+        for shard in 0..self.shard_count() {
+            let generation = self.generation;
+            let crate::fs::Shard { tree, space } = &mut self.shards[shard as usize];
+            let mut io = ShardIo {
+                dev: &mut *self.dev,
+                space,
+                generation,
+                for_commit: false,
+            };
+            let (count, mut blocks) = tree.check(&mut io)?;
+            report.items += count;
+            let items = tree.range(&mut io, Key::MIN, Key::MAX)?;
+            let (region_start, region_blocks) = io.space.region();
+            let mut data_blocks: Vec<u64> = Vec::new();
+            for (key, value) in items {
+                let ino = key.objectid;
+                if key.kind == ItemKind::Test {
+                    continue; // items of the tree-level tests
+                }
+                if ino >= FIRST_INODE && ino % shard_count != shard as u64 {
+                    return Err(bad(
+                        "item placement",
+                        ino,
+                        format!("{key:?} is in shard {shard}"),
+                    ));
+                }
+                match key.kind {
+                    _ if ino == SPACE_OBJECTID || ino == INO_COUNTER_OBJECTID => {}
+                    ItemKind::InodeItem => {
+                        let item =
+                            InodeItem::decode(&value).map_err(|why| bad("inode item", ino, why))?;
+                        inodes.insert(ino, item);
+                    }
+                    ItemKind::DirItem => {
+                        for e in
+                            decode_names(&value).map_err(|why| bad("directory item", ino, why))?
+                        {
+                            if name_hash(&e.name) != key.offset {
+                                return Err(bad(
+                                    "directory item",
+                                    ino,
+                                    "name in the wrong hash bucket",
+                                ));
+                            }
+                            if dir_items
+                                .insert((ino, e.name.clone()), (e.target, e.kind))
+                                .is_some()
+                            {
+                                return Err(bad("directory item", ino, "duplicate name"));
+                            }
+                        }
+                    }
+                    ItemKind::DirIndex => {
+                        let mut list =
+                            decode_names(&value).map_err(|why| bad("directory index", ino, why))?;
+                        if list.len() != 1 {
+                            return Err(bad(
+                                "directory index",
+                                ino,
+                                "index item holds more than one name",
+                            ));
+                        }
+                        let e = list.remove(0);
+                        if index_items
+                            .insert((ino, e.name), (e.target, e.kind, key.offset))
+                            .is_some()
+                        {
+                            return Err(bad("directory index", ino, "name indexed twice"));
+                        }
+                    }
+                    ItemKind::InodeRef => {
+                        for e in decode_names(&value)
+                            .map_err(|why| bad("inode back-reference", ino, why))?
+                        {
+                            back_refs.insert((ino, key.offset, e.name), e.target);
+                        }
+                    }
+                    ItemKind::ExtentData => {
+                        if key.offset % BLOCK_BYTES as u64 != 0 {
+                            return Err(bad(
+                                "extent item",
+                                ino,
+                                format!("unaligned file offset {}", key.offset),
+                            ));
+                        }
+                        let extent = ExtentItem::decode(&value)
+                            .map_err(|why| bad("extent item", ino, why))?;
+                        extents
+                            .entry(ino)
+                            .or_default()
+                            .push((key.offset / BLOCK_BYTES as u64, extent));
+                    }
+                    ItemKind::SymlinkTarget => {
+                        if value.is_empty() || key.offset != 0 {
+                            return Err(bad("symlink", ino, "empty or misplaced target"));
+                        }
+                    }
+                    ItemKind::XattrItem => {
+                        decode_xattrs(&value).map_err(|why| bad("xattr item", ino, why))?;
+                    }
+                    _ => {
+                        return Err(bad(
+                            "item",
+                            ino,
+                            format!("unexpected item kind {:?}", key.kind),
+                        ))
+                    }
+                }
+            }
+            // Data blocks of this shard's inodes.
+            for (&ino, list) in extents.range(0..) {
+                if ino % shard_count != shard as u64 {
+                    continue;
+                }
+                for (_, extent) in list {
+                    for b in extent.disk_block..extent.disk_block + extent.blocks as u64 {
+                        if !(region_start..region_start + region_blocks).contains(&b) {
+                            return Err(bad(
+                                "extent item",
+                                ino,
+                                format!("data block {b} outside shard {shard}'s region"),
+                            ));
+                        }
+                        data_blocks.push(b);
+                    }
+                }
+            }
+            report.tree_blocks += blocks.len() as u64;
+            report.data_blocks += data_blocks.len() as u64;
+            blocks.extend(data_blocks);
+            blocks.sort_unstable();
+            if let Some(w) = blocks.windows(2).find(|w| w[0] == w[1]) {
+                return Err(bad(
+                    "space",
+                    w[0],
+                    format!("shard {shard}: block used twice"),
+                ));
+            }
+            for &block in &blocks {
+                if !io.space.is_allocated(block) {
+                    return Err(bad(
+                        "space bitmap",
+                        block,
+                        format!("shard {shard}: block in use but marked free"),
+                    ));
+                }
+            }
+            if io.space.allocated_blocks() != blocks.len() as u64 {
+                return Err(bad(
+                    "space bitmap",
+                    region_start,
+                    format!(
+                        "shard {shard}: {} blocks marked allocated, {} in use (leak)",
+                        io.space.allocated_blocks(),
+                        blocks.len()
+                    ),
+                ));
+            }
+        }
+
+        // Names: the three views agree.
+        for ((dir, name), (child, kind)) in &dir_items {
+            match index_items.get(&(*dir, name.clone())) {
+                Some((c, k, seq)) if c == child && k == kind => {
+                    if back_refs.get(&(*child, *dir, name.clone())) != Some(seq) {
+                        return Err(bad(
+                            "inode back-reference",
+                            *child,
+                            format!("missing or wrong for a name in directory {dir}"),
+                        ));
+                    }
+                }
+                _ => {
+                    return Err(bad(
+                        "directory index",
+                        *dir,
+                        format!("no index item matching {:?}", String::from_utf8_lossy(name)),
+                    ))
+                }
+            }
+            let Some(child_item) = inodes.get(child) else {
+                return Err(bad(
+                    "directory item",
+                    *dir,
+                    format!("names missing inode {child}"),
+                ));
+            };
+            if (child_item.mode & S_IFMT) >> 12 != *kind as u32 {
+                return Err(bad(
+                    "directory item",
+                    *dir,
+                    format!("type of inode {child} disagrees"),
+                ));
+            }
+        }
+        if index_items.len() != dir_items.len() || back_refs.len() != dir_items.len() {
+            return Err(bad(
+                "directory index",
+                0,
+                format!(
+                    "{} names, {} index items, {} back-references",
+                    dir_items.len(),
+                    index_items.len(),
+                    back_refs.len()
+                ),
+            ));
+        }
+        report.names = dir_items.len() as u64;
+
+        // Link counts and reachability.
+        let mut names_of: BTreeMap<u64, u32> = BTreeMap::new();
+        let mut subdirs: BTreeMap<u64, u32> = BTreeMap::new();
+        for ((dir, _), (child, kind)) in &dir_items {
+            *names_of.entry(*child).or_default() += 1;
+            if *kind as u32 == S_IFDIR >> 12 {
+                *subdirs.entry(*dir).or_default() += 1;
+            }
+        }
+        for (&ino, item) in &inodes {
+            report.inodes += 1;
+            let names = names_of.get(&ino).copied().unwrap_or(0);
+            match item.mode & S_IFMT {
+                S_IFDIR => {
+                    report.directories += 1;
+                    let want = 2 + subdirs.get(&ino).copied().unwrap_or(0);
+                    if item.nlink != want {
+                        return Err(bad(
+                            "inode item",
+                            ino,
+                            format!("directory nlink {} but {} expected", item.nlink, want),
+                        ));
+                    }
+                    if ino != ROOT_INO && names != 1 {
+                        return Err(bad(
+                            "inode item",
+                            ino,
+                            format!("directory with {names} names"),
+                        ));
+                    }
+                }
+                S_IFREG | S_IFLNK => {
+                    if item.nlink != names {
+                        return Err(bad(
+                            "inode item",
+                            ino,
+                            format!("nlink {} but {names} names", item.nlink),
+                        ));
+                    }
+                }
+                other => {
+                    return Err(bad(
+                        "inode item",
+                        ino,
+                        format!("unknown file type {other:o}"),
+                    ))
+                }
+            }
+            if ino != ROOT_INO && names == 0 {
+                return Err(bad("inode item", ino, "no name reaches it (orphan)"));
+            }
+            if item.mode & S_IFMT == S_IFREG {
+                let mut list = extents.remove(&ino).unwrap_or_default();
+                list.sort_by_key(|(b, _)| *b);
+                let mut end = 0;
+                let mut total = 0;
+                for (first, extent) in &list {
+                    if *first < end {
+                        return Err(bad(
+                            "extent item",
+                            ino,
+                            format!("extents overlap at file block {first}"),
+                        ));
+                    }
+                    end = first + extent.blocks as u64;
+                    total += extent.blocks as u64;
+                }
+                if total != item.blocks {
+                    return Err(bad(
+                        "inode item",
+                        ino,
+                        format!("blocks {} but extents hold {total}", item.blocks),
+                    ));
+                }
+            }
+        }
+        if let Some((&ino, _)) = extents.iter().next() {
+            return Err(bad(
+                "extent item",
+                ino,
+                "extents of a missing inode or non-file",
+            ));
+        }
+        if !inodes.contains_key(&ROOT_INO) {
+            return Err(bad("inode item", ROOT_INO, "root directory missing"));
+        }
+        let referenced: BTreeSet<u64> = dir_items.values().map(|(c, _)| *c).collect();
+        if let Some(missing) = referenced.iter().find(|c| !inodes.contains_key(c)) {
+            return Err(bad("directory item", *missing, "names a missing inode"));
+        }
+        Ok(report)
+    }
+}

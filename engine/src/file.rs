@@ -1,0 +1,436 @@
+//! File data: extents, read, write, truncate, fallocate, punch hole, zero range.
+//!
+//! Data is copy-on-write at 4 KiB block granularity: a write allocates new blocks in the
+//! inode's shard region, writes them, then replaces the extent items covering that range; the
+//! blocks it replaced are freed pinned (reusable after the next super-commit). So a crash never
+//! shows a half-overwritten block of a committed file, and data reaches the device before the
+//! metadata that points at it (the commit flushes before its superblock).
+//!
+//! An extent item `(ino, ExtentData, file offset)` covers at most [`MAX_EXTENT_BLOCKS`] blocks
+//! and carries the crc32c of each block; a read verifies every block it returns. Holes have no
+//! item and read as zeroes; preallocated extents read as zeroes until written.
+//!
+//! # Invariants
+//! - Extents of one inode never overlap; each disk block belongs to at most one extent.
+//! - `inode.blocks` counts the data blocks the inode's extents hold.
+
+use crate::error::{EngineError, Result};
+use crate::format::items::{ExtentItem, InodeItem, Timespec, MAX_EXTENT_BLOCKS};
+use crate::format::{ItemKind, Key, BLOCK_BYTES};
+use crate::fs::{block_lba, Filesystem};
+use crate::inode::{S_IFDIR, S_IFMT, S_IFREG};
+
+const BLOCK: u64 = BLOCK_BYTES as u64;
+/// Largest file offset (keeps every byte offset and block count in range).
+pub const MAX_FILE_BYTES: u64 = 1 << 50;
+
+/// fallocate(2) modes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FallocateMode {
+    pub keep_size: bool,
+    pub punch_hole: bool,
+    pub zero_range: bool,
+}
+
+/// One extent as found in the tree: its first file block and its item.
+#[derive(Debug, Clone)]
+struct Extent {
+    file_block: u64,
+    item: ExtentItem,
+}
+
+impl Extent {
+    fn end(&self) -> u64 {
+        self.file_block + self.item.blocks as u64
+    }
+}
+
+fn extent_key(ino: u64, file_block: u64) -> Key {
+    Key::new(ino, ItemKind::ExtentData, file_block * BLOCK)
+}
+
+impl Filesystem {
+    fn file_inode(&mut self, ino: u64) -> Result<InodeItem> {
+        let item = self.load_inode(ino)?;
+        match item.mode & S_IFMT {
+            S_IFREG => Ok(item),
+            S_IFDIR => Err(EngineError::IsDir),
+            _ => Err(EngineError::Invalid("not a regular file".into())),
+        }
+    }
+
+    /// Extents overlapping file blocks `first..end`.
+    fn extents_in(&mut self, ino: u64, first: u64, end: u64) -> Result<Vec<Extent>> {
+        let shard = self.shard_of(ino);
+        // An extent covering `first` starts at most MAX_EXTENT_BLOCKS - 1 blocks before it.
+        let from = extent_key(ino, first.saturating_sub(MAX_EXTENT_BLOCKS as u64 - 1));
+        let to = extent_key(ino, end);
+        let items = self.with_tree(shard, false, |tree, io| tree.range(io, from, to))?;
+        let mut out = Vec::new();
+        for (key, bytes) in items {
+            if key.offset % BLOCK != 0 {
+                return Err(EngineError::corrupt(
+                    "extent item",
+                    ino,
+                    format!("unaligned offset {}", key.offset),
+                ));
+            }
+            let item = ExtentItem::decode(&bytes)
+                .map_err(|why| EngineError::corrupt("extent item", ino, why))?;
+            let extent = Extent {
+                file_block: key.offset / BLOCK,
+                item,
+            };
+            if extent.end() > first {
+                out.push(extent);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Reads up to `len` bytes at `offset`; short at end of file.
+    pub fn read(&mut self, ino: u64, offset: u64, len: usize) -> Result<Vec<u8>> {
+        let item = self.file_inode(ino)?;
+        if offset >= item.size || len == 0 {
+            return Ok(Vec::new());
+        }
+        let end = (offset + len as u64).min(item.size);
+        let mut out = vec![0u8; (end - offset) as usize];
+        let first = offset / BLOCK;
+        let last = end.div_ceil(BLOCK);
+        for extent in self.extents_in(ino, first, last)? {
+            if extent.item.prealloc {
+                continue; // reads as zeroes, already in `out`
+            }
+            let from = extent.file_block.max(first);
+            let to = extent.end().min(last);
+            let disk = extent.item.disk_block + (from - extent.file_block);
+            let data = self.read_data_blocks(
+                ino,
+                disk,
+                to - from,
+                &extent.item.crcs[(from - extent.file_block) as usize..],
+            )?;
+            // Copy the overlap of [from, to) blocks with [offset, end) bytes.
+            let start_byte = (from * BLOCK).max(offset);
+            let end_byte = (to * BLOCK).min(end);
+            let src = (start_byte - from * BLOCK) as usize..(end_byte - from * BLOCK) as usize;
+            out[(start_byte - offset) as usize..(end_byte - offset) as usize]
+                .copy_from_slice(&data[src]);
+        }
+        Ok(out)
+    }
+
+    /// Reads `count` data blocks at `disk_block` and verifies them against `crcs`.
+    fn read_data_blocks(
+        &mut self,
+        ino: u64,
+        disk_block: u64,
+        count: u64,
+        crcs: &[u32],
+    ) -> Result<Vec<u8>> {
+        let mut data = vec![0u8; (count * BLOCK) as usize];
+        let lba = block_lba(&*self.dev, disk_block);
+        if let Err(e) = nvme::read_sync(&mut *self.dev, lba, &mut data) {
+            self.failed.get_or_insert(EngineError::Device(e.clone()));
+            return Err(EngineError::Device(e));
+        }
+        for (i, block) in data.chunks(BLOCK_BYTES).enumerate() {
+            let crc = crc32c::crc32c(block);
+            if crc != crcs[i] {
+                return Err(EngineError::corrupt(
+                    "data block",
+                    disk_block + i as u64,
+                    format!(
+                        "checksum mismatch in inode {ino} (stored {:#010x}, computed {crc:#010x})",
+                        crcs[i]
+                    ),
+                ));
+            }
+        }
+        Ok(data)
+    }
+
+    /// Removes the extents covering file blocks `first..end`, keeping the parts outside, and
+    /// frees the covered disk blocks (pinned). Returns how many data blocks were freed.
+    fn punch_blocks(&mut self, ino: u64, first: u64, end: u64) -> Result<u64> {
+        let shard = self.shard_of(ino);
+        let generation = self.generation;
+        let mut freed = 0;
+        for extent in self.extents_in(ino, first, end)? {
+            let cut_from = extent.file_block.max(first);
+            let cut_to = extent.end().min(end);
+            if cut_from >= cut_to {
+                continue;
+            }
+            let keep_left = cut_from - extent.file_block;
+            let keep_right = extent.end() - cut_to;
+            let item = &extent.item;
+            let piece = |skip: u64, blocks: u64| ExtentItem {
+                disk_block: item.disk_block + skip,
+                blocks: blocks as u32,
+                prealloc: item.prealloc,
+                crcs: if item.prealloc {
+                    Vec::new()
+                } else {
+                    item.crcs[skip as usize..(skip + blocks) as usize].to_vec()
+                },
+            };
+            let left = (keep_left > 0).then(|| piece(0, keep_left));
+            let right = (keep_right > 0).then(|| piece(cut_to - extent.file_block, keep_right));
+            let freed_at = item.disk_block + keep_left;
+            let freed_len = cut_to - cut_from;
+            self.with_tree(shard, true, |tree, io| {
+                tree.remove(io, &extent_key(ino, extent.file_block))?;
+                if let Some(left) = left {
+                    tree.insert(io, extent_key(ino, extent.file_block), left.encode())?;
+                }
+                if let Some(right) = right {
+                    tree.insert(io, extent_key(ino, cut_to), right.encode())?;
+                }
+                io.space.free(freed_at, freed_len, Some(generation));
+                Ok(())
+            })?;
+            freed += freed_len;
+        }
+        Ok(freed)
+    }
+
+    /// Allocates and writes `data` (whole blocks) as new extents at file block `first`,
+    /// replacing whatever covered that range. Returns the net change in allocated blocks.
+    ///
+    /// Order matters for a full device: data blocks are allocated (and given back on ENOSPC)
+    /// and room for the metadata changes is checked before anything changes; the old extents
+    /// are replaced only after the new data is on the device.
+    fn write_blocks(&mut self, ino: u64, first: u64, data: &[u8]) -> Result<i64> {
+        assert_eq!(data.len() % BLOCK_BYTES, 0);
+        let count = (data.len() / BLOCK_BYTES) as u64;
+        let shard = self.shard_of(ino);
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        let mut allocated = 0u64;
+        while allocated < count {
+            let want = (count - allocated).min(MAX_EXTENT_BLOCKS as u64);
+            match self.with_tree(shard, true, |_, io| io.space.alloc_data(want)) {
+                Ok((disk, got)) => {
+                    runs.push((disk, got));
+                    allocated += got;
+                }
+                Err(e) => {
+                    self.with_tree(shard, true, |_, io| {
+                        for &(disk, got) in &runs {
+                            io.space.free(disk, got, None);
+                        }
+                        Ok(())
+                    })?;
+                    return Err(e);
+                }
+            }
+        }
+        let overlapping = self.extents_in(ino, first, first + count)?.len() as u64;
+        self.ensure_meta_room(shard, 3 * overlapping + runs.len() as u64 + 1)?;
+        let mut done = 0u64;
+        let mut items = Vec::with_capacity(runs.len());
+        for &(disk, got) in &runs {
+            let bytes = &data[(done * BLOCK) as usize..((done + got) * BLOCK) as usize];
+            let crcs = bytes.chunks(BLOCK_BYTES).map(crc32c::crc32c).collect();
+            let lba = block_lba(&*self.dev, disk);
+            if let Err(e) = nvme::write_sync(&mut *self.dev, lba, bytes, false) {
+                self.failed.get_or_insert(EngineError::Device(e.clone()));
+                return Err(EngineError::Device(e));
+            }
+            items.push((
+                first + done,
+                ExtentItem {
+                    disk_block: disk,
+                    blocks: got as u32,
+                    prealloc: false,
+                    crcs,
+                },
+            ));
+            done += got;
+        }
+        let result = self
+            .punch_blocks(ino, first, first + count)
+            .and_then(|freed| {
+                self.with_tree(shard, true, |tree, io| {
+                    for (file_block, item) in items {
+                        tree.insert(io, extent_key(ino, file_block), item.encode())?;
+                    }
+                    Ok(())
+                })?;
+                Ok(freed)
+            });
+        let freed = self.fail_stop_on_error(result)?;
+        Ok(count as i64 - freed as i64)
+    }
+
+    /// Writes `data` at `offset` (any alignment). Returns bytes written.
+    pub fn write(&mut self, ino: u64, offset: u64, data: &[u8]) -> Result<usize> {
+        self.check_writable()?;
+        let mut item = self.file_inode(ino)?;
+        if data.is_empty() {
+            return Ok(0);
+        }
+        let end = offset
+            .checked_add(data.len() as u64)
+            .filter(|&e| e <= MAX_FILE_BYTES)
+            .ok_or_else(|| EngineError::TooBig("file offset".into()))?;
+        let first = offset / BLOCK;
+        let last = end.div_ceil(BLOCK);
+        // Whole blocks to write: old content at the partial edges, then the new bytes.
+        let mut blocks = vec![0u8; ((last - first) * BLOCK) as usize];
+        let head = (offset - first * BLOCK) as usize;
+        if head != 0 {
+            let old = self.read(ino, first * BLOCK, BLOCK_BYTES)?;
+            blocks[..old.len()].copy_from_slice(&old);
+        }
+        let tail_block = last - 1;
+        if end % BLOCK != 0 && (tail_block != first || head == 0) {
+            let old = self.read(ino, tail_block * BLOCK, BLOCK_BYTES)?;
+            let at = ((tail_block - first) * BLOCK) as usize;
+            blocks[at..at + old.len()].copy_from_slice(&old);
+        }
+        blocks[head..head + data.len()].copy_from_slice(data);
+        let delta = self.write_blocks(ino, first, &blocks)?;
+        item.blocks = item.blocks.saturating_add_signed(delta);
+        item.size = item.size.max(end);
+        let now = Timespec::now();
+        item.mtime = now;
+        item.ctime = now;
+        self.store_inode(ino, &item)?;
+        Ok(data.len())
+    }
+
+    /// Sets the file size: shrinking frees the blocks past the end and zeroes the tail of the
+    /// last block, so growing again reads zeroes.
+    pub fn truncate(&mut self, ino: u64, size: u64) -> Result<()> {
+        self.check_writable()?;
+        if size > MAX_FILE_BYTES {
+            return Err(EngineError::TooBig("file size".into()));
+        }
+        let mut item = self.file_inode(ino)?;
+        if size < item.size {
+            let keep_blocks = size.div_ceil(BLOCK);
+            let freed = self.punch_blocks(ino, keep_blocks, u64::MAX / BLOCK)?;
+            item.blocks -= freed.min(item.blocks);
+            if size % BLOCK != 0 {
+                // Zero the rest of the last block (copy-on-write like any write).
+                let tail_start = size;
+                let tail_len = (keep_blocks * BLOCK - size) as usize;
+                if !self
+                    .extents_in(ino, keep_blocks - 1, keep_blocks)?
+                    .is_empty()
+                {
+                    item.size = keep_blocks * BLOCK;
+                    self.store_inode(ino, &item)?;
+                    self.write(ino, tail_start, &vec![0u8; tail_len])?;
+                    item = self.file_inode(ino)?;
+                }
+            }
+        }
+        item.size = size;
+        let now = Timespec::now();
+        item.mtime = now;
+        item.ctime = now;
+        self.store_inode(ino, &item)
+    }
+
+    /// fallocate(2): preallocate (optionally keeping the size), punch a hole, or zero a range.
+    pub fn fallocate(
+        &mut self,
+        ino: u64,
+        mode: FallocateMode,
+        offset: u64,
+        len: u64,
+    ) -> Result<()> {
+        self.check_writable()?;
+        let end = offset
+            .checked_add(len)
+            .filter(|&e| len > 0 && e <= MAX_FILE_BYTES)
+            .ok_or_else(|| EngineError::Invalid("fallocate range".into()))?;
+        if mode.punch_hole && !mode.keep_size {
+            return Err(EngineError::Invalid("punch hole needs KEEP_SIZE".into()));
+        }
+        if mode.punch_hole || mode.zero_range {
+            // Whole blocks inside the range become holes; partial edges are written as zeroes.
+            let size = self.file_inode(ino)?.size;
+            let inner_first = offset.div_ceil(BLOCK);
+            let inner_end = end / BLOCK;
+            let zero_edge = |fs: &mut Filesystem, from: u64, to: u64| -> Result<()> {
+                let to = if mode.zero_range { to } else { to.min(size) };
+                if from < to {
+                    fs.write(ino, from, &vec![0u8; (to - from) as usize])?;
+                }
+                Ok(())
+            };
+            if inner_first < inner_end {
+                let freed = self.punch_blocks(ino, inner_first, inner_end)?;
+                let mut item = self.file_inode(ino)?;
+                item.blocks -= freed.min(item.blocks);
+                self.store_inode(ino, &item)?;
+                zero_edge(self, offset, inner_first * BLOCK)?;
+                zero_edge(self, inner_end * BLOCK, end)?;
+            } else {
+                zero_edge(self, offset, end)?;
+            }
+            // Writing zeroes at the edges may have grown the file; KEEP_SIZE puts it back.
+            let mut item = self.file_inode(ino)?;
+            item.size = if mode.keep_size { size } else { size.max(end) };
+            self.store_inode(ino, &item)?;
+            if mode.punch_hole {
+                return Ok(());
+            }
+        }
+        // Preallocate every hole in the range.
+        let first = offset / BLOCK;
+        let last = end.div_ceil(BLOCK);
+        let shard = self.shard_of(ino);
+        let mut at = first;
+        let mut added = 0u64;
+        let extents = self.extents_in(ino, first, last)?;
+        let mut holes = Vec::new();
+        for extent in &extents {
+            if extent.file_block > at {
+                holes.push((at, extent.file_block.min(last)));
+            }
+            at = at.max(extent.end());
+        }
+        if at < last {
+            holes.push((at, last));
+        }
+        for (mut from, to) in holes {
+            while from < to {
+                let want = (to - from).min(MAX_EXTENT_BLOCKS as u64);
+                let item = self.with_tree(shard, true, |tree, io| {
+                    let (disk, got) = io.space.alloc_data(want)?;
+                    let item = ExtentItem {
+                        disk_block: disk,
+                        blocks: got as u32,
+                        prealloc: true,
+                        crcs: Vec::new(),
+                    };
+                    tree.insert(io, extent_key(ino, from), item.encode())?;
+                    Ok(item)
+                })?;
+                from += item.blocks as u64;
+                added += item.blocks as u64;
+            }
+        }
+        let mut item = self.file_inode(ino)?;
+        item.blocks += added;
+        if !mode.keep_size {
+            item.size = item.size.max(end);
+        }
+        item.ctime = Timespec::now();
+        self.store_inode(ino, &item)
+    }
+
+    /// Frees every extent of an inode being deleted.
+    pub(crate) fn free_all_extents(&mut self, ino: u64) -> Result<()> {
+        let item = self.load_inode(ino)?;
+        if item.mode & S_IFMT == S_IFREG {
+            self.punch_blocks(ino, 0, u64::MAX / BLOCK)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,195 @@
+//! Inodes: numbering, sharding, loading and storing inode items, attributes.
+//!
+//! An inode lives in shard `ino % shard_count`: its inode item, back-references, extents and
+//! xattrs are all in that shard's tree. A directory's entries (directory and index items) live
+//! in the directory's shard. New inodes are spread over shards round-robin, so creates in one
+//! directory spread their inode items over every shard.
+//!
+//! Each shard hands out inode numbers of its own residue class, counting up from a per-shard
+//! counter item (object id [`INO_COUNTER_OBJECTID`]), so shards never coordinate to allocate.
+
+use crate::error::{EngineError, Result};
+use crate::format::items::{InodeItem, Timespec};
+use crate::format::{ItemKind, Key};
+use crate::fs::{Filesystem, FIRST_INODE};
+
+/// Object id of each shard's next-inode counter item.
+pub const INO_COUNTER_OBJECTID: u64 = 2;
+/// The root directory's inode number.
+pub const ROOT_INO: u64 = FIRST_INODE;
+
+pub const S_IFMT: u32 = 0o170000;
+pub const S_IFREG: u32 = 0o100000;
+pub const S_IFDIR: u32 = 0o040000;
+pub const S_IFLNK: u32 = 0o120000;
+
+/// File attributes as `stat` reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stat {
+    pub ino: u64,
+    pub mode: u32,
+    pub nlink: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub size: u64,
+    /// 512-byte units, as st_blocks.
+    pub blocks_512: u64,
+    pub rdev: u64,
+    pub atime: Timespec,
+    pub mtime: Timespec,
+    pub ctime: Timespec,
+}
+
+impl Stat {
+    pub fn is_dir(&self) -> bool {
+        self.mode & S_IFMT == S_IFDIR
+    }
+    pub fn is_symlink(&self) -> bool {
+        self.mode & S_IFMT == S_IFLNK
+    }
+}
+
+/// Attribute changes for [`Filesystem::setattr`]; `None` leaves a field alone.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SetAttr {
+    pub mode: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub size: Option<u64>,
+    pub atime: Option<Timespec>,
+    pub mtime: Option<Timespec>,
+}
+
+pub(crate) fn inode_key(ino: u64) -> Key {
+    Key::new(ino, ItemKind::InodeItem, 0)
+}
+
+impl Filesystem {
+    pub fn shard_of(&self, ino: u64) -> u32 {
+        (ino % self.shards.len() as u64) as u32
+    }
+
+    pub fn root(&self) -> u64 {
+        ROOT_INO
+    }
+
+    pub(crate) fn load_inode(&mut self, ino: u64) -> Result<InodeItem> {
+        if ino < FIRST_INODE {
+            return Err(EngineError::NotFound);
+        }
+        let shard = self.shard_of(ino);
+        let bytes = self
+            .with_tree(shard, false, |tree, io| tree.get(io, &inode_key(ino)))?
+            .ok_or(EngineError::NotFound)?;
+        InodeItem::decode(&bytes).map_err(|why| EngineError::corrupt("inode item", ino, why))
+    }
+
+    pub(crate) fn store_inode(&mut self, ino: u64, item: &InodeItem) -> Result<()> {
+        let shard = self.shard_of(ino);
+        let bytes = item.encode();
+        self.with_tree(shard, true, |tree, io| {
+            tree.insert(io, inode_key(ino), bytes)
+        })
+        .map(drop)
+    }
+
+    /// A fresh inode number in the next shard round-robin.
+    pub(crate) fn alloc_ino(&mut self) -> Result<u64> {
+        let shards = self.shards.len() as u64;
+        let shard = (self.next_create_shard % shards) as u32;
+        self.next_create_shard = self.next_create_shard.wrapping_add(1);
+        let counter = Key::new(INO_COUNTER_OBJECTID, ItemKind::InodeItem, 0);
+        let ino = self.with_tree(shard, true, |tree, io| {
+            let next = match tree.get(io, &counter)? {
+                Some(bytes) if bytes.len() == 8 => {
+                    u64::from_le_bytes(bytes.try_into().expect("8 bytes"))
+                }
+                Some(_) => {
+                    return Err(EngineError::corrupt(
+                        "inode counter",
+                        shard as u64,
+                        "not 8 bytes",
+                    ))
+                }
+                // First inode of this residue class at or above FIRST_INODE, skipping the root.
+                None => {
+                    let mut first =
+                        FIRST_INODE + (shard as u64 + shards - FIRST_INODE % shards) % shards;
+                    if first == ROOT_INO {
+                        first += shards;
+                    }
+                    first
+                }
+            };
+            tree.insert(io, counter, (next + shards).to_le_bytes().to_vec())?;
+            Ok(next)
+        })?;
+        debug_assert_eq!(self.shard_of(ino), shard);
+        Ok(ino)
+    }
+
+    pub(crate) fn stat_of(ino: u64, item: &InodeItem) -> Stat {
+        Stat {
+            ino,
+            mode: item.mode,
+            nlink: item.nlink,
+            uid: item.uid,
+            gid: item.gid,
+            size: item.size,
+            blocks_512: item.blocks * 8,
+            rdev: item.rdev,
+            atime: item.atime,
+            mtime: item.mtime,
+            ctime: item.ctime,
+        }
+    }
+
+    pub fn stat(&mut self, ino: u64) -> Result<Stat> {
+        let item = self.load_inode(ino)?;
+        Ok(Self::stat_of(ino, &item))
+    }
+
+    /// chmod, chown, utimens and truncate in one call, as FUSE's setattr.
+    pub fn setattr(&mut self, ino: u64, change: SetAttr) -> Result<Stat> {
+        self.check_writable()?;
+        if let Some(size) = change.size {
+            self.truncate(ino, size)?;
+        }
+        let mut item = self.load_inode(ino)?;
+        if let Some(mode) = change.mode {
+            item.mode = (item.mode & S_IFMT) | (mode & !S_IFMT);
+        }
+        if let Some(uid) = change.uid {
+            item.uid = uid;
+        }
+        if let Some(gid) = change.gid {
+            item.gid = gid;
+        }
+        if let Some(atime) = change.atime {
+            item.atime = atime;
+        }
+        if let Some(mtime) = change.mtime {
+            item.mtime = mtime;
+        }
+        item.ctime = Timespec::now();
+        self.store_inode(ino, &item)?;
+        Ok(Self::stat_of(ino, &item))
+    }
+
+    /// Deletes every item of an inode (its last name is gone) and frees its data.
+    pub(crate) fn delete_inode(&mut self, ino: u64) -> Result<()> {
+        self.free_all_extents(ino)?;
+        let shard = self.shard_of(ino);
+        self.with_tree(shard, true, |tree, io| {
+            let items = tree.range(
+                io,
+                Key::new(ino, ItemKind::InodeItem, 0),
+                Key::new(ino + 1, ItemKind::InodeItem, 0),
+            )?;
+            for (key, _) in items {
+                tree.remove(io, &key)?;
+            }
+            Ok(())
+        })
+    }
+}
