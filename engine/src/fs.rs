@@ -53,6 +53,15 @@ impl Default for MountOptions {
     }
 }
 
+/// statfs(2) figures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StatFs {
+    pub block_bytes: u32,
+    pub total_blocks: u64,
+    pub free_blocks: u64,
+    pub name_max: u32,
+}
+
 pub(crate) struct Shard {
     pub tree: Tree,
     pub space: Space,
@@ -390,6 +399,34 @@ impl Filesystem {
     /// Items with `start` ≤ key < `end` in shard `shard`.
     pub fn range_items(&mut self, shard: u32, start: Key, end: Key) -> Result<Vec<(Key, Vec<u8>)>> {
         self.with_tree(shard, false, |tree, io| tree.range(io, start, end))
+    }
+
+    /// statfs: sizes in 4 KiB blocks.
+    pub fn statfs(&self) -> StatFs {
+        let total: u64 = self.shards.iter().map(|s| s.space.region().1).sum();
+        let free: u64 = self.shards.iter().map(|s| s.space.free_blocks()).sum();
+        StatFs {
+            block_bytes: BLOCK_BYTES as u32,
+            total_blocks: total,
+            free_blocks: free,
+            name_max: 255,
+        }
+    }
+
+    /// fsync: makes the inode's data and metadata durable. Until the fsync log lands this
+    /// commits the whole transaction (correct, not yet fast).
+    pub fn fsync(&mut self, _ino: u64) -> Result<()> {
+        self.commit().map(drop)
+    }
+
+    /// fdatasync: as [`Filesystem::fsync`] for now.
+    pub fn fdatasync(&mut self, ino: u64) -> Result<()> {
+        self.fsync(ino)
+    }
+
+    /// sync: commits everything.
+    pub fn sync(&mut self) -> Result<()> {
+        self.commit().map(drop)
     }
 
     /// Gives the device back without committing: what a crash leaves (tests, tools).

@@ -6,7 +6,10 @@
 //! - [`format`]: every on-disk structure and its codec (superblock, nodes, keys);
 //! - [`tree`]: the copy-on-write B+tree of one shard;
 //! - [`space`]: the per-shard block allocator with generation-pinned frees;
-//! - [`commit`]: mkfs, mount and the commit state machine (Running → … → Completed).
+//! - [`fs`]: mkfs, mount, the shards; [`commit`]: the commit state machine
+//!   (Running → CommitStart → CommitDoing → Unblocked → SuperCommitted → Completed);
+//! - [`inode`], [`dir`], [`file`], [`xattr`]: the POSIX operations;
+//! - [`check`]: the checker behind `corefs fsck` and every test.
 
 pub mod check;
 pub mod commit;
@@ -18,6 +21,7 @@ pub mod fs;
 pub mod inode;
 pub mod space;
 pub mod tree;
+pub mod xattr;
 
 pub use check::CheckReport;
 pub use commit::{CommitState, CommitStats};
@@ -26,3 +30,4 @@ pub use error::{EngineError, Result};
 pub use file::FallocateMode;
 pub use fs::{Filesystem, MkfsOptions, MountOptions};
 pub use inode::{SetAttr, Stat};
+pub use xattr::XattrFlags;

@@ -1,0 +1,714 @@
+//! The POSIX operations against an in-memory model: random sequences of create, mkdir,
+//! symlink, link, unlink, rmdir, rename (with NOREPLACE and EXCHANGE), write, truncate,
+//! fallocate, punch hole, zero range, xattrs, commits and remounts. Every result and every
+//! error is compared with the model, the whole tree is compared after each remount, and the
+//! checker runs throughout. Seeds print; `COREFS_SEED=N` replays.
+
+use engine::{
+    EngineError, FallocateMode, Filesystem, MkfsOptions, MountOptions, RenameFlags, XattrFlags,
+};
+use nvme::backend::mem::{MemConfig, MemDevice};
+use nvme::BlockDevice;
+use rand::{Rng, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
+use std::collections::BTreeMap;
+
+#[derive(Debug, Clone)]
+enum Node {
+    File {
+        data: Vec<u8>,
+        nlink: u32,
+    },
+    Dir {
+        entries: BTreeMap<Vec<u8>, u64>,
+        parent: u64,
+    },
+    Symlink {
+        target: Vec<u8>,
+        nlink: u32,
+    },
+}
+
+#[derive(Debug, Clone, Default)]
+struct Model {
+    nodes: BTreeMap<u64, Node>,
+    xattrs: BTreeMap<u64, BTreeMap<Vec<u8>, Vec<u8>>>,
+}
+
+const ROOT: u64 = 256;
+const NAMES: [&str; 6] = [
+    "a",
+    "b",
+    "c",
+    "dir",
+    "file.txt",
+    "a-much-longer-name-to-fill-leaves-quickly",
+];
+
+impl Model {
+    fn dirs(&self) -> Vec<u64> {
+        self.nodes
+            .iter()
+            .filter(|(_, n)| matches!(n, Node::Dir { .. }))
+            .map(|(i, _)| *i)
+            .collect()
+    }
+    fn entries(&self, dir: u64) -> &BTreeMap<Vec<u8>, u64> {
+        match &self.nodes[&dir] {
+            Node::Dir { entries, .. } => entries,
+            _ => panic!("not a dir"),
+        }
+    }
+    fn entries_mut(&mut self, dir: u64) -> &mut BTreeMap<Vec<u8>, u64> {
+        match self.nodes.get_mut(&dir).unwrap() {
+            Node::Dir { entries, .. } => entries,
+            _ => panic!("not a dir"),
+        }
+    }
+    fn files(&self) -> Vec<u64> {
+        self.nodes
+            .iter()
+            .filter(|(_, n)| matches!(n, Node::File { .. }))
+            .map(|(i, _)| *i)
+            .collect()
+    }
+    fn is_dir(&self, ino: u64) -> bool {
+        matches!(self.nodes[&ino], Node::Dir { .. })
+    }
+    fn is_ancestor(&self, ancestor: u64, mut ino: u64) -> bool {
+        loop {
+            if ino == ancestor {
+                return true;
+            }
+            if ino == ROOT {
+                return false;
+            }
+            ino = match &self.nodes[&ino] {
+                Node::Dir { parent, .. } => *parent,
+                _ => return false,
+            };
+        }
+    }
+    /// Drops one name's link to `ino`.
+    fn drop_link(&mut self, ino: u64) {
+        let gone = match self.nodes.get_mut(&ino).unwrap() {
+            Node::File { nlink, .. } | Node::Symlink { nlink, .. } => {
+                *nlink -= 1;
+                *nlink == 0
+            }
+            Node::Dir { .. } => true,
+        };
+        if gone {
+            self.nodes.remove(&ino);
+            self.xattrs.remove(&ino);
+        }
+    }
+    fn add_link(&mut self, ino: u64) {
+        if let Node::File { nlink, .. } | Node::Symlink { nlink, .. } =
+            self.nodes.get_mut(&ino).unwrap()
+        {
+            *nlink += 1;
+        }
+    }
+    fn set_parent(&mut self, ino: u64, new_parent: u64) {
+        if let Node::Dir { parent, .. } = self.nodes.get_mut(&ino).unwrap() {
+            *parent = new_parent;
+        }
+    }
+}
+
+fn errno(r: Result<impl Sized, EngineError>) -> Result<(), i32> {
+    r.map(drop).map_err(|e| e.errno())
+}
+
+const ENOENT: i32 = 2;
+const EEXIST: i32 = 17;
+const ENOTEMPTY: i32 = 39;
+const ENOTDIR: i32 = 20;
+const EISDIR: i32 = 21;
+const EINVAL: i32 = 22;
+const ENODATA: i32 = 61;
+
+fn step(fs: &mut Filesystem, m: &mut Model, rng: &mut Xoshiro256PlusPlus, ctx: &str) {
+    let dirs = m.dirs();
+    let dir = dirs[rng.random_range(0..dirs.len())];
+    let name = NAMES[rng.random_range(0..NAMES.len())].as_bytes().to_vec();
+    let existing = m.entries(dir).get(&name).copied();
+    match rng.random_range(0..100) {
+        0..=14 => {
+            let got = fs.create(dir, &name, 0o644, 0, 0);
+            match existing {
+                Some(_) => assert_eq!(errno(got), Err(EEXIST), "{ctx}"),
+                None => {
+                    let st = got.unwrap_or_else(|e| panic!("{ctx}: create: {e}"));
+                    m.nodes.insert(
+                        st.ino,
+                        Node::File {
+                            data: Vec::new(),
+                            nlink: 1,
+                        },
+                    );
+                    m.entries_mut(dir).insert(name, st.ino);
+                }
+            }
+        }
+        15..=21 => {
+            let got = fs.mkdir(dir, &name, 0o755, 0, 0);
+            match existing {
+                Some(_) => assert_eq!(errno(got), Err(EEXIST), "{ctx}"),
+                None => {
+                    let st = got.unwrap_or_else(|e| panic!("{ctx}: mkdir: {e}"));
+                    m.nodes.insert(
+                        st.ino,
+                        Node::Dir {
+                            entries: BTreeMap::new(),
+                            parent: dir,
+                        },
+                    );
+                    m.entries_mut(dir).insert(name, st.ino);
+                }
+            }
+        }
+        22..=24 => {
+            let target: Vec<u8> = (0..rng.random_range(1..200))
+                .map(|_| rng.random_range(b'a'..=b'z'))
+                .collect();
+            let got = fs.symlink(dir, &name, &target, 0, 0);
+            match existing {
+                Some(_) => assert_eq!(errno(got), Err(EEXIST), "{ctx}"),
+                None => {
+                    let st = got.unwrap_or_else(|e| panic!("{ctx}: symlink: {e}"));
+                    m.nodes.insert(st.ino, Node::Symlink { target, nlink: 1 });
+                    m.entries_mut(dir).insert(name, st.ino);
+                }
+            }
+        }
+        25..=29 => {
+            let files = m.files();
+            if files.is_empty() {
+                return;
+            }
+            let file = files[rng.random_range(0..files.len())];
+            let got = fs.link(file, dir, &name);
+            match existing {
+                Some(_) => assert_eq!(errno(got), Err(EEXIST), "{ctx}"),
+                None => {
+                    got.unwrap_or_else(|e| panic!("{ctx}: link: {e}"));
+                    m.add_link(file);
+                    m.entries_mut(dir).insert(name, file);
+                }
+            }
+        }
+        30..=36 => {
+            let got = fs.unlink(dir, &name);
+            match existing {
+                None => assert_eq!(errno(got), Err(ENOENT), "{ctx}"),
+                Some(ino) if m.is_dir(ino) => assert_eq!(errno(got), Err(EISDIR), "{ctx}"),
+                Some(ino) => {
+                    got.unwrap_or_else(|e| panic!("{ctx}: unlink: {e}"));
+                    m.entries_mut(dir).remove(&name);
+                    m.drop_link(ino);
+                }
+            }
+        }
+        37..=40 => {
+            let got = fs.rmdir(dir, &name);
+            match existing {
+                None => assert_eq!(errno(got), Err(ENOENT), "{ctx}"),
+                Some(ino) if !m.is_dir(ino) => assert_eq!(errno(got), Err(ENOTDIR), "{ctx}"),
+                Some(ino) if !m.entries(ino).is_empty() => {
+                    assert_eq!(errno(got), Err(ENOTEMPTY), "{ctx}")
+                }
+                Some(ino) => {
+                    got.unwrap_or_else(|e| panic!("{ctx}: rmdir: {e}"));
+                    m.entries_mut(dir).remove(&name);
+                    m.drop_link(ino);
+                }
+            }
+        }
+        41..=52 => {
+            let dst_dir = dirs[rng.random_range(0..dirs.len())];
+            let dst_name = NAMES[rng.random_range(0..NAMES.len())].as_bytes().to_vec();
+            let flags = match rng.random_range(0..6) {
+                0 => RenameFlags {
+                    noreplace: true,
+                    exchange: false,
+                },
+                1 => RenameFlags {
+                    noreplace: false,
+                    exchange: true,
+                },
+                _ => RenameFlags::default(),
+            };
+            let got = errno(fs.rename(dir, &name, dst_dir, &dst_name, flags));
+            let want = model_rename(m, dir, &name, dst_dir, &dst_name, flags);
+            assert_eq!(
+                got,
+                want,
+                "{ctx}: rename {dir}/{:?} -> {dst_dir}/{:?} {flags:?}",
+                String::from_utf8_lossy(&name),
+                String::from_utf8_lossy(&dst_name)
+            );
+        }
+        53..=70 => {
+            let files = m.files();
+            if files.is_empty() {
+                return;
+            }
+            let file = files[rng.random_range(0..files.len())];
+            let offset = if rng.random_bool(0.5) {
+                rng.random_range(0..40_000u64)
+            } else {
+                rng.random_range(0..10u64) * 4096
+            };
+            let len = if rng.random_bool(0.3) {
+                4096 * rng.random_range(1..4)
+            } else {
+                rng.random_range(1..9000)
+            };
+            let bytes: Vec<u8> = (0..len).map(|_| rng.random()).collect();
+            assert_eq!(
+                fs.write(file, offset, &bytes)
+                    .unwrap_or_else(|e| panic!("{ctx}: write: {e}")),
+                len
+            );
+            if let Node::File { data, .. } = m.nodes.get_mut(&file).unwrap() {
+                let end = offset as usize + len;
+                if data.len() < end {
+                    data.resize(end, 0);
+                }
+                data[offset as usize..end].copy_from_slice(&bytes);
+            }
+        }
+        71..=76 => {
+            let files = m.files();
+            if files.is_empty() {
+                return;
+            }
+            let file = files[rng.random_range(0..files.len())];
+            let Node::File { data, .. } = &m.nodes[&file] else {
+                unreachable!()
+            };
+            let offset = rng.random_range(0..data.len() as u64 + 100);
+            let len = rng.random_range(0..20_000);
+            let got = fs
+                .read(file, offset, len)
+                .unwrap_or_else(|e| panic!("{ctx}: read: {e}"));
+            let start = (offset as usize).min(data.len());
+            let end = (start + len).min(data.len());
+            assert!(
+                got == data[start..end],
+                "{ctx}: read {file} at {offset}+{len} differs"
+            );
+        }
+        77..=80 => {
+            let files = m.files();
+            if files.is_empty() {
+                return;
+            }
+            let file = files[rng.random_range(0..files.len())];
+            let size = rng.random_range(0..50_000u64);
+            fs.truncate(file, size)
+                .unwrap_or_else(|e| panic!("{ctx}: truncate: {e}"));
+            if let Node::File { data, .. } = m.nodes.get_mut(&file).unwrap() {
+                data.resize(size as usize, 0);
+            }
+        }
+        81..=85 => {
+            let files = m.files();
+            if files.is_empty() {
+                return;
+            }
+            let file = files[rng.random_range(0..files.len())];
+            let offset = rng.random_range(0..40_000u64);
+            let len = rng.random_range(1..20_000u64);
+            let mode = match rng.random_range(0..4) {
+                0 => FallocateMode {
+                    keep_size: true,
+                    ..Default::default()
+                },
+                1 => FallocateMode::default(),
+                2 => FallocateMode {
+                    keep_size: true,
+                    punch_hole: true,
+                    ..Default::default()
+                },
+                _ => FallocateMode {
+                    zero_range: true,
+                    keep_size: rng.random_bool(0.5),
+                    ..Default::default()
+                },
+            };
+            fs.fallocate(file, mode, offset, len)
+                .unwrap_or_else(|e| panic!("{ctx}: fallocate {mode:?}: {e}"));
+            if let Node::File { data, .. } = m.nodes.get_mut(&file).unwrap() {
+                let end = (offset + len) as usize;
+                if mode.punch_hole || mode.zero_range {
+                    let zero_end = end.min(data.len());
+                    if (offset as usize) < zero_end {
+                        data[offset as usize..zero_end].fill(0);
+                    }
+                }
+                if !mode.keep_size && data.len() < end {
+                    data.resize(end, 0);
+                }
+            }
+        }
+        86..=91 => {
+            let inos: Vec<u64> = m.nodes.keys().copied().collect();
+            let ino = inos[rng.random_range(0..inos.len())];
+            let xname = format!("user.{}", NAMES[rng.random_range(0..3)]).into_bytes();
+            let attrs = m.xattrs.entry(ino).or_default();
+            match rng.random_range(0..4) {
+                0 => {
+                    let got = errno(fs.removexattr(ino, &xname));
+                    let want = if attrs.remove(&xname).is_some() {
+                        Ok(())
+                    } else {
+                        Err(ENODATA)
+                    };
+                    assert_eq!(got, want, "{ctx}: removexattr");
+                }
+                1 => {
+                    let want = attrs.get(&xname).cloned().ok_or(ENODATA);
+                    assert_eq!(
+                        fs.getxattr(ino, &xname).map_err(|e| e.errno()),
+                        want,
+                        "{ctx}: getxattr"
+                    );
+                }
+                _ => {
+                    let value: Vec<u8> = (0..rng.random_range(0..300))
+                        .map(|_| rng.random())
+                        .collect();
+                    let flags = if rng.random_bool(0.2) {
+                        XattrFlags::Create
+                    } else {
+                        XattrFlags::Any
+                    };
+                    let got = errno(fs.setxattr(ino, &xname, &value, flags));
+                    if flags == XattrFlags::Create && attrs.contains_key(&xname) {
+                        assert_eq!(got, Err(EEXIST), "{ctx}: setxattr create");
+                    } else {
+                        assert_eq!(got, Ok(()), "{ctx}: setxattr");
+                        attrs.insert(xname, value);
+                    }
+                }
+            }
+        }
+        92..=97 => {
+            fs.commit().unwrap_or_else(|e| panic!("{ctx}: commit: {e}"));
+        }
+        _ => {
+            let got = fs
+                .readdir(dir, 0, 1000)
+                .unwrap_or_else(|e| panic!("{ctx}: readdir: {e}"));
+            let names: BTreeMap<Vec<u8>, u64> = got.into_iter().map(|e| (e.name, e.ino)).collect();
+            assert_eq!(&names, m.entries(dir), "{ctx}: readdir {dir}");
+        }
+    }
+}
+
+fn model_rename(
+    m: &mut Model,
+    sd: u64,
+    sn: &[u8],
+    dd: u64,
+    dn: &[u8],
+    flags: RenameFlags,
+) -> Result<(), i32> {
+    if flags.noreplace && flags.exchange {
+        return Err(EINVAL);
+    }
+    let src = *m.entries(sd).get(sn).ok_or(ENOENT)?;
+    let dst = m.entries(dd).get(dn).copied();
+    if sd == dd && sn == dn {
+        return if flags.noreplace { Err(EEXIST) } else { Ok(()) };
+    }
+    if m.is_dir(src) && m.is_ancestor(src, dd) {
+        return Err(EINVAL);
+    }
+    if flags.exchange {
+        let dst = dst.ok_or(ENOENT)?;
+        if m.is_dir(dst) && m.is_ancestor(dst, sd) {
+            return Err(EINVAL);
+        }
+        m.entries_mut(sd).insert(sn.to_vec(), dst);
+        m.entries_mut(dd).insert(dn.to_vec(), src);
+        m.set_parent(src, dd);
+        m.set_parent(dst, sd);
+        return Ok(());
+    }
+    if let Some(dst) = dst {
+        if flags.noreplace {
+            return Err(EEXIST);
+        }
+        if dst == src {
+            return Ok(());
+        }
+        match (m.is_dir(src), m.is_dir(dst)) {
+            (true, false) => return Err(ENOTDIR),
+            (false, true) => return Err(EISDIR),
+            (true, true) if !m.entries(dst).is_empty() => return Err(ENOTEMPTY),
+            _ => {}
+        }
+        m.entries_mut(dd).remove(dn);
+        m.drop_link(dst);
+    }
+    m.entries_mut(sd).remove(sn);
+    m.entries_mut(dd).insert(dn.to_vec(), src);
+    m.set_parent(src, dd);
+    Ok(())
+}
+
+fn compare_all(fs: &mut Filesystem, m: &Model, ctx: &str) {
+    for (&ino, node) in &m.nodes {
+        let st = fs
+            .stat(ino)
+            .unwrap_or_else(|e| panic!("{ctx}: stat {ino}: {e}"));
+        match node {
+            Node::File { data, nlink } => {
+                assert_eq!(
+                    (st.size, st.nlink),
+                    (data.len() as u64, *nlink),
+                    "{ctx}: file {ino}"
+                );
+                assert!(
+                    fs.read(ino, 0, data.len() + 10).unwrap() == *data,
+                    "{ctx}: content of {ino}"
+                );
+            }
+            Node::Symlink { target, nlink } => {
+                assert_eq!(st.nlink, *nlink);
+                assert_eq!(&fs.readlink(ino).unwrap(), target, "{ctx}: symlink {ino}");
+            }
+            Node::Dir { entries, .. } => {
+                let got: BTreeMap<Vec<u8>, u64> = fs
+                    .readdir(ino, 0, 100_000)
+                    .unwrap()
+                    .into_iter()
+                    .map(|e| (e.name, e.ino))
+                    .collect();
+                assert_eq!(&got, entries, "{ctx}: directory {ino}");
+                let subdirs = entries.values().filter(|c| m.is_dir(**c)).count() as u32;
+                assert_eq!(st.nlink, 2 + subdirs, "{ctx}: nlink of directory {ino}");
+            }
+        }
+        let mut names = fs.listxattr(ino).unwrap();
+        names.sort();
+        let want: Vec<Vec<u8>> = m
+            .xattrs
+            .get(&ino)
+            .map(|x| x.keys().cloned().collect())
+            .unwrap_or_default();
+        assert_eq!(names, want, "{ctx}: xattrs of {ino}");
+    }
+    let report = fs.check().unwrap_or_else(|e| panic!("{ctx}: check: {e}"));
+    assert_eq!(report.inodes, m.nodes.len() as u64, "{ctx}: inode count");
+}
+
+fn seed() -> u64 {
+    let seed = std::env::var("COREFS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random);
+    eprintln!("seed {seed} (replay with COREFS_SEED={seed})");
+    seed
+}
+
+fn config(bytes: u64) -> MemConfig {
+    MemConfig {
+        capacity_bytes: bytes,
+        lba_size_bytes: 4096,
+        queue_depth: 64,
+        buf_bytes: 1 << 20,
+        buf_count: 32,
+    }
+}
+
+#[test]
+fn random_operations_match_the_model_across_remounts() {
+    let seed = seed();
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+    let mut dev: Box<dyn BlockDevice> = Filesystem::mkfs(
+        Box::new(MemDevice::new(config(64 << 20)).unwrap()),
+        &MkfsOptions {
+            shards: 4,
+            label: String::new(),
+        },
+    )
+    .unwrap();
+    let mut m = Model::default();
+    m.nodes.insert(
+        ROOT,
+        Node::Dir {
+            entries: BTreeMap::new(),
+            parent: ROOT,
+        },
+    );
+    for round in 0..6 {
+        let mut fs = Filesystem::mount(
+            dev,
+            MountOptions {
+                cache_nodes_per_shard: 16,
+            },
+        )
+        .unwrap();
+        compare_all(&mut fs, &m, &format!("seed {seed} round {round} mounted"));
+        for i in 0..700 {
+            step(
+                &mut fs,
+                &mut m,
+                &mut rng,
+                &format!("seed {seed} round {round} step {i}"),
+            );
+        }
+        compare_all(
+            &mut fs,
+            &m,
+            &format!("seed {seed} round {round} before unmount"),
+        );
+        dev = fs.unmount().unwrap();
+    }
+}
+
+#[test]
+fn errors_for_bad_names_and_types() {
+    let dev = Filesystem::mkfs(
+        Box::new(MemDevice::new(config(16 << 20)).unwrap()),
+        &MkfsOptions {
+            shards: 2,
+            label: "x".into(),
+        },
+    )
+    .unwrap();
+    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    let root = fs.root();
+    assert_eq!(
+        errno(fs.create(root, &[b'x'; 256], 0o644, 0, 0)),
+        Err(36),
+        "ENAMETOOLONG"
+    );
+    assert!(fs.create(root, &[b'x'; 255], 0o644, 0, 0).is_ok());
+    for bad in [&b""[..], b".", b"..", b"a/b"] {
+        assert_eq!(
+            errno(fs.create(root, bad, 0o644, 0, 0)),
+            Err(EINVAL),
+            "{bad:?}"
+        );
+    }
+    let file = fs.create(root, b"f", 0o644, 0, 0).unwrap().ino;
+    assert_eq!(errno(fs.create(file, b"g", 0o644, 0, 0)), Err(ENOTDIR));
+    assert_eq!(errno(fs.readdir(file, 0, 10)), Err(ENOTDIR));
+    let dir = fs.mkdir(root, b"d", 0o755, 0, 0).unwrap().ino;
+    assert_eq!(errno(fs.write(dir, 0, b"x")), Err(EISDIR));
+    assert_eq!(
+        errno(fs.link(dir, root, b"d2")),
+        Err(EINVAL),
+        "no hard links to directories"
+    );
+    assert_eq!(errno(fs.lookup(root, b"missing")), Err(ENOENT));
+    assert_eq!(
+        errno(fs.rename(root, b"d", dir, b"inside", RenameFlags::default())),
+        Err(EINVAL)
+    );
+    assert_eq!(errno(fs.getxattr(file, b"user.none")), Err(ENODATA));
+    assert_eq!(
+        errno(fs.setxattr(file, b"user.a", b"1", XattrFlags::Replace)),
+        Err(ENODATA)
+    );
+    // Readdir cookies resume after the last entry returned, also across removals.
+    for i in 0..50 {
+        fs.create(dir, format!("n{i}").as_bytes(), 0o644, 0, 0)
+            .unwrap();
+    }
+    let first = fs.readdir(dir, 0, 20).unwrap();
+    fs.unlink(dir, b"n25").unwrap();
+    let rest = fs.readdir(dir, first.last().unwrap().cookie, 100).unwrap();
+    assert_eq!(first.len() + rest.len(), 49);
+    assert_eq!(rest[0].name, b"n20");
+    fs.check().unwrap();
+}
+
+#[test]
+fn truncate_down_then_up_reads_zeroes_and_holes_read_zeroes() {
+    let dev = Filesystem::mkfs(
+        Box::new(MemDevice::new(config(16 << 20)).unwrap()),
+        &MkfsOptions {
+            shards: 1,
+            label: String::new(),
+        },
+    )
+    .unwrap();
+    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    let f = fs.create(fs.root(), b"f", 0o644, 0, 0).unwrap().ino;
+    fs.write(f, 0, &[7u8; 10_000]).unwrap();
+    fs.truncate(f, 5000).unwrap();
+    fs.truncate(f, 20_000).unwrap();
+    let data = fs.read(f, 0, 20_000).unwrap();
+    assert!(data[..5000].iter().all(|&b| b == 7));
+    assert!(
+        data[5000..].iter().all(|&b| b == 0),
+        "the gap after truncate down/up must read zeroes"
+    );
+    fs.write(f, 1 << 20, b"end").unwrap();
+    assert!(
+        fs.read(f, 20_000, 100_000).unwrap().iter().all(|&b| b == 0),
+        "a hole reads zeroes"
+    );
+    assert_eq!(fs.stat(f).unwrap().size, (1 << 20) + 3);
+    fs.fallocate(
+        f,
+        FallocateMode {
+            keep_size: true,
+            ..Default::default()
+        },
+        2 << 20,
+        1 << 20,
+    )
+    .unwrap();
+    let st = fs.stat(f).unwrap();
+    assert_eq!(st.size, (1 << 20) + 3, "KEEP_SIZE keeps the size");
+    assert!(
+        st.blocks_512 >= 2048 * 8 / 8 * 8 / 8,
+        "preallocated blocks are counted"
+    );
+    fs.commit().unwrap();
+    fs.check().unwrap();
+}
+
+#[test]
+fn data_corruption_is_detected_on_read() {
+    let dev = Filesystem::mkfs(
+        Box::new(MemDevice::new(config(16 << 20)).unwrap()),
+        &MkfsOptions {
+            shards: 1,
+            label: String::new(),
+        },
+    )
+    .unwrap();
+    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    let f = fs.create(fs.root(), b"f", 0o644, 0, 0).unwrap().ino;
+    fs.write(f, 0, &[0x5a; 8192]).unwrap();
+    fs.commit().unwrap();
+    let mut dev = fs.unmount().unwrap();
+    let mut image = vec![0u8; 16 << 20];
+    nvme::read_sync(&mut *dev, 0, &mut image).unwrap();
+    // Find the data block (0x5a-filled) and flip one bit in it.
+    let block = image
+        .chunks(4096)
+        .position(|b| b.iter().all(|&x| x == 0x5a))
+        .unwrap();
+    image[block * 4096 + 100] ^= 1;
+    let mut fs = Filesystem::mount(
+        Box::new(MemDevice::from_image(&image, config(16 << 20)).unwrap()),
+        MountOptions::default(),
+    )
+    .unwrap();
+    let err = fs.read(f, 0, 8192).unwrap_err();
+    assert!(
+        matches!(&err, EngineError::Corrupt { what: "data block", block: b, .. } if *b as usize == block),
+        "{err}"
+    );
+    assert!(err.to_string().contains("checksum"), "{err}");
+}
