@@ -1,6 +1,6 @@
-//! `corefs`: the command-line tool for operators and benchmarkers. Subcommands grow with the
-//! project (mkfs, fsck, dump, mount); today: `probe` (kernel features) and `bench device`
-//! (the device-layer micro-benchmark).
+//! `corefs`: the command-line tool for operators and benchmarkers: `mkfs`, `fsck`, `probe`
+//! (kernel features), `bench device` (the device-layer micro-benchmark), `bench engine` (the
+//! engine's create, overwrite and commit figures).
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -19,6 +19,24 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Create a filesystem (destroys what the device holds).
+    Mkfs {
+        /// Device string: file:PATH, nvme:/dev/ngXnY, mem:SIZE.
+        device: String,
+        /// Create or grow a file image to this size (file: devices).
+        #[arg(long, value_parser = parse_size)]
+        size: Option<u64>,
+        /// Shards (1..=64): units of parallelism, each with its own tree and space.
+        #[arg(long, default_value_t = engine::format::DEFAULT_SHARDS)]
+        shards: u32,
+        #[arg(long, default_value = "")]
+        label: String,
+    },
+    /// Check a filesystem: every tree, checksum, reference, link count and block. Exit codes
+    /// as e2fsck: 0 clean, 4 errors left uncorrected, 8 operational error.
+    Fsck {
+        device: String,
+    },
     /// Report the kernel features corefs uses and what to do about missing ones.
     Probe,
     /// Benchmarks.
@@ -72,6 +90,8 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Mkfs { device, size, shards, label } => mkfs(&device, size, shards, label),
+        Command::Fsck { device } => return fsck(&device),
         Command::Probe => {
             print!("{}", nvme::probe::probe());
             Ok(())
@@ -113,6 +133,69 @@ fn main() -> ExitCode {
         Err(why) => {
             eprintln!("corefs: {why}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+fn open(device: &str, size: Option<u64>) -> Result<Box<dyn nvme::BlockDevice>, String> {
+    let defaults = nvme::OpenOptions { size_bytes: size, ..Default::default() };
+    nvme::open_device(device, &defaults).map_err(|e| e.to_string())
+}
+
+fn mkfs(device: &str, size: Option<u64>, shards: u32, label: String) -> Result<(), String> {
+    let dev = open(device, size)?;
+    let bytes = dev.info().capacity_bytes();
+    let options = engine::MkfsOptions { shards, label };
+    let dev = engine::Filesystem::mkfs(dev, &options).map_err(|e| e.to_string())?;
+    let fs = engine::Filesystem::mount(dev, Default::default()).map_err(|e| e.to_string())?;
+    let sb = fs.superblock();
+    println!(
+        "corefs: {} MiB on {device}: {} shards of {} MiB, generation {}, label {:?}",
+        bytes >> 20,
+        sb.shards.len(),
+        (sb.region_blocks * 4096) >> 20,
+        sb.generation,
+        sb.label
+    );
+    Ok(())
+}
+
+fn fsck(device: &str) -> ExitCode {
+    let dev = match open(device, None) {
+        Ok(dev) => dev,
+        Err(why) => {
+            eprintln!("corefs fsck: {why}");
+            return ExitCode::from(8);
+        }
+    };
+    let mut fs = match engine::Filesystem::mount(dev, Default::default()) {
+        Ok(fs) => fs,
+        Err(e @ engine::EngineError::Corrupt { .. }) => {
+            println!("corefs fsck: {device}: CORRUPT: {e}");
+            return ExitCode::from(4);
+        }
+        Err(e) => {
+            eprintln!("corefs fsck: {device}: {e}");
+            return ExitCode::from(8);
+        }
+    };
+    let generation = fs.durable_generation();
+    match fs.check() {
+        Ok(report) => {
+            println!(
+                "corefs fsck: {device}: clean at generation {generation}: {} inodes ({} directories), {} names, \
+                 {} items, {} tree blocks, {} data blocks",
+                report.inodes, report.directories, report.names, report.items, report.tree_blocks, report.data_blocks
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e @ engine::EngineError::Corrupt { .. }) => {
+            println!("corefs fsck: {device}: CORRUPT at generation {generation}: {e}");
+            ExitCode::from(4)
+        }
+        Err(e) => {
+            eprintln!("corefs fsck: {device}: {e}");
+            ExitCode::from(8)
         }
     }
 }
