@@ -3,8 +3,10 @@
 //!
 //! - [`device`]: the device-layer micro-benchmark — CPU cost per operation on the memory
 //!   backend, latency percentiles at queue depth 1 and 32 on the file (and NVMe) backends, side
-//!   by side with `fio` on the same file in the same run.
+//!   by side with `fio` on the same file in the same run;
+//! - [`engine`]: create rate, overwrite cost, commit latency and index batching of the engine.
 
 pub mod device;
+pub mod engine;
 pub mod fio;
 pub mod stats;

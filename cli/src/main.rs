@@ -34,9 +34,7 @@ enum Command {
     },
     /// Check a filesystem: every tree, checksum, reference, link count and block. Exit codes
     /// as e2fsck: 0 clean, 4 errors left uncorrected, 8 operational error.
-    Fsck {
-        device: String,
-    },
+    Fsck { device: String },
     /// Report the kernel features corefs uses and what to do about missing ones.
     Probe,
     /// Benchmarks.
@@ -46,6 +44,15 @@ enum Command {
 
 #[derive(Subcommand)]
 enum Bench {
+    /// Engine figures on the memory backend: create rate, 4 KiB overwrite cost, commit latency
+    /// of 10,000 dirty inodes, directory-index batching.
+    Engine {
+        /// Empty-file creates to time.
+        #[arg(long, default_value_t = 300_000)]
+        creates: u64,
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Device-layer micro-benchmark: CPU cost per op (memory), latency at QD1/QD32 (file image,
     /// and any --device given), side by side with fio on the same file.
     Device {
@@ -90,12 +97,22 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Mkfs { device, size, shards, label } => mkfs(&device, size, shards, label),
+        Command::Mkfs {
+            device,
+            size,
+            shards,
+            label,
+        } => mkfs(&device, size, shards, label),
         Command::Fsck { device } => return fsck(&device),
         Command::Probe => {
             print!("{}", nvme::probe::probe());
             Ok(())
         }
+        Command::Bench(Bench::Engine { creates, json }) => corefs_bench::engine::run(creates)
+            .and_then(|report| {
+                print!("{report}");
+                write_json(json, &report)
+            }),
         Command::Bench(Bench::Device {
             devices,
             dir,
@@ -138,7 +155,10 @@ fn main() -> ExitCode {
 }
 
 fn open(device: &str, size: Option<u64>) -> Result<Box<dyn nvme::BlockDevice>, String> {
-    let defaults = nvme::OpenOptions { size_bytes: size, ..Default::default() };
+    let defaults = nvme::OpenOptions {
+        size_bytes: size,
+        ..Default::default()
+    };
     nvme::open_device(device, &defaults).map_err(|e| e.to_string())
 }
 
@@ -197,5 +217,16 @@ fn fsck(device: &str) -> ExitCode {
             eprintln!("corefs fsck: {device}: {e}");
             ExitCode::from(8)
         }
+    }
+}
+
+fn write_json(path: Option<PathBuf>, report: &impl serde::Serialize) -> Result<(), String> {
+    match path {
+        Some(path) => std::fs::write(
+            &path,
+            serde_json::to_string_pretty(report).expect("serializable"),
+        )
+        .map_err(|e| format!("writing {}: {e}", path.display())),
+        None => Ok(()),
     }
 }

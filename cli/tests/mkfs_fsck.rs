@@ -5,8 +5,16 @@
 use std::process::Command;
 
 fn corefs(args: &[&str]) -> (i32, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_corefs")).args(args).env("COREFS_LOG", "error").output().unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(env!("CARGO_BIN_EXE_corefs"))
+        .args(args)
+        .env("COREFS_LOG", "error")
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     (out.status.code().unwrap_or(-1), text)
 }
 
@@ -15,7 +23,9 @@ fn mkfs_then_fsck_clean_then_corrupt() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let image = dir.path().join("fs.img");
     let spec = format!("file:{}", image.display());
-    let (code, text) = corefs(&["mkfs", &spec, "--size", "64MiB", "--shards", "8", "--label", "t"]);
+    let (code, text) = corefs(&[
+        "mkfs", &spec, "--size", "64MiB", "--shards", "8", "--label", "t",
+    ]);
     assert_eq!(code, 0, "{text}");
     assert!(text.contains("8 shards"), "{text}");
     let (code, text) = corefs(&["fsck", &spec]);
@@ -28,7 +38,10 @@ fn mkfs_then_fsck_clean_then_corrupt() {
     std::fs::write(&image, &bytes).unwrap();
     let (code, text) = corefs(&["fsck", &spec]);
     assert_eq!(code, 4, "{text}");
-    assert!(text.contains("CORRUPT") && text.contains("block 2") && text.contains("checksum"), "{text}");
+    assert!(
+        text.contains("CORRUPT") && text.contains("block 2") && text.contains("checksum"),
+        "{text}"
+    );
 
     // Both superblocks gone.
     bytes[..8192].fill(0);
@@ -37,6 +50,9 @@ fn mkfs_then_fsck_clean_then_corrupt() {
     assert_eq!(code, 4, "{text}");
     assert!(text.contains("superblock"), "{text}");
 
-    let (code, text) = corefs(&["fsck", &format!("file:{}/missing.img", dir.path().display())]);
+    let (code, text) = corefs(&[
+        "fsck",
+        &format!("file:{}/missing.img", dir.path().display()),
+    ]);
     assert_eq!(code, 8, "{text}");
 }

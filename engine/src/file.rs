@@ -59,15 +59,19 @@ impl Filesystem {
         }
     }
 
-    /// Extents overlapping file blocks `first..end`.
+    /// Extents overlapping file blocks `first..end`: the one starting at or before `first`
+    /// (found with one backwards seek), then those starting inside the range.
     fn extents_in(&mut self, ino: u64, first: u64, end: u64) -> Result<Vec<Extent>> {
         let shard = self.shard_of(ino);
-        // An extent covering `first` starts at most MAX_EXTENT_BLOCKS - 1 blocks before it.
-        let from = extent_key(ino, first.saturating_sub(MAX_EXTENT_BLOCKS as u64 - 1));
-        let to = extent_key(ino, end);
-        let items = self.with_tree(shard, false, |tree, io| tree.range(io, from, to))?;
+        let at = extent_key(ino, first);
+        let (before, inside) = self.with_tree(shard, false, |tree, io| {
+            let before = tree.seek_le(io, &at)?;
+            let inside = tree.range(io, extent_key(ino, first + 1), extent_key(ino, end))?;
+            Ok((before, inside))
+        })?;
+        let before = before.filter(|(k, _)| k.objectid == ino && k.kind == ItemKind::ExtentData);
         let mut out = Vec::new();
-        for (key, bytes) in items {
+        for (key, bytes) in before.into_iter().chain(inside) {
             if key.offset % BLOCK != 0 {
                 return Err(EngineError::corrupt(
                     "extent item",
@@ -81,7 +85,7 @@ impl Filesystem {
                 file_block: key.offset / BLOCK,
                 item,
             };
-            if extent.end() > first {
+            if extent.end() > first && extent.file_block < end {
                 out.push(extent);
             }
         }

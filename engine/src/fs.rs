@@ -401,6 +401,11 @@ impl Filesystem {
         self.with_tree(shard, false, |tree, io| tree.range(io, start, end))
     }
 
+    /// How many distinct leaves of shard `shard` hold items in `start..end` (batching figures).
+    pub fn leaves_holding(&mut self, shard: u32, start: Key, end: Key) -> Result<u64> {
+        self.with_tree(shard, false, |tree, io| tree.leaves_holding(io, start, end))
+    }
+
     /// statfs: sizes in 4 KiB blocks.
     pub fn statfs(&self) -> StatFs {
         let total: u64 = self.shards.iter().map(|s| s.space.region().1).sum();

@@ -59,7 +59,7 @@ impl Space {
             busy_count: 0,
             hint: 0,
             dirty_chunks: BTreeSet::new(),
-            reserve_blocks: (region_blocks / 50).clamp(16.min(region_blocks / 4), 1024),
+            reserve_blocks: (region_blocks / 50).clamp(64.min(region_blocks / 4), 4096),
         }
     }
 
@@ -111,7 +111,7 @@ impl Space {
     pub fn can_alloc_meta(&self, blocks: u64, need: MetaNeed) -> bool {
         let keep = match need {
             MetaNeed::Grow => self.reserve_blocks / 2,
-            MetaNeed::Shrink => self.reserve_blocks / 4,
+            MetaNeed::Shrink => self.reserve_blocks / 8,
             MetaNeed::Commit => 0,
         };
         self.free_blocks() >= keep + blocks

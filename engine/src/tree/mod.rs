@@ -333,6 +333,40 @@ impl Tree {
         }
     }
 
+    /// The last item with a key ≤ `key`, if any.
+    pub fn seek_le(&mut self, io: &mut dyn NodeIo, key: &Key) -> Result<Option<(Key, Vec<u8>)>> {
+        let Some(root) = self.root_id(io)? else {
+            return Ok(None);
+        };
+        self.seek_le_in(io, root, key)
+    }
+
+    fn seek_le_in(
+        &mut self,
+        io: &mut dyn NodeIo,
+        id: NodeId,
+        key: &Key,
+    ) -> Result<Option<(Key, Vec<u8>)>> {
+        match &self.node(id).body {
+            Body::Leaf(items) => {
+                let i = items.partition_point(|(k, _)| k <= key);
+                Ok(i.checked_sub(1).map(|i| items[i].clone()))
+            }
+            Body::Internal(children) => {
+                // Entry keys are lower bounds, so the subtree an entry names may hold only
+                // larger keys: fall back to earlier subtrees until one has a key ≤ `key`.
+                let last = children.partition_point(|c| c.key <= *key);
+                for index in (0..last).rev() {
+                    let child = self.child_id(io, id, index)?;
+                    if let Some(found) = self.seek_le_in(io, child, key)? {
+                        return Ok(Some(found));
+                    }
+                }
+                Ok(None)
+            }
+        }
+    }
+
     /// Every item with `start` ≤ key < `end`, in key order.
     pub fn range(
         &mut self,
@@ -358,6 +392,39 @@ impl Tree {
     /// The most blocks one change can allocate: a copy and a split per level, and a new root.
     fn worst_case_blocks(&self) -> u64 {
         2 * (self.root_level as u64 + 1) + 2
+    }
+
+    /// How many leaves hold keys in `start..end`.
+    pub fn leaves_holding(&mut self, io: &mut dyn NodeIo, start: Key, end: Key) -> Result<u64> {
+        let Some(root) = self.root_id(io)? else {
+            return Ok(0);
+        };
+        self.count_leaves(io, root, &start, &end)
+    }
+
+    fn count_leaves(
+        &mut self,
+        io: &mut dyn NodeIo,
+        id: NodeId,
+        start: &Key,
+        end: &Key,
+    ) -> Result<u64> {
+        match &self.node(id).body {
+            Body::Leaf(items) => Ok(items.iter().any(|(k, _)| k >= start && k < end) as u64),
+            Body::Internal(children) => {
+                let keys: Vec<Key> = children.iter().map(|c| c.key).collect();
+                let mut total = 0;
+                for index in 0..keys.len() {
+                    let child_end = keys.get(index + 1);
+                    if keys[index] >= *end || child_end.is_some_and(|k| k <= start) {
+                        continue;
+                    }
+                    let child = self.child_id(io, id, index)?;
+                    total += self.count_leaves(io, child, start, end)?;
+                }
+                Ok(total)
+            }
+        }
     }
 
     /// Inserts or replaces `key`'s value. Returns the previous value.
@@ -410,7 +477,7 @@ impl Tree {
                 addr,
                 dirty: true,
             });
-            self.split_child(io, new_root, 0)?;
+            self.split_child(io, new_root, 0, &key)?;
             self.root = Some(Child {
                 key: Key::MIN,
                 ptr: BlockPtr::default(),
@@ -449,13 +516,23 @@ impl Tree {
         }
         let previous = self.insert_in(io, child, key, value)?;
         if self.node(child).overfull() {
-            self.split_child(io, id, index)?;
+            self.split_child(io, id, index, &key)?;
         }
         Ok(previous)
     }
 
     /// Splits child `index` of `parent` in two (by bytes for leaves, by count otherwise).
-    fn split_child(&mut self, io: &mut dyn NodeIo, parent: NodeId, index: usize) -> Result<()> {
+    /// When `key`, the key just inserted, is the node's last (an append, as sequential
+    /// directory indexes and file extents are), the left node stays full and the right one
+    /// starts with the new key alone, so appends fill leaves instead of leaving them half
+    /// empty; likewise when it ends a run of its object and kind.
+    fn split_child(
+        &mut self,
+        io: &mut dyn NodeIo,
+        parent: NodeId,
+        index: usize,
+        key: &Key,
+    ) -> Result<()> {
         let child = self.node(parent).children()[index]
             .loaded
             .expect("split child is loaded");
@@ -463,6 +540,36 @@ impl Tree {
         let node = self.node_mut(child);
         let level = node.level;
         let right_body = match &mut node.body {
+            Body::Leaf(items) if items.last().is_some_and(|(k, _)| k == key) => {
+                let cut = items.len() - 1;
+                Body::Leaf(items.split_off(cut))
+            }
+            // The key ends a run of its (object, kind), as a directory's next index item
+            // does in front of the new inodes' items: cut right after it, so the run keeps
+            // filling the left leaf's successor instead of splitting every leaf in half.
+            Body::Leaf(items)
+                if items.iter().position(|(k, _)| k == key).is_some_and(|at| {
+                    at + 1 < items.len()
+                        && (items[at + 1].0.objectid, items[at + 1].0.kind)
+                            != (key.objectid, key.kind)
+                        && (LEAF_SPACE_BYTES / 4..=LEAF_SPACE_BYTES)
+                            .contains(&leaf_used_bytes(&items[..=at]))
+                        && leaf_used_bytes(&items[at + 1..]) <= LEAF_SPACE_BYTES
+                }) =>
+            {
+                let cut = items
+                    .iter()
+                    .position(|(k, _)| k == key)
+                    .expect("guard found it")
+                    + 1;
+                Body::Leaf(items.split_off(cut))
+            }
+            Body::Internal(children)
+                if children.last().is_some_and(|c| c.key <= *key) && children.len() > 1 =>
+            {
+                let cut = children.len() - 1;
+                Body::Internal(children.split_off(cut))
+            }
             Body::Leaf(items) => {
                 let total = leaf_used_bytes(items);
                 let mut used = 0;
