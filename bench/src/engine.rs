@@ -43,6 +43,7 @@ fn mem_fs(bytes: u64, shards: u32) -> Result<Filesystem, String> {
         dev,
         MountOptions {
             cache_nodes_per_shard: 1 << 20,
+            ..Default::default()
         },
     )
     .map_err(|e| e.to_string())

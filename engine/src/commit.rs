@@ -158,6 +158,7 @@ impl Filesystem {
         self.state = CommitState::Completed;
         let ns = started.elapsed().as_nanos() as u64;
         self.stats.commits += 1;
+        self.transaction_started = started;
         self.stats.commit_ns_total += ns;
         self.stats.commit_ns_max = self.stats.commit_ns_max.max(ns);
         self.stats.last_commit_ns = ns;

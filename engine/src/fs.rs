@@ -41,14 +41,21 @@ impl Default for MkfsOptions {
 
 #[derive(Debug, Clone)]
 pub struct MountOptions {
-    /// Loaded tree nodes kept per shard after a commit (the metadata cache bound).
+    /// Clean tree nodes kept in memory per shard (the metadata cache bound; dirty nodes stay
+    /// until their commit, bounded by `dirty_limit_nodes`).
     pub cache_nodes_per_shard: usize,
+    /// [`Filesystem::tick`] commits once the running transaction is this old...
+    pub commit_interval: std::time::Duration,
+    /// ...or holds this many dirty tree nodes, so recovery work and memory stay bounded.
+    pub dirty_limit_nodes: usize,
 }
 
 impl Default for MountOptions {
     fn default() -> Self {
         MountOptions {
             cache_nodes_per_shard: 4096,
+            commit_interval: std::time::Duration::from_secs(5),
+            dirty_limit_nodes: 16384,
         }
     }
 }
@@ -80,6 +87,8 @@ pub struct Filesystem {
     pub(crate) options: MountOptions,
     /// Round-robin cursor spreading new inodes over shards.
     pub(crate) next_create_shard: u64,
+    /// When the running transaction started (for the commit timer).
+    pub(crate) transaction_started: std::time::Instant,
 }
 
 /// The device LBAs of filesystem block `block`.
@@ -287,6 +296,7 @@ impl Filesystem {
             stats: CommitStats::default(),
             options,
             next_create_shard: 0,
+            transaction_started: std::time::Instant::now(),
         })
     }
 
@@ -332,6 +342,9 @@ impl Filesystem {
             for_commit: false,
         };
         let result = f(tree, &mut io);
+        if tree.loaded_nodes() > self.options.cache_nodes_per_shard {
+            tree.evict_clean(self.options.cache_nodes_per_shard);
+        }
         match &result {
             Err(e @ EngineError::Device(_)) => {
                 self.failed.get_or_insert(e.clone());
@@ -404,6 +417,35 @@ impl Filesystem {
     /// How many distinct leaves of shard `shard` hold items in `start..end` (batching figures).
     pub fn leaves_holding(&mut self, shard: u32, start: Key, end: Key) -> Result<u64> {
         self.with_tree(shard, false, |tree, io| tree.leaves_holding(io, start, end))
+    }
+
+    /// Dirty tree nodes in the running transaction, over all shards.
+    pub fn dirty_nodes(&self) -> usize {
+        self.shards.iter().map(|s| s.tree.dirty_nodes()).sum()
+    }
+
+    /// Tree nodes in memory, over all shards.
+    pub fn loaded_nodes(&self) -> usize {
+        self.shards.iter().map(|s| s.tree.loaded_nodes()).sum()
+    }
+
+    /// True when the commit timer or the dirty limit says the running transaction should
+    /// commit.
+    pub fn commit_due(&self) -> bool {
+        self.is_dirty()
+            && (self.transaction_started.elapsed() >= self.options.commit_interval
+                || self.dirty_nodes() >= self.options.dirty_limit_nodes)
+    }
+
+    /// Commits if [`Filesystem::commit_due`]. The engine starts no threads: whoever drives it
+    /// (a reactor's loop, a tool, a test) calls this between operations. Returns whether it
+    /// committed.
+    pub fn tick(&mut self) -> Result<bool> {
+        if self.failed.is_none() && self.commit_due() {
+            self.commit()?;
+            return Ok(true);
+        }
+        Ok(false)
     }
 
     /// statfs: sizes in 4 KiB blocks.

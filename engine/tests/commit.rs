@@ -96,6 +96,7 @@ fn changes_survive_unmount_and_mount() {
             dev,
             MountOptions {
                 cache_nodes_per_shard: 8,
+                ..Default::default()
             },
         )
         .unwrap();
@@ -154,13 +155,14 @@ fn power_cut_at_every_write_gives_a_whole_generation() {
         Box::new(recording),
         MountOptions {
             cache_nodes_per_shard: 4,
+            ..Default::default()
         },
     )
     .unwrap();
     let mut models: BTreeMap<u64, Model> = BTreeMap::new();
     models.insert(2, Model::new());
     let mut model = Model::new();
-    for _ in 0..6 {
+    for _ in 0..12 {
         for _ in 0..rng.random_range(50..400) {
             random_change(&mut fs, &mut model, &mut rng);
         }

@@ -551,11 +551,12 @@ fn random_operations_match_the_model_across_remounts() {
             dev,
             MountOptions {
                 cache_nodes_per_shard: 16,
+                ..Default::default()
             },
         )
         .unwrap();
         compare_all(&mut fs, &m, &format!("seed {seed} round {round} mounted"));
-        for i in 0..700 {
+        for i in 0..2000 {
             step(
                 &mut fs,
                 &mut m,

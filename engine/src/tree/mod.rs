@@ -128,6 +128,10 @@ pub struct Tree {
     root_level: u8,
     /// The tree became empty in this transaction (its old root must be committed away).
     emptied: bool,
+    /// Nodes in the arena, and how many of them are dirty (kept current, so the cache bound
+    /// and the dirty limit cost nothing to check).
+    loaded_count: usize,
+    dirty_count: usize,
     stats: TreeStats,
 }
 
@@ -141,6 +145,8 @@ impl Tree {
             root: None,
             root_level: 0,
             emptied: false,
+            loaded_count: 0,
+            dirty_count: 0,
             stats: TreeStats::default(),
         }
     }
@@ -183,7 +189,19 @@ impl Tree {
     fn node_mut(&mut self, id: NodeId) -> &mut Node {
         self.nodes[id as usize].as_mut().expect("live node id")
     }
+    /// Nodes in memory.
+    pub fn loaded_nodes(&self) -> usize {
+        self.loaded_count
+    }
+
+    /// Nodes changed in the running transaction.
+    pub fn dirty_nodes(&self) -> usize {
+        self.dirty_count
+    }
+
     fn add_node(&mut self, node: Node) -> NodeId {
+        self.loaded_count += 1;
+        self.dirty_count += node.dirty as usize;
         match self.free_ids.pop() {
             Some(id) => {
                 self.nodes[id as usize] = Some(node);
@@ -197,6 +215,8 @@ impl Tree {
     }
     fn drop_node(&mut self, id: NodeId) -> Node {
         let node = self.nodes[id as usize].take().expect("live node id");
+        self.loaded_count -= 1;
+        self.dirty_count -= node.dirty as usize;
         self.free_ids.push(id);
         node
     }
@@ -270,6 +290,7 @@ impl Tree {
         node.dirty = true;
         io.free_block(old_addr, true);
         self.stats.cow_copies += 1;
+        self.dirty_count += 1;
         Ok(())
     }
 
@@ -782,6 +803,7 @@ impl Tree {
         let crc = encode_node(&header, &body, &mut block);
         out.push((node.addr, block));
         self.node_mut(id).dirty = false;
+        self.dirty_count -= 1;
         BlockPtr {
             addr: header.addr,
             generation,
