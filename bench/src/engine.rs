@@ -23,6 +23,9 @@ pub struct EngineReport {
     pub one_dir_files: u64,
     pub one_dir_index_leaves: u64,
     pub one_dir_index_items_per_leaf: f64,
+    pub one_dir_index_batches: u64,
+    pub one_dir_index_items_per_batch: f64,
+    pub one_dir_commit_ms: f64,
 }
 
 fn mem_fs(bytes: u64, shards: u32) -> Result<Filesystem, String> {
@@ -144,6 +147,8 @@ pub fn run(creates: u64) -> Result<EngineReport, String> {
             .map_err(e)?;
     }
     one.commit().map_err(e)?;
+    let batching = one.delayed_stats();
+    let one_dir_commit_ms = one.commit_stats().last_commit_ns as f64 / 1e6;
     let leaves = one
         .leaves_holding(
             0,
@@ -164,6 +169,9 @@ pub fn run(creates: u64) -> Result<EngineReport, String> {
         one_dir_files: files,
         one_dir_index_leaves: leaves,
         one_dir_index_items_per_leaf: files as f64 / leaves.max(1) as f64,
+        one_dir_index_batches: batching.batches,
+        one_dir_index_items_per_batch: batching.items as f64 / batching.batches.max(1) as f64,
+        one_dir_commit_ms,
     })
 }
 
@@ -187,8 +195,14 @@ impl std::fmt::Display for EngineReport {
         )?;
         writeln!(
             f,
-            "  {} creates in one directory: {} index leaves, {:.1} index items per leaf",
-            self.one_dir_files, self.one_dir_index_leaves, self.one_dir_index_items_per_leaf
+            "  {} creates in one directory: {} index leaves, {:.1} index items per leaf; \
+             {} delayed-index batches of {:.0} items; commit {:.1} ms",
+            self.one_dir_files,
+            self.one_dir_index_leaves,
+            self.one_dir_index_items_per_leaf,
+            self.one_dir_index_batches,
+            self.one_dir_index_items_per_batch,
+            self.one_dir_commit_ms
         )
     }
 }

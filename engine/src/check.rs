@@ -206,6 +206,20 @@ impl Filesystem {
             }
         }
 
+        // Delayed index items count as index items (they are the tree's, not yet inserted).
+        for (dir, seq, entry) in self.delayed.all() {
+            if index_items
+                .insert((dir, entry.name.clone()), (entry.target, entry.kind, seq))
+                .is_some()
+            {
+                return Err(bad(
+                    "directory index",
+                    dir,
+                    "name both delayed and in the tree",
+                ));
+            }
+        }
+
         // Names: the three views agree.
         for ((dir, name), (child, kind)) in &dir_items {
             match index_items.get(&(*dir, name.clone())) {

@@ -66,7 +66,7 @@ impl Filesystem {
 
     /// True when the running transaction has changes to commit.
     pub fn is_dirty(&self) -> bool {
-        self.shards.iter().any(|s| s.tree.is_dirty())
+        self.delayed.len() > 0 || self.shards.iter().any(|s| s.tree.is_dirty())
     }
 
     /// Commits the running transaction. Returns the generation now durable. A commit with
@@ -79,6 +79,13 @@ impl Filesystem {
         let started = Instant::now();
         let generation = self.generation;
         self.state = CommitState::CommitStart;
+        // Delayed index items join the trees in per-directory batches before anything is
+        // serialized.
+        let flushed = self.flush_delayed_index();
+        if let Err(e) = self.fail_stop_on_error(flushed) {
+            self.state = CommitState::Running;
+            return Err(e);
+        }
         self.state = CommitState::CommitDoing;
         let result = self.commit_doing(generation, started);
         if let Err(e) = &result {

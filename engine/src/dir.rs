@@ -141,16 +141,21 @@ impl Filesystem {
         });
         let dir_shard = self.shard_of(dir);
         self.put_list(dir_shard, Key::new(dir, ItemKind::DirItem, hash), &bucket)?;
-        let index_entry = [NameEntry {
-            target: child,
-            kind,
-            name: name.to_vec(),
-        }];
-        self.put_list(
-            dir_shard,
-            Key::new(dir, ItemKind::DirIndex, index),
-            &index_entry,
-        )?;
+        // The index item waits for the commit, batched with the directory's other new names.
+        self.ensure_meta_room(dir_shard, 1)?;
+        self.delayed.insert(
+            dir,
+            index,
+            NameEntry {
+                target: child,
+                kind,
+                name: name.to_vec(),
+            },
+        );
+        if self.delayed.len() > crate::delayed::MAX_PENDING {
+            let flushed = self.flush_delayed_index();
+            self.fail_stop_on_error(flushed)?;
+        }
         let child_shard = self.shard_of(child);
         let ref_key = Key::new(child, ItemKind::InodeRef, dir);
         let mut refs = self.list_at(child_shard, ref_key)?;
@@ -196,12 +201,14 @@ impl Filesystem {
         })?;
         let index = refs.remove(ref_at).target;
         self.put_list(child_shard, ref_key, &refs)?;
-        self.with_tree(dir_shard, true, |tree, io| {
-            tree.remove(io, &Key::new(dir, ItemKind::DirIndex, index))
-        })?
-        .ok_or_else(|| {
-            EngineError::corrupt("directory index", dir, format!("index {index} missing"))
-        })?;
+        if self.delayed.take(dir, index).is_none() {
+            self.with_tree(dir_shard, true, |tree, io| {
+                tree.remove(io, &Key::new(dir, ItemKind::DirIndex, index))
+            })?
+            .ok_or_else(|| {
+                EngineError::corrupt("directory index", dir, format!("index {index} missing"))
+            })?;
+        }
         dir_item.size = dir_item.size.saturating_sub(name.len() as u64);
         dir_item.mtime = now;
         dir_item.ctime = now;
@@ -343,6 +350,9 @@ impl Filesystem {
     }
 
     fn dir_is_empty(&mut self, dir: u64) -> Result<bool> {
+        if self.delayed.has_any(dir) {
+            return Ok(false);
+        }
         let shard = self.shard_of(dir);
         let first = self.with_tree(shard, false, |tree, io| {
             tree.seek(io, &Key::new(dir, ItemKind::DirIndex, 0))
@@ -506,12 +516,34 @@ impl Filesystem {
         let end = Key::new(dir, ItemKind::DirIndex, u64::MAX);
         let mut out = Vec::new();
         let mut at = start;
+        // Names whose index items are still delayed merge in by sequence.
+        let mut delayed: std::iter::Peekable<std::vec::IntoIter<(u64, NameEntry)>> = self
+            .delayed
+            .range(dir, start.offset)
+            .take(max)
+            .map(|(seq, e)| (seq, e.clone()))
+            .collect::<Vec<_>>()
+            .into_iter()
+            .peekable();
         while out.len() < max {
             let Some((key, bytes)) = self.with_tree(shard, false, |tree, io| tree.seek(io, &at))?
             else {
                 break;
             };
             if key >= end {
+                break;
+            }
+            while let Some((seq, entry)) = delayed.next_if(|(seq, _)| *seq < key.offset) {
+                if out.len() < max {
+                    out.push(DirEntry {
+                        name: entry.name,
+                        ino: entry.target,
+                        kind: entry.kind,
+                        cookie: seq,
+                    });
+                }
+            }
+            if out.len() >= max {
                 break;
             }
             let entry = decode_names(&bytes)
@@ -531,6 +563,17 @@ impl Filesystem {
                 cookie: key.offset,
             });
             at = Key::new(dir, ItemKind::DirIndex, key.offset + 1);
+        }
+        for (seq, entry) in delayed {
+            if out.len() >= max {
+                break;
+            }
+            out.push(DirEntry {
+                name: entry.name,
+                ino: entry.target,
+                kind: entry.kind,
+                cookie: seq,
+            });
         }
         Ok(out)
     }

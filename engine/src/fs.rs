@@ -89,6 +89,8 @@ pub struct Filesystem {
     pub(crate) next_create_shard: u64,
     /// When the running transaction started (for the commit timer).
     pub(crate) transaction_started: std::time::Instant,
+    /// Directory index items waiting for the commit ([`crate::delayed`]).
+    pub(crate) delayed: crate::delayed::DelayedIndex,
 }
 
 /// The device LBAs of filesystem block `block`.
@@ -297,6 +299,7 @@ impl Filesystem {
             options,
             next_create_shard: 0,
             transaction_started: std::time::Instant::now(),
+            delayed: Default::default(),
         })
     }
 
@@ -432,7 +435,7 @@ impl Filesystem {
     /// True when the commit timer or the dirty limit says the running transaction should
     /// commit.
     pub fn commit_due(&self) -> bool {
-        self.is_dirty()
+        (self.is_dirty() || self.delayed.len() > 0)
             && (self.transaction_started.elapsed() >= self.options.commit_interval
                 || self.dirty_nodes() >= self.options.dirty_limit_nodes)
     }
@@ -481,10 +484,14 @@ impl Filesystem {
         self.dev
     }
 
-    /// Commits and gives the device back (clean unmount).
+    /// Commits and gives the device back (clean unmount). In debug builds, any engine object
+    /// still referenced afterwards is a leak and is reported with its holder.
     pub fn unmount(mut self) -> Result<Box<dyn BlockDevice>> {
         if self.failed.is_none() {
             self.commit()?;
+            if let Some(leaks) = self.delayed.leak_report() {
+                return Err(EngineError::Invalid(format!("unmount: {leaks}")));
+            }
         }
         Ok(self.dev)
     }

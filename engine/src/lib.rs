@@ -13,18 +13,21 @@
 
 pub mod check;
 pub mod commit;
+pub mod delayed;
 pub mod dir;
 pub mod error;
 pub mod file;
 pub mod format;
 pub mod fs;
 pub mod inode;
+pub mod refs;
 pub mod space;
 pub mod tree;
 pub mod xattr;
 
 pub use check::CheckReport;
 pub use commit::{CommitState, CommitStats};
+pub use delayed::DelayedStats;
 pub use dir::{DirEntry, RenameFlags};
 pub use error::{EngineError, Result};
 pub use file::FallocateMode;

@@ -1,0 +1,137 @@
+//! Delayed directory-index items, as btrfs's delayed items.
+//!
+//! A new name's index item `(dir, DirIndex, seq)` is not inserted into the tree when the name
+//! is created: it waits here, per directory, and the commit inserts each directory's pending
+//! items in one batch of consecutive keys. Consecutive keys land in the same leaf one after
+//! another (and the tree's run-aware split keeps those leaves full), so 100,000 creates in one
+//! directory cost a few thousand leaf copies instead of one per create, and the leaves end up
+//! full. A name removed before its commit never touches the tree at all.
+//!
+//! # Invariants
+//! - Every name has exactly one index entry: in the tree or here, never both.
+//! - Pending items are bounded ([`MAX_PENDING`]); past the bound they are flushed into the
+//!   trees without a commit, so memory does not grow with an unbounded transaction.
+//! - The bookkeeping of a batch is released when the batch is in the tree (the map entry is
+//!   consumed by the insert); in debug builds every pending item is tracked by a [`Tracker`]
+//!   that reports any item still held when the filesystem is dropped.
+
+use crate::error::Result;
+use crate::format::items::{encode_names, NameEntry};
+use crate::format::{ItemKind, Key};
+use crate::fs::Filesystem;
+use crate::refs::Tracker;
+use std::collections::BTreeMap;
+
+/// Pending index items kept before they are flushed into the trees without a commit.
+pub const MAX_PENDING: usize = 65_536;
+
+/// Batching figures.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DelayedStats {
+    /// Directory batches inserted (one per directory per flush).
+    pub batches: u64,
+    pub items: u64,
+    pub max_batch: u64,
+    /// Names created and removed within one transaction: their index item never reached a tree.
+    pub cancelled: u64,
+}
+
+#[derive(Default)]
+pub(crate) struct DelayedIndex {
+    pending: BTreeMap<u64, BTreeMap<u64, NameEntry>>,
+    count: usize,
+    pub stats: DelayedStats,
+    tracker: Tracker,
+}
+
+impl DelayedIndex {
+    pub fn insert(&mut self, dir: u64, seq: u64, entry: NameEntry) {
+        self.tracker.acquire((dir, seq), "delayed index item");
+        let previous = self.pending.entry(dir).or_default().insert(seq, entry);
+        assert!(
+            previous.is_none(),
+            "index {seq} of directory {dir} delayed twice"
+        );
+        self.count += 1;
+    }
+
+    /// Takes the pending item `(dir, seq)`, if it is still pending.
+    pub fn take(&mut self, dir: u64, seq: u64) -> Option<NameEntry> {
+        let items = self.pending.get_mut(&dir)?;
+        let entry = items.remove(&seq)?;
+        if items.is_empty() {
+            self.pending.remove(&dir);
+        }
+        self.count -= 1;
+        self.stats.cancelled += 1;
+        self.tracker.release((dir, seq));
+        Some(entry)
+    }
+
+    /// Pending items of `dir` with sequence ≥ `from`, in order.
+    pub fn range(&self, dir: u64, from: u64) -> impl Iterator<Item = (u64, &NameEntry)> {
+        self.pending
+            .get(&dir)
+            .into_iter()
+            .flat_map(move |items| items.range(from..).map(|(s, e)| (*s, e)))
+    }
+
+    pub fn has_any(&self, dir: u64) -> bool {
+        self.pending.contains_key(&dir)
+    }
+
+    pub fn len(&self) -> usize {
+        self.count
+    }
+
+    /// Every pending item (for the checker).
+    pub fn all(&self) -> impl Iterator<Item = (u64, u64, &NameEntry)> {
+        self.pending
+            .iter()
+            .flat_map(|(dir, items)| items.iter().map(move |(s, e)| (*dir, *s, e)))
+    }
+
+    /// Leak report for debug builds (see [`Tracker::report`]).
+    pub fn leak_report(&self) -> Option<String> {
+        self.tracker.report()
+    }
+}
+
+impl Filesystem {
+    /// Inserts every pending index item into its directory's tree, one batch of consecutive
+    /// keys per directory. Called at the start of every commit and when too many are pending.
+    pub(crate) fn flush_delayed_index(&mut self) -> Result<()> {
+        let pending = std::mem::take(&mut self.delayed.pending);
+        self.delayed.count = 0;
+        for (dir, items) in pending {
+            let shard = self.shard_of(dir);
+            let batch = items.len() as u64;
+            // Consecutive keys fill leaves: about one new leaf per 40 items, plus the path.
+            self.ensure_meta_room(shard, batch / 32 + 2)?;
+            let mut released = Vec::with_capacity(items.len());
+            self.with_tree(shard, true, |tree, io| {
+                for (seq, entry) in items {
+                    tree.insert(
+                        io,
+                        Key::new(dir, ItemKind::DirIndex, seq),
+                        encode_names(std::slice::from_ref(&entry)),
+                    )?;
+                    released.push(seq);
+                }
+                Ok(())
+            })?;
+            for seq in released {
+                self.delayed.tracker.release((dir, seq));
+            }
+            let stats = &mut self.delayed.stats;
+            stats.batches += 1;
+            stats.items += batch;
+            stats.max_batch = stats.max_batch.max(batch);
+        }
+        Ok(())
+    }
+
+    pub fn delayed_stats(&self) -> DelayedStats {
+        self.delayed.stats
+    }
+}
