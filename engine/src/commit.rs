@@ -66,7 +66,9 @@ impl Filesystem {
 
     /// True when the running transaction has changes to commit.
     pub fn is_dirty(&self) -> bool {
-        self.delayed.len() > 0 || self.shards.iter().any(|s| s.tree.is_dirty())
+        self.delayed.len() > 0
+            || self.ino_counters_dirty.iter().any(|&d| d)
+            || self.shards.iter().any(|s| s.tree.is_dirty())
     }
 
     /// Commits the running transaction. Returns the generation now durable. A commit with
@@ -81,7 +83,9 @@ impl Filesystem {
         self.state = CommitState::CommitStart;
         // Delayed index items join the trees in per-directory batches before anything is
         // serialized.
-        let flushed = self.flush_delayed_index();
+        let flushed = self
+            .flush_delayed_index()
+            .and_then(|()| self.persist_ino_counters());
         if let Err(e) = self.fail_stop_on_error(flushed) {
             self.state = CommitState::Running;
             return Err(e);

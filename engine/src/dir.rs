@@ -38,6 +38,13 @@ pub struct RenameFlags {
     pub exchange: bool,
 }
 
+/// What [`Filesystem::add_name_at`] needs about the directory, loaded once per operation.
+struct NameSlot {
+    dir_item: InodeItem,
+    hash: u64,
+    bucket: Vec<NameEntry>,
+}
+
 /// First readdir cookie of a real entry (0 = start, 1 = after `.`).
 pub const FIRST_INDEX: u64 = 2;
 /// Longest symlink target (its text is one item).
@@ -118,6 +125,29 @@ impl Filesystem {
 
     /// Adds `name` → `child` to `dir`: directory item, index item, back-reference; updates the
     /// directory's size and times. The caller has checked the name is free.
+    /// Loads what adding or checking `name` in `dir` needs: the directory's inode (it must
+    /// be a directory) and the name's hash bucket; also says whether the name exists.
+    fn name_slot(&mut self, dir: u64, name: &[u8]) -> Result<(NameSlot, Option<(u64, u8)>)> {
+        if name.len() > 255 {
+            return Err(EngineError::NameTooLong);
+        }
+        let dir_item = self.dir_inode(dir)?;
+        let hash = name_hash(name);
+        let bucket = self.dir_item(dir, hash)?;
+        let existing = bucket
+            .iter()
+            .find(|e| e.name == name)
+            .map(|e| (e.target, e.kind));
+        Ok((
+            NameSlot {
+                dir_item,
+                hash,
+                bucket,
+            },
+            existing,
+        ))
+    }
+
     fn add_name(
         &mut self,
         dir: u64,
@@ -126,14 +156,36 @@ impl Filesystem {
         kind: u8,
         now: Timespec,
     ) -> Result<()> {
-        let mut dir_item = self.dir_inode(dir)?;
+        let (slot, _) = self.name_slot(dir, name)?;
+        self.add_name_at(dir, slot, name, child, kind, now, false, 0)
+    }
+
+    /// Adds `name` → `child` to `dir`: directory item, index item (delayed), back-reference;
+    /// updates the directory's size, times and, by `dir_nlink_delta`, its link count. The
+    /// caller has checked the name is free. A `new_child` has no back-references yet.
+    #[allow(clippy::too_many_arguments)]
+    fn add_name_at(
+        &mut self,
+        dir: u64,
+        slot: NameSlot,
+        name: &[u8],
+        child: u64,
+        kind: u8,
+        now: Timespec,
+        new_child: bool,
+        dir_nlink_delta: u32,
+    ) -> Result<()> {
+        let NameSlot {
+            mut dir_item,
+            hash,
+            mut bucket,
+        } = slot;
         let index = dir_item.next_index.max(FIRST_INDEX);
         dir_item.next_index = index + 1;
         dir_item.size += name.len() as u64;
         dir_item.mtime = now;
         dir_item.ctime = now;
-        let hash = name_hash(name);
-        let mut bucket = self.dir_item(dir, hash)?;
+        dir_item.nlink += dir_nlink_delta;
         bucket.push(NameEntry {
             target: child,
             kind,
@@ -158,7 +210,11 @@ impl Filesystem {
         }
         let child_shard = self.shard_of(child);
         let ref_key = Key::new(child, ItemKind::InodeRef, dir);
-        let mut refs = self.list_at(child_shard, ref_key)?;
+        let mut refs = if new_child {
+            Vec::new()
+        } else {
+            self.list_at(child_shard, ref_key)?
+        };
         refs.push(NameEntry {
             target: index,
             kind: 0,
@@ -226,7 +282,8 @@ impl Filesystem {
     ) -> Result<(u64, InodeItem)> {
         self.check_writable()?;
         check_name(name)?;
-        if self.find_name(dir, name)?.is_some() {
+        let (slot, existing) = self.name_slot(dir, name)?;
+        if existing.is_some() {
             return Err(EngineError::Exists);
         }
         let now = Timespec::now();
@@ -246,12 +303,16 @@ impl Filesystem {
             ..Default::default()
         };
         self.store_inode(ino, &item)?;
-        self.add_name(dir, name, ino, kind_of(mode), now)?;
-        if is_dir {
-            let mut parent = self.load_inode(dir)?;
-            parent.nlink += 1;
-            self.store_inode(dir, &parent)?;
-        }
+        self.add_name_at(
+            dir,
+            slot,
+            name,
+            ino,
+            kind_of(mode),
+            now,
+            true,
+            is_dir as u32,
+        )?;
         Ok((ino, item))
     }
 

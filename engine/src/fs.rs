@@ -91,6 +91,10 @@ pub struct Filesystem {
     pub(crate) transaction_started: std::time::Instant,
     /// Directory index items waiting for the commit ([`crate::delayed`]).
     pub(crate) delayed: crate::delayed::DelayedIndex,
+    /// Each shard's next inode number, once read; `ino_counters_dirty` marks the ones the next
+    /// commit must write.
+    pub(crate) ino_counters: Vec<Option<u64>>,
+    pub(crate) ino_counters_dirty: Vec<bool>,
 }
 
 /// The device LBAs of filesystem block `block`.
@@ -243,6 +247,7 @@ impl Filesystem {
             }
         }
         let sb = best.ok_or_else(|| EngineError::corrupt("superblock", 0, problems.join("; ")))?;
+        let shard_count = sb.shards.len();
         if !problems.is_empty() {
             tracing::warn!(
                 "mounting generation {} from the intact superblock copy; {}",
@@ -300,6 +305,8 @@ impl Filesystem {
             next_create_shard: 0,
             transaction_started: std::time::Instant::now(),
             delayed: Default::default(),
+            ino_counters: vec![None; shard_count],
+            ino_counters_dirty: vec![false; shard_count],
         })
     }
 

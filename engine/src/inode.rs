@@ -93,39 +93,58 @@ impl Filesystem {
         .map(drop)
     }
 
-    /// A fresh inode number in the next shard round-robin.
+    /// A fresh inode number in the next shard round-robin. The shard's counter is cached in
+    /// memory and written to its tree at commit ([`Filesystem::persist_ino_counters`]).
     pub(crate) fn alloc_ino(&mut self) -> Result<u64> {
         let shards = self.shards.len() as u64;
         let shard = (self.next_create_shard % shards) as u32;
         self.next_create_shard = self.next_create_shard.wrapping_add(1);
-        let counter = Key::new(INO_COUNTER_OBJECTID, ItemKind::InodeItem, 0);
-        let ino = self.with_tree(shard, true, |tree, io| {
-            let next = match tree.get(io, &counter)? {
-                Some(bytes) if bytes.len() == 8 => {
-                    u64::from_le_bytes(bytes.try_into().expect("8 bytes"))
-                }
-                Some(_) => {
-                    return Err(EngineError::corrupt(
-                        "inode counter",
-                        shard as u64,
-                        "not 8 bytes",
-                    ))
-                }
-                // First inode of this residue class at or above FIRST_INODE, skipping the root.
-                None => {
-                    let mut first =
-                        FIRST_INODE + (shard as u64 + shards - FIRST_INODE % shards) % shards;
-                    if first == ROOT_INO {
-                        first += shards;
+        let next = match self.ino_counters[shard as usize] {
+            Some(next) => next,
+            None => {
+                let counter = Key::new(INO_COUNTER_OBJECTID, ItemKind::InodeItem, 0);
+                match self.with_tree(shard, false, |tree, io| tree.get(io, &counter))? {
+                    Some(bytes) if bytes.len() == 8 => {
+                        u64::from_le_bytes(bytes.try_into().expect("8 bytes"))
                     }
-                    first
+                    Some(_) => {
+                        return Err(EngineError::corrupt(
+                            "inode counter",
+                            shard as u64,
+                            "not 8 bytes",
+                        ))
+                    }
+                    // First inode of this residue class at or above FIRST_INODE, skipping the root.
+                    None => {
+                        let mut first =
+                            FIRST_INODE + (shard as u64 + shards - FIRST_INODE % shards) % shards;
+                        if first == ROOT_INO {
+                            first += shards;
+                        }
+                        first
+                    }
                 }
-            };
-            tree.insert(io, counter, (next + shards).to_le_bytes().to_vec())?;
-            Ok(next)
-        })?;
-        debug_assert_eq!(self.shard_of(ino), shard);
-        Ok(ino)
+            }
+        };
+        self.ino_counters[shard as usize] = Some(next + shards);
+        self.ino_counters_dirty[shard as usize] = true;
+        debug_assert_eq!(self.shard_of(next), shard);
+        Ok(next)
+    }
+
+    /// Writes every advanced inode counter into its shard's tree (part of each commit).
+    pub(crate) fn persist_ino_counters(&mut self) -> Result<()> {
+        let counter = Key::new(INO_COUNTER_OBJECTID, ItemKind::InodeItem, 0);
+        for shard in 0..self.shard_count() {
+            if !std::mem::take(&mut self.ino_counters_dirty[shard as usize]) {
+                continue;
+            }
+            let next = self.ino_counters[shard as usize].expect("a dirty counter is cached");
+            self.with_tree(shard, true, |tree, io| {
+                tree.insert(io, counter, next.to_le_bytes().to_vec())
+            })?;
+        }
+        Ok(())
     }
 
     pub(crate) fn stat_of(ino: u64, item: &InodeItem) -> Stat {

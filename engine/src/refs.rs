@@ -4,12 +4,13 @@
 //! In release builds [`Tracker`] is a zero-sized type whose methods compile to nothing: the
 //! engine pays no time and no struct size for it (checked at compile time below).
 
-use std::panic::Location;
-
 #[cfg(debug_assertions)]
 #[derive(Default)]
 pub struct Tracker {
-    held: std::collections::HashMap<(u64, u64), (&'static str, &'static Location<'static>)>,
+    held: std::collections::HashMap<
+        (u64, u64),
+        (&'static str, &'static std::panic::Location<'static>),
+    >,
 }
 
 #[cfg(not(debug_assertions))]
@@ -26,7 +27,7 @@ impl Tracker {
     pub fn acquire(&mut self, id: (u64, u64), what: &'static str) {
         #[cfg(debug_assertions)]
         {
-            let previous = self.held.insert(id, (what, Location::caller()));
+            let previous = self.held.insert(id, (what, std::panic::Location::caller()));
             assert!(previous.is_none(), "{what} {id:?} acquired twice");
         }
         #[cfg(not(debug_assertions))]
