@@ -109,8 +109,11 @@ pub fn run(creates: u64) -> Result<EngineReport, String> {
             }
             Ok((thread_cpu_ns() - cpu) as f64 / ops as f64)
         };
-        measure(100_000)?;
-        measure(200_000)?
+        let warm = measure(100_000)?;
+        let second = measure(200_000)?;
+        let third = measure(200_000)?;
+        eprintln!("overwrite passes: {warm:.0} {second:.0} {third:.0} ns/op");
+        third
     };
     let overwrite_ops = 200_000u64;
 

@@ -72,10 +72,10 @@ impl Filesystem {
     fn dir_item(&mut self, dir: u64, hash: u64) -> Result<Vec<NameEntry>> {
         let shard = self.shard_of(dir);
         let key = Key::new(dir, ItemKind::DirItem, hash);
-        match self.with_tree(shard, false, |tree, io| tree.get(io, &key))? {
-            Some(bytes) => {
-                decode_names(&bytes).map_err(|why| EngineError::corrupt("directory item", dir, why))
-            }
+        match self.with_tree(shard, false, |tree, io| {
+            tree.get_with(io, &key, decode_names)
+        })? {
+            Some(names) => names.map_err(|why| EngineError::corrupt("directory item", dir, why)),
             None => Ok(Vec::new()),
         }
     }

@@ -158,10 +158,24 @@ impl Filesystem {
     /// Removes the extents covering file blocks `first..end`, keeping the parts outside, and
     /// frees the covered disk blocks (pinned). Returns how many data blocks were freed.
     fn punch_blocks(&mut self, ino: u64, first: u64, end: u64) -> Result<u64> {
+        let extents = self.extents_in(ino, first, end)?;
+        self.punch_extents(ino, extents, first, end, None)
+    }
+
+    /// [`Filesystem::punch_blocks`] on extents already looked up. `replaced_at`: a file block
+    /// whose extent item the caller is about to overwrite anyway, so it is not removed first.
+    fn punch_extents(
+        &mut self,
+        ino: u64,
+        extents: Vec<Extent>,
+        first: u64,
+        end: u64,
+        replaced_at: Option<u64>,
+    ) -> Result<u64> {
         let shard = self.shard_of(ino);
         let generation = self.generation;
         let mut freed = 0;
-        for extent in self.extents_in(ino, first, end)? {
+        for extent in extents {
             let cut_from = extent.file_block.max(first);
             let cut_to = extent.end().min(end);
             if cut_from >= cut_to {
@@ -185,9 +199,15 @@ impl Filesystem {
             let freed_at = item.disk_block + keep_left;
             let freed_len = cut_to - cut_from;
             self.with_tree(shard, true, |tree, io| {
-                tree.remove(io, &extent_key(ino, extent.file_block))?;
-                if let Some(left) = left {
-                    tree.insert(io, extent_key(ino, extent.file_block), left.encode())?;
+                match left {
+                    // The left piece keeps the extent's key: replace the value in place.
+                    Some(left) => {
+                        tree.insert(io, extent_key(ino, extent.file_block), left.encode())?;
+                    }
+                    None if replaced_at == Some(extent.file_block) => {}
+                    None => {
+                        tree.remove(io, &extent_key(ino, extent.file_block))?;
+                    }
                 }
                 if let Some(right) = right {
                     tree.insert(io, extent_key(ino, cut_to), right.encode())?;
@@ -230,8 +250,8 @@ impl Filesystem {
                 }
             }
         }
-        let overlapping = self.extents_in(ino, first, first + count)?.len() as u64;
-        self.ensure_meta_room(shard, 3 * overlapping + runs.len() as u64 + 1)?;
+        let overlapping = self.extents_in(ino, first, first + count)?;
+        self.ensure_meta_room(shard, 3 * overlapping.len() as u64 + runs.len() as u64 + 1)?;
         let mut done = 0u64;
         let mut items = Vec::with_capacity(runs.len());
         for &(disk, got) in &runs {
@@ -254,7 +274,7 @@ impl Filesystem {
             done += got;
         }
         let result = self
-            .punch_blocks(ino, first, first + count)
+            .punch_extents(ino, overlapping, first, first + count, Some(first))
             .and_then(|freed| {
                 self.with_tree(shard, true, |tree, io| {
                     for (file_block, item) in items {

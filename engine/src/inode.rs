@@ -78,10 +78,11 @@ impl Filesystem {
             return Err(EngineError::NotFound);
         }
         let shard = self.shard_of(ino);
-        let bytes = self
-            .with_tree(shard, false, |tree, io| tree.get(io, &inode_key(ino)))?
-            .ok_or(EngineError::NotFound)?;
-        InodeItem::decode(&bytes).map_err(|why| EngineError::corrupt("inode item", ino, why))
+        self.with_tree(shard, false, |tree, io| {
+            tree.get_with(io, &inode_key(ino), InodeItem::decode)
+        })?
+        .ok_or(EngineError::NotFound)?
+        .map_err(|why| EngineError::corrupt("inode item", ino, why))
     }
 
     pub(crate) fn store_inode(&mut self, ino: u64, item: &InodeItem) -> Result<()> {

@@ -70,6 +70,13 @@ pub fn leaf_used_bytes(items: &[(Key, Vec<u8>)]) -> usize {
 
 /// Encodes a node into `out` (one block) and returns its crc32c.
 pub fn encode_node(header: &NodeHeader, body: &NodeBody, out: &mut [u8]) -> u32 {
+    match body {
+        NodeBody::Leaf(items) => encode_leaf(header, items, out),
+        NodeBody::Internal(entries) => encode_internal(header, entries, out),
+    }
+}
+
+fn encode_header(header: &NodeHeader, count: usize, out: &mut [u8]) {
     assert_eq!(out.len(), BLOCK_BYTES);
     out.fill(0);
     out[4..8].copy_from_slice(&NODE_MAGIC.to_le_bytes());
@@ -77,40 +84,49 @@ pub fn encode_node(header: &NodeHeader, body: &NodeBody, out: &mut [u8]) -> u32 
     out[16..24].copy_from_slice(&header.generation.to_le_bytes());
     out[24..28].copy_from_slice(&header.owner.to_le_bytes());
     out[28] = header.level;
-    out[32..34].copy_from_slice(&(body.len() as u16).to_le_bytes());
-    match body {
-        NodeBody::Leaf(items) => {
-            assert_eq!(header.level, 0, "a leaf is level 0");
-            assert!(
-                leaf_used_bytes(items) <= LEAF_SPACE_BYTES,
-                "leaf overfull at encode"
-            );
-            let mut data_end = BLOCK_BYTES;
-            for (i, (key, value)) in items.iter().enumerate() {
-                let at = HEADER_BYTES + i * LEAF_ITEM_HEADER_BYTES;
-                data_end -= value.len();
-                key.encode(&mut out[at..]);
-                out[at + 17..at + 19].copy_from_slice(&(data_end as u16).to_le_bytes());
-                out[at + 19..at + 21].copy_from_slice(&(value.len() as u16).to_le_bytes());
-                out[data_end..data_end + value.len()].copy_from_slice(value);
-            }
-        }
-        NodeBody::Internal(entries) => {
-            assert!(header.level > 0, "an internal node is above level 0");
-            assert!(
-                entries.len() <= INTERNAL_FANOUT,
-                "internal node overfull at encode"
-            );
-            for (i, (key, ptr)) in entries.iter().enumerate() {
-                let at = HEADER_BYTES + i * INTERNAL_ENTRY_BYTES;
-                key.encode(&mut out[at..]);
-                ptr.encode(&mut out[at + 17..]);
-            }
-        }
-    }
+    out[32..34].copy_from_slice(&(count as u16).to_le_bytes());
+}
+
+fn seal(out: &mut [u8]) -> u32 {
     let crc = block_crc(out);
     out[0..4].copy_from_slice(&crc.to_le_bytes());
     crc
+}
+
+/// Encodes a leaf from borrowed items (the commit serializes without copying them).
+pub fn encode_leaf(header: &NodeHeader, items: &[(Key, Vec<u8>)], out: &mut [u8]) -> u32 {
+    assert_eq!(header.level, 0, "a leaf is level 0");
+    assert!(
+        leaf_used_bytes(items) <= LEAF_SPACE_BYTES,
+        "leaf overfull at encode"
+    );
+    encode_header(header, items.len(), out);
+    let mut data_end = BLOCK_BYTES;
+    for (i, (key, value)) in items.iter().enumerate() {
+        let at = HEADER_BYTES + i * LEAF_ITEM_HEADER_BYTES;
+        data_end -= value.len();
+        key.encode(&mut out[at..]);
+        out[at + 17..at + 19].copy_from_slice(&(data_end as u16).to_le_bytes());
+        out[at + 19..at + 21].copy_from_slice(&(value.len() as u16).to_le_bytes());
+        out[data_end..data_end + value.len()].copy_from_slice(value);
+    }
+    seal(out)
+}
+
+/// Encodes an internal node.
+pub fn encode_internal(header: &NodeHeader, entries: &[(Key, BlockPtr)], out: &mut [u8]) -> u32 {
+    assert!(header.level > 0, "an internal node is above level 0");
+    assert!(
+        entries.len() <= INTERNAL_FANOUT,
+        "internal node overfull at encode"
+    );
+    encode_header(header, entries.len(), out);
+    for (i, (key, ptr)) in entries.iter().enumerate() {
+        let at = HEADER_BYTES + i * INTERNAL_ENTRY_BYTES;
+        key.encode(&mut out[at..]);
+        ptr.encode(&mut out[at + 17..]);
+    }
+    seal(out)
 }
 
 /// Decodes the block `expected` points at, checking it is exactly that block. `owner` is the

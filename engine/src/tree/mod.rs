@@ -20,7 +20,8 @@ use crate::error::{EngineError, Result};
 use crate::format::node::{
     self, leaf_used_bytes, NodeHeader, INTERNAL_FANOUT, LEAF_SPACE_BYTES, MAX_ITEM_BYTES,
 };
-use crate::format::{encode_node, BlockPtr, Key, NodeBody, BLOCK_BYTES};
+use crate::format::node::{encode_internal, encode_leaf};
+use crate::format::{BlockPtr, Key, NodeBody, BLOCK_BYTES};
 
 /// How the tree reaches the disk and the allocator.
 pub trait NodeIo {
@@ -303,6 +304,16 @@ impl Tree {
 
     /// Looks `key` up.
     pub fn get(&mut self, io: &mut dyn NodeIo, key: &Key) -> Result<Option<Vec<u8>>> {
+        self.get_with(io, key, |value| value.to_vec())
+    }
+
+    /// Looks `key` up and hands its value to `f` in place (no copy).
+    pub fn get_with<T>(
+        &mut self,
+        io: &mut dyn NodeIo,
+        key: &Key,
+        f: impl FnOnce(&[u8]) -> T,
+    ) -> Result<Option<T>> {
         let Some(mut id) = self.root_id(io)? else {
             return Ok(None);
         };
@@ -312,7 +323,7 @@ impl Tree {
                     return Ok(items
                         .binary_search_by(|(k, _)| k.cmp(key))
                         .ok()
-                        .map(|i| items[i].1.clone()));
+                        .map(|i| f(&items[i].1)));
                 }
                 Body::Internal(children) => {
                     let index = Self::child_index(children, key);
@@ -793,14 +804,15 @@ impl Tree {
             owner: self.owner,
             level: node.level,
         };
-        let body = match &node.body {
-            Body::Leaf(items) => NodeBody::Leaf(items.clone()),
+        let mut block = vec![0u8; BLOCK_BYTES];
+        let crc = match &node.body {
+            Body::Leaf(items) => encode_leaf(&header, items, &mut block),
             Body::Internal(children) => {
-                NodeBody::Internal(children.iter().map(|c| (c.key, c.ptr)).collect())
+                let entries: Vec<(Key, BlockPtr)> =
+                    children.iter().map(|c| (c.key, c.ptr)).collect();
+                encode_internal(&header, &entries, &mut block)
             }
         };
-        let mut block = vec![0u8; BLOCK_BYTES];
-        let crc = encode_node(&header, &body, &mut block);
         out.push((node.addr, block));
         self.node_mut(id).dirty = false;
         self.dirty_count -= 1;
