@@ -26,6 +26,11 @@ pub struct EngineReport {
     pub one_dir_index_batches: u64,
     pub one_dir_index_items_per_batch: f64,
     pub one_dir_commit_ms: f64,
+    pub million_files: u64,
+    pub million_mount_ms: f64,
+    pub million_list_secs: f64,
+    pub million_list_peak_nodes: usize,
+    pub million_total_tree_blocks: u64,
 }
 
 fn mem_fs(bytes: u64, shards: u32) -> Result<Filesystem, String> {
@@ -52,7 +57,15 @@ fn mem_fs(bytes: u64, shards: u32) -> Result<Filesystem, String> {
     .map_err(|e| e.to_string())
 }
 
-pub fn run(creates: u64) -> Result<EngineReport, String> {
+/// Peak resident set of this process, in KiB (from /proc).
+fn peak_rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse().ok()))
+        .unwrap_or(0)
+}
+
+pub fn run(creates: u64, million: u64) -> Result<EngineReport, String> {
     let e = |e: engine::EngineError| e.to_string();
     // Creates over 16 directories.
     eprintln!("engine: {creates} empty-file creates over 16 directories...");
@@ -160,6 +173,45 @@ pub fn run(creates: u64) -> Result<EngineReport, String> {
         )
         .map_err(e)?;
 
+    // A million files: mount and list them with the metadata cache bounded.
+    eprintln!("engine: {million} files in 100 directories, then mount and list...");
+    let cache_nodes = 256;
+    let (million_mount_ms, million_list_secs, million_list_peak_nodes, million_total_tree_blocks) = {
+        let mut fs = mem_fs(8 << 30, 16)?;
+        let dirs: Vec<u64> =
+            (0..100).map(|i| fs.mkdir(fs.root(), format!("m{i}").as_bytes(), 0o755, 0, 0).map(|s| s.ino)).collect::<Result<_, _>>().map_err(e)?;
+        for i in 0..million {
+            fs.create(dirs[(i % 100) as usize], format!("file-{i}").as_bytes(), 0o644, 0, 0).map_err(e)?;
+            fs.tick().map_err(e)?;
+        }
+        fs.commit().map_err(e)?;
+        let dev = fs.unmount().map_err(e)?;
+        let start = Instant::now();
+        let options = MountOptions { cache_nodes_per_shard: cache_nodes, ..Default::default() };
+        let mut fs = Filesystem::mount(dev, options).map_err(e)?;
+        let mount_ms = start.elapsed().as_secs_f64() * 1e3;
+        let start = Instant::now();
+        let mut peak = fs.loaded_nodes();
+        let mut listed = 0u64;
+        for &dir in &dirs {
+            let mut cookie = 0;
+            loop {
+                let batch = fs.readdir(dir, cookie, 1024).map_err(e)?;
+                let Some(last) = batch.last() else { break };
+                cookie = last.cookie;
+                listed += batch.len() as u64;
+                peak = peak.max(fs.loaded_nodes());
+            }
+        }
+        if listed != million {
+            return Err(format!("listed {listed} of {million} files"));
+        }
+        let list_secs = start.elapsed().as_secs_f64();
+        let blocks: u64 = fs.superblock().shards.iter().map(|s| s.used_blocks).sum();
+        (mount_ms, list_secs, peak, blocks)
+    };
+    eprintln!("engine: peak RSS {} MiB", peak_rss_kib() >> 10);
+
     Ok(EngineReport {
         creates,
         creates_per_sec: creates as f64 / create_secs,
@@ -175,6 +227,11 @@ pub fn run(creates: u64) -> Result<EngineReport, String> {
         one_dir_index_batches: batching.batches,
         one_dir_index_items_per_batch: batching.items as f64 / batching.batches.max(1) as f64,
         one_dir_commit_ms,
+        million_files: million,
+        million_mount_ms,
+        million_list_secs,
+        million_list_peak_nodes,
+        million_total_tree_blocks,
     })
 }
 
@@ -206,6 +263,15 @@ impl std::fmt::Display for EngineReport {
             self.one_dir_index_batches,
             self.one_dir_index_items_per_batch,
             self.one_dir_commit_ms
+        )?;
+        writeln!(
+            f,
+            "  {} files: mount {:.1} ms; listed in {:.2} s with at most {} of {} metadata blocks in memory",
+            self.million_files,
+            self.million_mount_ms,
+            self.million_list_secs,
+            self.million_list_peak_nodes,
+            self.million_total_tree_blocks
         )
     }
 }

@@ -50,6 +50,9 @@ enum Bench {
         /// Empty-file creates to time.
         #[arg(long, default_value_t = 300_000)]
         creates: u64,
+        /// Files to create, remount and list with a bounded metadata cache.
+        #[arg(long, default_value_t = 1_000_000)]
+        files: u64,
         #[arg(long)]
         json: Option<PathBuf>,
     },
@@ -108,7 +111,7 @@ fn main() -> ExitCode {
             print!("{}", nvme::probe::probe());
             Ok(())
         }
-        Command::Bench(Bench::Engine { creates, json }) => corefs_bench::engine::run(creates)
+        Command::Bench(Bench::Engine { creates, files, json }) => corefs_bench::engine::run(creates, files)
             .and_then(|report| {
                 print!("{report}");
                 write_json(json, &report)
