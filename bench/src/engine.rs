@@ -61,7 +61,11 @@ fn mem_fs(bytes: u64, shards: u32) -> Result<Filesystem, String> {
 fn peak_rss_kib() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse().ok()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
         .unwrap_or(0)
 }
 
@@ -178,16 +182,31 @@ pub fn run(creates: u64, million: u64) -> Result<EngineReport, String> {
     let cache_nodes = 256;
     let (million_mount_ms, million_list_secs, million_list_peak_nodes, million_total_tree_blocks) = {
         let mut fs = mem_fs(8 << 30, 16)?;
-        let dirs: Vec<u64> =
-            (0..100).map(|i| fs.mkdir(fs.root(), format!("m{i}").as_bytes(), 0o755, 0, 0).map(|s| s.ino)).collect::<Result<_, _>>().map_err(e)?;
+        let dirs: Vec<u64> = (0..100)
+            .map(|i| {
+                fs.mkdir(fs.root(), format!("m{i}").as_bytes(), 0o755, 0, 0)
+                    .map(|s| s.ino)
+            })
+            .collect::<Result<_, _>>()
+            .map_err(e)?;
         for i in 0..million {
-            fs.create(dirs[(i % 100) as usize], format!("file-{i}").as_bytes(), 0o644, 0, 0).map_err(e)?;
+            fs.create(
+                dirs[(i % 100) as usize],
+                format!("file-{i}").as_bytes(),
+                0o644,
+                0,
+                0,
+            )
+            .map_err(e)?;
             fs.tick().map_err(e)?;
         }
         fs.commit().map_err(e)?;
         let dev = fs.unmount().map_err(e)?;
         let start = Instant::now();
-        let options = MountOptions { cache_nodes_per_shard: cache_nodes, ..Default::default() };
+        let options = MountOptions {
+            cache_nodes_per_shard: cache_nodes,
+            ..Default::default()
+        };
         let mut fs = Filesystem::mount(dev, options).map_err(e)?;
         let mount_ms = start.elapsed().as_secs_f64() * 1e3;
         let start = Instant::now();

@@ -111,11 +111,14 @@ fn main() -> ExitCode {
             print!("{}", nvme::probe::probe());
             Ok(())
         }
-        Command::Bench(Bench::Engine { creates, files, json }) => corefs_bench::engine::run(creates, files)
-            .and_then(|report| {
-                print!("{report}");
-                write_json(json, &report)
-            }),
+        Command::Bench(Bench::Engine {
+            creates,
+            files,
+            json,
+        }) => corefs_bench::engine::run(creates, files).and_then(|report| {
+            print!("{report}");
+            write_json(json, &report)
+        }),
         Command::Bench(Bench::Device {
             devices,
             dir,
