@@ -297,6 +297,7 @@ impl Tree {
 
     /// Index of the child whose subtree may hold `key`.
     fn child_index(children: &[Child], key: &Key) -> usize {
+        prefetch(children);
         children
             .partition_point(|c| c.key <= *key)
             .saturating_sub(1)
@@ -321,6 +322,7 @@ impl Tree {
             match &self.node(id).body {
                 Body::Leaf(items) => {
                     return Ok(items
+                        .prefetched()
                         .binary_search_by(|(k, _)| k.cmp(key))
                         .ok()
                         .map(|i| f(&items[i].1)));
@@ -530,13 +532,15 @@ impl Tree {
     ) -> Result<Option<Vec<u8>>> {
         if self.node(id).level == 0 {
             let items = self.node_mut(id).leaf_mut();
-            return Ok(match items.binary_search_by(|(k, _)| k.cmp(&key)) {
-                Ok(i) => Some(std::mem::replace(&mut items[i].1, value)),
-                Err(i) => {
-                    items.insert(i, (key, value));
-                    None
-                }
-            });
+            return Ok(
+                match items.prefetched().binary_search_by(|(k, _)| k.cmp(&key)) {
+                    Ok(i) => Some(std::mem::replace(&mut items[i].1, value)),
+                    Err(i) => {
+                        items.insert(i, (key, value));
+                        None
+                    }
+                },
+            );
         }
         let index = Self::child_index(self.node(id).children(), &key);
         let child = self.child_id(io, id, index)?;
@@ -970,6 +974,41 @@ impl Key {
                 ..Key::MIN
             }),
         }
+    }
+}
+
+/// Asks the CPU to start loading every cache line of `slice`. A binary search over a node
+/// otherwise takes one dependent cache miss per probe (the profile of creates showed them
+/// dominating lookups of random directory items); issued together, the misses overlap.
+#[inline]
+fn prefetch<T>(slice: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let start = slice.as_ptr().cast::<i8>();
+        let bytes = std::mem::size_of_val(slice);
+        let mut offset = 0;
+        while offset < bytes {
+            // SAFETY: prefetch is a hint; it never faults, and the address is inside `slice`.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    start.add(offset),
+                );
+            }
+            offset += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = slice;
+}
+
+trait Prefetched {
+    fn prefetched(&self) -> &Self;
+}
+
+impl<T> Prefetched for Vec<T> {
+    fn prefetched(&self) -> &Self {
+        prefetch(self);
+        self
     }
 }
 
