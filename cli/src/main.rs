@@ -37,6 +37,21 @@ enum Command {
     Fsck { device: String },
     /// Report the kernel features corefs uses and what to do about missing ones.
     Probe,
+    /// Crash-consistency test: ACE workloads of one or two operations, every crash state at
+    /// every persistence point and flush mounted and checked against an oracle.
+    Crashtest {
+        /// Run every workload of this length (1 or 2).
+        #[arg(long, conflicts_with = "sample")]
+        length: Option<usize>,
+        /// Run this many workloads drawn at random (lengths 1 and 2).
+        #[arg(long)]
+        sample: Option<usize>,
+        #[arg(long)]
+        seed: Option<u64>,
+        /// Worker threads (default: every core).
+        #[arg(long)]
+        threads: Option<usize>,
+    },
     /// Benchmarks.
     #[command(subcommand)]
     Bench(Bench),
@@ -107,6 +122,42 @@ fn main() -> ExitCode {
             label,
         } => mkfs(&device, size, shards, label),
         Command::Fsck { device } => return fsck(&device),
+        Command::Crashtest {
+            length,
+            sample,
+            seed,
+            threads,
+        } => {
+            let seed = seed.unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_nanos() as u64)
+                    .unwrap_or(1)
+            });
+            let workloads = match (length, sample) {
+                (Some(length), _) if (1..=2).contains(&length) => {
+                    crashtest::workload::exhaustive(length)
+                }
+                (Some(length), _) => return fail(format!("--length {length}: use 1 or 2")),
+                (None, count) => crashtest::workload::sample(count.unwrap_or(1000), seed),
+            };
+            let threads = threads.unwrap_or_else(|| {
+                std::thread::available_parallelism()
+                    .map(|n| n.get())
+                    .unwrap_or(1)
+            });
+            eprintln!(
+                "crashtest: {} workloads on {threads} threads, seed {seed}",
+                workloads.len()
+            );
+            let start = std::time::Instant::now();
+            crashtest(workloads, seed, threads).map(|(count, states)| {
+                println!(
+                    "crashtest: {count} workloads, {states} crash states checked, 0 violations, {:.1} s (seed {seed})",
+                    start.elapsed().as_secs_f64()
+                );
+            })
+        }
         Command::Probe => {
             print!("{}", nvme::probe::probe());
             Ok(())
@@ -235,4 +286,50 @@ fn write_json(path: Option<PathBuf>, report: &impl serde::Serialize) -> Result<(
         .map_err(|e| format!("writing {}: {e}", path.display())),
         None => Ok(()),
     }
+}
+
+/// Runs crash-consistency workloads on `threads` threads; returns (workloads, crash states).
+fn crashtest(
+    workloads: Vec<Vec<crashtest::workload::Op>>,
+    seed: u64,
+    threads: usize,
+) -> Result<(u64, u64), String> {
+    let base = crashtest::base_image();
+    let total = workloads.len();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let states = std::sync::atomic::AtomicU64::new(0);
+    let failure: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+    std::thread::scope(|scope| {
+        for _ in 0..threads.max(1) {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i >= total || failure.lock().expect("lock").is_some() {
+                    return;
+                }
+                match crashtest::run(&base, &workloads[i], seed ^ i as u64) {
+                    Ok(outcome) => {
+                        states
+                            .fetch_add(outcome.crash_states, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    Err(why) => {
+                        *failure.lock().expect("lock") =
+                            Some(format!("workload {i} {:?}: {why}", workloads[i]));
+                        return;
+                    }
+                }
+                if i % 10_000 == 0 && i > 0 {
+                    eprintln!("crashtest: {i}/{total} workloads");
+                }
+            });
+        }
+    });
+    match failure.into_inner().expect("lock") {
+        Some(why) => Err(why),
+        None => Ok((total as u64, states.into_inner())),
+    }
+}
+
+fn fail(why: String) -> ExitCode {
+    eprintln!("corefs: {why}");
+    ExitCode::FAILURE
 }

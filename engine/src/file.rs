@@ -375,6 +375,8 @@ impl Filesystem {
         if mode.punch_hole && !mode.keep_size {
             return Err(EngineError::Invalid("punch hole needs KEEP_SIZE".into()));
         }
+        // Only regular files have extents (EISDIR for directories, EINVAL for symlinks).
+        self.file_inode(ino)?;
         if mode.punch_hole || mode.zero_range {
             // Whole blocks inside the range become holes; partial edges are written as zeroes.
             let size = self.file_inode(ino)?.size;

@@ -608,6 +608,22 @@ fn errors_for_bad_names_and_types() {
         Err(EINVAL),
         "no hard links to directories"
     );
+    let link = fs.symlink(root, b"l", b"f", 0, 0).unwrap().ino;
+    let keep = FallocateMode {
+        keep_size: true,
+        ..Default::default()
+    };
+    assert_eq!(
+        errno(fs.fallocate(link, keep, 0, 4096)),
+        Err(EINVAL),
+        "fallocate of a symlink"
+    );
+    assert_eq!(
+        errno(fs.fallocate(dir, keep, 0, 4096)),
+        Err(EISDIR),
+        "fallocate of a directory"
+    );
+    assert_eq!(errno(fs.truncate(link, 0)), Err(EINVAL));
     assert_eq!(errno(fs.lookup(root, b"missing")), Err(ENOENT));
     assert_eq!(
         errno(fs.rename(root, b"d", dir, b"inside", RenameFlags::default())),

@@ -1,0 +1,512 @@
+//! Crash-consistency testing in the style of CrashMonkey/ACE and xfstests' dm-log-writes.
+//!
+//! A workload ([`workload`]) runs on a recording device. At every persistence point (each
+//! fsync, fdatasync or sync returning) and at every flush, the crash state is rebuilt from the
+//! write log — what the flushes made durable, and, in a reordering mode, random subsets of the
+//! last epoch's writes with torn sectors — mounted (which replays whatever mount replays), and
+//! checked against an oracle:
+//! - every path persisted before the crash, and not changed since, has exactly its persisted
+//!   state: data, size, mode, link count, names, symlink target, xattrs (fdatasync: data and
+//!   size); a directory fsynced has its entries; after a sync the whole tree is identical;
+//! - the tree checker passes;
+//! - the filesystem is usable: a file can be created in every directory, then everything
+//!   deleted, directories included, and the checker passes again.
+//!
+//! The oracle's expected states are snapshots of the live filesystem taken when each
+//! persistence operation returned, so the crash test checks durability; the POSIX model tests
+//! check semantics.
+
+pub mod workload;
+
+use engine::{
+    EngineError, FallocateMode, Filesystem, MkfsOptions, MountOptions, RenameFlags, XattrFlags,
+};
+use nvme::backend::mem::{MemConfig, MemDevice};
+use nvme::wrap::{crash_image, CrashMode, Record, RecordingDevice};
+use std::collections::BTreeMap;
+use workload::{Falloc, Op};
+
+/// What a path held when it was persisted (or when the crash state is inspected).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Entry {
+    File {
+        data: Vec<u8>,
+        mode: u32,
+        nlink: u32,
+        xattrs: Vec<(Vec<u8>, Vec<u8>)>,
+    },
+    Dir {
+        names: Vec<Vec<u8>>,
+        mode: u32,
+        xattrs: Vec<(Vec<u8>, Vec<u8>)>,
+    },
+    Symlink {
+        target: Vec<u8>,
+    },
+}
+
+pub type Tree = BTreeMap<String, Entry>;
+
+impl Entry {
+    /// A one-line description for failure messages (content as length and crc32c).
+    pub fn summary(&self) -> String {
+        let xattr_names = |x: &[(Vec<u8>, Vec<u8>)]| -> Vec<String> {
+            x.iter()
+                .map(|(n, v)| format!("{}={}B", String::from_utf8_lossy(n), v.len()))
+                .collect()
+        };
+        match self {
+            Entry::File {
+                data,
+                mode,
+                nlink,
+                xattrs,
+            } => format!(
+                "file {} bytes crc {:#010x} mode {mode:o} nlink {nlink} xattrs {:?}",
+                data.len(),
+                crc32c::crc32c(data),
+                xattr_names(xattrs)
+            ),
+            Entry::Dir {
+                names,
+                mode,
+                xattrs,
+            } => format!(
+                "dir {:?} mode {mode:o} xattrs {:?}",
+                names
+                    .iter()
+                    .map(|n| String::from_utf8_lossy(n).into_owned())
+                    .collect::<Vec<_>>(),
+                xattr_names(xattrs)
+            ),
+            Entry::Symlink { target } => format!("symlink -> {}", String::from_utf8_lossy(target)),
+        }
+    }
+}
+
+fn summarize(entry: Option<&Entry>) -> String {
+    entry.map_or("absent".to_string(), Entry::summary)
+}
+
+/// What one persistence point promises.
+#[derive(Debug, Clone)]
+enum Promise {
+    /// fsync of a file or symlink: the whole entry; of a directory: its names.
+    Whole(String, Option<Entry>),
+    /// fdatasync: data and size only.
+    Data(String, Option<Vec<u8>>),
+    /// sync: the whole tree.
+    All(Tree),
+}
+
+/// The outcome of one workload.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Outcome {
+    pub crash_states: u64,
+    pub persistence_points: u64,
+}
+
+const CAPACITY: u64 = 4 << 20;
+
+fn config() -> MemConfig {
+    MemConfig {
+        capacity_bytes: CAPACITY,
+        lba_size_bytes: 512,
+        queue_depth: 32,
+        buf_bytes: 64 << 10,
+        buf_count: 16,
+    }
+}
+
+fn mem_image(dev: Box<dyn nvme::BlockDevice>) -> Vec<u8> {
+    let mut dev = dev;
+    let mut image = vec![0u8; CAPACITY as usize];
+    nvme::read_sync(&mut *dev, 0, &mut image).expect("reading back a memory device");
+    image
+}
+
+/// The image every workload starts from (built once).
+pub fn base_image() -> Vec<u8> {
+    let dev = MemDevice::new(config()).expect("memory device");
+    let dev = Filesystem::mkfs(
+        Box::new(dev),
+        &MkfsOptions {
+            shards: 4,
+            label: "ace".into(),
+        },
+    )
+    .expect("mkfs");
+    let mut fs = Filesystem::mount(dev, MountOptions::default()).expect("mount");
+    for d in ["A", "B", "A/C"] {
+        let (parent, name) = split(d);
+        let p = fs.resolve(parent).expect("parent");
+        fs.mkdir(p, name.as_bytes(), 0o755, 0, 0).expect("mkdir");
+    }
+    for f in ["foo", "A/foo"] {
+        let (parent, name) = split(f);
+        let p = fs.resolve(parent).expect("parent");
+        let ino = fs
+            .create(p, name.as_bytes(), 0o644, 0, 0)
+            .expect("create")
+            .ino;
+        fs.write(ino, 0, &pattern(f, 16384)).expect("write");
+    }
+    mem_image(fs.unmount().expect("unmount"))
+}
+
+fn split(path: &str) -> (&str, &str) {
+    match path.rfind('/') {
+        Some(i) => (&path[..i], &path[i + 1..]),
+        None => ("", path),
+    }
+}
+
+fn pattern(seed: &str, len: usize) -> Vec<u8> {
+    let salt = seed
+        .bytes()
+        .fold(7u8, |a, b| a.wrapping_mul(31).wrapping_add(b));
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(13) ^ salt ^ (i >> 9) as u8)
+        .collect()
+}
+
+/// Applies one operation; errors (a name that does not exist, a non-empty directory...) are
+/// part of the workload's meaning and are ignored, as a real program's would be.
+fn apply(fs: &mut Filesystem, op: &Op) -> Result<(), EngineError> {
+    let lookup = |fs: &mut Filesystem, path: &str| fs.resolve(path);
+    let parent_of =
+        |fs: &mut Filesystem, path: &'static str| -> Result<(u64, &'static str), EngineError> {
+            let (parent, name) = split(path);
+            Ok((fs.resolve(parent)?, name))
+        };
+    match *op {
+        Op::Creat(p) => {
+            let (dir, name) = parent_of(fs, p)?;
+            fs.create(dir, name.as_bytes(), 0o644, 0, 0).map(drop)
+        }
+        Op::Mkdir(p) => {
+            let (dir, name) = parent_of(fs, p)?;
+            fs.mkdir(dir, name.as_bytes(), 0o755, 0, 0).map(drop)
+        }
+        Op::Falloc {
+            path,
+            mode,
+            offset,
+            len,
+        } => {
+            let ino = lookup(fs, path)?;
+            let mode = match mode {
+                Falloc::KeepSize => FallocateMode {
+                    keep_size: true,
+                    ..Default::default()
+                },
+                Falloc::PunchHole => FallocateMode {
+                    keep_size: true,
+                    punch_hole: true,
+                    ..Default::default()
+                },
+                Falloc::ZeroRange => FallocateMode {
+                    zero_range: true,
+                    ..Default::default()
+                },
+            };
+            fs.fallocate(ino, mode, offset, len)
+        }
+        Op::Write {
+            path,
+            offset,
+            len,
+            append,
+        } => {
+            let ino = lookup(fs, path)?;
+            let at = if append { fs.stat(ino)?.size } else { offset };
+            fs.write(ino, at, &pattern(&format!("{path}{at}"), len as usize))
+                .map(drop)
+        }
+        Op::Link(a, b) => {
+            let ino = lookup(fs, a)?;
+            let (dir, name) = parent_of(fs, b)?;
+            fs.link(ino, dir, name.as_bytes()).map(drop)
+        }
+        Op::Unlink(p) => {
+            let (dir, name) = parent_of(fs, p)?;
+            fs.unlink(dir, name.as_bytes())
+        }
+        Op::Remove(p) => {
+            let (dir, name) = parent_of(fs, p)?;
+            match fs.rmdir(dir, name.as_bytes()) {
+                Err(EngineError::NotDir) => fs.unlink(dir, name.as_bytes()),
+                other => other,
+            }
+        }
+        Op::Rename(a, b) => {
+            let (src, sname) = parent_of(fs, a)?;
+            let (dst, dname) = parent_of(fs, b)?;
+            fs.rename(
+                src,
+                sname.as_bytes(),
+                dst,
+                dname.as_bytes(),
+                RenameFlags::default(),
+            )
+        }
+        Op::SetXattr(p, v) => {
+            let ino = lookup(fs, p)?;
+            fs.setxattr(ino, b"user.ace", &[v; 40], XattrFlags::Any)
+        }
+        Op::RemoveXattr(p) => {
+            let ino = lookup(fs, p)?;
+            fs.removexattr(ino, b"user.ace")
+        }
+        Op::Truncate(p, size) => {
+            let ino = lookup(fs, p)?;
+            fs.truncate(ino, size)
+        }
+        Op::Symlink(p) => {
+            let (dir, name) = parent_of(fs, p)?;
+            fs.symlink(dir, name.as_bytes(), b"foo", 0, 0).map(drop)
+        }
+        Op::Fsync(p) => {
+            let ino = lookup(fs, p)?;
+            fs.fsync(ino)
+        }
+        Op::Fdatasync(p) => {
+            let ino = lookup(fs, p)?;
+            fs.fdatasync(ino)
+        }
+        Op::Sync => fs.sync(),
+    }
+}
+
+fn entry_of(fs: &mut Filesystem, ino: u64) -> Result<Entry, EngineError> {
+    let st = fs.stat(ino)?;
+    let mut xattrs = Vec::new();
+    if !st.is_symlink() {
+        let mut names = fs.listxattr(ino)?;
+        names.sort();
+        for name in names {
+            let value = fs.getxattr(ino, &name)?;
+            xattrs.push((name, value));
+        }
+    }
+    Ok(if st.is_dir() {
+        let mut names: Vec<Vec<u8>> = fs
+            .readdir(ino, 0, usize::MAX)?
+            .into_iter()
+            .map(|e| e.name)
+            .collect();
+        names.sort();
+        Entry::Dir {
+            names,
+            mode: st.mode,
+            xattrs,
+        }
+    } else if st.is_symlink() {
+        Entry::Symlink {
+            target: fs.readlink(ino)?,
+        }
+    } else {
+        Entry::File {
+            data: fs.read(ino, 0, st.size as usize)?,
+            mode: st.mode,
+            nlink: st.nlink,
+            xattrs,
+        }
+    })
+}
+
+/// Every path of the filesystem with its entry.
+pub fn snapshot(fs: &mut Filesystem) -> Result<Tree, EngineError> {
+    let mut tree = Tree::new();
+    let mut stack = vec![(String::new(), fs.root())];
+    while let Some((path, ino)) = stack.pop() {
+        let entry = entry_of(fs, ino)?;
+        if matches!(entry, Entry::Dir { .. }) {
+            for child in fs.readdir(ino, 0, usize::MAX)? {
+                let name = String::from_utf8_lossy(&child.name).into_owned();
+                let child_path = if path.is_empty() {
+                    name
+                } else {
+                    format!("{path}/{name}")
+                };
+                stack.push((child_path, child.ino));
+            }
+        }
+        tree.insert(path, entry);
+    }
+    Ok(tree)
+}
+
+fn data_of(entry: Option<&Entry>) -> Option<Vec<u8>> {
+    match entry {
+        Some(Entry::File { data, .. }) => Some(data.clone()),
+        _ => None,
+    }
+}
+
+/// Runs one workload and checks every crash state. `Err` describes the first violation.
+pub fn run(base: &[u8], ops: &[Op], seed: u64) -> Result<Outcome, String> {
+    let dev = MemDevice::from_image(base, config()).map_err(|e| e.to_string())?;
+    let recording = RecordingDevice::new(dev);
+    let log = recording.log();
+    let mut fs = Filesystem::mount(Box::new(recording), MountOptions::default())
+        .map_err(|e| e.to_string())?;
+    // (record count when the point was reached, what it promised, tree at that moment)
+    let mut points: Vec<(usize, Promise, Tree)> = Vec::new();
+    for op in ops {
+        let result = apply(&mut fs, op);
+        if let Err(
+            e @ (EngineError::Device(_)
+            | EngineError::Corrupt { .. }
+            | EngineError::ReadOnly(_)
+            | EngineError::NoSpace),
+        ) = &result
+        {
+            return Err(format!("{op:?} failed: {e}"));
+        }
+        if op.is_persistence() {
+            if let Err(e) = &result {
+                if !matches!(e, EngineError::NotFound) {
+                    return Err(format!("{op:?} failed: {e}"));
+                }
+                continue;
+            }
+            let live = snapshot(&mut fs).map_err(|e| format!("snapshot after {op:?}: {e}"))?;
+            let promise = match op {
+                Op::Sync => Promise::All(live.clone()),
+                Op::Fsync(p) => Promise::Whole(p.to_string(), live.get(*p).cloned()),
+                Op::Fdatasync(p) => Promise::Data(p.to_string(), data_of(live.get(*p))),
+                _ => unreachable!("persistence op"),
+            };
+            points.push((log.len(), promise, live));
+        }
+    }
+    drop(fs);
+    let records = log.snapshot();
+    let mut outcome = Outcome {
+        persistence_points: points.len() as u64,
+        ..Default::default()
+    };
+
+    // Crash points: every persistence point and every flush.
+    let mut cuts: Vec<usize> = points.iter().map(|(cut, _, _)| *cut).collect();
+    for (i, record) in records.iter().enumerate() {
+        if matches!(record, Record::Flush { .. }) {
+            cuts.push(i + 1);
+        }
+    }
+    cuts.sort_unstable();
+    cuts.dedup();
+    for cut in cuts {
+        let promised: Vec<&(usize, Promise, Tree)> =
+            points.iter().filter(|(at, _, _)| *at <= cut).collect();
+        for mode in [
+            CrashMode::DurableOnly,
+            CrashMode::Torn {
+                seed: seed ^ cut as u64,
+            },
+        ] {
+            let image = crash_image(base, 512, &records, cut, mode);
+            let context = format!("crash after record {cut} of {} ({mode:?})", records.len());
+            check_state(&image, &promised, &context)?;
+            outcome.crash_states += 1;
+        }
+    }
+    Ok(outcome)
+}
+
+fn check_state(
+    image: &[u8],
+    promised: &[&(usize, Promise, Tree)],
+    context: &str,
+) -> Result<(), String> {
+    let dev = MemDevice::from_image(image, config()).map_err(|e| e.to_string())?;
+    let mut fs = Filesystem::mount(Box::new(dev), MountOptions::default())
+        .map_err(|e| format!("{context}: mount failed: {e}"))?;
+    let now = snapshot(&mut fs).map_err(|e| format!("{context}: walking the tree: {e}"))?;
+    let latest = promised.last().map(|(_, _, tree)| tree);
+    for (_, promise, at_point) in promised.iter() {
+        // A promise binds while what it promised is still what the live filesystem held at
+        // the latest persistence point before the crash (later changes may supersede it).
+        let unchanged = |path: &str| latest.is_some_and(|l| l.get(path) == at_point.get(path));
+        match promise {
+            // After a sync every path is promised: each one that has not changed since must be
+            // exactly as synced (present or absent).
+            Promise::All(tree) => {
+                for path in tree.keys().chain(now.keys()) {
+                    if unchanged(path) && tree.get(path) != now.get(path) {
+                        return Err(format!(
+                            "{context}: after sync /{path} should be {}, found {}",
+                            summarize(tree.get(path)),
+                            summarize(now.get(path))
+                        ));
+                    }
+                }
+            }
+            Promise::Whole(path, entry) if unchanged(path) => {
+                let found = now.get(path);
+                let ok = match (entry, found) {
+                    (Some(Entry::Dir { names, .. }), Some(Entry::Dir { names: got, .. })) => {
+                        names == got
+                    }
+                    (expected, found) => expected.as_ref() == found,
+                };
+                if !ok {
+                    return Err(format!(
+                        "{context}: fsync({path}) promised {}, found {}",
+                        summarize(entry.as_ref()),
+                        summarize(found)
+                    ));
+                }
+            }
+            Promise::Data(path, data) if unchanged(path) => {
+                let found = data_of(now.get(path));
+                if data.is_some() && &found != data {
+                    return Err(format!(
+                        "{context}: fdatasync({path}) promised {} bytes, found {:?}",
+                        data.as_ref().map_or(0, |d| d.len()),
+                        found.map(|d| d.len())
+                    ));
+                }
+            }
+            _ => {}
+        }
+    }
+    fs.check().map_err(|e| format!("{context}: checker: {e}"))?;
+    usable(&mut fs, &now).map_err(|e| format!("{context}: not usable: {e}"))?;
+    fs.check()
+        .map(drop)
+        .map_err(|e| format!("{context}: checker after use: {e}"))
+}
+
+/// Creates a file in every directory, then deletes everything, deepest first.
+fn usable(fs: &mut Filesystem, tree: &Tree) -> Result<(), EngineError> {
+    let dirs: Vec<&String> = tree
+        .iter()
+        .filter(|(_, e)| matches!(e, Entry::Dir { .. }))
+        .map(|(p, _)| p)
+        .collect();
+    for dir in &dirs {
+        let ino = fs.resolve(dir)?;
+        fs.create(ino, b"usable-probe", 0o644, 0, 0)?;
+    }
+    let mut paths: Vec<String> = tree.keys().filter(|p| !p.is_empty()).cloned().collect();
+    paths.extend(dirs.iter().map(|d| {
+        if d.is_empty() {
+            "usable-probe".to_string()
+        } else {
+            format!("{d}/usable-probe")
+        }
+    }));
+    paths.sort_by_key(|p| std::cmp::Reverse(p.matches('/').count()));
+    for path in paths {
+        let (parent, name) = split(&path);
+        let dir = fs.resolve(parent)?;
+        match fs.rmdir(dir, name.as_bytes()) {
+            Err(EngineError::NotDir) => fs.unlink(dir, name.as_bytes())?,
+            other => other?,
+        }
+    }
+    fs.commit()?;
+    Ok(())
+}
