@@ -22,9 +22,15 @@ use engine::{
     EngineError, FallocateMode, Filesystem, MkfsOptions, MountOptions, RenameFlags, XattrFlags,
 };
 use nvme::backend::mem::{MemConfig, MemDevice};
-use nvme::wrap::{crash_image, CrashMode, Record, RecordingDevice};
+use nvme::wrap::{crash_image_into, CrashMode, Record, RecordingDevice};
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use workload::{Falloc, Op};
+
+thread_local! {
+    static DEVICE: RefCell<Option<Box<dyn nvme::BlockDevice>>> = const { RefCell::new(None) };
+    static IMAGE: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
 
 /// What a path held when it was persisted (or when the crash state is inspected).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -406,9 +412,9 @@ pub fn run(base: &[u8], ops: &[Op], seed: u64) -> Result<Outcome, String> {
                 seed: seed ^ cut as u64,
             },
         ] {
-            let image = crash_image(base, 512, &records, cut, mode);
+            IMAGE.with_borrow_mut(|image| crash_image_into(base, 512, &records, cut, mode, image));
             let context = format!("crash after record {cut} of {} ({mode:?})", records.len());
-            check_state(&image, &promised, &context)?;
+            IMAGE.with_borrow(|image| check_state(image, &promised, &context))?;
             outcome.crash_states += 1;
         }
     }
@@ -420,10 +426,29 @@ fn check_state(
     promised: &[&(usize, Promise, Tree)],
     context: &str,
 ) -> Result<(), String> {
-    let dev = MemDevice::from_image(image, config()).map_err(|e| e.to_string())?;
-    let mut fs = Filesystem::mount(Box::new(dev), MountOptions::default())
+    // One memory device per thread, refilled for each crash state: mapping a fresh device for
+    // each of millions of states would spend most of the time in the kernel.
+    let mut dev = match DEVICE.take() {
+        Some(dev) => dev,
+        None => Box::new(MemDevice::new(config()).map_err(|e| e.to_string())?)
+            as Box<dyn nvme::BlockDevice>,
+    };
+    dev.sim_access()
+        .expect("a memory device")
+        .sim_write(0, image);
+    let mut fs = Filesystem::mount(dev, MountOptions::default())
         .map_err(|e| format!("{context}: mount failed: {e}"))?;
-    let now = snapshot(&mut fs).map_err(|e| format!("{context}: walking the tree: {e}"))?;
+    let result = check_mounted(&mut fs, promised, context);
+    DEVICE.set(Some(fs.into_device()));
+    result
+}
+
+fn check_mounted(
+    fs: &mut Filesystem,
+    promised: &[&(usize, Promise, Tree)],
+    context: &str,
+) -> Result<(), String> {
+    let now = snapshot(fs).map_err(|e| format!("{context}: walking the tree: {e}"))?;
     let latest = promised.last().map(|(_, _, tree)| tree);
     for (_, promise, at_point) in promised.iter() {
         // A promise binds while what it promised is still what the live filesystem held at
@@ -473,7 +498,7 @@ fn check_state(
         }
     }
     fs.check().map_err(|e| format!("{context}: checker: {e}"))?;
-    usable(&mut fs, &now).map_err(|e| format!("{context}: not usable: {e}"))?;
+    usable(fs, &now).map_err(|e| format!("{context}: not usable: {e}"))?;
     fs.check()
         .map(drop)
         .map_err(|e| format!("{context}: checker after use: {e}"))

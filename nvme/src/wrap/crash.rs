@@ -50,13 +50,28 @@ pub fn crash_image(
     cut: usize,
     mode: CrashMode,
 ) -> Vec<u8> {
+    let mut image = Vec::new();
+    crash_image_into(base, lba_size_bytes, log, cut, mode, &mut image);
+    image
+}
+
+/// [`crash_image`] into a buffer the caller reuses (crash testers build millions of images).
+pub fn crash_image_into(
+    base: &[u8],
+    lba_size_bytes: u32,
+    log: &[Record],
+    cut: usize,
+    mode: CrashMode,
+    image: &mut Vec<u8>,
+) {
     assert!(
         cut <= log.len(),
         "cut {cut} past the {} records logged",
         log.len()
     );
     let lba_size = lba_size_bytes as usize;
-    let mut image = base.to_vec();
+    image.clear();
+    image.extend_from_slice(base);
     let durable = durable_prefix(log, cut);
     let seed = match mode {
         CrashMode::RandomSubset { seed }
@@ -125,5 +140,4 @@ pub fn crash_image(
             rng.fill(&mut image[at..at + lba_size]);
         }
     }
-    image
 }

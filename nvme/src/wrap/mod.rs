@@ -10,7 +10,7 @@ pub mod crash;
 pub mod fault;
 pub mod recording;
 
-pub use crash::{crash_image, CrashMode};
+pub use crash::{crash_image, crash_image_into, CrashMode};
 pub use fault::{FaultConfig, FaultDevice, FaultHandle, FaultStats};
 pub use recording::{Record, RecordingDevice, WriteLog};
 
