@@ -526,12 +526,12 @@ fn config(bytes: u64) -> MemConfig {
     }
 }
 
-#[test]
-fn random_operations_match_the_model_across_remounts() {
+/// Runs the model check on `dev` for `rounds` remounts of `steps` operations each.
+fn model_check(dev: Box<dyn BlockDevice>, rounds: u32, steps: u32) {
     let seed = seed();
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
-    let mut dev: Box<dyn BlockDevice> = Filesystem::mkfs(
-        Box::new(MemDevice::new(config(64 << 20)).unwrap()),
+    let mut dev = Filesystem::mkfs(
+        dev,
         &MkfsOptions {
             shards: 4,
             label: String::new(),
@@ -546,17 +546,14 @@ fn random_operations_match_the_model_across_remounts() {
             parent: ROOT,
         },
     );
-    for round in 0..6 {
-        let mut fs = Filesystem::mount(
-            dev,
-            MountOptions {
-                cache_nodes_per_shard: 16,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+    for round in 0..rounds {
+        let options = MountOptions {
+            cache_nodes_per_shard: 16,
+            ..Default::default()
+        };
+        let mut fs = Filesystem::mount(dev, options).unwrap();
         compare_all(&mut fs, &m, &format!("seed {seed} round {round} mounted"));
-        for i in 0..2000 {
+        for i in 0..steps {
             step(
                 &mut fs,
                 &mut m,
@@ -571,6 +568,25 @@ fn random_operations_match_the_model_across_remounts() {
         );
         dev = fs.unmount().unwrap();
     }
+}
+
+#[test]
+fn random_operations_match_the_model_across_remounts() {
+    model_check(Box::new(MemDevice::new(config(64 << 20)).unwrap()), 6, 2000);
+}
+
+#[test]
+fn random_operations_match_the_model_on_the_file_backend() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let spec = format!(
+        "file:{},size=64MiB,hugepages=off",
+        dir.path().join("fs.img").display()
+    );
+    model_check(
+        nvme::open_device(&spec, &Default::default()).unwrap(),
+        3,
+        1000,
+    );
 }
 
 #[test]
