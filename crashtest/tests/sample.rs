@@ -4,15 +4,12 @@
 
 #[test]
 fn ace_sample_every_crash_state_passes() {
-    let seed: u64 = std::env::var("COREFS_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random);
+    let seed = nvme::wrap::seed_from_env();
     let count: usize = std::env::var("COREFS_CRASH_SAMPLE")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(2000);
-    eprintln!("seed {seed} (replay with COREFS_SEED={seed}), {count} workloads");
+    eprintln!("{count} workloads");
     let base = crashtest::base_image();
     let mut states = 0;
     let mut points = 0;

@@ -15,12 +15,7 @@ use std::collections::BTreeMap;
 type Model = BTreeMap<(u32, Key), Vec<u8>>;
 
 fn seed() -> u64 {
-    let seed = std::env::var("COREFS_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random);
-    eprintln!("seed {seed} (replay with COREFS_SEED={seed})");
-    seed
+    nvme::wrap::seed_from_env()
 }
 
 fn mem_config(bytes: u64) -> MemConfig {

@@ -508,12 +508,21 @@ fn compare_all(fs: &mut Filesystem, m: &Model, ctx: &str) {
 }
 
 fn seed() -> u64 {
-    let seed = std::env::var("COREFS_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random);
-    eprintln!("seed {seed} (replay with COREFS_SEED={seed})");
-    seed
+    nvme::wrap::seed_from_env()
+}
+
+/// A new filesystem on a memory device, mounted.
+fn fresh(bytes: u64, shards: u32) -> Filesystem {
+    let dev = Box::new(MemDevice::new(config(bytes)).unwrap());
+    let dev = Filesystem::mkfs(
+        dev,
+        &MkfsOptions {
+            shards,
+            label: String::new(),
+        },
+    )
+    .unwrap();
+    Filesystem::mount(dev, MountOptions::default()).unwrap()
 }
 
 fn config(bytes: u64) -> MemConfig {
@@ -591,15 +600,7 @@ fn random_operations_match_the_model_on_the_file_backend() {
 
 #[test]
 fn errors_for_bad_names_and_types() {
-    let dev = Filesystem::mkfs(
-        Box::new(MemDevice::new(config(16 << 20)).unwrap()),
-        &MkfsOptions {
-            shards: 2,
-            label: "x".into(),
-        },
-    )
-    .unwrap();
-    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    let mut fs = fresh(16 << 20, 2);
     let root = fs.root();
     assert_eq!(
         errno(fs.create(root, &[b'x'; 256], 0o644, 0, 0)),
@@ -665,15 +666,7 @@ fn errors_for_bad_names_and_types() {
 
 #[test]
 fn truncate_down_then_up_reads_zeroes_and_holes_read_zeroes() {
-    let dev = Filesystem::mkfs(
-        Box::new(MemDevice::new(config(16 << 20)).unwrap()),
-        &MkfsOptions {
-            shards: 1,
-            label: String::new(),
-        },
-    )
-    .unwrap();
-    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    let mut fs = fresh(16 << 20, 1);
     let f = fs.create(fs.root(), b"f", 0o644, 0, 0).unwrap().ino;
     fs.write(f, 0, &[7u8; 10_000]).unwrap();
     fs.truncate(f, 5000).unwrap();
@@ -712,15 +705,7 @@ fn truncate_down_then_up_reads_zeroes_and_holes_read_zeroes() {
 
 #[test]
 fn data_corruption_is_detected_on_read() {
-    let dev = Filesystem::mkfs(
-        Box::new(MemDevice::new(config(16 << 20)).unwrap()),
-        &MkfsOptions {
-            shards: 1,
-            label: String::new(),
-        },
-    )
-    .unwrap();
-    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    let mut fs = fresh(16 << 20, 1);
     let f = fs.create(fs.root(), b"f", 0o644, 0, 0).unwrap().ino;
     fs.write(f, 0, &[0x5a; 8192]).unwrap();
     fs.commit().unwrap();

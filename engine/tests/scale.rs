@@ -75,11 +75,7 @@ fn a_hundred_thousand_files_in_one_directory() {
 
 #[test]
 fn a_large_file_under_random_overwrites_keeps_every_byte() {
-    let seed: u64 = std::env::var("COREFS_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random);
-    eprintln!("seed {seed}");
+    let seed = nvme::wrap::seed_from_env();
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
     let mut fs = Filesystem::mount(fresh(256 << 20, 2), MountOptions::default()).unwrap();
     let file = fs.create(fs.root(), b"large", 0o644, 0, 0).unwrap().ino;

@@ -179,12 +179,7 @@ fn run_model(dev: &mut dyn BlockDevice, seed: u64, ops: usize, depth: usize) {
 }
 
 fn seed() -> u64 {
-    let seed = std::env::var("COREFS_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random);
-    eprintln!("seed {seed} (replay with COREFS_SEED={seed})");
-    seed
+    nvme::wrap::seed_from_env()
 }
 
 #[test]

@@ -14,6 +14,24 @@ pub use crash::{crash_image, crash_image_into, CrashMode};
 pub use fault::{FaultConfig, FaultDevice, FaultHandle, FaultStats};
 pub use recording::{Record, RecordingDevice, WriteLog};
 
+/// The seed for a seeded test or simulation: `COREFS_SEED` when set (to replay a failure),
+/// otherwise fresh. Printed either way, so every failing run can be replayed.
+pub fn seed_from_env() -> u64 {
+    let seed = std::env::var("COREFS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default();
+            // Mix the clock with the thread so parallel tests draw different seeds.
+            let thread = format!("{:?}", std::thread::current().id());
+            crc32c::crc32c(thread.as_bytes()) as u64 ^ now.as_nanos() as u64
+        });
+    eprintln!("seed {seed} (replay with COREFS_SEED={seed})");
+    seed
+}
+
 /// Maps wrapper-issued tokens to per-request state: a fixed table indexed by the token, sized to
 /// the queue depth, so a wrapper never allocates per I/O once warm.
 pub(crate) struct TokenTable<T> {
