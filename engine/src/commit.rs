@@ -83,9 +83,11 @@ impl Filesystem {
         self.state = CommitState::CommitStart;
         // Delayed index items join the trees in per-directory batches before anything is
         // serialized.
+        self.in_commit = true;
         let flushed = self
             .flush_delayed_index()
             .and_then(|()| self.persist_ino_counters());
+        self.in_commit = false;
         if let Err(e) = self.fail_stop_on_error(flushed) {
             self.state = CommitState::Running;
             return Err(e);

@@ -14,7 +14,9 @@
 //!   count. Readdir cookies are index sequences: 0 and 1 are `.` and `..`, names start at 2.
 
 use crate::error::{EngineError, Result};
-use crate::format::items::{decode_names, encode_names, name_hash, InodeItem, NameEntry, Timespec};
+use crate::format::items::{
+    decode_names, encode_names, find_name, name_hash, push_name, InodeItem, NameEntry, Timespec,
+};
 use crate::format::node::MAX_ITEM_BYTES;
 use crate::format::{ItemKind, Key};
 use crate::fs::Filesystem;
@@ -42,7 +44,8 @@ pub struct RenameFlags {
 struct NameSlot {
     dir_item: InodeItem,
     hash: u64,
-    bucket: Vec<NameEntry>,
+    /// The name's hash bucket, encoded (creates append to it without decoding it).
+    bucket: Vec<u8>,
 }
 
 /// First readdir cookie of a real entry (0 = start, 1 = after `.`).
@@ -78,6 +81,17 @@ impl Filesystem {
             Some(names) => names.map_err(|why| EngineError::corrupt("directory item", dir, why)),
             None => Ok(Vec::new()),
         }
+    }
+
+    /// Stores an encoded, non-empty name list.
+    fn put_encoded(&mut self, shard: u32, key: Key, bytes: Vec<u8>) -> Result<()> {
+        if bytes.len() > MAX_ITEM_BYTES {
+            return Err(EngineError::TooBig(
+                "too many names share one hash or one parent".into(),
+            ));
+        }
+        self.with_tree(shard, true, |tree, io| tree.insert(io, key, bytes))
+            .map(drop)
     }
 
     fn put_list(&mut self, shard: u32, key: Key, entries: &[NameEntry]) -> Result<()> {
@@ -133,11 +147,13 @@ impl Filesystem {
         }
         let dir_item = self.dir_inode(dir)?;
         let hash = name_hash(name);
-        let bucket = self.dir_item(dir, hash)?;
-        let existing = bucket
-            .iter()
-            .find(|e| e.name == name)
-            .map(|e| (e.target, e.kind));
+        let shard = self.shard_of(dir);
+        let key = Key::new(dir, ItemKind::DirItem, hash);
+        let bucket = self
+            .with_tree(shard, false, |tree, io| tree.get(io, &key))?
+            .unwrap_or_default();
+        let existing = find_name(&bucket, name)
+            .map_err(|why| EngineError::corrupt("directory item", dir, why))?;
         Ok((
             NameSlot {
                 dir_item,
@@ -148,6 +164,20 @@ impl Filesystem {
         ))
     }
 
+    /// Fails with NoSpace, before anything changes, unless adding a name to `dir` for `child`
+    /// (plus `child_items` more changes of the child's own items) cannot run out of space
+    /// halfway: directory item, directory inode and the delayed index item in the directory's
+    /// shard, the back-reference in the child's.
+    fn ensure_room_for_name(&mut self, dir: u64, child: u64, child_items: u64) -> Result<()> {
+        let (dir_shard, child_shard) = (self.shard_of(dir), self.shard_of(child));
+        if dir_shard == child_shard {
+            self.ensure_meta_room(dir_shard, 4 + child_items)
+        } else {
+            self.ensure_meta_room(dir_shard, 3)?;
+            self.ensure_meta_room(child_shard, 1 + child_items)
+        }
+    }
+
     fn add_name(
         &mut self,
         dir: u64,
@@ -156,6 +186,7 @@ impl Filesystem {
         kind: u8,
         now: Timespec,
     ) -> Result<()> {
+        self.ensure_room_for_name(dir, child, 1)?;
         let (slot, _) = self.name_slot(dir, name)?;
         self.add_name_at(dir, slot, name, child, kind, now, false, 0)
     }
@@ -186,15 +217,10 @@ impl Filesystem {
         dir_item.mtime = now;
         dir_item.ctime = now;
         dir_item.nlink += dir_nlink_delta;
-        bucket.push(NameEntry {
-            target: child,
-            kind,
-            name: name.to_vec(),
-        });
+        push_name(&mut bucket, child, kind, name);
         let dir_shard = self.shard_of(dir);
-        self.put_list(dir_shard, Key::new(dir, ItemKind::DirItem, hash), &bucket)?;
+        self.put_encoded(dir_shard, Key::new(dir, ItemKind::DirItem, hash), bucket)?;
         // The index item waits for the commit, batched with the directory's other new names.
-        self.ensure_meta_room(dir_shard, 1)?;
         self.delayed.insert(
             dir,
             index,
@@ -211,16 +237,13 @@ impl Filesystem {
         let child_shard = self.shard_of(child);
         let ref_key = Key::new(child, ItemKind::InodeRef, dir);
         let mut refs = if new_child {
-            Vec::new()
+            Vec::with_capacity(11 + name.len())
         } else {
-            self.list_at(child_shard, ref_key)?
+            self.with_tree(child_shard, false, |tree, io| tree.get(io, &ref_key))?
+                .unwrap_or_default()
         };
-        refs.push(NameEntry {
-            target: index,
-            kind: 0,
-            name: name.to_vec(),
-        });
-        self.put_list(child_shard, ref_key, &refs)?;
+        push_name(&mut refs, index, 0, name);
+        self.put_encoded(child_shard, ref_key, refs)?;
         self.store_inode(dir, &dir_item)
     }
 
@@ -288,6 +311,8 @@ impl Filesystem {
         }
         let now = Timespec::now();
         let ino = self.alloc_ino()?;
+        // The inode item and the name must both fit, or neither is written.
+        self.ensure_room_for_name(dir, ino, 2)?;
         let is_dir = mode & S_IFMT == S_IFDIR;
         let item = InodeItem {
             mode,

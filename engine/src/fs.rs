@@ -85,6 +85,8 @@ pub struct Filesystem {
     pub(crate) failed: Option<EngineError>,
     pub(crate) stats: CommitStats,
     pub(crate) options: MountOptions,
+    /// True while a commit runs: its allocations may use the whole metadata reserve.
+    pub(crate) in_commit: bool,
     /// Round-robin cursor spreading new inodes over shards.
     pub(crate) next_create_shard: u64,
     /// When the running transaction started (for the commit timer).
@@ -303,6 +305,7 @@ impl Filesystem {
             stats: CommitStats::default(),
             options,
             next_create_shard: 0,
+            in_commit: false,
             transaction_started: std::time::Instant::now(),
             delayed: Default::default(),
             ino_counters: vec![None; shard_count],
@@ -349,7 +352,7 @@ impl Filesystem {
             dev: &mut *self.dev,
             space,
             generation: self.generation,
-            for_commit: false,
+            for_commit: self.in_commit,
         };
         let result = f(tree, &mut io);
         if tree.loaded_nodes() > self.options.cache_nodes_per_shard {
@@ -371,10 +374,14 @@ impl Filesystem {
     /// multi-step changes, checked before the first step so none fails halfway.
     pub(crate) fn ensure_meta_room(&mut self, shard: u32, tree_ops: u64) -> Result<()> {
         const WORST_BLOCKS_PER_OP: u64 = 12;
-        if self.shards[shard as usize]
-            .space
-            .can_alloc_meta(tree_ops * WORST_BLOCKS_PER_OP, MetaNeed::Grow)
-        {
+        if self.shards[shard as usize].space.can_alloc_meta(
+            tree_ops * WORST_BLOCKS_PER_OP,
+            if self.in_commit {
+                MetaNeed::Commit
+            } else {
+                MetaNeed::Grow
+            },
+        ) {
             Ok(())
         } else {
             Err(EngineError::NoSpace)

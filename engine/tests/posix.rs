@@ -730,3 +730,34 @@ fn data_corruption_is_detected_on_read() {
     );
     assert!(err.to_string().contains("checksum"), "{err}");
 }
+
+#[test]
+fn enospc_during_creates_and_writes_leaves_a_consistent_filesystem() {
+    let mut fs = fresh(2 << 20, 2);
+    let root = fs.root();
+    let mut created = 0u32;
+    let err = loop {
+        match fs.create(root, format!("file-{created:05}").as_bytes(), 0o644, 0, 0) {
+            Ok(st) => {
+                created += 1;
+                if let Err(e) = fs.write(st.ino, 0, &[1u8; 6000]) {
+                    break e;
+                }
+            }
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(err.errno(), 28, "{err}");
+    fs.check()
+        .unwrap_or_else(|e| panic!("after ENOSPC at {created} files: {e}"));
+    fs.commit().unwrap();
+    // Deleting frees space; creating works again.
+    for i in 0..created / 2 {
+        fs.unlink(root, format!("file-{i:05}").as_bytes()).unwrap();
+    }
+    fs.commit().unwrap();
+    let st = fs.create(root, b"after", 0o644, 0, 0).unwrap();
+    fs.write(st.ino, 0, &[2u8; 6000]).unwrap();
+    fs.commit().unwrap();
+    fs.check().unwrap();
+}

@@ -123,6 +123,33 @@ pub fn encode_names(entries: &[NameEntry]) -> Vec<u8> {
     b
 }
 
+/// Appends one name entry to an encoded list (no intermediate allocation).
+pub fn push_name(out: &mut Vec<u8>, target: u64, kind: u8, name: &[u8]) {
+    out.extend_from_slice(&target.to_le_bytes());
+    out.push(kind);
+    out.extend_from_slice(&(name.len() as u16).to_le_bytes());
+    out.extend_from_slice(name);
+}
+
+/// Finds `name` in an encoded list without decoding it: (target, kind).
+pub fn find_name(b: &[u8], name: &[u8]) -> Result<Option<(u64, u8)>, String> {
+    let mut at = 0;
+    while at < b.len() {
+        if at + 11 > b.len() {
+            return Err("truncated name entry".into());
+        }
+        let len = le_u16(b, at + 9) as usize;
+        if len == 0 || len > 255 || at + 11 + len > b.len() {
+            return Err(format!("name entry of length {len} overruns its item"));
+        }
+        if &b[at + 11..at + 11 + len] == name {
+            return Ok(Some((le_u64(b, at), b[at + 8])));
+        }
+        at += 11 + len;
+    }
+    Ok(None)
+}
+
 pub fn decode_names(b: &[u8]) -> Result<Vec<NameEntry>, String> {
     let mut out = Vec::new();
     let mut at = 0;
