@@ -109,15 +109,7 @@ pub fn mem_cpu_cost(ops: u64) -> Result<Vec<CpuCost>, DevError> {
                         "flush" => Op::Flush,
                         _ => {
                             let buf = bufs.pop().expect("buffer returned by the last round");
-                            if name.starts_with("write") {
-                                Op::Write {
-                                    lba,
-                                    buf,
-                                    fua: false,
-                                }
-                            } else {
-                                Op::Read { lba, buf }
-                            }
+                            Op::transfer(name.starts_with("write"), lba, buf)
                         }
                     };
                     dev.submit(Request { token: lba, op })
@@ -174,16 +166,8 @@ pub fn latency_run(
                 None => dev.pool().alloc(4096).ok_or(DevError::PoolExhausted)?,
             };
             let lba = rng.random_range(0..blocks) * per_io;
-            let op = if write {
-                buf.as_mut_slice()[..8].copy_from_slice(&lba.to_le_bytes());
-                Op::Write {
-                    lba,
-                    buf,
-                    fua: false,
-                }
-            } else {
-                Op::Read { lba, buf }
-            };
+            buf.as_mut_slice()[..8].copy_from_slice(&lba.to_le_bytes());
+            let op = Op::transfer(write, lba, buf);
             started[slot as usize] = Instant::now();
             dev.submit(Request { token: slot, op })
                 .map_err(|r| r.reason)?;

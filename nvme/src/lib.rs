@@ -89,6 +89,19 @@ impl Op {
         }
     }
 
+    /// A read of `buf.len()` bytes at `lba`, or (with `write`) a plain write of `buf` there.
+    pub fn transfer(write: bool, lba: u64, buf: DmaBuf) -> Op {
+        if write {
+            Op::Write {
+                lba,
+                buf,
+                fua: false,
+            }
+        } else {
+            Op::Read { lba, buf }
+        }
+    }
+
     /// Takes the data buffer out of a read or write.
     pub fn into_buf(self) -> Option<DmaBuf> {
         match self {
