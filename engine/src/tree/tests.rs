@@ -269,8 +269,7 @@ fn successor_orders_after_the_key() {
 #[test]
 fn deletes_merge_nodes_and_keep_the_model() {
     use rand::{Rng, SeedableRng};
-    let seed: u64 = rand::random();
-    eprintln!("seed {seed}");
+    let seed = nvme::wrap::seed_from_env();
     let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(seed);
     let mut io = MemIo::default();
     let mut tree = Tree::empty(0);
