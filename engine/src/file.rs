@@ -313,7 +313,6 @@ impl Filesystem {
             .filter(|&e| e <= MAX_FILE_BYTES)
             .ok_or_else(|| EngineError::TooBig("file offset".into()))?;
         let first = offset / BLOCK;
-        let last = end.div_ceil(BLOCK);
         let delta = if offset % BLOCK == 0 && end % BLOCK == 0 {
             // Whole blocks: written as they are, no staging copy.
             self.write_blocks(ino, first, data)?
