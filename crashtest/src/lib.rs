@@ -36,6 +36,8 @@ thread_local! {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Entry {
     File {
+        /// Inode numbers survive a crash, so they identify a file's names across it.
+        ino: u64,
         data: Vec<u8>,
         mode: u32,
         nlink: u32,
@@ -67,6 +69,7 @@ impl Entry {
                 mode,
                 nlink,
                 xattrs,
+                ..
             } => format!(
                 "file {} bytes crc {:#010x} mode {mode:o} nlink {nlink} xattrs {:?}",
                 data.len(),
@@ -313,6 +316,7 @@ fn entry_of(fs: &mut Filesystem, ino: u64) -> Result<Entry, EngineError> {
         }
     } else {
         Entry::File {
+            ino,
             data: fs.read(ino, 0, st.size as usize)?,
             mode: st.mode,
             nlink: st.nlink,
@@ -341,6 +345,14 @@ pub fn snapshot(fs: &mut Filesystem) -> Result<Tree, EngineError> {
         tree.insert(path, entry);
     }
     Ok(tree)
+}
+
+/// Every path naming file `ino`.
+fn names_of(tree: &Tree, ino: u64) -> Vec<&String> {
+    tree.iter()
+        .filter(|(_, e)| matches!(e, Entry::File { ino: i, .. } if *i == ino))
+        .map(|(p, _)| p)
+        .collect()
 }
 
 fn data_of(entry: Option<&Entry>) -> Option<Vec<u8>> {
@@ -482,6 +494,19 @@ fn check_mounted(
                         summarize(entry.as_ref()),
                         summarize(found)
                     ));
+                }
+                // An fsynced file's names are all persisted, and only those: a name is in
+                // exactly one place after a rename, and every hard link is there.
+                if let Some(Entry::File { ino, .. }) = entry {
+                    let promised_names = names_of(at_point, *ino);
+                    if latest.is_some_and(|l| names_of(l, *ino) == promised_names)
+                        && names_of(&now, *ino) != promised_names
+                    {
+                        return Err(format!(
+                            "{context}: fsync({path}) promised the names {promised_names:?}, found {:?}",
+                            names_of(&now, *ino)
+                        ));
+                    }
                 }
             }
             Promise::Data(path, data) if unchanged(path) => {
