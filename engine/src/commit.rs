@@ -12,8 +12,9 @@
 //! - **Unblocked**: N's metadata is on stable media but not yet referenced; N+1 may run.
 //! - **SuperCommitted**: the superblock naming N's roots is durable (one FUA write of copy
 //!   N % 2). Waiters for N (fsync fallbacks, sync) are released here — not later.
-//! - **Completed**: blocks freed in N are unpinned and may be reused by N+1 onwards. Unpinning
-//!   happens after waiters are released, off their critical path.
+//! - **Completed**: blocks freed in N are unpinned and may be reused by N+1 onwards. In this
+//!   single-threaded engine `commit` returns after it; the reactors' coordinator (issue 5) releases
+//!   waiters at SuperCommitted and unpins asynchronously.
 //!
 //! A power cut anywhere leaves generation N−1 (superblock not yet durable) or N (durable):
 //! nothing in between, because no block N−1 references is overwritten before N's superblock is
