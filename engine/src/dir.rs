@@ -17,7 +17,6 @@ use crate::error::{EngineError, Result};
 use crate::format::items::{
     decode_names, encode_names, find_name, name_hash, push_name, InodeItem, NameEntry, Timespec,
 };
-use crate::format::node::MAX_ITEM_BYTES;
 use crate::format::{ItemKind, Key};
 use crate::fs::Filesystem;
 use crate::inode::{Stat, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG};
@@ -73,41 +72,21 @@ fn kind_of(mode: u32) -> u8 {
 
 impl Filesystem {
     fn dir_item(&mut self, dir: u64, hash: u64) -> Result<Vec<NameEntry>> {
-        let shard = self.shard_of(dir);
-        let key = Key::new(dir, ItemKind::DirItem, hash);
-        match self.with_tree(shard, false, |tree, io| {
-            tree.get_with(io, &key, decode_names)
-        })? {
-            Some(names) => names.map_err(|why| EngineError::corrupt("directory item", dir, why)),
-            None => Ok(Vec::new()),
-        }
+        self.list_at(self.shard_of(dir), Key::new(dir, ItemKind::DirItem, hash))
     }
 
-    /// Stores an encoded, non-empty name list.
+    /// Stores a name list; an empty one removes the item.
     fn put_encoded(&mut self, shard: u32, key: Key, bytes: Vec<u8>) -> Result<()> {
-        if bytes.len() > MAX_ITEM_BYTES {
-            return Err(EngineError::TooBig(
-                "too many names share one hash or one parent".into(),
-            ));
-        }
-        self.with_tree(shard, true, |tree, io| tree.insert(io, key, bytes))
-            .map(drop)
+        self.put_bucket(
+            shard,
+            key,
+            bytes,
+            "too many names share one hash or one parent",
+        )
     }
 
     fn put_list(&mut self, shard: u32, key: Key, entries: &[NameEntry]) -> Result<()> {
-        let bytes = encode_names(entries);
-        if bytes.len() > MAX_ITEM_BYTES {
-            return Err(EngineError::TooBig(
-                "too many names share one hash or one parent".into(),
-            ));
-        }
-        self.with_tree(shard, true, |tree, io| {
-            if entries.is_empty() {
-                tree.remove(io, &key).map(drop)
-            } else {
-                tree.insert(io, key, bytes).map(drop)
-            }
-        })
+        self.put_encoded(shard, key, encode_names(entries))
     }
 
     fn dir_inode(&mut self, dir: u64) -> Result<InodeItem> {
@@ -247,10 +226,14 @@ impl Filesystem {
         self.store_inode(dir, &dir_item)
     }
 
+    /// The name list at `key` (decoded in place), empty when there is none.
     fn list_at(&mut self, shard: u32, key: Key) -> Result<Vec<NameEntry>> {
-        match self.with_tree(shard, false, |tree, io| tree.get(io, &key))? {
-            Some(bytes) => decode_names(&bytes)
-                .map_err(|why| EngineError::corrupt("name list", key.objectid, why)),
+        match self.with_tree(shard, false, |tree, io| {
+            tree.get_with(io, &key, decode_names)
+        })? {
+            Some(names) => {
+                names.map_err(|why| EngineError::corrupt("name list", key.objectid, why))
+            }
             None => Ok(Vec::new()),
         }
     }

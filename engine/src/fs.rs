@@ -388,6 +388,28 @@ impl Filesystem {
         }
     }
 
+    /// Stores a bucket item (names sharing a hash or a parent, xattrs sharing a hash): removed
+    /// when `bytes` is empty, refused with EFBIG (naming `what`) before anything changes when it
+    /// would not fit one item.
+    pub(crate) fn put_bucket(
+        &mut self,
+        shard: u32,
+        key: Key,
+        bytes: Vec<u8>,
+        what: &str,
+    ) -> Result<()> {
+        if bytes.len() > crate::format::node::MAX_ITEM_BYTES {
+            return Err(EngineError::TooBig(what.to_string()));
+        }
+        self.with_tree(shard, true, |tree, io| {
+            if bytes.is_empty() {
+                tree.remove(io, &key).map(drop)
+            } else {
+                tree.insert(io, key, bytes).map(drop)
+            }
+        })
+    }
+
     /// A step of a multi-step change failed after earlier steps changed the tree: the
     /// in-memory state is half-changed, so the filesystem fails stop (the durable state is
     /// intact and a remount recovers it).

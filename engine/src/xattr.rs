@@ -39,17 +39,7 @@ impl Filesystem {
     fn put_xattr_bucket(&mut self, ino: u64, hash: u64, bucket: &[Xattr]) -> Result<()> {
         let shard = self.shard_of(ino);
         let key = Key::new(ino, ItemKind::XattrItem, hash);
-        let bytes = encode_xattrs(bucket);
-        if bytes.len() > MAX_ITEM_BYTES {
-            return Err(EngineError::TooBig("xattr value".into()));
-        }
-        self.with_tree(shard, true, |tree, io| {
-            if bucket.is_empty() {
-                tree.remove(io, &key).map(drop)
-            } else {
-                tree.insert(io, key, bytes).map(drop)
-            }
-        })?;
+        self.put_bucket(shard, key, encode_xattrs(bucket), "xattr value")?;
         let mut item = self.load_inode(ino)?;
         item.ctime = Timespec::now();
         self.store_inode(ino, &item)
