@@ -106,14 +106,20 @@ fn parse_size(text: &str) -> Result<u64, String> {
 }
 
 fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // The crash tester mounts millions of crash states, most of which replay or drop a log
+    // record: only errors are worth a line there.
+    let default_level = match cli.command {
+        Command::Crashtest { .. } => "error",
+        _ => "info",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("COREFS_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
     let result = match cli.command {
         Command::Mkfs {
             device,
@@ -151,10 +157,18 @@ fn main() -> ExitCode {
                 workloads.len()
             );
             let start = std::time::Instant::now();
-            crashtest(workloads, seed, threads).map(|(count, states)| {
+            crashtest(workloads, seed, threads).map(|(count, outcome)| {
+                let states = outcome.crash_states;
                 println!(
                     "crashtest: {count} workloads, {states} crash states checked, 0 violations, {:.1} s (seed {seed})",
                     start.elapsed().as_secs_f64()
+                );
+                println!(
+                    "crashtest: {} persistence points: {} fsync log records, {} fsyncs with nothing new to log, {} fell back to a commit",
+                    outcome.persistence_points,
+                    outcome.log_writes,
+                    outcome.already_logged,
+                    outcome.fallback_commits
                 );
             })
         }
@@ -288,16 +302,17 @@ fn write_json(path: Option<PathBuf>, report: &impl serde::Serialize) -> Result<(
     }
 }
 
-/// Runs crash-consistency workloads on `threads` threads; returns (workloads, crash states).
+/// Runs crash-consistency workloads on `threads` threads; returns the workload count and the
+/// summed outcome.
 fn crashtest(
     workloads: Vec<Vec<crashtest::workload::Op>>,
     seed: u64,
     threads: usize,
-) -> Result<(u64, u64), String> {
+) -> Result<(u64, crashtest::Outcome), String> {
     let base = crashtest::base_image();
     let total = workloads.len();
     let next = std::sync::atomic::AtomicUsize::new(0);
-    let states = std::sync::atomic::AtomicU64::new(0);
+    let sum = std::sync::Mutex::new(crashtest::Outcome::default());
     let failure: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
     std::thread::scope(|scope| {
         for _ in 0..threads.max(1) {
@@ -308,8 +323,7 @@ fn crashtest(
                 }
                 match crashtest::run(&base, &workloads[i], seed ^ i as u64) {
                     Ok(outcome) => {
-                        states
-                            .fetch_add(outcome.crash_states, std::sync::atomic::Ordering::Relaxed);
+                        sum.lock().expect("lock").add(&outcome);
                     }
                     Err(why) => {
                         *failure.lock().expect("lock") =
@@ -325,7 +339,7 @@ fn crashtest(
     });
     match failure.into_inner().expect("lock") {
         Some(why) => Err(why),
-        None => Ok((total as u64, states.into_inner())),
+        None => Ok((total as u64, sum.into_inner().expect("lock"))),
     }
 }
 

@@ -32,14 +32,19 @@ fn mkfs_then_fsck_clean_then_corrupt() {
     assert_eq!(code, 0, "{text}");
     assert!(text.contains("clean at generation 2"), "{text}");
 
-    // Flip a byte inside the root tree node (first block of shard 0's region, block 2).
+    // Flip a byte inside the root tree node: the first block shard 0's allocator hands out,
+    // right after its log area (the superblock's log size is at byte 96).
     let mut bytes = std::fs::read(&image).unwrap();
-    bytes[2 * 4096 + 200] ^= 0xff;
+    let log_blocks = u64::from_le_bytes(bytes[96..104].try_into().unwrap());
+    let node = 2 + log_blocks;
+    bytes[node as usize * 4096 + 200] ^= 0xff;
     std::fs::write(&image, &bytes).unwrap();
     let (code, text) = corefs(&["fsck", &spec]);
     assert_eq!(code, 4, "{text}");
     assert!(
-        text.contains("CORRUPT") && text.contains("block 2") && text.contains("checksum"),
+        text.contains("CORRUPT")
+            && text.contains(&format!("block {node}"))
+            && text.contains("checksum"),
         "{text}"
     );
 

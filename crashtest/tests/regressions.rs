@@ -180,3 +180,24 @@ fn rename_of_a_synced_directory_then_fsync_of_a_new_child() {
         ],
     );
 }
+
+#[test]
+fn rename_of_an_ancestor_then_fsync_of_an_old_file_by_its_new_path() {
+    // The file's own name did not change, its parent's did: fsync must make the path it was
+    // reached by durable (btrfs logs the renamed ancestor, or commits).
+    for persist in [Op::Fsync("B/D/foo"), Op::Fdatasync("B/D/foo")] {
+        check(
+            "renamed ancestor",
+            &[
+                Op::Rename("A", "B/D"),
+                Op::Write {
+                    path: "B/D/foo",
+                    offset: 0,
+                    len: 4096,
+                    append: true,
+                },
+                persist,
+            ],
+        );
+    }
+}

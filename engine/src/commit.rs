@@ -162,6 +162,9 @@ impl Filesystem {
         self.sb = sb;
         self.generation = generation + 1;
         self.state = CommitState::SuperCommitted;
+        // Everything logged is now in the trees: the logs start over at their heads, and
+        // records of older generations are stale.
+        self.log.reset();
         let super_ns = started.elapsed().as_nanos() as u64;
 
         let mut unpinned = 0;

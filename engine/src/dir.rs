@@ -200,6 +200,7 @@ impl Filesystem {
         let dir_shard = self.shard_of(dir);
         self.put_encoded(dir_shard, Key::new(dir, ItemKind::DirItem, hash), bucket)?;
         // The index item waits for the commit, batched with the directory's other new names.
+        self.log.note(Key::new(dir, ItemKind::DirIndex, index));
         self.delayed.insert(
             dir,
             index,
@@ -263,6 +264,7 @@ impl Filesystem {
         })?;
         let index = refs.remove(ref_at).target;
         self.put_list(child_shard, ref_key, &refs)?;
+        self.log.note(Key::new(dir, ItemKind::DirIndex, index));
         if self.delayed.take(dir, index).is_none() {
             self.with_tree(dir_shard, true, |tree, io| {
                 tree.remove(io, &Key::new(dir, ItemKind::DirIndex, index))

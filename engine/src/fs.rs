@@ -97,6 +97,8 @@ pub struct Filesystem {
     /// commit must write.
     pub(crate) ino_counters: Vec<Option<u64>>,
     pub(crate) ino_counters_dirty: Vec<bool>,
+    /// The fsync log: change tracking, log heads, statistics ([`crate::log`]).
+    pub(crate) log: crate::log::LogState,
 }
 
 /// The device LBAs of filesystem block `block`.
@@ -201,6 +203,9 @@ impl Filesystem {
             region_blocks,
             uuid,
             label: options.label.clone(),
+            // 1/16 of the region, 8 blocks to 4 MiB: enough for a few hundred small fsyncs
+            // between commits; a full log makes the next fsync commit instead.
+            log_blocks: (region_blocks / 16).clamp(8, 1024),
             shards: vec![ShardRoot::default(); options.shards as usize],
         };
         let bytes = sb.encode();
@@ -226,7 +231,8 @@ impl Filesystem {
         fs.unmount()
     }
 
-    /// Mounts the newest valid superblock's generation. Never writes.
+    /// Mounts the newest valid superblock's generation and replays the fsync logs written
+    /// after it (committing the result; mount writes nothing when the logs hold no record).
     pub fn mount(mut dev: Box<dyn BlockDevice>, options: MountOptions) -> Result<Filesystem> {
         let device_blocks = dev.info().capacity_bytes() / BLOCK_BYTES as u64;
         if device_blocks < FIRST_REGION_BLOCK || BLOCK_BYTES as u32 % dev.info().lba_size_bytes != 0
@@ -260,7 +266,7 @@ impl Filesystem {
         let mut shards = Vec::with_capacity(sb.shards.len());
         for (id, root) in sb.shards.iter().enumerate() {
             let mut tree = Tree::open(id as u32, root.tree, root.level);
-            let mut space = Space::new(sb.region_start(id as u32), sb.region_blocks);
+            let mut space = Space::new(sb.data_start(id as u32), sb.data_blocks());
             let mut io = ShardIo {
                 dev: &mut *dev,
                 space: &mut space,
@@ -293,9 +299,10 @@ impl Filesystem {
                     ),
                 ));
             }
+            tree.record_changes();
             shards.push(Shard { tree, space });
         }
-        Ok(Filesystem {
+        let mut fs = Filesystem {
             generation: sb.generation + 1,
             dev,
             sb,
@@ -310,7 +317,12 @@ impl Filesystem {
             delayed: Default::default(),
             ino_counters: vec![None; shard_count],
             ino_counters_dirty: vec![false; shard_count],
-        })
+            log: crate::log::LogState::new(shard_count),
+        };
+        // Records written after the last super-commit are applied and committed here: the only
+        // time mount writes.
+        fs.replay_logs()?;
+        Ok(fs)
     }
 
     /// The last durable generation.
@@ -355,6 +367,12 @@ impl Filesystem {
             for_commit: self.in_commit,
         };
         let result = f(tree, &mut io);
+        let mut changed = std::mem::take(&mut self.log.scratch);
+        tree.take_changed(&mut changed);
+        for key in changed.drain(..) {
+            self.log.note(key);
+        }
+        self.log.scratch = changed;
         if tree.loaded_nodes() > self.options.cache_nodes_per_shard {
             tree.evict_clean(self.options.cache_nodes_per_shard);
         }
@@ -473,7 +491,8 @@ impl Filesystem {
     pub fn commit_due(&self) -> bool {
         (self.is_dirty() || self.delayed.len() > 0)
             && (self.transaction_started.elapsed() >= self.options.commit_interval
-                || self.dirty_nodes() >= self.options.dirty_limit_nodes)
+                || self.dirty_nodes() >= self.options.dirty_limit_nodes
+                || self.log.tracked_keys() >= crate::log::MAX_TRACKED_KEYS)
     }
 
     /// Commits if [`Filesystem::commit_due`]. The engine starts no threads: whoever drives it
@@ -497,17 +516,6 @@ impl Filesystem {
             free_blocks: free,
             name_max: 255,
         }
-    }
-
-    /// fsync: makes the inode's data and metadata durable. Until the fsync log lands this
-    /// commits the whole transaction (correct, not yet fast).
-    pub fn fsync(&mut self, _ino: u64) -> Result<()> {
-        self.commit().map(drop)
-    }
-
-    /// fdatasync: as [`Filesystem::fsync`] for now.
-    pub fn fdatasync(&mut self, ino: u64) -> Result<()> {
-        self.fsync(ino)
     }
 
     /// sync: commits everything.

@@ -88,10 +88,17 @@ impl Filesystem {
     pub(crate) fn store_inode(&mut self, ino: u64, item: &InodeItem) -> Result<()> {
         let shard = self.shard_of(ino);
         let bytes = item.encode();
-        self.with_tree(shard, true, |tree, io| {
+        let old = self.with_tree(shard, true, |tree, io| {
             tree.insert(io, inode_key(ino), bytes)
-        })
-        .map(drop)
+        })?;
+        // fdatasync skips an inode whose only change is its timestamps.
+        let times_only = old
+            .and_then(|old| InodeItem::decode(&old).ok())
+            .is_some_and(|old| crate::log::only_times_differ(&old, item));
+        if !times_only {
+            self.log.note_data(ino);
+        }
+        Ok(())
     }
 
     /// A fresh inode number in the next shard round-robin. The shard's counter is cached in
@@ -100,7 +107,27 @@ impl Filesystem {
         let shards = self.shards.len() as u64;
         let shard = (self.next_create_shard % shards) as u32;
         self.next_create_shard = self.next_create_shard.wrapping_add(1);
-        let next = match self.ino_counters[shard as usize] {
+        let next = self.ino_counter(shard)?;
+        self.ino_counters[shard as usize] = Some(next + shards);
+        self.ino_counters_dirty[shard as usize] = true;
+        debug_assert_eq!(self.shard_of(next), shard);
+        Ok(next)
+    }
+
+    /// Makes shard `shard`'s next inode number greater than `ino` (log replay recreated it).
+    pub(crate) fn advance_ino_counter(&mut self, shard: u32, ino: u64) -> Result<()> {
+        let next = self.ino_counter(shard)?;
+        if ino >= next {
+            self.ino_counters[shard as usize] = Some(ino + self.shards.len() as u64);
+            self.ino_counters_dirty[shard as usize] = true;
+        }
+        Ok(())
+    }
+
+    /// Shard `shard`'s next inode number (read from its tree the first time).
+    fn ino_counter(&mut self, shard: u32) -> Result<u64> {
+        let shards = self.shards.len() as u64;
+        Ok(match self.ino_counters[shard as usize] {
             Some(next) => next,
             None => {
                 let counter = Key::new(INO_COUNTER_OBJECTID, ItemKind::InodeItem, 0);
@@ -126,11 +153,7 @@ impl Filesystem {
                     }
                 }
             }
-        };
-        self.ino_counters[shard as usize] = Some(next + shards);
-        self.ino_counters_dirty[shard as usize] = true;
-        debug_assert_eq!(self.shard_of(next), shard);
-        Ok(next)
+        })
     }
 
     /// Writes every advanced inode counter into its shard's tree (part of each commit).

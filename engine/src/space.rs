@@ -171,6 +171,13 @@ impl Space {
         }
     }
 
+    /// Allocates the specific free block `addr` (log replay: a logged extent references it).
+    pub fn claim(&mut self, addr: u64) {
+        let index = self.index(addr);
+        assert!(!Self::bit(&self.busy, index), "claiming busy block {addr}");
+        self.mark(index, true);
+    }
+
     /// Frees `len` blocks at `addr`. With `pin_generation`, they stay busy until that
     /// generation is unpinned (a committed tree may reference them); without, they were
     /// allocated in the running transaction and never committed, and are free at once.

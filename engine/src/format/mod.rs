@@ -1,4 +1,4 @@
-//! The on-disk format, version 1. Every integer on disk is fixed-width little-endian; every
+//! The on-disk format, version 2. Every integer on disk is fixed-width little-endian; every
 //! block carries a crc32c; every pointer to a block carries the block's address, generation and
 //! crc32c, so a reader detects bit rot, torn writes, lost writes and misdirected writes before
 //! it uses a byte (see docs/on-disk-format.md).
@@ -6,8 +6,8 @@
 //! Layout of a device, in 4 KiB blocks:
 //! - blocks 0 and 1: superblock copies, written alternately (commit N writes copy N % 2), so a
 //!   torn superblock write always leaves the previous generation intact;
-//! - blocks 2..: one equal region per shard; a shard allocates its tree nodes and data extents
-//!   only inside its region.
+//! - blocks 2..: one equal region per shard: first the shard's fsync log area
+//!   ([`crate::log`]), then the blocks its allocator hands out for tree nodes and data extents.
 
 pub mod items;
 pub mod key;
@@ -20,7 +20,8 @@ pub use superblock::{ShardRoot, Superblock};
 
 /// The filesystem block size: tree nodes, superblocks and data extents are whole blocks.
 pub const BLOCK_BYTES: usize = 4096;
-pub const FORMAT_VERSION: u32 = 1;
+/// Version 2 added the per-shard fsync log area.
+pub const FORMAT_VERSION: u32 = 2;
 /// Superblock copies live in these blocks.
 pub const SUPERBLOCK_ADDRS: [u64; 2] = [0, 1];
 /// First block of the shard regions.

@@ -2,7 +2,8 @@
 //!
 //! Layout: crc32c u32 (of bytes 4..4096) | magic u64 `CoreFSsb` | format version u32 |
 //! generation u64 | total blocks u64 | device LBA size u32 | shard count u32 | blocks per shard
-//! region u64 | uuid [16] | label [32] | 32 reserved | shard roots from byte 128, 48 bytes each:
+//! region u64 | uuid [16] | label [32] | log blocks per shard u64 | 24 reserved | shard roots
+//! from byte 128, 48 bytes each:
 //! tree pointer (address u64, generation u64, crc32c u32) | tree level u8 | 3 reserved |
 //! used blocks u64 | 16 reserved.
 //!
@@ -38,6 +39,9 @@ pub struct Superblock {
     pub region_blocks: u64,
     pub uuid: [u8; 16],
     pub label: String,
+    /// The first blocks of every shard region are the shard's fsync log ([`crate::log`]); the
+    /// allocator owns the rest.
+    pub log_blocks: u64,
     pub shards: Vec<ShardRoot>,
 }
 
@@ -45,6 +49,21 @@ impl Superblock {
     /// The first block of shard `shard`'s region.
     pub fn region_start(&self, shard: u32) -> u64 {
         FIRST_REGION_BLOCK + shard as u64 * self.region_blocks
+    }
+
+    /// The shard whose region holds `block` (a block at or after the first region).
+    pub fn shard_of_block(&self, block: u64) -> u32 {
+        ((block - FIRST_REGION_BLOCK) / self.region_blocks) as u32
+    }
+
+    /// The first block the allocator of shard `shard` may hand out (after its log area).
+    pub fn data_start(&self, shard: u32) -> u64 {
+        self.region_start(shard) + self.log_blocks
+    }
+
+    /// Blocks of each shard region the allocator owns.
+    pub fn data_blocks(&self) -> u64 {
+        self.region_blocks - self.log_blocks
     }
 
     pub fn encode(&self) -> Vec<u8> {
@@ -60,6 +79,7 @@ impl Superblock {
         b[40..48].copy_from_slice(&self.region_blocks.to_le_bytes());
         b[48..64].copy_from_slice(&self.uuid);
         b[64..64 + self.label.len()].copy_from_slice(self.label.as_bytes());
+        b[96..104].copy_from_slice(&self.log_blocks.to_le_bytes());
         for (i, shard) in self.shards.iter().enumerate() {
             let at = SHARD_ROOTS_AT + i * SHARD_ROOT_BYTES;
             shard.tree.encode(&mut b[at..]);
@@ -116,6 +136,12 @@ impl Superblock {
                 "{shard_count} regions of {region_blocks} blocks exceed {total_blocks} blocks"
             ));
         }
+        let log_blocks = le_u64(b, 96);
+        if log_blocks == 0 || log_blocks >= region_blocks {
+            return Err(format!(
+                "log area of {log_blocks} blocks in regions of {region_blocks}"
+            ));
+        }
         let label_bytes = &b[64..96];
         let label_len = label_bytes.iter().position(|&c| c == 0).unwrap_or(32);
         let label = String::from_utf8(label_bytes[..label_len].to_vec())
@@ -127,6 +153,7 @@ impl Superblock {
             region_blocks,
             uuid: b[48..64].try_into().expect("16 bytes"),
             label,
+            log_blocks,
             shards: Vec::with_capacity(shard_count as usize),
         };
         for i in 0..shard_count {
@@ -136,8 +163,8 @@ impl Superblock {
                 level: b[at + 20],
                 used_blocks: le_u64(b, at + 24),
             };
-            let start = sb.region_start(i);
-            if root.tree.addr != 0 && !(start..start + region_blocks).contains(&root.tree.addr) {
+            let (start, end) = (sb.data_start(i), sb.region_start(i) + region_blocks);
+            if root.tree.addr != 0 && !(start..end).contains(&root.tree.addr) {
                 return Err(format!(
                     "shard {i} root at block {} is outside its region",
                     root.tree.addr
@@ -167,10 +194,11 @@ mod tests {
             region_blocks: 1000,
             uuid: [7; 16],
             label: "data".into(),
+            log_blocks: 16,
             shards: (0..4)
                 .map(|i| ShardRoot {
                     tree: BlockPtr {
-                        addr: 2 + i * 1000 + 5,
+                        addr: 2 + i * 1000 + 20,
                         generation: 8,
                         crc: 1,
                     },

@@ -134,6 +134,10 @@ pub struct Tree {
     loaded_count: usize,
     dirty_count: usize,
     stats: TreeStats,
+    /// Keys inserted or removed since the owner last took them ([`Tree::take_changed`]), when
+    /// the owner asked for them (the fsync log's change tracking).
+    changed: Vec<Key>,
+    record_changes: bool,
 }
 
 impl Tree {
@@ -149,6 +153,8 @@ impl Tree {
             loaded_count: 0,
             dirty_count: 0,
             stats: TreeStats::default(),
+            changed: Vec::new(),
+            record_changes: false,
         }
     }
 
@@ -164,6 +170,16 @@ impl Tree {
             tree.root_level = level;
         }
         tree
+    }
+
+    /// From now on, remember every key inserted or removed until [`Tree::take_changed`].
+    pub fn record_changes(&mut self) {
+        self.record_changes = true;
+    }
+
+    /// The keys inserted or removed since the last call (in change order, repeats kept).
+    pub fn take_changed(&mut self, out: &mut Vec<Key>) {
+        out.append(&mut self.changed);
     }
 
     pub fn stats(&self) -> TreeStats {
@@ -468,6 +484,19 @@ impl Tree {
         key: Key,
         value: Vec<u8>,
     ) -> Result<Option<Vec<u8>>> {
+        let result = self.insert_item(io, key, value);
+        if self.record_changes && result.is_ok() {
+            self.changed.push(key);
+        }
+        result
+    }
+
+    fn insert_item(
+        &mut self,
+        io: &mut dyn NodeIo,
+        key: Key,
+        value: Vec<u8>,
+    ) -> Result<Option<Vec<u8>>> {
         if value.len() > MAX_ITEM_BYTES {
             return Err(EngineError::Invalid(format!(
                 "item of {} bytes exceeds {MAX_ITEM_BYTES}",
@@ -652,6 +681,14 @@ impl Tree {
 
     /// Removes `key`. Returns its value, if it was there.
     pub fn remove(&mut self, io: &mut dyn NodeIo, key: &Key) -> Result<Option<Vec<u8>>> {
+        let result = self.remove_item(io, key);
+        if self.record_changes && matches!(result, Ok(Some(_))) {
+            self.changed.push(*key);
+        }
+        result
+    }
+
+    fn remove_item(&mut self, io: &mut dyn NodeIo, key: &Key) -> Result<Option<Vec<u8>>> {
         let Some(root) = self.root_id(io)? else {
             return Ok(None);
         };

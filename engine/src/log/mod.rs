@@ -1,0 +1,374 @@
+//! The fast fsync log (docs/fsync-log.md): fsync and fdatasync write what changed since the
+//! inode was last logged into a record at the head of one shard's log area and flush once,
+//! instead of committing the transaction. Mount replays the records written after the last
+//! super-commit ([`replay`]); every super-commit truncates the logs (records carry the
+//! generation they belong to, and the next one starts at the head of the area again).
+//!
+//! What a record holds: the current value (or the deletion) of every tree key that changed
+//! since it was last logged, for a set of inodes closed under two rules:
+//! - **name coupling**: a name added or removed couples the directory and the child (the
+//!   child's back-reference key names both), so the directory's items, its size, link count and
+//!   index counter, and the child's back-references and link count are always logged together;
+//! - **reachability**: every ancestor of a logged inode whose own name changed since it was
+//!   last logged is logged too (a new directory, a renamed one), up to one whose name is
+//!   durable, so an fsynced path exists after replay.
+//!
+//! # Invariants
+//! - Replaying the durable tree plus the accepted records gives a state in which every
+//!   cross-inode invariant holds (names, link counts, directory sizes): such invariants only
+//!   span name-coupled inodes, which are logged together. Space and inode counters, the two
+//!   per-shard invariants, are rebuilt by replay from the extents and inodes it applied.
+//! - An inode with nothing new since it was last logged in this transaction is not logged
+//!   again, whether it is the inode fsynced, a coupled one or an ancestor.
+//! - Change tracking is per key, so it never loses an extent and never depends on the tree
+//!   cache: clean nodes may be evicted at will. It is bounded by the transaction (a commit
+//!   clears it, and [`Filesystem::commit_due`] commits when it grows past
+//!   [`MAX_TRACKED_KEYS`]).
+//! - Data blocks a record references are never reused before the next super-commit (data
+//!   frees are pinned), so replay finds them as written.
+//!
+//! Fault model: a record is written without FUA and made durable by one flush, which also
+//! makes the data blocks it references durable. A crash before the flush completes may leave
+//! the record without its data, or torn: replay checks the record's crc and the crc32c of every
+//! data block it references, and stops at the first record that fails (its fsync had not
+//! returned). A device error while logging makes the filesystem fail-stop like any other.
+
+pub mod record;
+mod replay;
+
+use crate::error::{EngineError, Result};
+use crate::format::items::{encode_names, InodeItem};
+use crate::format::{ItemKind, Key, BLOCK_BYTES};
+use crate::fs::{block_lba, Filesystem, FIRST_INODE};
+use record::{encode_record, record_blocks, LogOp, RecordHeader};
+use std::collections::{BTreeSet, HashMap, HashSet};
+
+/// Tracked changed keys past which the running transaction is due to commit.
+pub const MAX_TRACKED_KEYS: usize = 1 << 20;
+
+/// Fsync log figures, since mount.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LogStats {
+    /// fsync and fdatasync calls (a group counts each member).
+    pub fsyncs: u64,
+    /// Records written, and their blocks.
+    pub log_writes: u64,
+    pub log_blocks: u64,
+    /// Inodes written into records.
+    pub inodes_logged: u64,
+    /// fsyncs that found nothing new to log (no I/O at all).
+    pub already_logged: u64,
+    /// fsyncs that committed the transaction instead, by reason.
+    pub fallback_log_full: u64,
+    pub fallback_too_big: u64,
+    /// Records and ops replayed by mount.
+    pub replayed_records: u64,
+    pub replayed_ops: u64,
+}
+
+impl LogStats {
+    pub fn fallback_commits(&self) -> u64 {
+        self.fallback_log_full + self.fallback_too_big
+    }
+}
+
+/// What changed in one inode since it was last logged (or since the last commit).
+#[derive(Default)]
+struct Tracked {
+    keys: BTreeSet<(ItemKind, u64)>,
+    /// Something other than timestamps changed (what fdatasync must log).
+    data: bool,
+    /// Inodes a name change couples this one to.
+    links: BTreeSet<u64>,
+}
+
+#[derive(Default)]
+pub(crate) struct LogState {
+    inodes: HashMap<u64, Tracked>,
+    tracked_keys: usize,
+    /// Per shard: the next block of its log area, and the next record's shard sequence.
+    heads: Vec<u64>,
+    shard_seqs: Vec<u64>,
+    /// The next record's sequence over all shards (replay order).
+    next_seq: u64,
+    /// Reused buffer for keys taken from the trees.
+    pub scratch: Vec<Key>,
+    pub stats: LogStats,
+}
+
+impl LogState {
+    pub fn new(shards: usize) -> LogState {
+        LogState {
+            heads: vec![0; shards],
+            shard_seqs: vec![0; shards],
+            ..Default::default()
+        }
+    }
+
+    /// Records that `key` changed (inserted, replaced or removed).
+    pub fn note(&mut self, key: Key) {
+        if key.objectid < FIRST_INODE {
+            return; // the engine's own items: persisted by commits only
+        }
+        let tracked = self.inodes.entry(key.objectid).or_default();
+        if tracked.keys.insert((key.kind, key.offset)) {
+            self.tracked_keys += 1;
+        }
+        if key.kind != ItemKind::InodeItem {
+            tracked.data = true;
+        }
+        if key.kind == ItemKind::InodeRef && key.offset != key.objectid {
+            tracked.links.insert(key.offset);
+            self.inodes
+                .entry(key.offset)
+                .or_default()
+                .links
+                .insert(key.objectid);
+        }
+    }
+
+    /// An inode item changed in more than its timestamps.
+    pub fn note_data(&mut self, ino: u64) {
+        self.inodes.entry(ino).or_default().data = true;
+    }
+
+    pub fn tracked_keys(&self) -> usize {
+        self.tracked_keys
+    }
+
+    /// A super-commit made everything durable: the logs start over.
+    pub fn reset(&mut self) {
+        self.inodes.clear();
+        self.tracked_keys = 0;
+        self.heads.iter_mut().for_each(|h| *h = 0);
+        self.shard_seqs.iter_mut().for_each(|s| *s = 0);
+        self.next_seq = 0;
+    }
+
+    fn own_name_changed(&self, ino: u64) -> bool {
+        self.inodes.get(&ino).is_some_and(|t| {
+            t.keys
+                .range((ItemKind::InodeRef, 0)..=(ItemKind::InodeRef, u64::MAX))
+                .next()
+                .is_some()
+        })
+    }
+}
+
+/// True when two inode items differ only in their timestamps.
+pub(crate) fn only_times_differ(old: &InodeItem, new: &InodeItem) -> bool {
+    let mut old = *old;
+    old.atime = new.atime;
+    old.mtime = new.mtime;
+    old.ctime = new.ctime;
+    old == *new
+}
+
+impl Filesystem {
+    /// fsync: makes the inode's data and metadata durable, and its names and the path to it.
+    /// Writes one log record and flushes, or nothing when nothing changed since the inode was
+    /// last logged; commits instead only when the record does not fit the log.
+    pub fn fsync(&mut self, ino: u64) -> Result<()> {
+        self.fsync_group(&[(ino, false)])
+    }
+
+    /// fdatasync: as [`Filesystem::fsync`], except that an inode whose only change since it was
+    /// last logged is its timestamps is not logged at all.
+    pub fn fdatasync(&mut self, ino: u64) -> Result<()> {
+        self.fsync_group(&[(ino, true)])
+    }
+
+    /// Several fsyncs (`(ino, datasync)`) made durable by one record and one flush: what a
+    /// reactor does with the fsyncs that arrive while it is busy.
+    pub fn fsync_group(&mut self, group: &[(u64, bool)]) -> Result<()> {
+        self.check_writable()?;
+        self.log.stats.fsyncs += group.len() as u64;
+        let mut wanted = Vec::with_capacity(group.len());
+        for &(ino, datasync) in group {
+            // The inode must exist (an fsync of a stale handle is an error, not a no-op)...
+            self.load_inode(ino).or_else(|e| match e {
+                // ...unless its last name went in this transaction: then logging it persists
+                // the removal.
+                EngineError::NotFound if self.log.inodes.contains_key(&ino) => {
+                    Ok(Default::default())
+                }
+                e => Err(e),
+            })?;
+            let pending = self
+                .log
+                .inodes
+                .get(&ino)
+                .is_some_and(|t| !datasync || t.data || !t.links.is_empty());
+            if pending || self.ancestor_pending(ino)? {
+                wanted.push(ino);
+            } else {
+                self.log.stats.already_logged += 1;
+            }
+        }
+        if wanted.is_empty() {
+            return Ok(());
+        }
+        let members = self.log_closure(&wanted)?;
+        let ops = self.collect_ops(&members)?;
+        let shard = self.shard_of(wanted[0]);
+        let blocks = record_blocks(ops.iter());
+        let log_blocks = self.sb.log_blocks;
+        if blocks > log_blocks {
+            self.log.stats.fallback_too_big += 1;
+            tracing::debug!(
+                blocks,
+                log_blocks,
+                "fsync record larger than the log: committing"
+            );
+            return self.commit().map(drop);
+        }
+        if self.log.heads[shard as usize] + blocks > log_blocks {
+            self.log.stats.fallback_log_full += 1;
+            tracing::debug!(shard, "fsync log full: committing");
+            return self.commit().map(drop);
+        }
+        let header = RecordHeader {
+            blocks: 0,
+            generation: self.generation,
+            global_seq: self.log.next_seq,
+            shard_seq: self.log.shard_seqs[shard as usize],
+            shard,
+            op_count: 0,
+            payload_bytes: 0,
+            uuid: self.sb.uuid,
+        };
+        let bytes = encode_record(header, &ops);
+        assert_eq!(bytes.len() as u64, blocks * BLOCK_BYTES as u64);
+        let at = self.sb.region_start(shard) + self.log.heads[shard as usize];
+        let written = self.write_record(at, bytes);
+        self.fail_stop_on_error(written)?;
+        // Durable: the coupled set is logged and its tracking starts over.
+        for ino in &members {
+            if let Some(t) = self.log.inodes.remove(ino) {
+                self.log.tracked_keys -= t.keys.len();
+            }
+        }
+        self.log.heads[shard as usize] += blocks;
+        self.log.shard_seqs[shard as usize] += 1;
+        self.log.next_seq += 1;
+        self.log.stats.log_writes += 1;
+        self.log.stats.log_blocks += blocks;
+        self.log.stats.inodes_logged += members.len() as u64;
+        Ok(())
+    }
+
+    pub fn log_stats(&self) -> LogStats {
+        self.log.stats
+    }
+
+    /// Writes a record's blocks (one write when the device takes it) and flushes: the flush
+    /// also makes every data block the record references durable.
+    fn write_record(&mut self, at: u64, bytes: Vec<u8>) -> Result<()> {
+        let max_bytes = (self.dev.info().max_io_bytes as usize / BLOCK_BYTES).max(1) * BLOCK_BYTES;
+        if bytes.len() <= max_bytes {
+            let lba = block_lba(&*self.dev, at);
+            nvme::write_sync(&mut *self.dev, lba, &bytes, false)?;
+        } else {
+            let blocks = bytes
+                .chunks(BLOCK_BYTES)
+                .enumerate()
+                .map(|(i, b)| (at + i as u64, b.to_vec()))
+                .collect();
+            crate::commit::write_blocks(&mut *self.dev, blocks)?;
+        }
+        nvme::flush_sync(&mut *self.dev)?;
+        Ok(())
+    }
+
+    /// The parents of `ino` (the directories holding its names).
+    fn parents_of(&mut self, ino: u64) -> Result<Vec<u64>> {
+        let shard = self.shard_of(ino);
+        let refs = self.with_tree(shard, false, |tree, io| {
+            tree.range(
+                io,
+                Key::new(ino, ItemKind::InodeRef, 0),
+                Key::new(ino, ItemKind::XattrItem, 0),
+            )
+        })?;
+        Ok(refs.into_iter().map(|(k, _)| k.offset).collect())
+    }
+
+    /// True when some ancestor of `ino` has an unlogged change of its own name.
+    fn ancestor_pending(&mut self, ino: u64) -> Result<bool> {
+        let mut seen = HashSet::new();
+        let mut stack = self.parents_of(ino)?;
+        while let Some(dir) = stack.pop() {
+            if !seen.insert(dir) {
+                continue;
+            }
+            if self.log.own_name_changed(dir) {
+                return Ok(true);
+            }
+            stack.extend(self.parents_of(dir)?);
+        }
+        Ok(false)
+    }
+
+    /// The inodes a record for `inos` must hold: closed under name coupling and reachability
+    /// (see the module comment). Only inodes with tracked changes are members.
+    fn log_closure(&mut self, inos: &[u64]) -> Result<BTreeSet<u64>> {
+        let mut members = BTreeSet::new();
+        let mut walked = HashSet::new();
+        let mut stack: Vec<u64> = inos.to_vec();
+        while let Some(ino) = stack.pop() {
+            if !members.insert(ino) {
+                continue;
+            }
+            if let Some(t) = self.log.inodes.get(&ino) {
+                stack.extend(t.links.iter().copied());
+            }
+            // Walk up from each name's directory; an ancestor whose own name changed joins
+            // (with everything coupled to it), and the walk goes on above it either way.
+            let mut up = self.parents_of(ino)?;
+            while let Some(dir) = up.pop() {
+                if !walked.insert(dir) {
+                    continue;
+                }
+                if self.log.own_name_changed(dir) {
+                    stack.push(dir);
+                }
+                up.extend(self.parents_of(dir)?);
+            }
+        }
+        members.retain(|ino| self.log.inodes.contains_key(ino));
+        Ok(members)
+    }
+
+    /// The record's ops: each tracked key of each member with its current value (a pending
+    /// directory index item counts as present) or its deletion.
+    fn collect_ops(&mut self, members: &BTreeSet<u64>) -> Result<Vec<LogOp>> {
+        let mut ops = Vec::new();
+        for &ino in members {
+            let keys: Vec<Key> = self.log.inodes[&ino]
+                .keys
+                .iter()
+                .map(|&(kind, offset)| Key::new(ino, kind, offset))
+                .collect();
+            let shard = self.shard_of(ino);
+            for key in keys {
+                if key.kind == ItemKind::DirIndex {
+                    if let Some((_, entry)) = self
+                        .delayed
+                        .range(ino, key.offset)
+                        .next()
+                        .filter(|(s, _)| *s == key.offset)
+                    {
+                        ops.push(LogOp::Put(key, encode_names(std::slice::from_ref(entry))));
+                        continue;
+                    }
+                }
+                let value = self.with_tree(shard, false, |tree, io| tree.get(io, &key))?;
+                ops.push(match value {
+                    Some(value) => LogOp::Put(key, value),
+                    None => LogOp::Delete(key),
+                });
+            }
+        }
+        Ok(ops)
+    }
+}

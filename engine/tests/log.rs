@@ -1,0 +1,310 @@
+//! The fast fsync log end to end on simulated devices: what an fsync writes, what it skips,
+//! replay after a power cut (and after a power cut during replay), torn and corrupt records,
+//! a full log, and grouped fsyncs. The ACE crash runs in `crashtest/` check the promises
+//! path by path; these check the log's own contracts.
+
+use engine::inode::SetAttr;
+use engine::{Filesystem, MkfsOptions, MountOptions};
+use nvme::backend::mem::{MemConfig, MemDevice};
+use nvme::wrap::{crash_image, CrashMode, Record, RecordingDevice};
+use nvme::BlockDevice;
+
+const CAPACITY: u64 = 64 << 20;
+
+fn config() -> MemConfig {
+    MemConfig {
+        capacity_bytes: CAPACITY,
+        lba_size_bytes: 512,
+        queue_depth: 32,
+        buf_bytes: 64 << 10,
+        buf_count: 64,
+    }
+}
+
+fn image_of(mut dev: Box<dyn BlockDevice>) -> Vec<u8> {
+    let mut image = vec![0u8; CAPACITY as usize];
+    nvme::read_sync(&mut *dev, 0, &mut image).unwrap();
+    image
+}
+
+fn fresh(shards: u32) -> Vec<u8> {
+    let dev = MemDevice::new(config()).unwrap();
+    let options = MkfsOptions {
+        shards,
+        label: "log".into(),
+    };
+    image_of(Filesystem::mkfs(Box::new(dev), &options).unwrap())
+}
+
+fn mount(image: &[u8]) -> Filesystem {
+    let dev = MemDevice::from_image(image, config()).unwrap();
+    Filesystem::mount(Box::new(dev), MountOptions::default()).unwrap()
+}
+
+fn block(seed: u8) -> Vec<u8> {
+    (0..4096u32)
+        .map(|i| (i as u8).wrapping_mul(seed) ^ seed)
+        .collect()
+}
+
+/// Every file under the root with its data, sorted (what a crash must preserve).
+fn listing(fs: &mut Filesystem) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let root = fs.root();
+    let mut out: Vec<(Vec<u8>, Vec<u8>)> = fs
+        .readdir(root, 0, 10_000)
+        .unwrap()
+        .into_iter()
+        .map(|e| {
+            let size = fs.stat(e.ino).unwrap().size;
+            (e.name, fs.read(e.ino, 0, size as usize).unwrap())
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn an_append_fsync_is_one_record_and_one_flush_and_replays() {
+    let mut fs = mount(&fresh(4));
+    let root = fs.root();
+    let ino = fs.create(root, b"db", 0o644, 0, 0).unwrap().ino;
+    fs.sync().unwrap();
+    let commits = fs.commit_stats().commits;
+    let image = image_of(fs.unmount().unwrap());
+    let recording = RecordingDevice::new(MemDevice::from_image(&image, config()).unwrap());
+    let log = recording.log();
+    let mut fs = Filesystem::mount(Box::new(recording), MountOptions::default()).unwrap();
+    for i in 0..20u8 {
+        fs.write(ino, i as u64 * 4096, &block(i + 1)).unwrap();
+        let before = log.len();
+        fs.fsync(ino).unwrap();
+        let records = log.snapshot();
+        let writes = records[before..]
+            .iter()
+            .filter(|r| matches!(r, Record::Write { .. }))
+            .count();
+        let flushes = records[before..]
+            .iter()
+            .filter(|r| matches!(r, Record::Flush { .. }))
+            .count();
+        assert_eq!(
+            (writes, flushes),
+            (1, 1),
+            "fsync {i}: one record, one flush"
+        );
+    }
+    let stats = fs.log_stats();
+    assert_eq!(stats.log_writes, 20);
+    assert_eq!(stats.log_blocks, 20, "an append's record fits one block");
+    assert_eq!(stats.fallback_commits(), 0);
+    assert_eq!(fs.commit_stats().commits, 0, "no fsync committed");
+    assert!(commits >= 1);
+    // Nothing new: no I/O at all.
+    let before = log.len();
+    fs.fsync(ino).unwrap();
+    assert_eq!(log.len(), before);
+    assert_eq!(fs.log_stats().already_logged, 1);
+
+    // A power cut now: mount replays all 20 records.
+    let records = log.snapshot();
+    let crashed = crash_image(&image, 512, &records, records.len(), CrashMode::DurableOnly);
+    let mut fs = mount(&crashed);
+    assert_eq!(fs.log_stats().replayed_records, 20);
+    let data: Vec<u8> = (0..20u8).flat_map(|i| block(i + 1)).collect();
+    assert_eq!(fs.read(ino, 0, 20 * 4096).unwrap(), data);
+    assert_eq!(fs.stat(ino).unwrap().size, 20 * 4096);
+    fs.check().unwrap();
+    // The replay committed: a second mount replays nothing and sees the same.
+    let again = image_of(fs.into_device());
+    let mut fs = mount(&again);
+    assert_eq!(fs.log_stats().replayed_records, 0);
+    assert_eq!(fs.read(ino, 0, 20 * 4096).unwrap(), data);
+}
+
+#[test]
+fn fdatasync_skips_a_timestamp_only_change_and_fsync_does_not() {
+    let mut fs = mount(&fresh(2));
+    let root = fs.root();
+    let ino = fs.create(root, b"f", 0o644, 0, 0).unwrap().ino;
+    fs.write(ino, 0, &block(3)).unwrap();
+    fs.fsync(ino).unwrap();
+    assert_eq!(fs.log_stats().log_writes, 1);
+    let mtime = Some(engine::format::items::Timespec { sec: 7, nsec: 0 });
+    fs.setattr(
+        ino,
+        SetAttr {
+            mtime,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    fs.fdatasync(ino).unwrap();
+    assert_eq!(
+        fs.log_stats().log_writes,
+        1,
+        "timestamps alone: nothing logged"
+    );
+    fs.fsync(ino).unwrap();
+    assert_eq!(fs.log_stats().log_writes, 2, "fsync logs the timestamps");
+    // A size change is what fdatasync must keep.
+    fs.setattr(
+        ino,
+        SetAttr {
+            size: Some(100),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    fs.fdatasync(ino).unwrap();
+    assert_eq!(fs.log_stats().log_writes, 3);
+    let crashed = image_of(fs.into_device());
+    let mut fs = mount(&crashed);
+    assert_eq!(fs.stat(ino).unwrap().size, 100);
+    assert_eq!(fs.read(ino, 0, 100).unwrap(), block(3)[..100].to_vec());
+}
+
+#[test]
+fn a_grouped_fsync_writes_one_record_for_every_member() {
+    let mut fs = mount(&fresh(4));
+    let root = fs.root();
+    let inos: Vec<u64> = (0..8)
+        .map(|i| {
+            fs.create(root, format!("f{i}").as_bytes(), 0o644, 0, 0)
+                .unwrap()
+                .ino
+        })
+        .collect();
+    fs.sync().unwrap();
+    for (i, &ino) in inos.iter().enumerate() {
+        fs.write(ino, 0, &block(i as u8 + 1)).unwrap();
+    }
+    let group: Vec<(u64, bool)> = inos.iter().map(|&i| (i, false)).collect();
+    fs.fsync_group(&group).unwrap();
+    assert_eq!(fs.log_stats().log_writes, 1);
+    assert_eq!(fs.log_stats().inodes_logged, 8);
+    let mut fs = mount(&image_of(fs.into_device()));
+    for (i, &ino) in inos.iter().enumerate() {
+        assert_eq!(fs.read(ino, 0, 4096).unwrap(), block(i as u8 + 1));
+    }
+}
+
+#[test]
+fn an_fsync_does_not_log_unrelated_inodes() {
+    let mut fs = mount(&fresh(4));
+    let root = fs.root();
+    let a = fs.create(root, b"a", 0o644, 0, 0).unwrap().ino;
+    let b = fs.create(root, b"b", 0o644, 0, 0).unwrap().ino;
+    fs.sync().unwrap();
+    fs.write(a, 0, &block(1)).unwrap();
+    fs.write(b, 0, &block(2)).unwrap();
+    fs.fsync(a).unwrap();
+    assert_eq!(fs.log_stats().inodes_logged, 1);
+    let mut fs = mount(&image_of(fs.into_device()));
+    assert_eq!(fs.read(a, 0, 4096).unwrap(), block(1));
+    assert_eq!(fs.stat(b).unwrap().size, 0, "b was never fsynced");
+}
+
+#[test]
+fn a_full_log_falls_back_to_a_commit_and_loses_nothing() {
+    let mut fs = mount(&fresh(2));
+    let root = fs.root();
+    let log_blocks = fs.superblock().log_blocks;
+    let mut expected = Vec::new();
+    for i in 0..(3 * log_blocks) {
+        let name = format!("f{i:04}");
+        let ino = fs.create(root, name.as_bytes(), 0o644, 0, 0).unwrap().ino;
+        fs.write(ino, 0, &block(i as u8)).unwrap();
+        fs.fsync(ino).unwrap();
+        expected.push((name.into_bytes(), block(i as u8)));
+    }
+    let stats = fs.log_stats();
+    assert!(stats.fallback_log_full >= 1, "{stats:?}");
+    assert!(stats.log_writes > stats.fallback_log_full * 10, "{stats:?}");
+    let mut fs = mount(&image_of(fs.into_device()));
+    assert_eq!(listing(&mut fs), expected);
+    fs.check().unwrap();
+}
+
+#[test]
+fn a_record_larger_than_the_log_commits_instead() {
+    let mut fs = mount(&fresh(2));
+    let root = fs.root();
+    let dir = fs.mkdir(root, b"d", 0o755, 0, 0).unwrap().ino;
+    // Thousands of new names coupled to one directory: one record would exceed the area.
+    for i in 0..10_000 {
+        fs.create(
+            dir,
+            format!("a-long-file-name-{i:05}").as_bytes(),
+            0o644,
+            0,
+            0,
+        )
+        .unwrap();
+    }
+    fs.fsync(dir).unwrap();
+    assert_eq!(fs.log_stats().fallback_too_big, 1);
+    let mut fs = mount(&image_of(fs.into_device()));
+    assert_eq!(fs.readdir(dir, 0, 20_000).unwrap().len(), 10_000);
+}
+
+/// Writes three records (one per fsync), then returns the image and the log area address of
+/// shard 0 so tests can damage them.
+fn three_records() -> (Vec<u8>, u64, u64) {
+    let mut fs = mount(&fresh(1));
+    let root = fs.root();
+    let ino = fs.create(root, b"f", 0o644, 0, 0).unwrap().ino;
+    fs.sync().unwrap();
+    for i in 0..3u8 {
+        fs.write(ino, i as u64 * 4096, &block(i + 1)).unwrap();
+        fs.fsync(ino).unwrap();
+    }
+    assert_eq!(fs.log_stats().log_writes, 3);
+    let log_at = fs.superblock().region_start(0);
+    (image_of(fs.into_device()), log_at, ino)
+}
+
+#[test]
+fn replay_stops_at_the_first_damaged_record() {
+    let (image, log_at, ino) = three_records();
+    for (damaged, expect_blocks) in [(0u64, 0u64), (1, 1), (2, 2)] {
+        let mut bad = image.clone();
+        bad[(log_at + damaged) as usize * 4096 + 200] ^= 0x40;
+        let mut fs = mount(&bad);
+        assert_eq!(fs.log_stats().replayed_records, damaged);
+        assert_eq!(fs.stat(ino).unwrap().size, expect_blocks * 4096);
+        fs.check().unwrap();
+    }
+}
+
+#[test]
+fn a_crash_during_replay_replays_again_to_the_same_state() {
+    let (image, _, ino) = three_records();
+    let reference = {
+        let mut fs = mount(&image);
+        fs.read(ino, 0, 3 * 4096).unwrap()
+    };
+    let recording = RecordingDevice::new(MemDevice::from_image(&image, config()).unwrap());
+    let log = recording.log();
+    let fs = Filesystem::mount(Box::new(recording), MountOptions::default()).unwrap();
+    drop(fs);
+    let records = log.snapshot();
+    assert!(records.iter().any(|r| matches!(r, Record::Write { .. })));
+    let seed = nvme::wrap::seed_from_env();
+    for cut in 0..=records.len() {
+        for mode in [
+            CrashMode::DurableOnly,
+            CrashMode::Torn {
+                seed: seed ^ cut as u64,
+            },
+        ] {
+            let crashed = crash_image(&image, 512, &records, cut, mode);
+            let mut fs = mount(&crashed);
+            assert_eq!(
+                fs.read(ino, 0, 3 * 4096).unwrap(),
+                reference,
+                "cut {cut} {mode:?} (seed {seed})"
+            );
+            fs.check().unwrap();
+        }
+    }
+}
