@@ -4,9 +4,12 @@
 //! - [`device`]: the device-layer micro-benchmark — CPU cost per operation on the memory
 //!   backend, latency percentiles at queue depth 1 and 32 on the file (and NVMe) backends, side
 //!   by side with `fio` on the same file in the same run;
-//! - [`engine`]: create rate, overwrite cost, commit latency and index batching of the engine.
+//! - [`engine`]: create rate, overwrite cost, commit latency and index batching of the engine;
+//! - [`fsync`]: 4 KiB append + fsync latency on the file backend next to the raw device's
+//!   write + flush and the kernel filesystem's append + fdatasync, in the same run.
 
 pub mod device;
 pub mod engine;
 pub mod fio;
+pub mod fsync;
 pub mod stats;

@@ -71,6 +71,22 @@ enum Bench {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// 4 KiB append + fsync at queue depth 1: corefs on a file image, the raw device's write +
+    /// flush, and the kernel filesystem holding the image, in alternating rounds.
+    Fsync {
+        /// Directory for the image and the kernel filesystem's files (not tmpfs).
+        #[arg(long, default_value = "/var/tmp")]
+        dir: PathBuf,
+        #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+        image_size: u64,
+        /// Seconds per target and round.
+        #[arg(long, default_value_t = 2.0)]
+        seconds: f64,
+        #[arg(long, default_value_t = 3)]
+        rounds: u32,
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Device-layer micro-benchmark: CPU cost per op (memory), latency at QD1/QD32 (file image,
     /// and any --device given), side by side with fio on the same file.
     Device {
@@ -184,6 +200,24 @@ fn main() -> ExitCode {
             print!("{report}");
             write_json(json, &report)
         }),
+        Command::Bench(Bench::Fsync {
+            dir,
+            image_size,
+            seconds,
+            rounds,
+            json,
+        }) => {
+            let config = corefs_bench::fsync::FsyncBenchConfig {
+                dir,
+                image_bytes: image_size,
+                seconds_per_round: seconds,
+                rounds,
+            };
+            corefs_bench::fsync::run(&config).and_then(|report| {
+                print!("{report}");
+                write_json(json, &report)
+            })
+        }
         Command::Bench(Bench::Device {
             devices,
             dir,

@@ -68,6 +68,7 @@ impl Filesystem {
     /// True when the running transaction has changes to commit.
     pub fn is_dirty(&self) -> bool {
         self.delayed.len() > 0
+            || self.staged.bytes() > 0
             || self.ino_counters_dirty.iter().any(|&d| d)
             || self.shards.iter().any(|s| s.tree.is_dirty())
     }
@@ -107,7 +108,8 @@ impl Filesystem {
     }
 
     fn commit_doing(&mut self, generation: u64, started: Instant) -> Result<u64> {
-        let mut blocks: Vec<(u64, Vec<u8>)> = Vec::new();
+        // Staged file data goes out with the tree nodes, before the flush.
+        let mut blocks: Vec<(u64, Vec<u8>)> = self.take_all_staged();
         let mut roots = Vec::with_capacity(self.shards.len());
         for Shard { tree, space } in self.shards.iter_mut() {
             let mut io = ShardIo {

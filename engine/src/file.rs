@@ -146,6 +146,7 @@ impl Filesystem {
         count: u64,
         crcs: &[u32],
     ) -> Result<Vec<u8>> {
+        self.write_back(ino)?;
         let mut data = vec![0u8; (count * BLOCK) as usize];
         let lba = block_lba(&*self.dev, disk_block);
         if let Err(e) = nvme::read_sync(&mut *self.dev, lba, &mut data) {
@@ -237,8 +238,9 @@ impl Filesystem {
     /// replacing whatever covered that range. Returns the net change in allocated blocks.
     ///
     /// Order matters for a full device: data blocks are allocated (and given back on ENOSPC)
-    /// and room for the metadata changes is checked before anything changes; the old extents
-    /// are replaced only after the new data is on the device.
+    /// and room for the metadata changes is checked before anything changes. The data is
+    /// staged ([`crate::writeback`]) and reaches the device before any record or commit that
+    /// makes the new extents durable.
     fn write_blocks(&mut self, ino: u64, first: u64, data: &[u8]) -> Result<i64> {
         assert_eq!(data.len() % BLOCK_BYTES, 0);
         let count = (data.len() / BLOCK_BYTES) as u64;
@@ -270,11 +272,7 @@ impl Filesystem {
         for &(disk, got) in &runs {
             let bytes = &data[(done * BLOCK) as usize..((done + got) * BLOCK) as usize];
             let crcs = bytes.chunks(BLOCK_BYTES).map(crc32c::crc32c).collect();
-            let lba = block_lba(&*self.dev, disk);
-            if let Err(e) = nvme::write_sync(&mut *self.dev, lba, bytes, false) {
-                self.failed.get_or_insert(EngineError::Device(e.clone()));
-                return Err(EngineError::Device(e));
-            }
+            self.stage_data(ino, disk, bytes)?;
             items.push((
                 first + done,
                 ExtentItem {

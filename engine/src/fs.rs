@@ -99,6 +99,8 @@ pub struct Filesystem {
     pub(crate) ino_counters_dirty: Vec<bool>,
     /// The fsync log: change tracking, log heads, statistics ([`crate::log`]).
     pub(crate) log: crate::log::LogState,
+    /// File data written and not yet on the device ([`crate::writeback`]).
+    pub(crate) staged: crate::writeback::Staged,
 }
 
 /// The device LBAs of filesystem block `block`.
@@ -318,6 +320,7 @@ impl Filesystem {
             ino_counters: vec![None; shard_count],
             ino_counters_dirty: vec![false; shard_count],
             log: crate::log::LogState::new(shard_count),
+            staged: Default::default(),
         };
         // Records written after the last super-commit are applied and committed here: the only
         // time mount writes.
@@ -492,7 +495,8 @@ impl Filesystem {
         (self.is_dirty() || self.delayed.len() > 0)
             && (self.transaction_started.elapsed() >= self.options.commit_interval
                 || self.dirty_nodes() >= self.options.dirty_limit_nodes
-                || self.log.tracked_keys() >= crate::log::MAX_TRACKED_KEYS)
+                || self.log.tracked_keys() >= crate::log::MAX_TRACKED_KEYS
+                || self.log.fullest_head() * 2 >= self.sb.log_blocks)
     }
 
     /// Commits if [`Filesystem::commit_due`]. The engine starts no threads: whoever drives it

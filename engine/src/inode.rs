@@ -222,6 +222,7 @@ impl Filesystem {
     /// Deletes every item of an inode (its last name is gone) and frees its data.
     pub(crate) fn delete_inode(&mut self, ino: u64) -> Result<()> {
         self.free_all_extents(ino)?;
+        self.drop_staged(ino);
         let shard = self.shard_of(ino);
         self.with_tree(shard, true, |tree, io| {
             let items = tree.range(

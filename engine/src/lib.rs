@@ -24,6 +24,7 @@ pub mod log;
 pub mod refs;
 pub mod space;
 pub mod tree;
+pub mod writeback;
 pub mod xattr;
 
 pub use check::CheckReport;

@@ -87,11 +87,13 @@ fn an_append_fsync_is_one_record_and_one_flush_and_replays() {
             .iter()
             .filter(|r| matches!(r, Record::Flush { .. }))
             .count();
+        // The appended block (staged by write) and the record go out together, then one flush.
         assert_eq!(
             (writes, flushes),
-            (1, 1),
-            "fsync {i}: one record, one flush"
+            (2, 1),
+            "fsync {i}: data + record, one flush"
         );
+        assert!(matches!(records.last(), Some(Record::Flush { .. })));
     }
     let stats = fs.log_stats();
     assert_eq!(stats.log_writes, 20);

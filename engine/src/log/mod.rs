@@ -39,7 +39,7 @@ mod replay;
 use crate::error::{EngineError, Result};
 use crate::format::items::{encode_names, InodeItem};
 use crate::format::{ItemKind, Key, BLOCK_BYTES};
-use crate::fs::{block_lba, Filesystem, FIRST_INODE};
+use crate::fs::{Filesystem, FIRST_INODE};
 use record::{encode_record, record_blocks, LogOp, RecordHeader};
 use std::collections::{BTreeSet, HashMap, HashSet};
 
@@ -130,6 +130,12 @@ impl LogState {
     /// An inode item changed in more than its timestamps.
     pub fn note_data(&mut self, ino: u64) {
         self.inodes.entry(ino).or_default().data = true;
+    }
+
+    /// Blocks used in the fullest log area (a half-full log makes a commit due, so fsyncs
+    /// rarely find the log full).
+    pub fn fullest_head(&self) -> u64 {
+        self.heads.iter().copied().max().unwrap_or(0)
     }
 
     pub fn tracked_keys(&self) -> usize {
@@ -240,7 +246,10 @@ impl Filesystem {
         let bytes = encode_record(header, &ops);
         assert_eq!(bytes.len() as u64, blocks * BLOCK_BYTES as u64);
         let at = self.sb.region_start(shard) + self.log.heads[shard as usize];
-        let written = self.write_record(at, bytes);
+        // The members' staged data goes out with the record: both are in flight at once and
+        // the one flush covers both.
+        let data = self.take_staged(members.iter());
+        let written = self.write_record(at, bytes, data);
         self.fail_stop_on_error(written)?;
         // Durable: the coupled set is logged and its tracking starts over.
         for ino in &members {
@@ -261,21 +270,21 @@ impl Filesystem {
         self.log.stats
     }
 
-    /// Writes a record's blocks (one write when the device takes it) and flushes: the flush
-    /// also makes every data block the record references durable.
-    fn write_record(&mut self, at: u64, bytes: Vec<u8>) -> Result<()> {
-        let max_bytes = (self.dev.info().max_io_bytes as usize / BLOCK_BYTES).max(1) * BLOCK_BYTES;
-        if bytes.len() <= max_bytes {
-            let lba = block_lba(&*self.dev, at);
-            nvme::write_sync(&mut *self.dev, lba, &bytes, false)?;
-        } else {
-            let blocks = bytes
+    /// Writes a record's blocks and the data it references (`data`, 4 KiB blocks), all in
+    /// flight at once, then flushes: the flush makes both durable.
+    fn write_record(
+        &mut self,
+        at: u64,
+        bytes: Vec<u8>,
+        mut data: Vec<(u64, Vec<u8>)>,
+    ) -> Result<()> {
+        data.extend(
+            bytes
                 .chunks(BLOCK_BYTES)
                 .enumerate()
-                .map(|(i, b)| (at + i as u64, b.to_vec()))
-                .collect();
-            crate::commit::write_blocks(&mut *self.dev, blocks)?;
-        }
+                .map(|(i, b)| (at + i as u64, b.to_vec())),
+        );
+        crate::commit::write_blocks(&mut *self.dev, data)?;
         nvme::flush_sync(&mut *self.dev)?;
         Ok(())
     }
