@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# bench.sh - the main job: corefs's latency benchmark on a default file-backed image, with
-# the same workloads through fio on the same file for comparison. Installs fio when root.
-# Extra arguments go to `corefs bench device` (see --help).
+# bench.sh - the main job: corefs's latency benchmarks on a default file-backed image: 4 KiB
+# append + fsync next to the raw device's write + flush and the kernel filesystem holding the
+# image, then the device layer with the same workloads through fio on the same file. Installs
+# fio when root. Extra arguments go to `corefs bench device` (see --help).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if ! command -v fio >/dev/null; then
@@ -12,4 +13,5 @@ if ! command -v fio >/dev/null; then
   fi
 fi
 cargo build --release --locked -p corefs-cli >&2
+target/release/corefs bench fsync
 exec target/release/corefs bench device "$@"

@@ -26,8 +26,11 @@ use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone)]
 pub struct FsyncBenchConfig {
-    /// Where the image and the kernel filesystem's files go (must support O_DIRECT).
+    /// Where the image and the raw file go (must support O_DIRECT).
     pub dir: PathBuf,
+    /// Where the kernel filesystem's appends go (default: `dir`), e.g. an ext4, xfs or btrfs
+    /// mounted on a loop device over a file on the same disk.
+    pub kernel_dir: Option<PathBuf>,
     pub image_bytes: u64,
     pub seconds_per_round: f64,
     pub rounds: u32,
@@ -37,6 +40,7 @@ impl Default for FsyncBenchConfig {
     fn default() -> Self {
         FsyncBenchConfig {
             dir: PathBuf::from("/var/tmp"),
+            kernel_dir: None,
             image_bytes: 1 << 30,
             seconds_per_round: 2.0,
             rounds: 3,
@@ -308,7 +312,11 @@ fn median_result(target: &str, rounds: Vec<LatencySummary>) -> TargetResult {
 
 /// Runs the benchmark, printing progress to stderr.
 pub fn run(config: &FsyncBenchConfig) -> Result<FsyncBenchReport, String> {
-    let kernel_fs = fs_type_of(&config.dir);
+    let kernel_dir = config
+        .kernel_dir
+        .clone()
+        .unwrap_or_else(|| config.dir.clone());
+    let kernel_fs = fs_type_of(&kernel_dir);
     let image = tempfile::Builder::new()
         .prefix("corefs-fsyncbench-")
         .suffix(".img")
@@ -331,8 +339,9 @@ pub fn run(config: &FsyncBenchConfig) -> Result<FsyncBenchReport, String> {
         config.image_bytes
     );
     eprintln!(
-        "fsync bench: corefs on {spec}; raw and {kernel_fs} in {}",
-        config.dir.display()
+        "fsync bench: corefs on {spec}; raw in {}; {kernel_fs} in {}",
+        config.dir.display(),
+        kernel_dir.display()
     );
     let mut corefs = CorefsTarget::new(&spec)?;
     let (mut ours, mut floor, mut kernel) = (Vec::new(), Vec::new(), Vec::new());
@@ -341,7 +350,7 @@ pub fn run(config: &FsyncBenchConfig) -> Result<FsyncBenchReport, String> {
         eprintln!("round {round}/{rounds}: corefs, raw, {kernel_fs}...");
         ours.push(corefs.round(config.seconds_per_round)?);
         floor.push(raw_round(raw.path(), raw_bytes, config.seconds_per_round)?);
-        kernel.push(kernel_round(&config.dir, round, config.seconds_per_round)?);
+        kernel.push(kernel_round(&kernel_dir, round, config.seconds_per_round)?);
     }
     let figures = corefs.finish()?;
     let median_p50 = |v: &[LatencySummary]| {

@@ -74,9 +74,13 @@ enum Bench {
     /// 4 KiB append + fsync at queue depth 1: corefs on a file image, the raw device's write +
     /// flush, and the kernel filesystem holding the image, in alternating rounds.
     Fsync {
-        /// Directory for the image and the kernel filesystem's files (not tmpfs).
+        /// Directory for the image and the raw file (not tmpfs).
         #[arg(long, default_value = "/var/tmp")]
         dir: PathBuf,
+        /// Directory on the kernel filesystem to compare with (default: --dir), e.g. an ext4
+        /// mounted on a loop device.
+        #[arg(long)]
+        kernel_dir: Option<PathBuf>,
         #[arg(long, default_value = "1GiB", value_parser = parse_size)]
         image_size: u64,
         /// Seconds per target and round.
@@ -202,6 +206,7 @@ fn main() -> ExitCode {
         }),
         Command::Bench(Bench::Fsync {
             dir,
+            kernel_dir,
             image_size,
             seconds,
             rounds,
@@ -209,6 +214,7 @@ fn main() -> ExitCode {
         }) => {
             let config = corefs_bench::fsync::FsyncBenchConfig {
                 dir,
+                kernel_dir,
                 image_bytes: image_size,
                 seconds_per_round: seconds,
                 rounds,
