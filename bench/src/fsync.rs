@@ -286,7 +286,8 @@ fn kernel_round(dir: &Path, round: u32, seconds: f64) -> Result<LatencySummary, 
     result.map(|()| LatencySummary::from_histogram(&histogram, begin.elapsed().as_secs_f64()))
 }
 
-fn prefill(mut file: &std::fs::File, bytes: u64) -> Result<(), String> {
+/// Writes `bytes` into `file` once, so later writes allocate nothing in the kernel fs.
+pub fn prefill(mut file: &std::fs::File, bytes: u64) -> Result<(), String> {
     use std::io::Write;
     let chunk = vec![0x5cu8; 1 << 20];
     let mut left = bytes;

@@ -5,9 +5,12 @@
 //!   backend, latency percentiles at queue depth 1 and 32 on the file (and NVMe) backends, side
 //!   by side with `fio` on the same file in the same run;
 //! - [`engine`]: create rate, overwrite cost, commit latency and index batching of the engine;
+//! - [`clients`]: 1, 4 and 16 clients appending + fsyncing through the reactor, and the CPU an
+//!   idle reactor uses;
 //! - [`fsync`]: 4 KiB append + fsync latency on the file backend next to the raw device's
 //!   write + flush and the kernel filesystem's append + fdatasync, in the same run.
 
+pub mod clients;
 pub mod device;
 pub mod engine;
 pub mod fio;

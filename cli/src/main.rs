@@ -71,6 +71,26 @@ enum Bench {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Concurrent clients appending 4 KiB + fsync through the reactor (1, 4, 16 clients), and
+    /// the CPU an idle reactor uses.
+    Clients {
+        /// Directory for the file image (not tmpfs).
+        #[arg(long, default_value = "/var/tmp")]
+        dir: PathBuf,
+        #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+        image_size: u64,
+        /// Client counts to run, comma-separated.
+        #[arg(long, default_value = "1,4,16", value_delimiter = ',')]
+        clients: Vec<usize>,
+        /// Seconds per client count.
+        #[arg(long, default_value_t = 3.0)]
+        seconds: f64,
+        /// Busy-poll instead of spin-then-park.
+        #[arg(long)]
+        busy_poll: bool,
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// 4 KiB append + fsync at queue depth 1: corefs on a file image, the raw device's write +
     /// flush, and the kernel filesystem holding the image, in alternating rounds.
     Fsync {
@@ -204,6 +224,27 @@ fn main() -> ExitCode {
             print!("{report}");
             write_json(json, &report)
         }),
+        Command::Bench(Bench::Clients {
+            dir,
+            image_size,
+            clients,
+            seconds,
+            busy_poll,
+            json,
+        }) => {
+            let config = corefs_bench::clients::ClientsBenchConfig {
+                dir,
+                image_bytes: image_size,
+                clients,
+                seconds,
+                busy_poll,
+                ..Default::default()
+            };
+            corefs_bench::clients::run(&config).and_then(|report| {
+                print!("{report}");
+                write_json(json, &report)
+            })
+        }
         Command::Bench(Bench::Fsync {
             dir,
             kernel_dir,

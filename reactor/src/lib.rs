@@ -1,4 +1,30 @@
-//! corefs reactors: per-core threads that own shards and their device queues, the cross-core
-//! commit coordinator, and the client API.
+//! corefs reactors: the thread that owns the engine and its device queue, the client API, and
+//! grouped fsyncs.
 //!
-//! Not built yet (the reactor issue). It deliberately exports nothing.
+//! ```text
+//! client threads ── Client::submit ──► bounded request queue (lock-free) ──► reactor thread
+//!      ▲                                                                     │ pinned, polls
+//!      └──── Client::poll / wait ◄── per-client bounded completion queue ◄────┘ engine + device
+//! ```
+//!
+//! What is built: one reactor per filesystem, pinned to a chosen core, owning every shard and
+//! the device's queue; bounded lock-free queues both ways with backpressure at submit; fsyncs
+//! that arrive while the reactor is busy made durable by one log record and one flush; commits
+//! when the engine says one is due (timer, dirty limit, half-full log), between batches; an idle
+//! policy (busy-poll, or spin then park); statistics with the fsync latency split by phase;
+//! shutdown that drains, commits and unmounts.
+//!
+//! Not built yet: several reactors each owning a subset of the shards with their own device
+//! queues and a cross-core commit coordinator. The engine is one state machine over all shards
+//! today; splitting it per shard (and running generation N+1 while N commits) is the next step.
+//! See docs/reactors.md.
+
+pub mod client;
+pub mod op;
+mod runtime;
+pub mod stats;
+
+pub use client::{Client, SubmitError};
+pub use op::{Completion, Op, Reply};
+pub use runtime::{Config, IdlePolicy, Runtime};
+pub use stats::{Latency, ReactorStats};

@@ -175,31 +175,35 @@ impl Filesystem {
     /// Writes one log record and flushes, or nothing when nothing changed since the inode was
     /// last logged; commits instead only when the record does not fit the log.
     pub fn fsync(&mut self, ino: u64) -> Result<()> {
+        self.check_exists(ino)?;
         self.fsync_group(&[(ino, false)])
     }
 
     /// fdatasync: as [`Filesystem::fsync`], except that an inode whose only change since it was
     /// last logged is its timestamps is not logged at all.
     pub fn fdatasync(&mut self, ino: u64) -> Result<()> {
+        self.check_exists(ino)?;
         self.fsync_group(&[(ino, true)])
     }
 
+    /// An fsync of an inode that does not exist is an error (a stale handle), not a no-op,
+    /// unless its last name went in this transaction: then logging it persists the removal.
+    pub fn check_exists(&mut self, ino: u64) -> Result<()> {
+        match self.load_inode(ino) {
+            Err(EngineError::NotFound) if self.log.inodes.contains_key(&ino) => Ok(()),
+            other => other.map(drop),
+        }
+    }
+
     /// Several fsyncs (`(ino, datasync)`) made durable by one record and one flush: what a
-    /// reactor does with the fsyncs that arrive while it is busy.
+    /// reactor does with the fsyncs that arrive while it is busy. Callers check each inode
+    /// when its fsync arrives ([`Filesystem::check_exists`]); a member removed since, whose
+    /// removal is already durable or logged, has nothing left to persist and is skipped.
     pub fn fsync_group(&mut self, group: &[(u64, bool)]) -> Result<()> {
         self.check_writable()?;
         self.log.stats.fsyncs += group.len() as u64;
         let mut wanted = Vec::with_capacity(group.len());
         for &(ino, datasync) in group {
-            // The inode must exist (an fsync of a stale handle is an error, not a no-op)...
-            self.load_inode(ino).or_else(|e| match e {
-                // ...unless its last name went in this transaction: then logging it persists
-                // the removal.
-                EngineError::NotFound if self.log.inodes.contains_key(&ino) => {
-                    Ok(Default::default())
-                }
-                e => Err(e),
-            })?;
             let pending = self
                 .log
                 .inodes

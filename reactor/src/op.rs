@@ -1,0 +1,143 @@
+//! What clients ask a reactor to do, and what comes back.
+
+use engine::fs::StatFs;
+use engine::{DirEntry, EngineError, FallocateMode, RenameFlags, SetAttr, Stat, XattrFlags};
+
+/// One engine operation. Inode numbers and names are the engine's (see `engine`).
+#[derive(Debug, Clone)]
+pub enum Op {
+    Lookup {
+        dir: u64,
+        name: Vec<u8>,
+    },
+    Create {
+        dir: u64,
+        name: Vec<u8>,
+        mode: u32,
+    },
+    Mkdir {
+        dir: u64,
+        name: Vec<u8>,
+        mode: u32,
+    },
+    Symlink {
+        dir: u64,
+        name: Vec<u8>,
+        target: Vec<u8>,
+    },
+    Readlink {
+        ino: u64,
+    },
+    Link {
+        ino: u64,
+        dir: u64,
+        name: Vec<u8>,
+    },
+    Unlink {
+        dir: u64,
+        name: Vec<u8>,
+    },
+    Rmdir {
+        dir: u64,
+        name: Vec<u8>,
+    },
+    Rename {
+        from_dir: u64,
+        from: Vec<u8>,
+        to_dir: u64,
+        to: Vec<u8>,
+        flags: RenameFlags,
+    },
+    Readdir {
+        dir: u64,
+        cookie: u64,
+        max: usize,
+    },
+    Stat {
+        ino: u64,
+    },
+    SetAttr {
+        ino: u64,
+        change: SetAttr,
+    },
+    Read {
+        ino: u64,
+        offset: u64,
+        len: usize,
+    },
+    Write {
+        ino: u64,
+        offset: u64,
+        data: Vec<u8>,
+    },
+    Truncate {
+        ino: u64,
+        size: u64,
+    },
+    Fallocate {
+        ino: u64,
+        mode: FallocateMode,
+        offset: u64,
+        len: u64,
+    },
+    SetXattr {
+        ino: u64,
+        name: Vec<u8>,
+        value: Vec<u8>,
+        flags: XattrFlags,
+    },
+    GetXattr {
+        ino: u64,
+        name: Vec<u8>,
+    },
+    ListXattr {
+        ino: u64,
+    },
+    RemoveXattr {
+        ino: u64,
+        name: Vec<u8>,
+    },
+    /// Grouped with the other fsyncs that arrive while the reactor is busy: one log record
+    /// and one flush for all of them.
+    Fsync {
+        ino: u64,
+    },
+    Fdatasync {
+        ino: u64,
+    },
+    /// Commits; returns at SuperCommitted.
+    Sync,
+    Statfs,
+    /// A snapshot of the reactor's statistics.
+    Stats,
+}
+
+impl Op {
+    pub(crate) fn is_fsync(&self) -> Option<(u64, bool)> {
+        match self {
+            Op::Fsync { ino } => Some((*ino, false)),
+            Op::Fdatasync { ino } => Some((*ino, true)),
+            _ => None,
+        }
+    }
+}
+
+/// A successful operation's result.
+#[derive(Debug, Clone)]
+pub enum Reply {
+    Done,
+    Stat(Stat),
+    Entries(Vec<DirEntry>),
+    Data(Vec<u8>),
+    Written(usize),
+    Names(Vec<Vec<u8>>),
+    Statfs(StatFs),
+    Stats(Box<crate::stats::ReactorStats>),
+}
+
+/// An operation's outcome, with the token its client gave it.
+#[derive(Debug)]
+pub struct Completion {
+    pub token: u64,
+    pub result: Result<Reply, EngineError>,
+}

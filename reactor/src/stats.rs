@@ -1,0 +1,104 @@
+//! Reactor statistics, in the style of btrfs's commit_stats and fsperf: commits, log writes,
+//! fallbacks, and the fsync latency split by phase.
+
+use engine::{CommitStats, LogStats};
+use hdrhistogram::Histogram;
+
+/// Percentiles of one latency histogram, in nanoseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Latency {
+    pub count: u64,
+    pub p50_ns: u64,
+    pub p99_ns: u64,
+    pub max_ns: u64,
+    pub mean_ns: f64,
+}
+
+impl Latency {
+    pub(crate) fn of(h: &Histogram<u64>) -> Latency {
+        Latency {
+            count: h.len(),
+            p50_ns: h.value_at_quantile(0.5),
+            p99_ns: h.value_at_quantile(0.99),
+            max_ns: h.max(),
+            mean_ns: h.mean(),
+        }
+    }
+}
+
+/// Everything a reactor reports ([`crate::Op::Stats`], and [`crate::Runtime::shutdown`]).
+#[derive(Debug, Clone, Default)]
+pub struct ReactorStats {
+    /// Operations executed, and the reactor thread's CPU time (busy polling included).
+    pub ops: u64,
+    pub cpu_ns: u64,
+    /// Batches drained from the request queue; times the reactor parked when idle.
+    pub batches: u64,
+    pub parks: u64,
+    /// fsync groups (one log record, or one fallback commit, each) and the largest group.
+    pub fsync_groups: u64,
+    pub fsync_group_max: u64,
+    /// fsync latency by phase: waiting in the queue, then the group's log write + flush (or
+    /// the fallback commit, to SuperCommitted), and in total from submit to completion.
+    pub fsync_queue_wait: Latency,
+    pub fsync_log_write: Latency,
+    pub fsync_commit_wait: Latency,
+    pub fsync_total: Latency,
+    pub commit: CommitStats,
+    pub log: LogStats,
+    /// Blocks the last commit unpinned after SuperCommitted.
+    pub unpinned_blocks_last: u64,
+}
+
+impl ReactorStats {
+    /// CPU time per operation, in nanoseconds.
+    pub fn cpu_ns_per_op(&self) -> f64 {
+        if self.ops == 0 {
+            0.0
+        } else {
+            self.cpu_ns as f64 / self.ops as f64
+        }
+    }
+
+    /// Share of fsyncs that fell back to a full commit.
+    pub fn fallback_share(&self) -> f64 {
+        if self.log.fsyncs == 0 {
+            0.0
+        } else {
+            self.log.fallback_commits() as f64 / self.log.fsyncs as f64
+        }
+    }
+}
+
+pub(crate) struct Histograms {
+    pub queue_wait: Histogram<u64>,
+    pub log_write: Histogram<u64>,
+    pub commit_wait: Histogram<u64>,
+    pub total: Histogram<u64>,
+}
+
+impl Histograms {
+    pub fn new() -> Histograms {
+        let h = || Histogram::new_with_bounds(1, 100_000_000_000, 3).expect("valid bounds");
+        Histograms {
+            queue_wait: h(),
+            log_write: h(),
+            commit_wait: h(),
+            total: h(),
+        }
+    }
+}
+
+/// CPU time of the calling thread, in nanoseconds.
+pub(crate) fn thread_cpu_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec for the duration of the call.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return 0;
+    }
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}

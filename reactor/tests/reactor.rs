@@ -1,0 +1,539 @@
+//! The reactor under load from many client threads: seeded random workloads checked against
+//! per-client models and after a remount, rename storms across directories, grouped fsyncs,
+//! shutdown under load, power cuts during multi-client fsync workloads, and idle behaviour.
+//! Seeds print; `COREFS_SEED=N` replays.
+
+use engine::{EngineError, Filesystem, MkfsOptions, MountOptions, RenameFlags};
+use nvme::backend::mem::{MemConfig, MemDevice};
+use nvme::wrap::{crash_image, CrashMode, RecordingDevice};
+use rand::{Rng, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
+use reactor::{Client, Config, IdlePolicy, Op, Reply, Runtime};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+const ROOT: u64 = 256;
+
+fn file_config(dir: &tempfile::TempDir, idle: IdlePolicy) -> Config {
+    Config {
+        device: format!("file:{}/fs.img,size=128MiB", dir.path().display()),
+        mkfs: Some(MkfsOptions {
+            shards: 8,
+            label: "reactor".into(),
+        }),
+        idle,
+        ..Default::default()
+    }
+}
+
+fn ino_of(reply: Reply) -> u64 {
+    match reply {
+        Reply::Stat(s) => s.ino,
+        other => panic!("expected a stat, got {other:?}"),
+    }
+}
+
+fn data_of(reply: Reply) -> Vec<u8> {
+    match reply {
+        Reply::Data(d) => d,
+        other => panic!("expected data, got {other:?}"),
+    }
+}
+
+fn mkdir(client: &mut Client, dir: u64, name: &str) -> u64 {
+    ino_of(
+        client
+            .call(Op::Mkdir {
+                dir,
+                name: name.into(),
+                mode: 0o755,
+            })
+            .unwrap(),
+    )
+}
+
+/// One client's random workload in its own directory, checked against its model as it goes.
+/// Returns the model (file name → content) as last fsynced... and as last written.
+fn client_workload(
+    client: &mut Client,
+    dir: u64,
+    seed: u64,
+    ops: usize,
+) -> BTreeMap<String, Vec<u8>> {
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+    let mut model: BTreeMap<String, (u64, Vec<u8>)> = BTreeMap::new();
+    for step in 0..ops {
+        let name = format!("f{}", rng.random_range(0..6));
+        match rng.random_range(0..10) {
+            0..=1 if !model.contains_key(&name) => {
+                let ino = ino_of(
+                    client
+                        .call(Op::Create {
+                            dir,
+                            name: name.clone().into_bytes(),
+                            mode: 0o644,
+                        })
+                        .unwrap(),
+                );
+                model.insert(name, (ino, Vec::new()));
+            }
+            2..=5 if model.contains_key(&name) => {
+                let (ino, content) = model.get_mut(&name).unwrap();
+                let offset = rng.random_range(0..=content.len() as u64 + 100);
+                let len = rng.random_range(1..9000);
+                let byte = rng.random::<u8>();
+                let data = vec![byte; len];
+                client
+                    .call(Op::Write {
+                        ino: *ino,
+                        offset,
+                        data: data.clone(),
+                    })
+                    .unwrap();
+                let end = offset as usize + len;
+                if content.len() < end {
+                    content.resize(end, 0);
+                }
+                content[offset as usize..end].copy_from_slice(&data);
+            }
+            6 if model.contains_key(&name) => {
+                let (ino, content) = &model[&name];
+                let got = data_of(
+                    client
+                        .call(Op::Read {
+                            ino: *ino,
+                            offset: 0,
+                            len: content.len() + 10,
+                        })
+                        .unwrap(),
+                );
+                assert_eq!(&got, content, "seed {seed} step {step}: read of {name}");
+            }
+            7 if model.contains_key(&name) => {
+                let (ino, _) = model[&name];
+                client.call(Op::Fsync { ino }).unwrap();
+            }
+            8 if model.contains_key(&name) => {
+                let to = format!("g{}", rng.random_range(0..3));
+                if model.contains_key(&to) {
+                    continue;
+                }
+                client
+                    .call(Op::Rename {
+                        from_dir: dir,
+                        from: name.clone().into_bytes(),
+                        to_dir: dir,
+                        to: to.clone().into_bytes(),
+                        flags: RenameFlags::default(),
+                    })
+                    .unwrap();
+                let entry = model.remove(&name).unwrap();
+                model.insert(to, entry);
+            }
+            9 if model.contains_key(&name) => {
+                client
+                    .call(Op::Unlink {
+                        dir,
+                        name: name.clone().into_bytes(),
+                    })
+                    .unwrap();
+                model.remove(&name);
+            }
+            _ => {}
+        }
+    }
+    model.into_iter().map(|(k, (_, v))| (k, v)).collect()
+}
+
+fn read_dir_model(fs: &mut Filesystem, dir: u64) -> BTreeMap<String, Vec<u8>> {
+    fs.readdir(dir, 0, 1000)
+        .unwrap()
+        .into_iter()
+        .map(|e| {
+            let size = fs.stat(e.ino).unwrap().size as usize;
+            (
+                String::from_utf8(e.name).unwrap(),
+                fs.read(e.ino, 0, size).unwrap(),
+            )
+        })
+        .collect()
+}
+
+fn stress(idle: IdlePolicy, clients: usize) {
+    let seed = nvme::wrap::seed_from_env();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let config = file_config(&dir, idle);
+    let device = config.device.clone();
+    let runtime = Runtime::start(config).unwrap();
+    let mut setup = runtime.client(4);
+    let dirs: Vec<u64> = (0..clients)
+        .map(|i| mkdir(&mut setup, ROOT, &format!("c{i}")))
+        .collect();
+    let models: Vec<BTreeMap<String, Vec<u8>>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = dirs
+            .iter()
+            .enumerate()
+            .map(|(i, &d)| {
+                let mut client = runtime.client(8);
+                scope.spawn(move || client_workload(&mut client, d, seed ^ i as u64, 400))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let stats = runtime.shutdown().unwrap();
+    assert!(stats.ops > 0);
+    // Remount what shutdown committed: every client's directory is exactly its model.
+    let dev = nvme::open_device(&device, &nvme::OpenOptions::default()).unwrap();
+    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    fs.check().unwrap();
+    for (i, (&d, model)) in dirs.iter().zip(&models).enumerate() {
+        assert_eq!(
+            &read_dir_model(&mut fs, d),
+            model,
+            "client {i}, seed {seed}"
+        );
+    }
+}
+
+#[test]
+fn many_clients_against_their_models_spin_then_park() {
+    stress(IdlePolicy::default(), 8);
+}
+
+#[test]
+fn many_clients_against_their_models_busy_poll() {
+    stress(IdlePolicy::BusyPoll, 4);
+}
+
+#[test]
+fn rename_storm_across_directories_keeps_every_name_in_one_place() {
+    let seed = nvme::wrap::seed_from_env();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let config = file_config(&dir, IdlePolicy::default());
+    let device = config.device.clone();
+    let runtime = Runtime::start(config).unwrap();
+    let mut setup = runtime.client(4);
+    let dirs: Vec<u64> = (0..4)
+        .map(|i| mkdir(&mut setup, ROOT, &format!("d{i}")))
+        .collect();
+    let files = 40;
+    for f in 0..files {
+        setup
+            .call(Op::Create {
+                dir: dirs[0],
+                name: format!("n{f}").into_bytes(),
+                mode: 0o644,
+            })
+            .unwrap();
+    }
+    std::thread::scope(|scope| {
+        for t in 0..6u64 {
+            let mut client = runtime.client(4);
+            let dirs = dirs.clone();
+            scope.spawn(move || {
+                let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed ^ t);
+                for _ in 0..300 {
+                    let name = format!("n{}", rng.random_range(0..files)).into_bytes();
+                    let from = dirs[rng.random_range(0..dirs.len())];
+                    let to = dirs[rng.random_range(0..dirs.len())];
+                    // Racing renames: the name may have moved; only NotFound is expected.
+                    match client.call(Op::Rename {
+                        from_dir: from,
+                        from: name.clone(),
+                        to_dir: to,
+                        to: name,
+                        flags: RenameFlags::default(),
+                    }) {
+                        Ok(_) | Err(EngineError::NotFound) => {}
+                        Err(e) => panic!("seed {seed}: rename failed: {e}"),
+                    }
+                    if rng.random_bool(0.1) {
+                        client.call(Op::Fsync { ino: to }).unwrap();
+                    }
+                }
+            });
+        }
+    });
+    runtime.shutdown().unwrap();
+    let dev = nvme::open_device(&device, &nvme::OpenOptions::default()).unwrap();
+    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    fs.check().unwrap();
+    let mut names: Vec<Vec<u8>> = dirs
+        .iter()
+        .flat_map(|&d| fs.readdir(d, 0, 1000).unwrap().into_iter().map(|e| e.name))
+        .collect();
+    names.sort();
+    let mut expected: Vec<Vec<u8>> = (0..files).map(|f| format!("n{f}").into_bytes()).collect();
+    expected.sort();
+    assert_eq!(names, expected, "seed {seed}: every name exactly once");
+}
+
+#[test]
+fn fsyncs_queued_together_share_one_log_record() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let runtime = Runtime::start(file_config(&dir, IdlePolicy::default())).unwrap();
+    let mut client = runtime.client(64);
+    let inos: Vec<u64> = (0..16)
+        .map(|i| {
+            ino_of(
+                client
+                    .call(Op::Create {
+                        dir: ROOT,
+                        name: format!("f{i}").into_bytes(),
+                        mode: 0o644,
+                    })
+                    .unwrap(),
+            )
+        })
+        .collect();
+    client.call(Op::Sync).unwrap();
+    for round in 0..20u8 {
+        // A write of each file, then every fsync, submitted without waiting: the fsyncs that
+        // reach the reactor in one batch become one record.
+        for (i, &ino) in inos.iter().enumerate() {
+            let data = vec![round ^ i as u8; 4096];
+            client
+                .submit(
+                    Op::Write {
+                        ino,
+                        offset: round as u64 * 4096,
+                        data,
+                    },
+                    i as u64,
+                )
+                .unwrap();
+        }
+        for &ino in &inos {
+            client.submit(Op::Fsync { ino }, 1000 + ino).unwrap();
+        }
+        let mut done = Vec::new();
+        while client.in_flight() > 0 {
+            client.wait(&mut done, Duration::from_secs(5));
+        }
+        assert_eq!(done.len(), 32);
+        assert!(done.iter().all(|c| c.result.is_ok()), "{done:?}");
+    }
+    let stats = match client.call(Op::Stats).unwrap() {
+        Reply::Stats(s) => s,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(stats.log.fsyncs, 320);
+    assert!(
+        stats.fsync_groups < 320 && stats.fsync_group_max >= 2,
+        "no fsyncs were grouped: {stats:?}"
+    );
+    assert!(stats.log.log_writes <= stats.fsync_groups);
+    assert_eq!(stats.fsync_total.count, 320);
+    runtime.shutdown().unwrap();
+}
+
+#[test]
+fn shutdown_under_load_keeps_every_acknowledged_fsync() {
+    let seed = nvme::wrap::seed_from_env();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let config = file_config(&dir, IdlePolicy::default());
+    let device = config.device.clone();
+    let runtime = Runtime::start(config).unwrap();
+    let mut setup = runtime.client(4);
+    let inos: Vec<u64> = (0..4)
+        .map(|i| {
+            ino_of(
+                setup
+                    .call(Op::Create {
+                        dir: ROOT,
+                        name: format!("w{i}").into_bytes(),
+                        mode: 0o644,
+                    })
+                    .unwrap(),
+            )
+        })
+        .collect();
+    let acknowledged: Vec<u64> = std::thread::scope(|scope| {
+        let handles: Vec<_> = inos
+            .iter()
+            .map(|&ino| {
+                let mut client = runtime.client(4);
+                scope.spawn(move || {
+                    // Append + fsync until the reactor stops; count the acknowledged blocks.
+                    let mut acked = 0u64;
+                    loop {
+                        let data = vec![(acked % 251) as u8; 4096];
+                        let write = client.call(Op::Write {
+                            ino,
+                            offset: acked * 4096,
+                            data,
+                        });
+                        if write.is_err() || client.call(Op::Fsync { ino }).is_err() {
+                            return acked;
+                        }
+                        acked += 1;
+                    }
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(300));
+        let stats = runtime.shutdown().unwrap();
+        assert!(stats.log.fsyncs > 0);
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let dev = nvme::open_device(&device, &nvme::OpenOptions::default()).unwrap();
+    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    fs.check().unwrap();
+    for (&ino, &acked) in inos.iter().zip(&acknowledged) {
+        assert!(acked > 0, "seed {seed}: a writer made no progress");
+        let data = fs.read(ino, 0, acked as usize * 4096).unwrap();
+        assert_eq!(data.len() as u64, acked * 4096);
+        for b in 0..acked {
+            assert_eq!(data[b as usize * 4096], (b % 251) as u8);
+        }
+    }
+}
+
+#[test]
+fn a_power_cut_during_multi_client_fsyncs_loses_no_acknowledged_fsync() {
+    let seed = nvme::wrap::seed_from_env();
+    let mem = MemConfig {
+        capacity_bytes: 64 << 20,
+        lba_size_bytes: 512,
+        queue_depth: 32,
+        buf_bytes: 64 << 10,
+        buf_count: 64,
+    };
+    let dev = MemDevice::new(mem).unwrap();
+    let dev = Filesystem::mkfs(
+        Box::new(dev),
+        &MkfsOptions {
+            shards: 4,
+            label: "cut".into(),
+        },
+    )
+    .unwrap();
+    let mut image = vec![0u8; 64 << 20];
+    let mut dev = dev;
+    nvme::read_sync(&mut *dev, 0, &mut image).unwrap();
+    let recording = RecordingDevice::new(MemDevice::from_image(&image, mem).unwrap());
+    let log = recording.log();
+    let runtime = Runtime::start_with_device(
+        Config {
+            device: "recorded mem".into(),
+            ..Default::default()
+        },
+        Box::new(recording),
+    )
+    .unwrap();
+    let mut setup = runtime.client(4);
+    let inos: Vec<u64> = (0..3)
+        .map(|i| {
+            ino_of(
+                setup
+                    .call(Op::Create {
+                        dir: ROOT,
+                        name: format!("c{i}").into_bytes(),
+                        mode: 0o644,
+                    })
+                    .unwrap(),
+            )
+        })
+        .collect();
+    // (write-log length when the fsync returned, inode, blocks acknowledged)
+    let acks: Vec<(usize, u64, u64)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = inos
+            .iter()
+            .map(|&ino| {
+                let mut client = runtime.client(4);
+                let log = log.clone();
+                scope.spawn(move || {
+                    let mut acks = Vec::new();
+                    for b in 0..25u64 {
+                        client
+                            .call(Op::Write {
+                                ino,
+                                offset: b * 4096,
+                                data: vec![(b + 1) as u8; 4096],
+                            })
+                            .unwrap();
+                        client.call(Op::Fsync { ino }).unwrap();
+                        acks.push((log.len(), ino, b + 1));
+                    }
+                    acks
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap())
+            .collect()
+    });
+    drop(runtime);
+    let records = log.snapshot();
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+    let mut cuts: Vec<usize> = acks.iter().map(|a| a.0).collect();
+    cuts.extend((0..40).map(|_| rng.random_range(0..=records.len())));
+    for cut in cuts {
+        for mode in [
+            CrashMode::DurableOnly,
+            CrashMode::Torn {
+                seed: seed ^ cut as u64,
+            },
+        ] {
+            let crashed = crash_image(&image, 512, &records, cut, mode);
+            let dev = MemDevice::from_image(&crashed, mem).unwrap();
+            let mut fs = Filesystem::mount(Box::new(dev), MountOptions::default())
+                .unwrap_or_else(|e| panic!("seed {seed} cut {cut} {mode:?}: mount: {e}"));
+            fs.check()
+                .unwrap_or_else(|e| panic!("seed {seed} cut {cut} {mode:?}: {e}"));
+            for &ino in &inos {
+                let promised = acks
+                    .iter()
+                    .filter(|a| a.1 == ino && a.0 <= cut)
+                    .map(|a| a.2)
+                    .max()
+                    .unwrap_or(0);
+                if promised == 0 {
+                    continue;
+                }
+                let data = fs.read(ino, 0, promised as usize * 4096).unwrap();
+                assert_eq!(
+                    data.len() as u64,
+                    promised * 4096,
+                    "seed {seed} cut {cut} {mode:?}: inode {ino} lost acknowledged data"
+                );
+                for b in 0..promised {
+                    assert_eq!(
+                        data[b as usize * 4096],
+                        (b + 1) as u8,
+                        "seed {seed} cut {cut}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn an_idle_reactor_parks_and_a_bad_device_is_an_error() {
+    let runtime = Runtime::start(Config {
+        device: "mem:64MiB".into(),
+        mkfs: Some(MkfsOptions::default()),
+        ..Default::default()
+    })
+    .unwrap();
+    let mut client = runtime.client(2);
+    let stats = |c: &mut Client| match c.call(Op::Stats).unwrap() {
+        Reply::Stats(s) => s,
+        other => panic!("{other:?}"),
+    };
+    let before = stats(&mut client);
+    std::thread::sleep(Duration::from_millis(500));
+    let after = stats(&mut client);
+    assert!(after.parks > before.parks, "an idle reactor parks");
+    runtime.shutdown().unwrap();
+
+    let err = Runtime::start(Config {
+        device: "nosuch:/dev/x".into(),
+        ..Default::default()
+    })
+    .err()
+    .expect("a bad device string fails the start");
+    assert!(err.to_string().contains("nosuch"), "{err}");
+}
