@@ -6,6 +6,10 @@ use engine::{DirEntry, EngineError, FallocateMode, RenameFlags, SetAttr, Stat, X
 /// One engine operation. Inode numbers and names are the engine's (see `engine`).
 #[derive(Debug, Clone)]
 pub enum Op {
+    /// A path from the root (`a/b/c`; leading and repeated slashes ignored) to its inode.
+    Resolve {
+        path: String,
+    },
     Lookup {
         dir: u64,
         name: Vec<u8>,

@@ -427,6 +427,10 @@ impl Reactor {
     fn execute(&mut self, op: Op) -> Result<Reply, EngineError> {
         let fs = &mut self.fs;
         Ok(match op {
+            Op::Resolve { path } => {
+                let ino = fs.resolve(&path)?;
+                Reply::Stat(fs.stat(ino)?)
+            }
             Op::Lookup { dir, name } => Reply::Stat(fs.lookup(dir, &name)?),
             Op::Create { dir, name, mode } => Reply::Stat(fs.create(dir, &name, mode, 0, 0)?),
             Op::Mkdir { dir, name, mode } => Reply::Stat(fs.mkdir(dir, &name, mode, 0, 0)?),

@@ -1,0 +1,1379 @@
+//! The C ABI. cbindgen turns this file into `include/corefs.h`; every doc comment here is the
+//! header's documentation.
+//!
+//! Conventions: functions return 0, a count or a handle (≥ 1) on success and a negative errno
+//! on failure; `corefs_last_error()` then holds a message for the calling thread. Every call may
+//! be made from any thread, concurrently, unless its comment says otherwise.
+#![allow(non_camel_case_types)]
+
+use crate::handles::{self, set_error, with_client, Error, Fs, OpenFile};
+use engine::{FallocateMode, MkfsOptions, MountOptions, RenameFlags, SetAttr, Stat, XattrFlags};
+use reactor::{Config, IdlePolicy, Op, Reply, Runtime};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, CStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A mounted filesystem (≥ 1).
+pub type corefs_fs = i64;
+/// An open file or directory of one filesystem (≥ 1).
+pub type corefs_fd = i64;
+
+/// `corefs_open` flags (Linux values).
+pub const COREFS_O_RDONLY: c_int = 0;
+pub const COREFS_O_WRONLY: c_int = 1;
+pub const COREFS_O_RDWR: c_int = 2;
+pub const COREFS_O_CREAT: c_int = 0o100;
+pub const COREFS_O_EXCL: c_int = 0o200;
+pub const COREFS_O_TRUNC: c_int = 0o1000;
+pub const COREFS_O_APPEND: c_int = 0o2000;
+pub const COREFS_O_DIRECTORY: c_int = 0o200000;
+/// `corefs_fallocate` modes (Linux values).
+pub const COREFS_FALLOC_KEEP_SIZE: c_int = 1;
+pub const COREFS_FALLOC_PUNCH_HOLE: c_int = 2;
+pub const COREFS_FALLOC_ZERO_RANGE: c_int = 0x10;
+/// `corefs_rename` flags (Linux values).
+pub const COREFS_RENAME_NOREPLACE: c_int = 1;
+pub const COREFS_RENAME_EXCHANGE: c_int = 2;
+/// `corefs_setxattr` flags (Linux values).
+pub const COREFS_XATTR_CREATE: c_int = 1;
+pub const COREFS_XATTR_REPLACE: c_int = 2;
+
+/// Mount options. Zero-initialise, then set what you need.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct corefs_options {
+    /// Non-zero: format the device first (destroys its content).
+    pub format: u8,
+    /// Non-zero: the reactor busy-polls (a dedicated core); zero: spin then park.
+    pub busy_poll: u8,
+    pub reserved: [u8; 2],
+    /// Shards when formatting (0: the default, 64).
+    pub shards: u32,
+    /// Core to pin the reactor to; negative: not pinned.
+    pub core: i32,
+    /// Commit interval in milliseconds (0: the default, 5000).
+    pub commit_interval_ms: u32,
+    /// Label when formatting (NULL: none); at most 32 bytes.
+    pub label: *const c_char,
+}
+
+/// File attributes.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct corefs_stat {
+    pub ino: u64,
+    pub mode: u32,
+    pub nlink: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub size: u64,
+    pub blocks_512: u64,
+    pub atime_sec: i64,
+    pub mtime_sec: i64,
+    pub ctime_sec: i64,
+    pub atime_nsec: u32,
+    pub mtime_nsec: u32,
+    pub ctime_nsec: u32,
+    pub reserved: u32,
+}
+
+/// One directory entry.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct corefs_dirent {
+    pub ino: u64,
+    /// Pass the last entry's cookie to continue after it.
+    pub cookie: u64,
+    /// DT_* type (S_IFMT >> 12).
+    pub kind: u8,
+    pub name_len: u8,
+    /// NUL-terminated.
+    pub name: [u8; 256],
+}
+
+/// The outcome of an asynchronous operation.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct corefs_completion {
+    pub token: u64,
+    /// Bytes transferred (reads, writes), 0 (fsync), or a negative errno.
+    pub result: i64,
+}
+
+/// Reactor and engine statistics.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct corefs_stats {
+    pub ops: u64,
+    pub reactor_cpu_ns: u64,
+    pub commits: u64,
+    pub commit_ns_total: u64,
+    pub commit_ns_max: u64,
+    pub fsyncs: u64,
+    pub log_writes: u64,
+    pub log_blocks: u64,
+    pub fallback_commits: u64,
+    pub fsync_groups: u64,
+    pub fsync_p50_ns: u64,
+    pub fsync_p99_ns: u64,
+    pub fsync_max_ns: u64,
+    pub replayed_records: u64,
+}
+
+const _: () = assert!(std::mem::size_of::<corefs_options>() == 24);
+const _: () = assert!(std::mem::size_of::<corefs_stat>() == 80);
+const _: () = assert!(std::mem::size_of::<corefs_dirent>() == 280);
+const _: () = assert!(std::mem::size_of::<corefs_completion>() == 16);
+const _: () = assert!(std::mem::size_of::<corefs_stats>() == 112);
+
+/// Runs an ABI call: errors and panics become a negative errno and a thread-local message.
+fn guard(name: &str, f: impl FnOnce() -> Result<i64, Error>) -> i64 {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(value)) => value,
+        Ok(Err(e)) => {
+            set_error(&format!("{name}: {}", e.message));
+            -(e.errno as i64)
+        }
+        Err(panic) => {
+            let why = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown".into());
+            set_error(&format!("{name}: internal error (panic: {why})"));
+            -(libc::EIO as i64)
+        }
+    }
+}
+
+fn status(name: &str, f: impl FnOnce() -> Result<(), Error>) -> c_int {
+    guard(name, || f().map(|()| 0)) as c_int
+}
+
+fn efault(what: &str) -> Error {
+    Error::new(libc::EFAULT, format!("{what} is NULL"))
+}
+
+fn einval(message: String) -> Error {
+    Error::new(libc::EINVAL, message)
+}
+
+/// # Safety
+/// `p` is NULL or a NUL-terminated string valid for the call.
+unsafe fn c_str<'a>(p: *const c_char, what: &str) -> Result<&'a str, Error> {
+    if p.is_null() {
+        return Err(efault(what));
+    }
+    // SAFETY: the caller passes a NUL-terminated string (checked non-NULL above).
+    let text = unsafe { CStr::from_ptr(p) };
+    text.to_str()
+        .map_err(|_| einval(format!("{what} is not UTF-8")))
+}
+
+/// # Safety
+/// `p` is NULL or valid for reading `len` bytes.
+unsafe fn bytes<'a>(p: *const u8, len: usize, what: &str) -> Result<&'a [u8], Error> {
+    if len == 0 {
+        return Ok(&[]);
+    }
+    if p.is_null() {
+        return Err(efault(what));
+    }
+    if len > isize::MAX as usize {
+        return Err(einval(format!("{what}: length {len} is too large")));
+    }
+    // SAFETY: non-NULL, and the caller guarantees `len` readable bytes.
+    Ok(unsafe { std::slice::from_raw_parts(p, len) })
+}
+
+/// # Safety
+/// `p` is NULL or valid for writing `len` bytes.
+unsafe fn bytes_mut<'a>(p: *mut u8, len: usize, what: &str) -> Result<&'a mut [u8], Error> {
+    if len == 0 {
+        return Ok(&mut []);
+    }
+    if p.is_null() {
+        return Err(efault(what));
+    }
+    if len > isize::MAX as usize {
+        return Err(einval(format!("{what}: length {len} is too large")));
+    }
+    // SAFETY: non-NULL, and the caller guarantees `len` writable bytes.
+    Ok(unsafe { std::slice::from_raw_parts_mut(p, len) })
+}
+
+fn call(fs: &Fs, op: Op) -> Result<Reply, Error> {
+    with_client(fs, |c| c.call(op))?.map_err(Error::from)
+}
+
+fn unexpected(reply: Reply) -> Error {
+    Error::new(libc::EIO, format!("unexpected reply {reply:?}"))
+}
+
+fn stat_of(reply: Reply) -> Result<Stat, Error> {
+    match reply {
+        Reply::Stat(s) => Ok(s),
+        other => Err(unexpected(other)),
+    }
+}
+
+fn resolve(fs: &Fs, path: &str) -> Result<Stat, Error> {
+    stat_of(call(
+        fs,
+        Op::Resolve {
+            path: path.to_string(),
+        },
+    )?)
+}
+
+/// Splits `a/b/c` into the parent's inode and `c`.
+fn parent_and_name<'p>(fs: &Fs, path: &'p str) -> Result<(u64, &'p str), Error> {
+    let trimmed = path.trim_end_matches('/');
+    let (parent, name) = match trimmed.rfind('/') {
+        Some(at) => (&trimmed[..at], &trimmed[at + 1..]),
+        None => ("", trimmed),
+    };
+    if name.is_empty() {
+        return Err(einval(format!("{path:?} names no entry")));
+    }
+    let dir = resolve(fs, parent)?;
+    Ok((dir.ino, name))
+}
+
+fn file(fs: &Fs, fd: corefs_fd) -> Result<OpenFile, Error> {
+    fs.files
+        .lock()
+        .expect("file table")
+        .get(&fd)
+        .copied()
+        .ok_or_else(|| Error::new(libc::EBADF, format!("{fd} is not an open file")))
+}
+
+fn regular(fs: &Fs, fd: corefs_fd) -> Result<OpenFile, Error> {
+    let f = file(fs, fd)?;
+    if f.dir {
+        return Err(Error::new(libc::EISDIR, format!("{fd} is a directory")));
+    }
+    Ok(f)
+}
+
+fn fs_of(fs: corefs_fs) -> Result<Arc<Fs>, Error> {
+    handles::lookup(fs)
+}
+
+fn to_c_stat(s: &Stat) -> corefs_stat {
+    corefs_stat {
+        ino: s.ino,
+        mode: s.mode,
+        nlink: s.nlink,
+        uid: s.uid,
+        gid: s.gid,
+        size: s.size,
+        blocks_512: s.blocks_512,
+        atime_sec: s.atime.sec,
+        mtime_sec: s.mtime.sec,
+        ctime_sec: s.ctime.sec,
+        atime_nsec: s.atime.nsec,
+        mtime_nsec: s.mtime.nsec,
+        ctime_nsec: s.ctime.nsec,
+        reserved: 0,
+    }
+}
+
+/// The message of the calling thread's last failed call ("" if none). Valid until that
+/// thread's next corefs call.
+#[no_mangle]
+pub extern "C" fn corefs_last_error() -> *const c_char {
+    handles::last_error_ptr()
+}
+
+/// Starts a reactor on `device` (`file:/srv/fs.img,size=1GiB`, `nvme:/dev/ng0n1`,
+/// `mem:256MiB`), formatting it if `options->format`, and mounts it (replaying the fsync logs).
+/// `options` may be NULL (defaults). Returns the filesystem handle or a negative errno.
+///
+/// # Safety
+/// `device` is NULL or a NUL-terminated string; `options` is NULL or points to a
+/// `corefs_options` whose `label` is NULL or NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_mount(
+    device: *const c_char,
+    options: *const corefs_options,
+) -> corefs_fs {
+    guard("corefs_mount", || {
+        // SAFETY: forwarded from this function's contract.
+        let device = unsafe { c_str(device, "device") }?;
+        let options = if options.is_null() {
+            None
+        } else {
+            // SAFETY: non-NULL and points to a corefs_options by contract.
+            Some(unsafe { *options })
+        };
+        let mut config = Config {
+            device: device.to_string(),
+            ..Default::default()
+        };
+        let mut mount = MountOptions::default();
+        if let Some(o) = options {
+            if o.format != 0 {
+                let label = if o.label.is_null() {
+                    String::new()
+                } else {
+                    // SAFETY: non-NULL and NUL-terminated by contract.
+                    unsafe { c_str(o.label, "options.label") }?.to_string()
+                };
+                config.mkfs = Some(MkfsOptions {
+                    shards: if o.shards == 0 {
+                        MkfsOptions::default().shards
+                    } else {
+                        o.shards
+                    },
+                    label,
+                });
+            }
+            if o.busy_poll != 0 {
+                config.idle = IdlePolicy::BusyPoll;
+            }
+            if o.core >= 0 {
+                config.core = Some(o.core as usize);
+            }
+            if o.commit_interval_ms != 0 {
+                mount.commit_interval = Duration::from_millis(o.commit_interval_ms as u64);
+            }
+        }
+        config.mount = mount;
+        let runtime = Runtime::start(config)?;
+        Ok(handles::register(runtime))
+    })
+}
+
+/// Formats `device` (see `corefs_mount`) and closes it again.
+///
+/// # Safety
+/// As `corefs_mount`.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_mkfs(
+    device: *const c_char,
+    options: *const corefs_options,
+) -> c_int {
+    let mut o = if options.is_null() {
+        corefs_options {
+            format: 1,
+            busy_poll: 0,
+            reserved: [0; 2],
+            shards: 0,
+            core: -1,
+            commit_interval_ms: 0,
+            label: std::ptr::null(),
+        }
+    } else {
+        // SAFETY: non-NULL and points to a corefs_options by contract.
+        unsafe { *options }
+    };
+    o.format = 1;
+    // SAFETY: forwarded from this function's contract.
+    let fs = unsafe { corefs_mount(device, &o) };
+    if fs < 0 {
+        return fs as c_int;
+    }
+    corefs_close(fs)
+}
+
+/// Drains the operations in flight, commits, unmounts and stops the reactor. The handle and
+/// every file handle of it are invalid afterwards (-EBADF). Do not call it while another
+/// thread still uses the filesystem.
+#[no_mangle]
+pub extern "C" fn corefs_close(fs: corefs_fs) -> c_int {
+    status("corefs_close", || {
+        let fs = handles::unregister(fs)?;
+        handles::forget_client(fs.id);
+        let runtime = fs.runtime.lock().expect("runtime").take();
+        match runtime {
+            Some(runtime) => runtime.shutdown().map(drop).map_err(Error::from),
+            None => Err(Error::new(libc::EBADF, "already closed".into())),
+        }
+    })
+}
+
+/// Opens (and with COREFS_O_CREAT creates) `path`, relative to the root. Returns a file
+/// handle or a negative errno.
+///
+/// # Safety
+/// `path` is NULL or NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_open(
+    fs: corefs_fs,
+    path: *const c_char,
+    flags: c_int,
+    mode: u32,
+) -> corefs_fd {
+    guard("corefs_open", || {
+        let fs = fs_of(fs)?;
+        // SAFETY: forwarded from this function's contract.
+        let path = unsafe { c_str(path, "path") }?;
+        let known = COREFS_O_WRONLY
+            | COREFS_O_RDWR
+            | COREFS_O_CREAT
+            | COREFS_O_EXCL
+            | COREFS_O_TRUNC
+            | COREFS_O_APPEND
+            | COREFS_O_DIRECTORY;
+        if flags & !known != 0 || flags & 3 == 3 {
+            return Err(einval(format!("unsupported open flags {flags:#o}")));
+        }
+        let existing = match resolve(&fs, path) {
+            Ok(s) => Some(s),
+            Err(e) if e.errno == libc::ENOENT => None,
+            Err(e) => return Err(e),
+        };
+        let stat = match existing {
+            Some(_) if flags & COREFS_O_CREAT != 0 && flags & COREFS_O_EXCL != 0 => {
+                return Err(Error::new(libc::EEXIST, format!("{path} exists")))
+            }
+            Some(s) => s,
+            None if flags & COREFS_O_CREAT != 0 => {
+                let (dir, name) = parent_and_name(&fs, path)?;
+                stat_of(call(
+                    &fs,
+                    Op::Create {
+                        dir,
+                        name: name.as_bytes().to_vec(),
+                        mode: mode & 0o7777,
+                    },
+                )?)?
+            }
+            None => return Err(Error::new(libc::ENOENT, format!("{path} does not exist"))),
+        };
+        let dir = stat.mode & 0o170000 == 0o040000;
+        if flags & COREFS_O_DIRECTORY != 0 && !dir {
+            return Err(Error::new(
+                libc::ENOTDIR,
+                format!("{path} is not a directory"),
+            ));
+        }
+        let writable = flags & 3 != COREFS_O_RDONLY;
+        if dir && writable {
+            return Err(Error::new(libc::EISDIR, format!("{path} is a directory")));
+        }
+        if flags & COREFS_O_TRUNC != 0 && writable && !dir {
+            call(
+                &fs,
+                Op::Truncate {
+                    ino: stat.ino,
+                    size: 0,
+                },
+            )?;
+        }
+        let fd = fs.next_fd.fetch_add(1, Ordering::Relaxed);
+        fs.files.lock().expect("file table").insert(
+            fd,
+            OpenFile {
+                ino: stat.ino,
+                dir,
+                readable: flags & 3 != COREFS_O_WRONLY,
+                writable,
+                append: flags & COREFS_O_APPEND != 0,
+            },
+        );
+        Ok(fd)
+    })
+}
+
+/// Closes a file handle (its data stays where it is: fsync first to make it durable).
+#[no_mangle]
+pub extern "C" fn corefs_release(fs: corefs_fs, fd: corefs_fd) -> c_int {
+    status("corefs_release", || {
+        let fs = fs_of(fs)?;
+        let removed = fs.files.lock().expect("file table").remove(&fd);
+        removed
+            .map(drop)
+            .ok_or_else(|| Error::new(libc::EBADF, format!("{fd} is not an open file")))
+    })
+}
+
+/// Reads up to `len` bytes at `offset`. Returns the bytes read (0 at end of file).
+///
+/// # Safety
+/// `buf` is valid for writing `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_pread(
+    fs: corefs_fs,
+    fd: corefs_fd,
+    buf: *mut u8,
+    len: usize,
+    offset: u64,
+) -> i64 {
+    guard("corefs_pread", || {
+        let fs = fs_of(fs)?;
+        let f = regular(&fs, fd)?;
+        if !f.readable {
+            return Err(Error::new(
+                libc::EBADF,
+                format!("{fd} is not open for reading"),
+            ));
+        }
+        // SAFETY: forwarded from this function's contract.
+        let out = unsafe { bytes_mut(buf, len, "buf") }?;
+        let data = match call(
+            &fs,
+            Op::Read {
+                ino: f.ino,
+                offset,
+                len,
+            },
+        )? {
+            Reply::Data(d) => d,
+            other => return Err(unexpected(other)),
+        };
+        out[..data.len()].copy_from_slice(&data);
+        Ok(data.len() as i64)
+    })
+}
+
+/// Writes `len` bytes at `offset` (at the end of file with COREFS_O_APPEND). Returns `len`.
+///
+/// # Safety
+/// `buf` is valid for reading `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_pwrite(
+    fs: corefs_fs,
+    fd: corefs_fd,
+    buf: *const u8,
+    len: usize,
+    offset: u64,
+) -> i64 {
+    guard("corefs_pwrite", || {
+        let fs = fs_of(fs)?;
+        let f = regular(&fs, fd)?;
+        if !f.writable {
+            return Err(Error::new(
+                libc::EBADF,
+                format!("{fd} is not open for writing"),
+            ));
+        }
+        // SAFETY: forwarded from this function's contract.
+        let data = unsafe { bytes(buf, len, "buf") }?;
+        let offset = if f.append {
+            stat_of(call(&fs, Op::Stat { ino: f.ino })?)?.size
+        } else {
+            offset
+        };
+        match call(
+            &fs,
+            Op::Write {
+                ino: f.ino,
+                offset,
+                data: data.to_vec(),
+            },
+        )? {
+            Reply::Written(n) => Ok(n as i64),
+            other => Err(unexpected(other)),
+        }
+    })
+}
+
+fn sync_fd(name: &str, fs: corefs_fs, fd: corefs_fd, datasync: bool) -> c_int {
+    status(name, || {
+        let fs = fs_of(fs)?;
+        let ino = file(&fs, fd)?.ino;
+        let op = if datasync {
+            Op::Fdatasync { ino }
+        } else {
+            Op::Fsync { ino }
+        };
+        call(&fs, op).map(drop)
+    })
+}
+
+/// Makes the file's data and metadata, its names and the path to it durable (one log record
+/// and one flush; see docs/durability.md). Works on directories too (their entries).
+#[no_mangle]
+pub extern "C" fn corefs_fsync(fs: corefs_fs, fd: corefs_fd) -> c_int {
+    sync_fd("corefs_fsync", fs, fd, false)
+}
+
+/// As `corefs_fsync`, skipping a change of timestamps alone.
+#[no_mangle]
+pub extern "C" fn corefs_fdatasync(fs: corefs_fs, fd: corefs_fd) -> c_int {
+    sync_fd("corefs_fdatasync", fs, fd, true)
+}
+
+/// Commits everything (returns when the superblock is durable).
+#[no_mangle]
+pub extern "C" fn corefs_sync(fs: corefs_fs) -> c_int {
+    status("corefs_sync", || call(&*fs_of(fs)?, Op::Sync).map(drop))
+}
+
+/// Sets the file's size.
+#[no_mangle]
+pub extern "C" fn corefs_ftruncate(fs: corefs_fs, fd: corefs_fd, size: u64) -> c_int {
+    status("corefs_ftruncate", || {
+        let fs = fs_of(fs)?;
+        let f = regular(&fs, fd)?;
+        if !f.writable {
+            return Err(Error::new(
+                libc::EBADF,
+                format!("{fd} is not open for writing"),
+            ));
+        }
+        call(&fs, Op::Truncate { ino: f.ino, size }).map(drop)
+    })
+}
+
+/// Allocates (mode 0 or COREFS_FALLOC_KEEP_SIZE), punches (COREFS_FALLOC_PUNCH_HOLE |
+/// COREFS_FALLOC_KEEP_SIZE) or zeroes (COREFS_FALLOC_ZERO_RANGE) a range.
+#[no_mangle]
+pub extern "C" fn corefs_fallocate(
+    fs: corefs_fs,
+    fd: corefs_fd,
+    mode: c_int,
+    offset: u64,
+    len: u64,
+) -> c_int {
+    status("corefs_fallocate", || {
+        let fs = fs_of(fs)?;
+        let f = regular(&fs, fd)?;
+        let known = COREFS_FALLOC_KEEP_SIZE | COREFS_FALLOC_PUNCH_HOLE | COREFS_FALLOC_ZERO_RANGE;
+        if mode & !known != 0 {
+            return Err(einval(format!("unsupported fallocate mode {mode:#x}")));
+        }
+        let mode = FallocateMode {
+            keep_size: mode & COREFS_FALLOC_KEEP_SIZE != 0,
+            punch_hole: mode & COREFS_FALLOC_PUNCH_HOLE != 0,
+            zero_range: mode & COREFS_FALLOC_ZERO_RANGE != 0,
+        };
+        call(
+            &fs,
+            Op::Fallocate {
+                ino: f.ino,
+                mode,
+                offset,
+                len,
+            },
+        )
+        .map(drop)
+    })
+}
+
+/// Attributes of an open file.
+///
+/// # Safety
+/// `out` is valid for writing one `corefs_stat`.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_fstat(
+    fs: corefs_fs,
+    fd: corefs_fd,
+    out: *mut corefs_stat,
+) -> c_int {
+    status("corefs_fstat", || {
+        if out.is_null() {
+            return Err(efault("out"));
+        }
+        let fs = fs_of(fs)?;
+        let ino = file(&fs, fd)?.ino;
+        let s = stat_of(call(&fs, Op::Stat { ino })?)?;
+        // SAFETY: non-NULL and writable by contract.
+        unsafe { out.write(to_c_stat(&s)) };
+        Ok(())
+    })
+}
+
+/// Attributes of `path`.
+///
+/// # Safety
+/// `path` is NUL-terminated; `out` is valid for writing one `corefs_stat`.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_stat(
+    fs: corefs_fs,
+    path: *const c_char,
+    out: *mut corefs_stat,
+) -> c_int {
+    status("corefs_stat", || {
+        if out.is_null() {
+            return Err(efault("out"));
+        }
+        let fs = fs_of(fs)?;
+        // SAFETY: forwarded from this function's contract.
+        let path = unsafe { c_str(path, "path") }?;
+        let s = resolve(&fs, path)?;
+        // SAFETY: non-NULL and writable by contract.
+        unsafe { out.write(to_c_stat(&s)) };
+        Ok(())
+    })
+}
+
+/// Sets the mode bits (permissions) of `path`.
+///
+/// # Safety
+/// `path` is NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_chmod(fs: corefs_fs, path: *const c_char, mode: u32) -> c_int {
+    status("corefs_chmod", || {
+        let fs = fs_of(fs)?;
+        // SAFETY: forwarded from this function's contract.
+        let path = unsafe { c_str(path, "path") }?;
+        let ino = resolve(&fs, path)?.ino;
+        let change = SetAttr {
+            mode: Some(mode & 0o7777),
+            ..Default::default()
+        };
+        call(&fs, Op::SetAttr { ino, change }).map(drop)
+    })
+}
+
+/// # Safety
+/// `path` is NUL-terminated.
+unsafe fn name_op(
+    fs: corefs_fs,
+    path: *const c_char,
+    make: impl FnOnce(u64, Vec<u8>) -> Op,
+) -> Result<(), Error> {
+    let fs = fs_of(fs)?;
+    // SAFETY: forwarded from the caller's contract.
+    let path = unsafe { c_str(path, "path") }?;
+    let (dir, name) = parent_and_name(&fs, path)?;
+    call(&fs, make(dir, name.as_bytes().to_vec())).map(drop)
+}
+
+/// Creates directory `path`.
+///
+/// # Safety
+/// `path` is NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_mkdir(fs: corefs_fs, path: *const c_char, mode: u32) -> c_int {
+    status("corefs_mkdir", || {
+        // SAFETY: forwarded from this function's contract.
+        unsafe {
+            name_op(fs, path, |dir, name| Op::Mkdir {
+                dir,
+                name,
+                mode: mode & 0o7777,
+            })
+        }
+    })
+}
+
+/// Removes the empty directory `path`.
+///
+/// # Safety
+/// `path` is NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_rmdir(fs: corefs_fs, path: *const c_char) -> c_int {
+    status("corefs_rmdir", || {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { name_op(fs, path, |dir, name| Op::Rmdir { dir, name }) }
+    })
+}
+
+/// Removes the name `path` (the file goes with its last name).
+///
+/// # Safety
+/// `path` is NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_unlink(fs: corefs_fs, path: *const c_char) -> c_int {
+    status("corefs_unlink", || {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { name_op(fs, path, |dir, name| Op::Unlink { dir, name }) }
+    })
+}
+
+/// Renames `from` to `to` (flags: COREFS_RENAME_NOREPLACE, COREFS_RENAME_EXCHANGE).
+///
+/// # Safety
+/// `from` and `to` are NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_rename(
+    fs: corefs_fs,
+    from: *const c_char,
+    to: *const c_char,
+    flags: c_int,
+) -> c_int {
+    status("corefs_rename", || {
+        let fs = fs_of(fs)?;
+        // SAFETY: forwarded from this function's contract.
+        let (from, to) = unsafe { (c_str(from, "from")?, c_str(to, "to")?) };
+        if flags & !(COREFS_RENAME_NOREPLACE | COREFS_RENAME_EXCHANGE) != 0 {
+            return Err(einval(format!("unsupported rename flags {flags:#x}")));
+        }
+        let (from_dir, from_name) = parent_and_name(&fs, from)?;
+        let (to_dir, to_name) = parent_and_name(&fs, to)?;
+        call(
+            &fs,
+            Op::Rename {
+                from_dir,
+                from: from_name.as_bytes().to_vec(),
+                to_dir,
+                to: to_name.as_bytes().to_vec(),
+                flags: RenameFlags {
+                    noreplace: flags & COREFS_RENAME_NOREPLACE != 0,
+                    exchange: flags & COREFS_RENAME_EXCHANGE != 0,
+                },
+            },
+        )
+        .map(drop)
+    })
+}
+
+/// Gives the file at `existing` the new name `path`.
+///
+/// # Safety
+/// `existing` and `path` are NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_link(
+    fs: corefs_fs,
+    existing: *const c_char,
+    path: *const c_char,
+) -> c_int {
+    status("corefs_link", || {
+        let fs = fs_of(fs)?;
+        // SAFETY: forwarded from this function's contract.
+        let (existing, path) = unsafe { (c_str(existing, "existing")?, c_str(path, "path")?) };
+        let ino = resolve(&fs, existing)?.ino;
+        let (dir, name) = parent_and_name(&fs, path)?;
+        call(
+            &fs,
+            Op::Link {
+                ino,
+                dir,
+                name: name.as_bytes().to_vec(),
+            },
+        )
+        .map(drop)
+    })
+}
+
+/// Creates the symbolic link `path` pointing at `target`.
+///
+/// # Safety
+/// `target` and `path` are NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_symlink(
+    fs: corefs_fs,
+    target: *const c_char,
+    path: *const c_char,
+) -> c_int {
+    status("corefs_symlink", || {
+        // SAFETY: forwarded from this function's contract.
+        let target = unsafe { c_str(target, "target") }?.as_bytes().to_vec();
+        // SAFETY: forwarded from this function's contract.
+        unsafe { name_op(fs, path, |dir, name| Op::Symlink { dir, name, target }) }
+    })
+}
+
+/// Copies the target of symbolic link `path` into `buf` (not NUL-terminated); returns its
+/// length (which may exceed `len`: then only `len` bytes were copied).
+///
+/// # Safety
+/// `path` is NUL-terminated; `buf` is valid for writing `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_readlink(
+    fs: corefs_fs,
+    path: *const c_char,
+    buf: *mut u8,
+    len: usize,
+) -> i64 {
+    guard("corefs_readlink", || {
+        let fs = fs_of(fs)?;
+        // SAFETY: forwarded from this function's contract.
+        let (path, out) = unsafe { (c_str(path, "path")?, bytes_mut(buf, len, "buf")?) };
+        let ino = resolve(&fs, path)?.ino;
+        match call(&fs, Op::Readlink { ino })? {
+            Reply::Data(target) => {
+                let n = target.len().min(out.len());
+                out[..n].copy_from_slice(&target[..n]);
+                Ok(target.len() as i64)
+            }
+            other => Err(unexpected(other)),
+        }
+    })
+}
+
+/// Reads up to `max` entries of directory `path` after `cookie` (0 to start) into `out`;
+/// returns how many (0 at the end). `.` and `..` are not listed.
+///
+/// # Safety
+/// `path` is NUL-terminated; `out` is valid for writing `max` entries.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_readdir(
+    fs: corefs_fs,
+    path: *const c_char,
+    cookie: u64,
+    out: *mut corefs_dirent,
+    max: usize,
+) -> i64 {
+    guard("corefs_readdir", || {
+        let fs = fs_of(fs)?;
+        // SAFETY: forwarded from this function's contract.
+        let path = unsafe { c_str(path, "path") }?;
+        if max == 0 {
+            return Ok(0);
+        }
+        if out.is_null() {
+            return Err(efault("out"));
+        }
+        let dir = resolve(&fs, path)?.ino;
+        let entries = match call(
+            &fs,
+            Op::Readdir {
+                dir,
+                cookie: cookie.max(1),
+                max: max.min(4096),
+            },
+        )? {
+            Reply::Entries(e) => e,
+            other => return Err(unexpected(other)),
+        };
+        for (i, e) in entries.iter().enumerate() {
+            let mut d = corefs_dirent {
+                ino: e.ino,
+                cookie: e.cookie,
+                kind: e.kind,
+                name_len: e.name.len() as u8,
+                name: [0; 256],
+            };
+            d.name[..e.name.len()].copy_from_slice(&e.name);
+            // SAFETY: i < entries.len() ≤ max, and `out` holds `max` entries by contract.
+            unsafe { out.add(i).write(d) };
+        }
+        Ok(entries.len() as i64)
+    })
+}
+
+/// Sets extended attribute `name` of `path` (flags: COREFS_XATTR_CREATE, _REPLACE).
+///
+/// # Safety
+/// `path` and `name` are NUL-terminated; `value` is valid for reading `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_setxattr(
+    fs: corefs_fs,
+    path: *const c_char,
+    name: *const c_char,
+    value: *const u8,
+    len: usize,
+    flags: c_int,
+) -> c_int {
+    status("corefs_setxattr", || {
+        let fs = fs_of(fs)?;
+        // SAFETY: forwarded from this function's contract.
+        let (path, name, value) = unsafe {
+            (
+                c_str(path, "path")?,
+                c_str(name, "name")?,
+                bytes(value, len, "value")?,
+            )
+        };
+        if flags & !(COREFS_XATTR_CREATE | COREFS_XATTR_REPLACE) != 0 {
+            return Err(einval(format!("unsupported xattr flags {flags:#x}")));
+        }
+        let ino = resolve(&fs, path)?.ino;
+        call(
+            &fs,
+            Op::SetXattr {
+                ino,
+                name: name.as_bytes().to_vec(),
+                value: value.to_vec(),
+                flags: match flags {
+                    0 => XattrFlags::Any,
+                    COREFS_XATTR_CREATE => XattrFlags::Create,
+                    COREFS_XATTR_REPLACE => XattrFlags::Replace,
+                    _ => return Err(einval("COREFS_XATTR_CREATE and _REPLACE together".into())),
+                },
+            },
+        )
+        .map(drop)
+    })
+}
+
+/// Copies the value of attribute `name` into `buf`; returns its size (which may exceed `len`:
+/// call with `len` 0 to learn the size).
+///
+/// # Safety
+/// `path` and `name` are NUL-terminated; `buf` is valid for writing `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_getxattr(
+    fs: corefs_fs,
+    path: *const c_char,
+    name: *const c_char,
+    buf: *mut u8,
+    len: usize,
+) -> i64 {
+    guard("corefs_getxattr", || {
+        let fs = fs_of(fs)?;
+        // SAFETY: forwarded from this function's contract.
+        let (path, name, out) = unsafe {
+            (
+                c_str(path, "path")?,
+                c_str(name, "name")?,
+                bytes_mut(buf, len, "buf")?,
+            )
+        };
+        let ino = resolve(&fs, path)?.ino;
+        match call(
+            &fs,
+            Op::GetXattr {
+                ino,
+                name: name.as_bytes().to_vec(),
+            },
+        )? {
+            Reply::Data(v) => {
+                let n = v.len().min(out.len());
+                out[..n].copy_from_slice(&v[..n]);
+                Ok(v.len() as i64)
+            }
+            other => Err(unexpected(other)),
+        }
+    })
+}
+
+/// Copies the attribute names of `path`, each NUL-terminated, into `buf`; returns the bytes
+/// they need (call with `len` 0 to learn it).
+///
+/// # Safety
+/// `path` is NUL-terminated; `buf` is valid for writing `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_listxattr(
+    fs: corefs_fs,
+    path: *const c_char,
+    buf: *mut u8,
+    len: usize,
+) -> i64 {
+    guard("corefs_listxattr", || {
+        let fs = fs_of(fs)?;
+        // SAFETY: forwarded from this function's contract.
+        let (path, out) = unsafe { (c_str(path, "path")?, bytes_mut(buf, len, "buf")?) };
+        let ino = resolve(&fs, path)?.ino;
+        let names = match call(&fs, Op::ListXattr { ino })? {
+            Reply::Names(n) => n,
+            other => return Err(unexpected(other)),
+        };
+        let mut all = Vec::new();
+        for n in names {
+            all.extend_from_slice(&n);
+            all.push(0);
+        }
+        let n = all.len().min(out.len());
+        out[..n].copy_from_slice(&all[..n]);
+        Ok(all.len() as i64)
+    })
+}
+
+/// Removes attribute `name` of `path`.
+///
+/// # Safety
+/// `path` and `name` are NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_removexattr(
+    fs: corefs_fs,
+    path: *const c_char,
+    name: *const c_char,
+) -> c_int {
+    status("corefs_removexattr", || {
+        let fs = fs_of(fs)?;
+        // SAFETY: forwarded from this function's contract.
+        let (path, name) = unsafe { (c_str(path, "path")?, c_str(name, "name")?) };
+        let ino = resolve(&fs, path)?.ino;
+        call(
+            &fs,
+            Op::RemoveXattr {
+                ino,
+                name: name.as_bytes().to_vec(),
+            },
+        )
+        .map(drop)
+    })
+}
+
+/// Reactor and engine statistics.
+///
+/// # Safety
+/// `out` is valid for writing one `corefs_stats`.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_get_stats(fs: corefs_fs, out: *mut corefs_stats) -> c_int {
+    status("corefs_get_stats", || {
+        if out.is_null() {
+            return Err(efault("out"));
+        }
+        let fs = fs_of(fs)?;
+        let s = match call(&fs, Op::Stats)? {
+            Reply::Stats(s) => s,
+            other => return Err(unexpected(other)),
+        };
+        let stats = corefs_stats {
+            ops: s.ops,
+            reactor_cpu_ns: s.cpu_ns,
+            commits: s.commit.commits,
+            commit_ns_total: s.commit.commit_ns_total,
+            commit_ns_max: s.commit.commit_ns_max,
+            fsyncs: s.log.fsyncs,
+            log_writes: s.log.log_writes,
+            log_blocks: s.log.log_blocks,
+            fallback_commits: s.log.fallback_commits(),
+            fsync_groups: s.fsync_groups,
+            fsync_p50_ns: s.fsync_total.p50_ns,
+            fsync_p99_ns: s.fsync_total.p99_ns,
+            fsync_max_ns: s.fsync_total.max_ns,
+            replayed_records: s.log.replayed_records,
+        };
+        // SAFETY: non-NULL and writable by contract.
+        unsafe { out.write(stats) };
+        Ok(())
+    })
+}
+
+// ---- Asynchronous I/O -------------------------------------------------------------------
+
+/// An asynchronous operation in flight on this thread.
+struct Pending {
+    user_token: u64,
+    /// Reads: where the data goes (the caller keeps the buffer alive until the completion).
+    read_into: Option<(*mut u8, usize)>,
+}
+
+thread_local! {
+    static PENDING: RefCell<HashMap<(i64, u64), Pending>> = RefCell::new(HashMap::new());
+    static NEXT_TOKEN: std::cell::Cell<u64> = const { std::cell::Cell::new(1) };
+}
+
+fn submit(
+    fs: corefs_fs,
+    op: Op,
+    user_token: u64,
+    read_into: Option<(*mut u8, usize)>,
+) -> Result<(), Error> {
+    let fs = fs_of(fs)?;
+    let token = NEXT_TOKEN.with(|t| {
+        let v = t.get();
+        t.set(v + 1);
+        v
+    });
+    with_client(&fs, |c| c.submit(op, token))?.map_err(|e| match e {
+        reactor::SubmitError::Full(_) => Error::new(
+            libc::EAGAIN,
+            "queue full: poll completions and submit again".into(),
+        ),
+        reactor::SubmitError::Stopped(_) => {
+            Error::new(libc::EBADF, "the filesystem is closing".into())
+        }
+    })?;
+    PENDING.with(|p| {
+        p.borrow_mut().insert(
+            (fs.id, token),
+            Pending {
+                user_token,
+                read_into,
+            },
+        )
+    });
+    Ok(())
+}
+
+/// Submits a read of up to `len` bytes at `offset` into `buf`; its completion (on this thread's
+/// queue, see `corefs_poll`) carries `token` and the bytes read. -EAGAIN when this thread has
+/// 256 operations in flight: poll, then submit again.
+///
+/// # Safety
+/// `buf` stays valid for writing `len` bytes until the completion is polled, on this thread.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_submit_pread(
+    fs: corefs_fs,
+    fd: corefs_fd,
+    buf: *mut u8,
+    len: usize,
+    offset: u64,
+    token: u64,
+) -> c_int {
+    status("corefs_submit_pread", || {
+        if buf.is_null() && len > 0 {
+            return Err(efault("buf"));
+        }
+        let f = regular(&*fs_of(fs)?, fd)?;
+        if !f.readable {
+            return Err(Error::new(
+                libc::EBADF,
+                format!("{fd} is not open for reading"),
+            ));
+        }
+        submit(
+            fs,
+            Op::Read {
+                ino: f.ino,
+                offset,
+                len,
+            },
+            token,
+            Some((buf, len)),
+        )
+    })
+}
+
+/// Submits a write of `len` bytes at `offset` (the data is copied: `buf` may be reused at
+/// once). Completion as `corefs_submit_pread`.
+///
+/// # Safety
+/// `buf` is valid for reading `len` bytes during the call.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_submit_pwrite(
+    fs: corefs_fs,
+    fd: corefs_fd,
+    buf: *const u8,
+    len: usize,
+    offset: u64,
+    token: u64,
+) -> c_int {
+    status("corefs_submit_pwrite", || {
+        let f = regular(&*fs_of(fs)?, fd)?;
+        if !f.writable {
+            return Err(Error::new(
+                libc::EBADF,
+                format!("{fd} is not open for writing"),
+            ));
+        }
+        // SAFETY: forwarded from this function's contract.
+        let data = unsafe { bytes(buf, len, "buf") }?.to_vec();
+        submit(
+            fs,
+            Op::Write {
+                ino: f.ino,
+                offset,
+                data,
+            },
+            token,
+            None,
+        )
+    })
+}
+
+/// Submits an fsync (`datasync` non-zero: fdatasync). fsyncs submitted together, from any
+/// threads, share one log record and one flush. Operations of one thread run in the order
+/// submitted, so an fsync covers the writes submitted before it.
+#[no_mangle]
+pub extern "C" fn corefs_submit_fsync(
+    fs: corefs_fs,
+    fd: corefs_fd,
+    datasync: c_int,
+    token: u64,
+) -> c_int {
+    status("corefs_submit_fsync", || {
+        let ino = file(&*fs_of(fs)?, fd)?.ino;
+        let op = if datasync != 0 {
+            Op::Fdatasync { ino }
+        } else {
+            Op::Fsync { ino }
+        };
+        submit(fs, op, token, None)
+    })
+}
+
+/// Moves up to `max` completions of this thread's asynchronous operations into `out`, waiting
+/// up to `timeout_us` microseconds for the first (0: do not wait). Returns how many.
+///
+/// # Safety
+/// `out` is valid for writing `max` completions.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_poll(
+    fs: corefs_fs,
+    out: *mut corefs_completion,
+    max: usize,
+    timeout_us: u64,
+) -> i64 {
+    guard("corefs_poll", || {
+        if max == 0 {
+            return Ok(0);
+        }
+        if out.is_null() {
+            return Err(efault("out"));
+        }
+        let fs = fs_of(fs)?;
+        let mut done = Vec::new();
+        with_client(&fs, |c| {
+            if timeout_us == 0 {
+                c.poll(&mut done);
+            } else {
+                c.wait(&mut done, Duration::from_micros(timeout_us));
+            }
+        })?;
+        // Completions past `max` wait in this thread's overflow list for the next poll.
+        let mut written = 0usize;
+        OVERFLOW.with(|o| {
+            let mut overflow = o.borrow_mut();
+            let list = overflow.entry(fs.id).or_default();
+            list.extend(done.into_iter().map(|c| (c.token, c.result)));
+            while written < max {
+                let Some((token, result)) = list.pop_front() else {
+                    break;
+                };
+                let Some(pending) = PENDING.with(|p| p.borrow_mut().remove(&(fs.id, token))) else {
+                    continue; // a synchronous call's completion never lands here
+                };
+                let value = match result {
+                    Ok(Reply::Data(data)) => {
+                        let (buf, len) = pending.read_into.unwrap_or((std::ptr::null_mut(), 0));
+                        let n = data.len().min(len);
+                        if n > 0 {
+                            // SAFETY: the submitter promised `buf` valid for `len` bytes until
+                            // this completion is polled.
+                            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), buf, n) };
+                        }
+                        n as i64
+                    }
+                    Ok(Reply::Written(n)) => n as i64,
+                    Ok(_) => 0,
+                    Err(e) => -(e.errno() as i64),
+                };
+                // SAFETY: written < max, and `out` holds `max` entries by contract.
+                unsafe {
+                    out.add(written).write(corefs_completion {
+                        token: pending.user_token,
+                        result: value,
+                    })
+                };
+                written += 1;
+            }
+        });
+        Ok(written as i64)
+    })
+}
+
+thread_local! {
+    static OVERFLOW: RefCell<HashMap<i64, std::collections::VecDeque<(u64, Result<Reply, engine::EngineError>)>>> =
+        RefCell::new(HashMap::new());
+}
+
+// ---- Aligned buffers ----------------------------------------------------------------------
+
+/// Allocates a 4 KiB-aligned buffer of `len` bytes (zeroed) for I/O; NULL on failure. Today
+/// the engine copies data between such buffers and its DMA slab: they save the caller an
+/// alignment step, not a copy.
+#[no_mangle]
+pub extern "C" fn corefs_buf_alloc(len: usize) -> *mut u8 {
+    let result = catch_unwind(|| {
+        if len == 0 || len > (1 << 30) {
+            set_error("corefs_buf_alloc: length must be 1 byte to 1 GiB");
+            return std::ptr::null_mut();
+        }
+        match std::alloc::Layout::from_size_align(len, 4096) {
+            // SAFETY: the layout has a non-zero size.
+            Ok(layout) => unsafe { std::alloc::alloc_zeroed(layout) },
+            Err(_) => std::ptr::null_mut(),
+        }
+    });
+    result.unwrap_or(std::ptr::null_mut())
+}
+
+/// Frees a buffer from `corefs_buf_alloc` (`len` as allocated). NULL is ignored.
+///
+/// # Safety
+/// `buf` is NULL or came from `corefs_buf_alloc(len)` and is not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_buf_free(buf: *mut u8, len: usize) {
+    if buf.is_null() || len == 0 {
+        return;
+    }
+    if let Ok(layout) = std::alloc::Layout::from_size_align(len, 4096) {
+        // SAFETY: allocated by corefs_buf_alloc with this layout, by contract.
+        unsafe { std::alloc::dealloc(buf, layout) };
+    }
+}

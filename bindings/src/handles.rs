@@ -1,0 +1,130 @@
+//! The tables behind the C handles, per-thread clients and the per-thread error message.
+//!
+//! # Invariants
+//! - A filesystem id is never reused within a process (ids only grow), so a closed handle stays
+//!   invalid forever; file handles likewise, per filesystem.
+//! - The tables are behind mutexes held only to look up or change an entry, never across an
+//!   engine call.
+
+use engine::EngineError;
+use reactor::{Client, Runtime};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// An open file or directory.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct OpenFile {
+    pub ino: u64,
+    pub dir: bool,
+    pub readable: bool,
+    pub writable: bool,
+    pub append: bool,
+}
+
+pub(crate) struct Fs {
+    pub id: i64,
+    pub runtime: Mutex<Option<Runtime>>,
+    pub files: Mutex<HashMap<i64, OpenFile>>,
+    pub next_fd: AtomicI64,
+}
+
+static NEXT_FS: AtomicI64 = AtomicI64::new(1);
+static FILESYSTEMS: Mutex<Vec<(i64, Arc<Fs>)>> = Mutex::new(Vec::new());
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+    /// This thread's client of each filesystem it used.
+    static CLIENTS: RefCell<HashMap<i64, Client>> = RefCell::new(HashMap::new());
+}
+
+pub(crate) fn set_error(message: &str) {
+    let text = CString::new(message.replace('\0', " ")).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = text);
+}
+
+pub(crate) fn last_error_ptr() -> *const libc::c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
+
+pub(crate) fn register(runtime: Runtime) -> i64 {
+    let id = NEXT_FS.fetch_add(1, Ordering::Relaxed);
+    let fs = Arc::new(Fs {
+        id,
+        runtime: Mutex::new(Some(runtime)),
+        files: Mutex::new(HashMap::new()),
+        next_fd: AtomicI64::new(1),
+    });
+    FILESYSTEMS.lock().expect("registry").push((id, fs));
+    id
+}
+
+pub(crate) fn lookup(id: i64) -> Result<Arc<Fs>, Error> {
+    FILESYSTEMS
+        .lock()
+        .expect("registry")
+        .iter()
+        .find(|(i, _)| *i == id)
+        .map(|(_, fs)| fs.clone())
+        .ok_or_else(|| {
+            Error::new(
+                libc::EBADF,
+                format!("{id} is not an open corefs filesystem"),
+            )
+        })
+}
+
+pub(crate) fn unregister(id: i64) -> Result<Arc<Fs>, Error> {
+    let mut all = FILESYSTEMS.lock().expect("registry");
+    let at = all.iter().position(|(i, _)| *i == id).ok_or_else(|| {
+        Error::new(
+            libc::EBADF,
+            format!("{id} is not an open corefs filesystem"),
+        )
+    })?;
+    Ok(all.remove(at).1)
+}
+
+/// Runs `f` with this thread's client of `fs` (created on first use).
+pub(crate) fn with_client<T>(fs: &Fs, f: impl FnOnce(&mut Client) -> T) -> Result<T, Error> {
+    CLIENTS.with(|clients| {
+        let mut clients = clients.borrow_mut();
+        if !clients.contains_key(&fs.id) {
+            let runtime = fs.runtime.lock().expect("runtime");
+            let runtime = runtime
+                .as_ref()
+                .ok_or_else(|| Error::new(libc::EBADF, "the filesystem is closing".into()))?;
+            clients.insert(fs.id, runtime.client(CLIENT_CAPACITY));
+        }
+        Ok(f(clients.get_mut(&fs.id).expect("inserted")))
+    })
+}
+
+/// Drops this thread's client of a closed filesystem.
+pub(crate) fn forget_client(id: i64) {
+    CLIENTS.with(|c| c.borrow_mut().remove(&id));
+}
+
+/// Operations one thread may have in flight on one filesystem (asynchronous calls).
+pub(crate) const CLIENT_CAPACITY: usize = 256;
+
+/// An error on its way to C: the errno and a message.
+#[derive(Debug)]
+pub(crate) struct Error {
+    pub errno: i32,
+    pub message: String,
+}
+
+impl Error {
+    pub fn new(errno: i32, message: String) -> Error {
+        Error { errno, message }
+    }
+}
+
+impl From<EngineError> for Error {
+    fn from(e: EngineError) -> Error {
+        Error::new(e.errno(), e.to_string())
+    }
+}
