@@ -5,7 +5,9 @@
  * checked, so a wrong handle or a NULL pointer is an error, never a crash.
  * Thread safety: every call may be made from any thread, concurrently; each thread has its own
  * completion queue for the asynchronous calls. corefs_close must not race other calls on the
- * same filesystem. */
+ * same filesystem.
+ * Structs are used with their tag, as POSIX does (`struct corefs_stat` and the function
+ * `corefs_stat` coexist): declare `struct corefs_options opts = {0};`. */
 
 #ifndef COREFS_H
 #define COREFS_H
@@ -51,7 +53,7 @@
 typedef int64_t corefs_fs;
 
 // Mount options. Zero-initialise, then set what you need.
-typedef struct corefs_options {
+struct corefs_options {
   // Non-zero: format the device first (destroys its content).
   uint8_t format;
   // Non-zero: the reactor busy-polls (a dedicated core); zero: spin then park.
@@ -65,13 +67,13 @@ typedef struct corefs_options {
   uint32_t commit_interval_ms;
   // Label when formatting (NULL: none); at most 32 bytes.
   const char *label;
-} corefs_options;
+};
 
 // An open file or directory of one filesystem (≥ 1).
 typedef int64_t corefs_fd;
 
 // File attributes.
-typedef struct corefs_stat {
+struct corefs_stat {
   uint64_t ino;
   uint32_t mode;
   uint32_t nlink;
@@ -86,10 +88,10 @@ typedef struct corefs_stat {
   uint32_t mtime_nsec;
   uint32_t ctime_nsec;
   uint32_t reserved;
-} corefs_stat;
+};
 
 // One directory entry.
-typedef struct corefs_dirent {
+struct corefs_dirent {
   uint64_t ino;
   // Pass the last entry's cookie to continue after it.
   uint64_t cookie;
@@ -98,10 +100,10 @@ typedef struct corefs_dirent {
   uint8_t name_len;
   // NUL-terminated.
   uint8_t name[256];
-} corefs_dirent;
+};
 
 // Reactor and engine statistics.
-typedef struct corefs_stats {
+struct corefs_stats {
   uint64_t ops;
   uint64_t reactor_cpu_ns;
   uint64_t commits;
@@ -116,14 +118,14 @@ typedef struct corefs_stats {
   uint64_t fsync_p99_ns;
   uint64_t fsync_max_ns;
   uint64_t replayed_records;
-} corefs_stats;
+};
 
 // The outcome of an asynchronous operation.
-typedef struct corefs_completion {
+struct corefs_completion {
   uint64_t token;
   // Bytes transferred (reads, writes), 0 (fsync), or a negative errno.
   int64_t result;
-} corefs_completion;
+};
 
 #ifdef __cplusplus
 extern "C" {

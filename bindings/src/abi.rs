@@ -1337,9 +1337,11 @@ pub unsafe extern "C" fn corefs_poll(
     })
 }
 
+/// Completions polled from the client but not yet handed to C (more than `max` arrived).
+type Overflow = HashMap<i64, std::collections::VecDeque<(u64, Result<Reply, engine::EngineError>)>>;
+
 thread_local! {
-    static OVERFLOW: RefCell<HashMap<i64, std::collections::VecDeque<(u64, Result<Reply, engine::EngineError>)>>> =
-        RefCell::new(HashMap::new());
+    static OVERFLOW: RefCell<Overflow> = RefCell::new(HashMap::new());
 }
 
 // ---- Aligned buffers ----------------------------------------------------------------------

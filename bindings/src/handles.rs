@@ -91,14 +91,17 @@ pub(crate) fn unregister(id: i64) -> Result<Arc<Fs>, Error> {
 pub(crate) fn with_client<T>(fs: &Fs, f: impl FnOnce(&mut Client) -> T) -> Result<T, Error> {
     CLIENTS.with(|clients| {
         let mut clients = clients.borrow_mut();
-        if !clients.contains_key(&fs.id) {
-            let runtime = fs.runtime.lock().expect("runtime");
-            let runtime = runtime
-                .as_ref()
-                .ok_or_else(|| Error::new(libc::EBADF, "the filesystem is closing".into()))?;
-            clients.insert(fs.id, runtime.client(CLIENT_CAPACITY));
-        }
-        Ok(f(clients.get_mut(&fs.id).expect("inserted")))
+        let client = match clients.entry(fs.id) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                let runtime = fs.runtime.lock().expect("runtime");
+                let runtime = runtime
+                    .as_ref()
+                    .ok_or_else(|| Error::new(libc::EBADF, "the filesystem is closing".into()))?;
+                e.insert(runtime.client(CLIENT_CAPACITY))
+            }
+        };
+        Ok(f(client))
     })
 }
 
