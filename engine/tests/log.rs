@@ -360,3 +360,36 @@ fn a_tiny_metadata_cache_neither_loses_an_extent_nor_forces_a_commit() {
     }
     fs.check().unwrap();
 }
+
+#[test]
+fn a_killed_process_behind_a_volatile_cache_keeps_exactly_the_fsynced_data() {
+    // `cache=volatile` keeps unflushed writes in the process: forgetting the filesystem (as a
+    // kill -9 would) is a power cut for the image file.
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let spec = format!(
+        "file:{}/v.img,size=64MiB,cache=volatile",
+        dir.path().display()
+    );
+    let dev = nvme::open_device(&spec, &nvme::OpenOptions::default()).unwrap();
+    let dev = Filesystem::mkfs(dev, &MkfsOptions::default()).unwrap();
+    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    let root = fs.root();
+    let kept = fs.create(root, b"kept", 0o644, 0, 0).unwrap().ino;
+    fs.write(kept, 0, &block(1)).unwrap();
+    fs.fsync(kept).unwrap();
+    let lost = fs.create(root, b"lost", 0o644, 0, 0).unwrap().ino;
+    fs.write(lost, 0, &block(2)).unwrap();
+    fs.write(kept, 4096, &block(3)).unwrap();
+    std::mem::forget(fs);
+    let plain = format!("file:{}/v.img", dir.path().display());
+    let dev = nvme::open_device(&plain, &nvme::OpenOptions::default()).unwrap();
+    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    assert_eq!(fs.log_stats().replayed_records, 1);
+    assert_eq!(
+        fs.read(kept, 0, 8192).unwrap(),
+        block(1),
+        "exactly the fsynced data"
+    );
+    assert!(fs.lookup(root, b"lost").is_err(), "never fsynced");
+    fs.check().unwrap();
+}

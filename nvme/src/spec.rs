@@ -7,7 +7,8 @@
 //! Options follow the path after commas: `file:/srv/corefs.img,size=1GiB,qd=64,sqpoll=2000`.
 //! `size=` (file: create/grow; mem: capacity), `lba=` (512..4096, file and mem), `qd=` (queue
 //! depth), `buf=` (DMA buffer size = largest I/O), `bufs=` (buffers in the pool), `sqpoll[=MS]`,
-//! `iopoll=auto|on|off` (nvme), `hugepages=on|off`. Sizes take K, M, G, T suffixes with optional
+//! `iopoll=auto|on|off` (nvme), `hugepages=on|off`, `cache=volatile` (simulated volatile
+//! write cache: a killed process is a power cut). Sizes take K, M, G, T suffixes with optional
 //! `iB`/`B`, all binary (1K = 1024).
 
 use crate::backend::mem::MemConfig;
@@ -37,6 +38,9 @@ pub struct OpenOptions {
     pub sqpoll_idle_ms: Option<u32>,
     pub iopoll: IoPoll,
     pub hugepages: HugepagePolicy,
+    /// `cache=volatile`: simulate a volatile write cache ([`crate::wrap::volatile`]), so that
+    /// killing the process loses exactly the unflushed writes (crash testing).
+    pub volatile_cache: bool,
 }
 
 impl Default for OpenOptions {
@@ -50,6 +54,7 @@ impl Default for OpenOptions {
             sqpoll_idle_ms: None,
             iopoll: IoPoll::Auto,
             hugepages: HugepagePolicy::Prefer,
+            volatile_cache: false,
         }
     }
 }
@@ -102,6 +107,13 @@ impl DeviceSpec {
                         "on" => HugepagePolicy::Prefer,
                         "off" => HugepagePolicy::Never,
                         _ => return Err(bad(format!("hugepages={value}: use on or off"))),
+                    }
+                }
+                "cache" => {
+                    options.volatile_cache = match value {
+                        "volatile" => true,
+                        "none" => false,
+                        _ => return Err(bad(format!("cache={value}: use volatile or none"))),
                     }
                 }
                 _ => return Err(bad(format!("unknown option {key:?}"))),
@@ -159,7 +171,7 @@ impl DeviceSpec {
 /// Opens a device string with `defaults` for whatever the string does not set.
 pub fn open_device(spec: &str, defaults: &OpenOptions) -> Result<Box<dyn BlockDevice>, DevError> {
     let (device, o) = DeviceSpec::parse(spec, defaults)?;
-    Ok(match device {
+    let dev: Box<dyn BlockDevice> = match device {
         DeviceSpec::Nvme { path } => Box::new(PassthroughDevice::open(
             &path,
             &PassthroughConfig {
@@ -191,6 +203,11 @@ pub fn open_device(spec: &str, defaults: &OpenOptions) -> Result<Box<dyn BlockDe
             buf_bytes: o.buf_bytes,
             buf_count: o.buf_count,
         })?),
+    };
+    Ok(if o.volatile_cache {
+        Box::new(crate::wrap::VolatileCacheDevice::new(dev))
+    } else {
+        dev
     })
 }
 

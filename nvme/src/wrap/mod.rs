@@ -2,17 +2,21 @@
 //! - [`recording`]: logs every completed write and flush, in completion order, so any crash
 //!   state can be rebuilt afterwards ([`crash`]);
 //! - [`fault`]: seeded fault injection — EIO, bit rot, misdirected and lost writes, ignored
-//!   flushes, latency spikes, and a simulated power cut that drops or tears unflushed writes.
+//!   flushes, latency spikes, and a simulated power cut that drops or tears unflushed writes;
+//! - [`volatile`]: a volatile write cache (`cache=volatile`): unflushed writes live in memory,
+//!   so killing the process is a power cut.
 //!
 //! Both wrap any [`crate::BlockDevice`] and are devices themselves, so they stack.
 
 pub mod crash;
 pub mod fault;
 pub mod recording;
+pub mod volatile;
 
 pub use crash::{crash_image, crash_image_into, CrashMode};
 pub use fault::{FaultConfig, FaultDevice, FaultHandle, FaultStats};
 pub use recording::{Record, RecordingDevice, WriteLog};
+pub use volatile::VolatileCacheDevice;
 
 /// The seed for a seeded test or simulation: `COREFS_SEED` when set (to replay a failure),
 /// otherwise fresh. Printed either way, so every failing run can be replayed.
