@@ -140,9 +140,15 @@ impl Runtime {
             .name("corefs-reactor".into())
             .spawn(move || {
                 let _ = reactor_shared.reactor.set(std::thread::current());
-                let result = run(&reactor_shared, &config, dev, &ready_tx);
-                reactor_shared.stopped.store(true, Ordering::Release);
-                result
+                // Set even if the reactor panics, so waiting clients return instead of hanging.
+                struct Stopped<'a>(&'a AtomicBool);
+                impl Drop for Stopped<'_> {
+                    fn drop(&mut self) {
+                        self.0.store(true, Ordering::Release);
+                    }
+                }
+                let _stopped = Stopped(&reactor_shared.stopped);
+                run(&reactor_shared, &config, dev, &ready_tx)
             })
             .map_err(|e| EngineError::Invalid(format!("starting the reactor thread: {e}")))?;
         match ready_rx.recv() {
