@@ -58,11 +58,13 @@ struct corefs_options {
   uint8_t format;
   // Non-zero: the reactor busy-polls (a dedicated core); zero: spin then park.
   uint8_t busy_poll;
-  uint8_t reserved[2];
+  // Non-zero: pin the reactor to `core`; zero: not pinned.
+  uint8_t pin;
+  uint8_t reserved;
   // Shards when formatting (0: the default, 64).
   uint32_t shards;
-  // Core to pin the reactor to; negative: not pinned.
-  int32_t core;
+  // The core to pin the reactor to when `pin` is set.
+  uint32_t core;
   // Commit interval in milliseconds (0: the default, 5000).
   uint32_t commit_interval_ms;
   // Label when formatting (NULL: none); at most 32 bytes.

@@ -50,11 +50,13 @@ pub struct corefs_options {
     pub format: u8,
     /// Non-zero: the reactor busy-polls (a dedicated core); zero: spin then park.
     pub busy_poll: u8,
-    pub reserved: [u8; 2],
+    /// Non-zero: pin the reactor to `core`; zero: not pinned.
+    pub pin: u8,
+    pub reserved: u8,
     /// Shards when formatting (0: the default, 64).
     pub shards: u32,
-    /// Core to pin the reactor to; negative: not pinned.
-    pub core: i32,
+    /// The core to pin the reactor to when `pin` is set.
+    pub core: u32,
     /// Commit interval in milliseconds (0: the default, 5000).
     pub commit_interval_ms: u32,
     /// Label when formatting (NULL: none); at most 32 bytes.
@@ -337,7 +339,7 @@ pub unsafe extern "C" fn corefs_mount(
             if o.busy_poll != 0 {
                 config.idle = IdlePolicy::BusyPoll;
             }
-            if o.core >= 0 {
+            if o.pin != 0 {
                 config.core = Some(o.core as usize);
             }
             if o.commit_interval_ms != 0 {
@@ -363,9 +365,10 @@ pub unsafe extern "C" fn corefs_mkfs(
         corefs_options {
             format: 1,
             busy_poll: 0,
-            reserved: [0; 2],
+            pin: 0,
+            reserved: 0,
             shards: 0,
-            core: -1,
+            core: 0,
             commit_interval_ms: 0,
             label: std::ptr::null(),
         }

@@ -40,13 +40,18 @@ thread_local! {
     static CLIENTS: RefCell<HashMap<i64, Client>> = RefCell::new(HashMap::new());
 }
 
+/// Thread-locals may already be gone (a call from an `atexit` handler or a thread-local
+/// destructor): then the message is dropped rather than panicking.
 pub(crate) fn set_error(message: &str) {
     let text = CString::new(message.replace('\0', " ")).unwrap_or_default();
-    LAST_ERROR.with(|e| *e.borrow_mut() = text);
+    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = text);
 }
 
 pub(crate) fn last_error_ptr() -> *const libc::c_char {
-    LAST_ERROR.with(|e| e.borrow().as_ptr())
+    static GONE: &std::ffi::CStr = c"(no message: thread-local storage is gone)";
+    LAST_ERROR
+        .try_with(|e| e.borrow().as_ptr())
+        .unwrap_or(GONE.as_ptr())
 }
 
 pub(crate) fn register(runtime: Runtime) -> i64 {
@@ -87,9 +92,12 @@ pub(crate) fn unregister(id: i64) -> Result<Arc<Fs>, Error> {
     Ok(all.remove(at).1)
 }
 
-/// Runs `f` with this thread's client of `fs` (created on first use).
+/// Runs `f` with this thread's client of `fs` (created on first use). From a thread whose
+/// thread-locals are already destroyed (an `atexit` handler), a temporary client is used.
 pub(crate) fn with_client<T>(fs: &Fs, f: impl FnOnce(&mut Client) -> T) -> Result<T, Error> {
-    CLIENTS.with(|clients| {
+    let mut f = Some(f);
+    let result = CLIENTS.try_with(|clients| {
+        let f = f.take().expect("called once");
         let mut clients = clients.borrow_mut();
         let client = match clients.entry(fs.id) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
@@ -102,12 +110,23 @@ pub(crate) fn with_client<T>(fs: &Fs, f: impl FnOnce(&mut Client) -> T) -> Resul
             }
         };
         Ok(f(client))
-    })
+    });
+    match result {
+        Ok(r) => r,
+        Err(_) => {
+            let runtime = fs.runtime.lock().expect("runtime");
+            let runtime = runtime
+                .as_ref()
+                .ok_or_else(|| Error::new(libc::EBADF, "the filesystem is closing".into()))?;
+            let mut client = runtime.client(CLIENT_CAPACITY);
+            Ok((f.take().expect("not called yet"))(&mut client))
+        }
+    }
 }
 
 /// Drops this thread's client of a closed filesystem.
 pub(crate) fn forget_client(id: i64) {
-    CLIENTS.with(|c| c.borrow_mut().remove(&id));
+    let _ = CLIENTS.try_with(|c| c.borrow_mut().remove(&id));
 }
 
 /// Operations one thread may have in flight on one filesystem (asynchronous calls).

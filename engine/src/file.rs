@@ -265,8 +265,25 @@ impl Filesystem {
                 }
             }
         }
-        let overlapping = self.extents_in(ino, first, first + count)?;
-        self.ensure_meta_room(shard, 3 * overlapping.len() as u64 + runs.len() as u64 + 1)?;
+        let room = self
+            .extents_in(ino, first, first + count)
+            .and_then(|overlapping| {
+                self.ensure_meta_room(shard, 3 * overlapping.len() as u64 + runs.len() as u64 + 1)
+                    .map(|()| overlapping)
+            });
+        let overlapping = match room {
+            Ok(overlapping) => overlapping,
+            Err(e) => {
+                // Nothing changed yet: give the blocks back.
+                self.with_tree(shard, true, |_, io| {
+                    for &(disk, got) in &runs {
+                        io.space.free(disk, got, None);
+                    }
+                    Ok(())
+                })?;
+                return Err(e);
+            }
+        };
         let mut done = 0u64;
         let mut items = Vec::with_capacity(runs.len());
         for &(disk, got) in &runs {
@@ -299,8 +316,20 @@ impl Filesystem {
         Ok(count as i64 - freed as i64)
     }
 
-    /// Writes `data` at `offset` (any alignment). Returns bytes written.
+    /// Writes `data` at `offset` (any alignment). Returns bytes written. When the shard is full
+    /// only because blocks freed in the running transaction wait for its commit (an overwrite
+    /// frees the old copy, pinned), commits once and retries before reporting ENOSPC.
     pub fn write(&mut self, ino: u64, offset: u64, data: &[u8]) -> Result<usize> {
+        match self.write_once(ino, offset, data) {
+            Err(EngineError::NoSpace) if self.pinned_blocks(self.shard_of(ino)) > 0 => {
+                self.commit()?;
+                self.write_once(ino, offset, data)
+            }
+            other => other,
+        }
+    }
+
+    fn write_once(&mut self, ino: u64, offset: u64, data: &[u8]) -> Result<usize> {
         self.check_writable()?;
         let mut item = self.file_inode(ino)?;
         if data.is_empty() {
@@ -383,6 +412,22 @@ impl Filesystem {
 
     /// fallocate(2): preallocate (optionally keeping the size), punch a hole, or zero a range.
     pub fn fallocate(
+        &mut self,
+        ino: u64,
+        mode: FallocateMode,
+        offset: u64,
+        len: u64,
+    ) -> Result<()> {
+        match self.fallocate_once(ino, mode, offset, len) {
+            Err(EngineError::NoSpace) if self.pinned_blocks(self.shard_of(ino)) > 0 => {
+                self.commit()?;
+                self.fallocate_once(ino, mode, offset, len)
+            }
+            other => other,
+        }
+    }
+
+    fn fallocate_once(
         &mut self,
         ino: u64,
         mode: FallocateMode,

@@ -479,6 +479,11 @@ impl Filesystem {
         self.with_tree(shard, false, |tree, io| tree.leaves_holding(io, start, end))
     }
 
+    /// Blocks of shard `shard` freed and waiting for a commit to be reusable.
+    pub(crate) fn pinned_blocks(&self, shard: u32) -> u64 {
+        self.shards[shard as usize].space.pinned_block_count()
+    }
+
     /// Dirty tree nodes in the running transaction, over all shards.
     pub fn dirty_nodes(&self) -> usize {
         self.shards.iter().map(|s| s.tree.dirty_nodes()).sum()

@@ -77,6 +77,11 @@ impl Space {
         self.pinned.len()
     }
 
+    /// Blocks freed and waiting for their generation to unpin.
+    pub fn pinned_block_count(&self) -> u64 {
+        self.busy_count - self.allocated_count
+    }
+
     fn bit(map: &[u64], index: u64) -> bool {
         map[(index / 64) as usize] & (1 << (index % 64)) != 0
     }

@@ -393,3 +393,26 @@ fn a_killed_process_behind_a_volatile_cache_keeps_exactly_the_fsynced_data() {
     assert!(fs.lookup(root, b"lost").is_err(), "never fsynced");
     fs.check().unwrap();
 }
+
+#[test]
+fn overwrites_between_fsyncs_do_not_hit_enospc_while_frees_wait_for_a_commit() {
+    // Each full overwrite frees the previous copy, pinned until a commit; fsyncs alone never
+    // commit, so without a commit-and-retry the third copy finds the shard full.
+    let mut fs = mount(&fresh(2));
+    let root = fs.root();
+    let ino = fs.create(root, b"big", 0o644, 0, 0).unwrap().ino;
+    let shard_free = fs.statfs().free_blocks / 2;
+    let blocks = shard_free * 6 / 10;
+    let chunk = vec![0x5au8; 64 << 10];
+    for round in 0..4 {
+        let mut offset = 0;
+        while offset < blocks * 4096 {
+            fs.write(ino, offset, &chunk)
+                .unwrap_or_else(|e| panic!("round {round} offset {offset}: {e}"));
+            offset += chunk.len() as u64;
+        }
+        fs.fsync(ino).unwrap();
+    }
+    assert!(fs.commit_stats().commits >= 1);
+    fs.check().unwrap();
+}

@@ -54,7 +54,6 @@ int main(int argc, char **argv) {
   struct corefs_options opts = {0};
   opts.format = 1;
   opts.shards = 4;
-  opts.core = -1;
   opts.label = "capi";
   corefs_fs fs = corefs_mount(device, &opts);
   OK(fs);

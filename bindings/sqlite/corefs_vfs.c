@@ -1,0 +1,921 @@
+/* corefs_vfs.c - a SQLite VFS named "corefs" on top of the corefs C ABI (corefs.h).
+ *
+ * Built as a loadable extension (the default):
+ *   gcc -O2 -fPIC -shared corefs_vfs.c -I bindings/include -L target/release -lcorefs \
+ *       -lpthread -o libcorefs_sqlite.so
+ *   sqlite3 -cmd ".load ./libcorefs_sqlite" -cmd ".open file:/x.db?vfs=corefs" :memory:
+ * (the shell opens a database named on its command line before running -cmd, when the VFS
+ * is not registered yet, so it starts on :memory: and .opens the database after the .load)
+ * or compiled into a program with -DCOREFS_VFS_STATIC, which then calls
+ * corefs_vfs_register().
+ *
+ * Configuration (read at the first xOpen/xAccess/xDelete, which mounts the filesystem):
+ *   COREFS_DEVICE  the corefs device string (file:/var/tmp/x.img,size=256MiB, mem:256MiB, ...)
+ *   COREFS_FORMAT  "1": format the device at mount (destroys its content)
+ *   COREFS_SHARDS  shards when formatting (default 64). A file's blocks all come from its
+ *                  inode's shard, whose region is 1/shards of the device: on small images a
+ *                  database or WAL larger than that fails with SQLITE_FULL unless fewer shards
+ *                  are used.
+ * The filesystem stays mounted until the process exits (an atexit handler closes it, which
+ * commits everything).
+ *
+ * Paths are absolute ("/db.sqlite"), relative to the root of the corefs filesystem.
+ *
+ * Locking: SQLite's SHARED/RESERVED/PENDING/EXCLUSIVE protocol and the WAL shared memory are
+ * implemented in memory, per inode, for all connections of this process (as the in-process
+ * part of os_unix.c). Nothing protects a filesystem image from a second process: corefs
+ * itself must only be mounted by one process at a time.
+ */
+#ifdef COREFS_VFS_STATIC
+#include <sqlite3.h>
+#else
+#include <sqlite3ext.h>
+SQLITE_EXTENSION_INIT1
+#endif
+
+#include "corefs.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define CFS_VFS_NAME "corefs"
+#define CFS_MAX_PATHNAME 512
+#define CFS_SECTOR_SIZE 4096
+#define CFS_FILE_MODE 0644
+
+/* ------------------------------------------------------------------------------------------ */
+/* Global state                                                                               */
+/* ------------------------------------------------------------------------------------------ */
+
+/* Guards the lazy mount. */
+static pthread_mutex_t g_mount_mutex = PTHREAD_MUTEX_INITIALIZER;
+static corefs_fs g_fs = 0; /* > 0 once mounted */
+static int g_atexit_registered = 0;
+
+/* Guards the inode table, its lock state and its shared memory. */
+static pthread_mutex_t g_mutex = PTHREAD_MUTEX_INITIALIZER;
+
+/* The VFS that xRandomness, xSleep, xCurrentTime... are delegated to. */
+static sqlite3_vfs *g_default_vfs = 0;
+
+/* Temporary file names. */
+static unsigned long g_tmp_counter = 0;
+
+typedef struct CfsShm CfsShm;
+
+/* The WAL shared memory of one database (one inode), shared by the connections of this
+ * process. */
+typedef struct CfsShmNode {
+  int szRegion;               /* size of each region (0 until the first xShmMap) */
+  int nRegion;                /* regions in apRegion */
+  char **apRegion;            /* the regions, zero-initialised */
+  int aLock[SQLITE_SHM_NLOCK]; /* per slot: 0 free, > 0 shared holders, -1 exclusive */
+  CfsShm *pFirst;             /* connections using this node */
+} CfsShmNode;
+
+/* One connection's view of a CfsShmNode. */
+struct CfsShm {
+  CfsShmNode *pNode;
+  CfsShm *pNext;
+  uint16_t sharedMask; /* slots this connection holds shared */
+  uint16_t exclMask;   /* slots this connection holds exclusive */
+};
+
+/* Lock state of one inode, shared by every open file of it. */
+typedef struct CfsInode {
+  uint64_t ino;
+  int nRef;    /* open CfsFiles */
+  int nShared; /* files holding SHARED or more */
+  int eLock;   /* strongest lock held: NONE, SHARED, RESERVED, PENDING or EXCLUSIVE */
+  CfsShmNode *pShmNode;
+  struct CfsInode *pNext;
+} CfsInode;
+
+static CfsInode *g_inodes = 0;
+
+typedef struct CfsFile {
+  sqlite3_file base;
+  corefs_fd fd;
+  CfsInode *pInode;
+  int eLock;     /* this file's lock level */
+  int openFlags; /* SQLITE_OPEN_* */
+  char *zDelete; /* path to unlink at close (DELETEONCLOSE), sqlite3_malloc'd */
+  char *zPath;   /* for messages, sqlite3_malloc'd */
+  CfsShm *pShm;  /* this connection's shared memory, when mapped */
+} CfsFile;
+
+/* ------------------------------------------------------------------------------------------ */
+/* Mount                                                                                      */
+/* ------------------------------------------------------------------------------------------ */
+
+static void *cfs_close_thread(void *arg) {
+  corefs_fs fs = *(corefs_fs *)arg;
+  int rc = corefs_close(fs);
+  if (rc < 0) {
+    sqlite3_log(SQLITE_IOERR, "corefs vfs: corefs_close failed (%d): %s", rc,
+                corefs_last_error());
+  }
+  return 0;
+}
+
+/* At exit, glibc has already destroyed the calling thread's thread-local storage, which
+ * libcorefs uses (its per-thread client and error message): corefs_close on this thread
+ * aborts the process. Closing from a fresh thread avoids that. */
+static void cfs_atexit(void) {
+  pthread_t thread;
+  corefs_fs fs;
+  pthread_mutex_lock(&g_mount_mutex);
+  fs = g_fs;
+  g_fs = 0;
+  pthread_mutex_unlock(&g_mount_mutex);
+  if (fs <= 0) return;
+  if (pthread_create(&thread, 0, cfs_close_thread, &fs) == 0) {
+    pthread_join(thread, 0);
+  } else {
+    cfs_close_thread(&fs);
+  }
+}
+
+/* Mounts the filesystem on first use. Returns SQLITE_OK and sets *pFs, or SQLITE_CANTOPEN. */
+static int cfs_mounted(corefs_fs *pFs) {
+  int rc = SQLITE_OK;
+  pthread_mutex_lock(&g_mount_mutex);
+  if (g_fs <= 0) {
+    const char *device = getenv("COREFS_DEVICE");
+    if (device == 0 || device[0] == 0) {
+      sqlite3_log(SQLITE_CANTOPEN,
+                  "corefs vfs: COREFS_DEVICE is not set (a corefs device string such as "
+                  "file:/var/tmp/fs.img,size=256MiB or mem:256MiB)");
+      rc = SQLITE_CANTOPEN;
+    } else {
+      struct corefs_options options;
+      const char *format = getenv("COREFS_FORMAT");
+      memset(&options, 0, sizeof(options));
+      const char *shards = getenv("COREFS_SHARDS");
+      options.format = (format != 0 && strcmp(format, "1") == 0) ? 1 : 0;
+      if (shards != 0 && shards[0] != 0) options.shards = (uint32_t)strtoul(shards, 0, 10);
+      corefs_fs fs = corefs_mount(device, &options);
+      if (fs < 0) {
+        sqlite3_log(SQLITE_CANTOPEN, "corefs vfs: corefs_mount(%s) failed (%lld): %s", device,
+                    (long long)fs, corefs_last_error());
+        rc = SQLITE_CANTOPEN;
+      } else {
+        g_fs = fs;
+        if (!g_atexit_registered) {
+          g_atexit_registered = 1;
+          atexit(cfs_atexit);
+        }
+      }
+    }
+  }
+  if (rc == SQLITE_OK) *pFs = g_fs;
+  pthread_mutex_unlock(&g_mount_mutex);
+  return rc;
+}
+
+static corefs_fs cfs_fs(void) {
+  /* Only called on open files: the filesystem is mounted. */
+  return g_fs;
+}
+
+/* Logs a failed corefs call and returns rc. */
+static int cfs_fail(int rc, const char *call, const char *path, long long err) {
+  sqlite3_log(rc, "corefs vfs: %s(%s) failed (%lld): %s", call, path ? path : "", err,
+              corefs_last_error());
+  return rc;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* The inode table                                                                            */
+/* ------------------------------------------------------------------------------------------ */
+
+/* Finds or creates the entry of `ino` and takes a reference. Called with g_mutex held. */
+static CfsInode *cfs_inode_ref(uint64_t ino) {
+  CfsInode *p;
+  for (p = g_inodes; p; p = p->pNext) {
+    if (p->ino == ino) {
+      p->nRef++;
+      return p;
+    }
+  }
+  p = sqlite3_malloc(sizeof(*p));
+  if (p == 0) return 0;
+  memset(p, 0, sizeof(*p));
+  p->ino = ino;
+  p->nRef = 1;
+  p->pNext = g_inodes;
+  g_inodes = p;
+  return p;
+}
+
+/* Drops a reference. Called with g_mutex held. */
+static void cfs_inode_unref(CfsInode *pInode) {
+  CfsInode **pp;
+  if (--pInode->nRef > 0) return;
+  for (pp = &g_inodes; *pp; pp = &(*pp)->pNext) {
+    if (*pp == pInode) {
+      *pp = pInode->pNext;
+      break;
+    }
+  }
+  /* The shared memory is gone once every connection unmapped it (see cfs_shm_unmap). */
+  sqlite3_free(pInode);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* I/O methods                                                                                */
+/* ------------------------------------------------------------------------------------------ */
+
+static int cfs_shm_unmap(sqlite3_file *pFile, int deleteFlag);
+static int cfs_unlock(sqlite3_file *pFile, int eLock);
+
+static int cfs_close(sqlite3_file *pFile) {
+  CfsFile *p = (CfsFile *)pFile;
+  int rc = SQLITE_OK;
+  if (p->pShm) cfs_shm_unmap(pFile, 0);
+  if (p->pInode) {
+    cfs_unlock(pFile, SQLITE_LOCK_NONE);
+    pthread_mutex_lock(&g_mutex);
+    cfs_inode_unref(p->pInode);
+    pthread_mutex_unlock(&g_mutex);
+    p->pInode = 0;
+  }
+  if (p->fd > 0) {
+    int e = corefs_release(cfs_fs(), p->fd);
+    if (e < 0) rc = cfs_fail(SQLITE_IOERR_CLOSE, "corefs_release", p->zPath, e);
+    p->fd = 0;
+  }
+  if (p->zDelete) {
+    /* After the release: corefs frees an unlinked inode at once. */
+    int e = corefs_unlink(cfs_fs(), p->zDelete);
+    if (e < 0 && e != -ENOENT && rc == SQLITE_OK) {
+      rc = cfs_fail(SQLITE_IOERR_DELETE, "corefs_unlink", p->zDelete, e);
+    }
+    sqlite3_free(p->zDelete);
+    p->zDelete = 0;
+  }
+  sqlite3_free(p->zPath);
+  p->zPath = 0;
+  return rc;
+}
+
+static int cfs_read(sqlite3_file *pFile, void *zBuf, int iAmt, sqlite3_int64 iOfst) {
+  CfsFile *p = (CfsFile *)pFile;
+  uint8_t *buf = zBuf;
+  size_t done = 0;
+  while (done < (size_t)iAmt) {
+    int64_t n = corefs_pread(cfs_fs(), p->fd, buf + done, (size_t)iAmt - done,
+                             (uint64_t)iOfst + done);
+    if (n < 0) return cfs_fail(SQLITE_IOERR_READ, "corefs_pread", p->zPath, n);
+    if (n == 0) break;
+    done += (size_t)n;
+  }
+  if (done < (size_t)iAmt) {
+    memset(buf + done, 0, (size_t)iAmt - done);
+    return SQLITE_IOERR_SHORT_READ;
+  }
+  return SQLITE_OK;
+}
+
+static int cfs_write(sqlite3_file *pFile, const void *zBuf, int iAmt, sqlite3_int64 iOfst) {
+  CfsFile *p = (CfsFile *)pFile;
+  const uint8_t *buf = zBuf;
+  size_t done = 0;
+  int retried = 0;
+  while (done < (size_t)iAmt) {
+    int64_t n = corefs_pwrite(cfs_fs(), p->fd, buf + done, (size_t)iAmt - done,
+                              (uint64_t)iOfst + done);
+    if (n == -ENOSPC && !retried) {
+      /* corefs frees overwritten blocks only at its next commit (copy-on-write): a file
+       * rewritten within one commit interval can run its shard out of space while the
+       * freed blocks wait. Commit now and try once more. */
+      retried = 1;
+      if (corefs_sync(cfs_fs()) == 0) continue;
+    }
+    if (n < 0) {
+      return cfs_fail(n == -ENOSPC ? SQLITE_FULL : SQLITE_IOERR_WRITE, "corefs_pwrite",
+                      p->zPath, n);
+    }
+    if (n == 0) return cfs_fail(SQLITE_IOERR_WRITE, "corefs_pwrite (wrote 0)", p->zPath, 0);
+    done += (size_t)n;
+  }
+  return SQLITE_OK;
+}
+
+static int cfs_truncate(sqlite3_file *pFile, sqlite3_int64 size) {
+  CfsFile *p = (CfsFile *)pFile;
+  int e = corefs_ftruncate(cfs_fs(), p->fd, (uint64_t)size);
+  if (e < 0) return cfs_fail(SQLITE_IOERR_TRUNCATE, "corefs_ftruncate", p->zPath, e);
+  return SQLITE_OK;
+}
+
+static int cfs_sync(sqlite3_file *pFile, int flags) {
+  CfsFile *p = (CfsFile *)pFile;
+  int e;
+  if (flags & SQLITE_SYNC_DATAONLY) {
+    e = corefs_fdatasync(cfs_fs(), p->fd);
+    if (e < 0) return cfs_fail(SQLITE_IOERR_FSYNC, "corefs_fdatasync", p->zPath, e);
+  } else {
+    e = corefs_fsync(cfs_fs(), p->fd);
+    if (e < 0) return cfs_fail(SQLITE_IOERR_FSYNC, "corefs_fsync", p->zPath, e);
+  }
+  return SQLITE_OK;
+}
+
+static int cfs_file_size(sqlite3_file *pFile, sqlite3_int64 *pSize) {
+  CfsFile *p = (CfsFile *)pFile;
+  struct corefs_stat st;
+  int e = corefs_fstat(cfs_fs(), p->fd, &st);
+  if (e < 0) return cfs_fail(SQLITE_IOERR_FSTAT, "corefs_fstat", p->zPath, e);
+  *pSize = (sqlite3_int64)st.size;
+  return SQLITE_OK;
+}
+
+/* The in-process part of os_unix.c's unixLock. */
+static int cfs_lock(sqlite3_file *pFile, int eLock) {
+  CfsFile *p = (CfsFile *)pFile;
+  CfsInode *pInode = p->pInode;
+  int rc = SQLITE_OK;
+
+  if (p->eLock >= eLock) return SQLITE_OK;
+  if (pInode == 0) return SQLITE_IOERR_LOCK;
+
+  pthread_mutex_lock(&g_mutex);
+  if (p->eLock != pInode->eLock &&
+      (pInode->eLock >= SQLITE_LOCK_PENDING || eLock > SQLITE_LOCK_SHARED)) {
+    /* Another file holds a lock that excludes this one. */
+    rc = SQLITE_BUSY;
+  } else if (eLock == SQLITE_LOCK_SHARED) {
+    /* p holds nothing; the inode holds NONE, SHARED or RESERVED. */
+    p->eLock = SQLITE_LOCK_SHARED;
+    pInode->nShared++;
+    if (pInode->eLock == SQLITE_LOCK_NONE) pInode->eLock = SQLITE_LOCK_SHARED;
+  } else if (eLock == SQLITE_LOCK_EXCLUSIVE && pInode->nShared > 1) {
+    /* Other readers remain: hold PENDING so that no new one comes in. */
+    p->eLock = SQLITE_LOCK_PENDING;
+    pInode->eLock = SQLITE_LOCK_PENDING;
+    rc = SQLITE_BUSY;
+  } else {
+    /* RESERVED, or EXCLUSIVE with p the only reader. */
+    p->eLock = eLock;
+    pInode->eLock = eLock;
+  }
+  pthread_mutex_unlock(&g_mutex);
+  return rc;
+}
+
+/* The in-process part of os_unix.c's posixUnlock. */
+static int cfs_unlock(sqlite3_file *pFile, int eLock) {
+  CfsFile *p = (CfsFile *)pFile;
+  CfsInode *pInode = p->pInode;
+
+  if (p->eLock <= eLock) return SQLITE_OK;
+  if (pInode == 0) return SQLITE_IOERR_UNLOCK;
+
+  pthread_mutex_lock(&g_mutex);
+  if (p->eLock > SQLITE_LOCK_SHARED) {
+    /* p held the one RESERVED/PENDING/EXCLUSIVE lock of the inode. */
+    pInode->eLock = SQLITE_LOCK_SHARED;
+  }
+  if (eLock == SQLITE_LOCK_NONE) {
+    pInode->nShared--;
+    if (pInode->nShared == 0) pInode->eLock = SQLITE_LOCK_NONE;
+  }
+  p->eLock = eLock;
+  pthread_mutex_unlock(&g_mutex);
+  return SQLITE_OK;
+}
+
+static int cfs_check_reserved_lock(sqlite3_file *pFile, int *pResOut) {
+  CfsFile *p = (CfsFile *)pFile;
+  int reserved = 0;
+  if (p->pInode) {
+    pthread_mutex_lock(&g_mutex);
+    reserved = p->pInode->eLock > SQLITE_LOCK_SHARED;
+    pthread_mutex_unlock(&g_mutex);
+  }
+  *pResOut = reserved;
+  return SQLITE_OK;
+}
+
+static int cfs_file_control(sqlite3_file *pFile, int op, void *pArg) {
+  (void)pFile;
+  (void)op;
+  (void)pArg;
+  return SQLITE_NOTFOUND;
+}
+
+static int cfs_sector_size(sqlite3_file *pFile) {
+  (void)pFile;
+  return CFS_SECTOR_SIZE;
+}
+
+static int cfs_device_characteristics(sqlite3_file *pFile) {
+  (void)pFile;
+  return SQLITE_IOCAP_POWERSAFE_OVERWRITE;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* WAL shared memory                                                                          */
+/* ------------------------------------------------------------------------------------------ */
+
+static int cfs_shm_map(sqlite3_file *pFile, int iRegion, int szRegion, int bExtend,
+                       void volatile **pp) {
+  CfsFile *p = (CfsFile *)pFile;
+  CfsShmNode *pNode;
+  int rc = SQLITE_OK;
+
+  *pp = 0;
+  if (p->pInode == 0 || iRegion < 0 || szRegion <= 0) return SQLITE_IOERR_SHMMAP;
+  pthread_mutex_lock(&g_mutex);
+  if (p->pShm == 0) {
+    CfsShm *pShm = sqlite3_malloc(sizeof(*pShm));
+    if (pShm == 0) {
+      rc = SQLITE_NOMEM;
+      goto out;
+    }
+    memset(pShm, 0, sizeof(*pShm));
+    pNode = p->pInode->pShmNode;
+    if (pNode == 0) {
+      pNode = sqlite3_malloc(sizeof(*pNode));
+      if (pNode == 0) {
+        sqlite3_free(pShm);
+        rc = SQLITE_NOMEM;
+        goto out;
+      }
+      memset(pNode, 0, sizeof(*pNode));
+      p->pInode->pShmNode = pNode;
+    }
+    pShm->pNode = pNode;
+    pShm->pNext = pNode->pFirst;
+    pNode->pFirst = pShm;
+    p->pShm = pShm;
+  }
+  pNode = p->pShm->pNode;
+  if (pNode->szRegion == 0) pNode->szRegion = szRegion;
+  if (pNode->szRegion != szRegion) {
+    rc = SQLITE_IOERR_SHMSIZE;
+    goto out;
+  }
+  if (iRegion >= pNode->nRegion) {
+    if (!bExtend) goto out; /* not there yet: *pp stays NULL */
+    char **apNew = sqlite3_realloc64(pNode->apRegion, (sqlite3_uint64)(iRegion + 1) * sizeof(char *));
+    if (apNew == 0) {
+      rc = SQLITE_IOERR_NOMEM;
+      goto out;
+    }
+    pNode->apRegion = apNew;
+    while (pNode->nRegion <= iRegion) {
+      char *pRegion = sqlite3_malloc(szRegion);
+      if (pRegion == 0) {
+        rc = SQLITE_IOERR_NOMEM;
+        goto out;
+      }
+      memset(pRegion, 0, (size_t)szRegion);
+      pNode->apRegion[pNode->nRegion++] = pRegion;
+    }
+  }
+  *pp = pNode->apRegion[iRegion];
+out:
+  pthread_mutex_unlock(&g_mutex);
+  return rc;
+}
+
+static int cfs_shm_lock(sqlite3_file *pFile, int ofst, int n, int flags) {
+  CfsFile *p = (CfsFile *)pFile;
+  CfsShm *pShm = p->pShm;
+  CfsShmNode *pNode;
+  uint16_t mask;
+  int i, rc = SQLITE_OK;
+
+  if (pShm == 0) return SQLITE_IOERR_SHMLOCK;
+  if (ofst < 0 || n < 1 || ofst + n > SQLITE_SHM_NLOCK) return SQLITE_IOERR_SHMLOCK;
+  if (!(flags == (SQLITE_SHM_LOCK | SQLITE_SHM_SHARED) ||
+        flags == (SQLITE_SHM_LOCK | SQLITE_SHM_EXCLUSIVE) ||
+        flags == (SQLITE_SHM_UNLOCK | SQLITE_SHM_SHARED) ||
+        flags == (SQLITE_SHM_UNLOCK | SQLITE_SHM_EXCLUSIVE))) {
+    return SQLITE_IOERR_SHMLOCK;
+  }
+  mask = (uint16_t)((1u << (ofst + n)) - (1u << ofst));
+  pNode = pShm->pNode;
+
+  pthread_mutex_lock(&g_mutex);
+  if (flags & SQLITE_SHM_UNLOCK) {
+    for (i = ofst; i < ofst + n; i++) {
+      uint16_t bit = (uint16_t)(1u << i);
+      if (pShm->exclMask & bit) {
+        pNode->aLock[i] = 0;
+      } else if (pShm->sharedMask & bit) {
+        pNode->aLock[i]--;
+      }
+    }
+    pShm->exclMask &= (uint16_t)~mask;
+    pShm->sharedMask &= (uint16_t)~mask;
+  } else if (flags & SQLITE_SHM_SHARED) {
+    /* One slot at a time (SQLite never asks for more); handled as a range anyway. */
+    for (i = ofst; i < ofst + n; i++) {
+      uint16_t bit = (uint16_t)(1u << i);
+      if ((pShm->sharedMask | pShm->exclMask) & bit) continue;
+      if (pNode->aLock[i] < 0) {
+        rc = SQLITE_BUSY;
+        break;
+      }
+    }
+    if (rc == SQLITE_OK) {
+      for (i = ofst; i < ofst + n; i++) {
+        uint16_t bit = (uint16_t)(1u << i);
+        if ((pShm->sharedMask | pShm->exclMask) & bit) continue;
+        pNode->aLock[i]++;
+        pShm->sharedMask |= bit;
+      }
+    }
+  } else {
+    /* Exclusive: no other connection may hold any lock of the range. */
+    for (i = ofst; i < ofst + n; i++) {
+      uint16_t bit = (uint16_t)(1u << i);
+      int others;
+      if (pShm->exclMask & bit) continue; /* already ours */
+      if (pNode->aLock[i] < 0) {          /* exclusive by another connection */
+        rc = SQLITE_BUSY;
+        break;
+      }
+      others = pNode->aLock[i] - ((pShm->sharedMask & bit) ? 1 : 0);
+      if (others > 0) { /* shared by other connections */
+        rc = SQLITE_BUSY;
+        break;
+      }
+    }
+    if (rc == SQLITE_OK) {
+      for (i = ofst; i < ofst + n; i++) pNode->aLock[i] = -1;
+      pShm->sharedMask &= (uint16_t)~mask;
+      pShm->exclMask |= mask;
+    }
+  }
+  pthread_mutex_unlock(&g_mutex);
+  return rc;
+}
+
+static void cfs_shm_barrier(sqlite3_file *pFile) {
+  (void)pFile;
+  __sync_synchronize();
+  pthread_mutex_lock(&g_mutex);
+  pthread_mutex_unlock(&g_mutex);
+}
+
+static int cfs_shm_unmap(sqlite3_file *pFile, int deleteFlag) {
+  CfsFile *p = (CfsFile *)pFile;
+  CfsShm *pShm = p->pShm;
+  CfsShmNode *pNode;
+  CfsShm **pp;
+  int i;
+
+  (void)deleteFlag; /* nothing is on disk: the memory goes with the last connection */
+  if (pShm == 0) return SQLITE_OK;
+  pthread_mutex_lock(&g_mutex);
+  pNode = pShm->pNode;
+  /* Release whatever this connection still holds. */
+  for (i = 0; i < SQLITE_SHM_NLOCK; i++) {
+    uint16_t bit = (uint16_t)(1u << i);
+    if (pShm->exclMask & bit) pNode->aLock[i] = 0;
+    else if (pShm->sharedMask & bit) pNode->aLock[i]--;
+  }
+  for (pp = &pNode->pFirst; *pp; pp = &(*pp)->pNext) {
+    if (*pp == pShm) {
+      *pp = pShm->pNext;
+      break;
+    }
+  }
+  sqlite3_free(pShm);
+  p->pShm = 0;
+  if (pNode->pFirst == 0) {
+    for (i = 0; i < pNode->nRegion; i++) sqlite3_free(pNode->apRegion[i]);
+    sqlite3_free(pNode->apRegion);
+    if (p->pInode && p->pInode->pShmNode == pNode) p->pInode->pShmNode = 0;
+    sqlite3_free(pNode);
+  }
+  pthread_mutex_unlock(&g_mutex);
+  return SQLITE_OK;
+}
+
+static int cfs_fetch(sqlite3_file *pFile, sqlite3_int64 iOfst, int iAmt, void **pp) {
+  (void)pFile;
+  (void)iOfst;
+  (void)iAmt;
+  *pp = 0;
+  return SQLITE_OK;
+}
+
+static int cfs_unfetch(sqlite3_file *pFile, sqlite3_int64 iOfst, void *p) {
+  (void)pFile;
+  (void)iOfst;
+  (void)p;
+  return SQLITE_OK;
+}
+
+static const sqlite3_io_methods cfs_io_methods = {
+    3,                          /* iVersion */
+    cfs_close,                  /* xClose */
+    cfs_read,                   /* xRead */
+    cfs_write,                  /* xWrite */
+    cfs_truncate,               /* xTruncate */
+    cfs_sync,                   /* xSync */
+    cfs_file_size,              /* xFileSize */
+    cfs_lock,                   /* xLock */
+    cfs_unlock,                 /* xUnlock */
+    cfs_check_reserved_lock,    /* xCheckReservedLock */
+    cfs_file_control,           /* xFileControl */
+    cfs_sector_size,            /* xSectorSize */
+    cfs_device_characteristics, /* xDeviceCharacteristics */
+    cfs_shm_map,                /* xShmMap */
+    cfs_shm_lock,               /* xShmLock */
+    cfs_shm_barrier,            /* xShmBarrier */
+    cfs_shm_unmap,              /* xShmUnmap */
+    cfs_fetch,                  /* xFetch */
+    cfs_unfetch,                /* xUnfetch */
+};
+
+/* ------------------------------------------------------------------------------------------ */
+/* VFS methods                                                                                */
+/* ------------------------------------------------------------------------------------------ */
+
+static int cfs_open_errno_to_rc(long long e) {
+  switch (-e) {
+    case ENOSPC:
+      return SQLITE_FULL;
+    case ENOMEM:
+      return SQLITE_NOMEM;
+    default:
+      /* ENOENT, EEXIST, EACCES, EISDIR, ENOTDIR, EINVAL, ... */
+      return SQLITE_CANTOPEN;
+  }
+}
+
+static int cfs_open(sqlite3_vfs *pVfs, const char *zName, sqlite3_file *pFile, int flags,
+                    int *pOutFlags) {
+  CfsFile *p = (CfsFile *)pFile;
+  corefs_fs fs;
+  char zTmp[64];
+  const char *zPath = zName;
+  int oflags;
+  corefs_fd fd;
+  struct corefs_stat st;
+  int rc, e;
+
+  (void)pVfs;
+  memset(p, 0, sizeof(*p));
+  rc = cfs_mounted(&fs);
+  if (rc != SQLITE_OK) return rc;
+
+  if (zPath == 0) {
+    unsigned long n = __sync_add_and_fetch(&g_tmp_counter, 1);
+    sqlite3_snprintf((int)sizeof(zTmp), zTmp, "/.corefs-tmp-%d-%lu", (int)getpid(), n);
+    zPath = zTmp;
+    flags |= SQLITE_OPEN_DELETEONCLOSE | SQLITE_OPEN_CREATE | SQLITE_OPEN_EXCLUSIVE;
+  }
+
+  oflags = (flags & SQLITE_OPEN_READWRITE) ? COREFS_O_RDWR : COREFS_O_RDONLY;
+  if (flags & SQLITE_OPEN_CREATE) oflags |= COREFS_O_CREAT;
+  if (flags & SQLITE_OPEN_EXCLUSIVE) oflags |= COREFS_O_EXCL;
+
+  fd = corefs_open(fs, zPath, oflags, CFS_FILE_MODE);
+  if (fd < 0 && (flags & SQLITE_OPEN_READWRITE) && (fd == -EACCES || fd == -EROFS ||
+                                                     fd == -EISDIR)) {
+    /* As os_unix.c: fall back to read-only. */
+    flags = (flags & ~(SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE)) | SQLITE_OPEN_READONLY;
+    fd = corefs_open(fs, zPath, COREFS_O_RDONLY, CFS_FILE_MODE);
+  }
+  if (fd < 0) return cfs_fail(cfs_open_errno_to_rc(fd), "corefs_open", zPath, fd);
+
+  e = corefs_fstat(fs, fd, &st);
+  if (e < 0) {
+    corefs_release(fs, fd);
+    return cfs_fail(SQLITE_CANTOPEN, "corefs_fstat", zPath, e);
+  }
+
+  p->fd = fd;
+  p->openFlags = flags;
+  p->zPath = sqlite3_mprintf("%s", zPath);
+  if (flags & SQLITE_OPEN_DELETEONCLOSE) p->zDelete = sqlite3_mprintf("%s", zPath);
+  pthread_mutex_lock(&g_mutex);
+  p->pInode = cfs_inode_ref(st.ino);
+  pthread_mutex_unlock(&g_mutex);
+  if (p->zPath == 0 || ((flags & SQLITE_OPEN_DELETEONCLOSE) && p->zDelete == 0) ||
+      p->pInode == 0) {
+    if (p->pInode) {
+      pthread_mutex_lock(&g_mutex);
+      cfs_inode_unref(p->pInode);
+      pthread_mutex_unlock(&g_mutex);
+    }
+    corefs_release(fs, fd);
+    if (flags & SQLITE_OPEN_DELETEONCLOSE) corefs_unlink(fs, zPath);
+    sqlite3_free(p->zPath);
+    sqlite3_free(p->zDelete);
+    memset(p, 0, sizeof(*p));
+    return SQLITE_NOMEM;
+  }
+  p->base.pMethods = &cfs_io_methods;
+  if (pOutFlags) *pOutFlags = flags;
+  return SQLITE_OK;
+}
+
+/* Makes the entries of the directory holding `zPath` durable. */
+static int cfs_sync_parent(corefs_fs fs, const char *zPath) {
+  char zDir[CFS_MAX_PATHNAME + 1];
+  const char *zSlash = strrchr(zPath, '/');
+  size_t n = zSlash ? (size_t)(zSlash - zPath) : 0;
+  corefs_fd dir;
+  int e;
+  if (n == 0) {
+    strcpy(zDir, "/");
+  } else {
+    if (n > CFS_MAX_PATHNAME) return SQLITE_IOERR_DIR_FSYNC;
+    memcpy(zDir, zPath, n);
+    zDir[n] = 0;
+  }
+  dir = corefs_open(fs, zDir, COREFS_O_RDONLY | COREFS_O_DIRECTORY, 0);
+  if (dir < 0) return cfs_fail(SQLITE_IOERR_DIR_FSYNC, "corefs_open", zDir, dir);
+  e = corefs_fsync(fs, dir);
+  corefs_release(fs, dir);
+  if (e < 0) return cfs_fail(SQLITE_IOERR_DIR_FSYNC, "corefs_fsync", zDir, e);
+  return SQLITE_OK;
+}
+
+static int cfs_delete(sqlite3_vfs *pVfs, const char *zName, int dirSync) {
+  corefs_fs fs;
+  int rc, e;
+
+  (void)pVfs;
+  (void)dirSync;
+  rc = cfs_mounted(&fs);
+  if (rc != SQLITE_OK) return SQLITE_IOERR_DELETE;
+  e = corefs_unlink(fs, zName);
+  if (e == -ENOENT) return SQLITE_IOERR_DELETE_NOENT;
+  if (e < 0) return cfs_fail(SQLITE_IOERR_DELETE, "corefs_unlink", zName, e);
+  /* The directory is synced whether or not SQLite asks (it does with synchronous=EXTRA only).
+   * corefs runs inside this process, so a process crash loses whatever a power cut loses:
+   * all that is not fsynced. Deleting the rollback journal is the commit of a transaction in
+   * DELETE mode; if the unlink were lost, the next open would find the journal hot and roll
+   * back a transaction that SQLite reported committed. */
+  return cfs_sync_parent(fs, zName);
+}
+
+static int cfs_access(sqlite3_vfs *pVfs, const char *zName, int flags, int *pResOut) {
+  corefs_fs fs;
+  struct corefs_stat st;
+  int rc, e;
+
+  (void)pVfs;
+  *pResOut = 0;
+  rc = cfs_mounted(&fs);
+  if (rc != SQLITE_OK) return SQLITE_IOERR_ACCESS;
+  e = corefs_stat(fs, zName, &st);
+  if (e == -ENOENT || e == -ENOTDIR) return SQLITE_OK;
+  if (e < 0) return cfs_fail(SQLITE_IOERR_ACCESS, "corefs_stat", zName, e);
+  if (flags == SQLITE_ACCESS_EXISTS) {
+    /* As os_unix.c: an empty regular file (a journal) does not count. */
+    *pResOut = (st.mode & 0170000) != 0100000 || st.size > 0;
+  } else {
+    *pResOut = 1;
+  }
+  return SQLITE_OK;
+}
+
+static int cfs_full_pathname(sqlite3_vfs *pVfs, const char *zName, int nOut, char *zOut) {
+  (void)pVfs;
+  if ((int)strlen(zName) + 2 > nOut) return SQLITE_CANTOPEN;
+  if (zName[0] == '/') {
+    sqlite3_snprintf(nOut, zOut, "%s", zName);
+  } else {
+    sqlite3_snprintf(nOut, zOut, "/%s", zName);
+  }
+  return SQLITE_OK;
+}
+
+static void *cfs_dl_open(sqlite3_vfs *pVfs, const char *zPath) {
+  (void)pVfs;
+  return g_default_vfs->xDlOpen(g_default_vfs, zPath);
+}
+
+static void cfs_dl_error(sqlite3_vfs *pVfs, int nByte, char *zErrMsg) {
+  (void)pVfs;
+  g_default_vfs->xDlError(g_default_vfs, nByte, zErrMsg);
+}
+
+static void (*cfs_dl_sym(sqlite3_vfs *pVfs, void *pHandle, const char *zSymbol))(void) {
+  (void)pVfs;
+  return g_default_vfs->xDlSym(g_default_vfs, pHandle, zSymbol);
+}
+
+static void cfs_dl_close(sqlite3_vfs *pVfs, void *pHandle) {
+  (void)pVfs;
+  g_default_vfs->xDlClose(g_default_vfs, pHandle);
+}
+
+static int cfs_randomness(sqlite3_vfs *pVfs, int nByte, char *zOut) {
+  (void)pVfs;
+  return g_default_vfs->xRandomness(g_default_vfs, nByte, zOut);
+}
+
+static int cfs_sleep(sqlite3_vfs *pVfs, int microseconds) {
+  (void)pVfs;
+  return g_default_vfs->xSleep(g_default_vfs, microseconds);
+}
+
+static int cfs_current_time(sqlite3_vfs *pVfs, double *pTime) {
+  (void)pVfs;
+  return g_default_vfs->xCurrentTime(g_default_vfs, pTime);
+}
+
+static int cfs_get_last_error(sqlite3_vfs *pVfs, int nByte, char *zErrMsg) {
+  (void)pVfs;
+  if (g_default_vfs->xGetLastError) {
+    return g_default_vfs->xGetLastError(g_default_vfs, nByte, zErrMsg);
+  }
+  return 0;
+}
+
+static int cfs_current_time_int64(sqlite3_vfs *pVfs, sqlite3_int64 *pTime) {
+  (void)pVfs;
+  if (g_default_vfs->iVersion >= 2 && g_default_vfs->xCurrentTimeInt64) {
+    return g_default_vfs->xCurrentTimeInt64(g_default_vfs, pTime);
+  } else {
+    double t;
+    int rc = g_default_vfs->xCurrentTime(g_default_vfs, &t);
+    *pTime = (sqlite3_int64)(t * 86400000.0);
+    return rc;
+  }
+}
+
+static sqlite3_vfs cfs_vfs = {
+    2,                      /* iVersion */
+    sizeof(CfsFile),        /* szOsFile */
+    CFS_MAX_PATHNAME,       /* mxPathname */
+    0,                      /* pNext */
+    CFS_VFS_NAME,           /* zName */
+    0,                      /* pAppData */
+    cfs_open,               /* xOpen */
+    cfs_delete,             /* xDelete */
+    cfs_access,             /* xAccess */
+    cfs_full_pathname,      /* xFullPathname */
+    cfs_dl_open,            /* xDlOpen */
+    cfs_dl_error,           /* xDlError */
+    cfs_dl_sym,             /* xDlSym */
+    cfs_dl_close,           /* xDlClose */
+    cfs_randomness,         /* xRandomness */
+    cfs_sleep,              /* xSleep */
+    cfs_current_time,       /* xCurrentTime */
+    cfs_get_last_error,     /* xGetLastError */
+    cfs_current_time_int64, /* xCurrentTimeInt64 */
+    0,                      /* xSetSystemCall */
+    0,                      /* xGetSystemCall */
+    0,                      /* xNextSystemCall */
+};
+
+/* Registers the VFS (not as the default); registering again is harmless. */
+static int cfs_register(void) {
+  if (sqlite3_vfs_find(CFS_VFS_NAME) == &cfs_vfs) return SQLITE_OK;
+  g_default_vfs = sqlite3_vfs_find(0);
+  if (g_default_vfs == 0) return SQLITE_ERROR;
+  return sqlite3_vfs_register(&cfs_vfs, 0);
+}
+
+#ifdef COREFS_VFS_STATIC
+
+int corefs_vfs_register(void);
+int corefs_vfs_register(void) {
+  return cfs_register();
+}
+
+#else
+
+/* Entry points: sqlite3_extension_init (the default), sqlite3_corefssqlite_init (what SQLite
+ * derives from libcorefs_sqlite.so) and sqlite3_corefsvfs_init. */
+int sqlite3_corefsvfs_init(sqlite3 *db, char **pzErrMsg, const sqlite3_api_routines *pApi);
+int sqlite3_corefssqlite_init(sqlite3 *db, char **pzErrMsg, const sqlite3_api_routines *pApi);
+int sqlite3_extension_init(sqlite3 *db, char **pzErrMsg, const sqlite3_api_routines *pApi);
+
+int sqlite3_corefsvfs_init(sqlite3 *db, char **pzErrMsg, const sqlite3_api_routines *pApi) {
+  int rc;
+  (void)db;
+  SQLITE_EXTENSION_INIT2(pApi);
+  rc = cfs_register();
+  if (rc != SQLITE_OK) {
+    if (pzErrMsg) *pzErrMsg = sqlite3_mprintf("corefs vfs: registration failed (%d)", rc);
+    return rc;
+  }
+  return SQLITE_OK_LOAD_PERMANENTLY;
+}
+
+int sqlite3_corefssqlite_init(sqlite3 *db, char **pzErrMsg, const sqlite3_api_routines *pApi) {
+  return sqlite3_corefsvfs_init(db, pzErrMsg, pApi);
+}
+
+int sqlite3_extension_init(sqlite3 *db, char **pzErrMsg, const sqlite3_api_routines *pApi) {
+  return sqlite3_corefsvfs_init(db, pzErrMsg, pApi);
+}
+
+#endif

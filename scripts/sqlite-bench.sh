@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# sqlite-bench.sh - SQLite transactions per second with synchronous=FULL, one 100-byte row per
+# transaction, through the corefs VFS (a 1 GiB image in /var/tmp, written whole once so that
+# the kernel filesystem allocates nothing during the run) and through the default VFS on
+# /var/tmp itself, in WAL and rollback-journal (DELETE) modes.
+#   scripts/sqlite-bench.sh [SECONDS]     (default 5 per run)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+root=$PWD
+seconds=${1:-5}
+dir=/var/tmp
+
+for tool in gcc cargo dd; do
+  command -v "$tool" >/dev/null || { echo "sqlite-bench.sh: $tool not found" >&2; exit 1; }
+done
+
+echo "== cargo build --release -p corefs-bindings" >&2
+cargo build --release -p corefs-bindings >&2
+echo "== compiling the VFS and the test program" >&2
+gcc -O2 -Wall -Wextra -fPIC -shared bindings/sqlite/corefs_vfs.c -I bindings/include \
+  -L target/release -lcorefs -Wl,-rpath,"$root/target/release" -lpthread \
+  -o target/release/libcorefs_sqlite.so
+gcc -O2 -Wall -Wextra -DCOREFS_VFS_STATIC bindings/sqlite/test_sqlite.c \
+  bindings/sqlite/corefs_vfs.c -I bindings/include -L target/release -lcorefs \
+  -Wl,-rpath,"$root/target/release" -lsqlite3 -lpthread -o target/release/test_sqlite
+test_bin=$root/target/release/test_sqlite
+
+image=$(mktemp "$dir/corefs-sqlite-bench.XXXXXX.img")
+trap 'rm -f "$image"' EXIT
+echo "== writing the 1 GiB image $image" >&2
+dd if=/dev/zero of="$image" bs=1M count=1024 oflag=direct conv=fsync status=none
+
+tps() { # tps MODE WHERE [env...]
+  local mode=$1 where=$2 out
+  shift 2
+  out=$(env "$@" "$test_bin" bench "$mode" "$seconds" "$where") || {
+    echo "sqlite-bench.sh: bench $mode $where failed" >&2
+    exit 1
+  }
+  [[ $out =~ ^tps\ ([0-9]+)$ ]] || { echo "sqlite-bench.sh: unexpected output '$out'" >&2; exit 1; }
+  echo "${BASH_REMATCH[1]}"
+}
+
+fstype=$(findmnt -n -o FSTYPE -T "$dir" 2>/dev/null || echo "?")
+echo "SQLite $(sqlite3 --version 2>/dev/null | cut -d' ' -f1), synchronous=FULL, one 100-byte row per transaction, ${seconds} s per run"
+printf '%-8s %12s %12s %8s\n' mode "corefs tps" "$fstype tps" ratio
+for mode in wal delete; do
+  c=$(tps "$mode" corefs COREFS_DEVICE="file:$image,size=1GiB" COREFS_FORMAT=1)
+  k=$(tps "$mode" "$dir")
+  ratio=$(awk -v c="$c" -v k="$k" 'BEGIN { if (k > 0) printf "%.2f", c / k; else print "-" }')
+  printf '%-8s %12s %12s %8s\n' "$mode" "$c" "$k" "$ratio"
+done
