@@ -146,6 +146,9 @@ impl Filesystem {
         count: u64,
         crcs: &[u32],
     ) -> Result<Vec<u8>> {
+        if let Some(data) = self.cached_blocks(disk_block, count, crcs) {
+            return Ok(data);
+        }
         self.write_back(ino)?;
         let mut data = vec![0u8; (count * BLOCK) as usize];
         let lba = block_lba(&*self.dev, disk_block);
@@ -155,7 +158,9 @@ impl Filesystem {
         }
         for (i, block) in data.chunks(BLOCK_BYTES).enumerate() {
             let crc = crc32c::crc32c(block);
-            if crc != crcs[i] {
+            if crc == crcs[i] {
+                self.block_cache.insert(disk_block + i as u64, block);
+            } else {
                 return Err(EngineError::corrupt(
                     "data block",
                     disk_block + i as u64,

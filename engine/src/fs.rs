@@ -101,6 +101,8 @@ pub struct Filesystem {
     pub(crate) log: crate::log::LogState,
     /// File data written and not yet on the device ([`crate::writeback`]).
     pub(crate) staged: crate::writeback::Staged,
+    /// Recently written and read data blocks ([`crate::writeback::BlockCache`]).
+    pub(crate) block_cache: crate::writeback::BlockCache,
 }
 
 /// The device LBAs of filesystem block `block`.
@@ -321,6 +323,7 @@ impl Filesystem {
             ino_counters_dirty: vec![false; shard_count],
             log: crate::log::LogState::new(shard_count),
             staged: Default::default(),
+            block_cache: Default::default(),
         };
         // Records written after the last super-commit are applied and committed here: the only
         // time mount writes.

@@ -7,6 +7,13 @@
 //! - a read of an inode with staged data writes that inode's data back first;
 //! - past [`MAX_STAGED_BYTES`] everything staged is written back (memory stays bounded).
 //!
+//! Recently written and read data blocks are also kept, by disk block, in a bounded cache
+//! ([`CACHE_BLOCKS`]): a read, or the read-modify-write of a write that covers part of a block
+//! (SQLite's 4120-byte WAL frames), is served from memory instead of the device. Blocks are
+//! copy-on-write, so a disk block's content only changes when it is freed and written anew,
+//! which replaces the cached copy; and a cached block is used only if it matches the crc32c of
+//! the extent that references it.
+//!
 //! # Invariants
 //! - A block referenced by a log record or a committed tree was written before the flush that
 //!   made the record or the superblock durable (callers take the staged blocks of exactly the
@@ -20,10 +27,43 @@
 use crate::error::Result;
 use crate::format::BLOCK_BYTES;
 use crate::fs::Filesystem;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
 /// Staged data bytes past which everything staged is written back.
 pub const MAX_STAGED_BYTES: usize = 16 << 20;
+/// Data blocks the cache keeps (16 MiB).
+pub const CACHE_BLOCKS: usize = 4096;
+
+/// Recently written or read data blocks by disk block, evicted oldest first.
+#[derive(Default)]
+pub(crate) struct BlockCache {
+    blocks: HashMap<u64, (Box<[u8]>, u64)>,
+    /// (disk block, insertion stamp); an entry re-inserted since is skipped at eviction.
+    order: VecDeque<(u64, u64)>,
+    stamp: u64,
+    pub hits: u64,
+}
+
+impl BlockCache {
+    pub fn insert(&mut self, disk: u64, data: &[u8]) {
+        debug_assert_eq!(data.len(), BLOCK_BYTES);
+        self.stamp += 1;
+        self.blocks.insert(disk, (data.into(), self.stamp));
+        self.order.push_back((disk, self.stamp));
+        while self.blocks.len() > CACHE_BLOCKS || self.order.len() > 4 * CACHE_BLOCKS {
+            let Some((old, stamp)) = self.order.pop_front() else {
+                break;
+            };
+            if self.blocks.get(&old).is_some_and(|(_, s)| *s == stamp) {
+                self.blocks.remove(&old);
+            }
+        }
+    }
+
+    pub fn get(&self, disk: u64) -> Option<&[u8]> {
+        self.blocks.get(&disk).map(|(d, _)| &d[..])
+    }
+}
 
 #[derive(Default)]
 pub(crate) struct Staged {
@@ -52,6 +92,9 @@ fn split_blocks(runs: Vec<(u64, Vec<u8>)>, out: &mut Vec<(u64, Vec<u8>)>) {
 impl Filesystem {
     /// Stages whole blocks of `ino`'s data for disk block `disk`.
     pub(crate) fn stage_data(&mut self, ino: u64, disk: u64, data: &[u8]) -> Result<()> {
+        for (i, block) in data.chunks(BLOCK_BYTES).enumerate() {
+            self.block_cache.insert(disk + i as u64, block);
+        }
         self.staged.bytes += data.len();
         self.staged
             .by_ino
@@ -107,6 +150,20 @@ impl Filesystem {
         if let Some(runs) = self.staged.by_ino.remove(&ino) {
             self.staged.bytes -= runs.iter().map(|(_, d)| d.len()).sum::<usize>();
         }
+    }
+
+    /// `count` blocks at `disk` from the cache, if every one is there and matches its crc.
+    pub(crate) fn cached_blocks(&mut self, disk: u64, count: u64, crcs: &[u32]) -> Option<Vec<u8>> {
+        let mut out = Vec::with_capacity(count as usize * BLOCK_BYTES);
+        for i in 0..count {
+            let block = self.block_cache.get(disk + i)?;
+            if crc32c::crc32c(block) != crcs[i as usize] {
+                return None;
+            }
+            out.extend_from_slice(block);
+        }
+        self.block_cache.hits += count;
+        Some(out)
     }
 
     /// Bytes of file data staged and not yet written.
