@@ -29,6 +29,8 @@ cargo fmt --all -- --check
 echo "== cargo clippy -D warnings" >&2
 cargo clippy --locked --all-targets -- -D warnings
 echo "== cargo test" >&2
+# The C example links the shared library, which cargo test does not build by itself.
+cargo build --locked -p corefs-bindings
 cargo test --locked --workspace
 echo "== SQLite on corefs (the VFS, journal and WAL modes, the sqlite3 shell, a crash)" >&2
 scripts/sqlite-test.sh

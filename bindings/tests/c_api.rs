@@ -2,6 +2,10 @@
 //! compiled against the committed header and the freshly built libcorefs through its
 //! pkg-config file, then run. A missing C compiler or pkg-config fails the test (the test
 //! command installs them), never skips it.
+//!
+//! `cargo test` builds the crate as an rlib for its tests, not necessarily the shared library:
+//! build it first (`cargo build -p corefs-bindings`; the test command does). A library older
+//! than any source it is built from fails the test rather than testing stale code.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -28,15 +32,42 @@ fn run(cmd: &mut Command) -> String {
     text
 }
 
+fn newest_mtime(dir: &Path) -> std::time::SystemTime {
+    let mut newest = std::time::SystemTime::UNIX_EPOCH;
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        let path = entry.path();
+        let t = if path.is_dir() {
+            newest_mtime(&path)
+        } else {
+            entry.metadata().and_then(|m| m.modified()).unwrap()
+        };
+        newest = newest.max(t);
+    }
+    newest
+}
+
 #[test]
 fn the_c_program_exercises_the_whole_api() {
     let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
     let lib_dir = target_dir();
-    assert!(
-        lib_dir.join("libcorefs.so").exists(),
-        "libcorefs.so not built in {}",
-        lib_dir.display()
-    );
+    let lib = lib_dir.join("libcorefs.so");
+    let built = std::fs::metadata(&lib)
+        .and_then(|m| m.modified())
+        .unwrap_or_else(|_| {
+            panic!(
+                "{} is missing: run `cargo build -p corefs-bindings` first",
+                lib.display()
+            )
+        });
+    let workspace = crate_dir.parent().expect("workspace");
+    for source in ["bindings/src", "reactor/src", "engine/src", "nvme/src"] {
+        let newest = newest_mtime(&workspace.join(source));
+        assert!(
+            newest <= built,
+            "{} is older than {source}: run `cargo build -p corefs-bindings` first",
+            lib.display()
+        );
+    }
     let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     // An install tree as scripts/install-libcorefs.sh makes one: lib/, include/, the .pc file.
     let prefix = work.path().join("prefix");

@@ -12,9 +12,11 @@
 //! - **Unblocked**: N's metadata is on stable media but not yet referenced; N+1 may run.
 //! - **SuperCommitted**: the superblock naming N's roots is durable (one FUA write of copy
 //!   N % 2). Waiters for N (fsync fallbacks, sync) are released here — not later.
-//! - **Completed**: blocks freed in N are unpinned and may be reused by N+1 onwards. In this
-//!   single-threaded engine `commit` returns after it; the reactors' coordinator (issue 5) releases
-//!   waiters at SuperCommitted and unpins asynchronously.
+//! - **Completed**: blocks freed in N are unpinned and may be reused by N+1 onwards.
+//!   [`Filesystem::commit_to_super`] returns at SuperCommitted, so a caller with waiters (an
+//!   fsync that fell back to a commit, a reactor's syncs) releases them first; the unpinning
+//!   runs in [`Filesystem::complete_commit`], which the reactor calls after completing the batch
+//!   (via `tick`) and which every later commit calls first. [`Filesystem::commit`] does both.
 //!
 //! A power cut anywhere leaves generation N−1 (superblock not yet durable) or N (durable):
 //! nothing in between, because no block N−1 references is overwritten before N's superblock is
@@ -51,8 +53,9 @@ pub struct CommitStats {
     pub blocks_written: u64,
     /// Time from commit start to SuperCommitted (what waiters wait), last commit.
     pub last_super_commit_ns: u64,
-    /// Blocks unpinned after SuperCommitted, last commit.
+    /// Blocks unpinned after SuperCommitted, last commit, and how long that took.
     pub last_unpinned_blocks: u64,
+    pub last_unpin_ns: u64,
     pub bitmap_fixpoint_rounds_max: u32,
 }
 
@@ -73,10 +76,21 @@ impl Filesystem {
             || self.shards.iter().any(|s| s.tree.is_dirty())
     }
 
-    /// Commits the running transaction. Returns the generation now durable. A commit with
-    /// nothing to write does nothing.
+    /// Commits the running transaction and completes it (unpins its frees). Returns the
+    /// generation now durable. A commit with nothing to write does nothing.
     pub fn commit(&mut self) -> Result<u64> {
+        let generation = self.commit_to_super()?;
+        self.complete_commit();
+        Ok(generation)
+    }
+
+    /// Commits the running transaction and returns at SuperCommitted, leaving the unpinning
+    /// to [`Filesystem::complete_commit`]: what a caller with waiters to release (fsync
+    /// fallbacks, sync) uses, so they go before the unpinning.
+    pub fn commit_to_super(&mut self) -> Result<u64> {
         self.check_writable()?;
+        // Generations unpin in order: the previous commit's frees go first.
+        self.complete_commit();
         if !self.is_dirty() {
             return Ok(self.sb.generation);
         }
@@ -167,32 +181,43 @@ impl Filesystem {
         // Everything logged is now in the trees: the logs start over at their heads, and
         // records of older generations are stale.
         self.log.reset();
-        let super_ns = started.elapsed().as_nanos() as u64;
+        let ns = started.elapsed().as_nanos() as u64;
+        // Waiters may go now; unpinning waits for complete_commit.
+        self.unpin_pending = Some(generation);
+        self.stats.commits += 1;
+        self.transaction_started = started;
+        self.stats.commit_ns_total += ns;
+        self.stats.commit_ns_max = self.stats.commit_ns_max.max(ns);
+        self.stats.last_commit_ns = ns;
+        self.stats.last_super_commit_ns = ns;
+        self.stats.blocks_written += block_count + 1;
+        tracing::debug!(
+            generation,
+            blocks = block_count,
+            commit_us = ns / 1000,
+            "super-committed"
+        );
+        Ok(generation)
+    }
 
+    /// Completes the last commit after its waiters were released: unpins the blocks it freed
+    /// (they may be reused from now on) and trims the metadata cache. Returns the blocks
+    /// unpinned; a no-op when nothing is pending.
+    pub fn complete_commit(&mut self) -> u64 {
+        let Some(generation) = self.unpin_pending.take() else {
+            return 0;
+        };
+        let started = Instant::now();
         let mut unpinned = 0;
         for shard in &mut self.shards {
             unpinned += shard.space.unpin(generation);
             shard.tree.evict_clean(self.options.cache_nodes_per_shard);
         }
         self.state = CommitState::Completed;
-        let ns = started.elapsed().as_nanos() as u64;
-        self.stats.commits += 1;
-        self.transaction_started = started;
-        self.stats.commit_ns_total += ns;
-        self.stats.commit_ns_max = self.stats.commit_ns_max.max(ns);
-        self.stats.last_commit_ns = ns;
-        self.stats.last_super_commit_ns = super_ns;
         self.stats.last_unpinned_blocks = unpinned;
-        self.stats.blocks_written += block_count + 1;
+        self.stats.last_unpin_ns = started.elapsed().as_nanos() as u64;
         self.state = CommitState::Running;
-        tracing::debug!(
-            generation,
-            blocks = block_count,
-            unpinned,
-            commit_us = ns / 1000,
-            "committed"
-        );
-        Ok(generation)
+        unpinned
     }
 }
 

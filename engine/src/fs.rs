@@ -103,6 +103,9 @@ pub struct Filesystem {
     pub(crate) staged: crate::writeback::Staged,
     /// Recently written and read data blocks ([`crate::writeback::BlockCache`]).
     pub(crate) block_cache: crate::writeback::BlockCache,
+    /// A generation super-committed whose frees are not unpinned yet
+    /// ([`Filesystem::complete_commit`]).
+    pub(crate) unpin_pending: Option<u64>,
 }
 
 /// The device LBAs of filesystem block `block`.
@@ -324,6 +327,7 @@ impl Filesystem {
             log: crate::log::LogState::new(shard_count),
             staged: Default::default(),
             block_cache: Default::default(),
+            unpin_pending: None,
         };
         // Records written after the last super-commit are applied and committed here: the only
         // time mount writes.
@@ -511,6 +515,7 @@ impl Filesystem {
     /// (a reactor's loop, a tool, a test) calls this between operations. Returns whether it
     /// committed.
     pub fn tick(&mut self) -> Result<bool> {
+        self.complete_commit();
         if self.failed.is_none() && self.commit_due() {
             self.commit()?;
             return Ok(true);

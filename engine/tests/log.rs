@@ -416,3 +416,24 @@ fn overwrites_between_fsyncs_do_not_hit_enospc_while_frees_wait_for_a_commit() {
     assert!(fs.commit_stats().commits >= 1);
     fs.check().unwrap();
 }
+
+#[test]
+fn waiters_go_at_super_commit_and_unpinning_comes_after() {
+    let mut fs = mount(&fresh(2));
+    let root = fs.root();
+    let ino = fs.create(root, b"f", 0o644, 0, 0).unwrap().ino;
+    fs.write(ino, 0, &block(1)).unwrap();
+    fs.sync().unwrap();
+    fs.write(ino, 0, &block(2)).unwrap(); // frees the first copy, pinned
+    let generation = fs.commit_to_super().unwrap();
+    assert_eq!(fs.durable_generation(), generation);
+    assert_eq!(fs.commit_state(), engine::CommitState::SuperCommitted);
+    let unpinned = fs.complete_commit();
+    assert!(
+        unpinned >= 1,
+        "the old copy is unpinned after the waiters went"
+    );
+    assert_eq!(fs.commit_state(), engine::CommitState::Running);
+    assert_eq!(fs.complete_commit(), 0, "nothing left to complete");
+    assert_eq!(fs.read(ino, 0, 4096).unwrap(), block(2));
+}

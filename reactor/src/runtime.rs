@@ -403,7 +403,8 @@ impl Reactor {
             }
         }
         if !syncs.is_empty() {
-            let result = self.fs.sync();
+            // Returns at SuperCommitted; tick() unpins after the waiters are released.
+            let result = self.fs.commit_to_super().map(drop);
             for request in syncs {
                 done.push((
                     request.reply,

@@ -230,12 +230,12 @@ impl Filesystem {
                 log_blocks,
                 "fsync record larger than the log: committing"
             );
-            return self.commit().map(drop);
+            return self.commit_to_super().map(drop);
         }
         if self.log.heads[shard as usize] + blocks > log_blocks {
             self.log.stats.fallback_log_full += 1;
             tracing::debug!(shard, "fsync log full: committing");
-            return self.commit().map(drop);
+            return self.commit_to_super().map(drop);
         }
         let header = RecordHeader {
             blocks: 0,
