@@ -437,3 +437,24 @@ fn waiters_go_at_super_commit_and_unpinning_comes_after() {
     assert_eq!(fs.complete_commit(), 0, "nothing left to complete");
     assert_eq!(fs.read(ino, 0, 4096).unwrap(), block(2));
 }
+
+#[test]
+fn an_fsync_of_a_just_unlinked_file_persists_the_removal_and_replays_cleanly() {
+    // The classic: fsync through a handle whose last name is gone. The engine has no open
+    // handles (orphans), so the inode is gone at unlink; its fsync logs the removal.
+    let mut fs = mount(&fresh(2));
+    let root = fs.root();
+    let ino = fs.create(root, b"foo", 0o644, 0, 0).unwrap().ino;
+    fs.write(ino, 0, &block(1)).unwrap();
+    fs.fsync(ino).unwrap();
+    fs.unlink(root, b"foo").unwrap();
+    fs.fsync(ino).unwrap();
+    assert_eq!(fs.log_stats().log_writes, 2);
+    let mut fs = mount(&image_of(fs.into_device()));
+    assert_eq!(fs.log_stats().replayed_records, 2);
+    assert!(fs.lookup(root, b"foo").is_err());
+    assert!(fs.stat(ino).is_err());
+    fs.check().unwrap();
+    // A never-existing inode is an error, not a silent success.
+    assert!(fs.fsync(ino + 1000).is_err());
+}
