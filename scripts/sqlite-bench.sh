@@ -4,11 +4,14 @@
 # the kernel filesystem allocates nothing during the run) and through the default VFS on
 # /var/tmp itself, in WAL and rollback-journal (DELETE) modes.
 #   scripts/sqlite-bench.sh [SECONDS]     (default 5 per run)
+# KERNEL_DIR=/mnt/x compares with the kernel filesystem mounted there instead (for example an
+# ext4, xfs or btrfs on a loop device over a file on the same disk).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 root=$PWD
 seconds=${1:-5}
 dir=/var/tmp
+kernel_dir=${KERNEL_DIR:-$dir}
 
 for tool in gcc cargo dd; do
   command -v "$tool" >/dev/null || { echo "sqlite-bench.sh: $tool not found" >&2; exit 1; }
@@ -41,12 +44,12 @@ tps() { # tps MODE WHERE [env...]
   echo "${BASH_REMATCH[1]}"
 }
 
-fstype=$(findmnt -n -o FSTYPE -T "$dir" 2>/dev/null || echo "?")
+fstype=$(findmnt -n -o FSTYPE -T "$kernel_dir" 2>/dev/null || echo "?")
 echo "SQLite $(sqlite3 --version 2>/dev/null | cut -d' ' -f1), synchronous=FULL, one 100-byte row per transaction, ${seconds} s per run"
 printf '%-8s %12s %12s %8s\n' mode "corefs tps" "$fstype tps" ratio
 for mode in wal delete; do
   c=$(tps "$mode" corefs COREFS_DEVICE="file:$image,size=1GiB" COREFS_FORMAT=1)
-  k=$(tps "$mode" "$dir")
+  k=$(tps "$mode" "$kernel_dir")
   ratio=$(awk -v c="$c" -v k="$k" 'BEGIN { if (k > 0) printf "%.2f", c / k; else print "-" }')
   printf '%-8s %12s %12s %8s\n' "$mode" "$c" "$k" "$ratio"
 done

@@ -12,6 +12,7 @@
  * Configuration (read at the first xOpen/xAccess/xDelete, which mounts the filesystem):
  *   COREFS_DEVICE  the corefs device string (file:/var/tmp/x.img,size=256MiB, mem:256MiB, ...)
  *   COREFS_FORMAT  "1": format the device at mount (destroys its content)
+ *   COREFS_BUSY_POLL  1: the reactor busy-polls instead of spinning then parking.
  *   COREFS_SHARDS  shards when formatting (default 64). A file's blocks all come from its
  *                  inode's shard, whose region is 1/shards of the device: on small images a
  *                  database or WAL larger than that fails with SQLITE_FULL unless fewer shards
@@ -157,6 +158,11 @@ static int cfs_mounted(corefs_fs *pFs) {
       memset(&options, 0, sizeof(options));
       const char *shards = getenv("COREFS_SHARDS");
       options.format = (format != 0 && strcmp(format, "1") == 0) ? 1 : 0;
+      {
+        /* COREFS_BUSY_POLL=1: the reactor busy-polls (give it a dedicated core). */
+        const char *busy = getenv("COREFS_BUSY_POLL");
+        options.busy_poll = (busy != 0 && strcmp(busy, "1") == 0) ? 1 : 0;
+      }
       if (shards != 0 && shards[0] != 0) options.shards = (uint32_t)strtoul(shards, 0, 10);
       corefs_fs fs = corefs_mount(device, &options);
       if (fs < 0) {
