@@ -124,6 +124,19 @@ impl Filesystem {
         out
     }
 
+    /// The staged (not yet written) content of `ino`'s disk block `disk`, if it is staged.
+    pub(crate) fn staged_block(&self, ino: u64, disk: u64) -> Option<&[u8]> {
+        let runs = self.staged.by_ino.get(&ino)?;
+        // The newest run covering the block wins (a block is staged once per allocation).
+        runs.iter().rev().find_map(|(start, data)| {
+            let blocks = (data.len() / BLOCK_BYTES) as u64;
+            (*start..*start + blocks).contains(&disk).then(|| {
+                let at = ((disk - start) as usize) * BLOCK_BYTES;
+                &data[at..at + BLOCK_BYTES]
+            })
+        })
+    }
+
     /// Takes every staged block.
     pub(crate) fn take_all_staged(&mut self) -> Vec<(u64, Vec<u8>)> {
         let mut out = Vec::new();

@@ -88,17 +88,20 @@ fn an_append_fsync_is_one_record_and_one_flush_and_replays() {
             .iter()
             .filter(|r| matches!(r, Record::Flush { .. }))
             .count();
-        // The appended block (staged by write) and the record go out together, then one flush.
+        // The appended block (staged by write) travels inside the record: one write, one flush.
         assert_eq!(
             (writes, flushes),
-            (2, 1),
-            "fsync {i}: data + record, one flush"
+            (1, 1),
+            "fsync {i}: one record, one flush"
         );
         assert!(matches!(records.last(), Some(Record::Flush { .. })));
     }
     let stats = fs.log_stats();
     assert_eq!(stats.log_writes, 20);
-    assert_eq!(stats.log_blocks, 20, "an append's record fits one block");
+    assert_eq!(
+        stats.log_blocks, 40,
+        "an append's record is its items' block and its data block"
+    );
     assert_eq!(stats.fallback_commits(), 0);
     assert_eq!(fs.commit_stats().commits, 0, "no fsync committed");
     assert!(commits >= 1);
@@ -262,6 +265,8 @@ fn three_records() -> (Vec<u8>, u64, u64) {
         fs.fsync(ino).unwrap();
     }
     assert_eq!(fs.log_stats().log_writes, 3);
+    // Each record: its items' block, then the appended block it carries.
+    assert_eq!(fs.log_stats().log_blocks, 6);
     let log_at = fs.superblock().region_start(0);
     (image_of(fs.into_device()), log_at, ino)
 }
@@ -271,7 +276,7 @@ fn replay_stops_at_the_first_damaged_record() {
     let (image, log_at, ino) = three_records();
     for (damaged, expect_blocks) in [(0u64, 0u64), (1, 1), (2, 2)] {
         let mut bad = image.clone();
-        bad[(log_at + damaged) as usize * 4096 + 200] ^= 0x40;
+        bad[(log_at + 2 * damaged) as usize * 4096 + 200] ^= 0x40;
         let mut fs = mount(&bad);
         assert_eq!(fs.log_stats().replayed_records, damaged);
         assert_eq!(fs.stat(ino).unwrap().size, expect_blocks * 4096);

@@ -45,6 +45,8 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 
 /// Tracked changed keys past which the running transaction is due to commit.
 pub const MAX_TRACKED_KEYS: usize = 1 << 20;
+/// Staged data blocks an fsync record carries itself; past this the data is written in place.
+pub const EMBED_MAX_BLOCKS: usize = 16;
 
 /// Fsync log figures, since mount.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -219,7 +221,13 @@ impl Filesystem {
             return Ok(());
         }
         let members = self.log_closure(&wanted)?;
-        let ops = self.collect_ops(&members)?;
+        let mut ops = self.collect_ops(&members)?;
+        // A small fsync carries the staged data its extents reference inside the record, so
+        // the record is its only write; a large one writes the members' data in place, in the
+        // same batch as the record.
+        let embedded = self.staged_data_ops(&ops)?;
+        let embedding = embedded.is_some();
+        ops.extend(embedded.unwrap_or_default());
         let shard = self.shard_of(wanted[0]);
         let blocks = record_blocks(ops.iter());
         let log_blocks = self.sb.log_blocks;
@@ -250,9 +258,13 @@ impl Filesystem {
         let bytes = encode_record(header, &ops);
         assert_eq!(bytes.len() as u64, blocks * BLOCK_BYTES as u64);
         let at = self.sb.region_start(shard) + self.log.heads[shard as usize];
-        // The members' staged data goes out with the record: both are in flight at once and
-        // the one flush covers both.
-        let data = self.take_staged(members.iter());
+        // Otherwise the members' staged data goes out with the record: both are in flight at
+        // once and the one flush covers both. Embedded blocks stay staged for the commit.
+        let data = if embedding {
+            Vec::new()
+        } else {
+            self.take_staged(members.iter())
+        };
         let written = self.write_record(at, bytes, data);
         self.fail_stop_on_error(written)?;
         // Durable: the coupled set is logged and its tracking starts over.
@@ -272,6 +284,32 @@ impl Filesystem {
 
     pub fn log_stats(&self) -> LogStats {
         self.log.stats
+    }
+
+    /// Data ops for every staged block the record's extents reference, or None when there
+    /// are more than [`EMBED_MAX_BLOCKS`] (then the data is written in place instead).
+    fn staged_data_ops(&self, ops: &[LogOp]) -> Result<Option<Vec<LogOp>>> {
+        let mut data = Vec::new();
+        for op in ops {
+            let LogOp::Put(key, value) = op else { continue };
+            if key.kind != ItemKind::ExtentData {
+                continue;
+            }
+            let item = crate::format::items::ExtentItem::decode(value)
+                .map_err(|why| EngineError::corrupt("extent item", key.objectid, why))?;
+            if item.prealloc {
+                continue;
+            }
+            for block in item.disk_block..item.disk_block + item.blocks as u64 {
+                if let Some(bytes) = self.staged_block(key.objectid, block) {
+                    if data.len() == EMBED_MAX_BLOCKS {
+                        return Ok(None);
+                    }
+                    data.push(LogOp::Data(block, bytes.to_vec()));
+                }
+            }
+        }
+        Ok(Some(data))
     }
 
     /// Writes a record's blocks and the data it references (`data`, 4 KiB blocks), all in

@@ -10,7 +10,11 @@
 //! 48 payload bytes u32                         52 reserved u32
 //! 56 filesystem uuid [16]                      72 reserved [8]
 //! 80 ops: tag u8 (1 put, 2 delete) | key (17 bytes) | put: value length u16 | value
+//!    or: tag 3 (data) | disk block u64 | the block's 4096 bytes
 //! ```
+//!
+//! A data op carries a data block the record's extents reference whose bytes were not on the
+//! device yet: small fsyncs put their data in the record, so the record is the only write.
 //!
 //! # Invariants
 //! - The crc covers every byte of the record after itself, padding included, so a torn or
@@ -26,18 +30,24 @@ pub const LOG_MAGIC: u64 = u64::from_le_bytes(*b"CoreFSlg");
 pub const HEADER_BYTES: usize = 80;
 const TAG_PUT: u8 = 1;
 const TAG_DELETE: u8 = 2;
+const TAG_DATA: u8 = 3;
 
-/// One change to a shard tree (the shard is the key's object id modulo the shard count).
+/// One change to a shard tree (the shard is the key's object id modulo the shard count), or
+/// the content of a data block the record's extents reference.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LogOp {
     Put(Key, Vec<u8>),
     Delete(Key),
+    /// A whole data block (4096 bytes) for disk block `block`.
+    Data(u64, Vec<u8>),
 }
 
 impl LogOp {
-    pub fn key(&self) -> &Key {
+    /// The tree key a put or delete changes (None for data).
+    pub fn key(&self) -> Option<&Key> {
         match self {
-            LogOp::Put(key, _) | LogOp::Delete(key) => key,
+            LogOp::Put(key, _) | LogOp::Delete(key) => Some(key),
+            LogOp::Data(..) => None,
         }
     }
 
@@ -45,6 +55,7 @@ impl LogOp {
         match self {
             LogOp::Put(_, value) => 1 + Key::ENCODED_BYTES + 2 + value.len(),
             LogOp::Delete(_) => 1 + Key::ENCODED_BYTES,
+            LogOp::Data(..) => 1 + 8 + BLOCK_BYTES,
         }
     }
 }
@@ -100,6 +111,13 @@ pub fn encode_record(mut header: RecordHeader, ops: &[LogOp]) -> Vec<u8> {
                 b[at] = TAG_DELETE;
                 key.encode(&mut b[at + 1..]);
                 at += 1 + Key::ENCODED_BYTES;
+            }
+            LogOp::Data(block, bytes) => {
+                assert_eq!(bytes.len(), BLOCK_BYTES, "a data op holds one block");
+                b[at] = TAG_DATA;
+                b[at + 1..at + 9].copy_from_slice(&block.to_le_bytes());
+                b[at + 9..at + 9 + BLOCK_BYTES].copy_from_slice(bytes);
+                at += 9 + BLOCK_BYTES;
             }
         }
     }
@@ -159,6 +177,17 @@ pub fn decode_record(bytes: &[u8]) -> Result<(RecordHeader, Vec<LogOp>), String>
     let mut at = HEADER_BYTES;
     let mut ops = Vec::with_capacity(header.op_count.min(4096) as usize);
     while at < end {
+        if bytes[at] == TAG_DATA {
+            if at + 9 + BLOCK_BYTES > end {
+                return Err(format!("data op at byte {at} runs past the payload"));
+            }
+            ops.push(LogOp::Data(
+                le_u64(bytes, at + 1),
+                bytes[at + 9..at + 9 + BLOCK_BYTES].to_vec(),
+            ));
+            at += 9 + BLOCK_BYTES;
+            continue;
+        }
         if at + 1 + Key::ENCODED_BYTES > end {
             return Err(format!("op at byte {at} runs past the payload"));
         }
@@ -218,6 +247,8 @@ mod tests {
             (key.clone(), proptest::collection::vec(any::<u8>(), 0..300))
                 .prop_map(|(k, v)| LogOp::Put(k, v)),
             key.prop_map(LogOp::Delete),
+            (any::<u64>(), any::<u8>())
+                .prop_map(|(b, fill)| LogOp::Data(b, vec![fill; BLOCK_BYTES])),
         ]
     }
 

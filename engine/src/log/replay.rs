@@ -22,7 +22,7 @@ use crate::error::{EngineError, Result};
 use crate::format::items::ExtentItem;
 use crate::format::{ItemKind, Key, BLOCK_BYTES};
 use crate::fs::{block_lba, read_block, Filesystem, FIRST_INODE};
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 /// A validated record.
 struct Found {
@@ -43,6 +43,9 @@ impl Filesystem {
         }
         found.sort_by_key(|f| f.global_seq);
         let mut accepted = Vec::new();
+        // Data blocks carried by the accepted records (and the one being checked): they are
+        // checked against these bytes, and written in place by the replay.
+        let mut embedded: HashMap<u64, Vec<u8>> = HashMap::new();
         for (expected, record) in (0u64..).zip(found) {
             if record.global_seq != expected {
                 tracing::warn!(
@@ -51,7 +54,13 @@ impl Filesystem {
                 );
                 break;
             }
-            if let Some(why) = self.data_mismatch(&record.ops)? {
+            let mut carried = embedded.clone();
+            for op in &record.ops {
+                if let LogOp::Data(block, bytes) = op {
+                    carried.insert(*block, bytes.clone());
+                }
+            }
+            if let Some(why) = self.data_mismatch(&record.ops, &carried)? {
                 tracing::warn!(
                     "fsync log: record {expected} (shard {}) references data that is not on the \
                      device ({why}); it and later records are not replayed",
@@ -59,13 +68,14 @@ impl Filesystem {
                 );
                 break;
             }
+            embedded = carried;
             accepted.push(record);
         }
         if accepted.is_empty() {
             return Ok(0);
         }
         let count = accepted.len() as u64;
-        let applied = self.apply_records(&accepted);
+        let applied = self.apply_records(&accepted, embedded);
         self.fail_stop_on_error(applied)?;
         self.commit()?;
         self.log.stats.replayed_records += count;
@@ -120,9 +130,13 @@ impl Filesystem {
         Ok(())
     }
 
-    /// Why a record's data is not what it says, if it is not: reads every block its extents
-    /// reference and compares crc32c.
-    fn data_mismatch(&mut self, ops: &[LogOp]) -> Result<Option<String>> {
+    /// Why a record's data is not what it says, if it is not: checks the crc32c of every block
+    /// its extents reference, in `embedded` (carried by a record) or else on the device.
+    fn data_mismatch(
+        &mut self,
+        ops: &[LogOp],
+        embedded: &HashMap<u64, Vec<u8>>,
+    ) -> Result<Option<String>> {
         for op in ops {
             let LogOp::Put(key, value) = op else { continue };
             if key.kind != ItemKind::ExtentData {
@@ -135,8 +149,17 @@ impl Filesystem {
             }
             let mut data = vec![0u8; item.blocks as usize * BLOCK_BYTES];
             self.check_in_region(key.objectid, item.disk_block, item.blocks as u64)?;
-            let lba = block_lba(&*self.dev, item.disk_block);
-            nvme::read_sync(&mut *self.dev, lba, &mut data)?;
+            let all_embedded =
+                (0..item.blocks as u64).all(|i| embedded.contains_key(&(item.disk_block + i)));
+            if !all_embedded {
+                let lba = block_lba(&*self.dev, item.disk_block);
+                nvme::read_sync(&mut *self.dev, lba, &mut data)?;
+            }
+            for (i, chunk) in data.chunks_mut(BLOCK_BYTES).enumerate() {
+                if let Some(bytes) = embedded.get(&(item.disk_block + i as u64)) {
+                    chunk.copy_from_slice(bytes);
+                }
+            }
             for (i, block) in data.chunks(BLOCK_BYTES).enumerate() {
                 if crc32c::crc32c(block) != item.crcs[i] {
                     return Ok(Some(format!(
@@ -173,10 +196,10 @@ impl Filesystem {
         Ok(())
     }
 
-    fn apply_records(&mut self, records: &[Found]) -> Result<()> {
+    fn apply_records(&mut self, records: &[Found], embedded: HashMap<u64, Vec<u8>>) -> Result<()> {
         let extent_keys: BTreeSet<Key> = records
             .iter()
-            .flat_map(|r| r.ops.iter().map(LogOp::key))
+            .flat_map(|r| r.ops.iter().filter_map(LogOp::key))
             .filter(|k| k.kind == ItemKind::ExtentData)
             .copied()
             .collect();
@@ -221,9 +244,16 @@ impl Filesystem {
             space.claim(block);
             claimed.insert(block);
         }
+        // Carried data goes to its place now; the replay's commit flushes it before its
+        // superblock. Only blocks a logged extent references are written.
+        let carried: Vec<(u64, Vec<u8>)> = embedded
+            .into_iter()
+            .filter(|(block, _)| referenced.contains(block))
+            .collect();
+        crate::commit::write_blocks(&mut *self.dev, carried)?;
         let mut created: BTreeMap<u32, u64> = BTreeMap::new();
         for op in records.iter().flat_map(|r| r.ops.iter()) {
-            let key = *op.key();
+            let Some(&key) = op.key() else { continue };
             let shard = self.shard_of(key.objectid);
             self.log.stats.replayed_ops += 1;
             match op {
@@ -238,6 +268,7 @@ impl Filesystem {
                 LogOp::Delete(key) => {
                     self.with_tree(shard, true, |tree, io| tree.remove(io, key))?;
                 }
+                LogOp::Data(..) => {}
             }
         }
         let mut after = BTreeSet::new();
