@@ -13,19 +13,8 @@ seconds=${1:-5}
 dir=/var/tmp
 kernel_dir=${KERNEL_DIR:-$dir}
 
-for tool in gcc cargo dd; do
-  command -v "$tool" >/dev/null || { echo "sqlite-bench.sh: $tool not found" >&2; exit 1; }
-done
-
-echo "== cargo build --release -p corefs-bindings" >&2
-cargo build --release -p corefs-bindings >&2
-echo "== compiling the VFS and the test program" >&2
-gcc -O2 -Wall -Wextra -fPIC -shared bindings/sqlite/corefs_vfs.c -I bindings/include \
-  -L target/release -lcorefs -Wl,-rpath,"$root/target/release" -lpthread \
-  -o target/release/libcorefs_sqlite.so
-gcc -O2 -Wall -Wextra -DCOREFS_VFS_STATIC bindings/sqlite/test_sqlite.c \
-  bindings/sqlite/corefs_vfs.c -I bindings/include -L target/release -lcorefs \
-  -Wl,-rpath,"$root/target/release" -lsqlite3 -lpthread -o target/release/test_sqlite
+command -v dd >/dev/null || { echo "sqlite-bench.sh: dd not found" >&2; exit 1; }
+scripts/sqlite-build.sh
 test_bin=$root/target/release/test_sqlite
 
 image=$(mktemp "$dir/corefs-sqlite-bench.XXXXXX.img")

@@ -8,23 +8,8 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 root=$PWD
 
-for tool in gcc sqlite3 cargo; do
-  command -v "$tool" >/dev/null || { echo "sqlite-test.sh: $tool not found" >&2; exit 1; }
-done
-[[ -f /usr/include/sqlite3ext.h ]] || {
-  echo "sqlite-test.sh: sqlite3ext.h not found (apt-get install libsqlite3-dev)" >&2
-  exit 1
-}
-
-echo "== cargo build --release -p corefs-bindings" >&2
-cargo build --release -p corefs-bindings >&2
-echo "== compiling the VFS and the test program" >&2
-gcc -O2 -Wall -Wextra -fPIC -shared bindings/sqlite/corefs_vfs.c -I bindings/include \
-  -L target/release -lcorefs -Wl,-rpath,"$root/target/release" -lpthread \
-  -o target/release/libcorefs_sqlite.so
-gcc -O2 -Wall -Wextra -DCOREFS_VFS_STATIC bindings/sqlite/test_sqlite.c \
-  bindings/sqlite/corefs_vfs.c -I bindings/include -L target/release -lcorefs \
-  -Wl,-rpath,"$root/target/release" -lsqlite3 -lpthread -o target/release/test_sqlite
+command -v sqlite3 >/dev/null || { echo "sqlite-test.sh: sqlite3 not found" >&2; exit 1; }
+scripts/sqlite-build.sh
 
 test_bin=$root/target/release/test_sqlite
 work=$(mktemp -d /var/tmp/corefs-sqlite-test.XXXXXX)

@@ -105,6 +105,16 @@ impl Filesystem {
         Ok(out)
     }
 
+    /// Frees data blocks allocated by a write that fails before using them.
+    fn give_back(&mut self, shard: u32, runs: &[(u64, u64)]) -> Result<()> {
+        self.with_tree(shard, true, |_, io| {
+            for &(disk, got) in runs {
+                io.space.free(disk, got, None);
+            }
+            Ok(())
+        })
+    }
+
     /// Reads up to `len` bytes at `offset`; short at end of file.
     pub fn read(&mut self, ino: u64, offset: u64, len: usize) -> Result<Vec<u8>> {
         let item = self.file_inode(ino)?;
@@ -260,12 +270,7 @@ impl Filesystem {
                     allocated += got;
                 }
                 Err(e) => {
-                    self.with_tree(shard, true, |_, io| {
-                        for &(disk, got) in &runs {
-                            io.space.free(disk, got, None);
-                        }
-                        Ok(())
-                    })?;
+                    self.give_back(shard, &runs)?;
                     return Err(e);
                 }
             }
@@ -280,12 +285,7 @@ impl Filesystem {
             Ok(overlapping) => overlapping,
             Err(e) => {
                 // Nothing changed yet: give the blocks back.
-                self.with_tree(shard, true, |_, io| {
-                    for &(disk, got) in &runs {
-                        io.space.free(disk, got, None);
-                    }
-                    Ok(())
-                })?;
+                self.give_back(shard, &runs)?;
                 return Err(e);
             }
         };

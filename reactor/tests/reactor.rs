@@ -40,6 +40,23 @@ fn data_of(reply: Reply) -> Vec<u8> {
     }
 }
 
+/// Creates `count` files `<prefix>0`, `<prefix>1`, ... in the root; returns their inodes.
+fn create_files(client: &mut Client, prefix: &str, count: usize) -> Vec<u64> {
+    (0..count)
+        .map(|i| {
+            ino_of(
+                client
+                    .call(Op::Create {
+                        dir: ROOT,
+                        name: format!("{prefix}{i}").into_bytes(),
+                        mode: 0o644,
+                    })
+                    .unwrap(),
+            )
+        })
+        .collect()
+}
+
 fn mkdir(client: &mut Client, dir: u64, name: &str) -> u64 {
     ino_of(
         client
@@ -273,19 +290,7 @@ fn fsyncs_queued_together_share_one_log_record() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let runtime = Runtime::start(file_config(&dir, IdlePolicy::default())).unwrap();
     let mut client = runtime.client(64);
-    let inos: Vec<u64> = (0..16)
-        .map(|i| {
-            ino_of(
-                client
-                    .call(Op::Create {
-                        dir: ROOT,
-                        name: format!("f{i}").into_bytes(),
-                        mode: 0o644,
-                    })
-                    .unwrap(),
-            )
-        })
-        .collect();
+    let inos = create_files(&mut client, "f", 16);
     client.call(Op::Sync).unwrap();
     for round in 0..20u8 {
         // A write of each file, then every fsync, submitted without waiting: the fsyncs that
@@ -335,19 +340,7 @@ fn shutdown_under_load_keeps_every_acknowledged_fsync() {
     let device = config.device.clone();
     let runtime = Runtime::start(config).unwrap();
     let mut setup = runtime.client(4);
-    let inos: Vec<u64> = (0..4)
-        .map(|i| {
-            ino_of(
-                setup
-                    .call(Op::Create {
-                        dir: ROOT,
-                        name: format!("w{i}").into_bytes(),
-                        mode: 0o644,
-                    })
-                    .unwrap(),
-            )
-        })
-        .collect();
+    let inos = create_files(&mut setup, "w", 4);
     let acknowledged: Vec<u64> = std::thread::scope(|scope| {
         let handles: Vec<_> = inos
             .iter()
@@ -422,19 +415,7 @@ fn a_power_cut_during_multi_client_fsyncs_loses_no_acknowledged_fsync() {
     )
     .unwrap();
     let mut setup = runtime.client(4);
-    let inos: Vec<u64> = (0..3)
-        .map(|i| {
-            ino_of(
-                setup
-                    .call(Op::Create {
-                        dir: ROOT,
-                        name: format!("c{i}").into_bytes(),
-                        mode: 0o644,
-                    })
-                    .unwrap(),
-            )
-        })
-        .collect();
+    let inos = create_files(&mut setup, "c", 3);
     // (write-log length when the fsync returned, inode, blocks acknowledged)
     let acks: Vec<(usize, u64, u64)> = std::thread::scope(|scope| {
         let handles: Vec<_> = inos
