@@ -263,6 +263,14 @@ fn regular(fs: &Fs, fd: corefs_fd) -> Result<OpenFile, Error> {
     Ok(f)
 }
 
+/// Copies what fits of `value` into `out`; returns the whole length (so a caller with a short
+/// or empty buffer learns the size it needs), as readlink(2) and getxattr(2) do.
+fn copy_out(out: &mut [u8], value: &[u8]) -> i64 {
+    let n = value.len().min(out.len());
+    out[..n].copy_from_slice(&value[..n]);
+    value.len() as i64
+}
+
 fn fs_of(fs: corefs_fs) -> Result<Arc<Fs>, Error> {
     handles::lookup(fs)
 }
@@ -884,11 +892,7 @@ pub unsafe extern "C" fn corefs_readlink(
         let (path, out) = unsafe { (c_str(path, "path")?, bytes_mut(buf, len, "buf")?) };
         let ino = resolve(&fs, path)?.ino;
         match call(&fs, Op::Readlink { ino })? {
-            Reply::Data(target) => {
-                let n = target.len().min(out.len());
-                out[..n].copy_from_slice(&target[..n]);
-                Ok(target.len() as i64)
-            }
+            Reply::Data(target) => Ok(copy_out(out, &target)),
             other => Err(unexpected(other)),
         }
     })
@@ -1021,11 +1025,7 @@ pub unsafe extern "C" fn corefs_getxattr(
                 name: name.as_bytes().to_vec(),
             },
         )? {
-            Reply::Data(v) => {
-                let n = v.len().min(out.len());
-                out[..n].copy_from_slice(&v[..n]);
-                Ok(v.len() as i64)
-            }
+            Reply::Data(v) => Ok(copy_out(out, &v)),
             other => Err(unexpected(other)),
         }
     })
@@ -1057,9 +1057,7 @@ pub unsafe extern "C" fn corefs_listxattr(
             all.extend_from_slice(&n);
             all.push(0);
         }
-        let n = all.len().min(out.len());
-        out[..n].copy_from_slice(&all[..n]);
-        Ok(all.len() as i64)
+        Ok(copy_out(out, &all))
     })
 }
 

@@ -325,10 +325,21 @@ impl Filesystem {
     /// only because blocks freed in the running transaction wait for its commit (an overwrite
     /// frees the old copy, pinned), commits once and retries before reporting ENOSPC.
     pub fn write(&mut self, ino: u64, offset: u64, data: &[u8]) -> Result<usize> {
-        match self.write_once(ino, offset, data) {
+        self.retry_when_pinned(ino, |fs| fs.write_once(ino, offset, data))
+    }
+
+    /// Runs an allocating change of `ino`; when it finds the shard full while frees of the
+    /// running transaction wait for a commit, commits (unpinning them) and runs it once more.
+    /// The change must leave nothing behind when it fails with NoSpace.
+    fn retry_when_pinned<T>(
+        &mut self,
+        ino: u64,
+        mut change: impl FnMut(&mut Self) -> Result<T>,
+    ) -> Result<T> {
+        match change(self) {
             Err(EngineError::NoSpace) if self.pinned_blocks(self.shard_of(ino)) > 0 => {
                 self.commit()?;
-                self.write_once(ino, offset, data)
+                change(self)
             }
             other => other,
         }
@@ -423,13 +434,7 @@ impl Filesystem {
         offset: u64,
         len: u64,
     ) -> Result<()> {
-        match self.fallocate_once(ino, mode, offset, len) {
-            Err(EngineError::NoSpace) if self.pinned_blocks(self.shard_of(ino)) > 0 => {
-                self.commit()?;
-                self.fallocate_once(ino, mode, offset, len)
-            }
-            other => other,
-        }
+        self.retry_when_pinned(ino, |fs| fs.fallocate_once(ino, mode, offset, len))
     }
 
     fn fallocate_once(

@@ -57,6 +57,14 @@ fn create_files(client: &mut Client, prefix: &str, count: usize) -> Vec<u64> {
         .collect()
 }
 
+/// Mounts what the runtime left on `device` and runs the checker.
+fn remount_checked(device: &str) -> Filesystem {
+    let dev = nvme::open_device(device, &nvme::OpenOptions::default()).unwrap();
+    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    fs.check().unwrap();
+    fs
+}
+
 fn mkdir(client: &mut Client, dir: u64, name: &str) -> u64 {
     ino_of(
         client
@@ -200,9 +208,7 @@ fn stress(idle: IdlePolicy, clients: usize) {
     let stats = runtime.shutdown().unwrap();
     assert!(stats.ops > 0);
     // Remount what shutdown committed: every client's directory is exactly its model.
-    let dev = nvme::open_device(&device, &nvme::OpenOptions::default()).unwrap();
-    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
-    fs.check().unwrap();
+    let mut fs = remount_checked(&device);
     for (i, (&d, model)) in dirs.iter().zip(&models).enumerate() {
         assert_eq!(
             &read_dir_model(&mut fs, d),
@@ -272,9 +278,7 @@ fn rename_storm_across_directories_keeps_every_name_in_one_place() {
         }
     });
     runtime.shutdown().unwrap();
-    let dev = nvme::open_device(&device, &nvme::OpenOptions::default()).unwrap();
-    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
-    fs.check().unwrap();
+    let mut fs = remount_checked(&device);
     let mut names: Vec<Vec<u8>> = dirs
         .iter()
         .flat_map(|&d| fs.readdir(d, 0, 1000).unwrap().into_iter().map(|e| e.name))
@@ -369,9 +373,7 @@ fn shutdown_under_load_keeps_every_acknowledged_fsync() {
         assert!(stats.log.fsyncs > 0);
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    let dev = nvme::open_device(&device, &nvme::OpenOptions::default()).unwrap();
-    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
-    fs.check().unwrap();
+    let mut fs = remount_checked(&device);
     for (&ino, &acked) in inos.iter().zip(&acknowledged) {
         assert!(acked > 0, "seed {seed}: a writer made no progress");
         let data = fs.read(ino, 0, acked as usize * 4096).unwrap();
