@@ -27,8 +27,9 @@
 //! - Data blocks a record references are never reused before the next super-commit (data
 //!   frees are pinned), so replay finds them as written.
 //!
-//! Fault model: a record is written without FUA and made durable by one flush, which also
-//! makes the data blocks it references durable. A crash before the flush completes may leave
+//! Fault model: a record is written without FUA and made durable by one flush. A small fsync's
+//! data rides inside the record (covered by its crc); a large one's data blocks are written in
+//! place beside it, and the same flush makes them durable. A crash before the flush completes may leave
 //! the record without its data, or torn: replay checks the record's crc and the crc32c of every
 //! data block it references, and stops at the first record that fails (its fsync had not
 //! returned). A device error while logging makes the filesystem fail-stop like any other.
