@@ -1,17 +1,26 @@
 #!/usr/bin/env bash
-# bench.sh - the main job: corefs's latency benchmarks on a default file-backed image: 4 KiB
-# append + fsync next to the raw device's write + flush and the kernel filesystem holding the
-# image, then the device layer with the same workloads through fio on the same file. Installs
-# fio when root. Extra arguments go to `corefs bench device` (see --help).
+# bench.sh - the main job: the corefs benchmark suite on a default file-backed image. Makes a
+# prefilled image in /var/tmp, runs the short suite (append + fdatasync, random overwrites with
+# fsync, 64 KiB fsync writers, file creates, a dbench-like mix, random reads at QD1 and QD32) on
+# corefs and on the kernel filesystem holding the image, prints the side-by-side table with
+# ratios, writes results.json, table.txt and SVG plots to bench-results/, and removes the
+# image. Extra arguments go to `corefs bench suite` (see --help), e.g. `--loops` (as root) to
+# add ext4, xfs and btrfs on loop devices, `--repeat 3`, `--seconds 10`.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-if ! command -v fio >/dev/null; then
-  if [[ $(id -u) == 0 ]]; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio >&2
-  else
-    echo "bench.sh: fio is not installed; the comparison with fio is skipped (sudo apt-get install fio)" >&2
+if [[ " $* " == *" --loops "* || " $* " == *xfs* || " $* " == *btrfs* ]]; then
+  missing=()
+  for p in xfsprogs btrfs-progs e2fsprogs; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if ((${#missing[@]})); then
+    if [[ $(id -u) == 0 ]]; then
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >&2
+    else
+      echo "bench.sh: loop-device peers need root and ${missing[*]}" >&2
+      exit 1
+    fi
   fi
 fi
 cargo build --release --locked -p corefs-cli >&2
-target/release/corefs bench fsync
-exec target/release/corefs bench device "$@"
+exec target/release/corefs bench suite "$@"

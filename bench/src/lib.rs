@@ -7,6 +7,8 @@
 //! - [`engine`]: create rate, overwrite cost, commit latency and index batching of the engine;
 //! - [`clients`]: 1, 4 and 16 clients appending + fsyncing through the reactor, and the CPU an
 //!   idle reactor uses;
+//! - [`suite`]: the fsperf-style suite (the README's main job): the same workloads on corefs and
+//!   on kernel filesystems, JSON results, compare mode, SVG plots;
 //! - [`fsync`]: 4 KiB append + fsync latency on the file backend next to the raw device's
 //!   write + flush and the kernel filesystem's append + fdatasync, in the same run.
 
@@ -16,3 +18,4 @@ pub mod engine;
 pub mod fio;
 pub mod fsync;
 pub mod stats;
+pub mod suite;

@@ -59,6 +59,77 @@ enum Command {
 
 #[derive(Subcommand)]
 enum Bench {
+    /// The suite (the README's main job): append + fdatasync, random overwrites with fsync,
+    /// file creates, a dbench-like mix and random reads at QD1/QD32, on corefs and on kernel
+    /// filesystems on the same disk; prints the side-by-side table, writes results.json,
+    /// table.txt and SVG plots.
+    Suite {
+        /// Directory for the image, loop files and kernel runs (must support O_DIRECT).
+        #[arg(long, default_value = "/var/tmp")]
+        dir: PathBuf,
+        /// Targets, comma-separated: corefs-file, corefs-mem, corefs:DEVICE (e.g.
+        /// corefs:nvme:/dev/ng0n1; destroyed), dir:PATH (a kernel filesystem directory), ext4,
+        /// xfs, btrfs (made on loop devices in --dir; root). Default: corefs-file and
+        /// dir:<--dir>.
+        #[arg(long, value_delimiter = ',')]
+        targets: Vec<String>,
+        /// Shortcut: add ext4, xfs and btrfs on loop devices to the targets.
+        #[arg(long)]
+        loops: bool,
+        /// Run only workloads whose names contain one of these (comma-separated).
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
+        /// Seconds per workload and target.
+        #[arg(long, default_value_t = 3.0)]
+        seconds: f64,
+        /// Repeats per workload and target (compare needs 2+ to judge significance).
+        #[arg(long, default_value_t = 1)]
+        repeat: u32,
+        /// corefs image and loop file size.
+        #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+        image_size: u64,
+        /// corefs shards (a file's data lives in its inode's shard: fewer, larger shards).
+        #[arg(long, default_value_t = 2)]
+        shards: u32,
+        /// randwrite clients (fio numjobs).
+        #[arg(long, default_value_t = 4)]
+        writers: usize,
+        /// fsync every N 4 KiB random overwrites.
+        #[arg(long, default_value_t = 8)]
+        fsync_every: u32,
+        /// Each randwrite client's file.
+        #[arg(long, default_value = "16MiB", value_parser = parse_size)]
+        write_file_size: u64,
+        /// Clients and directories of the create workload.
+        #[arg(long, default_value_t = 4)]
+        create_clients: usize,
+        #[arg(long, default_value_t = 4)]
+        create_dirs: usize,
+        /// dbench-like clients.
+        #[arg(long, default_value_t = 8)]
+        dbench_clients: usize,
+        /// The random-read file.
+        #[arg(long, default_value = "192MiB", value_parser = parse_size)]
+        read_file_size: u64,
+        /// corefs reactors busy-poll instead of spin-then-park.
+        #[arg(long)]
+        busy_poll: bool,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Where results.json, table.txt and the plots go (default: bench-results/<time>).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// Lines up two suite results (baseline, current): mean and stdev over repeats, percent
+    /// difference, `*` where it exceeds two baseline stdevs.
+    Compare { baseline: PathBuf, current: PathBuf },
+    /// Prints the tables and redraws the plots of a results.json.
+    Show {
+        results: PathBuf,
+        /// Where to write the plots (default: beside the file).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Engine figures on the memory backend: create rate, 4 KiB overwrite cost, commit latency
     /// of 10,000 dirty inodes, directory-index batching.
     Engine {
@@ -141,6 +212,47 @@ enum Bench {
     },
 }
 
+fn bench_suite(
+    mut config: corefs_bench::suite::SuiteConfig,
+    targets: Vec<String>,
+    loops: bool,
+    out: Option<PathBuf>,
+) -> Result<(), String> {
+    use corefs_bench::suite::{self, TargetSpec};
+    for t in &targets {
+        config.targets.push(TargetSpec::parse(t)?);
+    }
+    if loops {
+        if config.targets.is_empty() {
+            config.targets = vec![
+                TargetSpec::CorefsFile,
+                TargetSpec::KernelDir(config.dir.clone()),
+            ];
+        }
+        for fs in ["ext4", "xfs", "btrfs"] {
+            config.targets.push(TargetSpec::KernelLoop(fs.into()));
+        }
+    }
+    let out = out.unwrap_or_else(|| {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        PathBuf::from("bench-results").join(format!("suite-{now}"))
+    });
+    let results = suite::run(&config, &|line| eprintln!("{line}"))?;
+    println!("\n{}", suite::side_by_side(&results));
+    print!("{}", suite::details(&results));
+    let files = suite::write_outputs(&results, &out)?;
+    println!(
+        "\nwrote {} files to {} (results.json, table.txt, cdf-*.svg, hist-*.svg); \
+         compare two runs with `corefs bench compare OLD/results.json NEW/results.json`",
+        files.len(),
+        out.display()
+    );
+    Ok(())
+}
+
 fn parse_size(text: &str) -> Result<u64, String> {
     nvme::spec::parse_size(text)
 }
@@ -215,6 +327,77 @@ fn main() -> ExitCode {
         Command::Probe => {
             print!("{}", nvme::probe::probe());
             Ok(())
+        }
+        Command::Bench(Bench::Suite {
+            dir,
+            targets,
+            loops,
+            only,
+            seconds,
+            repeat,
+            image_size,
+            shards,
+            writers,
+            fsync_every,
+            write_file_size,
+            create_clients,
+            create_dirs,
+            dbench_clients,
+            read_file_size,
+            busy_poll,
+            seed,
+            out,
+        }) => bench_suite(
+            corefs_bench::suite::SuiteConfig {
+                dir: dir.clone(),
+                image_bytes: image_size,
+                shards,
+                seconds,
+                repeats: repeat.max(1),
+                targets: Vec::new(),
+                only,
+                sizes: corefs_bench::suite::workloads::Sizes {
+                    writers,
+                    write_file_bytes: write_file_size,
+                    fsync_every: fsync_every.max(1),
+                    create_clients,
+                    create_dirs: create_dirs.max(1),
+                    dbench_clients,
+                    read_file_bytes: read_file_size,
+                },
+                busy_poll,
+                seed,
+            },
+            targets,
+            loops,
+            out,
+        ),
+        Command::Bench(Bench::Compare { baseline, current }) => {
+            use corefs_bench::suite::results::SuiteResults;
+            SuiteResults::load(&baseline).and_then(|base| {
+                let current = SuiteResults::load(&current)?;
+                print!("{}", corefs_bench::suite::compare::report(&base, &current));
+                Ok(())
+            })
+        }
+        Command::Bench(Bench::Show { results, out }) => {
+            corefs_bench::suite::results::SuiteResults::load(&results).and_then(|r| {
+                print!(
+                    "{}{}",
+                    corefs_bench::suite::side_by_side(&r),
+                    corefs_bench::suite::details(&r)
+                );
+                let dir = out.unwrap_or_else(|| {
+                    results
+                        .parent()
+                        .map(PathBuf::from)
+                        .unwrap_or_else(|| PathBuf::from("."))
+                });
+                std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+                let files = corefs_bench::suite::plot::write_plots(&r, &dir)?;
+                println!("{} plots in {}", files.len(), dir.display());
+                Ok(())
+            })
         }
         Command::Bench(Bench::Engine {
             creates,

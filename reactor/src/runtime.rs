@@ -103,10 +103,13 @@ impl Shared {
     }
 }
 
+/// What a stopped reactor hands back: its final statistics and the unmounted device.
+type Stopped = (ReactorStats, Box<dyn BlockDevice>);
+
 /// A running reactor. Dropping it without [`Runtime::shutdown`] also shuts down.
 pub struct Runtime {
     shared: Arc<Shared>,
-    thread: Option<JoinHandle<Result<ReactorStats, EngineError>>>,
+    thread: Option<JoinHandle<Result<Stopped, EngineError>>>,
 }
 
 impl Runtime {
@@ -141,13 +144,13 @@ impl Runtime {
             .spawn(move || {
                 let _ = reactor_shared.reactor.set(std::thread::current());
                 // Set even if the reactor panics, so waiting clients return instead of hanging.
-                struct Stopped<'a>(&'a AtomicBool);
-                impl Drop for Stopped<'_> {
+                struct MarkStopped<'a>(&'a AtomicBool);
+                impl Drop for MarkStopped<'_> {
                     fn drop(&mut self) {
                         self.0.store(true, Ordering::Release);
                     }
                 }
-                let _stopped = Stopped(&reactor_shared.stopped);
+                let _stopped = MarkStopped(&reactor_shared.stopped);
                 run(&reactor_shared, &config, dev, &ready_tx)
             })
             .map_err(|e| EngineError::Invalid(format!("starting the reactor thread: {e}")))?;
@@ -175,10 +178,17 @@ impl Runtime {
     /// Stops taking requests, runs those queued, commits, unmounts; returns the final
     /// statistics.
     pub fn shutdown(mut self) -> Result<ReactorStats, EngineError> {
+        self.stop().map(|(stats, _)| stats)
+    }
+
+    /// As [`Runtime::shutdown`], handing back the unmounted device, so a memory device (or
+    /// a simulated one) can be mounted again by [`Runtime::start_with_device`]. An io_uring
+    /// device must not be moved to another thread: reopen it from its device string instead.
+    pub fn shutdown_into_device(mut self) -> Result<Stopped, EngineError> {
         self.stop()
     }
 
-    fn stop(&mut self) -> Result<ReactorStats, EngineError> {
+    fn stop(&mut self) -> Result<Stopped, EngineError> {
         self.shared.stopping.store(true, Ordering::Release);
         if let Some(thread) = self.shared.reactor.get() {
             thread.unpark();
@@ -227,7 +237,7 @@ fn run(
     config: &Config,
     dev: Option<Box<dyn BlockDevice>>,
     ready: &std::sync::mpsc::SyncSender<Result<(), EngineError>>,
-) -> Result<ReactorStats, EngineError> {
+) -> Result<Stopped, EngineError> {
     if let Some(core) = config.core {
         if !core_affinity::set_for_current(core_affinity::CoreId { id: core }) {
             tracing::warn!(
@@ -301,8 +311,8 @@ fn run(
         fsync_p99_us = stats.fsync_total.p99_ns / 1000,
         "reactor stopping"
     );
-    reactor.fs.unmount()?;
-    Ok(stats)
+    let dev = reactor.fs.unmount()?;
+    Ok((stats, dev))
 }
 
 impl Reactor {

@@ -1,0 +1,521 @@
+//! `corefs bench` — the benchmark suite a storage engineer runs to compare corefs with kernel
+//! filesystems on the same disk, fsperf-style: the same workloads ([`workloads`]) on every
+//! target ([`target`]: corefs on any backend through its client API; a kernel directory through
+//! POSIX; ext4, xfs and btrfs made on loop devices by [`loopdev`]), HDR latency percentiles, CPU
+//! per operation, engine statistics and mount time per run, JSON results ([`results`]) that
+//! [`compare`] lines up against a baseline, and SVG plots ([`plot`]).
+//!
+//! Invariants: each workload starts on a fresh filesystem; targets run interleaved per workload
+//! and repeat (workload 1 on every target, then workload 2, ...) so slow drift of the disk
+//! spreads over all of them instead of favouring one; a failed run is an error naming the
+//! workload and target, never a silent gap in the table.
+
+pub mod compare;
+pub mod direct;
+pub mod loopdev;
+pub mod plot;
+pub mod results;
+pub mod target;
+pub mod workloads;
+
+use crate::stats::fmt_ns;
+use results::{Meta, OpRow, Percentiles, RunResult, SuiteResults};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use target::{CorefsTarget, KernelTarget, Target, R};
+use workloads::{Recorder, Sizes, Workload};
+
+/// A target named on the command line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TargetSpec {
+    /// corefs on a file-backed image this run makes (and prefills) in the suite directory.
+    CorefsFile,
+    /// corefs in memory.
+    CorefsMem,
+    /// corefs on a device string (`nvme:/dev/ng0n1`, `file:/dev/sdb`).
+    CorefsDevice(String),
+    /// The kernel filesystem holding this directory.
+    KernelDir(PathBuf),
+    /// ext4, xfs or btrfs made on a loop device over a file in the suite directory (root).
+    KernelLoop(String),
+}
+
+impl TargetSpec {
+    /// `corefs-file`, `corefs-mem`, `corefs:DEVICE`, `dir:PATH`, `ext4`, `xfs`, `btrfs`.
+    pub fn parse(text: &str) -> R<TargetSpec> {
+        Ok(match text {
+            "corefs" | "corefs-file" => TargetSpec::CorefsFile,
+            "corefs-mem" => TargetSpec::CorefsMem,
+            "ext4" | "xfs" | "btrfs" => TargetSpec::KernelLoop(text.to_string()),
+            _ => {
+                if let Some(device) = text.strip_prefix("corefs:") {
+                    TargetSpec::CorefsDevice(device.to_string())
+                } else if let Some(dir) = text.strip_prefix("dir:") {
+                    TargetSpec::KernelDir(PathBuf::from(dir))
+                } else {
+                    return Err(format!(
+                        "unknown target {text:?}: corefs-file, corefs-mem, corefs:DEVICE, \
+                         dir:PATH, ext4, xfs or btrfs"
+                    ));
+                }
+            }
+        })
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct SuiteConfig {
+    /// Where images, loop files and kernel-directory runs go (must support O_DIRECT).
+    pub dir: PathBuf,
+    /// Size of corefs's image and of each loop device's file.
+    pub image_bytes: u64,
+    pub shards: u32,
+    pub seconds: f64,
+    pub repeats: u32,
+    /// Empty: corefs-file and the kernel filesystem holding `dir`.
+    pub targets: Vec<TargetSpec>,
+    /// Run only workloads whose name contains one of these (empty: all).
+    pub only: Vec<String>,
+    pub sizes: Sizes,
+    pub busy_poll: bool,
+    pub seed: u64,
+}
+
+impl Default for SuiteConfig {
+    fn default() -> Self {
+        SuiteConfig {
+            dir: PathBuf::from("/var/tmp"),
+            image_bytes: 1 << 30,
+            shards: 2,
+            seconds: 3.0,
+            repeats: 1,
+            targets: Vec::new(),
+            only: Vec::new(),
+            sizes: Sizes::default(),
+            busy_poll: false,
+            seed: 1,
+        }
+    }
+}
+
+fn process_cpu_ns() -> u64 {
+    // SAFETY: getrusage writes one rusage through the pointer.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; RUSAGE_SELF is always valid.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
+    assert_eq!(rc, 0, "getrusage(RUSAGE_SELF) cannot fail");
+    let tv = |t: libc::timeval| t.tv_sec as u64 * 1_000_000_000 + t.tv_usec as u64 * 1000;
+    tv(usage.ru_utime) + tv(usage.ru_stime)
+}
+
+/// Builds the targets; the images they need live in `images` until the suite ends.
+fn build_targets(
+    config: &SuiteConfig,
+    images: &mut Vec<tempfile::NamedTempFile>,
+    say: &dyn Fn(&str),
+) -> R<Vec<Box<dyn Target>>> {
+    let specs = if config.targets.is_empty() {
+        vec![
+            TargetSpec::CorefsFile,
+            TargetSpec::KernelDir(config.dir.clone()),
+        ]
+    } else {
+        config.targets.clone()
+    };
+    let mut out: Vec<Box<dyn Target>> = Vec::new();
+    for spec in specs {
+        match spec {
+            TargetSpec::CorefsFile => {
+                let image = tempfile::Builder::new()
+                    .prefix("corefs-suite-")
+                    .suffix(".img")
+                    .tempfile_in(&config.dir)
+                    .map_err(|e| format!("creating an image in {}: {e}", config.dir.display()))?;
+                say(&format!(
+                    "writing a {} MiB image at {} (so corefs's writes land on allocated blocks, \
+                     as a kernel filesystem's overwrites do)",
+                    config.image_bytes >> 20,
+                    image.path().display()
+                ));
+                crate::fsync::prefill(image.as_file(), config.image_bytes)?;
+                let device = format!(
+                    "file:{},size={}",
+                    image.path().display(),
+                    config.image_bytes
+                );
+                images.push(image);
+                out.push(Box::new(CorefsTarget::new(
+                    "corefs-file",
+                    &device,
+                    config.shards,
+                    config.busy_poll,
+                )));
+            }
+            TargetSpec::CorefsMem => out.push(Box::new(CorefsTarget::new(
+                "corefs-mem",
+                &format!("mem:{}", config.image_bytes),
+                config.shards,
+                config.busy_poll,
+            ))),
+            TargetSpec::CorefsDevice(device) => out.push(Box::new(CorefsTarget::new(
+                &format!("corefs-{}", device.split(':').next().unwrap_or("dev")),
+                &device,
+                config.shards,
+                config.busy_poll,
+            ))),
+            TargetSpec::KernelDir(dir) => {
+                let fs = crate::fsync::fs_type_of(&dir);
+                out.push(Box::new(KernelTarget::dir(&fs, &dir)));
+            }
+            TargetSpec::KernelLoop(fs_type) => {
+                say(&format!(
+                    "making {fs_type} on a loop device in {}",
+                    config.dir.display()
+                ));
+                // Sparse, and large enough that ext4's inode table does not run out in the
+                // create workload (1 GiB of ext4 has 65,536 inodes).
+                let bytes = config.image_bytes.max(8 << 30);
+                let fs = loopdev::LoopFs::make(&fs_type, &config.dir, bytes)?;
+                out.push(Box::new(KernelTarget::on_loop(fs)));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Runs one workload on one target.
+fn run_one(
+    target: &mut dyn Target,
+    workload: &Workload,
+    seconds: f64,
+    repeat: u32,
+    seed: u64,
+) -> R<RunResult> {
+    target.prepare()?;
+    {
+        let mut session = target.session()?;
+        workload.setup(&mut *session)?;
+    }
+    if workload.reads_cold() {
+        target.remount()?;
+    }
+    let mut sessions = Vec::with_capacity(workload.clients);
+    for _ in 0..workload.clients {
+        sessions.push(target.session()?);
+    }
+    let cpu_before = process_cpu_ns();
+    let started = Instant::now();
+    let until = started + Duration::from_secs_f64(seconds);
+    let recorders: Vec<R<Recorder>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = sessions
+            .into_iter()
+            .enumerate()
+            .map(|(c, mut session)| {
+                scope.spawn(move || workload.client(c, &mut *session, until, seed))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("a client thread panicked".into()))
+            })
+            .collect()
+    });
+    let elapsed = started.elapsed().as_secs_f64();
+    let cpu_ns = process_cpu_ns().saturating_sub(cpu_before);
+    let mut total = Recorder::new(workload.main_op(), false);
+    for r in recorders {
+        total.merge(r?);
+    }
+    let engine = target.engine_figures()?;
+    let mount_ms = target.remount()?;
+    target.finish()?;
+    let main = &total.ops[0].1;
+    let (cdf, buckets) = RunResult::distribution(main);
+    let ops = main.len();
+    Ok(RunResult {
+        workload: workload.name.clone(),
+        target: target.name(),
+        repeat,
+        seconds: elapsed,
+        ops,
+        ops_per_sec: ops as f64 / elapsed,
+        bytes: total.bytes,
+        mib_per_sec: total.bytes as f64 / elapsed / (1 << 20) as f64,
+        latency: Percentiles::of(main),
+        op_table: total
+            .ops
+            .iter()
+            .filter(|(name, _)| *name != workload.main_op() || workload.main_op() == "all")
+            .map(|(name, h)| OpRow {
+                op: name.to_string(),
+                latency: Percentiles::of(h),
+            })
+            .collect(),
+        cpu_ns_per_op: if ops > 0 {
+            cpu_ns as f64 / ops as f64
+        } else {
+            0.0
+        },
+        engine,
+        mount_ms,
+        cdf,
+        buckets,
+    })
+}
+
+fn kernel_release() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// Runs the suite. `progress` gets a line per step (the command prints them to stderr).
+pub fn run(config: &SuiteConfig, progress: &dyn Fn(&str)) -> R<SuiteResults> {
+    let workloads: Vec<Workload> = workloads::suite(&config.sizes)
+        .into_iter()
+        .filter(|w| config.only.is_empty() || config.only.iter().any(|o| w.name.contains(o)))
+        .collect();
+    if workloads.is_empty() {
+        return Err(format!("no workload matches {:?}", config.only));
+    }
+    let mut images = Vec::new();
+    let mut targets = build_targets(config, &mut images, progress)?;
+    let mut results = SuiteResults {
+        meta: Meta {
+            corefs_version: env!("CARGO_PKG_VERSION").to_string(),
+            started_unix: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            kernel: kernel_release(),
+            cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            seconds_per_run: config.seconds,
+            image_bytes: config.image_bytes,
+            repeats: config.repeats,
+            dir: config.dir.display().to_string(),
+            dir_fs: crate::fsync::fs_type_of(&config.dir),
+        },
+        runs: Vec::new(),
+    };
+    let total = workloads.len() * targets.len() * config.repeats as usize;
+    let suite_started = Instant::now();
+    let mut step = 0;
+    for workload in &workloads {
+        for repeat in 0..config.repeats {
+            for target in targets.iter_mut() {
+                step += 1;
+                let left = (total - step + 1) as f64 * config.seconds;
+                progress(&format!(
+                    "[{step:>2}/{total}] {} on {}{} ... (about {:.0} s of runs left)",
+                    workload.name,
+                    target.name(),
+                    if config.repeats > 1 {
+                        format!(" (repeat {})", repeat + 1)
+                    } else {
+                        String::new()
+                    },
+                    left
+                ));
+                let seed = config.seed.wrapping_add(repeat as u64);
+                let run = run_one(&mut **target, workload, config.seconds, repeat, seed)
+                    .map_err(|e| format!("{} on {}: {e}", workload.name, target.name()))?;
+                progress(&format!(
+                    "        {:.0} ops/s, {:.1} MiB/s, p50 {}, p99 {}, max {}",
+                    run.ops_per_sec,
+                    run.mib_per_sec,
+                    fmt_ns(run.latency.p50_ns as f64),
+                    fmt_ns(run.latency.p99_ns as f64),
+                    fmt_ns(run.latency.max_ns as f64)
+                ));
+                results.runs.push(run);
+            }
+        }
+    }
+    progress(&format!(
+        "suite done in {:.0} s",
+        suite_started.elapsed().as_secs_f64()
+    ));
+    drop(targets);
+    drop(images);
+    Ok(results)
+}
+
+/// Mean of a metric over a workload/target's repeats.
+fn mean_of(
+    results: &SuiteResults,
+    workload: &str,
+    target: &str,
+    f: impl Fn(&RunResult) -> f64,
+) -> Option<f64> {
+    let values: Vec<f64> = results.runs_of(workload, target).map(f).collect();
+    (!values.is_empty()).then(|| values.iter().sum::<f64>() / values.len() as f64)
+}
+
+/// The side-by-side table: every target per workload, then each other target's ratio to the
+/// first corefs target (throughput: higher is better for corefs; p99 and max: lower is).
+pub fn side_by_side(results: &SuiteResults) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let targets = results.targets();
+    let reference = targets
+        .iter()
+        .find(|t| t.starts_with("corefs"))
+        .cloned()
+        .unwrap_or_else(|| targets[0].clone());
+    let _ = writeln!(
+        out,
+        "{:<22} {:<14} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "workload",
+        "target",
+        "ops/s",
+        "MiB/s",
+        "p50",
+        "p90",
+        "p99",
+        "p99.9",
+        "max",
+        "cpu/op",
+        "mount"
+    );
+    for workload in results.workloads() {
+        for target in &targets {
+            let runs: Vec<&RunResult> = results.runs_of(&workload, target).collect();
+            let Some(first) = runs.first() else { continue };
+            let n = runs.len() as f64;
+            let avg = |f: &dyn Fn(&RunResult) -> f64| runs.iter().map(|r| f(r)).sum::<f64>() / n;
+            let _ = writeln!(
+                out,
+                "{:<22} {:<14} {:>10.0} {:>9.1} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+                workload,
+                target,
+                avg(&|r| r.ops_per_sec),
+                avg(&|r| r.mib_per_sec),
+                fmt_ns(avg(&|r| r.latency.p50_ns as f64)),
+                fmt_ns(avg(&|r| r.latency.p90_ns as f64)),
+                fmt_ns(avg(&|r| r.latency.p99_ns as f64)),
+                fmt_ns(avg(&|r| r.latency.p999_ns as f64)),
+                fmt_ns(avg(&|r| r.latency.max_ns as f64)),
+                fmt_ns(avg(&|r| r.cpu_ns_per_op)),
+                first
+                    .mount_ms
+                    .map(|_| format!("{:.1}ms", avg(&|r| r.mount_ms.unwrap_or(0.0))))
+                    .unwrap_or_else(|| "-".into()),
+            );
+        }
+        for target in targets.iter().filter(|t| **t != reference) {
+            let ratio = |f: &dyn Fn(&RunResult) -> f64| -> String {
+                match (
+                    mean_of(results, &workload, &reference, f),
+                    mean_of(results, &workload, target, f),
+                ) {
+                    (Some(a), Some(b)) if b > 0.0 => format!("{:.2}x", a / b),
+                    _ => "-".into(),
+                }
+            };
+            let _ = writeln!(
+                out,
+                "{:<22} {:<14} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+                "",
+                format!("{reference}/{target}")
+                    .chars()
+                    .take(14)
+                    .collect::<String>(),
+                ratio(&|r| r.ops_per_sec),
+                ratio(&|r| r.mib_per_sec),
+                ratio(&|r| r.latency.p50_ns as f64),
+                ratio(&|r| r.latency.p90_ns as f64),
+                ratio(&|r| r.latency.p99_ns as f64),
+                ratio(&|r| r.latency.p999_ns as f64),
+                ratio(&|r| r.latency.max_ns as f64),
+                ratio(&|r| r.cpu_ns_per_op),
+            );
+        }
+    }
+    out
+}
+
+/// dbench's per-operation table (Operation, Count, AvgLat, MaxLat) for each run that has
+/// more than one operation kind, and the engine's figures for corefs runs.
+pub fn details(results: &SuiteResults) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    for run in &results.runs {
+        if run.op_table.len() > 1 || run.workload.contains("dbench") {
+            let _ = writeln!(
+                out,
+                "\n{} on {} (repeat {}): {:.1} MiB/s, {:.0} ops/s",
+                run.workload,
+                run.target,
+                run.repeat + 1,
+                run.mib_per_sec,
+                run.ops_per_sec
+            );
+            let _ = writeln!(
+                out,
+                " {:<18} {:>9} {:>11} {:>11} {:>11}",
+                "Operation", "Count", "AvgLat", "P99Lat", "MaxLat"
+            );
+            let _ = writeln!(out, " {}", "-".repeat(64));
+            for row in &run.op_table {
+                let _ = writeln!(
+                    out,
+                    " {:<18} {:>9} {:>11.3} {:>11.3} {:>11.3}",
+                    row.op,
+                    row.latency.count,
+                    row.latency.mean_ns / 1e6,
+                    row.latency.p99_ns as f64 / 1e6,
+                    row.latency.max_ns as f64 / 1e6
+                );
+            }
+            let _ = writeln!(out, " (latencies in ms)");
+        }
+    }
+    let engine_runs: Vec<&RunResult> = results.runs.iter().filter(|r| r.engine.is_some()).collect();
+    if !engine_runs.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nengine figures (corefs runs)\n {:<22} {:<12} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9}",
+            "workload", "target", "commits", "avg ms", "max ms", "log wr", "fallback", "groupmax", "unpin ms", "mount ms"
+        );
+        for run in engine_runs {
+            let e = run.engine.as_ref().expect("filtered");
+            let _ = writeln!(
+                out,
+                " {:<22} {:<12} {:>7} {:>9.2} {:>9.2} {:>9} {:>9} {:>9} {:>10.3} {:>9}",
+                run.workload,
+                run.target,
+                e.commits,
+                e.commit_ms_avg,
+                e.commit_ms_max,
+                e.log_writes,
+                e.fallback_commits,
+                e.fsync_group_max,
+                e.unpin_ms_last,
+                run.mount_ms
+                    .map(|m| format!("{m:.1}"))
+                    .unwrap_or_else(|| "-".into())
+            );
+        }
+    }
+    out
+}
+
+/// Writes results.json, table.txt and the plots into `out_dir`; returns the files written.
+pub fn write_outputs(results: &SuiteResults, out_dir: &Path) -> R<Vec<PathBuf>> {
+    std::fs::create_dir_all(out_dir).map_err(|e| format!("{}: {e}", out_dir.display()))?;
+    let mut files = Vec::new();
+    let json = out_dir.join("results.json");
+    results.save(&json)?;
+    files.push(json);
+    let table = out_dir.join("table.txt");
+    std::fs::write(
+        &table,
+        format!("{}{}", side_by_side(results), details(results)),
+    )
+    .map_err(|e| format!("{}: {e}", table.display()))?;
+    files.push(table);
+    files.extend(plot::write_plots(results, out_dir)?);
+    Ok(files)
+}

@@ -1,0 +1,684 @@
+//! What a workload runs against: a [`Target`] (a fresh filesystem per workload, remountable)
+//! hands out one [`Session`] per client thread. Sessions speak paths relative to the target's
+//! root so one workload body runs unchanged on corefs (through the reactor's client API, the
+//! API Rust embedders use; the C ABI is a thin layer over it) and on a kernel filesystem
+//! (through POSIX calls).
+//!
+//! Invariants: a session is used by one thread; handles are small integers valid in the session
+//! that made them. A corefs session caches directory inode numbers it resolved or made (the
+//! kernel's dentry cache does the same for POSIX callers) and forgets them when it removes or
+//! renames a directory.
+
+use super::loopdev::LoopFs;
+use super::results::EngineFigures;
+use engine::{MkfsOptions, RenameFlags};
+use reactor::{Config, IdlePolicy, Op, Reply, Runtime};
+use std::collections::HashMap;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+pub type R<T> = Result<T, String>;
+
+/// A file handle within one session.
+pub type Fh = usize;
+
+/// One client thread's view of a target.
+pub trait Session: Send {
+    /// Creates a new file (fails if it exists) and opens it for reading and writing.
+    fn create(&mut self, path: &str) -> R<Fh>;
+    fn open(&mut self, path: &str) -> R<Fh>;
+    fn close(&mut self, fh: Fh) -> R<()>;
+    fn pwrite(&mut self, fh: Fh, offset: u64, data: &[u8]) -> R<()>;
+    /// Reads up to `len` bytes; returns how many.
+    fn pread(&mut self, fh: Fh, offset: u64, len: usize) -> R<usize>;
+    fn fsync(&mut self, fh: Fh) -> R<()>;
+    fn fdatasync(&mut self, fh: Fh) -> R<()>;
+    fn mkdir(&mut self, path: &str) -> R<()>;
+    fn rmdir(&mut self, path: &str) -> R<()>;
+    fn unlink(&mut self, path: &str) -> R<()>;
+    fn rename(&mut self, from: &str, to: &str) -> R<()>;
+    /// The size of what `path` names.
+    fn stat(&mut self, path: &str) -> R<u64>;
+    /// Names in a directory, with whether each is a directory.
+    fn readdir(&mut self, path: &str) -> R<Vec<(String, bool)>>;
+    /// Random 4 KiB reads of an open file with `qd` in flight until `until`; each completion's
+    /// latency goes to `record`. Bypasses any page cache (corefs has none; kernel targets use
+    /// O_DIRECT). Returns the reads done.
+    fn random_reads(
+        &mut self,
+        fh: Fh,
+        file_bytes: u64,
+        qd: usize,
+        until: Instant,
+        seed: u64,
+        record: &mut dyn FnMut(u64),
+    ) -> R<u64>;
+}
+
+/// A filesystem under test.
+pub trait Target {
+    fn name(&self) -> String;
+    /// A fresh, empty filesystem for the next workload.
+    fn prepare(&mut self) -> R<()>;
+    fn session(&mut self) -> R<Box<dyn Session>>;
+    /// Engine figures since `prepare` or the last `remount` (corefs only).
+    fn engine_figures(&mut self) -> R<Option<EngineFigures>>;
+    /// Unmounts and mounts again (dropping caches); returns the mount time when the target
+    /// can be remounted.
+    fn remount(&mut self) -> R<Option<f64>>;
+    /// Ends the workload: unmount or remove what it made.
+    fn finish(&mut self) -> R<()>;
+}
+
+/// Splits `a/b/c` into (`a/b`, `c`).
+fn split(path: &str) -> (&str, &str) {
+    match path.rfind('/') {
+        Some(i) => (&path[..i], &path[i + 1..]),
+        None => ("", path),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// corefs
+
+/// corefs on a device string, through the reactor.
+pub struct CorefsTarget {
+    label: String,
+    device: String,
+    shards: u32,
+    busy_poll: bool,
+    runtime: Option<Runtime>,
+    /// A memory device lives only as long as its handle: it is kept across remounts.
+    kept_device: Option<Box<dyn nvme::BlockDevice>>,
+}
+
+impl CorefsTarget {
+    pub fn new(label: &str, device: &str, shards: u32, busy_poll: bool) -> CorefsTarget {
+        CorefsTarget {
+            label: label.to_string(),
+            device: device.to_string(),
+            shards,
+            busy_poll,
+            runtime: None,
+            kept_device: None,
+        }
+    }
+
+    fn start(&mut self, mkfs: bool) -> R<f64> {
+        let started = Instant::now();
+        let config = Config {
+            device: self.device.clone(),
+            mkfs: mkfs.then(|| MkfsOptions {
+                shards: self.shards,
+                label: "bench".into(),
+            }),
+            idle: if self.busy_poll {
+                IdlePolicy::BusyPoll
+            } else {
+                IdlePolicy::default()
+            },
+            ..Config::default()
+        };
+        let runtime = match self.kept_device.take() {
+            Some(dev) if !mkfs => Runtime::start_with_device(config, dev),
+            _ => Runtime::start(config),
+        }
+        .map_err(|e| format!("{}: {e}", self.device))?;
+        let ms = started.elapsed().as_secs_f64() * 1e3;
+        self.runtime = Some(runtime);
+        Ok(ms)
+    }
+
+    fn stop(&mut self) -> R<()> {
+        if let Some(runtime) = self.runtime.take() {
+            let (_, dev) = runtime
+                .shutdown_into_device()
+                .map_err(|e| format!("unmounting {}: {e}", self.device))?;
+            if self.device.starts_with("mem:") {
+                self.kept_device = Some(dev);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Target for CorefsTarget {
+    fn name(&self) -> String {
+        self.label.clone()
+    }
+
+    fn prepare(&mut self) -> R<()> {
+        self.stop()?;
+        self.start(true).map(drop)
+    }
+
+    fn session(&mut self) -> R<Box<dyn Session>> {
+        let runtime = self.runtime.as_ref().ok_or("corefs target not prepared")?;
+        Ok(Box::new(CorefsSession {
+            client: runtime.client(64),
+            dirs: HashMap::new(),
+            files: Vec::new(),
+        }))
+    }
+
+    fn engine_figures(&mut self) -> R<Option<EngineFigures>> {
+        let runtime = self.runtime.as_ref().ok_or("corefs target not prepared")?;
+        let mut client = runtime.client(1);
+        let stats = match client.call(Op::Stats).map_err(|e| e.to_string())? {
+            Reply::Stats(s) => *s,
+            other => return Err(format!("unexpected reply {other:?}")),
+        };
+        let c = &stats.commit;
+        Ok(Some(EngineFigures {
+            commits: c.commits,
+            commit_ms_avg: if c.commits > 0 {
+                c.commit_ns_total as f64 / c.commits as f64 / 1e6
+            } else {
+                0.0
+            },
+            commit_ms_max: c.commit_ns_max as f64 / 1e6,
+            log_writes: stats.log.log_writes,
+            fallback_commits: stats.log.fallback_commits(),
+            fsync_groups: stats.fsync_groups,
+            fsync_group_max: stats.fsync_group_max,
+            unpinned_blocks_last: c.last_unpinned_blocks,
+            unpin_ms_last: c.last_unpin_ns as f64 / 1e6,
+            reactor_cpu_ns_per_op: stats.cpu_ns_per_op(),
+        }))
+    }
+
+    fn remount(&mut self) -> R<Option<f64>> {
+        self.stop()?;
+        self.start(false).map(Some)
+    }
+
+    fn finish(&mut self) -> R<()> {
+        self.stop()
+    }
+}
+
+struct CorefsSession {
+    client: reactor::Client,
+    /// Directory path → inode number ("" is the root).
+    dirs: HashMap<String, u64>,
+    /// Handle → inode number (None once closed).
+    files: Vec<Option<u64>>,
+}
+
+impl CorefsSession {
+    fn call(&mut self, op: Op) -> R<Reply> {
+        self.client.call(op).map_err(|e| e.to_string())
+    }
+
+    fn dir(&mut self, path: &str) -> R<u64> {
+        if path.is_empty() {
+            return Ok(engine::inode::ROOT_INO);
+        }
+        if let Some(&ino) = self.dirs.get(path) {
+            return Ok(ino);
+        }
+        let ino = match self.call(Op::Resolve {
+            path: path.to_string(),
+        })? {
+            Reply::Stat(s) => s.ino,
+            other => return Err(format!("unexpected reply {other:?}")),
+        };
+        self.dirs.insert(path.to_string(), ino);
+        Ok(ino)
+    }
+
+    fn forget_dirs(&mut self, path: &str) {
+        let prefix = format!("{path}/");
+        self.dirs
+            .retain(|p, _| p != path && !p.starts_with(&prefix));
+    }
+
+    fn handle(&mut self, ino: u64) -> Fh {
+        self.files.push(Some(ino));
+        self.files.len() - 1
+    }
+
+    fn ino(&self, fh: Fh) -> R<u64> {
+        self.files
+            .get(fh)
+            .copied()
+            .flatten()
+            .ok_or_else(|| format!("bad handle {fh}"))
+    }
+
+    fn lookup(&mut self, path: &str) -> R<engine::Stat> {
+        let (parent, name) = split(path);
+        let dir = self.dir(parent)?;
+        match self.call(Op::Lookup {
+            dir,
+            name: name.as_bytes().to_vec(),
+        })? {
+            Reply::Stat(s) => Ok(s),
+            other => Err(format!("unexpected reply {other:?}")),
+        }
+    }
+}
+
+impl Session for CorefsSession {
+    fn create(&mut self, path: &str) -> R<Fh> {
+        let (parent, name) = split(path);
+        let dir = self.dir(parent)?;
+        match self.call(Op::Create {
+            dir,
+            name: name.as_bytes().to_vec(),
+            mode: 0o644,
+        })? {
+            Reply::Stat(s) => Ok(self.handle(s.ino)),
+            other => Err(format!("unexpected reply {other:?}")),
+        }
+    }
+
+    fn open(&mut self, path: &str) -> R<Fh> {
+        let ino = self.lookup(path)?.ino;
+        Ok(self.handle(ino))
+    }
+
+    fn close(&mut self, fh: Fh) -> R<()> {
+        self.ino(fh)?;
+        self.files[fh] = None;
+        // Handles are never reused within a session; trim the table when it empties.
+        if self.files.iter().all(Option::is_none) {
+            self.files.clear();
+        }
+        Ok(())
+    }
+
+    fn pwrite(&mut self, fh: Fh, offset: u64, data: &[u8]) -> R<()> {
+        let ino = self.ino(fh)?;
+        match self.call(Op::Write {
+            ino,
+            offset,
+            data: data.to_vec(),
+        })? {
+            Reply::Written(n) if n == data.len() => Ok(()),
+            other => Err(format!("short write: {other:?}")),
+        }
+    }
+
+    fn pread(&mut self, fh: Fh, offset: u64, len: usize) -> R<usize> {
+        let ino = self.ino(fh)?;
+        match self.call(Op::Read { ino, offset, len })? {
+            Reply::Data(d) => Ok(d.len()),
+            other => Err(format!("unexpected reply {other:?}")),
+        }
+    }
+
+    fn fsync(&mut self, fh: Fh) -> R<()> {
+        let ino = self.ino(fh)?;
+        self.call(Op::Fsync { ino }).map(drop)
+    }
+
+    fn fdatasync(&mut self, fh: Fh) -> R<()> {
+        let ino = self.ino(fh)?;
+        self.call(Op::Fdatasync { ino }).map(drop)
+    }
+
+    fn mkdir(&mut self, path: &str) -> R<()> {
+        let (parent, name) = split(path);
+        let dir = self.dir(parent)?;
+        match self.call(Op::Mkdir {
+            dir,
+            name: name.as_bytes().to_vec(),
+            mode: 0o755,
+        })? {
+            Reply::Stat(s) => {
+                self.dirs.insert(path.to_string(), s.ino);
+                Ok(())
+            }
+            other => Err(format!("unexpected reply {other:?}")),
+        }
+    }
+
+    fn rmdir(&mut self, path: &str) -> R<()> {
+        let (parent, name) = split(path);
+        let dir = self.dir(parent)?;
+        self.forget_dirs(path);
+        self.call(Op::Rmdir {
+            dir,
+            name: name.as_bytes().to_vec(),
+        })
+        .map(drop)
+    }
+
+    fn unlink(&mut self, path: &str) -> R<()> {
+        let (parent, name) = split(path);
+        let dir = self.dir(parent)?;
+        self.call(Op::Unlink {
+            dir,
+            name: name.as_bytes().to_vec(),
+        })
+        .map(drop)
+    }
+
+    fn rename(&mut self, from: &str, to: &str) -> R<()> {
+        let (from_parent, from_name) = split(from);
+        let (to_parent, to_name) = split(to);
+        let from_dir = self.dir(from_parent)?;
+        let to_dir = self.dir(to_parent)?;
+        self.forget_dirs(from);
+        self.forget_dirs(to);
+        self.call(Op::Rename {
+            from_dir,
+            from: from_name.as_bytes().to_vec(),
+            to_dir,
+            to: to_name.as_bytes().to_vec(),
+            flags: RenameFlags::default(),
+        })
+        .map(drop)
+    }
+
+    fn stat(&mut self, path: &str) -> R<u64> {
+        self.lookup(path).map(|s| s.size)
+    }
+
+    fn readdir(&mut self, path: &str) -> R<Vec<(String, bool)>> {
+        let dir = self.dir(path)?;
+        let mut out = Vec::new();
+        let mut cookie = 0;
+        loop {
+            let entries = match self.call(Op::Readdir {
+                dir,
+                cookie,
+                max: 256,
+            })? {
+                Reply::Entries(e) => e,
+                other => return Err(format!("unexpected reply {other:?}")),
+            };
+            let Some(last) = entries.last() else {
+                return Ok(out);
+            };
+            cookie = last.cookie;
+            out.extend(entries.into_iter().map(|e| {
+                (
+                    String::from_utf8_lossy(&e.name).into_owned(),
+                    e.kind == (libc::S_IFDIR >> 12) as u8,
+                )
+            }));
+        }
+    }
+
+    fn random_reads(
+        &mut self,
+        fh: Fh,
+        file_bytes: u64,
+        qd: usize,
+        until: Instant,
+        seed: u64,
+        record: &mut dyn FnMut(u64),
+    ) -> R<u64> {
+        use rand::{Rng, SeedableRng};
+        let ino = self.ino(fh)?;
+        let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(seed);
+        let blocks = file_bytes / 4096;
+        // Submission time per token; tokens are slots 0..qd.
+        let mut submitted: Vec<Instant> = vec![Instant::now(); qd];
+        let mut free: Vec<u64> = (0..qd as u64).collect();
+        let mut done = 0u64;
+        let mut completions = Vec::with_capacity(qd);
+        loop {
+            while Instant::now() < until {
+                let Some(slot) = free.pop() else { break };
+                let offset = rng.random_range(0..blocks) * 4096;
+                submitted[slot as usize] = Instant::now();
+                if let Err(e) = self.client.submit(
+                    Op::Read {
+                        ino,
+                        offset,
+                        len: 4096,
+                    },
+                    slot,
+                ) {
+                    return Err(format!("submit: {e:?}"));
+                }
+            }
+            if self.client.in_flight() == 0 {
+                return Ok(done);
+            }
+            completions.clear();
+            self.client
+                .wait(&mut completions, std::time::Duration::from_secs(5));
+            let now = Instant::now();
+            for c in completions.drain(..) {
+                match c.result {
+                    Ok(Reply::Data(d)) if d.len() == 4096 => {}
+                    other => return Err(format!("random read: {other:?}")),
+                }
+                record(now.duration_since(submitted[c.token as usize]).as_nanos() as u64);
+                free.push(c.token);
+                done += 1;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernel filesystems
+
+/// A directory on a kernel filesystem, optionally one this run made on a loop device.
+pub struct KernelTarget {
+    label: String,
+    /// Where workloads make their trees: a fresh subdirectory per workload.
+    base: PathBuf,
+    run_dir: Option<PathBuf>,
+    runs: u32,
+    loop_fs: Option<LoopFs>,
+}
+
+impl KernelTarget {
+    /// A directory on whatever filesystem holds it (not remountable here).
+    pub fn dir(label: &str, base: &Path) -> KernelTarget {
+        KernelTarget {
+            label: label.to_string(),
+            base: base.to_path_buf(),
+            run_dir: None,
+            runs: 0,
+            loop_fs: None,
+        }
+    }
+
+    /// A filesystem this run made on a loop device (remountable, removed at drop).
+    pub fn on_loop(loop_fs: LoopFs) -> KernelTarget {
+        KernelTarget {
+            label: format!("{}-loop", loop_fs.fs_type()),
+            base: loop_fs.mountpoint().to_path_buf(),
+            run_dir: None,
+            runs: 0,
+            loop_fs: Some(loop_fs),
+        }
+    }
+}
+
+impl Target for KernelTarget {
+    fn name(&self) -> String {
+        self.label.clone()
+    }
+
+    fn prepare(&mut self) -> R<()> {
+        self.finish()?;
+        self.runs += 1;
+        let dir = self
+            .base
+            .join(format!("corefs-suite-{}-{}", std::process::id(), self.runs));
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        self.run_dir = Some(dir);
+        Ok(())
+    }
+
+    fn session(&mut self) -> R<Box<dyn Session>> {
+        let root = self.run_dir.clone().ok_or("kernel target not prepared")?;
+        Ok(Box::new(KernelSession {
+            root,
+            files: Vec::new(),
+        }))
+    }
+
+    fn engine_figures(&mut self) -> R<Option<EngineFigures>> {
+        Ok(None)
+    }
+
+    fn remount(&mut self) -> R<Option<f64>> {
+        match &mut self.loop_fs {
+            Some(fs) => fs.remount().map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn finish(&mut self) -> R<()> {
+        if let Some(dir) = self.run_dir.take() {
+            std::fs::remove_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for KernelTarget {
+    fn drop(&mut self) {
+        if let Err(e) = self.finish() {
+            tracing::warn!("cleaning up {}: {e}", self.label);
+        }
+    }
+}
+
+struct KernelSession {
+    root: PathBuf,
+    /// Handle → (path, open file).
+    files: Vec<Option<(PathBuf, std::fs::File)>>,
+}
+
+fn io(path: &Path, e: std::io::Error) -> String {
+    format!("{}: {e}", path.display())
+}
+
+impl KernelSession {
+    fn file(&self, fh: Fh) -> R<&std::fs::File> {
+        self.files
+            .get(fh)
+            .and_then(Option::as_ref)
+            .map(|(_, f)| f)
+            .ok_or_else(|| format!("bad handle {fh}"))
+    }
+
+    fn handle(&mut self, path: PathBuf, file: std::fs::File) -> Fh {
+        self.files.push(Some((path, file)));
+        self.files.len() - 1
+    }
+}
+
+impl Session for KernelSession {
+    fn create(&mut self, path: &str) -> R<Fh> {
+        let path = self.root.join(path);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o644)
+            .open(&path)
+            .map_err(|e| io(&path, e))?;
+        Ok(self.handle(path, file))
+    }
+
+    fn open(&mut self, path: &str) -> R<Fh> {
+        let path = self.root.join(path);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| io(&path, e))?;
+        Ok(self.handle(path, file))
+    }
+
+    fn close(&mut self, fh: Fh) -> R<()> {
+        self.file(fh)?;
+        self.files[fh] = None;
+        if self.files.iter().all(Option::is_none) {
+            self.files.clear();
+        }
+        Ok(())
+    }
+
+    fn pwrite(&mut self, fh: Fh, offset: u64, data: &[u8]) -> R<()> {
+        self.file(fh)?
+            .write_all_at(data, offset)
+            .map_err(|e| format!("pwrite: {e}"))
+    }
+
+    fn pread(&mut self, fh: Fh, offset: u64, len: usize) -> R<usize> {
+        let mut buf = vec![0u8; len];
+        self.file(fh)?
+            .read_at(&mut buf, offset)
+            .map_err(|e| format!("pread: {e}"))
+    }
+
+    fn fsync(&mut self, fh: Fh) -> R<()> {
+        self.file(fh)?.sync_all().map_err(|e| format!("fsync: {e}"))
+    }
+
+    fn fdatasync(&mut self, fh: Fh) -> R<()> {
+        self.file(fh)?
+            .sync_data()
+            .map_err(|e| format!("fdatasync: {e}"))
+    }
+
+    fn mkdir(&mut self, path: &str) -> R<()> {
+        let path = self.root.join(path);
+        std::fs::create_dir(&path).map_err(|e| io(&path, e))
+    }
+
+    fn rmdir(&mut self, path: &str) -> R<()> {
+        let path = self.root.join(path);
+        std::fs::remove_dir(&path).map_err(|e| io(&path, e))
+    }
+
+    fn unlink(&mut self, path: &str) -> R<()> {
+        let path = self.root.join(path);
+        std::fs::remove_file(&path).map_err(|e| io(&path, e))
+    }
+
+    fn rename(&mut self, from: &str, to: &str) -> R<()> {
+        let from = self.root.join(from);
+        let to = self.root.join(to);
+        std::fs::rename(&from, &to).map_err(|e| io(&from, e))
+    }
+
+    fn stat(&mut self, path: &str) -> R<u64> {
+        let path = self.root.join(path);
+        std::fs::symlink_metadata(&path)
+            .map(|m| m.len())
+            .map_err(|e| io(&path, e))
+    }
+
+    fn readdir(&mut self, path: &str) -> R<Vec<(String, bool)>> {
+        let path = self.root.join(path);
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir(&path).map_err(|e| io(&path, e))? {
+            let entry = entry.map_err(|e| io(&path, e))?;
+            let is_dir = entry.file_type().map_err(|e| io(&path, e))?.is_dir();
+            out.push((entry.file_name().to_string_lossy().into_owned(), is_dir));
+        }
+        Ok(out)
+    }
+
+    fn random_reads(
+        &mut self,
+        fh: Fh,
+        file_bytes: u64,
+        qd: usize,
+        until: Instant,
+        seed: u64,
+        record: &mut dyn FnMut(u64),
+    ) -> R<u64> {
+        let path = self
+            .files
+            .get(fh)
+            .and_then(Option::as_ref)
+            .map(|(p, _)| p.clone())
+            .ok_or_else(|| format!("bad handle {fh}"))?;
+        super::direct::random_reads(&path, file_bytes, qd, until, seed, record)
+    }
+}

@@ -1,0 +1,257 @@
+//! The benchmark suite's machinery (not its speed): every workload runs on corefs and on a
+//! kernel directory and yields sane, complete results; JSON round-trips; plots and tables are
+//! written; compare's statistics and significance marks are right; loop-device kernel peers
+//! are made and torn down (as root) or refused with a clear error (otherwise).
+
+use corefs_bench::suite::compare::{compare, mean_stdev};
+use corefs_bench::suite::results::{Percentiles, RunResult, SuiteResults};
+use corefs_bench::suite::workloads::Sizes;
+use corefs_bench::suite::{self, SuiteConfig, TargetSpec};
+
+fn tiny_config(dir: &std::path::Path, targets: Vec<TargetSpec>) -> SuiteConfig {
+    SuiteConfig {
+        dir: dir.to_path_buf(),
+        image_bytes: 256 << 20,
+        shards: 2,
+        seconds: 0.25,
+        repeats: 1,
+        targets,
+        only: Vec::new(),
+        sizes: Sizes {
+            writers: 2,
+            write_file_bytes: 1 << 20,
+            fsync_every: 4,
+            create_clients: 2,
+            create_dirs: 2,
+            dbench_clients: 2,
+            read_file_bytes: 4 << 20,
+        },
+        busy_poll: false,
+        seed: 7,
+    }
+}
+
+/// A directory on a filesystem with O_DIRECT (the kernel target's random reads need it).
+fn scratch() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("corefs-suite-test-")
+        .tempdir_in("/var/tmp")
+        .expect("a scratch directory in /var/tmp")
+}
+
+#[test]
+fn every_workload_runs_on_corefs_and_a_kernel_directory() {
+    let dir = scratch();
+    let config = tiny_config(
+        dir.path(),
+        vec![
+            TargetSpec::CorefsFile,
+            TargetSpec::CorefsMem,
+            TargetSpec::KernelDir(dir.path().to_path_buf()),
+        ],
+    );
+    let results = suite::run(&config, &|line| eprintln!("{line}")).expect("suite runs");
+    let workloads = results.workloads();
+    assert_eq!(workloads.len(), 7, "{workloads:?}");
+    assert_eq!(results.targets().len(), 3, "{:?}", results.targets());
+    assert_eq!(results.runs.len(), 21);
+    for run in &results.runs {
+        let what = format!("{} on {}", run.workload, run.target);
+        assert!(run.ops > 0, "{what}: no operations");
+        assert!(run.ops_per_sec > 0.0, "{what}");
+        let l = &run.latency;
+        assert_eq!(l.count, run.ops, "{what}");
+        assert!(
+            l.p50_ns <= l.p90_ns && l.p90_ns <= l.p99_ns,
+            "{what}: {l:?}"
+        );
+        assert!(
+            l.p99_ns <= l.p999_ns && l.p999_ns <= l.max_ns,
+            "{what}: {l:?}"
+        );
+        assert!(run.cpu_ns_per_op > 0.0, "{what}");
+        assert!(!run.cdf.is_empty() && !run.buckets.is_empty(), "{what}");
+        assert_eq!(
+            run.buckets.iter().map(|b| b.1).sum::<u64>(),
+            run.ops,
+            "{what}: histogram buckets hold every sample"
+        );
+        let corefs = run.target.starts_with("corefs");
+        assert_eq!(run.engine.is_some(), corefs, "{what}: engine figures");
+        // corefs remounts after every run; a plain kernel directory cannot be remounted.
+        assert_eq!(run.mount_ms.is_some(), corefs, "{what}: mount time");
+        if !run.workload.starts_with("creates") {
+            assert!(run.bytes > 0, "{what}: moved no data");
+        }
+    }
+    // dbench's per-operation table has every operation of the mix.
+    let dbench = results
+        .runs
+        .iter()
+        .find(|r| r.workload == "dbench" && r.target == "corefs-file")
+        .expect("dbench on corefs");
+    for op in [
+        "Mkdir",
+        "Create",
+        "WriteX",
+        "Close",
+        "Qpathinfo",
+        "Find",
+        "Open",
+        "ReadX",
+        "Rename",
+        "Flush",
+        "Unlink",
+        "Deltree",
+    ] {
+        let row = dbench.op_table.iter().find(|r| r.op == op);
+        assert!(
+            row.is_some_and(|r| r.latency.count > 0),
+            "dbench lacks {op}"
+        );
+    }
+    // fsyncs on corefs went through its log (the engine figures are live, not zeros).
+    let append = results
+        .runs
+        .iter()
+        .find(|r| r.workload == "append-fdatasync" && r.target == "corefs-mem")
+        .expect("append on corefs-mem");
+    let engine = append.engine.as_ref().expect("engine figures");
+    assert!(engine.log_writes > 0, "{engine:?}");
+
+    // The outputs: JSON that loads back equal, the table, one CDF per workload and one
+    // histogram per workload and target, each an SVG naming what it shows.
+    let out = dir.path().join("out");
+    let files = suite::write_outputs(&results, &out).expect("outputs");
+    let loaded = SuiteResults::load(&out.join("results.json")).expect("load");
+    assert!(loaded == results, "results.json does not load back equal");
+    assert_eq!(files.len(), 2 + 7 + 7 * 3, "{files:?}");
+    for file in files
+        .iter()
+        .filter(|f| f.extension().is_some_and(|e| e == "svg"))
+    {
+        let text = std::fs::read_to_string(file).expect("svg");
+        assert!(text.contains("<svg"), "{}", file.display());
+        let name = file.file_name().unwrap().to_string_lossy().into_owned();
+        let workload = workloads
+            .iter()
+            .find(|w| name.contains(w.as_str()))
+            .expect("file named after a workload");
+        assert!(
+            text.contains(workload.as_str()),
+            "{name} does not name {workload}"
+        );
+    }
+    let table = std::fs::read_to_string(out.join("table.txt")).expect("table");
+    assert!(table.contains("corefs-file/"), "ratio rows: {table}");
+    assert!(table.contains("Deltree"), "dbench table: {table}");
+}
+
+fn run_with(target: &str, ops_per_sec: f64, p99_ns: u64) -> RunResult {
+    RunResult {
+        workload: "w".into(),
+        target: target.into(),
+        repeat: 0,
+        seconds: 1.0,
+        ops: ops_per_sec as u64,
+        ops_per_sec,
+        bytes: 0,
+        mib_per_sec: 0.0,
+        latency: Percentiles {
+            count: 1,
+            p99_ns,
+            ..Percentiles::default()
+        },
+        op_table: Vec::new(),
+        cpu_ns_per_op: 1.0,
+        engine: None,
+        mount_ms: None,
+        cdf: Vec::new(),
+        buckets: Vec::new(),
+    }
+}
+
+fn results_of(runs: Vec<RunResult>) -> SuiteResults {
+    let mut r = SuiteResults::default();
+    r.meta.repeats = runs.len() as u32;
+    r.runs = runs;
+    r
+}
+
+#[test]
+fn compare_marks_only_differences_beyond_two_stdevs() {
+    let (mean, sd) = mean_stdev(&[2.0, 4.0, 4.0, 4.0, 5.0, 5.0, 7.0, 9.0]);
+    assert_eq!(mean, 5.0);
+    assert!((sd - 2.138).abs() < 0.001, "{sd}");
+    assert_eq!(mean_stdev(&[3.0]), (3.0, 0.0));
+
+    let base = results_of(vec![
+        run_with("t", 100.0, 1000),
+        run_with("t", 110.0, 1100),
+        run_with("t", 90.0, 900),
+    ]);
+    // Throughput +5% is within 2 sd (sd = 10); p99 doubled is far outside (sd = 100 ns).
+    let current = results_of(vec![run_with("t", 105.0, 2000), run_with("t", 105.0, 2000)]);
+    let lines = compare(&base, &current);
+    let ops = lines.iter().find(|l| l.metric == "ops/s").expect("ops/s");
+    assert!((ops.diff_pct - 5.0).abs() < 1e-9, "{ops:?}");
+    assert!(!ops.significant, "{ops:?}");
+    let p99 = lines.iter().find(|l| l.metric == "p99").expect("p99");
+    assert!((p99.diff_pct - 100.0).abs() < 1e-9, "{p99:?}");
+    assert!(p99.significant && !p99.higher_is_better, "{p99:?}");
+    let report = corefs_bench::suite::compare::report(&base, &current);
+    assert!(report.contains("* worse"), "{report}");
+
+    // One baseline repeat: no spread, so nothing is marked, and the report says why.
+    let single = results_of(vec![run_with("t", 100.0, 1000)]);
+    assert!(compare(&single, &current).iter().all(|l| !l.significant));
+    assert!(corefs_bench::suite::compare::report(&single, &current).contains("one repeat"));
+}
+
+#[test]
+fn targets_parse_and_bad_ones_are_named() {
+    assert_eq!(TargetSpec::parse("corefs-file"), Ok(TargetSpec::CorefsFile));
+    assert_eq!(
+        TargetSpec::parse("corefs:nvme:/dev/ng0n1"),
+        Ok(TargetSpec::CorefsDevice("nvme:/dev/ng0n1".into()))
+    );
+    assert_eq!(
+        TargetSpec::parse("xfs"),
+        Ok(TargetSpec::KernelLoop("xfs".into()))
+    );
+    let err = TargetSpec::parse("zfs").unwrap_err();
+    assert!(err.contains("zfs") && err.contains("ext4"), "{err}");
+}
+
+/// As root (CI), ext4 is made on a loop device, used by a workload, remounted (timed) and torn
+/// down; otherwise making it fails with an error that says root is needed.
+#[test]
+fn loop_device_kernel_peer() {
+    let dir = scratch();
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let mut config = tiny_config(dir.path(), vec![TargetSpec::KernelLoop("ext4".into())]);
+    config.only = vec!["creates".into()];
+    let result = suite::run(&config, &|line| eprintln!("{line}"));
+    if !root {
+        let err = result.expect_err("loop devices need root");
+        assert!(err.contains("root"), "{err}");
+        eprintln!("not root: checked the refusal only");
+        return;
+    }
+    let results = result.expect("ext4 on a loop device");
+    let run = &results.runs[0];
+    assert_eq!(run.target, "ext4-loop");
+    assert!(run.ops > 0);
+    assert!(
+        run.mount_ms.is_some_and(|ms| ms > 0.0),
+        "{:?}",
+        run.mount_ms
+    );
+    // Torn down: nothing of the run is left in the directory.
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
