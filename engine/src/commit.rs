@@ -221,6 +221,79 @@ impl Filesystem {
     }
 }
 
+/// Reads runs of whole blocks (`(first block, count)`), with as many device reads in flight
+/// as the queue and the DMA pool allow; a run longer than the largest I/O is split. Returns
+/// each run's bytes, in order. Every completion is checked; the first failure is returned
+/// after all in-flight reads finish (their buffers go back to the pool).
+pub(crate) fn read_runs(dev: &mut dyn BlockDevice, runs: &[(u64, u64)]) -> Result<Vec<Vec<u8>>> {
+    let max_blocks = (dev.info().max_io_bytes as usize / BLOCK_BYTES).max(1) as u64;
+    // (run index, byte offset in the run, first block, blocks) per device read.
+    let mut ios: Vec<(usize, usize, u64, u64)> = Vec::new();
+    for (run, &(start, count)) in runs.iter().enumerate() {
+        let mut at = 0;
+        while at < count {
+            let n = (count - at).min(max_blocks);
+            ios.push((run, at as usize * BLOCK_BYTES, start + at, n));
+            at += n;
+        }
+    }
+    let mut out: Vec<Vec<u8>> = runs
+        .iter()
+        .map(|&(_, count)| vec![0u8; count as usize * BLOCK_BYTES])
+        .collect();
+    let depth = dev.info().queue_depth as usize;
+    let mut done = Vec::new();
+    let mut first_error: Option<DevError> = None;
+    let mut next = 0usize;
+    let mut in_flight = 0usize;
+    loop {
+        while in_flight < depth && next < ios.len() && first_error.is_none() {
+            let (_, _, block, blocks) = ios[next];
+            let Some(buf) = dev.pool().alloc(blocks as usize * BLOCK_BYTES) else {
+                if in_flight == 0 {
+                    first_error = Some(DevError::PoolExhausted);
+                }
+                break; // buffers come back with completions
+            };
+            let lba = block_lba(dev, block);
+            if let Err(rejected) = dev.submit(Request {
+                token: next as u64,
+                op: Op::Read { lba, buf },
+            }) {
+                first_error.get_or_insert(rejected.reason);
+                break;
+            }
+            next += 1;
+            in_flight += 1;
+        }
+        if in_flight == 0 {
+            break;
+        }
+        dev.wait(&mut done, Duration::from_secs(1))?;
+        for completion in done.drain(..) {
+            in_flight -= 1;
+            match completion.result {
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+                Ok(()) => {
+                    let (run, offset, _, blocks) = ios[completion.token as usize];
+                    let buf = completion
+                        .buf
+                        .expect("a read completion returns its buffer");
+                    let len = blocks as usize * BLOCK_BYTES;
+                    assert_eq!(buf.as_slice().len(), len, "device read length");
+                    out[run][offset..offset + len].copy_from_slice(buf.as_slice());
+                }
+            }
+        }
+    }
+    match first_error {
+        Some(e) => Err(EngineError::Device(e)),
+        None => Ok(out),
+    }
+}
+
 /// Writes whole blocks, coalescing neighbours into larger I/Os, with as many in flight as the
 /// queue allows. Every completion is checked; the first failure is returned after all finish.
 pub(crate) fn write_blocks(

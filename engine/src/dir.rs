@@ -210,7 +210,10 @@ impl Filesystem {
                 name: name.to_vec(),
             },
         );
-        if self.delayed.len() > crate::delayed::MAX_PENDING {
+        if self.delayed.pending_in(dir) >= crate::delayed::DIR_BATCH_MAX {
+            let flushed = self.flush_delayed_dir(dir);
+            self.fail_stop_on_error(flushed)?;
+        } else if self.delayed.len() > crate::delayed::MAX_PENDING {
             let flushed = self.flush_delayed_index();
             self.fail_stop_on_error(flushed)?;
         }

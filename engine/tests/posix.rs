@@ -761,3 +761,122 @@ fn enospc_during_creates_and_writes_leaves_a_consistent_filesystem() {
     fs.commit().unwrap();
     fs.check().unwrap();
 }
+
+#[test]
+fn read_many_returns_what_read_returns_and_fails_a_corrupt_request_alone() {
+    let mut fs = fresh(32 << 20, 2);
+    let root = fs.root();
+    let mut files = Vec::new();
+    for i in 0..6u8 {
+        let ino = fs
+            .create(root, format!("f{i}").as_bytes(), 0o644, 0, 0)
+            .unwrap()
+            .ino;
+        // Several extents, a hole in the middle, and a tail that is not block-aligned.
+        let data: Vec<u8> = (0..40_000u32).map(|b| (b as u8) ^ i).collect();
+        fs.write(ino, 0, &data[..20_000]).unwrap();
+        fs.write(ino, 30_000, &data[30_000..]).unwrap();
+        files.push(ino);
+    }
+    fs.commit().unwrap();
+    let mut dev = fs.unmount().unwrap();
+    let mut image = vec![0u8; 32 << 20];
+    nvme::read_sync(&mut *dev, 0, &mut image).unwrap();
+    let remount = |image: &[u8]| {
+        Filesystem::mount(
+            Box::new(MemDevice::from_image(image, config(32 << 20)).unwrap()),
+            MountOptions::default(),
+        )
+        .unwrap()
+    };
+    // Requests across files and offsets, beyond the end, of length 0, of a directory.
+    let mut requests = Vec::new();
+    for (i, &ino) in files.iter().enumerate() {
+        requests.push((ino, (i as u64) * 3_001, 9_000 + i * 1_000));
+        requests.push((ino, 19_000, 12_000)); // data, hole, data
+    }
+    requests.push((files[0], 50_000, 4096)); // past the end: empty
+    requests.push((files[1], 0, 0));
+    requests.push((root, 0, 4096)); // a directory: EISDIR
+    requests.push((999_999, 0, 4096)); // no such inode
+                                       // Cold cache: every data block comes from the device through read_many.
+    let mut fs = remount(&image);
+    let many = fs.read_many(&requests);
+    let mut fs_one = remount(&image);
+    assert_eq!(many.len(), requests.len());
+    for (r, got) in requests.iter().zip(&many) {
+        let want = fs_one.read(r.0, r.1, r.2);
+        match (got, &want) {
+            (Ok(a), Ok(b)) => assert_eq!(a, b, "{r:?}"),
+            (Err(a), Err(b)) => assert_eq!(a.errno(), b.errno(), "{r:?}: {a} vs {b}"),
+            _ => panic!("{r:?}: read_many {got:?} but read {want:?}"),
+        }
+    }
+    assert!(many[many.len() - 2].is_err() && many[many.len() - 1].is_err());
+    // A flipped bit in one file's first block fails that file's requests alone.
+    let mut fs = remount(&image);
+    let first_block: Vec<u8> = (0..4096u32).map(|b| (b as u8) ^ 3).collect();
+    let at = image
+        .chunks(4096)
+        .position(|b| b == first_block.as_slice())
+        .expect("file 3's first block");
+    let mut bad = image.clone();
+    bad[at * 4096 + 7] ^= 0x10;
+    drop(fs);
+    fs = remount(&bad);
+    let results = fs.read_many(&requests[..12]);
+    for (i, result) in results.iter().enumerate() {
+        let (ino, offset, _) = requests[i];
+        if ino == files[3] && offset < 4096 {
+            let err = result.as_ref().unwrap_err();
+            assert!(
+                matches!(err, EngineError::Corrupt { what: "data block", block, .. } if *block as usize == at),
+                "{err}"
+            );
+        } else {
+            assert!(result.is_ok(), "request {i} {:?}: {result:?}", requests[i]);
+        }
+    }
+}
+
+#[test]
+fn index_items_of_a_large_directory_go_in_bounded_batches_and_list_in_order() {
+    let mut fs = fresh(64 << 20, 1);
+    let root = fs.root();
+    let dir = fs.mkdir(root, b"big", 0o755, 0, 0).unwrap().ino;
+    let count = engine::delayed::DIR_BATCH_MAX * 2 + 100;
+    for i in 0..count {
+        fs.create(dir, format!("n{i:06}").as_bytes(), 0o644, 0, 0)
+            .unwrap();
+    }
+    // Two full batches went into the tree before any commit; the rest waits.
+    let stats = fs.delayed_stats();
+    assert_eq!(stats.batches, 2, "{stats:?}");
+    assert_eq!(stats.max_batch, engine::delayed::DIR_BATCH_MAX as u64);
+    let list = |fs: &mut Filesystem| {
+        let mut names = Vec::new();
+        let mut cookie = 0;
+        loop {
+            let entries = fs.readdir(dir, cookie, 1000).unwrap();
+            let Some(last) = entries.last() else { break };
+            cookie = last.cookie;
+            names.extend(entries.into_iter().map(|e| e.name));
+        }
+        names
+    };
+    let want: Vec<Vec<u8>> = (0..count)
+        .map(|i| format!("n{i:06}").into_bytes())
+        .collect();
+    assert_eq!(
+        list(&mut fs),
+        want,
+        "creation order, tree and pending merged"
+    );
+    fs.check().unwrap();
+    fs.commit().unwrap();
+    assert_eq!(list(&mut fs), want);
+    let dev = fs.unmount().unwrap();
+    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    assert_eq!(list(&mut fs), want);
+    fs.check().unwrap();
+}

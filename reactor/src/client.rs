@@ -28,6 +28,11 @@ pub(crate) struct ReplyQueue {
 impl ReplyQueue {
     /// Called by the reactor after pushing completions: wakes the client if it sleeps.
     pub fn wake(&self) {
+        // The completion was pushed before this load; the client stores `waiting` before it
+        // checks the queue. Without a full fence here the push could still sit in this core's
+        // store buffer when `waiting` is read as false (x86 reorders a store with a later
+        // load), the client would see an empty queue, and sleep out its whole timeout.
+        std::sync::atomic::fence(Ordering::SeqCst);
         if self.waiting.load(Ordering::SeqCst) {
             if let Some(thread) = self.waiter.lock().expect("waiter lock").as_ref() {
                 thread.unpark();
@@ -128,13 +133,25 @@ impl Client {
 
     /// Sleeps until the completion queue is not empty (true) or `deadline` passes (false).
     fn sleep_until_reply(&self, deadline: Instant) -> bool {
-        // A short spin first: replies usually come within microseconds.
-        let spin_until = Instant::now() + Duration::from_micros(20);
-        while Instant::now() < spin_until {
-            if !self.replies.done.is_empty() {
+        // A short spin first, replies often come within microseconds, but only while a core
+        // is free for it (see `Shared::spinners`); otherwise sleep at once.
+        let shared = &self.shared;
+        if shared.spinners.fetch_add(1, Ordering::AcqRel) < shared.spinners_max {
+            let spin_until = Instant::now() + Duration::from_micros(20);
+            let mut replied = false;
+            while Instant::now() < spin_until {
+                if !self.replies.done.is_empty() {
+                    replied = true;
+                    break;
+                }
+                std::hint::spin_loop();
+            }
+            shared.spinners.fetch_sub(1, Ordering::AcqRel);
+            if replied {
                 return true;
             }
-            std::hint::spin_loop();
+        } else {
+            shared.spinners.fetch_sub(1, Ordering::AcqRel);
         }
         loop {
             if !self.replies.done.is_empty() {
@@ -146,6 +163,8 @@ impl Client {
             }
             *self.replies.waiter.lock().expect("waiter lock") = Some(std::thread::current());
             self.replies.waiting.store(true, Ordering::SeqCst);
+            // Pairs with the fence in `ReplyQueue::wake` (store `waiting`, then load the queue).
+            std::sync::atomic::fence(Ordering::SeqCst);
             if self.replies.done.is_empty() {
                 std::thread::park_timeout((deadline - now).min(Duration::from_millis(100)));
             }

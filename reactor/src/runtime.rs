@@ -90,11 +90,21 @@ pub(crate) struct Shared {
     pub stopped: AtomicBool,
     parked: AtomicBool,
     reactor: OnceLock<Thread>,
+    /// Clients spinning for a reply right now, and how many may: the cores left once the
+    /// reactor and one more thread (the kernel's io-wq worker, another client) have one each.
+    /// More spinners only take CPU from the reactor they wait for: on 2 cores, 4 spinning
+    /// clients spent a quarter of all CPU time spinning, and with no spinner the dbench-like
+    /// mix ran 30% faster and random reads at QD1 20% faster.
+    pub spinners: std::sync::atomic::AtomicUsize,
+    pub spinners_max: usize,
 }
 
 impl Shared {
     /// Wakes the reactor if it is parked (a submit calls this).
     pub fn wake_reactor(&self) {
+        // The request was pushed before this load: fence so the push is visible before
+        // `parked` is read (see `ReplyQueue::wake`), or a parking reactor could miss it.
+        std::sync::atomic::fence(Ordering::SeqCst);
         if self.parked.load(Ordering::SeqCst) {
             if let Some(thread) = self.reactor.get() {
                 thread.unpark();
@@ -136,6 +146,10 @@ impl Runtime {
             stopped: AtomicBool::new(false),
             parked: AtomicBool::new(false),
             reactor: OnceLock::new(),
+            spinners: std::sync::atomic::AtomicUsize::new(0),
+            spinners_max: std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .saturating_sub(2),
         });
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
         let reactor_shared = shared.clone();
@@ -289,6 +303,7 @@ fn run(
                     continue;
                 }
                 shared.parked.store(true, Ordering::SeqCst);
+                std::sync::atomic::fence(Ordering::SeqCst);
                 if shared.requests.is_empty() && !shared.stopping.load(Ordering::Acquire) {
                     reactor.stats.parks += 1;
                     // Wake for the commit timer even when no client comes.
@@ -353,8 +368,16 @@ impl Reactor {
         let mut done: Vec<(Arc<ReplyQueue>, Completion)> = Vec::with_capacity(batch.len());
         let mut fsyncs: Vec<(Request, (u64, bool), Instant)> = Vec::new();
         let mut syncs: Vec<Request> = Vec::new();
+        let mut reads: Vec<Request> = Vec::new();
         for request in batch.drain(..) {
             self.stats.ops += 1;
+            // Consecutive reads run together, their device reads all in flight at once; any
+            // other operation first lets the reads before it finish, so order is kept.
+            if matches!(request.op, Op::Read { .. }) {
+                reads.push(request);
+                continue;
+            }
+            self.run_reads(&mut reads, &mut done);
             if let Some(member) = request.op.is_fsync() {
                 let started = Instant::now();
                 match self.fs.check_exists(member.0) {
@@ -382,6 +405,7 @@ impl Reactor {
                 },
             ));
         }
+        self.run_reads(&mut reads, &mut done);
         if !fsyncs.is_empty() {
             let members: Vec<(u64, bool)> = fsyncs.iter().map(|(_, m, _)| *m).collect();
             let fallbacks = self.fs.log_stats().fallback_commits();
@@ -438,6 +462,48 @@ impl Reactor {
         }
         for reply in to_wake {
             reply.wake();
+        }
+    }
+
+    /// Runs the queued reads: one alone as any operation, several through
+    /// [`Filesystem::read_many`].
+    fn run_reads(
+        &mut self,
+        reads: &mut Vec<Request>,
+        done: &mut Vec<(Arc<ReplyQueue>, Completion)>,
+    ) {
+        if reads.len() == 1 {
+            let request = reads.pop().expect("one read");
+            let result = self.execute(request.op);
+            done.push((
+                request.reply,
+                Completion {
+                    token: request.token,
+                    result,
+                },
+            ));
+            return;
+        }
+        if reads.is_empty() {
+            return;
+        }
+        let wanted: Vec<(u64, u64, usize)> = reads
+            .iter()
+            .map(|r| match r.op {
+                Op::Read { ino, offset, len } => (ino, offset, len),
+                _ => unreachable!("only reads are queued here"),
+            })
+            .collect();
+        self.stats.read_groups += 1;
+        let results = self.fs.read_many(&wanted);
+        for (request, result) in reads.drain(..).zip(results) {
+            done.push((
+                request.reply,
+                Completion {
+                    token: request.token,
+                    result: result.map(Reply::Data),
+                },
+            ));
         }
     }
 

@@ -38,6 +38,8 @@ pub struct ReactorStats {
     /// fsync groups (one log record, or one fallback commit, each) and the largest group.
     pub fsync_groups: u64,
     pub fsync_group_max: u64,
+    /// Runs of consecutive reads served together, their device reads in flight at once.
+    pub read_groups: u64,
     /// fsync latency by phase: waiting in the queue, then the group's log write + flush (or
     /// the fallback commit, to SuperCommitted), and in total from submit to completion.
     pub fsync_queue_wait: Latency,

@@ -337,6 +337,92 @@ fn fsyncs_queued_together_share_one_log_record() {
 }
 
 #[test]
+fn reads_queued_together_are_served_together_and_in_order_with_writes() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let runtime = Runtime::start(file_config(&dir, IdlePolicy::default())).unwrap();
+    let mut client = runtime.client(64);
+    let inos = create_files(&mut client, "r", 4);
+    let block = |ino: u64, b: u64, version: u8| -> Vec<u8> {
+        (0..4096u64)
+            .map(|i| (i ^ ino ^ (b * 7)) as u8 ^ version)
+            .collect()
+    };
+    for &ino in &inos {
+        for b in 0..64 {
+            client
+                .call(Op::Write {
+                    ino,
+                    offset: b * 4096,
+                    data: block(ino, b, 0),
+                })
+                .unwrap();
+        }
+    }
+    client.call(Op::Sync).unwrap();
+    // 16 reads, an overwrite of a block they read, 16 more reads: the second run must see the
+    // new data, the first the old, whatever the grouping.
+    let mut expected = BTreeMap::new();
+    let mut token = 0u64;
+    for version in [0u8, 1] {
+        if version == 1 {
+            client
+                .submit(
+                    Op::Write {
+                        ino: inos[0],
+                        offset: 0,
+                        data: block(inos[0], 0, 1),
+                    },
+                    9_999,
+                )
+                .unwrap();
+        }
+        for i in 0..16u64 {
+            let ino = inos[(i % 4) as usize];
+            let b = if i % 5 == 0 { 0 } else { (i * 13) % 64 };
+            let v = if ino == inos[0] && b == 0 { version } else { 0 };
+            client
+                .submit(
+                    Op::Read {
+                        ino,
+                        offset: b * 4096,
+                        len: 4096,
+                    },
+                    token,
+                )
+                .unwrap();
+            expected.insert(token, block(ino, b, v));
+            token += 1;
+        }
+    }
+    let mut done = Vec::new();
+    while client.in_flight() > 0 {
+        client.wait(&mut done, Duration::from_secs(5));
+    }
+    assert_eq!(done.len(), 33);
+    for c in done {
+        if c.token == 9_999 {
+            c.result.unwrap();
+            continue;
+        }
+        assert_eq!(
+            data_of(c.result.unwrap()),
+            expected[&c.token],
+            "read {}",
+            c.token
+        );
+    }
+    let stats = match client.call(Op::Stats).unwrap() {
+        Reply::Stats(s) => s,
+        other => panic!("{other:?}"),
+    };
+    assert!(
+        stats.read_groups >= 1,
+        "no reads were served together: {stats:?}"
+    );
+    runtime.shutdown().unwrap();
+}
+
+#[test]
 fn shutdown_under_load_keeps_every_acknowledged_fsync() {
     let seed = nvme::wrap::seed_from_env();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();

@@ -23,6 +23,9 @@ use rand::{Rng, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 use std::time::Instant;
 
+/// An appending client moves on to a new file when its file reaches this size.
+pub const APPEND_WRAP_BYTES: u64 = 64 << 20;
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum Kind {
     Append {
@@ -266,9 +269,11 @@ impl Workload {
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed ^ (c as u64) << 32);
         match &self.kind {
             Kind::Append { block_bytes } => {
-                let fh = s.open(&format!("append-{c}"))?;
+                let mut path = format!("append-{c}");
+                let mut fh = s.open(&path)?;
                 let block = pattern(*block_bytes, seed);
                 let mut offset = 0u64;
+                let mut generation = 0u32;
                 while Instant::now() < until {
                     let started = Instant::now();
                     rec.time("write", || s.pwrite(fh, offset, &block))?;
@@ -276,6 +281,16 @@ impl Workload {
                     rec.record(main, started.elapsed().as_nanos() as u64);
                     offset += *block_bytes as u64;
                     rec.bytes += *block_bytes as u64;
+                    if offset >= APPEND_WRAP_BYTES {
+                        // A fast target would otherwise fill the filesystem: go on in a new
+                        // file (untimed), as a log rotates.
+                        s.close(fh)?;
+                        s.unlink(&path)?;
+                        generation += 1;
+                        path = format!("append-{c}-{generation}");
+                        fh = s.create(&path)?;
+                        offset = 0;
+                    }
                 }
                 s.close(fh)?;
             }
