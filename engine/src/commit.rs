@@ -89,6 +89,8 @@ impl Filesystem {
     /// fallbacks, sync) uses, so they go before the unpinning.
     pub fn commit_to_super(&mut self) -> Result<u64> {
         self.check_writable()?;
+        // Records in flight finish first: the commit truncates the logs they are written to.
+        self.drain_log()?;
         // Generations unpin in order: the previous commit's frees go first.
         self.complete_commit();
         if !self.is_dirty() {

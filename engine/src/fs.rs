@@ -75,7 +75,8 @@ pub(crate) struct Shard {
 }
 
 pub struct Filesystem {
-    pub(crate) dev: Box<dyn BlockDevice>,
+    /// The device, with the fsync log's background I/O kept apart ([`crate::log::inflight`]).
+    pub(crate) dev: Box<crate::log::inflight::DeviceMux>,
     /// The last durable superblock.
     pub(crate) sb: Superblock,
     pub(crate) shards: Vec<Shard>,
@@ -311,7 +312,7 @@ impl Filesystem {
         }
         let mut fs = Filesystem {
             generation: sb.generation + 1,
-            dev,
+            dev: Box::new(crate::log::inflight::DeviceMux::new(dev)),
             sb,
             shards,
             state: CommitState::Running,
@@ -542,7 +543,7 @@ impl Filesystem {
 
     /// Gives the device back without committing: what a crash leaves (tests, tools).
     pub fn into_device(self) -> Box<dyn BlockDevice> {
-        self.dev
+        self.dev.into_inner()
     }
 
     /// Commits and gives the device back (clean unmount). In debug builds, any engine object
@@ -554,6 +555,8 @@ impl Filesystem {
                 return Err(EngineError::Invalid(format!("unmount: {leaks}")));
             }
         }
-        Ok(self.dev)
+        // A failed filesystem may still have log I/O in flight: let it finish, errors and all.
+        let _ = self.drain_log();
+        Ok(self.dev.into_inner())
     }
 }

@@ -22,12 +22,18 @@ use crate::client::{Client, ReplyQueue};
 use crate::op::{Completion, Op, Reply};
 use crate::stats::{thread_cpu_ns, Histograms, Latency, ReactorStats};
 use crossbeam_queue::ArrayQueue;
+use engine::log::FsyncStart;
 use engine::{EngineError, Filesystem, MkfsOptions, MountOptions};
 use nvme::BlockDevice;
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
+
+/// How long an idle reactor with fsync records in flight sleeps on its device queue before it
+/// looks at the request queue again (spin-then-park only; busy-poll never sleeps).
+const LOG_WAIT_SLICE: Duration = Duration::from_micros(50);
 
 /// What the reactor does when it has nothing to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -244,6 +250,15 @@ struct Reactor {
     hist: Histograms,
     stats: ReactorStats,
     cpu_start_ns: u64,
+    /// fsync groups whose records are in flight, oldest first (tickets ascend).
+    pending: VecDeque<PendingGroup>,
+}
+
+/// An fsync group waiting for its record to become durable.
+struct PendingGroup {
+    ticket: u64,
+    waiters: Vec<(Request, Instant)>,
+    group_start: Instant,
 }
 
 fn run(
@@ -274,6 +289,7 @@ fn run(
         hist: Histograms::new(),
         stats: ReactorStats::default(),
         cpu_start_ns: thread_cpu_ns(),
+        pending: VecDeque::new(),
     };
     let mut batch: Vec<Request> = Vec::with_capacity(config.batch_max);
     let mut idle_since: Option<Instant> = None;
@@ -288,6 +304,16 @@ fn run(
             idle_since = None;
             reactor.run_batch(&mut batch);
             reactor.tick();
+            continue;
+        }
+        if !reactor.pending.is_empty() {
+            // Records in flight and nothing queued: poll the device (busy-poll), or sleep on
+            // it briefly (shared cores) and look at the queue again.
+            let wait = match config.idle {
+                IdlePolicy::BusyPoll => None,
+                IdlePolicy::SpinThenPark { .. } => Some(LOG_WAIT_SLICE),
+            };
+            reactor.poll_durable(wait);
             continue;
         }
         if shared.stopping.load(Ordering::Acquire) && shared.requests.is_empty() {
@@ -316,6 +342,10 @@ fn run(
             }
         }
     }
+    // Every fsync waiter goes before the reactor does.
+    while !reactor.pending.is_empty() {
+        reactor.poll_durable(Some(Duration::from_millis(100)));
+    }
     let stats = reactor.snapshot();
     tracing::info!(
         ops = stats.ops,
@@ -336,6 +366,8 @@ impl Reactor {
         if let Err(e) = self.fs.tick() {
             tracing::error!("background commit failed: {e}");
         }
+        // A commit drains the records in flight: release their waiters.
+        self.poll_durable(None);
         let after = self.fs.commit_stats();
         if after.commits > before {
             tracing::debug!(
@@ -410,30 +442,26 @@ impl Reactor {
             let members: Vec<(u64, bool)> = fsyncs.iter().map(|(_, m, _)| *m).collect();
             let fallbacks = self.fs.log_stats().fallback_commits();
             let group_start = Instant::now();
-            let result = self.fs.fsync_group(&members);
-            let group_ns = group_start.elapsed().as_nanos().max(1) as u64;
+            let result = self.fs.fsync_group_start(&members);
             let fell_back = self.fs.log_stats().fallback_commits() > fallbacks;
             self.stats.fsync_groups += 1;
             self.stats.fsync_group_max = self.stats.fsync_group_max.max(members.len() as u64);
-            let now = Instant::now();
-            for (request, _, started) in fsyncs {
-                let wait = started.duration_since(request.submitted).as_nanos().max(1) as u64;
-                let total = now.duration_since(request.submitted).as_nanos().max(1) as u64;
-                let _ = self.hist.queue_wait.record(wait);
-                let phase = if fell_back {
-                    &mut self.hist.commit_wait
-                } else {
-                    &mut self.hist.log_write
-                };
-                let _ = phase.record(group_ns);
-                let _ = self.hist.total.record(total);
-                done.push((
-                    request.reply,
-                    Completion {
-                        token: request.token,
-                        result: result.clone().map(|()| Reply::Done),
-                    },
-                ));
+            let waiters: Vec<(Request, Instant)> = fsyncs
+                .into_iter()
+                .map(|(r, _, started)| (r, started))
+                .collect();
+            match result {
+                // The record is in flight: the waiters go when it is durable, and the reactor
+                // serves the next batch meanwhile.
+                Ok(FsyncStart::Pending(ticket)) => self.pending.push_back(PendingGroup {
+                    ticket,
+                    waiters,
+                    group_start,
+                }),
+                Ok(FsyncStart::Durable) => {
+                    self.finish_group(waiters, group_start, fell_back, Ok(()), &mut done)
+                }
+                Err(e) => self.finish_group(waiters, group_start, false, Err(e), &mut done),
             }
         }
         if !syncs.is_empty() {
@@ -449,20 +477,83 @@ impl Reactor {
                 ));
             }
         }
-        let mut to_wake: Vec<Arc<ReplyQueue>> = Vec::new();
-        for (reply, completion) in done {
-            // Cannot fail: a client never has more in flight than its queue holds.
-            assert!(
-                reply.done.push(completion).is_ok(),
-                "completion queue overflow"
-            );
-            if !to_wake.iter().any(|r| Arc::ptr_eq(r, &reply)) {
-                to_wake.push(reply);
+        self.collect_durable(None, &mut done);
+        deliver(done);
+    }
+
+    /// Completes an fsync group's waiters with `result`, recording their phases.
+    fn finish_group(
+        &mut self,
+        waiters: Vec<(Request, Instant)>,
+        group_start: Instant,
+        fell_back: bool,
+        result: Result<(), EngineError>,
+        done: &mut Vec<(Arc<ReplyQueue>, Completion)>,
+    ) {
+        let now = Instant::now();
+        let group_ns = now.duration_since(group_start).as_nanos().max(1) as u64;
+        for (request, started) in waiters {
+            let wait = started.duration_since(request.submitted).as_nanos().max(1) as u64;
+            let total = now.duration_since(request.submitted).as_nanos().max(1) as u64;
+            let _ = self.hist.queue_wait.record(wait);
+            let phase = if fell_back {
+                &mut self.hist.commit_wait
+            } else {
+                &mut self.hist.log_write
+            };
+            let _ = phase.record(group_ns);
+            let _ = self.hist.total.record(total);
+            done.push((
+                request.reply,
+                Completion {
+                    token: request.token,
+                    result: result.clone().map(|()| Reply::Done),
+                },
+            ));
+        }
+    }
+
+    /// Releases the waiters of every fsync group whose record is durable now (all of them,
+    /// with the error, once the filesystem failed). `wait`: sleep on the device up to that
+    /// long for progress.
+    fn collect_durable(
+        &mut self,
+        wait: Option<Duration>,
+        done: &mut Vec<(Arc<ReplyQueue>, Completion)>,
+    ) {
+        if self.pending.is_empty() {
+            return;
+        }
+        match self.fs.log_progress(wait) {
+            Ok(durable_below) => {
+                while self
+                    .pending
+                    .front()
+                    .is_some_and(|g| g.ticket < durable_below)
+                {
+                    let group = self.pending.pop_front().expect("front");
+                    self.finish_group(group.waiters, group.group_start, false, Ok(()), done);
+                }
+            }
+            Err(e) => {
+                while let Some(group) = self.pending.pop_front() {
+                    self.finish_group(
+                        group.waiters,
+                        group.group_start,
+                        false,
+                        Err(e.clone()),
+                        done,
+                    );
+                }
             }
         }
-        for reply in to_wake {
-            reply.wake();
-        }
+    }
+
+    /// Waits for records in flight (up to `wait`) and delivers the waiters they release.
+    fn poll_durable(&mut self, wait: Option<Duration>) {
+        let mut done = Vec::new();
+        self.collect_durable(wait, &mut done);
+        deliver(done);
     }
 
     /// Runs the queued reads: one alone as any operation, several through
@@ -562,5 +653,24 @@ impl Reactor {
                 unreachable!("handled by the batch")
             }
         })
+    }
+}
+
+/// Pushes completions to their clients, then wakes each client once (never inline while the
+/// engine is mid-operation).
+fn deliver(done: Vec<(Arc<ReplyQueue>, Completion)>) {
+    let mut to_wake: Vec<Arc<ReplyQueue>> = Vec::new();
+    for (reply, completion) in done {
+        // Cannot fail: a client never has more in flight than its queue holds.
+        assert!(
+            reply.done.push(completion).is_ok(),
+            "completion queue overflow"
+        );
+        if !to_wake.iter().any(|r| Arc::ptr_eq(r, &reply)) {
+            to_wake.push(reply);
+        }
+    }
+    for reply in to_wake {
+        reply.wake();
     }
 }

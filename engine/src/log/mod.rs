@@ -34,8 +34,11 @@
 //! data block it references, and stops at the first record that fails (its fsync had not
 //! returned). A device error while logging makes the filesystem fail-stop like any other.
 
+pub mod inflight;
 pub mod record;
 mod replay;
+
+pub use inflight::FsyncStart;
 
 use crate::error::{EngineError, Result};
 use crate::format::items::{encode_names, InodeItem};
@@ -43,6 +46,18 @@ use crate::format::{ItemKind, Key, BLOCK_BYTES};
 use crate::fs::{Filesystem, FIRST_INODE};
 use record::{encode_record, record_blocks, LogOp, RecordHeader};
 use std::collections::{BTreeSet, HashMap, HashSet};
+
+/// A record's blocks at `at` and the data blocks written in place beside it: one batch, all
+/// in flight at once, made durable by one flush.
+fn record_and_data(at: u64, record: Vec<u8>, mut data: Vec<(u64, Vec<u8>)>) -> Vec<(u64, Vec<u8>)> {
+    data.extend(
+        record
+            .chunks(BLOCK_BYTES)
+            .enumerate()
+            .map(|(i, b)| (at + i as u64, b.to_vec())),
+    );
+    data
+}
 
 /// Tracked changed keys past which the running transaction is due to commit.
 pub const MAX_TRACKED_KEYS: usize = 1 << 20;
@@ -97,6 +112,8 @@ pub(crate) struct LogState {
     /// Reused buffer for keys taken from the trees.
     pub scratch: Vec<Key>,
     pub stats: LogStats,
+    /// Records whose writes or flush are still in flight.
+    pub pipeline: inflight::Pipeline,
 }
 
 impl LogState {
@@ -203,6 +220,19 @@ impl Filesystem {
     /// when its fsync arrives ([`Filesystem::check_exists`]); a member removed since, whose
     /// removal is already durable or logged, has nothing left to persist and is skipped.
     pub fn fsync_group(&mut self, group: &[(u64, bool)]) -> Result<()> {
+        match self.fsync_group_start(group)? {
+            FsyncStart::Durable => Ok(()),
+            FsyncStart::Pending(ticket) => self.wait_durable(ticket),
+        }
+    }
+
+    /// [`Filesystem::fsync_group`] without waiting: the record's writes and flush are started
+    /// in the background ([`inflight`]) and the group is durable once
+    /// [`Filesystem::log_progress`] passes the returned ticket. The engine serves other
+    /// operations meanwhile; a reactor releases the group's waiters then. A group with
+    /// nothing new to log still waits for the newest record in flight, which may hold its
+    /// changes.
+    pub fn fsync_group_start(&mut self, group: &[(u64, bool)]) -> Result<FsyncStart> {
         self.check_writable()?;
         self.log.stats.fsyncs += group.len() as u64;
         let mut wanted = Vec::with_capacity(group.len());
@@ -219,7 +249,10 @@ impl Filesystem {
             }
         }
         if wanted.is_empty() {
-            return Ok(());
+            return Ok(match self.newest_in_flight() {
+                Some(ticket) => FsyncStart::Pending(ticket),
+                None => FsyncStart::Durable,
+            });
         }
         let members = self.log_closure(&wanted)?;
         let mut ops = self.collect_ops(&members)?;
@@ -239,12 +272,12 @@ impl Filesystem {
                 log_blocks,
                 "fsync record larger than the log: committing"
             );
-            return self.commit_to_super().map(drop);
+            return self.commit_to_super().map(|_| FsyncStart::Durable);
         }
         if self.log.heads[shard as usize] + blocks > log_blocks {
             self.log.stats.fallback_log_full += 1;
             tracing::debug!(shard, "fsync log full: committing");
-            return self.commit_to_super().map(drop);
+            return self.commit_to_super().map(|_| FsyncStart::Durable);
         }
         let header = RecordHeader {
             blocks: 0,
@@ -266,9 +299,10 @@ impl Filesystem {
         } else {
             self.take_staged(members.iter())
         };
-        let written = self.write_record(at, bytes, data);
-        self.fail_stop_on_error(written)?;
-        // Durable: the coupled set is logged and its tracking starts over.
+        let ticket = self.submit_record(record_and_data(at, bytes, data))?;
+        // Logged (durable once the ticket is): the coupled set's tracking starts over. Until
+        // then an fsync finding nothing new waits for the newest ticket, so it cannot return
+        // before the record holding its changes is durable.
         for ino in &members {
             if let Some(t) = self.log.inodes.remove(ino) {
                 self.log.tracked_keys -= t.keys.len();
@@ -280,7 +314,7 @@ impl Filesystem {
         self.log.stats.log_writes += 1;
         self.log.stats.log_blocks += blocks;
         self.log.stats.inodes_logged += members.len() as u64;
-        Ok(())
+        Ok(FsyncStart::Pending(ticket))
     }
 
     pub fn log_stats(&self) -> LogStats {
@@ -311,25 +345,6 @@ impl Filesystem {
             }
         }
         Ok(Some(data))
-    }
-
-    /// Writes a record's blocks and the data it references (`data`, 4 KiB blocks), all in
-    /// flight at once, then flushes: the flush makes both durable.
-    fn write_record(
-        &mut self,
-        at: u64,
-        bytes: Vec<u8>,
-        mut data: Vec<(u64, Vec<u8>)>,
-    ) -> Result<()> {
-        data.extend(
-            bytes
-                .chunks(BLOCK_BYTES)
-                .enumerate()
-                .map(|(i, b)| (at + i as u64, b.to_vec())),
-        );
-        crate::commit::write_blocks(&mut *self.dev, data)?;
-        nvme::flush_sync(&mut *self.dev)?;
-        Ok(())
     }
 
     /// The parents of `ino` (the directories holding its names).

@@ -1,0 +1,370 @@
+//! fsync records in flight: the log's writes and flushes run in the background while the
+//! engine goes on serving other operations, and fsync waiters are released in record order as
+//! each record becomes durable.
+//!
+//! The engine has one device queue. [`DeviceMux`] sits in front of it and splits it in two:
+//! *background* requests (a record's writes and its flush, tagged in the token) whose
+//! completions are kept for [`Filesystem::log_progress`], and the engine's ordinary
+//! synchronous I/O, which never sees a background completion.
+//!
+//! # Invariants
+//! - Foreground I/O never overlaps background I/O: before a foreground request is submitted,
+//!   every background request in flight completes (and is accounted). So a read never races
+//!   an in-place data write of a record, and a commit (which also drains explicitly) never
+//!   reorders with a record.
+//! - A record's flush is submitted only after all of its writes completed, so the flush covers
+//!   them. Records become durable in the order they were started: ticket N is reported durable
+//!   only once every ticket before it is, because a later record's flush may finish first and
+//!   replay stops at the first missing record anyway.
+//! - Bounded: at most [`MAX_IN_FLIGHT`] records are in flight; starting another first waits
+//!   for the oldest.
+//!
+//! Fault model: a failed background write or flush makes the filesystem fail-stop (sticky
+//! error); every ticket not yet durable then fails with it. Nothing is retried.
+
+use crate::error::{EngineError, Result};
+use crate::format::BLOCK_BYTES;
+use crate::fs::{block_lba, Filesystem};
+use nvme::{BlockDevice, Completion, DevError, DeviceInfo, DmaPool, Op, Rejected, Request};
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+/// The top 16 bits of a background request's token; the rest is `ticket << 1 | is_flush`.
+/// Foreground tokens (block addresses, indices, `run_sync`'s `u64::MAX`) never have them.
+const BACKGROUND: u64 = 0xB10C << 48;
+const TAG_MASK: u64 = 0xFFFF << 48;
+
+fn is_background(token: u64) -> bool {
+    token & TAG_MASK == BACKGROUND
+}
+
+/// Records in flight at once.
+pub const MAX_IN_FLIGHT: usize = 64;
+
+/// The engine's device with background requests kept apart (see the module comment).
+pub struct DeviceMux {
+    inner: Box<dyn BlockDevice>,
+    background: Vec<Completion>,
+    background_in_flight: u32,
+    scratch: Vec<Completion>,
+}
+
+impl DeviceMux {
+    pub fn new(inner: Box<dyn BlockDevice>) -> DeviceMux {
+        DeviceMux {
+            inner,
+            background: Vec::new(),
+            background_in_flight: 0,
+            scratch: Vec::new(),
+        }
+    }
+
+    /// The device itself. Requests still in flight stay in flight (what a crash leaves).
+    pub fn into_inner(self) -> Box<dyn BlockDevice> {
+        self.inner
+    }
+
+    /// Moves completions from the device, keeping background ones aside.
+    fn route(&mut self, out: &mut Vec<Completion>) -> usize {
+        let mut foreground = 0;
+        for c in self.scratch.drain(..) {
+            if is_background(c.token) {
+                self.background_in_flight -= 1;
+                self.background.push(c);
+            } else {
+                out.push(c);
+                foreground += 1;
+            }
+        }
+        foreground
+    }
+
+    /// Waits until no background request is in flight (their completions are kept).
+    fn drain_background(&mut self) -> std::result::Result<(), DevError> {
+        let mut none = Vec::new();
+        while self.background_in_flight > 0 {
+            self.inner
+                .wait(&mut self.scratch, Duration::from_millis(100))?;
+            self.route(&mut none);
+            assert!(none.is_empty(), "no foreground request was in flight");
+        }
+        Ok(())
+    }
+
+    /// Submits a background request; a full queue hands it back.
+    fn submit_background(&mut self, request: Request) -> std::result::Result<(), Rejected> {
+        assert!(is_background(request.token));
+        self.inner.submit(request)?;
+        self.background_in_flight += 1;
+        Ok(())
+    }
+
+    /// Collects background completions; with `wait`, sleeps up to `timeout` for one when some
+    /// are in flight and none is ready.
+    fn poll_background(
+        &mut self,
+        wait: Option<Duration>,
+    ) -> std::result::Result<Vec<Completion>, DevError> {
+        let mut none = Vec::new();
+        if self.background_in_flight > 0 {
+            self.inner.poll(&mut self.scratch)?;
+            self.route(&mut none);
+            if let Some(timeout) = wait {
+                if self.background.is_empty() {
+                    self.inner.wait(&mut self.scratch, timeout)?;
+                    self.route(&mut none);
+                }
+            }
+        }
+        assert!(none.is_empty(), "no foreground request was in flight");
+        Ok(std::mem::take(&mut self.background))
+    }
+}
+
+impl BlockDevice for DeviceMux {
+    fn info(&self) -> &DeviceInfo {
+        self.inner.info()
+    }
+
+    fn pool(&self) -> &DmaPool {
+        self.inner.pool()
+    }
+
+    fn submit(&mut self, request: Request) -> std::result::Result<(), Rejected> {
+        assert!(
+            !is_background(request.token),
+            "foreground tokens must not carry the background tag"
+        );
+        if let Err(reason) = self.drain_background() {
+            return Err(Rejected { request, reason });
+        }
+        self.inner.submit(request)
+    }
+
+    fn poll(&mut self, out: &mut Vec<Completion>) -> std::result::Result<usize, DevError> {
+        self.inner.poll(&mut self.scratch)?;
+        Ok(self.route(out))
+    }
+
+    fn wait(
+        &mut self,
+        out: &mut Vec<Completion>,
+        timeout: Duration,
+    ) -> std::result::Result<usize, DevError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let now = Instant::now();
+            self.inner
+                .wait(&mut self.scratch, deadline.saturating_duration_since(now))?;
+            let found = self.route(out);
+            if found > 0 || Instant::now() >= deadline || self.in_flight() == 0 {
+                return Ok(found);
+            }
+        }
+    }
+
+    fn in_flight(&self) -> u32 {
+        self.inner.in_flight() - self.background_in_flight
+    }
+
+    fn sim_access(&mut self) -> Option<&mut dyn nvme::SimAccess> {
+        self.inner.sim_access()
+    }
+}
+
+/// One record on its way to the device.
+#[derive(Debug)]
+struct InFlight {
+    ticket: u64,
+    /// Write runs not yet completed (the record is being submitted while this is counted up
+    /// front, so its flush cannot go early).
+    writes_left: u32,
+    flush_submitted: bool,
+    flushed: bool,
+}
+
+/// The log's background I/O state.
+#[derive(Debug, Default)]
+pub(crate) struct Pipeline {
+    in_flight: VecDeque<InFlight>,
+    next_ticket: u64,
+    /// Every ticket up to this one (exclusive) is durable.
+    durable_below: u64,
+}
+
+/// What starting an fsync group gave.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FsyncStart {
+    /// Durable already: nothing new to log and nothing in flight, or a commit was made.
+    Durable,
+    /// Durable once [`Filesystem::log_progress`] reports this ticket.
+    Pending(u64),
+}
+
+impl Filesystem {
+    /// Submits `blocks` (a record and, for a large fsync, its data) as background writes
+    /// under a new ticket; the flush follows when they complete.
+    pub(crate) fn submit_record(&mut self, mut blocks: Vec<(u64, Vec<u8>)>) -> Result<u64> {
+        if self.log.pipeline.in_flight.len() >= MAX_IN_FLIGHT {
+            let oldest = self.log.pipeline.in_flight[0].ticket;
+            self.wait_durable(oldest)?;
+        }
+        blocks.sort_unstable_by_key(|(addr, _)| *addr);
+        let max_blocks = (self.dev.info().max_io_bytes as usize / BLOCK_BYTES).max(1);
+        let mut runs: Vec<(u64, Vec<u8>)> = Vec::new();
+        for (addr, block) in blocks {
+            match runs.last_mut() {
+                Some((start, data))
+                    if *start + (data.len() / BLOCK_BYTES) as u64 == addr
+                        && data.len() / BLOCK_BYTES < max_blocks =>
+                {
+                    data.extend_from_slice(&block)
+                }
+                _ => runs.push((addr, block)),
+            }
+        }
+        let ticket = self.log.pipeline.next_ticket;
+        self.log.pipeline.next_ticket += 1;
+        self.log.pipeline.in_flight.push_back(InFlight {
+            ticket,
+            writes_left: runs.len() as u32,
+            flush_submitted: false,
+            flushed: false,
+        });
+        let token = BACKGROUND | ticket << 1;
+        for (addr, data) in runs {
+            // Buffers come back with completions; wait for some when the pool is empty.
+            let mut buf = loop {
+                if let Some(buf) = self.dev.pool().alloc(data.len()) {
+                    break buf;
+                }
+                if self.dev.background_in_flight == 0 {
+                    return self.fail_background(DevError::PoolExhausted);
+                }
+                self.log_progress(Some(Duration::from_millis(10)))?;
+            };
+            buf.as_mut_slice().copy_from_slice(&data);
+            let lba = block_lba(&*self.dev, addr);
+            let mut request = Request {
+                token,
+                op: Op::Write {
+                    lba,
+                    buf,
+                    fua: false,
+                },
+            };
+            // A full queue frees up as earlier requests (this record's among them) complete.
+            loop {
+                match self.dev.submit_background(request) {
+                    Ok(()) => break,
+                    Err(Rejected {
+                        request: back,
+                        reason: DevError::QueueFull,
+                    }) => {
+                        request = back;
+                        self.log_progress(Some(Duration::from_millis(10)))?;
+                    }
+                    Err(rejected) => return self.fail_background(rejected.reason),
+                }
+            }
+        }
+        Ok(ticket)
+    }
+
+    /// A background failure: the filesystem fails stop and every pending ticket fails.
+    fn fail_background<T>(&mut self, e: DevError) -> Result<T> {
+        self.failed.get_or_insert(EngineError::Device(e.clone()));
+        Err(EngineError::Device(e))
+    }
+
+    /// Advances the records in flight: counts finished writes, submits each record's flush
+    /// once its writes are done, and returns the ticket below which every record is durable.
+    /// `wait` sleeps up to that long for a completion when nothing is ready. Fails with the
+    /// filesystem's sticky error once a background request failed.
+    pub fn log_progress(&mut self, wait: Option<Duration>) -> Result<u64> {
+        if let Some(e) = &self.failed {
+            if !self.log.pipeline.in_flight.is_empty() {
+                return Err(e.clone());
+            }
+        }
+        let completions = match self.dev.poll_background(wait) {
+            Ok(c) => c,
+            Err(e) => return self.fail_background(e),
+        };
+        for c in completions {
+            let ticket = (c.token & !TAG_MASK) >> 1;
+            let is_flush = c.token & 1 != 0;
+            if let Err(e) = c.result {
+                return self.fail_background(e);
+            }
+            let entry = self
+                .log
+                .pipeline
+                .in_flight
+                .iter_mut()
+                .find(|f| f.ticket == ticket)
+                .expect("a completion belongs to a record in flight");
+            if is_flush {
+                entry.flushed = true;
+            } else {
+                entry.writes_left -= 1;
+            }
+        }
+        // Each record whose writes are all done gets its flush (a full queue: next time).
+        for i in 0..self.log.pipeline.in_flight.len() {
+            let entry = &self.log.pipeline.in_flight[i];
+            if entry.writes_left > 0 || entry.flush_submitted {
+                continue;
+            }
+            let request = Request {
+                token: BACKGROUND | entry.ticket << 1 | 1,
+                op: Op::Flush,
+            };
+            match self.dev.submit_background(request) {
+                Ok(()) => self.log.pipeline.in_flight[i].flush_submitted = true,
+                Err(Rejected {
+                    reason: DevError::QueueFull,
+                    ..
+                }) => break,
+                Err(rejected) => return self.fail_background(rejected.reason),
+            }
+        }
+        let pipeline = &mut self.log.pipeline;
+        while pipeline.in_flight.front().is_some_and(|f| f.flushed) {
+            let done = pipeline.in_flight.pop_front().expect("front");
+            pipeline.durable_below = done.ticket + 1;
+        }
+        if pipeline.in_flight.is_empty() {
+            pipeline.durable_below = pipeline.next_ticket;
+        }
+        Ok(pipeline.durable_below)
+    }
+
+    /// Waits until `ticket` is durable.
+    pub fn wait_durable(&mut self, ticket: u64) -> Result<()> {
+        while self.log_progress(Some(Duration::from_millis(100)))? <= ticket {}
+        Ok(())
+    }
+
+    /// Waits until no record is in flight (before a commit, and before giving the device
+    /// back).
+    pub fn drain_log(&mut self) -> Result<()> {
+        match self.log.pipeline.in_flight.back() {
+            Some(last) => {
+                let last = last.ticket;
+                self.wait_durable(last)
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// The newest ticket started, if any is still in flight.
+    pub(crate) fn newest_in_flight(&self) -> Option<u64> {
+        self.log.pipeline.in_flight.back().map(|f| f.ticket)
+    }
+
+    /// Records in flight.
+    pub fn log_in_flight(&self) -> usize {
+        self.log.pipeline.in_flight.len()
+    }
+}
