@@ -46,7 +46,10 @@ pub struct MountOptions {
     pub cache_nodes_per_shard: usize,
     /// [`Filesystem::tick`] commits once the running transaction is this old...
     pub commit_interval: std::time::Duration,
-    /// ...or holds this many dirty tree nodes, so recovery work and memory stay bounded.
+    /// ...or holds this many dirty tree nodes, so recovery work and memory stay bounded,
+    /// and so does the commit's pause: a commit runs on the reactor between batches, at about
+    /// 14 µs per dirty node here (4096 nodes: ~60 ms; 16384 made 20 s of creates pause for
+    /// up to 240 ms and run at 60% of the rate).
     pub dirty_limit_nodes: usize,
 }
 
@@ -55,7 +58,7 @@ impl Default for MountOptions {
         MountOptions {
             cache_nodes_per_shard: 4096,
             commit_interval: std::time::Duration::from_secs(5),
-            dirty_limit_nodes: 16384,
+            dirty_limit_nodes: 4096,
         }
     }
 }

@@ -190,6 +190,7 @@ fn run_one(
     seconds: f64,
     repeat: u32,
     seed: u64,
+    progress: &(dyn Fn(&str) + Sync),
 ) -> R<RunResult> {
     target.prepare()?;
     {
@@ -214,6 +215,20 @@ fn run_one(
                 scope.spawn(move || workload.client(c, &mut *session, until, seed))
             })
             .collect();
+        // Long runs show they are alive: a line every 10 s.
+        if seconds >= 20.0 {
+            scope.spawn(move || {
+                let mut next = 10.0;
+                while Instant::now() < until {
+                    std::thread::sleep(Duration::from_millis(200));
+                    let at = started.elapsed().as_secs_f64();
+                    if at >= next && at < seconds {
+                        progress(&format!("        ... {at:.0} of {seconds:.0} s"));
+                        next += 10.0;
+                    }
+                }
+            });
+        }
         handles
             .into_iter()
             .map(|h| {
@@ -272,7 +287,7 @@ fn kernel_release() -> String {
 }
 
 /// Runs the suite. `progress` gets a line per step (the command prints them to stderr).
-pub fn run(config: &SuiteConfig, progress: &dyn Fn(&str)) -> R<SuiteResults> {
+pub fn run(config: &SuiteConfig, progress: &(dyn Fn(&str) + Sync)) -> R<SuiteResults> {
     let workloads: Vec<Workload> = workloads::suite(&config.sizes)
         .into_iter()
         .filter(|w| config.only.is_empty() || config.only.iter().any(|o| w.name.contains(o)))
@@ -319,8 +334,15 @@ pub fn run(config: &SuiteConfig, progress: &dyn Fn(&str)) -> R<SuiteResults> {
                     left
                 ));
                 let seed = config.seed.wrapping_add(repeat as u64);
-                let run = run_one(&mut **target, workload, config.seconds, repeat, seed)
-                    .map_err(|e| format!("{} on {}: {e}", workload.name, target.name()))?;
+                let run = run_one(
+                    &mut **target,
+                    workload,
+                    config.seconds,
+                    repeat,
+                    seed,
+                    progress,
+                )
+                .map_err(|e| format!("{} on {}: {e}", workload.name, target.name()))?;
                 progress(&format!(
                     "        {:.0} ops/s, {:.1} MiB/s, p50 {}, p99 {}, max {}",
                     run.ops_per_sec,
