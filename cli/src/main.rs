@@ -1,6 +1,8 @@
-//! `corefs`: the command-line tool for operators and benchmarkers: `mkfs`, `fsck`, `probe`
-//! (kernel features), `bench device` (the device-layer micro-benchmark), `bench engine` (the
-//! engine's create, overwrite and commit figures).
+//! `corefs`: the command-line tool for operators and benchmarkers: `mkfs`, `fsck`, `mount`
+//! (FUSE), `probe` (kernel features), `crashtest`, and `bench` (the suite, compare, and the
+//! narrower device, engine, fsync and clients benchmarks).
+
+mod fuse;
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -51,6 +53,19 @@ enum Command {
         /// Worker threads (default: every core).
         #[arg(long)]
         threads: Option<usize>,
+    },
+    /// Serve a filesystem at a mountpoint through FUSE until it is unmounted (umount or
+    /// fusermount3 -u); the unmount commits.
+    Mount {
+        /// Device string: file:PATH, nvme:/dev/ngXnY.
+        device: String,
+        mountpoint: PathBuf,
+        /// Pin the reactor to this core.
+        #[arg(long)]
+        core: Option<usize>,
+        /// Busy-poll (a dedicated core) instead of spin-then-park.
+        #[arg(long)]
+        busy_poll: bool,
     },
     /// Benchmarks.
     #[command(subcommand)]
@@ -324,6 +339,31 @@ fn main() -> ExitCode {
                 );
             })
         }
+        Command::Mount {
+            device,
+            mountpoint,
+            core,
+            busy_poll,
+        } => reactor::Runtime::start(reactor::Config {
+            device: device.clone(),
+            core,
+            idle: if busy_poll {
+                reactor::IdlePolicy::BusyPoll
+            } else {
+                reactor::IdlePolicy::default()
+            },
+            ..reactor::Config::default()
+        })
+        .map_err(|e| format!("{device}: {e}"))
+        .and_then(|runtime| {
+            eprintln!(
+                "corefs: serving {device} at {} (unmount with: umount {})",
+                mountpoint.display(),
+                mountpoint.display()
+            );
+            fuse::serve(runtime, &mountpoint)
+                .map_err(|e| format!("mounting at {}: {e}", mountpoint.display()))
+        }),
         Command::Probe => {
             print!("{}", nvme::probe::probe());
             Ok(())
