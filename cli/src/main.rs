@@ -34,9 +34,26 @@ enum Command {
         #[arg(long, default_value = "")]
         label: String,
     },
-    /// Check a filesystem: every tree, checksum, reference, link count and block. Exit codes
-    /// as e2fsck: 0 clean, 4 errors left uncorrected, 8 operational error.
-    Fsck { device: String },
+    /// Check a filesystem: both superblocks, the fsync logs, every tree node (checksum,
+    /// address, generation), every name, back-reference, link count, extent and block of the
+    /// space bitmap, and every data block's checksum. Exit codes as e2fsck: 0 clean, 1 errors
+    /// corrected, 4 errors left uncorrected, 8 operational error.
+    Fsck {
+        device: String,
+        /// Repair what is safe to repair: a damaged superblock copy is rewritten from the
+        /// current one. (Log records are replayed by every mount, as a journal is.)
+        #[arg(long)]
+        repair: bool,
+        /// Skip reading and verifying every data block.
+        #[arg(long)]
+        no_data: bool,
+    },
+    /// Print what an image holds without mounting it (nothing is written).
+    Dump {
+        device: String,
+        #[command(subcommand)]
+        what: DumpWhat,
+    },
     /// Report the kernel features corefs uses and what to do about missing ones.
     Probe,
     /// Crash-consistency test: ACE workloads of one or two operations, every crash state at
@@ -70,6 +87,23 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(Bench),
+}
+
+#[derive(Subcommand)]
+enum DumpWhat {
+    /// Both superblock copies.
+    Super,
+    /// Every tree node with its items decoded (all shards, or --shard).
+    Trees {
+        #[arg(long)]
+        shard: Option<u32>,
+    },
+    /// Every item of one inode.
+    Inode { ino: u64 },
+    /// The fsync log records the next mount would replay, per shard.
+    Logs,
+    /// Nodes, items, inodes, extents and blocks per shard.
+    Stats,
 }
 
 #[derive(Subcommand)]
@@ -294,7 +328,24 @@ fn main() -> ExitCode {
             shards,
             label,
         } => mkfs(&device, size, shards, label),
-        Command::Fsck { device } => return fsck(&device),
+        Command::Fsck {
+            device,
+            repair,
+            no_data,
+        } => return fsck(&device, repair, !no_data),
+        Command::Dump { device, what } => open(&device, None).and_then(|mut dev| {
+            let dev = &mut *dev;
+            use engine::inspect;
+            let text = match what {
+                DumpWhat::Super => Ok(inspect::format_superblocks(dev)),
+                DumpWhat::Trees { shard } => inspect::format_trees(dev, shard),
+                DumpWhat::Inode { ino } => inspect::format_inode(dev, ino),
+                DumpWhat::Logs => inspect::format_logs(dev),
+                DumpWhat::Stats => inspect::format_stats(dev),
+            }?;
+            print!("{text}");
+            Ok(())
+        }),
         Command::Crashtest {
             length,
             sample,
@@ -555,14 +606,59 @@ fn mkfs(device: &str, size: Option<u64>, shards: u32, label: String) -> Result<(
     Ok(())
 }
 
-fn fsck(device: &str) -> ExitCode {
-    let dev = match open(device, None) {
+fn fsck(device: &str, repair: bool, check_data: bool) -> ExitCode {
+    use engine::inspect;
+    use std::io::IsTerminal;
+    let mut dev = match open(device, None) {
         Ok(dev) => dev,
         Err(why) => {
             eprintln!("corefs fsck: {why}");
             return ExitCode::from(8);
         }
     };
+    let mut corrected = 0u32;
+    // Superblocks: mount would quietly use the good copy; fsck names a damaged one.
+    let copies = inspect::superblocks(&mut *dev);
+    let current = match inspect::current_superblock(&mut *dev) {
+        Ok(sb) => sb,
+        Err(why) => {
+            println!("corefs fsck: {device}: CORRUPT: superblock: {why}");
+            return ExitCode::from(4);
+        }
+    };
+    for (addr, copy) in &copies {
+        if let Err(why) = copy {
+            if repair {
+                if let Err(e) = inspect::rewrite_superblock(&mut *dev, &current, *addr) {
+                    eprintln!("corefs fsck: {device}: rewriting superblock copy {addr}: {e}");
+                    return ExitCode::from(8);
+                }
+                println!(
+                    "corefs fsck: {device}: superblock copy at block {addr} was damaged ({why}): \
+                     rewritten from generation {}",
+                    current.generation
+                );
+                corrected += 1;
+            } else {
+                println!(
+                    "corefs fsck: {device}: CORRUPT: superblock copy at block {addr}: {why} \
+                     (the other copy is good: --repair rewrites this one)"
+                );
+                return ExitCode::from(4);
+            }
+        }
+    }
+    match inspect::format_logs(&mut *dev) {
+        Ok(logs) => {
+            if let Some(last) = logs.lines().last() {
+                eprintln!("corefs fsck: fsync logs: {last}");
+            }
+        }
+        Err(why) => {
+            eprintln!("corefs fsck: {device}: reading the logs: {why}");
+            return ExitCode::from(8);
+        }
+    }
     let mut fs = match engine::Filesystem::mount(dev, Default::default()) {
         Ok(fs) => fs,
         Err(e @ engine::EngineError::Corrupt { .. }) => {
@@ -575,23 +671,72 @@ fn fsck(device: &str) -> ExitCode {
         }
     };
     let generation = fs.durable_generation();
-    match fs.check() {
-        Ok(report) => {
-            println!(
-                "corefs fsck: {device}: clean at generation {generation}: {} inodes ({} directories), {} names, \
-                 {} items, {} tree blocks, {} data blocks",
-                report.inodes, report.directories, report.names, report.items, report.tree_blocks, report.data_blocks
-            );
-            ExitCode::SUCCESS
-        }
+    eprintln!("corefs fsck: checking the trees (names, links, extents, space)...");
+    let report = match fs.check() {
+        Ok(report) => report,
         Err(e @ engine::EngineError::Corrupt { .. }) => {
             println!("corefs fsck: {device}: CORRUPT at generation {generation}: {e}");
-            ExitCode::from(4)
+            return ExitCode::from(4);
         }
         Err(e) => {
             eprintln!("corefs fsck: {device}: {e}");
-            ExitCode::from(8)
+            return ExitCode::from(8);
         }
+    };
+    let mut data_blocks = None;
+    if check_data {
+        let tty = std::io::stderr().is_terminal();
+        let mut progress = |done: u32, total: u32| {
+            if tty {
+                let width = 40;
+                let filled = (done as usize * width) / total.max(1) as usize;
+                eprint!(
+                    "\rcorefs fsck: data checksums [{}{}] {done}/{total} shards",
+                    "#".repeat(filled),
+                    " ".repeat(width - filled)
+                );
+                if done == total {
+                    eprintln!();
+                }
+            } else if done == total {
+                eprintln!("corefs fsck: data checksums: {total} shards read");
+            }
+        };
+        match fs.check_data(&mut progress) {
+            Ok(blocks) => data_blocks = Some(blocks),
+            Err(e @ engine::EngineError::Corrupt { .. }) => {
+                println!("corefs fsck: {device}: CORRUPT at generation {generation}: {e}");
+                return ExitCode::from(4);
+            }
+            Err(e) => {
+                eprintln!("corefs fsck: {device}: {e}");
+                return ExitCode::from(8);
+            }
+        }
+    }
+    println!(
+        "corefs fsck: {device}: clean at generation {generation}: {} inodes ({} directories), {} names, \
+         {} items, {} tree blocks, {} data blocks{}{}",
+        report.inodes,
+        report.directories,
+        report.names,
+        report.items,
+        report.tree_blocks,
+        report.data_blocks,
+        match data_blocks {
+            Some(n) => format!(" ({n} verified against their checksums)"),
+            None => " (data not read: --no-data)".into(),
+        },
+        if corrected > 0 {
+            format!("; {corrected} error(s) corrected")
+        } else {
+            String::new()
+        }
+    );
+    if corrected > 0 {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
     }
 }
 

@@ -7,10 +7,13 @@ use nvme::DevError;
 pub enum EngineError {
     #[error("device error: {0}")]
     Device(#[from] DevError),
-    #[error("corrupt {what} at block {block}: {why}")]
+    #[error("corrupt {what} at {place} {block}: {why}")]
     Corrupt {
         what: &'static str,
+        /// Where: a block address, or for an item-level fault the inode it belongs to
+        /// (`place` says which).
         block: u64,
+        place: &'static str,
         why: String,
     },
     #[error("no space left on device")]
@@ -42,6 +45,17 @@ impl EngineError {
         EngineError::Corrupt {
             what,
             block,
+            place: "block",
+            why: why.into(),
+        }
+    }
+
+    /// Corruption found in the items of inode `ino` (not in one block's encoding).
+    pub fn corrupt_inode(what: &'static str, ino: u64, why: impl Into<String>) -> Self {
+        EngineError::Corrupt {
+            what,
+            block: ino,
+            place: "inode",
             why: why.into(),
         }
     }

@@ -20,6 +20,7 @@ pub mod file;
 pub mod format;
 pub mod fs;
 pub mod inode;
+pub mod inspect;
 pub mod log;
 pub mod refs;
 pub mod space;
