@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-need_packages=(qemu-system-x86 busybox-static cpio kmod fio libc6-dev gcc pkg-config sqlite3 libsqlite3-dev e2fsprogs fuse3)
+need_packages=(qemu-system-x86 busybox-static cpio kmod fio libc6-dev gcc pkg-config sqlite3 libsqlite3-dev e2fsprogs fuse3 rsync)
 missing=()
 for p in "${need_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

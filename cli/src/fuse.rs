@@ -11,8 +11,12 @@
 //!
 //! Invariants: the kernel caches attributes and entries for [`TTL`] only (1 s), because the
 //! filesystem may be changed through no other path while mounted, but the kernel's own
-//! caches must not outlive an operation's effect by much. Requests are served in order by the
-//! session thread, each through one synchronous reactor call.
+//! caches must not outlive an operation's effect by much. The session thread decodes each
+//! request and queues it (bounded: [`QUEUE_DEPTH`]) to one of [`WORKERS`] worker threads,
+//! each with its own reactor client, which makes the reactor call and replies; so requests of
+//! different callers are at the reactor together (their fsyncs share records) and one slow
+//! request does not stall the others. Requests one caller makes in sequence stay in sequence,
+//! since the caller waits for each reply.
 
 use engine::inode::ROOT_INO;
 use engine::{EngineError, FallocateMode, RenameFlags, SetAttr, Stat, XattrFlags};
@@ -30,29 +34,89 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 /// How long the kernel may cache attributes and names.
 const TTL: Duration = Duration::from_secs(1);
 
+/// Worker threads serving requests: the session thread only decodes a request and queues it,
+/// so several requests are at the reactor at once (its batches group their fsyncs) and a slow
+/// one (an fsync) does not hold up the others.
+pub const WORKERS: usize = 4;
+/// Requests queued for the workers before the session thread waits (backpressure).
+const QUEUE_DEPTH: usize = 64;
+
+type Job = Box<dyn FnOnce(&mut Client) + Send>;
+
+/// A fixed pool of workers, each with its own reactor client.
+struct Pool {
+    jobs: Option<std::sync::mpsc::SyncSender<Job>>,
+    workers: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Pool {
+    fn new(runtime: &Runtime) -> Pool {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Job>(QUEUE_DEPTH);
+        let rx = std::sync::Arc::new(std::sync::Mutex::new(rx));
+        let workers = (0..WORKERS)
+            .map(|i| {
+                let rx = rx.clone();
+                let mut client = runtime.client(4);
+                std::thread::Builder::new()
+                    .name(format!("corefs-fuse-{i}"))
+                    .spawn(move || loop {
+                        // The lock is held only to take one job.
+                        let job = rx.lock().expect("job queue lock").recv();
+                        match job {
+                            Ok(job) => job(&mut client),
+                            Err(_) => return, // the session ended
+                        }
+                    })
+                    .expect("starting a FUSE worker thread")
+            })
+            .collect();
+        Pool {
+            jobs: Some(tx),
+            workers,
+        }
+    }
+
+    /// Queues `job`; it replies to the kernel itself.
+    fn run(&self, job: impl FnOnce(&mut Client) + Send + 'static) {
+        if let Some(jobs) = &self.jobs {
+            // Fails only once the workers are gone, after `stop`: the reply is then dropped,
+            // which fuser answers with EIO.
+            let _ = jobs.send(Box::new(job));
+        }
+    }
+
+    /// Lets the workers finish what is queued, then joins them.
+    fn stop(&mut self) {
+        self.jobs = None;
+        for worker in self.workers.drain(..) {
+            let _ = worker.join();
+        }
+    }
+}
+
 pub struct CorefsFuse {
     runtime: Option<Runtime>,
-    client: Client,
+    pool: Pool,
 }
 
 impl CorefsFuse {
     pub fn new(runtime: Runtime) -> CorefsFuse {
-        let client = runtime.client(4);
+        let pool = Pool::new(&runtime);
         CorefsFuse {
             runtime: Some(runtime),
-            client,
+            pool,
         }
     }
+}
 
-    fn call(&mut self, op: Op) -> Result<Reply, i32> {
-        self.client.call(op).map_err(|e| errno(&e))
-    }
+fn call(client: &mut Client, op: Op) -> Result<Reply, i32> {
+    client.call(op).map_err(|e| errno(&e))
+}
 
-    fn stat_reply(&mut self, op: Op) -> Result<Stat, i32> {
-        match self.call(op)? {
-            Reply::Stat(s) => Ok(s),
-            _ => Err(libc::EIO),
-        }
+fn stat_reply(client: &mut Client, op: Op) -> Result<Stat, i32> {
+    match call(client, op)? {
+        Reply::Stat(s) => Ok(s),
+        _ => Err(libc::EIO),
     }
 }
 
@@ -142,6 +206,7 @@ impl Filesystem for CorefsFuse {
     }
 
     fn destroy(&mut self) {
+        self.pool.stop();
         if let Some(runtime) = self.runtime.take() {
             match runtime.shutdown() {
                 Ok(stats) => tracing::info!(
@@ -156,22 +221,24 @@ impl Filesystem for CorefsFuse {
     }
 
     fn lookup(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEntry) {
-        match self.stat_reply(Op::Lookup {
+        let op = Op::Lookup {
             dir: to_engine(parent),
             name: name.as_bytes().to_vec(),
-        }) {
+        };
+        self.pool.run(move |c| match stat_reply(c, op) {
             Ok(s) => reply.entry(&TTL, &attr(&s), 0),
             Err(e) => reply.error(e),
-        }
+        });
     }
 
     fn getattr(&mut self, _req: &Request<'_>, ino: u64, _fh: Option<u64>, reply: ReplyAttr) {
-        match self.stat_reply(Op::Stat {
+        let op = Op::Stat {
             ino: to_engine(ino),
-        }) {
+        };
+        self.pool.run(move |c| match stat_reply(c, op) {
             Ok(s) => reply.attr(&TTL, &attr(&s)),
             Err(e) => reply.error(e),
-        }
+        });
     }
 
     fn setattr(
@@ -200,23 +267,25 @@ impl Filesystem for CorefsFuse {
             atime: atime.map(timespec),
             mtime: mtime.map(timespec),
         };
-        match self.stat_reply(Op::SetAttr {
+        let op = Op::SetAttr {
             ino: to_engine(ino),
             change,
-        }) {
+        };
+        self.pool.run(move |c| match stat_reply(c, op) {
             Ok(s) => reply.attr(&TTL, &attr(&s)),
             Err(e) => reply.error(e),
-        }
+        });
     }
 
     fn readlink(&mut self, _req: &Request<'_>, ino: u64, reply: ReplyData) {
-        match self.call(Op::Readlink {
+        let op = Op::Readlink {
             ino: to_engine(ino),
-        }) {
+        };
+        self.pool.run(move |c| match call(c, op) {
             Ok(Reply::Data(d)) => reply.data(&d),
             Ok(_) => reply.error(libc::EIO),
             Err(e) => reply.error(e),
-        }
+        });
     }
 
     fn mkdir(
@@ -228,34 +297,37 @@ impl Filesystem for CorefsFuse {
         umask: u32,
         reply: ReplyEntry,
     ) {
-        match self.stat_reply(Op::Mkdir {
+        let op = Op::Mkdir {
             dir: to_engine(parent),
             name: name.as_bytes().to_vec(),
             mode: mode & !umask & 0o7777,
-        }) {
+        };
+        self.pool.run(move |c| match stat_reply(c, op) {
             Ok(s) => reply.entry(&TTL, &attr(&s), 0),
             Err(e) => reply.error(e),
-        }
+        });
     }
 
     fn unlink(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEmpty) {
-        match self.call(Op::Unlink {
+        let op = Op::Unlink {
             dir: to_engine(parent),
             name: name.as_bytes().to_vec(),
-        }) {
+        };
+        self.pool.run(move |c| match call(c, op) {
             Ok(_) => reply.ok(),
             Err(e) => reply.error(e),
-        }
+        });
     }
 
     fn rmdir(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEmpty) {
-        match self.call(Op::Rmdir {
+        let op = Op::Rmdir {
             dir: to_engine(parent),
             name: name.as_bytes().to_vec(),
-        }) {
+        };
+        self.pool.run(move |c| match call(c, op) {
             Ok(_) => reply.ok(),
             Err(e) => reply.error(e),
-        }
+        });
     }
 
     fn symlink(
@@ -266,14 +338,15 @@ impl Filesystem for CorefsFuse {
         target: &Path,
         reply: ReplyEntry,
     ) {
-        match self.stat_reply(Op::Symlink {
+        let op = Op::Symlink {
             dir: to_engine(parent),
             name: link_name.as_bytes().to_vec(),
             target: target.as_os_str().as_bytes().to_vec(),
-        }) {
+        };
+        self.pool.run(move |c| match stat_reply(c, op) {
             Ok(s) => reply.entry(&TTL, &attr(&s), 0),
             Err(e) => reply.error(e),
-        }
+        });
     }
 
     fn rename(
@@ -290,7 +363,7 @@ impl Filesystem for CorefsFuse {
         if flags & !known != 0 {
             return reply.error(libc::EINVAL);
         }
-        match self.call(Op::Rename {
+        let op = Op::Rename {
             from_dir: to_engine(parent),
             from: name.as_bytes().to_vec(),
             to_dir: to_engine(newparent),
@@ -299,10 +372,11 @@ impl Filesystem for CorefsFuse {
                 noreplace: flags & libc::RENAME_NOREPLACE != 0,
                 exchange: flags & libc::RENAME_EXCHANGE != 0,
             },
-        }) {
+        };
+        self.pool.run(move |c| match call(c, op) {
             Ok(_) => reply.ok(),
             Err(e) => reply.error(e),
-        }
+        });
     }
 
     fn link(
@@ -313,14 +387,15 @@ impl Filesystem for CorefsFuse {
         newname: &OsStr,
         reply: ReplyEntry,
     ) {
-        match self.stat_reply(Op::Link {
+        let op = Op::Link {
             ino: to_engine(ino),
             dir: to_engine(newparent),
             name: newname.as_bytes().to_vec(),
-        }) {
+        };
+        self.pool.run(move |c| match stat_reply(c, op) {
             Ok(s) => reply.entry(&TTL, &attr(&s), 0),
             Err(e) => reply.error(e),
-        }
+        });
     }
 
     fn open(&mut self, _req: &Request<'_>, _ino: u64, _flags: i32, reply: ReplyOpen) {
@@ -342,15 +417,16 @@ impl Filesystem for CorefsFuse {
         if offset < 0 {
             return reply.error(libc::EINVAL);
         }
-        match self.call(Op::Read {
+        let op = Op::Read {
             ino: to_engine(ino),
             offset: offset as u64,
             len: size as usize,
-        }) {
+        };
+        self.pool.run(move |c| match call(c, op) {
             Ok(Reply::Data(d)) => reply.data(&d),
             Ok(_) => reply.error(libc::EIO),
             Err(e) => reply.error(e),
-        }
+        });
     }
 
     fn write(
@@ -368,15 +444,16 @@ impl Filesystem for CorefsFuse {
         if offset < 0 {
             return reply.error(libc::EINVAL);
         }
-        match self.call(Op::Write {
+        let op = Op::Write {
             ino: to_engine(ino),
             offset: offset as u64,
             data: data.to_vec(),
-        }) {
+        };
+        self.pool.run(move |c| match call(c, op) {
             Ok(Reply::Written(n)) => reply.written(n as u32),
             Ok(_) => reply.error(libc::EIO),
             Err(e) => reply.error(e),
-        }
+        });
     }
 
     fn flush(
@@ -410,10 +487,11 @@ impl Filesystem for CorefsFuse {
         } else {
             Op::Fsync { ino }
         };
-        match self.call(op) {
+        let op = op;
+        self.pool.run(move |c| match call(c, op) {
             Ok(_) => reply.ok(),
             Err(e) => reply.error(e),
-        }
+        });
     }
 
     fn opendir(&mut self, _req: &Request<'_>, _ino: u64, _flags: i32, reply: ReplyOpen) {
@@ -430,46 +508,51 @@ impl Filesystem for CorefsFuse {
     ) {
         // Offsets: 1 is ".", 2 is "..", and an entry with engine cookie c is c + 2.
         let dir = to_engine(ino);
-        let mut offset = offset.max(0) as u64;
-        if offset == 0 {
-            if reply.add(ino, 1, FileType::Directory, ".") {
-                return reply.ok();
-            }
-            offset = 1;
-        }
-        if offset == 1 {
-            if reply.add(FUSE_ROOT_ID, 2, FileType::Directory, "..") {
-                return reply.ok();
-            }
-            offset = 2;
-        }
-        let mut cookie = offset - 2;
-        loop {
-            let entries = match self.call(Op::Readdir {
-                dir,
-                cookie,
-                max: 128,
-            }) {
-                Ok(Reply::Entries(e)) => e,
-                Ok(_) => return reply.error(libc::EIO),
-                Err(e) => return reply.error(e),
-            };
-            if entries.is_empty() {
-                return reply.ok();
-            }
-            for e in entries {
-                let kind = kind_of((e.kind as u32) << 12);
-                if reply.add(
-                    to_fuse(e.ino),
-                    (e.cookie + 2) as i64,
-                    kind,
-                    OsStr::from_bytes(&e.name),
-                ) {
+        self.pool.run(move |c| {
+            let mut offset = offset.max(0) as u64;
+            if offset == 0 {
+                if reply.add(ino, 1, FileType::Directory, ".") {
                     return reply.ok();
                 }
-                cookie = e.cookie;
+                offset = 1;
             }
-        }
+            if offset == 1 {
+                if reply.add(FUSE_ROOT_ID, 2, FileType::Directory, "..") {
+                    return reply.ok();
+                }
+                offset = 2;
+            }
+            let mut cookie = offset - 2;
+            loop {
+                let entries = match call(
+                    c,
+                    Op::Readdir {
+                        dir,
+                        cookie,
+                        max: 128,
+                    },
+                ) {
+                    Ok(Reply::Entries(e)) => e,
+                    Ok(_) => return reply.error(libc::EIO),
+                    Err(e) => return reply.error(e),
+                };
+                if entries.is_empty() {
+                    return reply.ok();
+                }
+                for e in entries {
+                    let kind = kind_of((e.kind as u32) << 12);
+                    if reply.add(
+                        to_fuse(e.ino),
+                        (e.cookie + 2) as i64,
+                        kind,
+                        OsStr::from_bytes(&e.name),
+                    ) {
+                        return reply.ok();
+                    }
+                    cookie = e.cookie;
+                }
+            }
+        });
     }
 
     fn fsyncdir(
@@ -484,7 +567,8 @@ impl Filesystem for CorefsFuse {
     }
 
     fn statfs(&mut self, _req: &Request<'_>, _ino: u64, reply: ReplyStatfs) {
-        match self.call(Op::Statfs) {
+        let op = Op::Statfs;
+        self.pool.run(move |c| match call(c, op) {
             Ok(Reply::Statfs(s)) => reply.statfs(
                 s.total_blocks,
                 s.free_blocks,
@@ -497,7 +581,7 @@ impl Filesystem for CorefsFuse {
             ),
             Ok(_) => reply.error(libc::EIO),
             Err(e) => reply.error(e),
-        }
+        });
     }
 
     fn setxattr(
@@ -521,15 +605,16 @@ impl Filesystem for CorefsFuse {
             libc::XATTR_REPLACE => XattrFlags::Replace,
             _ => return reply.error(libc::EINVAL),
         };
-        match self.call(Op::SetXattr {
+        let op = Op::SetXattr {
             ino: to_engine(ino),
             name: name.as_bytes().to_vec(),
             value: value.to_vec(),
             flags,
-        }) {
+        };
+        self.pool.run(move |c| match call(c, op) {
             Ok(_) => reply.ok(),
             Err(e) => reply.error(e),
-        }
+        });
     }
 
     fn getxattr(
@@ -540,20 +625,22 @@ impl Filesystem for CorefsFuse {
         size: u32,
         reply: ReplyXattr,
     ) {
-        match self.call(Op::GetXattr {
+        let op = Op::GetXattr {
             ino: to_engine(ino),
             name: name.as_bytes().to_vec(),
-        }) {
+        };
+        self.pool.run(move |c| match call(c, op) {
             Ok(Reply::Data(d)) => xattr_reply(reply, &d, size),
             Ok(_) => reply.error(libc::EIO),
             Err(e) => reply.error(e),
-        }
+        });
     }
 
     fn listxattr(&mut self, _req: &Request<'_>, ino: u64, size: u32, reply: ReplyXattr) {
-        match self.call(Op::ListXattr {
+        let op = Op::ListXattr {
             ino: to_engine(ino),
-        }) {
+        };
+        self.pool.run(move |c| match call(c, op) {
             Ok(Reply::Names(names)) => {
                 let mut list = Vec::new();
                 for n in names {
@@ -564,17 +651,18 @@ impl Filesystem for CorefsFuse {
             }
             Ok(_) => reply.error(libc::EIO),
             Err(e) => reply.error(e),
-        }
+        });
     }
 
     fn removexattr(&mut self, _req: &Request<'_>, ino: u64, name: &OsStr, reply: ReplyEmpty) {
-        match self.call(Op::RemoveXattr {
+        let op = Op::RemoveXattr {
             ino: to_engine(ino),
             name: name.as_bytes().to_vec(),
-        }) {
+        };
+        self.pool.run(move |c| match call(c, op) {
             Ok(_) => reply.ok(),
             Err(e) => reply.error(e),
-        }
+        });
     }
 
     fn create(
@@ -591,21 +679,26 @@ impl Filesystem for CorefsFuse {
         let name = name.as_bytes().to_vec();
         // The kernel sends O_CREAT without O_EXCL here only when the name did not exist at
         // its lookup; a racing create found in between is opened, as open(2) would.
-        let made = self.stat_reply(Op::Create {
-            dir,
-            name: name.clone(),
-            mode: mode & !umask & 0o7777,
-        });
-        let stat = match made {
-            Err(libc::EEXIST) if flags & libc::O_EXCL == 0 => {
-                self.stat_reply(Op::Lookup { dir, name })
+        self.pool.run(move |c| {
+            let made = stat_reply(
+                c,
+                Op::Create {
+                    dir,
+                    name: name.clone(),
+                    mode: mode & !umask & 0o7777,
+                },
+            );
+            let stat = match made {
+                Err(libc::EEXIST) if flags & libc::O_EXCL == 0 => {
+                    stat_reply(c, Op::Lookup { dir, name })
+                }
+                other => other,
+            };
+            match stat {
+                Ok(s) => reply.created(&TTL, &attr(&s), 0, 0, 0),
+                Err(e) => reply.error(e),
             }
-            other => other,
-        };
-        match stat {
-            Ok(s) => reply.created(&TTL, &attr(&s), 0, 0, 0),
-            Err(e) => reply.error(e),
-        }
+        });
     }
 
     fn fallocate(
@@ -627,7 +720,7 @@ impl Filesystem for CorefsFuse {
                 libc::EINVAL
             });
         }
-        match self.call(Op::Fallocate {
+        let op = Op::Fallocate {
             ino: to_engine(ino),
             mode: FallocateMode {
                 keep_size: mode & libc::FALLOC_FL_KEEP_SIZE != 0,
@@ -636,10 +729,11 @@ impl Filesystem for CorefsFuse {
             },
             offset: offset as u64,
             len: length as u64,
-        }) {
+        };
+        self.pool.run(move |c| match call(c, op) {
             Ok(_) => reply.ok(),
             Err(e) => reply.error(e),
-        }
+        });
     }
 }
 
