@@ -487,7 +487,6 @@ impl Filesystem for CorefsFuse {
         } else {
             Op::Fsync { ino }
         };
-        let op = op;
         self.pool.run(move |c| match call(c, op) {
             Ok(_) => reply.ok(),
             Err(e) => reply.error(e),
