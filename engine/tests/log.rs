@@ -532,3 +532,70 @@ fn records_in_flight_become_durable_in_order_and_every_cut_mounts_clean() {
         }
     }
 }
+
+/// A failed record write or flush (background I/O) is never acknowledged: the fsync fails,
+/// the filesystem fails stop (every later change and fsync fails), and a remount recovers the
+/// last durable state, with the data of every fsync that did succeed.
+#[test]
+fn a_failed_record_write_or_flush_is_never_acknowledged_and_fails_stop() {
+    use nvme::wrap::{FaultConfig, FaultDevice};
+    use nvme::OpKind;
+    for kind in [OpKind::Write, OpKind::Flush] {
+        let mut fs = mount(&fresh(2));
+        let root = fs.root();
+        let ino = fs.create(root, b"f", 0o644, 0, 0).unwrap().ino;
+        fs.sync().unwrap();
+        let image = image_of(fs.unmount().unwrap());
+        let faulty = FaultDevice::new(
+            MemDevice::from_image(&image, config()).unwrap(),
+            FaultConfig {
+                seed: 11,
+                ..Default::default()
+            },
+        );
+        let faults = faulty.handle();
+        let mut fs = Filesystem::mount(Box::new(faulty), MountOptions::default()).unwrap();
+        fs.write(ino, 0, &block(1)).unwrap();
+        fs.fsync(ino).unwrap(); // durable
+        fs.write(ino, 4096, &block(2)).unwrap();
+        faults.fail_next(kind, 1);
+        // Started in the background; the failure surfaces when it is waited for.
+        let started = fs.fsync_group_start(&[(ino, false)]);
+        let result = match started {
+            Ok(FsyncStart::Pending(ticket)) => fs.wait_durable(ticket),
+            Ok(FsyncStart::Durable) => panic!("{kind}: a record with new data was durable at once"),
+            Err(e) => Err(e),
+        };
+        let err = result.expect_err("the fsync whose record failed must fail");
+        assert!(
+            matches!(err, engine::EngineError::Device(_)),
+            "{kind}: {err}"
+        );
+        assert!(
+            matches!(
+                fs.write(ino, 0, b"x"),
+                Err(engine::EngineError::ReadOnly(_))
+            ),
+            "{kind}: not fail-stop"
+        );
+        assert!(fs.fsync(ino).is_err(), "{kind}: a later fsync succeeded");
+        // A remount recovers: the first fsync's block is there, the failed one's is not.
+        let crashed = image_of(fs.into_device());
+        let mut fs = mount(&crashed);
+        assert_eq!(fs.read(ino, 0, 4096).unwrap(), block(1), "{kind}");
+        let size = fs.stat(ino).unwrap().size;
+        match kind {
+            // The record never reached the device.
+            OpKind::Write => assert_eq!(size, 4096, "the failed record's append"),
+            // The record was written and only its flush failed: it may have persisted (an
+            // unacknowledged fsync may or may not survive), and then whole.
+            _ => {
+                assert!(size == 4096 || size == 8192, "{size}");
+                if size == 8192 {
+                    assert_eq!(fs.read(ino, 4096, 4096).unwrap(), block(2));
+                }
+            }
+        }
+        fs.check().unwrap();
+    }
+}

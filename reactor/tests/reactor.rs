@@ -606,3 +606,128 @@ fn an_idle_reactor_parks_and_a_bad_device_is_an_error() {
     .expect("a bad device string fails the start");
     assert!(err.to_string().contains("nosuch"), "{err}");
 }
+
+/// A device error under several clients' fsyncs (the records in flight): no fsync after the
+/// failure is acknowledged, every later change fails read-only, shutdown still returns, and
+/// a remount keeps every fsync that was acknowledged.
+#[test]
+fn a_device_error_under_concurrent_fsyncs_fails_stop_and_loses_nothing_acknowledged() {
+    use nvme::wrap::{FaultConfig, FaultDevice};
+    let seed = nvme::wrap::seed_from_env();
+    let mem = MemConfig {
+        capacity_bytes: 64 << 20,
+        lba_size_bytes: 4096,
+        queue_depth: 32,
+        buf_bytes: 64 << 10,
+        buf_count: 64,
+    };
+    let dev = Filesystem::mkfs(
+        Box::new(MemDevice::new(mem).unwrap()),
+        &MkfsOptions {
+            shards: 4,
+            label: "fault".into(),
+        },
+    )
+    .unwrap();
+    let faulty = FaultDevice::new(
+        dev,
+        FaultConfig {
+            seed,
+            ..Default::default()
+        },
+    );
+    let faults = faulty.handle();
+    let runtime = Runtime::start_with_device(
+        Config {
+            device: "faulty mem".into(),
+            ..Default::default()
+        },
+        Box::new(faulty),
+    )
+    .unwrap();
+    let mut setup = runtime.client(4);
+    let inos = create_files(&mut setup, "e", 4);
+    setup.call(Op::Sync).unwrap();
+    let failed = std::sync::atomic::AtomicBool::new(false);
+    // Per client: the blocks whose fsync was acknowledged.
+    let acked: Vec<(u64, u64)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = inos
+            .iter()
+            .enumerate()
+            .map(|(c, &ino)| {
+                let mut client = runtime.client(4);
+                let failed = &failed;
+                let faults = &faults;
+                scope.spawn(move || {
+                    let mut acked = 0u64;
+                    for i in 0..200u64 {
+                        if c == 0 && i == 40 {
+                            // One record write fails while the others run.
+                            faults.fail_next(nvme::OpKind::Write, 1);
+                        }
+                        let w = client.call(Op::Write {
+                            ino,
+                            offset: i * 4096,
+                            data: vec![(i as u8) ^ (c as u8); 4096],
+                        });
+                        let f = w.and_then(|_| client.call(Op::Fsync { ino }));
+                        match f {
+                            Ok(_) => {
+                                assert!(
+                                    !failed.load(std::sync::atomic::Ordering::SeqCst),
+                                    "seed {seed}: an fsync was acknowledged after the failure"
+                                );
+                                acked = i + 1;
+                            }
+                            Err(_) => {
+                                failed.store(true, std::sync::atomic::Ordering::SeqCst);
+                                break;
+                            }
+                        }
+                    }
+                    (ino, acked)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(
+        failed.load(std::sync::atomic::Ordering::SeqCst),
+        "the fault never fired"
+    );
+    let mut client = runtime.client(4);
+    assert!(
+        matches!(
+            client.call(Op::Write {
+                ino: inos[0],
+                offset: 0,
+                data: vec![1; 10],
+            }),
+            Err(EngineError::ReadOnly(_))
+        ),
+        "seed {seed}: not fail-stop"
+    );
+    drop(client);
+    drop(setup);
+    // The failed filesystem does not commit, but it stops and gives the device back.
+    let (_, mut dev) = runtime.shutdown_into_device().unwrap();
+    let mut image = vec![0u8; 64 << 20];
+    nvme::read_sync(&mut *dev, 0, &mut image).unwrap();
+    let mut fs = Filesystem::mount(
+        Box::new(MemDevice::from_image(&image, mem).unwrap()),
+        MountOptions::default(),
+    )
+    .unwrap();
+    fs.check().unwrap();
+    eprintln!("seed {seed}: acknowledged per client {acked:?}");
+    assert!(acked.iter().any(|&(_, n)| n > 0));
+    for (c, &(ino, n)) in acked.iter().enumerate() {
+        for i in 0..n {
+            assert_eq!(
+                fs.read(ino, i * 4096, 4096).unwrap(),
+                vec![(i as u8) ^ (c as u8); 4096],
+                "seed {seed}: client {c} block {i} was acknowledged"
+            );
+        }
+    }
+}
