@@ -13,4 +13,6 @@
 //!   own reactor client (and so its own completion queue for the asynchronous calls).
 
 pub mod abi;
+#[doc(hidden)]
+pub mod fuzz_harness;
 mod handles;

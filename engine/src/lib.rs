@@ -19,6 +19,8 @@ pub mod error;
 pub mod file;
 pub mod format;
 pub mod fs;
+#[doc(hidden)]
+pub mod fuzz_harness;
 pub mod inode;
 pub mod inspect;
 pub mod log;
