@@ -731,3 +731,145 @@ fn a_device_error_under_concurrent_fsyncs_fails_stop_and_loses_nothing_acknowled
         }
     }
 }
+
+/// Many clients fill the device: every failing call fails with ENOSPC (nothing else), what
+/// was fsynced survives a remount intact, deleting frees space and writes resume.
+#[test]
+fn clients_filling_the_device_get_enospc_and_lose_nothing_durable() {
+    let seed = nvme::wrap::seed_from_env();
+    let mem = MemConfig {
+        capacity_bytes: 24 << 20,
+        lba_size_bytes: 4096,
+        queue_depth: 32,
+        buf_bytes: 128 << 10,
+        buf_count: 64,
+    };
+    let dev = Filesystem::mkfs(
+        Box::new(MemDevice::new(mem).unwrap()),
+        &MkfsOptions {
+            shards: 2,
+            label: "full".into(),
+        },
+    )
+    .unwrap();
+    let runtime = Runtime::start_with_device(
+        Config {
+            device: "small mem".into(),
+            ..Default::default()
+        },
+        dev,
+    )
+    .unwrap();
+    // Per client: (inode, bytes fsynced).
+    let durable: Vec<Vec<(u64, u64)>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..4u8)
+            .map(|c| {
+                let mut client = runtime.client(4);
+                scope.spawn(move || {
+                    let mut files = Vec::new();
+                    'outer: for f in 0..1000u32 {
+                        let ino = match client.call(Op::Create {
+                            dir: ROOT,
+                            name: format!("c{c}-{f}").into_bytes(),
+                            mode: 0o644,
+                        }) {
+                            Ok(r) => ino_of(r),
+                            Err(e) => {
+                                assert_eq!(e.errno(), 28, "seed {seed}: create: {e}");
+                                break;
+                            }
+                        };
+                        let mut synced = 0u64;
+                        for i in 0..8u64 {
+                            let data = vec![c ^ i as u8; 64 << 10];
+                            let r = client
+                                .call(Op::Write {
+                                    ino,
+                                    offset: i * (64 << 10),
+                                    data,
+                                })
+                                .and_then(|_| client.call(Op::Fsync { ino }));
+                            match r {
+                                Ok(_) => synced = (i + 1) * (64 << 10),
+                                Err(e) => {
+                                    assert_eq!(e.errno(), 28, "seed {seed}: write/fsync: {e}");
+                                    files.push((ino, synced));
+                                    break 'outer;
+                                }
+                            }
+                        }
+                        files.push((ino, synced));
+                    }
+                    files
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut client = runtime.client(4);
+    // Full: still a clean ENOSPC, and the filesystem is not failed.
+    let err = client
+        .call(Op::Write {
+            ino: durable[0][0].0,
+            offset: 1 << 30,
+            data: vec![1; 1 << 20],
+        })
+        .unwrap_err();
+    assert_eq!(err.errno(), 28, "{err}");
+    // Deleting frees space; after a commit a write goes through again.
+    for c in 0..4u8 {
+        for (f, _) in durable[c as usize].iter().enumerate().step_by(2) {
+            client
+                .call(Op::Unlink {
+                    dir: ROOT,
+                    name: format!("c{c}-{f}").into_bytes(),
+                })
+                .unwrap();
+        }
+    }
+    client.call(Op::Sync).unwrap();
+    let ino = ino_of(
+        client
+            .call(Op::Create {
+                dir: ROOT,
+                name: b"after".to_vec(),
+                mode: 0o644,
+            })
+            .unwrap(),
+    );
+    client
+        .call(Op::Write {
+            ino,
+            offset: 0,
+            data: vec![7; 256 << 10],
+        })
+        .unwrap();
+    client.call(Op::Fsync { ino }).unwrap();
+    drop(client);
+    let (_, mut dev) = runtime.shutdown_into_device().unwrap();
+    let mut image = vec![0u8; 24 << 20];
+    nvme::read_sync(&mut *dev, 0, &mut image).unwrap();
+    let mut fs = Filesystem::mount(
+        Box::new(MemDevice::from_image(&image, mem).unwrap()),
+        MountOptions::default(),
+    )
+    .unwrap();
+    fs.check().unwrap();
+    let files: usize = durable.iter().map(Vec::len).sum();
+    assert!(files > 4, "seed {seed}: the device filled too early");
+    for (c, list) in durable.iter().enumerate() {
+        for (f, &(ino, bytes)) in list.iter().enumerate() {
+            if f % 2 == 0 {
+                continue; // deleted
+            }
+            for i in 0..bytes / (64 << 10) {
+                assert_eq!(
+                    fs.read(ino, i * (64 << 10), 64 << 10).unwrap(),
+                    vec![c as u8 ^ i as u8; 64 << 10],
+                    "seed {seed}: client {c} file {f} chunk {i}"
+                );
+            }
+        }
+    }
+    assert_eq!(fs.read(ino, 0, 256 << 10).unwrap(), vec![7; 256 << 10]);
+}
