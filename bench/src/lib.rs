@@ -9,6 +9,7 @@
 //!   idle reactor uses;
 //! - [`suite`]: the fsperf-style suite (the README's main job): the same workloads on corefs and
 //!   on kernel filesystems, JSON results, compare mode, SVG plots;
+//! - [`soak`]: a long verified mixed workload with RSS and open descriptors over time;
 //! - [`fsync`]: 4 KiB append + fsync latency on the file backend next to the raw device's
 //!   write + flush and the kernel filesystem's append + fdatasync, in the same run.
 
@@ -17,5 +18,6 @@ pub mod device;
 pub mod engine;
 pub mod fio;
 pub mod fsync;
+pub mod soak;
 pub mod stats;
 pub mod suite;
