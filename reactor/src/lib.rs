@@ -22,6 +22,7 @@
 pub mod client;
 pub mod op;
 mod runtime;
+pub mod sim;
 pub mod stats;
 
 pub use client::{Client, SubmitError};

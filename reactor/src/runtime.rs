@@ -106,6 +106,20 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    pub(crate) fn new(queue_capacity: usize) -> Shared {
+        Shared {
+            requests: ArrayQueue::new(queue_capacity.max(1)),
+            stopping: AtomicBool::new(false),
+            stopped: AtomicBool::new(false),
+            parked: AtomicBool::new(false),
+            reactor: OnceLock::new(),
+            spinners: std::sync::atomic::AtomicUsize::new(0),
+            spinners_max: std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .saturating_sub(2),
+        }
+    }
+
     /// Wakes the reactor if it is parked (a submit calls this).
     pub fn wake_reactor(&self) {
         // The request was pushed before this load: fence so the push is visible before
@@ -146,17 +160,7 @@ impl Runtime {
     }
 
     fn spawn(config: Config, dev: Option<Box<dyn BlockDevice>>) -> Result<Runtime, EngineError> {
-        let shared = Arc::new(Shared {
-            requests: ArrayQueue::new(config.queue_capacity.max(1)),
-            stopping: AtomicBool::new(false),
-            stopped: AtomicBool::new(false),
-            parked: AtomicBool::new(false),
-            reactor: OnceLock::new(),
-            spinners: std::sync::atomic::AtomicUsize::new(0),
-            spinners_max: std::thread::available_parallelism()
-                .map_or(1, |n| n.get())
-                .saturating_sub(2),
-        });
+        let shared = Arc::new(Shared::new(config.queue_capacity));
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
         let reactor_shared = shared.clone();
         let thread = std::thread::Builder::new()
@@ -244,7 +248,7 @@ fn open(config: &Config, dev: Option<Box<dyn BlockDevice>>) -> Result<Filesystem
     Filesystem::mount(dev, config.mount.clone())
 }
 
-struct Reactor {
+pub(crate) struct Reactor {
     fs: Filesystem,
     commit_interval: Duration,
     hist: Histograms,
@@ -283,14 +287,7 @@ fn run(
         }
     };
     let _ = ready.send(Ok(()));
-    let mut reactor = Reactor {
-        fs,
-        commit_interval: config.mount.commit_interval,
-        hist: Histograms::new(),
-        stats: ReactorStats::default(),
-        cpu_start_ns: thread_cpu_ns(),
-        pending: VecDeque::new(),
-    };
+    let mut reactor = Reactor::new(fs, config.mount.commit_interval);
     let mut batch: Vec<Request> = Vec::with_capacity(config.batch_max);
     let mut idle_since: Option<Instant> = None;
     loop {
@@ -361,7 +358,28 @@ fn run(
 }
 
 impl Reactor {
-    fn tick(&mut self) {
+    pub(crate) fn new(fs: Filesystem, commit_interval: Duration) -> Reactor {
+        Reactor {
+            fs,
+            commit_interval,
+            hist: Histograms::new(),
+            stats: ReactorStats::default(),
+            cpu_start_ns: thread_cpu_ns(),
+            pending: VecDeque::new(),
+        }
+    }
+
+    /// fsync groups whose records are not durable yet.
+    pub(crate) fn pending_groups(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Unmounts (commits unless the filesystem failed) and gives the device back.
+    pub(crate) fn unmount(self) -> Result<Box<dyn BlockDevice>, EngineError> {
+        self.fs.unmount()
+    }
+
+    pub(crate) fn tick(&mut self) {
         let before = self.fs.commit_stats().commits;
         if let Err(e) = self.fs.tick() {
             tracing::error!("background commit failed: {e}");
@@ -380,7 +398,7 @@ impl Reactor {
         }
     }
 
-    fn snapshot(&mut self) -> ReactorStats {
+    pub(crate) fn snapshot(&mut self) -> ReactorStats {
         let mut s = self.stats.clone();
         s.cpu_ns = thread_cpu_ns().saturating_sub(self.cpu_start_ns);
         s.fsync_queue_wait = Latency::of(&self.hist.queue_wait);
@@ -395,7 +413,7 @@ impl Reactor {
 
     /// Runs a batch: every operation in order; the fsyncs are checked when reached and made
     /// durable together at the end; then completions go out and clients wake.
-    fn run_batch(&mut self, batch: &mut Vec<Request>) {
+    pub(crate) fn run_batch(&mut self, batch: &mut Vec<Request>) {
         self.stats.batches += 1;
         let mut done: Vec<(Arc<ReplyQueue>, Completion)> = Vec::with_capacity(batch.len());
         let mut fsyncs: Vec<(Request, (u64, bool), Instant)> = Vec::new();
@@ -550,7 +568,7 @@ impl Reactor {
     }
 
     /// Waits for records in flight (up to `wait`) and delivers the waiters they release.
-    fn poll_durable(&mut self, wait: Option<Duration>) {
+    pub(crate) fn poll_durable(&mut self, wait: Option<Duration>) {
         let mut done = Vec::new();
         self.collect_durable(wait, &mut done);
         deliver(done);

@@ -1,0 +1,410 @@
+//! Deterministic simulation: the reactor's own batch, fsync-group, commit and completion code
+//! driven in one thread by a seeded scheduler, with clients as state machines, on a simulated
+//! device with seeded faults (EIO on writes and flushes) and recorded I/O; after the run,
+//! crash images are cut at random points of the I/O and at the end, in both crash modes, and
+//! each is mounted, checked, and compared with what clients were told was durable. Any run
+//! replays from its seed (`corefs sim --seed N`).
+//!
+//! Determinism: no threads, the memory device completes synchronously, the fault wrapper
+//! draws from the seed, and the commit timer is set beyond the run so commits come only from
+//! the dirty limit and the log's fill, which depend on the operations alone.
+//!
+//! The oracle: each client appends blocks whose bytes are a function of (client, file, block)
+//! and fsyncs (or fdatasyncs) after each; when it *observes* an fsync's success it notes the
+//! recorded I/O's length then. A crash cut at or after that length must show the file with at
+//! least that many blocks, each with its expected bytes. After a device error the filesystem
+//! must refuse further changes, and the oracle still holds for what was acknowledged.
+
+use crate::client::Client;
+use crate::op::{Op, Reply};
+use crate::runtime::{Reactor, Request, Shared};
+use engine::{Filesystem, MkfsOptions, MountOptions};
+use nvme::backend::mem::{MemConfig, MemDevice};
+use nvme::wrap::{crash_image, CrashMode, FaultConfig, FaultDevice, RecordingDevice};
+use nvme::BlockDevice;
+use rand::{Rng, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    pub seed: u64,
+    pub clients: usize,
+    pub steps: usize,
+    /// Probability of EIO per write and per flush (0: none).
+    pub eio_rate: f64,
+    /// Crash cuts checked besides the final state.
+    pub crash_cuts: usize,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            seed: 1,
+            clients: 4,
+            steps: 600,
+            eio_rate: 0.0,
+            crash_cuts: 6,
+        }
+    }
+}
+
+/// What a run did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SimOutcome {
+    pub batches: u64,
+    pub fsyncs_acknowledged: u64,
+    /// fsyncs that failed (a device error was injected under them or before them).
+    pub fsyncs_failed: u64,
+    pub failed_stop: bool,
+    pub crash_states: u64,
+    /// Runs that failed stop (when outcomes are summed over seeds).
+    pub runs_failed_stop: u64,
+}
+
+impl SimOutcome {
+    /// Counts a run that failed stop into a sum over seeds.
+    pub fn faults_runs_add(&mut self, failed_stop: bool) {
+        self.runs_failed_stop += failed_stop as u64;
+    }
+}
+
+const CAPACITY: u64 = 32 << 20;
+const FILES: usize = 2;
+const BLOCK: usize = 4096;
+
+fn mem_config() -> MemConfig {
+    MemConfig {
+        capacity_bytes: CAPACITY,
+        lba_size_bytes: 4096,
+        queue_depth: 64,
+        buf_bytes: 128 << 10,
+        buf_count: 128,
+    }
+}
+
+fn block(client: usize, file: usize, index: u64) -> Vec<u8> {
+    let tag = (client as u64) << 40 | (file as u64) << 32 | index;
+    (0..BLOCK as u64)
+        .map(|i| {
+            (tag.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                .rotate_left((i % 61) as u32)
+                ^ i) as u8
+        })
+        .collect()
+}
+
+/// A simulated client: its files and where it is.
+struct SimClient {
+    client: Client,
+    inos: Vec<u64>,
+    /// Blocks appended per file (the next index).
+    written: Vec<u64>,
+    /// (file, block index) of the write + fsync in flight.
+    in_flight: Option<(usize, u64)>,
+    write_ok: bool,
+    stopped: bool,
+}
+
+/// (recorded I/O length when observed, client, file, blocks durable)
+type Ack = (usize, usize, usize, u64);
+
+fn step_reactor(reactor: &mut Reactor, shared: &Shared, batch_max: usize) -> bool {
+    let mut batch: Vec<Request> = Vec::new();
+    while batch.len() < batch_max {
+        match shared.requests.pop() {
+            Some(r) => batch.push(r),
+            None => break,
+        }
+    }
+    if batch.is_empty() {
+        let had = reactor.pending_groups() > 0;
+        reactor.poll_durable(None);
+        return had;
+    }
+    reactor.run_batch(&mut batch);
+    reactor.tick();
+    true
+}
+
+/// Runs one seed. An error describes the violation, with the seed.
+pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
+    let seed = config.seed;
+    let fail = |why: String| format!("seed {seed}: {why}");
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+    let dev = Filesystem::mkfs(
+        Box::new(MemDevice::new(mem_config()).map_err(|e| e.to_string())?),
+        &MkfsOptions {
+            shards: 4,
+            label: "sim".into(),
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    let base = image_of(dev);
+    let faulty = FaultDevice::new(
+        MemDevice::from_image(&base, mem_config()).map_err(|e| e.to_string())?,
+        FaultConfig {
+            seed,
+            write_eio: config.eio_rate,
+            flush_eio: config.eio_rate,
+            ..Default::default()
+        },
+    );
+    let recording = RecordingDevice::new(faulty);
+    let log = recording.log();
+    let fs = Filesystem::mount(
+        Box::new(recording),
+        MountOptions {
+            // Beyond the run: commits come from the dirty limit and the log's fill only.
+            commit_interval: Duration::from_secs(3600),
+            ..MountOptions::default()
+        },
+    )
+    .map_err(|e| fail(e.to_string()))?;
+    let mut reactor = Reactor::new(fs, Duration::from_secs(3600));
+    let shared = Arc::new(Shared::new(256));
+    let mut clients: Vec<SimClient> = (0..config.clients)
+        .map(|_| SimClient {
+            client: Client::new(shared.clone(), 4),
+            inos: Vec::new(),
+            written: vec![0; FILES],
+            in_flight: None,
+            write_ok: false,
+            stopped: false,
+        })
+        .collect();
+    // Setup: every client's files, created and committed (before faults matter).
+    for (c, sc) in clients.iter_mut().enumerate() {
+        for f in 0..FILES {
+            sc.client
+                .submit(
+                    Op::Create {
+                        dir: engine::inode::ROOT_INO,
+                        name: format!("c{c}f{f}").into_bytes(),
+                        mode: 0o644,
+                    },
+                    f as u64,
+                )
+                .map_err(|e| fail(format!("setup submit: {e:?}")))?;
+        }
+    }
+    for sc in clients.iter_mut() {
+        let mut done = Vec::new();
+        while done.len() < FILES {
+            step_reactor(&mut reactor, &shared, 64);
+            sc.client.poll(&mut done);
+        }
+        done.sort_by_key(|c| c.token);
+        for c in done {
+            match c.result {
+                Ok(Reply::Stat(s)) => sc.inos.push(s.ino),
+                other => return Err(fail(format!("setup create: {other:?}"))),
+            }
+        }
+    }
+    let mut outcome = SimOutcome::default();
+    let mut acks: Vec<Ack> = Vec::new();
+    let mut completions = Vec::new();
+    for _ in 0..config.steps {
+        match rng.random_range(0..100) {
+            // A client starts an append + fsync.
+            0..=44 => {
+                let c = rng.random_range(0..clients.len());
+                let sc = &mut clients[c];
+                if sc.in_flight.is_some() || sc.stopped {
+                    continue;
+                }
+                let f = rng.random_range(0..FILES);
+                let index = sc.written[f];
+                let ino = sc.inos[f];
+                let write = Op::Write {
+                    ino,
+                    offset: index * BLOCK as u64,
+                    data: block(c, f, index),
+                };
+                let sync = if rng.random_bool(0.5) {
+                    Op::Fsync { ino }
+                } else {
+                    Op::Fdatasync { ino }
+                };
+                sc.client
+                    .submit(write, 1)
+                    .and_then(|()| sc.client.submit(sync, 2))
+                    .map_err(|e| fail(format!("submit: {e:?}")))?;
+                sc.in_flight = Some((f, index));
+                sc.write_ok = false;
+            }
+            // The reactor runs a batch (or polls its records in flight).
+            45..=84 => {
+                let batch_max = rng.random_range(1..=16);
+                if step_reactor(&mut reactor, &shared, batch_max) {
+                    outcome.batches += 1;
+                }
+            }
+            // A client looks at its completions.
+            _ => {
+                let c = rng.random_range(0..clients.len());
+                collect(
+                    c,
+                    &mut clients[c],
+                    &mut completions,
+                    &log,
+                    &mut acks,
+                    &mut outcome,
+                )?;
+            }
+        }
+    }
+    // Drain: everything submitted completes.
+    for _ in 0..10_000 {
+        if clients.iter().all(|sc| sc.in_flight.is_none()) {
+            break;
+        }
+        step_reactor(&mut reactor, &shared, 64);
+        for (c, sc) in clients.iter_mut().enumerate() {
+            collect(c, sc, &mut completions, &log, &mut acks, &mut outcome)?;
+        }
+    }
+    if clients.iter().any(|sc| sc.in_flight.is_some()) {
+        return Err(fail("requests never completed".into()));
+    }
+    outcome.failed_stop = clients.iter().any(|sc| sc.stopped);
+    if outcome.failed_stop {
+        // Fail-stop: a change after the failure is refused.
+        let sc = &mut clients[0];
+        let r = sc.client.submit(
+            Op::Write {
+                ino: sc.inos[0],
+                offset: 0,
+                data: vec![0; 1],
+            },
+            9,
+        );
+        r.map_err(|e| fail(format!("submit: {e:?}")))?;
+        let mut done = Vec::new();
+        while done.is_empty() {
+            step_reactor(&mut reactor, &shared, 64);
+            sc.client.poll(&mut done);
+        }
+        if done[0].result.is_ok() {
+            return Err(fail("a write succeeded after the filesystem failed".into()));
+        }
+    }
+    drop(clients);
+    // A healthy filesystem commits at unmount; on a faulty device that commit may itself
+    // meet an injected error, which must then be reported, as it is here.
+    match reactor.unmount() {
+        Ok(_) => {}
+        Err(e) if config.eio_rate > 0.0 => {
+            outcome.failed_stop = true;
+            tracing::debug!("seed {seed}: unmount on a faulty device: {e}");
+        }
+        Err(e) => return Err(fail(format!("unmount: {e}"))),
+    }
+    // Crash states: random cuts and the end, both modes.
+    let records = log.snapshot();
+    let mut cuts: Vec<usize> = (0..config.crash_cuts)
+        .map(|_| rng.random_range(0..=records.len()))
+        .collect();
+    cuts.push(records.len());
+    for cut in cuts {
+        for mode in [
+            CrashMode::DurableOnly,
+            CrashMode::Torn {
+                seed: seed ^ cut as u64,
+            },
+        ] {
+            let image = crash_image(&base, 4096, &records, cut, mode);
+            check_state(&image, cut, &acks)
+                .map_err(|why| fail(format!("cut {cut} {mode:?}: {why}")))?;
+            outcome.crash_states += 1;
+        }
+    }
+    Ok(outcome)
+}
+
+fn image_of(mut dev: Box<dyn BlockDevice>) -> Vec<u8> {
+    let mut image = vec![0u8; CAPACITY as usize];
+    nvme::read_sync(&mut *dev, 0, &mut image).expect("reading a memory device");
+    image
+}
+
+/// Takes a client's completions and advances it; notes acknowledged fsyncs.
+fn collect(
+    c: usize,
+    sc: &mut SimClient,
+    completions: &mut Vec<crate::op::Completion>,
+    log: &nvme::wrap::WriteLog,
+    acks: &mut Vec<Ack>,
+    outcome: &mut SimOutcome,
+) -> Result<(), String> {
+    completions.clear();
+    sc.client.poll(completions);
+    for done in completions.drain(..) {
+        let Some((f, index)) = sc.in_flight else {
+            continue;
+        };
+        match (done.token, done.result) {
+            (1, Ok(_)) => sc.write_ok = true,
+            (1, Err(_)) => sc.write_ok = false,
+            (2, Ok(_)) if sc.write_ok => {
+                sc.written[f] = index + 1;
+                acks.push((log.len(), c, f, index + 1));
+                outcome.fsyncs_acknowledged += 1;
+                sc.in_flight = None;
+            }
+            (2, Ok(_)) => {
+                return Err(format!(
+                    "client {c}: an fsync succeeded after its write failed"
+                ))
+            }
+            (2, Err(_)) => {
+                outcome.fsyncs_failed += 1;
+                sc.stopped = true;
+                sc.in_flight = None;
+            }
+            (token, result) => {
+                return Err(format!("client {c}: stray completion {token}: {result:?}"))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Mounts a crash image, checks it, and verifies every fsync acknowledged before `cut`.
+fn check_state(image: &[u8], cut: usize, acks: &[Ack]) -> Result<(), String> {
+    let dev = MemDevice::from_image(image, mem_config()).map_err(|e| e.to_string())?;
+    let mut fs = Filesystem::mount(Box::new(dev), MountOptions::default())
+        .map_err(|e| format!("mount: {e}"))?;
+    fs.check().map_err(|e| format!("check: {e}"))?;
+    // The most blocks acknowledged per (client, file) by the cut.
+    let mut want: std::collections::BTreeMap<(usize, usize), u64> = Default::default();
+    for &(at, c, f, blocks) in acks {
+        if at <= cut {
+            let e = want.entry((c, f)).or_default();
+            *e = (*e).max(blocks);
+        }
+    }
+    for ((c, f), blocks) in want {
+        let ino = fs
+            .lookup(fs.root(), format!("c{c}f{f}").as_bytes())
+            .map_err(|e| format!("client {c} file {f}: {e}"))?
+            .ino;
+        let size = fs.stat(ino).map_err(|e| e.to_string())?.size;
+        if size < blocks * BLOCK as u64 {
+            return Err(format!(
+                "client {c} file {f}: {size} bytes, {blocks} blocks acknowledged"
+            ));
+        }
+        for i in 0..blocks {
+            let got = fs
+                .read(ino, i * BLOCK as u64, BLOCK)
+                .map_err(|e| format!("client {c} file {f} block {i}: {e}"))?;
+            if got != block(c, f, i) {
+                return Err(format!("client {c} file {f} block {i}: wrong bytes"));
+            }
+        }
+    }
+    Ok(())
+}
