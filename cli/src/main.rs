@@ -117,7 +117,8 @@ enum Command {
         steps: usize,
         #[arg(long, default_value_t = 4)]
         clients: usize,
-        /// Probability of EIO per write and per flush, on every other seed.
+        /// Probability per step of arming a one-shot EIO (read, write or flush), on every
+        /// other seed.
         #[arg(long, default_value_t = 0.004)]
         eio: f64,
     },
@@ -548,6 +549,9 @@ fn main() -> ExitCode {
                         total.batches += o.batches;
                         total.fsyncs_acknowledged += o.fsyncs_acknowledged;
                         total.fsyncs_failed += o.fsyncs_failed;
+                        total.reads_verified += o.reads_verified;
+                        total.reads_failed += o.reads_failed;
+                        total.faults_armed += o.faults_armed;
                         total.failed_stop |= o.failed_stop;
                         total.crash_states += o.crash_states;
                         total.faults_runs_add(o.failed_stop);
@@ -561,11 +565,15 @@ fn main() -> ExitCode {
             result.map(|()| {
                 println!(
                     "sim: {seeds} seeds, 0 violations: {} batches, {} fsyncs acknowledged, {} failed under \
-                     injected device errors ({} runs failed stop), {} crash states checked, {:.1} s",
+                     {} injected device errors ({} runs failed stop), {} reads verified, {} reads \
+                     failed (detected), {} crash states checked, {:.1} s",
                     total.batches,
                     total.fsyncs_acknowledged,
                     total.fsyncs_failed,
+                    total.faults_armed,
                     total.runs_failed_stop,
+                    total.reads_verified,
+                    total.reads_failed,
                     total.crash_states,
                     started.elapsed().as_secs_f64()
                 );

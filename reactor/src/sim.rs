@@ -1,6 +1,7 @@
 //! Deterministic simulation: the reactor's own batch, fsync-group, commit and completion code
 //! driven in one thread by a seeded scheduler, with clients as state machines, on a simulated
-//! device with seeded faults (EIO on writes and flushes) and recorded I/O; after the run,
+//! device with seeded faults (EIO on reads, writes and flushes, armed by the scheduler) and
+//! recorded I/O; after the run,
 //! crash images are cut at random points of the I/O and at the end, in both crash modes, and
 //! each is mounted, checked, and compared with what clients were told was durable. Any run
 //! replays from its seed (`corefs sim --seed N`).
@@ -32,7 +33,8 @@ pub struct SimConfig {
     pub seed: u64,
     pub clients: usize,
     pub steps: usize,
-    /// Probability of EIO per write and per flush (0: none).
+    /// Probability per scheduler step of arming a one-shot EIO on the next read, write or
+    /// flush (0: none).
     pub eio_rate: f64,
     /// Crash cuts checked besides the final state.
     pub crash_cuts: usize,
@@ -57,6 +59,12 @@ pub struct SimOutcome {
     pub fsyncs_acknowledged: u64,
     /// fsyncs that failed (a device error was injected under them or before them).
     pub fsyncs_failed: u64,
+    /// Reads of acknowledged blocks that returned exactly the bytes written, and reads that
+    /// failed with an error (a detected fault); a read returning other bytes is a violation.
+    pub reads_verified: u64,
+    pub reads_failed: u64,
+    /// One-shot device errors armed (each fails the next read, write or flush).
+    pub faults_armed: u64,
     pub failed_stop: bool,
     pub crash_states: u64,
     /// Runs that failed stop (when outcomes are summed over seeds).
@@ -101,7 +109,7 @@ struct SimClient {
     inos: Vec<u64>,
     /// Blocks appended per file (the next index).
     written: Vec<u64>,
-    /// (file, block index) of the write + fsync in flight.
+    /// (file, block index) of the write + fsync, or of the read, in flight.
     in_flight: Option<(usize, u64)>,
     write_ok: bool,
     stopped: bool,
@@ -146,11 +154,11 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
         MemDevice::from_image(&base, mem_config()).map_err(|e| e.to_string())?,
         FaultConfig {
             seed,
-            write_eio: config.eio_rate,
-            flush_eio: config.eio_rate,
             ..Default::default()
         },
     );
+    // Faults are armed by the scheduler once the clients run (setup and mount go clean).
+    let faults = faulty.handle();
     let recording = RecordingDevice::new(faulty);
     let log = recording.log();
     let fs = Filesystem::mount(
@@ -207,6 +215,12 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
     let mut acks: Vec<Ack> = Vec::new();
     let mut completions = Vec::new();
     for _ in 0..config.steps {
+        if config.eio_rate > 0.0 && rng.random_bool(config.eio_rate) {
+            let kind = [nvme::OpKind::Read, nvme::OpKind::Write, nvme::OpKind::Flush]
+                [rng.random_range(0..3)];
+            faults.fail_next(kind, 1);
+            outcome.faults_armed += 1;
+        }
         match rng.random_range(0..100) {
             // A client starts an append + fsync.
             0..=44 => {
@@ -216,6 +230,20 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
                     continue;
                 }
                 let f = rng.random_range(0..FILES);
+                if sc.written[f] > 0 && rng.random_range(0..4) == 0 {
+                    // Read back an acknowledged block: its bytes, or an error; never others.
+                    let index = rng.random_range(0..sc.written[f]);
+                    let read = Op::Read {
+                        ino: sc.inos[f],
+                        offset: index * BLOCK as u64,
+                        len: BLOCK,
+                    };
+                    sc.client
+                        .submit(read, 3)
+                        .map_err(|e| fail(format!("submit: {e:?}")))?;
+                    sc.in_flight = Some((f, index));
+                    continue;
+                }
                 let index = sc.written[f];
                 let ino = sc.inos[f];
                 let write = Op::Write {
@@ -362,6 +390,19 @@ fn collect(
             (2, Err(_)) => {
                 outcome.fsyncs_failed += 1;
                 sc.stopped = true;
+                sc.in_flight = None;
+            }
+            (3, Ok(Reply::Data(d))) => {
+                if d != block(c, f, index) {
+                    return Err(format!(
+                        "client {c}: read of file {f} block {index} returned wrong data"
+                    ));
+                }
+                outcome.reads_verified += 1;
+                sc.in_flight = None;
+            }
+            (3, Err(_)) => {
+                outcome.reads_failed += 1;
                 sc.in_flight = None;
             }
             (token, result) => {
