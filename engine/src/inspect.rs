@@ -255,7 +255,7 @@ pub fn format_item(key: &Key, value: &[u8]) -> String {
         },
         ItemKind::ExtentData => match ExtentItem::decode(value) {
             Ok(e) => format!(
-                "extent file block {} -> disk {}+{}{}",
+                "extent at file offset {} -> disk {}+{}{}",
                 key.offset,
                 e.disk_block,
                 e.blocks,
