@@ -9,10 +9,13 @@
 //!
 //! What is built: one reactor per filesystem, pinned to a chosen core, owning every shard and
 //! the device's queue; bounded lock-free queues both ways with backpressure at submit; fsyncs
-//! that arrive while the reactor is busy made durable by one log record and one flush; commits
-//! when the engine says one is due (timer, dirty limit, half-full log), between batches; an idle
-//! policy (busy-poll, or spin then park); statistics with the fsync latency split by phase;
-//! shutdown that drains, commits and unmounts.
+//! that arrive while the reactor is busy made durable by one log record and one flush, with
+//! several groups' records in flight at once and their waiters released in order as each
+//! becomes durable; consecutive reads served with their device reads in flight together;
+//! commits when the engine says one is due (timer, dirty limit, half-full log), between
+//! batches; an idle policy (busy-poll, or spin then park); statistics with the fsync latency
+//! split by phase; shutdown that drains, commits and unmounts; and [`sim`], the same batch code
+//! driven in one thread by a seeded scheduler for deterministic simulation.
 //!
 //! Not built yet: several reactors each owning a subset of the shards with their own device
 //! queues and a cross-core commit coordinator. The engine is one state machine over all shards

@@ -10,7 +10,9 @@
 //!   client's capacity), a batch is bounded (`batch_max`): memory never grows with load.
 //! - Operations run in queue order. An fsync completes only after the group holding it is
 //!   durable (its record and data flushed, or its fallback commit at SuperCommitted); every
-//!   operation queued before it is covered.
+//!   operation queued before it is covered. A group's record is written in the background
+//!   while later batches run; groups complete in the order they started (a later record's
+//!   flush finishing first releases nobody early), so at most 64 records are in flight.
 //! - Completions are pushed after the batch has run and clients are woken after that: nothing
 //!   runs inline while the engine is mid-operation.
 //!
