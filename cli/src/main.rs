@@ -545,17 +545,7 @@ fn main() -> ExitCode {
                     ..Default::default()
                 };
                 match reactor::sim::run(&config) {
-                    Ok(o) => {
-                        total.batches += o.batches;
-                        total.fsyncs_acknowledged += o.fsyncs_acknowledged;
-                        total.fsyncs_failed += o.fsyncs_failed;
-                        total.reads_verified += o.reads_verified;
-                        total.reads_failed += o.reads_failed;
-                        total.faults_armed += o.faults_armed;
-                        total.failed_stop |= o.failed_stop;
-                        total.crash_states += o.crash_states;
-                        total.faults_runs_add(o.failed_stop);
-                    }
+                    Ok(o) => total.add(&o),
                     Err(e) => {
                         result = Err(format!("{e} (replay: corefs sim --seeds 1 --seed {s})"));
                         break;

@@ -72,9 +72,17 @@ pub struct SimOutcome {
 }
 
 impl SimOutcome {
-    /// Counts a run that failed stop into a sum over seeds.
-    pub fn faults_runs_add(&mut self, failed_stop: bool) {
-        self.runs_failed_stop += failed_stop as u64;
+    /// Adds one run's outcome to a sum over seeds.
+    pub fn add(&mut self, run: &SimOutcome) {
+        self.batches += run.batches;
+        self.fsyncs_acknowledged += run.fsyncs_acknowledged;
+        self.fsyncs_failed += run.fsyncs_failed;
+        self.reads_verified += run.reads_verified;
+        self.reads_failed += run.reads_failed;
+        self.faults_armed += run.faults_armed;
+        self.failed_stop |= run.failed_stop;
+        self.crash_states += run.crash_states;
+        self.runs_failed_stop += run.failed_stop as u64;
     }
 }
 
