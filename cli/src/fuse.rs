@@ -120,6 +120,30 @@ fn stat_reply(client: &mut Client, op: Op) -> Result<Stat, i32> {
     }
 }
 
+/// Replies with the inode an operation returns (lookup, mkdir, symlink, link).
+fn reply_entry(client: &mut Client, op: Op, reply: ReplyEntry) {
+    match stat_reply(client, op) {
+        Ok(s) => reply.entry(&TTL, &attr(&s), 0),
+        Err(e) => reply.error(e),
+    }
+}
+
+/// Replies with the attributes an operation returns (getattr, setattr).
+fn reply_attr(client: &mut Client, op: Op, reply: ReplyAttr) {
+    match stat_reply(client, op) {
+        Ok(s) => reply.attr(&TTL, &attr(&s)),
+        Err(e) => reply.error(e),
+    }
+}
+
+/// Replies success or the errno of an operation with no result.
+fn reply_empty(client: &mut Client, op: Op, reply: ReplyEmpty) {
+    match call(client, op) {
+        Ok(_) => reply.ok(),
+        Err(e) => reply.error(e),
+    }
+}
+
 fn errno(e: &EngineError) -> i32 {
     match e.errno() {
         0 => libc::EIO,
@@ -225,20 +249,14 @@ impl Filesystem for CorefsFuse {
             dir: to_engine(parent),
             name: name.as_bytes().to_vec(),
         };
-        self.pool.run(move |c| match stat_reply(c, op) {
-            Ok(s) => reply.entry(&TTL, &attr(&s), 0),
-            Err(e) => reply.error(e),
-        });
+        self.pool.run(move |c| reply_entry(c, op, reply));
     }
 
     fn getattr(&mut self, _req: &Request<'_>, ino: u64, _fh: Option<u64>, reply: ReplyAttr) {
         let op = Op::Stat {
             ino: to_engine(ino),
         };
-        self.pool.run(move |c| match stat_reply(c, op) {
-            Ok(s) => reply.attr(&TTL, &attr(&s)),
-            Err(e) => reply.error(e),
-        });
+        self.pool.run(move |c| reply_attr(c, op, reply));
     }
 
     fn setattr(
@@ -271,10 +289,7 @@ impl Filesystem for CorefsFuse {
             ino: to_engine(ino),
             change,
         };
-        self.pool.run(move |c| match stat_reply(c, op) {
-            Ok(s) => reply.attr(&TTL, &attr(&s)),
-            Err(e) => reply.error(e),
-        });
+        self.pool.run(move |c| reply_attr(c, op, reply));
     }
 
     fn readlink(&mut self, _req: &Request<'_>, ino: u64, reply: ReplyData) {
@@ -302,10 +317,7 @@ impl Filesystem for CorefsFuse {
             name: name.as_bytes().to_vec(),
             mode: mode & !umask & 0o7777,
         };
-        self.pool.run(move |c| match stat_reply(c, op) {
-            Ok(s) => reply.entry(&TTL, &attr(&s), 0),
-            Err(e) => reply.error(e),
-        });
+        self.pool.run(move |c| reply_entry(c, op, reply));
     }
 
     fn unlink(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEmpty) {
@@ -313,10 +325,7 @@ impl Filesystem for CorefsFuse {
             dir: to_engine(parent),
             name: name.as_bytes().to_vec(),
         };
-        self.pool.run(move |c| match call(c, op) {
-            Ok(_) => reply.ok(),
-            Err(e) => reply.error(e),
-        });
+        self.pool.run(move |c| reply_empty(c, op, reply));
     }
 
     fn rmdir(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEmpty) {
@@ -324,10 +333,7 @@ impl Filesystem for CorefsFuse {
             dir: to_engine(parent),
             name: name.as_bytes().to_vec(),
         };
-        self.pool.run(move |c| match call(c, op) {
-            Ok(_) => reply.ok(),
-            Err(e) => reply.error(e),
-        });
+        self.pool.run(move |c| reply_empty(c, op, reply));
     }
 
     fn symlink(
@@ -343,10 +349,7 @@ impl Filesystem for CorefsFuse {
             name: link_name.as_bytes().to_vec(),
             target: target.as_os_str().as_bytes().to_vec(),
         };
-        self.pool.run(move |c| match stat_reply(c, op) {
-            Ok(s) => reply.entry(&TTL, &attr(&s), 0),
-            Err(e) => reply.error(e),
-        });
+        self.pool.run(move |c| reply_entry(c, op, reply));
     }
 
     fn rename(
@@ -373,10 +376,7 @@ impl Filesystem for CorefsFuse {
                 exchange: flags & libc::RENAME_EXCHANGE != 0,
             },
         };
-        self.pool.run(move |c| match call(c, op) {
-            Ok(_) => reply.ok(),
-            Err(e) => reply.error(e),
-        });
+        self.pool.run(move |c| reply_empty(c, op, reply));
     }
 
     fn link(
@@ -392,10 +392,7 @@ impl Filesystem for CorefsFuse {
             dir: to_engine(newparent),
             name: newname.as_bytes().to_vec(),
         };
-        self.pool.run(move |c| match stat_reply(c, op) {
-            Ok(s) => reply.entry(&TTL, &attr(&s), 0),
-            Err(e) => reply.error(e),
-        });
+        self.pool.run(move |c| reply_entry(c, op, reply));
     }
 
     fn open(&mut self, _req: &Request<'_>, _ino: u64, _flags: i32, reply: ReplyOpen) {
@@ -487,10 +484,7 @@ impl Filesystem for CorefsFuse {
         } else {
             Op::Fsync { ino }
         };
-        self.pool.run(move |c| match call(c, op) {
-            Ok(_) => reply.ok(),
-            Err(e) => reply.error(e),
-        });
+        self.pool.run(move |c| reply_empty(c, op, reply));
     }
 
     fn opendir(&mut self, _req: &Request<'_>, _ino: u64, _flags: i32, reply: ReplyOpen) {
@@ -610,10 +604,7 @@ impl Filesystem for CorefsFuse {
             value: value.to_vec(),
             flags,
         };
-        self.pool.run(move |c| match call(c, op) {
-            Ok(_) => reply.ok(),
-            Err(e) => reply.error(e),
-        });
+        self.pool.run(move |c| reply_empty(c, op, reply));
     }
 
     fn getxattr(
@@ -658,10 +649,7 @@ impl Filesystem for CorefsFuse {
             ino: to_engine(ino),
             name: name.as_bytes().to_vec(),
         };
-        self.pool.run(move |c| match call(c, op) {
-            Ok(_) => reply.ok(),
-            Err(e) => reply.error(e),
-        });
+        self.pool.run(move |c| reply_empty(c, op, reply));
     }
 
     fn create(
@@ -729,10 +717,7 @@ impl Filesystem for CorefsFuse {
             offset: offset as u64,
             len: length as u64,
         };
-        self.pool.run(move |c| match call(c, op) {
-            Ok(_) => reply.ok(),
-            Err(e) => reply.error(e),
-        });
+        self.pool.run(move |c| reply_empty(c, op, reply));
     }
 }
 

@@ -340,6 +340,14 @@ fn bench_suite(
     Ok(())
 }
 
+/// A seed from the clock, for runs not given one (printed, so they replay).
+fn clock_seed() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(1)
+}
+
 fn parse_size(text: &str) -> Result<u64, String> {
     nvme::spec::parse_size(text)
 }
@@ -390,12 +398,7 @@ fn main() -> ExitCode {
             seed,
             threads,
         } => {
-            let seed = seed.unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_nanos() as u64)
-                    .unwrap_or(1)
-            });
+            let seed = seed.unwrap_or_else(clock_seed);
             let workloads = match (length, sample) {
                 (Some(length), _) if (1..=2).contains(&length) => {
                     crashtest::workload::exhaustive(length)
@@ -522,12 +525,7 @@ fn main() -> ExitCode {
             clients,
             eio,
         } => {
-            let first = seed.unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_nanos() as u64)
-                    .unwrap_or(1)
-            });
+            let first = seed.unwrap_or_else(clock_seed);
             eprintln!(
                 "sim: seeds {first}..{} ({} steps, {clients} clients)",
                 first + seeds,

@@ -296,12 +296,12 @@ pub(crate) fn read_runs(dev: &mut dyn BlockDevice, runs: &[(u64, u64)]) -> Resul
     }
 }
 
-/// Writes whole blocks, coalescing neighbours into larger I/Os, with as many in flight as the
-/// queue allows. Every completion is checked; the first failure is returned after all finish.
-pub(crate) fn write_blocks(
-    dev: &mut dyn BlockDevice,
+/// Sorts whole blocks by address and merges neighbours into runs no longer than the
+/// device's largest I/O: what one write request carries.
+pub(crate) fn coalesce(
+    dev: &dyn BlockDevice,
     mut blocks: Vec<(u64, Vec<u8>)>,
-) -> Result<()> {
+) -> Vec<(u64, Vec<u8>)> {
     blocks.sort_unstable_by_key(|(addr, _)| *addr);
     let max_blocks = (dev.info().max_io_bytes as usize / BLOCK_BYTES).max(1);
     let mut runs: Vec<(u64, Vec<u8>)> = Vec::new();
@@ -316,6 +316,13 @@ pub(crate) fn write_blocks(
             _ => runs.push((addr, block)),
         }
     }
+    runs
+}
+
+/// Writes whole blocks, coalescing neighbours into larger I/Os, with as many in flight as the
+/// queue allows. Every completion is checked; the first failure is returned after all finish.
+pub(crate) fn write_blocks(dev: &mut dyn BlockDevice, blocks: Vec<(u64, Vec<u8>)>) -> Result<()> {
+    let runs = coalesce(dev, blocks);
     let depth = dev.info().queue_depth as usize;
     let mut done = Vec::new();
     let mut first_error: Option<DevError> = None;

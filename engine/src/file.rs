@@ -17,7 +17,7 @@
 use crate::error::{EngineError, Result};
 use crate::format::items::{ExtentItem, InodeItem, Timespec, MAX_EXTENT_BLOCKS};
 use crate::format::{ItemKind, Key, BLOCK_BYTES};
-use crate::fs::{block_lba, Filesystem};
+use crate::fs::Filesystem;
 use crate::inode::{S_IFDIR, S_IFMT, S_IFREG};
 
 const BLOCK: u64 = BLOCK_BYTES as u64;
@@ -129,35 +129,9 @@ impl Filesystem {
 
     /// Reads up to `len` bytes at `offset`; short at end of file.
     pub fn read(&mut self, ino: u64, offset: u64, len: usize) -> Result<Vec<u8>> {
-        let item = self.file_inode(ino)?;
-        if offset >= item.size || len == 0 {
-            return Ok(Vec::new());
-        }
-        let end = (offset + len as u64).min(item.size);
-        let mut out = vec![0u8; (end - offset) as usize];
-        let first = offset / BLOCK;
-        let last = end.div_ceil(BLOCK);
-        for extent in self.extents_in(ino, first, last)? {
-            if extent.item.prealloc {
-                continue; // reads as zeroes, already in `out`
-            }
-            let from = extent.file_block.max(first);
-            let to = extent.end().min(last);
-            let disk = extent.item.disk_block + (from - extent.file_block);
-            let data = self.read_data_blocks(
-                ino,
-                disk,
-                to - from,
-                &extent.item.crcs[(from - extent.file_block) as usize..],
-            )?;
-            // Copy the overlap of [from, to) blocks with [offset, end) bytes.
-            let start_byte = (from * BLOCK).max(offset);
-            let end_byte = (to * BLOCK).min(end);
-            let src = (start_byte - from * BLOCK) as usize..(end_byte - from * BLOCK) as usize;
-            out[(start_byte - offset) as usize..(end_byte - offset) as usize]
-                .copy_from_slice(&data[src]);
-        }
-        Ok(out)
+        self.read_many(&[(ino, offset, len)])
+            .pop()
+            .expect("one result per request")
     }
 
     /// Several reads at once, each as [`Filesystem::read`] would return it: every request's
@@ -278,42 +252,6 @@ impl Filesystem {
             });
         }
         Ok(out)
-    }
-
-    /// Reads `count` data blocks at `disk_block` and verifies them against `crcs`.
-    fn read_data_blocks(
-        &mut self,
-        ino: u64,
-        disk_block: u64,
-        count: u64,
-        crcs: &[u32],
-    ) -> Result<Vec<u8>> {
-        if let Some(data) = self.cached_blocks(disk_block, count, crcs) {
-            return Ok(data);
-        }
-        self.write_back(ino)?;
-        let mut data = vec![0u8; (count * BLOCK) as usize];
-        let lba = block_lba(&*self.dev, disk_block);
-        if let Err(e) = nvme::read_sync(&mut *self.dev, lba, &mut data) {
-            self.failed.get_or_insert(EngineError::Device(e.clone()));
-            return Err(EngineError::Device(e));
-        }
-        for (i, block) in data.chunks(BLOCK_BYTES).enumerate() {
-            let crc = crc32c::crc32c(block);
-            if crc == crcs[i] {
-                self.block_cache.insert(disk_block + i as u64, block);
-            } else {
-                return Err(EngineError::corrupt(
-                    "data block",
-                    disk_block + i as u64,
-                    format!(
-                        "checksum mismatch in inode {ino} (stored {:#010x}, computed {crc:#010x})",
-                        crcs[i]
-                    ),
-                ));
-            }
-        }
-        Ok(data)
     }
 
     /// Removes the extents covering file blocks `first..end`, keeping the parts outside, and

@@ -57,6 +57,30 @@ fn create_files(client: &mut Client, prefix: &str, count: usize) -> Vec<u64> {
         .collect()
 }
 
+/// A formatted memory device (4 KiB LBAs) of `capacity` bytes and its config.
+fn formatted_mem(
+    capacity: u64,
+    buf_bytes: usize,
+    shards: u32,
+) -> (MemConfig, Box<dyn nvme::BlockDevice>) {
+    let mem = MemConfig {
+        capacity_bytes: capacity,
+        lba_size_bytes: 4096,
+        queue_depth: 32,
+        buf_bytes,
+        buf_count: 64,
+    };
+    let dev = Filesystem::mkfs(
+        Box::new(MemDevice::new(mem).unwrap()),
+        &MkfsOptions {
+            shards,
+            label: "reactor".into(),
+        },
+    )
+    .unwrap();
+    (mem, dev)
+}
+
 /// Mounts what the runtime left on `device` and runs the checker.
 fn remount_checked(device: &str) -> Filesystem {
     let dev = nvme::open_device(device, &nvme::OpenOptions::default()).unwrap();
@@ -614,21 +638,7 @@ fn an_idle_reactor_parks_and_a_bad_device_is_an_error() {
 fn a_device_error_under_concurrent_fsyncs_fails_stop_and_loses_nothing_acknowledged() {
     use nvme::wrap::{FaultConfig, FaultDevice};
     let seed = nvme::wrap::seed_from_env();
-    let mem = MemConfig {
-        capacity_bytes: 64 << 20,
-        lba_size_bytes: 4096,
-        queue_depth: 32,
-        buf_bytes: 64 << 10,
-        buf_count: 64,
-    };
-    let dev = Filesystem::mkfs(
-        Box::new(MemDevice::new(mem).unwrap()),
-        &MkfsOptions {
-            shards: 4,
-            label: "fault".into(),
-        },
-    )
-    .unwrap();
+    let (mem, dev) = formatted_mem(64 << 20, 64 << 10, 4);
     let faulty = FaultDevice::new(
         dev,
         FaultConfig {
@@ -737,21 +747,7 @@ fn a_device_error_under_concurrent_fsyncs_fails_stop_and_loses_nothing_acknowled
 #[test]
 fn clients_filling_the_device_get_enospc_and_lose_nothing_durable() {
     let seed = nvme::wrap::seed_from_env();
-    let mem = MemConfig {
-        capacity_bytes: 24 << 20,
-        lba_size_bytes: 4096,
-        queue_depth: 32,
-        buf_bytes: 128 << 10,
-        buf_count: 64,
-    };
-    let dev = Filesystem::mkfs(
-        Box::new(MemDevice::new(mem).unwrap()),
-        &MkfsOptions {
-            shards: 2,
-            label: "full".into(),
-        },
-    )
-    .unwrap();
+    let (mem, dev) = formatted_mem(24 << 20, 128 << 10, 2);
     let runtime = Runtime::start_with_device(
         Config {
             device: "small mem".into(),

@@ -23,7 +23,6 @@
 //! error); every ticket not yet durable then fails with it. Nothing is retried.
 
 use crate::error::{EngineError, Result};
-use crate::format::BLOCK_BYTES;
 use crate::fs::{block_lba, Filesystem};
 use nvme::{BlockDevice, Completion, DevError, DeviceInfo, DmaPool, Op, Rejected, Request};
 use std::collections::VecDeque;
@@ -204,25 +203,12 @@ pub enum FsyncStart {
 impl Filesystem {
     /// Submits `blocks` (a record and, for a large fsync, its data) as background writes
     /// under a new ticket; the flush follows when they complete.
-    pub(crate) fn submit_record(&mut self, mut blocks: Vec<(u64, Vec<u8>)>) -> Result<u64> {
+    pub(crate) fn submit_record(&mut self, blocks: Vec<(u64, Vec<u8>)>) -> Result<u64> {
         if self.log.pipeline.in_flight.len() >= MAX_IN_FLIGHT {
             let oldest = self.log.pipeline.in_flight[0].ticket;
             self.wait_durable(oldest)?;
         }
-        blocks.sort_unstable_by_key(|(addr, _)| *addr);
-        let max_blocks = (self.dev.info().max_io_bytes as usize / BLOCK_BYTES).max(1);
-        let mut runs: Vec<(u64, Vec<u8>)> = Vec::new();
-        for (addr, block) in blocks {
-            match runs.last_mut() {
-                Some((start, data))
-                    if *start + (data.len() / BLOCK_BYTES) as u64 == addr
-                        && data.len() / BLOCK_BYTES < max_blocks =>
-                {
-                    data.extend_from_slice(&block)
-                }
-                _ => runs.push((addr, block)),
-            }
-        }
+        let runs = crate::commit::coalesce(&*self.dev, blocks);
         let ticket = self.log.pipeline.next_ticket;
         self.log.pipeline.next_ticket += 1;
         self.log.pipeline.in_flight.push_back(InFlight {
