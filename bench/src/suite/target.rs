@@ -71,6 +71,38 @@ pub trait Target {
     fn finish(&mut self) -> R<()>;
 }
 
+/// A session's open files: a handle is an index, never reused while the table holds any open
+/// entry; the table empties when every handle is closed, so it stays as small as the most
+/// files a client holds open at once.
+struct Handles<T>(Vec<Option<T>>);
+
+impl<T> Handles<T> {
+    fn new() -> Handles<T> {
+        Handles(Vec::new())
+    }
+
+    fn add(&mut self, value: T) -> Fh {
+        self.0.push(Some(value));
+        self.0.len() - 1
+    }
+
+    fn get(&self, fh: Fh) -> R<&T> {
+        self.0
+            .get(fh)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| format!("bad handle {fh}"))
+    }
+
+    fn close(&mut self, fh: Fh) -> R<()> {
+        self.get(fh)?;
+        self.0[fh] = None;
+        if self.0.iter().all(Option::is_none) {
+            self.0.clear();
+        }
+        Ok(())
+    }
+}
+
 /// Splits `a/b/c` into (`a/b`, `c`).
 fn split(path: &str) -> (&str, &str) {
     match path.rfind('/') {
@@ -158,7 +190,7 @@ impl Target for CorefsTarget {
         Ok(Box::new(CorefsSession {
             client: runtime.client(64),
             dirs: HashMap::new(),
-            files: Vec::new(),
+            files: Handles::new(),
         }))
     }
 
@@ -202,8 +234,8 @@ struct CorefsSession {
     client: reactor::Client,
     /// Directory path → inode number ("" is the root).
     dirs: HashMap<String, u64>,
-    /// Handle → inode number (None once closed).
-    files: Vec<Option<u64>>,
+    /// Handle → inode number.
+    files: Handles<u64>,
 }
 
 impl CorefsSession {
@@ -235,16 +267,11 @@ impl CorefsSession {
     }
 
     fn handle(&mut self, ino: u64) -> Fh {
-        self.files.push(Some(ino));
-        self.files.len() - 1
+        self.files.add(ino)
     }
 
     fn ino(&self, fh: Fh) -> R<u64> {
-        self.files
-            .get(fh)
-            .copied()
-            .flatten()
-            .ok_or_else(|| format!("bad handle {fh}"))
+        self.files.get(fh).copied()
     }
 
     fn lookup(&mut self, path: &str) -> R<engine::Stat> {
@@ -280,13 +307,7 @@ impl Session for CorefsSession {
     }
 
     fn close(&mut self, fh: Fh) -> R<()> {
-        self.ino(fh)?;
-        self.files[fh] = None;
-        // Handles are never reused within a session; trim the table when it empties.
-        if self.files.iter().all(Option::is_none) {
-            self.files.clear();
-        }
-        Ok(())
+        self.files.close(fh)
     }
 
     fn pwrite(&mut self, fh: Fh, offset: u64, data: &[u8]) -> R<()> {
@@ -514,7 +535,7 @@ impl Target for KernelTarget {
         let root = self.run_dir.clone().ok_or("kernel target not prepared")?;
         Ok(Box::new(KernelSession {
             root,
-            files: Vec::new(),
+            files: Handles::new(),
         }))
     }
 
@@ -548,7 +569,7 @@ impl Drop for KernelTarget {
 struct KernelSession {
     root: PathBuf,
     /// Handle → (path, open file).
-    files: Vec<Option<(PathBuf, std::fs::File)>>,
+    files: Handles<(PathBuf, std::fs::File)>,
 }
 
 fn io(path: &Path, e: std::io::Error) -> String {
@@ -557,16 +578,11 @@ fn io(path: &Path, e: std::io::Error) -> String {
 
 impl KernelSession {
     fn file(&self, fh: Fh) -> R<&std::fs::File> {
-        self.files
-            .get(fh)
-            .and_then(Option::as_ref)
-            .map(|(_, f)| f)
-            .ok_or_else(|| format!("bad handle {fh}"))
+        self.files.get(fh).map(|(_, f)| f)
     }
 
     fn handle(&mut self, path: PathBuf, file: std::fs::File) -> Fh {
-        self.files.push(Some((path, file)));
-        self.files.len() - 1
+        self.files.add((path, file))
     }
 }
 
@@ -594,12 +610,7 @@ impl Session for KernelSession {
     }
 
     fn close(&mut self, fh: Fh) -> R<()> {
-        self.file(fh)?;
-        self.files[fh] = None;
-        if self.files.iter().all(Option::is_none) {
-            self.files.clear();
-        }
-        Ok(())
+        self.files.close(fh)
     }
 
     fn pwrite(&mut self, fh: Fh, offset: u64, data: &[u8]) -> R<()> {
@@ -673,12 +684,7 @@ impl Session for KernelSession {
         seed: u64,
         record: &mut dyn FnMut(u64),
     ) -> R<u64> {
-        let path = self
-            .files
-            .get(fh)
-            .and_then(Option::as_ref)
-            .map(|(p, _)| p.clone())
-            .ok_or_else(|| format!("bad handle {fh}"))?;
+        let path = self.files.get(fh)?.0.clone();
         super::direct::random_reads(&path, file_bytes, qd, until, seed, record)
     }
 }
