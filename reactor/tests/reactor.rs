@@ -675,6 +675,12 @@ fn a_device_error_under_concurrent_fsyncs_fails_stop_and_loses_nothing_acknowled
                             // One record write fails while the others run.
                             faults.fail_next(nvme::OpKind::Write, 1);
                         }
+                        // Seen before this write was submitted: the filesystem had failed
+                        // (the engine fails stop before it reports the error), so this write
+                        // and fsync must fail. (An Ok that merely arrives after another
+                        // client saw the error may have been durable before it: the remount
+                        // below checks those.)
+                        let failed_before = failed.load(std::sync::atomic::Ordering::SeqCst);
                         let w = client.call(Op::Write {
                             ino,
                             offset: i * 4096,
@@ -684,8 +690,8 @@ fn a_device_error_under_concurrent_fsyncs_fails_stop_and_loses_nothing_acknowled
                         match f {
                             Ok(_) => {
                                 assert!(
-                                    !failed.load(std::sync::atomic::Ordering::SeqCst),
-                                    "seed {seed}: an fsync was acknowledged after the failure"
+                                    !failed_before,
+                                    "seed {seed}: an fsync submitted after the failure was acknowledged"
                                 );
                                 acked = i + 1;
                             }
