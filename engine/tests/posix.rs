@@ -891,7 +891,7 @@ fn silent_faults_are_detected_never_returned_as_data() {
     eprintln!("seed {seed}");
     let mut detected = 0u32;
     let mut clean = 0u32;
-    for round in 0..12u64 {
+    for round in 0..16u64 {
         let s = seed.wrapping_add(round);
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(s);
         let base = {
@@ -902,9 +902,9 @@ fn silent_faults_are_detected_never_returned_as_data() {
             image
         };
         let (misdirected, lost, rot) = match round % 3 {
-            0 => (0.02, 0.0, 0.0),
-            1 => (0.0, 0.02, 0.0),
-            _ => (0.0, 0.0, 0.01),
+            0 => (0.05, 0.0, 0.0),
+            1 => (0.0, 0.05, 0.0),
+            _ => (0.0, 0.0, 0.03),
         };
         let faulty = FaultDevice::new(
             MemDevice::from_image(&base, config(16 << 20)).unwrap(),
