@@ -133,25 +133,25 @@ impl Client {
 
     /// Sleeps until the completion queue is not empty (true) or `deadline` passes (false).
     fn sleep_until_reply(&self, deadline: Instant) -> bool {
-        // A short spin first, replies often come within microseconds, but only while a core
-        // is free for it (see `Shared::spinners`); otherwise sleep at once.
+        // A short spin first (replies often come within microseconds), but only while every
+        // waiting client can have a core besides the reactor's (see `Shared::waiters`);
+        // otherwise sleep at once.
         let shared = &self.shared;
-        if shared.spinners.fetch_add(1, Ordering::AcqRel) < shared.spinners_max {
+        let waiting = shared.waiters.fetch_add(1, Ordering::AcqRel) + 1;
+        let replied = self.wait_for_reply(deadline, waiting <= shared.spinners_max);
+        shared.waiters.fetch_sub(1, Ordering::AcqRel);
+        replied
+    }
+
+    fn wait_for_reply(&self, deadline: Instant, spin: bool) -> bool {
+        if spin {
             let spin_until = Instant::now() + Duration::from_micros(20);
-            let mut replied = false;
             while Instant::now() < spin_until {
                 if !self.replies.done.is_empty() {
-                    replied = true;
-                    break;
+                    return true;
                 }
                 std::hint::spin_loop();
             }
-            shared.spinners.fetch_sub(1, Ordering::AcqRel);
-            if replied {
-                return true;
-            }
-        } else {
-            shared.spinners.fetch_sub(1, Ordering::AcqRel);
         }
         loop {
             if !self.replies.done.is_empty() {
