@@ -813,27 +813,14 @@ fn fsck(device: &str, repair: bool, check_data: bool) -> ExitCode {
     }
     let mut fs = match engine::Filesystem::mount(dev, Default::default()) {
         Ok(fs) => fs,
-        Err(e @ engine::EngineError::Corrupt { .. }) => {
-            println!("corefs fsck: {device}: CORRUPT: {e}");
-            return ExitCode::from(4);
-        }
-        Err(e) => {
-            eprintln!("corefs fsck: {device}: {e}");
-            return ExitCode::from(8);
-        }
+        Err(e) => return fsck_failed(device, "", &e),
     };
     let generation = fs.durable_generation();
     eprintln!("corefs fsck: checking the trees (names, links, extents, space)...");
+    let at = format!(" at generation {generation}");
     let report = match fs.check() {
         Ok(report) => report,
-        Err(e @ engine::EngineError::Corrupt { .. }) => {
-            println!("corefs fsck: {device}: CORRUPT at generation {generation}: {e}");
-            return ExitCode::from(4);
-        }
-        Err(e) => {
-            eprintln!("corefs fsck: {device}: {e}");
-            return ExitCode::from(8);
-        }
+        Err(e) => return fsck_failed(device, &at, &e),
     };
     let mut data_blocks = None;
     if check_data {
@@ -856,14 +843,7 @@ fn fsck(device: &str, repair: bool, check_data: bool) -> ExitCode {
         };
         match fs.check_data(&mut progress) {
             Ok(blocks) => data_blocks = Some(blocks),
-            Err(e @ engine::EngineError::Corrupt { .. }) => {
-                println!("corefs fsck: {device}: CORRUPT at generation {generation}: {e}");
-                return ExitCode::from(4);
-            }
-            Err(e) => {
-                eprintln!("corefs fsck: {device}: {e}");
-                return ExitCode::from(8);
-            }
+            Err(e) => return fsck_failed(device, &at, &e),
         }
     }
     println!(
@@ -889,6 +869,18 @@ fn fsck(device: &str, repair: bool, check_data: bool) -> ExitCode {
         ExitCode::from(1)
     } else {
         ExitCode::SUCCESS
+    }
+}
+
+/// fsck's verdict on an engine error: corruption is reported (exit 4), anything else is an
+/// operational error (exit 8), as e2fsck's codes go.
+fn fsck_failed(device: &str, at: &str, e: &engine::EngineError) -> ExitCode {
+    if matches!(e, engine::EngineError::Corrupt { .. }) {
+        println!("corefs fsck: {device}: CORRUPT{at}: {e}");
+        ExitCode::from(4)
+    } else {
+        eprintln!("corefs fsck: {device}: {e}");
+        ExitCode::from(8)
     }
 }
 
