@@ -101,7 +101,10 @@ impl Filesystem {
 
         for shard in 0..self.shard_count() {
             let generation = self.generation;
-            let crate::fs::Shard { tree, space } = &mut self.shards[shard as usize];
+            let Some(crate::fs::Shard { tree, space }) = self.shards[shard as usize].as_mut()
+            else {
+                continue;
+            };
             let mut io = ShardIo {
                 dev: &mut *self.dev,
                 space,

@@ -43,6 +43,29 @@ pub enum CommitState {
     Completed,
 }
 
+/// A partition's half of a commit ([`Filesystem::commit_write`]): what it wrote, for the
+/// coordinator's superblock and for [`Filesystem::commit_finish`].
+#[derive(Debug, Clone)]
+pub struct CommitWritten {
+    pub generation: u64,
+    /// The new roots of the shards this partition holds.
+    pub roots: Vec<(u32, ShardRoot)>,
+    pub blocks: u64,
+    pub started: Instant,
+}
+
+impl CommitWritten {
+    /// The half of a partition with nothing to write in `generation`.
+    pub fn nothing(generation: u64) -> CommitWritten {
+        CommitWritten {
+            generation,
+            roots: Vec::new(),
+            blocks: 0,
+            started: Instant::now(),
+        }
+    }
+}
+
 /// Commit statistics, in the style of btrfs's commit_stats.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CommitStats {
@@ -73,7 +96,7 @@ impl Filesystem {
         self.delayed.len() > 0
             || self.staged.bytes() > 0
             || self.ino_counters_dirty.iter().any(|&d| d)
-            || self.shards.iter().any(|s| s.tree.is_dirty())
+            || self.held().any(|s| s.tree.is_dirty())
     }
 
     /// Commits the running transaction and completes it (unpins its frees). Returns the
@@ -86,15 +109,46 @@ impl Filesystem {
 
     /// Commits the running transaction and returns at SuperCommitted, leaving the unpinning
     /// to [`Filesystem::complete_commit`]: what a caller with waiters to release (fsync
-    /// fallbacks, sync) uses, so they go before the unpinning.
+    /// fallbacks, sync) uses, so they go before the unpinning. A partition commits through
+    /// its coordinator instead ([`Filesystem::commit_write`], [`Filesystem::write_super`],
+    /// [`Filesystem::commit_finish`]).
     pub fn commit_to_super(&mut self) -> Result<u64> {
+        if self.partitioned {
+            return Err(EngineError::Invalid(
+                "a partition commits through its coordinator".into(),
+            ));
+        }
+        let Some(written) = self.commit_write()? else {
+            return Ok(self.sb.generation);
+        };
+        let generation = written.generation;
+        let result = self.write_super(&written.roots).map(|sb| {
+            self.commit_finish(&sb, &written);
+        });
+        if let Err(e) = &result {
+            self.failed.get_or_insert(e.clone());
+            self.state = CommitState::Running;
+            tracing::error!(
+                generation,
+                "commit failed, filesystem is now read-only: {e}"
+            );
+            return Err(e.clone());
+        }
+        Ok(generation)
+    }
+
+    /// The first half of a commit, for the shards held here: the records in flight finish,
+    /// the previous commit unpins, delayed index items and inode counters join the trees, and
+    /// staged data and every dirty node are written (not flushed). Returns None when nothing
+    /// here changed (the held shards keep their roots). On error the filesystem is fail-stop.
+    pub fn commit_write(&mut self) -> Result<Option<CommitWritten>> {
         self.check_writable()?;
         // Records in flight finish first: the commit truncates the logs they are written to.
         self.drain_log()?;
         // Generations unpin in order: the previous commit's frees go first.
         self.complete_commit();
         if !self.is_dirty() {
-            return Ok(self.sb.generation);
+            return Ok(None);
         }
         let started = Instant::now();
         let generation = self.generation;
@@ -111,23 +165,36 @@ impl Filesystem {
             return Err(e);
         }
         self.state = CommitState::CommitDoing;
-        let result = self.commit_doing(generation, started);
-        if let Err(e) = &result {
-            self.failed.get_or_insert(e.clone());
-            self.state = CommitState::Running;
-            tracing::error!(
+        let result = self.write_trees(generation);
+        match result {
+            Ok((roots, blocks)) => Ok(Some(CommitWritten {
                 generation,
-                "commit failed, filesystem is now read-only: {e}"
-            );
+                roots,
+                blocks,
+                started,
+            })),
+            Err(e) => {
+                self.failed.get_or_insert(e.clone());
+                self.state = CommitState::Running;
+                tracing::error!(
+                    generation,
+                    "commit failed, filesystem is now read-only: {e}"
+                );
+                Err(e)
+            }
         }
-        result
     }
 
-    fn commit_doing(&mut self, generation: u64, started: Instant) -> Result<u64> {
+    /// Writes staged data and every held shard's dirty nodes for `generation`; returns the
+    /// held shards' new roots and the blocks written.
+    fn write_trees(&mut self, generation: u64) -> Result<(Vec<(u32, ShardRoot)>, u64)> {
         // Staged file data goes out with the tree nodes, before the flush.
         let mut blocks: Vec<(u64, Vec<u8>)> = self.take_all_staged();
         let mut roots = Vec::with_capacity(self.shards.len());
-        for Shard { tree, space } in self.shards.iter_mut() {
+        for (id, held) in self.shards.iter_mut().enumerate() {
+            let Some(Shard { tree, space }) = held.as_mut() else {
+                continue;
+            };
             let mut io = ShardIo {
                 dev: &mut *self.dev,
                 space,
@@ -158,48 +225,73 @@ impl Filesystem {
             self.stats.bitmap_fixpoint_rounds_max =
                 self.stats.bitmap_fixpoint_rounds_max.max(rounds);
             let (ptr, level) = tree.write_dirty(generation, &mut blocks);
-            roots.push(ShardRoot {
-                tree: ptr,
-                level,
-                used_blocks: io.space.allocated_blocks(),
-            });
+            roots.push((
+                id as u32,
+                ShardRoot {
+                    tree: ptr,
+                    level,
+                    used_blocks: io.space.allocated_blocks(),
+                },
+            ));
         }
         let block_count = blocks.len() as u64;
         write_blocks(&mut *self.dev, blocks)?;
+        Ok((roots, block_count))
+    }
+
+    /// The second half, run once for the whole filesystem (by the coordinator of partitions):
+    /// flushes what every partition wrote, then writes the superblock naming the new roots
+    /// (`roots` replace the last durable superblock's, shard by shard) with FUA, into the copy
+    /// the previous generation does not use. Returns the superblock now durable. A device
+    /// error is returned (the caller makes every partition fail-stop).
+    pub fn write_super(&mut self, roots: &[(u32, ShardRoot)]) -> Result<Superblock> {
+        let generation = self.generation;
         nvme::flush_sync(&mut *self.dev)?;
         self.state = CommitState::Unblocked;
-
-        let sb = Superblock {
+        let mut sb = Superblock {
             generation,
-            shards: roots,
             ..self.sb.clone()
         };
+        for &(id, root) in roots {
+            sb.shards[id as usize] = root;
+        }
         let copy = SUPERBLOCK_ADDRS[(generation % 2) as usize];
         let lba = block_lba(&*self.dev, copy);
         nvme::write_sync(&mut *self.dev, lba, &sb.encode(), true)?;
-        self.sb = sb;
-        self.generation = generation + 1;
+        Ok(sb)
+    }
+
+    /// SuperCommitted for the shards held here: `sb` is durable, the running transaction
+    /// becomes its generation + 1, the logs start over, and the frees wait for
+    /// [`Filesystem::complete_commit`]. `written` is this partition's half (None when it had
+    /// nothing to write: it moves to the next generation all the same).
+    pub fn commit_finish(&mut self, sb: &Superblock, written: &CommitWritten) {
+        assert_eq!(
+            sb.generation, self.generation,
+            "commit of another generation"
+        );
+        self.sb = sb.clone();
+        self.generation = sb.generation + 1;
         self.state = CommitState::SuperCommitted;
         // Everything logged is now in the trees: the logs start over at their heads, and
         // records of older generations are stale.
         self.log.reset();
-        let ns = started.elapsed().as_nanos() as u64;
+        let ns = written.started.elapsed().as_nanos() as u64;
         // Waiters may go now; unpinning waits for complete_commit.
-        self.unpin_pending = Some(generation);
+        self.unpin_pending = Some(sb.generation);
         self.stats.commits += 1;
-        self.transaction_started = started;
+        self.transaction_started = written.started;
         self.stats.commit_ns_total += ns;
         self.stats.commit_ns_max = self.stats.commit_ns_max.max(ns);
         self.stats.last_commit_ns = ns;
         self.stats.last_super_commit_ns = ns;
-        self.stats.blocks_written += block_count + 1;
+        self.stats.blocks_written += written.blocks + 1;
         tracing::debug!(
-            generation,
-            blocks = block_count,
+            generation = sb.generation,
+            blocks = written.blocks,
             commit_us = ns / 1000,
             "super-committed"
         );
-        Ok(generation)
     }
 
     /// Completes the last commit after its waiters were released: unpins the blocks it freed
@@ -211,7 +303,7 @@ impl Filesystem {
         };
         let started = Instant::now();
         let mut unpinned = 0;
-        for shard in &mut self.shards {
+        for shard in self.shards.iter_mut().flatten() {
             unpinned += shard.space.unpin(generation);
             shard.tree.evict_clean(self.options.cache_nodes_per_shard);
         }

@@ -153,3 +153,33 @@ impl Filesystem {
         self.delayed.stats
     }
 }
+
+impl DelayedIndex {
+    /// Takes the pending items of every directory `pick` selects (moving a shard to another
+    /// partition, [`crate::partition`]).
+    pub(crate) fn take_dirs(
+        &mut self,
+        pick: impl Fn(u64) -> bool,
+    ) -> Vec<(u64, BTreeMap<u64, NameEntry>)> {
+        let dirs: Vec<u64> = self.pending.keys().copied().filter(|d| pick(*d)).collect();
+        let mut out = Vec::with_capacity(dirs.len());
+        for dir in dirs {
+            let items = self.pending.remove(&dir).expect("listed");
+            for seq in items.keys() {
+                self.tracker.release((dir, *seq));
+            }
+            self.count -= items.len();
+            out.push((dir, items));
+        }
+        out
+    }
+
+    /// Adds items taken by [`DelayedIndex::take_dirs`] from another partition.
+    pub(crate) fn put_dirs(&mut self, dirs: Vec<(u64, BTreeMap<u64, NameEntry>)>) {
+        for (dir, items) in dirs {
+            for (seq, entry) in items {
+                self.insert(dir, seq, entry);
+            }
+        }
+    }
+}

@@ -82,7 +82,15 @@ pub struct Filesystem {
     pub(crate) dev: Box<crate::log::inflight::DeviceMux>,
     /// The last durable superblock.
     pub(crate) sb: Superblock,
-    pub(crate) shards: Vec<Shard>,
+    /// Every shard of the filesystem by id; `None` for a shard another partition holds
+    /// ([`crate::partition`]). A whole-filesystem mount holds them all.
+    pub(crate) shards: Vec<Option<Shard>>,
+    /// Set once the filesystem is split into partitions: commits go through a coordinator,
+    /// and the fsync log keeps to the shards held here ([`crate::partition`]).
+    pub(crate) partitioned: bool,
+    /// The shard the next new inode goes to, set by whoever places it (a partition's owner
+    /// spreading directories over every shard); otherwise round-robin over the held shards.
+    pub(crate) place_next: Option<u32>,
     /// The running transaction's generation.
     pub(crate) generation: u64,
     pub(crate) state: CommitState,
@@ -311,13 +319,15 @@ impl Filesystem {
                 ));
             }
             tree.record_changes();
-            shards.push(Shard { tree, space });
+            shards.push(Some(Shard { tree, space }));
         }
         let mut fs = Filesystem {
             generation: sb.generation + 1,
             dev: Box::new(crate::log::inflight::DeviceMux::new(dev)),
             sb,
             shards,
+            partitioned: false,
+            place_next: None,
             state: CommitState::Running,
             failed: None,
             stats: CommitStats::default(),
@@ -357,6 +367,23 @@ impl Filesystem {
         &*self.dev
     }
 
+    /// The shards held here.
+    pub(crate) fn held(&self) -> impl Iterator<Item = &Shard> {
+        self.shards.iter().flatten()
+    }
+
+    /// True when shard `shard` is held here (always, unless partitioned).
+    pub fn holds(&self, shard: u32) -> bool {
+        self.shards.get(shard as usize).is_some_and(Option::is_some)
+    }
+
+    /// Shard `shard`, which a whole-filesystem mount (mount, replay, check) always holds.
+    pub(crate) fn shard_mut(&mut self, shard: u32) -> &mut Shard {
+        self.shards[shard as usize]
+            .as_mut()
+            .expect("a whole-filesystem mount holds every shard")
+    }
+
     pub(crate) fn check_writable(&self) -> Result<()> {
         match &self.failed {
             Some(e) => Err(EngineError::ReadOnly(e.to_string())),
@@ -373,7 +400,17 @@ impl Filesystem {
         mutating: bool,
         f: impl FnOnce(&mut Tree, &mut ShardIo) -> Result<T>,
     ) -> Result<T> {
-        let Shard { tree, space } = &mut self.shards[shard as usize];
+        let Some(Shard { tree, space }) = self.shards[shard as usize].as_mut() else {
+            // A routing bug, never a user error: fail stop rather than change half an
+            // operation's shards.
+            let e = EngineError::Invalid(format!(
+                "shard {shard} is held by another partition (an operation was routed wrong)"
+            ));
+            if mutating {
+                self.failed.get_or_insert(e.clone());
+            }
+            return Err(e);
+        };
         let mut io = ShardIo {
             dev: &mut *self.dev,
             space,
@@ -406,7 +443,12 @@ impl Filesystem {
     /// multi-step changes, checked before the first step so none fails halfway.
     pub(crate) fn ensure_meta_room(&mut self, shard: u32, tree_ops: u64) -> Result<()> {
         const WORST_BLOCKS_PER_OP: u64 = 12;
-        if self.shards[shard as usize].space.can_alloc_meta(
+        let Some(held) = self.shards[shard as usize].as_ref() else {
+            return Err(EngineError::Invalid(format!(
+                "shard {shard} is held by another partition"
+            )));
+        };
+        if held.space.can_alloc_meta(
             tree_ops * WORST_BLOCKS_PER_OP,
             if self.in_commit {
                 MetaNeed::Commit
@@ -492,17 +534,19 @@ impl Filesystem {
 
     /// Blocks of shard `shard` freed and waiting for a commit to be reusable.
     pub(crate) fn pinned_blocks(&self, shard: u32) -> u64 {
-        self.shards[shard as usize].space.pinned_block_count()
+        self.shards[shard as usize]
+            .as_ref()
+            .map_or(0, |s| s.space.pinned_block_count())
     }
 
     /// Dirty tree nodes in the running transaction, over all shards.
     pub fn dirty_nodes(&self) -> usize {
-        self.shards.iter().map(|s| s.tree.dirty_nodes()).sum()
+        self.held().map(|s| s.tree.dirty_nodes()).sum()
     }
 
     /// Tree nodes in memory, over all shards.
     pub fn loaded_nodes(&self) -> usize {
-        self.shards.iter().map(|s| s.tree.loaded_nodes()).sum()
+        self.held().map(|s| s.tree.loaded_nodes()).sum()
     }
 
     /// True when the commit timer or the dirty limit says the running transaction should
@@ -529,8 +573,8 @@ impl Filesystem {
 
     /// statfs: sizes in 4 KiB blocks.
     pub fn statfs(&self) -> StatFs {
-        let total: u64 = self.shards.iter().map(|s| s.space.region().1).sum();
-        let free: u64 = self.shards.iter().map(|s| s.space.free_blocks()).sum();
+        let total: u64 = self.held().map(|s| s.space.region().1).sum();
+        let free: u64 = self.held().map(|s| s.space.free_blocks()).sum();
         StatFs {
             block_bytes: BLOCK_BYTES as u32,
             total_blocks: total,

@@ -105,8 +105,31 @@ impl Filesystem {
     /// memory and written to its tree at commit ([`Filesystem::persist_ino_counters`]).
     pub(crate) fn alloc_ino(&mut self) -> Result<u64> {
         let shards = self.shards.len() as u64;
-        let shard = (self.next_create_shard % shards) as u32;
-        self.next_create_shard = self.next_create_shard.wrapping_add(1);
+        let shard = match self.place_next.take() {
+            Some(shard) => shard,
+            None => {
+                // Round-robin over the shards held here (all of them unless partitioned).
+                let mut tries = 0;
+                loop {
+                    let shard = (self.next_create_shard % shards) as u32;
+                    self.next_create_shard = self.next_create_shard.wrapping_add(1);
+                    if self.holds(shard) {
+                        break shard;
+                    }
+                    tries += 1;
+                    if tries >= shards {
+                        return Err(EngineError::Invalid(
+                            "no shard is held here to create an inode in".into(),
+                        ));
+                    }
+                }
+            }
+        };
+        if !self.holds(shard) {
+            return Err(EngineError::Invalid(format!(
+                "shard {shard} is held by another partition"
+            )));
+        }
         let next = self.ino_counter(shard)?;
         self.ino_counters[shard as usize] = Some(next + shards);
         self.ino_counters_dirty[shard as usize] = true;

@@ -450,9 +450,10 @@ pub fn format_logs(dev: &mut dyn BlockDevice) -> Result<String, String> {
                         }
                     }
                     lines.push(format!(
-                        "  record {seq} at block {}: global seq {} generation {} {} blocks: \
+                        "  record {seq} at block {}: stream {} seq {} generation {} {} blocks: \
                          {puts} puts, {deletes} deletes, {data} data blocks",
                         start + head,
+                        h.stream,
                         h.global_seq,
                         h.generation,
                         h.blocks

@@ -24,6 +24,7 @@ pub mod fuzz_harness;
 pub mod inode;
 pub mod inspect;
 pub mod log;
+pub mod partition;
 pub mod refs;
 pub mod space;
 pub mod tree;

@@ -184,3 +184,28 @@ impl Filesystem {
         self.staged.bytes()
     }
 }
+
+/// Staged runs of some inodes, moved between partitions ([`crate::partition`]).
+pub(crate) type StagedRuns = Vec<(u64, Vec<(u64, Vec<u8>)>)>;
+
+impl Staged {
+    /// Takes the staged data of every inode `pick` selects.
+    pub(crate) fn take_inodes(&mut self, pick: impl Fn(u64) -> bool) -> StagedRuns {
+        let inos: Vec<u64> = self.by_ino.keys().copied().filter(|i| pick(*i)).collect();
+        let mut out = Vec::with_capacity(inos.len());
+        for ino in inos {
+            let runs = self.by_ino.remove(&ino).expect("listed");
+            self.bytes -= runs.iter().map(|(_, d)| d.len()).sum::<usize>();
+            out.push((ino, runs));
+        }
+        out
+    }
+
+    /// Adds staged data taken by [`Staged::take_inodes`].
+    pub(crate) fn put_inodes(&mut self, inodes: StagedRuns) {
+        for (ino, runs) in inodes {
+            self.bytes += runs.iter().map(|(_, d)| d.len()).sum::<usize>();
+            self.by_ino.entry(ino).or_default().extend(runs);
+        }
+    }
+}

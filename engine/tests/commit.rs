@@ -213,7 +213,7 @@ fn corrupt_images_are_refused_by_name_and_one_bad_superblock_is_survived() {
     let mut dev = mkfs_mem(8 << 20, 2);
     {
         let mut fs = Filesystem::mount(
-            Box::new(MemDevice::from_image(dev.image(), mem_config(8 << 20)).unwrap()),
+            Box::new(MemDevice::from_image(&dev.image(), mem_config(8 << 20)).unwrap()),
             MountOptions::default(),
         )
         .unwrap();

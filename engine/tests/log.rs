@@ -564,6 +564,7 @@ fn a_failed_record_write_or_flush_is_never_acknowledged_and_fails_stop() {
         let result = match started {
             Ok(FsyncStart::Pending(ticket)) => fs.wait_durable(ticket),
             Ok(FsyncStart::Durable) => panic!("{kind}: a record with new data was durable at once"),
+            Ok(FsyncStart::NeedsCommit) => panic!("{kind}: a whole mount commits by itself"),
             Err(e) => Err(e),
         };
         let err = result.expect_err("the fsync whose record failed must fail");

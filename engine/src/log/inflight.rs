@@ -198,6 +198,9 @@ pub enum FsyncStart {
     Durable,
     /// Durable once [`Filesystem::log_progress`] reports this ticket.
     Pending(u64),
+    /// Durable only after a commit of the whole filesystem, which a partition cannot make on
+    /// its own: its owner asks the coordinator ([`crate::partition`]). Nothing was written.
+    NeedsCommit,
 }
 
 impl Filesystem {

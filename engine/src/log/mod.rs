@@ -79,6 +79,9 @@ pub struct LogStats {
     /// fsyncs that committed the transaction instead, by reason.
     pub fallback_log_full: u64,
     pub fallback_too_big: u64,
+    /// ...because a member was changed by an operation spanning partitions, which only a
+    /// commit makes durable atomically ([`crate::partition`]).
+    pub fallback_cross: u64,
     /// Records and ops replayed by mount.
     pub replayed_records: u64,
     pub replayed_ops: u64,
@@ -86,14 +89,14 @@ pub struct LogStats {
 
 impl LogStats {
     pub fn fallback_commits(&self) -> u64 {
-        self.fallback_log_full + self.fallback_too_big
+        self.fallback_log_full + self.fallback_too_big + self.fallback_cross
     }
 }
 
 /// What changed in one inode since it was last logged (or since the last commit).
 #[derive(Default)]
-struct Tracked {
-    keys: BTreeSet<(ItemKind, u64)>,
+pub(crate) struct Tracked {
+    pub(crate) keys: BTreeSet<(ItemKind, u64)>,
     /// Something other than timestamps changed (what fdatasync must log).
     data: bool,
     /// Inodes a name change couples this one to.
@@ -102,12 +105,17 @@ struct Tracked {
 
 #[derive(Default)]
 pub(crate) struct LogState {
-    inodes: HashMap<u64, Tracked>,
-    tracked_keys: usize,
+    pub(crate) inodes: HashMap<u64, Tracked>,
+    pub(crate) tracked_keys: usize,
+    /// Inodes changed this transaction by an operation that spanned partitions: an fsync
+    /// reaching one commits instead of logging ([`crate::partition`]).
+    pub(crate) cross: HashSet<u64>,
     /// Per shard: the next block of its log area, and the next record's shard sequence.
-    heads: Vec<u64>,
-    shard_seqs: Vec<u64>,
-    /// The next record's sequence over all shards (replay order).
+    pub(crate) heads: Vec<u64>,
+    pub(crate) shard_seqs: Vec<u64>,
+    /// This log stream (a partition's; 0 when whole) and its next record's sequence, over
+    /// the stream's shards (replay order).
+    pub(crate) stream: u32,
     next_seq: u64,
     /// Reused buffer for keys taken from the trees.
     pub scratch: Vec<Key>,
@@ -165,6 +173,7 @@ impl LogState {
     /// A super-commit made everything durable: the logs start over.
     pub fn reset(&mut self) {
         self.inodes.clear();
+        self.cross.clear();
         self.tracked_keys = 0;
         self.heads.iter_mut().for_each(|h| *h = 0);
         self.shard_seqs.iter_mut().for_each(|s| *s = 0);
@@ -223,6 +232,16 @@ impl Filesystem {
         match self.fsync_group_start(group)? {
             FsyncStart::Durable => Ok(()),
             FsyncStart::Pending(ticket) => self.wait_durable(ticket),
+            FsyncStart::NeedsCommit => self.commit_to_super().map(drop),
+        }
+    }
+
+    /// The fallback: a commit here, or, in a partition, the owner's coordinated commit.
+    fn fsync_fallback(&mut self) -> Result<FsyncStart> {
+        if self.partitioned {
+            Ok(FsyncStart::NeedsCommit)
+        } else {
+            self.commit_to_super().map(|_| FsyncStart::Durable)
         }
     }
 
@@ -254,7 +273,11 @@ impl Filesystem {
                 None => FsyncStart::Durable,
             });
         }
-        let members = self.log_closure(&wanted)?;
+        let Some(members) = self.log_closure(&wanted)? else {
+            self.log.stats.fallback_cross += 1;
+            tracing::debug!("fsync reaches a change spanning partitions: committing");
+            return self.fsync_fallback();
+        };
         let mut ops = self.collect_ops(&members)?;
         // A small fsync carries the staged data its extents reference inside the record, so
         // the record is its only write; a large one writes the members' data in place, in the
@@ -272,12 +295,12 @@ impl Filesystem {
                 log_blocks,
                 "fsync record larger than the log: committing"
             );
-            return self.commit_to_super().map(|_| FsyncStart::Durable);
+            return self.fsync_fallback();
         }
         if self.log.heads[shard as usize] + blocks > log_blocks {
             self.log.stats.fallback_log_full += 1;
             tracing::debug!(shard, "fsync log full: committing");
-            return self.commit_to_super().map(|_| FsyncStart::Durable);
+            return self.fsync_fallback();
         }
         let header = RecordHeader {
             blocks: 0,
@@ -285,6 +308,7 @@ impl Filesystem {
             global_seq: self.log.next_seq,
             shard_seq: self.log.shard_seqs[shard as usize],
             shard,
+            stream: self.log.stream,
             op_count: 0,
             payload_bytes: 0,
             uuid: self.sb.uuid,
@@ -347,9 +371,14 @@ impl Filesystem {
         Ok(Some(data))
     }
 
-    /// The parents of `ino` (the directories holding its names).
+    /// The parents of `ino` (the directories holding its names). In a partition, an inode
+    /// held elsewhere ends the walk up: its name and every name above it are durable or were
+    /// changed by an operation that marked an inode here ([`crate::partition`]).
     fn parents_of(&mut self, ino: u64) -> Result<Vec<u64>> {
         let shard = self.shard_of(ino);
+        if !self.holds(shard) {
+            return Ok(Vec::new());
+        }
         let refs = self.with_tree(shard, false, |tree, io| {
             tree.range(
                 io,
@@ -377,14 +406,19 @@ impl Filesystem {
     }
 
     /// The inodes a record for `inos` must hold: closed under name coupling and reachability
-    /// (see the module comment). Only inodes with tracked changes are members.
-    fn log_closure(&mut self, inos: &[u64]) -> Result<BTreeSet<u64>> {
+    /// (see the module comment). Only inodes with tracked changes are members. None when the
+    /// set reaches an inode changed across partitions (or coupled to one held elsewhere):
+    /// only a commit makes that durable atomically.
+    fn log_closure(&mut self, inos: &[u64]) -> Result<Option<BTreeSet<u64>>> {
         let mut members = BTreeSet::new();
         let mut walked = HashSet::new();
         let mut stack: Vec<u64> = inos.to_vec();
         while let Some(ino) = stack.pop() {
             if !members.insert(ino) {
                 continue;
+            }
+            if self.log.cross.contains(&ino) || !self.holds(self.shard_of(ino)) {
+                return Ok(None);
             }
             if let Some(t) = self.log.inodes.get(&ino) {
                 stack.extend(t.links.iter().copied());
@@ -403,7 +437,7 @@ impl Filesystem {
             }
         }
         members.retain(|ino| self.log.inodes.contains_key(ino));
-        Ok(members)
+        Ok(Some(members))
     }
 
     /// The record's ops: each tracked key of each member with its current value (a pending

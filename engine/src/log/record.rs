@@ -7,7 +7,7 @@
 //! 8  magic u64 "CoreFSlg"                      16 generation u64 (durable generation + 1)
 //! 24 global sequence u64 (per generation)      32 shard sequence u64 (per log, per generation)
 //! 40 shard u32 (whose log holds it)            44 op count u32
-//! 48 payload bytes u32                         52 reserved u32
+//! 48 payload bytes u32                         52 stream u32 (whose sequence: a partition's)
 //! 56 filesystem uuid [16]                      72 reserved [8]
 //! 80 ops: tag u8 (1 put, 2 delete) | key (17 bytes) | put: value length u16 | value
 //!    or: tag 3 (data) | disk block u64 | the block's 4096 bytes
@@ -67,6 +67,9 @@ pub struct RecordHeader {
     pub global_seq: u64,
     pub shard_seq: u64,
     pub shard: u32,
+    /// The log stream: records of one stream replay in sequence order, streams
+    /// independently (a partition writes its own; 0 when one engine holds every shard).
+    pub stream: u32,
     pub op_count: u32,
     pub payload_bytes: u32,
     pub uuid: [u8; 16],
@@ -94,6 +97,7 @@ pub fn encode_record(mut header: RecordHeader, ops: &[LogOp]) -> Vec<u8> {
     b[40..44].copy_from_slice(&header.shard.to_le_bytes());
     b[44..48].copy_from_slice(&header.op_count.to_le_bytes());
     b[48..52].copy_from_slice(&header.payload_bytes.to_le_bytes());
+    b[52..56].copy_from_slice(&header.stream.to_le_bytes());
     b[56..72].copy_from_slice(&header.uuid);
     let mut at = HEADER_BYTES;
     for op in ops {
@@ -142,6 +146,7 @@ pub fn decode_header(block: &[u8]) -> Result<RecordHeader, String> {
         global_seq: le_u64(block, 24),
         shard_seq: le_u64(block, 32),
         shard: le_u32(block, 40),
+        stream: le_u32(block, 52),
         op_count: le_u32(block, 44),
         payload_bytes: le_u32(block, 48),
         uuid: block[56..72].try_into().expect("16 bytes"),
@@ -234,6 +239,7 @@ mod tests {
             global_seq: 3,
             shard_seq: 1,
             shard: 5,
+            stream: 2,
             op_count: 0,
             payload_bytes: 0,
             uuid: [9; 16],

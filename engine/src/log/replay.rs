@@ -3,9 +3,11 @@
 //!
 //! # Invariants
 //! - Only records of generation durable + 1 with this filesystem's uuid are read, each shard's
-//!   in shard-sequence order from the head of its area; across shards they apply in global
-//!   sequence order, and the first missing global sequence ends the replay (a later record may
-//!   depend on it).
+//!   in shard-sequence order from the head of its area; across shards they apply in their
+//!   stream's sequence order, and the first missing sequence ends that stream's replay (a later
+//!   record may depend on it). Streams are independent: a partition writes its own stream
+//!   about inodes it alone holds, and anything spanning partitions is committed, never logged
+//!   ([`crate::partition`]).
 //! - A record applies only if its crc and the crc32c of every data block it references match;
 //!   the first that fails, and everything after it, is dropped (its fsync never returned).
 //! - Space is rebuilt from the extents the records changed: blocks the final extents reference
@@ -26,6 +28,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 /// A validated record.
 struct Found {
+    stream: u32,
     global_seq: u64,
     shard: u32,
     ops: Vec<LogOp>,
@@ -41,18 +44,33 @@ impl Filesystem {
         if found.is_empty() {
             return Ok(0);
         }
-        found.sort_by_key(|f| f.global_seq);
+        found.sort_by_key(|f| (f.stream, f.global_seq));
         let mut accepted = Vec::new();
         // Data blocks carried by the accepted records (and the one being checked): they are
         // checked against these bytes, and written in place by the replay.
         let mut embedded: HashMap<u64, Vec<u8>> = HashMap::new();
-        for (expected, record) in (0u64..).zip(found) {
+        let mut expected = 0u64;
+        let mut stream = None;
+        let mut stream_ended = false;
+        for record in found {
+            if stream != Some(record.stream) {
+                stream = Some(record.stream);
+                expected = 0;
+                stream_ended = false;
+            }
+            if stream_ended {
+                continue;
+            }
+            expected += 1;
+            let expected = expected - 1;
             if record.global_seq != expected {
                 tracing::warn!(
-                    "fsync log: record {expected} is missing; {} later records are not replayed",
-                    record.global_seq
+                    "fsync log: stream {} record {expected} is missing; later records of the \
+                     stream are not replayed",
+                    record.stream
                 );
-                break;
+                stream_ended = true;
+                continue;
             }
             let mut carried = embedded.clone();
             for op in &record.ops {
@@ -62,11 +80,14 @@ impl Filesystem {
             }
             if let Some(why) = self.data_mismatch(&record.ops, &carried)? {
                 tracing::warn!(
-                    "fsync log: record {expected} (shard {}) references data that is not on the \
-                     device ({why}); it and later records are not replayed",
+                    "fsync log: record {expected} (stream {}, shard {}) references data that \
+                     is not on the device ({why}); it and later records of the stream are not \
+                     replayed",
+                    record.stream,
                     record.shard
                 );
-                break;
+                stream_ended = true;
+                continue;
             }
             embedded = carried;
             accepted.push(record);
@@ -115,6 +136,7 @@ impl Filesystem {
             }
             match decode_record(&bytes) {
                 Ok((header, ops)) => out.push(Found {
+                    stream: header.stream,
                     global_seq: header.global_seq,
                     shard,
                     ops,
@@ -174,7 +196,11 @@ impl Filesystem {
     }
 
     fn check_in_region(&self, ino: u64, disk_block: u64, blocks: u64) -> Result<()> {
-        let (start, len) = self.shards[self.shard_of(ino) as usize].space.region();
+        let (start, len) = self.shards[self.shard_of(ino) as usize]
+            .as_ref()
+            .expect("a whole-filesystem mount holds every shard")
+            .space
+            .region();
         if disk_block < start || disk_block + blocks > start + len {
             return Err(EngineError::corrupt(
                 "logged extent",
@@ -233,7 +259,8 @@ impl Filesystem {
             if before.contains(&block) {
                 continue;
             }
-            let space = &mut self.shards[self.sb.shard_of_block(block) as usize].space;
+            let shard = self.sb.shard_of_block(block);
+            let space = &mut self.shard_mut(shard).space;
             if space.is_allocated(block) {
                 return Err(EngineError::corrupt(
                     "fsync log",
@@ -282,7 +309,8 @@ impl Filesystem {
             .collect();
         let generation = self.generation;
         for block in unused {
-            let space = &mut self.shards[self.sb.shard_of_block(block) as usize].space;
+            let shard = self.sb.shard_of_block(block);
+            let space = &mut self.shard_mut(shard).space;
             space.free(block, 1, Some(generation));
         }
         for (shard, ino) in created {

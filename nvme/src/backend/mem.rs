@@ -15,12 +15,15 @@ use crate::{
 };
 use memmap2::MmapMut;
 use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub struct MemDevice {
     info: DeviceInfo,
     pool: DmaPool,
-    store: MmapMut,
+    /// Shared by every queue of the device ([`MemDevice::new_queue`]); the lock is held for
+    /// one copy, never across calls.
+    store: Arc<Mutex<MmapMut>>,
     done: VecDeque<Completion>,
 }
 
@@ -78,7 +81,7 @@ impl MemDevice {
                 completion_mode: CompletionMode::Immediate,
             },
             pool,
-            store,
+            store: Arc::new(Mutex::new(store)),
             done: VecDeque::with_capacity(config.queue_depth as usize),
         })
     }
@@ -86,14 +89,37 @@ impl MemDevice {
     /// A device holding a copy of `image` (a crash state, a saved test image).
     pub fn from_image(image: &[u8], mut config: MemConfig) -> Result<MemDevice, DevError> {
         config.capacity_bytes = image.len() as u64;
-        let mut dev = MemDevice::new(config)?;
-        dev.store.copy_from_slice(image);
+        let dev = MemDevice::new(config)?;
+        dev.store
+            .lock()
+            .expect("memory device lock")
+            .copy_from_slice(image);
         Ok(dev)
     }
 
-    /// The whole device content, as of the last completed write.
-    pub fn image(&self) -> &[u8] {
-        &self.store
+    /// The whole device content, as of the last completed write (a copy).
+    pub fn image(&self) -> Vec<u8> {
+        self.store.lock().expect("memory device lock").to_vec()
+    }
+
+    /// Another queue on the same storage, with its own completions and DMA pool: what each
+    /// reactor of a partitioned filesystem opens (as it opens its own ring on a real device).
+    pub fn new_queue(&self) -> Result<MemDevice, DevError> {
+        let pool = DmaPool::new(
+            self.pool.buf_bytes(),
+            self.pool.buf_count(),
+            HugepagePolicy::Prefer,
+        )?;
+        Ok(MemDevice {
+            info: self.info.clone(),
+            pool,
+            store: self.store.clone(),
+            done: VecDeque::with_capacity(self.info.queue_depth as usize),
+        })
+    }
+
+    fn store(&self) -> std::sync::MutexGuard<'_, MmapMut> {
+        self.store.lock().expect("memory device lock")
     }
 
     fn byte_range(&self, lba: u64, len_bytes: usize) -> std::ops::Range<usize> {
@@ -126,17 +152,17 @@ impl BlockDevice for MemDevice {
         let buf = match request.op {
             Op::Read { lba, mut buf } => {
                 let range = self.byte_range(lba, buf.len());
-                buf.as_mut_slice().copy_from_slice(&self.store[range]);
+                buf.as_mut_slice().copy_from_slice(&self.store()[range]);
                 Some(buf)
             }
             Op::Write { lba, buf, .. } => {
                 let range = self.byte_range(lba, buf.len());
-                self.store[range].copy_from_slice(buf.as_slice());
+                self.store()[range].copy_from_slice(buf.as_slice());
                 Some(buf)
             }
             Op::WriteZeroes { lba, lbas } | Op::Deallocate { lba, lbas } => {
                 let range = self.byte_range(lba, lbas as usize * lba_size);
-                self.store[range].fill(0);
+                self.store()[range].fill(0);
                 None
             }
             Op::Flush => None,
@@ -173,11 +199,11 @@ impl BlockDevice for MemDevice {
 impl SimAccess for MemDevice {
     fn sim_read(&self, lba: u64, out: &mut [u8]) {
         let range = self.byte_range(lba, out.len());
-        out.copy_from_slice(&self.store[range]);
+        out.copy_from_slice(&self.store()[range]);
     }
 
     fn sim_write(&mut self, lba: u64, data: &[u8]) {
         let range = self.byte_range(lba, data.len());
-        self.store[range].copy_from_slice(data);
+        self.store()[range].copy_from_slice(data);
     }
 }
