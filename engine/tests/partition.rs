@@ -296,5 +296,5 @@ fn coordinated_commits_keep_every_partition_in_one_generation() {
         assert_eq!(fs.stat(sub).unwrap().nlink, 2);
     }
     let report = fs.check().unwrap();
-    assert!(report.inodes >= 4 + 20 + 5 + 1, "{report:?}");
+    assert_eq!(report.inodes, 1 + 4 + 20 + 5, "{report:?}");
 }
