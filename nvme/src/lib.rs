@@ -205,6 +205,13 @@ pub trait BlockDevice: Send {
     /// Requests submitted and not yet handed back by `poll`/`wait`.
     fn in_flight(&self) -> u32;
 
+    /// Another queue on the same storage that any thread may take, if the device can make
+    /// one here (the memory device). An io_uring device cannot (its rings belong to the thread
+    /// that made them): each reactor opens its own from the device string.
+    fn new_queue(&self) -> Option<Result<Box<dyn BlockDevice>, DevError>> {
+        None
+    }
+
     /// Direct synchronous access to the stored blocks, for simulation only (the fault wrapper's
     /// crash model, crash-state tools). Real devices return `None`.
     fn sim_access(&mut self) -> Option<&mut dyn SimAccess> {
@@ -239,6 +246,9 @@ impl<D: BlockDevice + ?Sized> BlockDevice for Box<D> {
     }
     fn sim_access(&mut self) -> Option<&mut dyn SimAccess> {
         (**self).sim_access()
+    }
+    fn new_queue(&self) -> Option<Result<Box<dyn BlockDevice>, DevError>> {
+        (**self).new_queue()
     }
 }
 

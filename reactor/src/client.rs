@@ -8,6 +8,7 @@
 //! - Submitting and completing take no lock. A client about to sleep publishes its thread and a
 //!   waiting flag; the reactor wakes it only then (the slow path takes a mutex).
 
+use crate::multi::Router;
 use crate::op::{Completion, Op, Reply};
 use crate::runtime::{Request, Shared};
 use crossbeam_queue::ArrayQueue;
@@ -53,6 +54,11 @@ pub enum SubmitError {
 
 /// A submission handle. Cheap to create ([`crate::Runtime::client`]); use one per thread.
 pub struct Client {
+    /// Every reactor's queue and which owns what: an operation goes to the reactor owning
+    /// its inode (or directory).
+    router: Arc<Router>,
+    /// The first reactor's shared state: its stopping/stopped flags and waiter count stand
+    /// for the whole runtime.
     shared: Arc<Shared>,
     replies: Arc<ReplyQueue>,
     capacity: usize,
@@ -63,10 +69,11 @@ pub struct Client {
 }
 
 impl Client {
-    pub(crate) fn new(shared: Arc<Shared>, capacity: usize) -> Client {
+    pub(crate) fn new(router: Arc<Router>, capacity: usize) -> Client {
         let capacity = capacity.max(1);
         Client {
-            shared,
+            shared: router.reactors[0].clone(),
+            router,
             replies: Arc::new(ReplyQueue {
                 done: ArrayQueue::new(capacity),
                 waiting: AtomicBool::new(false),
@@ -98,10 +105,11 @@ impl Client {
             reply: self.replies.clone(),
             submitted: Instant::now(),
         };
-        match self.shared.requests.push(request) {
+        let target = &self.router.reactors[self.router.route(&request.op)];
+        match target.requests.push(request) {
             Ok(()) => {
                 self.in_flight += 1;
-                self.shared.wake_reactor();
+                target.wake_reactor();
                 Ok(())
             }
             Err(request) => Err(SubmitError::Full(request.op)),

@@ -10,6 +10,12 @@ pub enum Op {
     Resolve {
         path: String,
     },
+    /// A path relative to directory `dir` to its inode (what a reactor forwards to the one
+    /// holding the next directory of a path).
+    ResolveAt {
+        dir: u64,
+        path: String,
+    },
     Lookup {
         dir: u64,
         name: Vec<u8>,

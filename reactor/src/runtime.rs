@@ -21,10 +21,12 @@
 //! reactor keeps serving reads and stats. Shutdown commits and unmounts.
 
 use crate::client::{Client, ReplyQueue};
+use crate::multi::{Control, Coordinator, Member, Plan, Router, ToCoordinator};
 use crate::op::{Completion, Op, Reply};
-use crate::stats::{thread_cpu_ns, Histograms, Latency, ReactorStats};
+use crate::stats::{thread_cpu_ns, Histograms, ReactorStats};
 use crossbeam_queue::ArrayQueue;
 use engine::log::FsyncStart;
+use engine::partition::{Lent, PartitionTemplate};
 use engine::{EngineError, Filesystem, MkfsOptions, MountOptions};
 use nvme::BlockDevice;
 use std::collections::VecDeque;
@@ -66,8 +68,14 @@ pub struct Config {
     /// Format the device first.
     pub mkfs: Option<MkfsOptions>,
     pub mount: MountOptions,
-    /// Pin the reactor to this core (None: not pinned).
+    /// Pin the reactor to this core (None: not pinned). With several reactors, `cores` wins.
     pub core: Option<usize>,
+    /// Reactors: each holds the shards `s` with `s % reactors == its index`, on a device
+    /// queue of its own, and a coordinator thread runs the commits (1: one reactor holds every
+    /// shard and commits itself). At most the shard count.
+    pub reactors: usize,
+    /// Pin reactor `i` to `cores[i % cores.len()]` (empty: `core`, or not pinned).
+    pub cores: Vec<usize>,
     pub idle: IdlePolicy,
     /// Requests the queue holds before submit reports Full.
     pub queue_capacity: usize,
@@ -82,6 +90,8 @@ impl Default for Config {
             mkfs: None,
             mount: MountOptions::default(),
             core: None,
+            reactors: 1,
+            cores: Vec::new(),
             idle: IdlePolicy::default(),
             queue_capacity: 4096,
             batch_max: 256,
@@ -109,10 +119,21 @@ pub(crate) struct Shared {
     /// time spinning, and without spinning the dbench-like mix ran 30% faster.
     pub waiters: std::sync::atomic::AtomicUsize,
     pub spinners_max: usize,
+    /// Control messages sent by the coordinator and not yet taken (a parking reactor checks).
+    pub control_pending: std::sync::atomic::AtomicUsize,
+    /// This reactor's shards' size and free space, published after each batch (statfs with
+    /// several reactors sums them).
+    pub total_blocks: std::sync::atomic::AtomicU64,
+    pub free_blocks: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
     pub(crate) fn new(queue_capacity: usize) -> Shared {
+        Shared::with_reactors(queue_capacity, 1)
+    }
+
+    /// The queue of one of `reactors` reactors (clients spin only on the cores they leave).
+    pub(crate) fn with_reactors(queue_capacity: usize, reactors: usize) -> Shared {
         Shared {
             requests: ArrayQueue::new(queue_capacity.max(1)),
             stopping: AtomicBool::new(false),
@@ -122,7 +143,10 @@ impl Shared {
             waiters: std::sync::atomic::AtomicUsize::new(0),
             spinners_max: std::thread::available_parallelism()
                 .map_or(1, |n| n.get())
-                .saturating_sub(1),
+                .saturating_sub(reactors),
+            control_pending: std::sync::atomic::AtomicUsize::new(0),
+            total_blocks: std::sync::atomic::AtomicU64::new(0),
+            free_blocks: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -139,25 +163,60 @@ impl Shared {
     }
 }
 
-/// What a stopped reactor hands back: its final statistics and the unmounted device.
+/// What a stopped runtime hands back: its final statistics and the unmounted device.
 type Stopped = (ReactorStats, Box<dyn BlockDevice>);
 
-/// A running reactor. Dropping it without [`Runtime::shutdown`] also shuts down.
+/// What a reactor thread ends with.
+struct ReactorExit {
+    stats: ReactorStats,
+    hist: Histograms,
+    dev: Box<dyn BlockDevice>,
+}
+
+type CoordinatorExit = (engine::CommitStats, Box<dyn BlockDevice>);
+
+/// Running reactors (and their coordinator, with several). Dropping it without
+/// [`Runtime::shutdown`] also shuts down.
 pub struct Runtime {
-    shared: Arc<Shared>,
-    thread: Option<JoinHandle<Result<Stopped, EngineError>>>,
+    router: Arc<Router>,
+    threads: Vec<JoinHandle<Result<ReactorExit, EngineError>>>,
+    coordinator: Option<JoinHandle<Result<CoordinatorExit, EngineError>>>,
+}
+
+/// Sets every reactor's `stopped` flag when a reactor thread ends (even by panicking), so
+/// waiting clients return instead of hanging.
+struct MarkStopped(Arc<Router>);
+impl Drop for MarkStopped {
+    fn drop(&mut self) {
+        for r in &self.0.reactors {
+            r.stopped.store(true, Ordering::Release);
+        }
+    }
+}
+
+fn pin(core: Option<usize>) {
+    if let Some(core) = core {
+        if !core_affinity::set_for_current(core_affinity::CoreId { id: core }) {
+            tracing::warn!(
+                core,
+                "could not pin the reactor to core {core}; running unpinned"
+            );
+        }
+    }
 }
 
 impl Runtime {
-    /// Starts the reactor thread, which opens (and formats, if asked) the device and mounts it;
-    /// returns once it serves requests, or with the error that stopped it.
+    /// Starts the reactor threads (and, with several, the coordinator), which open (and
+    /// format, if asked) the device and mount it; returns once they serve requests, or with
+    /// the error that stopped them.
     pub fn start(config: Config) -> Result<Runtime, EngineError> {
         Self::spawn(config, None)
     }
 
     /// As [`Runtime::start`] on a device the caller opened (a wrapped or simulated one;
     /// `config.device` is then only its name). The device must not have done I/O yet if its
-    /// queue is single-issuer (the io_uring backends).
+    /// queue is single-issuer (the io_uring backends). Several reactors need a device that
+    /// makes more queues itself (the memory device).
     pub fn start_with_device(
         config: Config,
         dev: Box<dyn BlockDevice>,
@@ -166,28 +225,45 @@ impl Runtime {
     }
 
     fn spawn(config: Config, dev: Option<Box<dyn BlockDevice>>) -> Result<Runtime, EngineError> {
-        let shared = Arc::new(Shared::new(config.queue_capacity));
+        if config.reactors == 0 {
+            return Err(EngineError::Invalid(
+                "at least one reactor is needed".into(),
+            ));
+        }
+        if config.reactors > 1 {
+            return Self::spawn_several(config, dev);
+        }
+        let shared = Arc::new(Shared::with_reactors(config.queue_capacity, 1));
+        let router = Arc::new(Router {
+            reactors: vec![shared.clone()],
+            shard_count: 0,
+        });
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
-        let reactor_shared = shared.clone();
+        let reactor_router = router.clone();
         let thread = std::thread::Builder::new()
             .name("corefs-reactor".into())
             .spawn(move || {
-                let _ = reactor_shared.reactor.set(std::thread::current());
-                // Set even if the reactor panics, so waiting clients return instead of hanging.
-                struct MarkStopped<'a>(&'a AtomicBool);
-                impl Drop for MarkStopped<'_> {
-                    fn drop(&mut self) {
-                        self.0.store(true, Ordering::Release);
+                let shared = reactor_router.reactors[0].clone();
+                let _ = shared.reactor.set(std::thread::current());
+                let _stopped = MarkStopped(reactor_router);
+                pin(config.cores.first().copied().or(config.core));
+                let fs = match open(&config, dev) {
+                    Ok(fs) => fs,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e.clone()));
+                        return Err(e);
                     }
-                }
-                let _stopped = MarkStopped(&reactor_shared.stopped);
-                run(&reactor_shared, &config, dev, &ready_tx)
+                };
+                let _ = ready_tx.send(Ok(()));
+                let reactor = Reactor::new(fs, config.mount.commit_interval);
+                run(reactor, &shared, &config)
             })
             .map_err(|e| EngineError::Invalid(format!("starting the reactor thread: {e}")))?;
         match ready_rx.recv() {
             Ok(Ok(())) => Ok(Runtime {
-                shared,
-                thread: Some(thread),
+                router,
+                threads: vec![thread],
+                coordinator: None,
             }),
             Ok(Err(e)) => {
                 let _ = thread.join();
@@ -200,13 +276,200 @@ impl Runtime {
         }
     }
 
+    /// Several reactors: the coordinator mounts the whole filesystem (replaying the logs),
+    /// splits it, and each reactor builds its partition on a queue of its own.
+    fn spawn_several(
+        config: Config,
+        dev: Option<Box<dyn BlockDevice>>,
+    ) -> Result<Runtime, EngineError> {
+        let n = config.reactors;
+        type Part = (Lent, PartitionTemplate, Option<Box<dyn BlockDevice>>);
+        let (setup_tx, setup_rx) =
+            std::sync::mpsc::sync_channel::<Result<(Vec<Part>, u32), EngineError>>(1);
+        let (router_tx, router_rx) = std::sync::mpsc::sync_channel::<Option<Arc<Router>>>(1);
+        let (to_coordinator, from_reactors) = std::sync::mpsc::channel();
+        let mut control_tx = Vec::with_capacity(n);
+        let mut control_rx = Vec::with_capacity(n);
+        for _ in 0..n {
+            let (tx, rx) = std::sync::mpsc::channel();
+            control_tx.push(tx);
+            control_rx.push(rx);
+        }
+        let coordinator_config = config.clone();
+        let coordinator = std::thread::Builder::new()
+            .name("corefs-coordinator".into())
+            .spawn(move || -> Result<CoordinatorExit, EngineError> {
+                let config = coordinator_config;
+                let setup = (|| {
+                    let mut fs = open(&config, dev)?;
+                    let shards = fs.shard_count();
+                    if n > shards as usize {
+                        return Err(EngineError::Invalid(format!(
+                            "{n} reactors for {shards} shards: at most one reactor per shard \
+                             (format with more shards, or start fewer reactors)"
+                        )));
+                    }
+                    let mut parts = Vec::with_capacity(n);
+                    for r in 0..n {
+                        let ids: Vec<u32> = (0..shards).filter(|s| *s as usize % n == r).collect();
+                        let lent = fs.take_shards(&ids)?;
+                        let queue = match fs.device().new_queue() {
+                            Some(q) => Some(q.map_err(|e| {
+                                EngineError::Invalid(format!("a queue for reactor {r}: {e}"))
+                            })?),
+                            None => None,
+                        };
+                        parts.push((lent, fs.partition_template(r as u32), queue));
+                    }
+                    fs.set_partitioned();
+                    Ok((fs, parts, shards))
+                })();
+                let fs = match setup {
+                    Ok((fs, parts, shards)) => {
+                        let _ = setup_tx.send(Ok((parts, shards)));
+                        fs
+                    }
+                    Err(e) => {
+                        let _ = setup_tx.send(Err(e.clone()));
+                        return Err(e);
+                    }
+                };
+                let Ok(Some(router)) = router_rx.recv() else {
+                    // A reactor failed to start: the ones that did are told to exit.
+                    for tx in &control_tx {
+                        let _ = tx.send(Control::Exit);
+                    }
+                    return Err(EngineError::Invalid("a reactor failed to start".into()));
+                };
+                let coordinator = Coordinator::new(fs, from_reactors, control_tx, router);
+                let fs = coordinator.run()?;
+                let stats = fs.commit_stats();
+                Ok((stats, fs.into_device()))
+            })
+            .map_err(|e| EngineError::Invalid(format!("starting the coordinator thread: {e}")))?;
+        let join_coordinator_error = |coordinator: JoinHandle<
+            Result<CoordinatorExit, EngineError>,
+        >| {
+            match coordinator.join() {
+                Ok(Err(e)) => e,
+                _ => EngineError::Invalid("the coordinator died while starting".into()),
+            }
+        };
+        let (parts, shard_count) = match setup_rx.recv() {
+            Ok(Ok(setup)) => setup,
+            Ok(Err(e)) => {
+                let _ = coordinator.join();
+                return Err(e);
+            }
+            Err(_) => return Err(join_coordinator_error(coordinator)),
+        };
+        let reactors: Vec<Arc<Shared>> = (0..n)
+            .map(|_| Arc::new(Shared::with_reactors(config.queue_capacity, n)))
+            .collect();
+        let router = Arc::new(Router {
+            reactors,
+            shard_count,
+        });
+        let coordinator_thread = coordinator.thread().clone();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<(usize, Result<(), EngineError>)>();
+        let mut threads = Vec::with_capacity(n);
+        for (index, ((lent, template, queue), control)) in
+            parts.into_iter().zip(control_rx).enumerate()
+        {
+            let router = router.clone();
+            let config = config.clone();
+            let ready_tx = ready_tx.clone();
+            let to_coordinator = to_coordinator.clone();
+            let coordinator_thread = coordinator_thread.clone();
+            let thread = std::thread::Builder::new()
+                .name(format!("corefs-reactor-{index}"))
+                .spawn(move || -> Result<ReactorExit, EngineError> {
+                    let shared = router.reactors[index].clone();
+                    let _ = shared.reactor.set(std::thread::current());
+                    let _stopped = MarkStopped(router.clone());
+                    let core = if config.cores.is_empty() {
+                        None
+                    } else {
+                        Some(config.cores[index % config.cores.len()])
+                    };
+                    pin(core);
+                    let dev = match queue {
+                        Some(q) => Ok(q),
+                        None => nvme::open_device(&config.device, &nvme::OpenOptions::default())
+                            .map_err(|e| EngineError::Invalid(format!("{}: {e}", config.device))),
+                    };
+                    let dev = match dev {
+                        Ok(dev) => dev,
+                        Err(e) => {
+                            let _ = ready_tx.send((index, Err(e.clone())));
+                            return Err(e);
+                        }
+                    };
+                    let fs = Filesystem::from_shards(dev, &template, lent);
+                    let _ = ready_tx.send((index, Ok(())));
+                    let mut reactor = Reactor::new(fs, config.mount.commit_interval);
+                    reactor.multi = Some(Member {
+                        index,
+                        router: router.clone(),
+                        to_coordinator,
+                        coordinator: coordinator_thread,
+                        control,
+                        commit_waiters: Vec::new(),
+                        commit_asked: false,
+                        away: false,
+                        deferred: VecDeque::new(),
+                        next_dir_shard: index as u64,
+                        drained_sent: false,
+                    });
+                    run(reactor, &shared, &config)
+                })
+                .map_err(|e| EngineError::Invalid(format!("starting reactor {index}: {e}")))?;
+            threads.push(thread);
+        }
+        drop(ready_tx);
+        let mut failure = None;
+        for _ in 0..n {
+            match ready_rx.recv() {
+                Ok((_, Ok(()))) => {}
+                Ok((index, Err(e))) => {
+                    failure.get_or_insert(EngineError::Invalid(format!("reactor {index}: {e}")));
+                }
+                Err(_) => {
+                    failure.get_or_insert(EngineError::Invalid(
+                        "a reactor died while starting".into(),
+                    ));
+                    break;
+                }
+            }
+        }
+        if let Some(e) = failure {
+            let _ = router_tx.send(None);
+            for t in threads {
+                let _ = t.join();
+            }
+            let _ = coordinator.join();
+            return Err(e);
+        }
+        let _ = router_tx.send(Some(router.clone()));
+        Ok(Runtime {
+            router,
+            threads,
+            coordinator: Some(coordinator),
+        })
+    }
+
     /// A client handle with room for `capacity` operations in flight.
     pub fn client(&self, capacity: usize) -> Client {
-        Client::new(self.shared.clone(), capacity)
+        Client::new(self.router.clone(), capacity)
+    }
+
+    /// Reactors running.
+    pub fn reactors(&self) -> usize {
+        self.router.reactors.len()
     }
 
     /// Stops taking requests, runs those queued, commits, unmounts; returns the final
-    /// statistics.
+    /// statistics (with several reactors, merged; the commit figures are the coordinator's).
     pub fn shutdown(mut self) -> Result<ReactorStats, EngineError> {
         self.stop().map(|(stats, _)| stats)
     }
@@ -219,22 +482,65 @@ impl Runtime {
     }
 
     fn stop(&mut self) -> Result<Stopped, EngineError> {
-        self.shared.stopping.store(true, Ordering::Release);
-        if let Some(thread) = self.shared.reactor.get() {
-            thread.unpark();
+        if self.threads.is_empty() {
+            return Err(EngineError::Invalid("already shut down".into()));
         }
-        match self.thread.take() {
-            Some(handle) => handle
-                .join()
-                .unwrap_or_else(|_| Err(EngineError::Invalid("the reactor panicked".into()))),
-            None => Err(EngineError::Invalid("already shut down".into())),
+        for shared in &self.router.reactors {
+            shared.stopping.store(true, Ordering::Release);
+            if let Some(thread) = shared.reactor.get() {
+                thread.unpark();
+            }
+        }
+        let mut exits = Vec::new();
+        let mut failure = None;
+        for handle in self.threads.drain(..) {
+            match handle.join() {
+                Ok(Ok(exit)) => exits.push(exit),
+                Ok(Err(e)) => {
+                    failure.get_or_insert(e);
+                }
+                Err(_) => {
+                    failure.get_or_insert(EngineError::Invalid("a reactor panicked".into()));
+                }
+            }
+        }
+        let coordinator = match self.coordinator.take().map(|h| h.join()) {
+            None => None,
+            Some(Ok(Ok(exit))) => Some(exit),
+            Some(Ok(Err(e))) => {
+                failure.get_or_insert(e);
+                None
+            }
+            Some(Err(_)) => {
+                failure.get_or_insert(EngineError::Invalid("the coordinator panicked".into()));
+                None
+            }
+        };
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        let mut exits = exits.into_iter();
+        let first = exits.next().expect("at least one reactor");
+        let (mut stats, mut hist, dev) = (first.stats, first.hist, first.dev);
+        for exit in exits {
+            stats.absorb(&exit.stats);
+            hist.add(&exit.hist);
+        }
+        match coordinator {
+            Some((commit, dev)) => {
+                hist.fill(&mut stats);
+                stats.commit = commit;
+                stats.unpinned_blocks_last = commit.last_unpinned_blocks;
+                Ok((stats, dev))
+            }
+            None => Ok((stats, dev)),
         }
     }
 }
 
 impl Drop for Runtime {
     fn drop(&mut self) {
-        if self.thread.is_some() {
+        if !self.threads.is_empty() {
             if let Err(e) = self.stop() {
                 tracing::error!("reactor shutdown: {e}");
             }
@@ -262,6 +568,8 @@ pub(crate) struct Reactor {
     cpu_start_ns: u64,
     /// fsync groups whose records are in flight, oldest first (tickets ascend).
     pending: VecDeque<PendingGroup>,
+    /// With several reactors: this one's side of the coordination ([`crate::multi`]).
+    pub(crate) multi: Option<Member>,
 }
 
 /// An fsync group waiting for its record to become durable.
@@ -271,32 +579,31 @@ struct PendingGroup {
     group_start: Instant,
 }
 
-fn run(
-    shared: &Shared,
-    config: &Config,
-    dev: Option<Box<dyn BlockDevice>>,
-    ready: &std::sync::mpsc::SyncSender<Result<(), EngineError>>,
-) -> Result<Stopped, EngineError> {
-    if let Some(core) = config.core {
-        if !core_affinity::set_for_current(core_affinity::CoreId { id: core }) {
-            tracing::warn!(
-                core,
-                "could not pin the reactor to core {core}; running unpinned"
-            );
-        }
-    }
-    let fs = match open(config, dev) {
-        Ok(fs) => fs,
-        Err(e) => {
-            let _ = ready.send(Err(e.clone()));
-            return Err(e);
-        }
-    };
-    let _ = ready.send(Ok(()));
-    let mut reactor = Reactor::new(fs, config.mount.commit_interval);
+fn run(mut reactor: Reactor, shared: &Shared, config: &Config) -> Result<ReactorExit, EngineError> {
     let mut batch: Vec<Request> = Vec::with_capacity(config.batch_max);
     let mut idle_since: Option<Instant> = None;
     loop {
+        if reactor.multi.is_some() {
+            if reactor.take_control(shared) {
+                break;
+            }
+            if reactor.multi.as_ref().is_some_and(|m| m.away) {
+                // Every shard is lent: requests wait until they come back.
+                let m = reactor.multi.as_mut().expect("multi");
+                while let Some(r) = shared.requests.pop() {
+                    m.deferred.push_back(r);
+                }
+                park_for_control(shared, Duration::from_millis(1));
+                continue;
+            }
+            let m = reactor.multi.as_mut().expect("multi");
+            while batch.len() < config.batch_max {
+                match m.deferred.pop_front() {
+                    Some(r) => batch.push(r),
+                    None => break,
+                }
+            }
+        }
         while batch.len() < config.batch_max {
             match shared.requests.pop() {
                 Some(r) => batch.push(r),
@@ -320,7 +627,19 @@ fn run(
             continue;
         }
         if shared.stopping.load(Ordering::Acquire) && shared.requests.is_empty() {
-            break;
+            match reactor.multi.as_mut() {
+                None => break,
+                Some(m) => {
+                    // Drained: the coordinator makes the last commit once every reactor is,
+                    // then says Exit.
+                    if m.commit_waiters.is_empty() && !m.drained_sent {
+                        m.drained_sent = true;
+                        m.tell(ToCoordinator::Drained(m.index));
+                    }
+                    park_for_control(shared, Duration::from_millis(10));
+                    continue;
+                }
+            }
         }
         reactor.tick();
         match config.idle {
@@ -333,7 +652,10 @@ fn run(
                 }
                 shared.parked.store(true, Ordering::SeqCst);
                 std::sync::atomic::fence(Ordering::SeqCst);
-                if shared.requests.is_empty() && !shared.stopping.load(Ordering::Acquire) {
+                if shared.requests.is_empty()
+                    && shared.control_pending.load(Ordering::SeqCst) == 0
+                    && !shared.stopping.load(Ordering::Acquire)
+                {
                     reactor.stats.parks += 1;
                     // Wake for the commit timer even when no client comes.
                     let timer = reactor.commit_interval / 4;
@@ -359,8 +681,24 @@ fn run(
         fsync_p99_us = stats.fsync_total.p99_ns / 1000,
         "reactor stopping"
     );
-    let dev = reactor.fs.unmount()?;
-    Ok((stats, dev))
+    let hist = reactor.hist.clone();
+    let dev = if reactor.multi.is_some() {
+        // The coordinator made the last commit; this queue only goes away.
+        reactor.fs.into_device()
+    } else {
+        reactor.fs.unmount()?
+    };
+    Ok(ReactorExit { stats, hist, dev })
+}
+
+/// Parks up to `timeout` unless a control message or a request is waiting.
+fn park_for_control(shared: &Shared, timeout: Duration) {
+    shared.parked.store(true, Ordering::SeqCst);
+    std::sync::atomic::fence(Ordering::SeqCst);
+    if shared.control_pending.load(Ordering::SeqCst) == 0 && shared.requests.is_empty() {
+        std::thread::park_timeout(timeout);
+    }
+    shared.parked.store(false, Ordering::SeqCst);
 }
 
 impl Reactor {
@@ -372,6 +710,7 @@ impl Reactor {
             stats: ReactorStats::default(),
             cpu_start_ns: thread_cpu_ns(),
             pending: VecDeque::new(),
+            multi: None,
         }
     }
 
@@ -386,6 +725,23 @@ impl Reactor {
     }
 
     pub(crate) fn tick(&mut self) {
+        if let Some(m) = self.multi.as_mut() {
+            // Unpin the last coordinated commit's frees; ask for a commit when one is due.
+            self.fs.complete_commit();
+            if self.fs.failure().is_none() && self.fs.commit_due() {
+                m.ask_commit();
+            }
+            let statfs = self.fs.statfs();
+            let shared = &m.router.reactors[m.index];
+            shared
+                .total_blocks
+                .store(statfs.total_blocks, Ordering::Relaxed);
+            shared
+                .free_blocks
+                .store(statfs.free_blocks, Ordering::Relaxed);
+            self.poll_durable(None);
+            return;
+        }
         let before = self.fs.commit_stats().commits;
         if let Err(e) = self.fs.tick() {
             tracing::error!("background commit failed: {e}");
@@ -407,14 +763,129 @@ impl Reactor {
     pub(crate) fn snapshot(&mut self) -> ReactorStats {
         let mut s = self.stats.clone();
         s.cpu_ns = thread_cpu_ns().saturating_sub(self.cpu_start_ns);
-        s.fsync_queue_wait = Latency::of(&self.hist.queue_wait);
-        s.fsync_log_write = Latency::of(&self.hist.log_write);
-        s.fsync_commit_wait = Latency::of(&self.hist.commit_wait);
-        s.fsync_total = Latency::of(&self.hist.total);
+        self.hist.fill(&mut s);
         s.commit = self.fs.commit_stats();
         s.log = self.fs.log_stats();
         s.unpinned_blocks_last = s.commit.last_unpinned_blocks;
         s
+    }
+
+    /// Takes the coordinator's control messages; true on Exit.
+    fn take_control(&mut self, shared: &Shared) -> bool {
+        loop {
+            let Some(m) = self.multi.as_mut() else {
+                return false;
+            };
+            let Ok(control) = m.control.try_recv() else {
+                return false;
+            };
+            shared.control_pending.fetch_sub(1, Ordering::SeqCst);
+            match control {
+                Control::Lend => {
+                    let held = self.fs.held_ids();
+                    let lent = self.fs.take_shards(&held);
+                    // The drain may have made records durable: their waiters go.
+                    self.poll_durable(None);
+                    let m = self.multi.as_mut().expect("multi");
+                    m.away = lent.is_ok();
+                    m.tell(ToCoordinator::Lent(m.index, Box::new(lent)));
+                }
+                Control::Return(lent) => {
+                    self.fs.put_shards(lent);
+                    self.multi.as_mut().expect("multi").away = false;
+                }
+                Control::CommitPrepare => self.commit_half(shared),
+                Control::Snapshot => {
+                    let snapshot = self.snapshot();
+                    let m = self.multi.as_ref().expect("multi");
+                    m.tell(ToCoordinator::Snapshot(Box::new((
+                        snapshot,
+                        self.hist.clone(),
+                    ))));
+                }
+                Control::Exit => return true,
+                Control::CommitDone(_) | Control::CommitFailed(_) => {
+                    tracing::error!("commit outcome outside a commit: ignored");
+                }
+            }
+        }
+    }
+
+    /// This reactor's half of a coordinated commit; waits for the superblock (the reactor
+    /// does nothing else meanwhile), then releases its commit waiters.
+    fn commit_half(&mut self, shared: &Shared) {
+        let generation = self.fs.generation();
+        let half = self.fs.commit_write();
+        self.poll_durable(None);
+        let m = self.multi.as_mut().expect("multi");
+        let roots = match &half {
+            Ok(h) => Ok(h.as_ref().map(|w| w.roots.clone())),
+            Err(e) => Err(e.clone()),
+        };
+        m.tell(ToCoordinator::Half(m.index, Box::new(roots)));
+        let outcome = loop {
+            match m.control.recv() {
+                Ok(c) => {
+                    shared.control_pending.fetch_sub(1, Ordering::SeqCst);
+                    match c {
+                        Control::CommitDone(sb) => break Ok(sb),
+                        Control::CommitFailed(e) => break Err(e),
+                        _ => tracing::error!("unexpected control message during a commit"),
+                    }
+                }
+                Err(_) => {
+                    break Err(EngineError::Invalid("the coordinator is gone".into()));
+                }
+            }
+        };
+        m.commit_asked = false;
+        let result = match outcome {
+            Ok(sb) => {
+                let written = match half {
+                    Ok(Some(w)) => w,
+                    _ => engine::commit::CommitWritten::nothing(generation),
+                };
+                self.fs.commit_finish(&sb, &written);
+                Ok(())
+            }
+            Err(e) => {
+                self.fs.fail_stop(e.clone());
+                Err(e)
+            }
+        };
+        self.release_commit_waiters(result);
+    }
+
+    /// Completes every reply held for a commit.
+    fn release_commit_waiters(&mut self, result: Result<(), EngineError>) {
+        let Some(m) = self.multi.as_mut() else {
+            return;
+        };
+        let waiters = std::mem::take(&mut m.commit_waiters);
+        let now = Instant::now();
+        let mut done = Vec::with_capacity(waiters.len());
+        for w in waiters {
+            if let Some((started, group_start)) = w.fsync {
+                let submitted = w.request.submitted;
+                let _ = self
+                    .hist
+                    .queue_wait
+                    .record(started.duration_since(submitted).as_nanos().max(1) as u64);
+                let _ = self
+                    .hist
+                    .commit_wait
+                    .record(now.duration_since(group_start).as_nanos().max(1) as u64);
+                let _ = self
+                    .hist
+                    .total
+                    .record(now.duration_since(submitted).as_nanos().max(1) as u64);
+            }
+            done.push(crate::multi::completion(
+                w.request,
+                result.clone().map(|()| w.reply),
+            ));
+        }
+        deliver(done);
     }
 
     /// Runs a batch: every operation in order; the fsyncs are checked when reached and made
@@ -425,6 +896,9 @@ impl Reactor {
         let mut fsyncs: Vec<(Request, (u64, bool), Instant)> = Vec::new();
         let mut syncs: Vec<Request> = Vec::new();
         let mut reads: Vec<Request> = Vec::new();
+        // With several reactors: requests for another reactor, and spans for the coordinator.
+        let mut forwards: Vec<(usize, Request)> = Vec::new();
+        let mut spans: Vec<(Request, Option<u32>)> = Vec::new();
         for request in batch.drain(..) {
             self.stats.ops += 1;
             // Consecutive reads run together, their device reads all in flight at once; any
@@ -434,17 +908,32 @@ impl Reactor {
                 continue;
             }
             self.run_reads(&mut reads, &mut done);
+            if let Some(m) = self.multi.as_mut() {
+                if matches!(request.op, Op::Stats) {
+                    m.tell(ToCoordinator::Stats(Box::new(request)));
+                    continue;
+                }
+                match crate::multi::plan(&mut self.fs, m, &request.op) {
+                    Plan::Local => {}
+                    Plan::Forward(to, op) => {
+                        forwards.push((to, Request { op, ..request }));
+                        continue;
+                    }
+                    Plan::Span(place) => {
+                        spans.push((request, place));
+                        continue;
+                    }
+                    Plan::Answer(result) => {
+                        done.push(crate::multi::completion(request, result));
+                        continue;
+                    }
+                }
+            }
             if let Some(member) = request.op.is_fsync() {
                 let started = Instant::now();
                 match self.fs.check_exists(member.0) {
                     Ok(()) => fsyncs.push((request, member, started)),
-                    Err(e) => done.push((
-                        request.reply.clone(),
-                        Completion {
-                            token: request.token,
-                            result: Err(e),
-                        },
-                    )),
+                    Err(e) => done.push(crate::multi::completion(request, Err(e))),
                 }
                 continue;
             }
@@ -452,14 +941,36 @@ impl Reactor {
                 syncs.push(request);
                 continue;
             }
-            let result = self.execute(request.op);
-            done.push((
-                request.reply,
-                Completion {
-                    token: request.token,
-                    result,
-                },
-            ));
+            let Request {
+                op,
+                token,
+                reply,
+                submitted,
+            } = request;
+            // With several reactors a directory rename commits before it returns.
+            let rename = match (&self.multi, &op) {
+                (Some(_), Op::Rename { .. }) => Some(op.clone()),
+                _ => None,
+            };
+            let result = self.execute(op);
+            if let (Some(rename), Ok(_)) = (&rename, &result) {
+                if crate::multi::renamed_a_directory(&mut self.fs, rename) {
+                    let m = self.multi.as_mut().expect("multi");
+                    m.commit_waiters.push(crate::multi::CommitWaiter {
+                        request: Request {
+                            op: rename.clone(),
+                            token,
+                            reply,
+                            submitted,
+                        },
+                        reply: result.expect("checked"),
+                        fsync: None,
+                    });
+                    m.ask_commit();
+                    continue;
+                }
+            }
+            done.push((reply, Completion { token, result }));
         }
         self.run_reads(&mut reads, &mut done);
         if !fsyncs.is_empty() {
@@ -485,24 +996,70 @@ impl Reactor {
                 Ok(FsyncStart::Durable) => {
                     self.finish_group(waiters, group_start, fell_back, Ok(()), &mut done)
                 }
+                // Only a partition asks: the coordinated commit releases the group.
+                Ok(FsyncStart::NeedsCommit) => match self.multi.as_mut() {
+                    Some(m) => {
+                        for (request, started) in waiters {
+                            m.commit_waiters.push(crate::multi::CommitWaiter {
+                                request,
+                                reply: Reply::Done,
+                                fsync: Some((started, group_start)),
+                            });
+                        }
+                        m.ask_commit();
+                    }
+                    None => self.finish_group(
+                        waiters,
+                        group_start,
+                        false,
+                        Err(EngineError::Invalid(
+                            "a whole mount asked for a coordinated commit".into(),
+                        )),
+                        &mut done,
+                    ),
+                },
                 Err(e) => self.finish_group(waiters, group_start, false, Err(e), &mut done),
             }
         }
         if !syncs.is_empty() {
-            // Returns at SuperCommitted; tick() unpins after the waiters are released.
-            let result = self.fs.commit_to_super().map(drop);
-            for request in syncs {
-                done.push((
-                    request.reply,
-                    Completion {
-                        token: request.token,
-                        result: result.clone().map(|()| Reply::Done),
-                    },
-                ));
+            match self.multi.as_mut() {
+                Some(m) => {
+                    for request in syncs {
+                        m.commit_waiters.push(crate::multi::CommitWaiter {
+                            request,
+                            reply: Reply::Done,
+                            fsync: None,
+                        });
+                    }
+                    m.ask_commit();
+                }
+                None => {
+                    // Returns at SuperCommitted; tick() unpins after the waiters are released.
+                    let result = self.fs.commit_to_super().map(drop);
+                    for request in syncs {
+                        done.push(crate::multi::completion(
+                            request,
+                            result.clone().map(|()| Reply::Done),
+                        ));
+                    }
+                }
             }
         }
         self.collect_durable(None, &mut done);
         deliver(done);
+        if let Some(m) = self.multi.as_mut() {
+            for (to, request) in forwards {
+                let target = &m.router.reactors[to];
+                match target.requests.push(request) {
+                    Ok(()) => target.wake_reactor(),
+                    // Its queue is full: the coordinator runs it instead (it can run anything).
+                    Err(request) => spans.push((request, None)),
+                }
+            }
+            for (request, place) in spans {
+                m.tell(ToCoordinator::Span(Box::new(request), place));
+            }
+        }
     }
 
     /// Completes an fsync group's waiters with `result`, recording their phases.
@@ -623,66 +1180,81 @@ impl Reactor {
     }
 
     fn execute(&mut self, op: Op) -> Result<Reply, EngineError> {
-        let fs = &mut self.fs;
-        Ok(match op {
-            Op::Resolve { path } => {
-                let ino = fs.resolve(&path)?;
-                Reply::Stat(fs.stat(ino)?)
-            }
-            Op::Lookup { dir, name } => Reply::Stat(fs.lookup(dir, &name)?),
-            Op::Create { dir, name, mode } => Reply::Stat(fs.create(dir, &name, mode, 0, 0)?),
-            Op::Mkdir { dir, name, mode } => Reply::Stat(fs.mkdir(dir, &name, mode, 0, 0)?),
-            Op::Symlink { dir, name, target } => {
-                Reply::Stat(fs.symlink(dir, &name, &target, 0, 0)?)
-            }
-            Op::Readlink { ino } => Reply::Data(fs.readlink(ino)?),
-            Op::Link { ino, dir, name } => Reply::Stat(fs.link(ino, dir, &name)?),
-            Op::Unlink { dir, name } => fs.unlink(dir, &name).map(|()| Reply::Done)?,
-            Op::Rmdir { dir, name } => fs.rmdir(dir, &name).map(|()| Reply::Done)?,
-            Op::Rename {
-                from_dir,
-                from,
-                to_dir,
-                to,
-                flags,
-            } => fs
-                .rename(from_dir, &from, to_dir, &to, flags)
-                .map(|()| Reply::Done)?,
-            Op::Readdir { dir, cookie, max } => Reply::Entries(fs.readdir(dir, cookie, max)?),
-            Op::Stat { ino } => Reply::Stat(fs.stat(ino)?),
-            Op::SetAttr { ino, change } => Reply::Stat(fs.setattr(ino, change)?),
-            Op::Read { ino, offset, len } => Reply::Data(fs.read(ino, offset, len)?),
-            Op::Write { ino, offset, data } => Reply::Written(fs.write(ino, offset, &data)?),
-            Op::Truncate { ino, size } => fs.truncate(ino, size).map(|()| Reply::Done)?,
-            Op::Fallocate {
-                ino,
-                mode,
-                offset,
-                len,
-            } => fs.fallocate(ino, mode, offset, len).map(|()| Reply::Done)?,
-            Op::SetXattr {
-                ino,
-                name,
-                value,
-                flags,
-            } => fs
-                .setxattr(ino, &name, &value, flags)
-                .map(|()| Reply::Done)?,
-            Op::GetXattr { ino, name } => Reply::Data(fs.getxattr(ino, &name)?),
-            Op::ListXattr { ino } => Reply::Names(fs.listxattr(ino)?),
-            Op::RemoveXattr { ino, name } => fs.removexattr(ino, &name).map(|()| Reply::Done)?,
-            Op::Statfs => Reply::Statfs(fs.statfs()),
-            Op::Stats => Reply::Stats(Box::new(self.snapshot())),
-            Op::Fsync { .. } | Op::Fdatasync { .. } | Op::Sync => {
-                unreachable!("handled by the batch")
-            }
-        })
+        match op {
+            Op::Stats => Ok(Reply::Stats(Box::new(self.snapshot()))),
+            op => execute_on(&mut self.fs, op),
+        }
     }
+}
+
+/// Runs one engine operation (not fsync, sync or stats, which the batch handles).
+pub(crate) fn execute_on(fs: &mut Filesystem, op: Op) -> Result<Reply, EngineError> {
+    Ok(match op {
+        Op::Resolve { path } => {
+            let ino = fs.resolve(&path)?;
+            Reply::Stat(fs.stat(ino)?)
+        }
+        Op::ResolveAt { dir, path } => {
+            let mut ino = dir;
+            for part in path.split('/').filter(|p| !p.is_empty()) {
+                ino = fs
+                    .lookup_ino(ino, part.as_bytes())?
+                    .ok_or(EngineError::NotFound)?;
+            }
+            Reply::Stat(fs.stat(ino)?)
+        }
+        Op::Lookup { dir, name } => Reply::Stat(fs.lookup(dir, &name)?),
+        Op::Create { dir, name, mode } => Reply::Stat(fs.create(dir, &name, mode, 0, 0)?),
+        Op::Mkdir { dir, name, mode } => Reply::Stat(fs.mkdir(dir, &name, mode, 0, 0)?),
+        Op::Symlink { dir, name, target } => Reply::Stat(fs.symlink(dir, &name, &target, 0, 0)?),
+        Op::Readlink { ino } => Reply::Data(fs.readlink(ino)?),
+        Op::Link { ino, dir, name } => Reply::Stat(fs.link(ino, dir, &name)?),
+        Op::Unlink { dir, name } => fs.unlink(dir, &name).map(|()| Reply::Done)?,
+        Op::Rmdir { dir, name } => fs.rmdir(dir, &name).map(|()| Reply::Done)?,
+        Op::Rename {
+            from_dir,
+            from,
+            to_dir,
+            to,
+            flags,
+        } => fs
+            .rename(from_dir, &from, to_dir, &to, flags)
+            .map(|()| Reply::Done)?,
+        Op::Readdir { dir, cookie, max } => Reply::Entries(fs.readdir(dir, cookie, max)?),
+        Op::Stat { ino } => Reply::Stat(fs.stat(ino)?),
+        Op::SetAttr { ino, change } => Reply::Stat(fs.setattr(ino, change)?),
+        Op::Read { ino, offset, len } => Reply::Data(fs.read(ino, offset, len)?),
+        Op::Write { ino, offset, data } => Reply::Written(fs.write(ino, offset, &data)?),
+        Op::Truncate { ino, size } => fs.truncate(ino, size).map(|()| Reply::Done)?,
+        Op::Fallocate {
+            ino,
+            mode,
+            offset,
+            len,
+        } => fs.fallocate(ino, mode, offset, len).map(|()| Reply::Done)?,
+        Op::SetXattr {
+            ino,
+            name,
+            value,
+            flags,
+        } => fs
+            .setxattr(ino, &name, &value, flags)
+            .map(|()| Reply::Done)?,
+        Op::GetXattr { ino, name } => Reply::Data(fs.getxattr(ino, &name)?),
+        Op::ListXattr { ino } => Reply::Names(fs.listxattr(ino)?),
+        Op::RemoveXattr { ino, name } => fs.removexattr(ino, &name).map(|()| Reply::Done)?,
+        Op::Statfs => Reply::Statfs(fs.statfs()),
+        Op::Fsync { .. } | Op::Fdatasync { .. } | Op::Sync | Op::Stats => {
+            return Err(EngineError::Invalid(
+                "fsync, sync and stats are not run one by one".into(),
+            ))
+        }
+    })
 }
 
 /// Pushes completions to their clients, then wakes each client once (never inline while the
 /// engine is mid-operation).
-fn deliver(done: Vec<(Arc<ReplyQueue>, Completion)>) {
+pub(crate) fn deliver(done: Vec<(Arc<ReplyQueue>, Completion)>) {
     let mut to_wake: Vec<Arc<ReplyQueue>> = Vec::new();
     for (reply, completion) in done {
         // Cannot fail: a client never has more in flight than its queue holds.

@@ -182,7 +182,13 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
     let shared = Arc::new(Shared::new(256));
     let mut clients: Vec<SimClient> = (0..config.clients)
         .map(|_| SimClient {
-            client: Client::new(shared.clone(), 4),
+            client: Client::new(
+                Arc::new(crate::multi::Router {
+                    reactors: vec![shared.clone()],
+                    shard_count: 0,
+                }),
+                4,
+            ),
             inos: Vec::new(),
             written: vec![0; FILES],
             in_flight: None,

@@ -72,6 +72,33 @@ impl ReactorStats {
     }
 }
 
+impl ReactorStats {
+    /// Adds another reactor's counters to these (several reactors, one filesystem). Commit
+    /// figures are the coordinator's and are set by the caller; latencies are recomputed from
+    /// the merged histograms.
+    pub(crate) fn absorb(&mut self, other: &ReactorStats) {
+        self.ops += other.ops;
+        self.cpu_ns += other.cpu_ns;
+        self.batches += other.batches;
+        self.parks += other.parks;
+        self.fsync_groups += other.fsync_groups;
+        self.fsync_group_max = self.fsync_group_max.max(other.fsync_group_max);
+        self.read_groups += other.read_groups;
+        let (a, b) = (&mut self.log, &other.log);
+        a.fsyncs += b.fsyncs;
+        a.log_writes += b.log_writes;
+        a.log_blocks += b.log_blocks;
+        a.inodes_logged += b.inodes_logged;
+        a.already_logged += b.already_logged;
+        a.fallback_log_full += b.fallback_log_full;
+        a.fallback_too_big += b.fallback_too_big;
+        a.fallback_cross += b.fallback_cross;
+        a.replayed_records += b.replayed_records;
+        a.replayed_ops += b.replayed_ops;
+    }
+}
+
+#[derive(Clone)]
 pub(crate) struct Histograms {
     pub queue_wait: Histogram<u64>,
     pub log_write: Histogram<u64>,
@@ -88,6 +115,23 @@ impl Histograms {
             commit_wait: h(),
             total: h(),
         }
+    }
+
+    /// Adds another reactor's samples.
+    pub fn add(&mut self, other: &Histograms) {
+        // Same bounds on both sides: adding cannot fail.
+        let _ = self.queue_wait.add(&other.queue_wait);
+        let _ = self.log_write.add(&other.log_write);
+        let _ = self.commit_wait.add(&other.commit_wait);
+        let _ = self.total.add(&other.total);
+    }
+
+    /// The phase latencies into `stats`.
+    pub fn fill(&self, stats: &mut ReactorStats) {
+        stats.fsync_queue_wait = Latency::of(&self.queue_wait);
+        stats.fsync_log_write = Latency::of(&self.log_write);
+        stats.fsync_commit_wait = Latency::of(&self.commit_wait);
+        stats.fsync_total = Latency::of(&self.total);
     }
 }
 

@@ -15,7 +15,13 @@ use std::time::Duration;
 const ROOT: u64 = 256;
 
 fn file_config(dir: &tempfile::TempDir, idle: IdlePolicy) -> Config {
+    file_config_n(dir, idle, 1)
+}
+
+/// The file-backed config with `reactors` reactors (each holds every `reactors`-th shard).
+fn file_config_n(dir: &tempfile::TempDir, idle: IdlePolicy, reactors: usize) -> Config {
     Config {
+        reactors,
         device: format!("file:{}/fs.img,size=128MiB", dir.path().display()),
         mkfs: Some(MkfsOptions {
             shards: 8,
@@ -208,10 +214,10 @@ fn read_dir_model(fs: &mut Filesystem, dir: u64) -> BTreeMap<String, Vec<u8>> {
         .collect()
 }
 
-fn stress(idle: IdlePolicy, clients: usize) {
+fn stress(idle: IdlePolicy, clients: usize, reactors: usize) {
     let seed = nvme::wrap::seed_from_env();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let config = file_config(&dir, idle);
+    let config = file_config_n(&dir, idle, reactors);
     let device = config.device.clone();
     let runtime = Runtime::start(config).unwrap();
     let mut setup = runtime.client(4);
@@ -244,19 +250,34 @@ fn stress(idle: IdlePolicy, clients: usize) {
 
 #[test]
 fn many_clients_against_their_models_spin_then_park() {
-    stress(IdlePolicy::default(), 8);
+    stress(IdlePolicy::default(), 8, 1);
+}
+
+#[test]
+fn many_clients_against_their_models_two_reactors() {
+    stress(IdlePolicy::default(), 8, 2);
 }
 
 #[test]
 fn many_clients_against_their_models_busy_poll() {
-    stress(IdlePolicy::BusyPoll, 4);
+    stress(IdlePolicy::BusyPoll, 4, 1);
 }
 
 #[test]
 fn rename_storm_across_directories_keeps_every_name_in_one_place() {
+    rename_storm(1);
+}
+
+/// With two reactors the directories are spread over both: most renames span reactors.
+#[test]
+fn rename_storm_across_reactors_keeps_every_name_in_one_place() {
+    rename_storm(2);
+}
+
+fn rename_storm(reactors: usize) {
     let seed = nvme::wrap::seed_from_env();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let config = file_config(&dir, IdlePolicy::default());
+    let config = file_config_n(&dir, IdlePolicy::default(), reactors);
     let device = config.device.clone();
     let runtime = Runtime::start(config).unwrap();
     let mut setup = runtime.client(4);
@@ -315,8 +336,18 @@ fn rename_storm_across_directories_keeps_every_name_in_one_place() {
 
 #[test]
 fn fsyncs_queued_together_share_one_log_record() {
+    fsyncs_grouped(1);
+}
+
+#[test]
+fn fsyncs_queued_together_share_one_log_record_per_reactor() {
+    fsyncs_grouped(2);
+}
+
+fn fsyncs_grouped(reactors: usize) {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let runtime = Runtime::start(file_config(&dir, IdlePolicy::default())).unwrap();
+    let runtime = Runtime::start(file_config_n(&dir, IdlePolicy::default(), reactors)).unwrap();
+    assert_eq!(runtime.reactors(), reactors);
     let mut client = runtime.client(64);
     let inos = create_files(&mut client, "f", 16);
     client.call(Op::Sync).unwrap();
@@ -357,6 +388,7 @@ fn fsyncs_queued_together_share_one_log_record() {
     );
     assert!(stats.log.log_writes <= stats.fsync_groups);
     assert_eq!(stats.fsync_total.count, 320);
+    assert_eq!(stats.log.fallback_commits(), 0, "{stats:?}");
     runtime.shutdown().unwrap();
 }
 
@@ -450,9 +482,18 @@ fn reads_queued_together_are_served_together_and_in_order_with_writes() {
 
 #[test]
 fn shutdown_under_load_keeps_every_acknowledged_fsync() {
+    shutdown_under_load(1);
+}
+
+#[test]
+fn shutdown_of_two_reactors_under_load_keeps_every_acknowledged_fsync() {
+    shutdown_under_load(2);
+}
+
+fn shutdown_under_load(reactors: usize) {
     let seed = nvme::wrap::seed_from_env();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let config = file_config(&dir, IdlePolicy::default());
+    let config = file_config_n(&dir, IdlePolicy::default(), reactors);
     let device = config.device.clone();
     let runtime = Runtime::start(config).unwrap();
     let mut setup = runtime.client(4);
@@ -498,6 +539,17 @@ fn shutdown_under_load_keeps_every_acknowledged_fsync() {
 
 #[test]
 fn a_power_cut_during_multi_client_fsyncs_loses_no_acknowledged_fsync() {
+    power_cut_during_fsyncs(1);
+}
+
+/// Two reactors: their queues record into one write log (a flush covers every queue's
+/// completed writes, as an NVMe flush covers the namespace), so the cuts see both streams.
+#[test]
+fn a_power_cut_under_two_reactors_loses_no_acknowledged_fsync() {
+    power_cut_during_fsyncs(2);
+}
+
+fn power_cut_during_fsyncs(reactors: usize) {
     let seed = nvme::wrap::seed_from_env();
     let mem = MemConfig {
         capacity_bytes: 64 << 20,
@@ -523,6 +575,7 @@ fn a_power_cut_during_multi_client_fsyncs_loses_no_acknowledged_fsync() {
     let runtime = Runtime::start_with_device(
         Config {
             device: "recorded mem".into(),
+            reactors,
             ..Default::default()
         },
         Box::new(recording),

@@ -121,6 +121,9 @@ impl DeviceMux {
 }
 
 impl BlockDevice for DeviceMux {
+    fn new_queue(&self) -> Option<std::result::Result<Box<dyn BlockDevice>, DevError>> {
+        self.inner.new_queue()
+    }
     fn info(&self) -> &DeviceInfo {
         self.inner.info()
     }

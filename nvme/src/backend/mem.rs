@@ -129,6 +129,10 @@ impl MemDevice {
 }
 
 impl BlockDevice for MemDevice {
+    fn new_queue(&self) -> Option<Result<Box<dyn BlockDevice>, DevError>> {
+        Some(MemDevice::new_queue(self).map(|q| Box::new(q) as Box<dyn BlockDevice>))
+    }
+
     fn info(&self) -> &DeviceInfo {
         &self.info
     }

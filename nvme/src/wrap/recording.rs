@@ -104,6 +104,19 @@ impl<D: BlockDevice> RecordingDevice<D> {
 }
 
 impl<D: BlockDevice> BlockDevice for RecordingDevice<D> {
+    /// Another queue recording into the same log: a flush covers what every queue had
+    /// completed when it was submitted, as an NVMe flush covers the whole namespace.
+    fn new_queue(&self) -> Option<Result<Box<dyn BlockDevice>, DevError>> {
+        let inner = self.inner.new_queue()?;
+        Some(inner.map(|q| {
+            let depth = q.info().queue_depth;
+            Box::new(RecordingDevice {
+                inner: q,
+                log: Arc::clone(&self.log),
+                pending: TokenTable::new(depth),
+            }) as Box<dyn BlockDevice>
+        }))
+    }
     fn info(&self) -> &DeviceInfo {
         self.inner.info()
     }

@@ -1,0 +1,585 @@
+//! Several reactors on one filesystem: the shards spread over the reactors (shard `s` to
+//! reactor `s % N`), each reactor a partition of the engine on its own device queue
+//! ([`engine::partition`]), and a commit coordinator thread.
+//!
+//! ```text
+//!            route by inode / directory               forward (read-only) / span
+//! clients ──────────────────────────► reactor 0 ◄──────────────────────────► reactor 1
+//!                                         │  commit requests, spans, stats       │
+//!                                         └────────────► coordinator ◄───────────┘
+//!                                     prepare / done / lend / return (control channels)
+//! ```
+//!
+//! # Invariants
+//! - A client sends an operation to the reactor owning its inode (a directory operation: the
+//!   directory's). The reactor runs it when every shard it touches is its own; a read that
+//!   needs another reactor's inode (a lookup's child, the rest of a path) is forwarded there;
+//!   a change touching another reactor's shards is a *span*: the coordinator borrows the
+//!   shards of every reactor, runs it on its own engine, marks what it changed and gives the
+//!   shards back. The reactors hold the requests for lent shards until then, so no operation
+//!   observes half of a span, and a span lands in one generation.
+//! - Commits are coordinated: on request (a reactor's fsync fallback, sync, directory rename,
+//!   commit timer or dirty limit) the coordinator asks every reactor for its half, writes the
+//!   superblock, and tells every reactor SuperCommitted; each releases its waiters then and
+//!   unpins on its own afterwards. A reactor does nothing else between its half and the
+//!   superblock (commits stop the world here; see docs/reactors.md).
+//! - In partitioned mode a directory rename commits before it returns (the fsync log stops
+//!   its walk up at partition boundaries, which is sound only if no directory's name above a
+//!   boundary changes unlogged: [`engine::partition`]).
+//! - Channels: a reactor → coordinator message is either a client request (bounded by the
+//!   clients' capacities) or one step of a protocol the coordinator runs one at a time (one
+//!   message per reactor); the coordinator → reactor control messages likewise. Nothing grows
+//!   without bound.
+//!
+//! Fault model: a failed commit or span makes every partition fail-stop with the error
+//! (sticky, read-only); waiters of that commit get the error.
+
+use crate::client::ReplyQueue;
+use crate::op::{Completion, Op, Reply};
+use crate::runtime::{deliver, execute_on, Request, Shared};
+use crate::stats::{Histograms, ReactorStats};
+use engine::commit::CommitWritten;
+use engine::format::{ShardRoot, Superblock};
+use engine::partition::Lent;
+use engine::{EngineError, Filesystem};
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, Sender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Which reactor owns which shard, and every reactor's queue.
+pub(crate) struct Router {
+    pub reactors: Vec<Arc<Shared>>,
+    pub shard_count: u32,
+}
+
+impl Router {
+    pub fn owner_of_shard(&self, shard: u32) -> usize {
+        shard as usize % self.reactors.len()
+    }
+
+    pub fn owner_of(&self, ino: u64) -> usize {
+        self.owner_of_shard((ino % self.shard_count as u64) as u32)
+    }
+
+    /// The reactor an operation goes to first.
+    pub fn route(&self, op: &Op) -> usize {
+        if self.reactors.len() == 1 {
+            return 0;
+        }
+        match op {
+            Op::Resolve { .. } => self.owner_of(engine::inode::ROOT_INO),
+            Op::ResolveAt { dir: ino, .. }
+            | Op::Lookup { dir: ino, .. }
+            | Op::Create { dir: ino, .. }
+            | Op::Mkdir { dir: ino, .. }
+            | Op::Symlink { dir: ino, .. }
+            | Op::Link { dir: ino, .. }
+            | Op::Unlink { dir: ino, .. }
+            | Op::Rmdir { dir: ino, .. }
+            | Op::Readdir { dir: ino, .. }
+            | Op::Rename { from_dir: ino, .. }
+            | Op::Readlink { ino }
+            | Op::Stat { ino }
+            | Op::SetAttr { ino, .. }
+            | Op::Read { ino, .. }
+            | Op::Write { ino, .. }
+            | Op::Truncate { ino, .. }
+            | Op::Fallocate { ino, .. }
+            | Op::SetXattr { ino, .. }
+            | Op::GetXattr { ino, .. }
+            | Op::ListXattr { ino }
+            | Op::RemoveXattr { ino, .. }
+            | Op::Fsync { ino }
+            | Op::Fdatasync { ino } => self.owner_of(*ino),
+            Op::Sync | Op::Statfs | Op::Stats => 0,
+        }
+    }
+}
+
+/// Reactor → coordinator.
+pub(crate) enum ToCoordinator {
+    /// A reactor has waiters for a commit (or one is due).
+    CommitRequest,
+    /// A client request that touches shards of several reactors; `place`: the shard a new
+    /// directory goes to.
+    Span(Box<Request>, Option<u32>),
+    Stats(Box<Request>),
+    Lent(usize, Box<Result<Lent, EngineError>>),
+    Half(usize, Box<Half>),
+    Snapshot(Box<(ReactorStats, Histograms)>),
+    /// The reactor is stopping and has nothing queued or waiting.
+    Drained(usize),
+}
+
+/// A reactor's half of a commit: its shards' new roots (None: nothing changed), or the
+/// error that failed it.
+pub(crate) type Half = Result<Option<Vec<(u32, ShardRoot)>>, EngineError>;
+
+/// Coordinator → reactor.
+pub(crate) enum Control {
+    Lend,
+    Return(Lent),
+    CommitPrepare,
+    CommitDone(Box<Superblock>),
+    CommitFailed(EngineError),
+    Snapshot,
+    Exit,
+}
+
+/// A reply held until the next SuperCommitted.
+pub(crate) struct CommitWaiter {
+    pub request: Request,
+    pub reply: Reply,
+    /// For an fsync that fell back: when it was checked and when its group started.
+    pub fsync: Option<(Instant, Instant)>,
+}
+
+/// A reactor's side of the protocol.
+pub(crate) struct Member {
+    pub index: usize,
+    pub router: Arc<Router>,
+    pub to_coordinator: Sender<ToCoordinator>,
+    pub coordinator: std::thread::Thread,
+    pub control: Receiver<Control>,
+    pub commit_waiters: Vec<CommitWaiter>,
+    pub commit_asked: bool,
+    /// Every shard is lent to the coordinator: requests wait in `deferred`.
+    pub away: bool,
+    pub deferred: VecDeque<Request>,
+    /// Round-robin over every shard for new directories.
+    pub next_dir_shard: u64,
+    pub drained_sent: bool,
+}
+
+impl Member {
+    pub fn tell(&self, message: ToCoordinator) {
+        // The coordinator outlives every reactor: a send cannot fail while it runs.
+        let _ = self.to_coordinator.send(message);
+        self.coordinator.unpark();
+    }
+
+    pub fn ask_commit(&mut self) {
+        if !self.commit_asked {
+            self.commit_asked = true;
+            self.tell(ToCoordinator::CommitRequest);
+        }
+    }
+}
+
+/// Where a request runs.
+pub(crate) enum Plan {
+    /// Here: every shard it touches is held here.
+    Local,
+    /// On another reactor, as this (read-only) operation.
+    Forward(usize, Op),
+    /// On the coordinator with every shard (a change spanning reactors); the new directory's
+    /// shard for a mkdir.
+    Span(Option<u32>),
+    /// Answered without the engine.
+    Answer(Result<Reply, EngineError>),
+}
+
+fn held_or_absent(fs: &Filesystem, ino: Option<u64>) -> bool {
+    ino.is_none_or(|i| fs.holds(fs.shard_of(i)))
+}
+
+/// Decides where `op` runs, reading only shards held here. Errors found here (a missing
+/// directory) are the operation's result.
+pub(crate) fn plan(fs: &mut Filesystem, member: &mut Member, op: &Op) -> Plan {
+    match plan_inner(fs, member, op) {
+        Ok(plan) => plan,
+        Err(e) => Plan::Answer(Err(e)),
+    }
+}
+
+fn plan_inner(fs: &mut Filesystem, member: &mut Member, op: &Op) -> Result<Plan, EngineError> {
+    let holds = |fs: &Filesystem, ino: u64| fs.holds(fs.shard_of(ino));
+    Ok(match op {
+        Op::Resolve { path } => {
+            let root = fs.root();
+            return resolve_plan(fs, &member.router, root, path);
+        }
+        Op::ResolveAt { dir, path } => return resolve_plan(fs, &member.router, *dir, path),
+        Op::Lookup { dir, name } => match fs.lookup_ino(*dir, name)? {
+            Some(child) if !holds(fs, child) => {
+                Plan::Forward(member.router.owner_of(child), Op::Stat { ino: child })
+            }
+            _ => Plan::Local,
+        },
+        Op::Mkdir { .. } => {
+            let count = fs.shard_count() as u64;
+            let shard = (member.next_dir_shard % count) as u32;
+            member.next_dir_shard += 1;
+            if fs.holds(shard) {
+                fs.place_next(shard);
+                Plan::Local
+            } else {
+                Plan::Span(Some(shard))
+            }
+        }
+        Op::Unlink { dir, name } | Op::Rmdir { dir, name } => {
+            let child = fs.lookup_ino(*dir, name)?;
+            if held_or_absent(fs, child) {
+                Plan::Local
+            } else {
+                Plan::Span(None)
+            }
+        }
+        Op::Link { ino, dir, .. } => {
+            if holds(fs, *ino) && holds(fs, *dir) {
+                Plan::Local
+            } else {
+                Plan::Span(None)
+            }
+        }
+        Op::Rename {
+            from_dir,
+            from,
+            to_dir,
+            to,
+            ..
+        } => {
+            if !holds(fs, *to_dir) {
+                Plan::Span(None)
+            } else {
+                let child = fs.lookup_ino(*from_dir, from)?;
+                let target = fs.lookup_ino(*to_dir, to)?;
+                if held_or_absent(fs, child) && held_or_absent(fs, target) {
+                    Plan::Local
+                } else {
+                    Plan::Span(None)
+                }
+            }
+        }
+        Op::Statfs => Plan::Answer(Ok(Reply::Statfs(statfs(&member.router)))),
+        _ => Plan::Local,
+    })
+}
+
+/// Walks `path` from `dir` while the directories are held here; forwards the rest to the
+/// reactor holding the next one.
+fn resolve_plan(
+    fs: &mut Filesystem,
+    router: &Router,
+    dir: u64,
+    path: &str,
+) -> Result<Plan, EngineError> {
+    let mut ino = dir;
+    let mut parts = path.split('/').filter(|p| !p.is_empty()).peekable();
+    while parts.peek().is_some() {
+        if !fs.holds(fs.shard_of(ino)) {
+            let rest: Vec<&str> = parts.collect();
+            return Ok(Plan::Forward(
+                router.owner_of(ino),
+                Op::ResolveAt {
+                    dir: ino,
+                    path: rest.join("/"),
+                },
+            ));
+        }
+        let part = parts.next().expect("peeked");
+        ino = fs
+            .lookup_ino(ino, part.as_bytes())?
+            .ok_or(EngineError::NotFound)?;
+    }
+    if fs.holds(fs.shard_of(ino)) {
+        Ok(Plan::Answer(fs.stat(ino).map(Reply::Stat)))
+    } else {
+        Ok(Plan::Forward(router.owner_of(ino), Op::Stat { ino }))
+    }
+}
+
+/// statfs over every reactor's published figures.
+fn statfs(router: &Router) -> engine::fs::StatFs {
+    let mut total = 0;
+    let mut free = 0;
+    for r in &router.reactors {
+        total += r.total_blocks.load(Ordering::Relaxed);
+        free += r.free_blocks.load(Ordering::Relaxed);
+    }
+    engine::fs::StatFs {
+        block_bytes: engine::format::BLOCK_BYTES as u32,
+        total_blocks: total,
+        free_blocks: free,
+        name_max: 255,
+    }
+}
+
+/// True when a rename just made moved a directory (it must commit before it returns).
+pub(crate) fn renamed_a_directory(fs: &mut Filesystem, op: &Op) -> bool {
+    match op {
+        Op::Rename { to_dir, to, .. } => fs.lookup(*to_dir, to).is_ok_and(|s| s.is_dir()),
+        _ => false,
+    }
+}
+
+/// The coordinator: the whole mount (holding no shard between spans), its device queue, and
+/// a channel from and to every reactor.
+pub(crate) struct Coordinator {
+    pub fs: Filesystem,
+    pub from_reactors: Receiver<ToCoordinator>,
+    pub to_reactors: Vec<Sender<Control>>,
+    pub router: Arc<Router>,
+    /// Messages that arrived during a protocol step, handled after it.
+    backlog: VecDeque<ToCoordinator>,
+    drained: Vec<bool>,
+}
+
+impl Coordinator {
+    pub fn new(
+        fs: Filesystem,
+        from_reactors: Receiver<ToCoordinator>,
+        to_reactors: Vec<Sender<Control>>,
+        router: Arc<Router>,
+    ) -> Coordinator {
+        let n = to_reactors.len();
+        Coordinator {
+            fs,
+            from_reactors,
+            to_reactors,
+            router,
+            backlog: VecDeque::new(),
+            drained: vec![false; n],
+        }
+    }
+
+    fn send(&self, reactor: usize, control: Control) {
+        let _ = self.to_reactors[reactor].send(control);
+        let shared = &self.router.reactors[reactor];
+        shared.control_pending.fetch_add(1, Ordering::SeqCst);
+        shared.wake_reactor();
+    }
+
+    fn broadcast(&self, make: impl Fn() -> Control) {
+        for r in 0..self.to_reactors.len() {
+            self.send(r, make());
+        }
+    }
+
+    /// The next message, waiting for it.
+    fn next(&mut self) -> Option<ToCoordinator> {
+        if let Some(m) = self.backlog.pop_front() {
+            return Some(m);
+        }
+        loop {
+            match self.from_reactors.recv_timeout(Duration::from_millis(100)) {
+                Ok(m) => return Some(m),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return None,
+            }
+        }
+    }
+
+    /// Waits for the message `pick` accepts, keeping the others for later.
+    fn wait_for<T>(
+        &mut self,
+        mut pick: impl FnMut(ToCoordinator) -> Result<T, ToCoordinator>,
+    ) -> T {
+        loop {
+            let m = self
+                .from_reactors
+                .recv()
+                .expect("reactors outlive the coordinator's protocol steps");
+            match pick(m) {
+                Ok(t) => return t,
+                Err(other) => self.backlog.push_back(other),
+            }
+        }
+    }
+
+    /// Serves until every reactor has drained after a stop; then the final commit. Returns
+    /// the whole mount (for the device).
+    pub fn run(mut self) -> Result<Filesystem, EngineError> {
+        while let Some(message) = self.next() {
+            match message {
+                ToCoordinator::CommitRequest => {
+                    let _ = self.commit_all();
+                }
+                ToCoordinator::Span(request, place) => self.span(*request, place),
+                ToCoordinator::Stats(request) => self.stats(*request),
+                ToCoordinator::Drained(r) => {
+                    self.drained[r] = true;
+                    if self.drained.iter().all(|&d| d) {
+                        break;
+                    }
+                }
+                ToCoordinator::Lent(..) | ToCoordinator::Half(..) | ToCoordinator::Snapshot(..) => {
+                    unreachable!("protocol replies arrive only during their step")
+                }
+            }
+        }
+        // Shutdown: every reactor is idle; the last commit, then they unmount their queues.
+        let result = if self.fs.failure().is_none() {
+            self.commit_all().map(drop)
+        } else {
+            Ok(())
+        };
+        self.broadcast(|| Control::Exit);
+        result.map(|()| self.fs)
+    }
+
+    /// The coordinated commit. Releases every reactor's commit waiters (with the error, if
+    /// it fails).
+    pub fn commit_all(&mut self) -> Result<(), EngineError> {
+        let generation = self.fs.generation();
+        let started = Instant::now();
+        self.broadcast(|| Control::CommitPrepare);
+        let n = self.to_reactors.len();
+        let mut halves: Vec<Option<Half>> = (0..n).map(|_| None).collect();
+        for _ in 0..n {
+            let (r, half) = self.wait_for(|m| match m {
+                ToCoordinator::Half(r, half) => Ok((r, half)),
+                other => Err(other),
+            });
+            halves[r] = Some(*half);
+        }
+        let mut roots = Vec::new();
+        let mut failure = self.fs.failure().cloned();
+        let mut dirty = false;
+        for half in halves.into_iter().flatten() {
+            match half {
+                Ok(Some(r)) => {
+                    dirty = true;
+                    roots.extend(r);
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    failure.get_or_insert(e);
+                }
+            }
+        }
+        let result = match failure {
+            Some(e) => Err(e),
+            None => self.fs.write_super(&roots),
+        };
+        match result {
+            Ok(sb) => {
+                self.fs.commit_finish(
+                    &sb,
+                    &CommitWritten {
+                        generation,
+                        roots: Vec::new(),
+                        blocks: 0,
+                        started,
+                    },
+                );
+                self.fs.complete_commit();
+                tracing::debug!(generation, dirty, "coordinated commit");
+                self.broadcast(|| Control::CommitDone(Box::new(sb.clone())));
+                Ok(())
+            }
+            Err(e) => {
+                tracing::error!(generation, "coordinated commit failed: {e}");
+                self.fs.fail_stop(e.clone());
+                self.broadcast(|| Control::CommitFailed(e.clone()));
+                Err(e)
+            }
+        }
+    }
+
+    /// Runs a request spanning reactors with every shard lent here.
+    fn span(&mut self, request: Request, place: Option<u32>) {
+        self.broadcast(|| Control::Lend);
+        let n = self.to_reactors.len();
+        let mut lent: Vec<(usize, Vec<u32>)> = Vec::with_capacity(n);
+        let mut failure = None;
+        for _ in 0..n {
+            let (r, result) = self.wait_for(|m| match m {
+                ToCoordinator::Lent(r, l) => Ok((r, l)),
+                other => Err(other),
+            });
+            match *result {
+                Ok(l) => {
+                    lent.push((r, l.ids()));
+                    self.fs.put_shards(l);
+                }
+                Err(e) => {
+                    // That reactor keeps its shards (it failed stop); the others get theirs
+                    // back below.
+                    failure.get_or_insert(e);
+                }
+            }
+        }
+        let op = request.op.clone();
+        let mut result = match failure {
+            Some(e) => Err(e),
+            None => {
+                if let Some(shard) = place {
+                    self.fs.place_next(shard);
+                }
+                execute_on(&mut self.fs, op.clone())
+            }
+        };
+        let needs_commit = result.is_ok() && renamed_a_directory(&mut self.fs, &op);
+        self.fs.mark_cross();
+        for (r, ids) in lent {
+            match self.fs.take_shards(&ids) {
+                Ok(back) => self.send(r, Control::Return(back)),
+                Err(e) => {
+                    // Only a failed log drain refuses, and this engine writes no log.
+                    unreachable!("the coordinator has no log in flight: {e}")
+                }
+            }
+        }
+        if needs_commit {
+            if let Err(e) = self.commit_all() {
+                result = Err(e);
+            }
+        }
+        deliver(vec![(
+            request.reply,
+            Completion {
+                token: request.token,
+                result,
+            },
+        )]);
+    }
+
+    /// Every reactor's statistics, merged; the commit figures are this coordinator's.
+    fn stats(&mut self, request: Request) {
+        self.broadcast(|| Control::Snapshot);
+        let n = self.to_reactors.len();
+        let mut total = ReactorStats::default();
+        let mut hist: Option<Histograms> = None;
+        for _ in 0..n {
+            let snapshot = self.wait_for(|m| match m {
+                ToCoordinator::Snapshot(s) => Ok(s),
+                other => Err(other),
+            });
+            let (stats, h) = *snapshot;
+            total.absorb(&stats);
+            match &mut hist {
+                Some(all) => all.add(&h),
+                None => hist = Some(h),
+            }
+        }
+        if let Some(h) = hist {
+            h.fill(&mut total);
+        }
+        total.commit = self.fs.commit_stats();
+        total.unpinned_blocks_last = total.commit.last_unpinned_blocks;
+        deliver(vec![(
+            request.reply,
+            Completion {
+                token: request.token,
+                result: Ok(Reply::Stats(Box::new(total))),
+            },
+        )]);
+    }
+}
+
+/// A reply for `request` (helper for the reactor side).
+pub(crate) fn completion(
+    request: Request,
+    result: Result<Reply, EngineError>,
+) -> (Arc<ReplyQueue>, Completion) {
+    (
+        request.reply,
+        Completion {
+            token: request.token,
+            result,
+        },
+    )
+}
