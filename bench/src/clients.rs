@@ -19,6 +19,8 @@ pub struct ClientsBenchConfig {
     pub seconds: f64,
     pub idle_seconds: f64,
     pub busy_poll: bool,
+    /// Reactor counts to run each client count with.
+    pub reactors: Vec<usize>,
 }
 
 impl Default for ClientsBenchConfig {
@@ -30,12 +32,14 @@ impl Default for ClientsBenchConfig {
             seconds: 3.0,
             idle_seconds: 2.0,
             busy_poll: false,
+            reactors: vec![1, 2],
         }
     }
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct ClientsResult {
+    pub reactors: usize,
     pub clients: usize,
     pub latency: LatencySummary,
     pub fsyncs: u64,
@@ -49,8 +53,9 @@ pub struct ClientsResult {
 #[derive(Debug, Clone, Serialize, Default)]
 pub struct ClientsReport {
     pub results: Vec<ClientsResult>,
-    /// Share of one core an idle reactor used (spin-then-park), over `idle_seconds`.
-    pub idle_core_share: f64,
+    /// Share of one core an idle instance used (spin-then-park; the whole process: reactors
+    /// and coordinator), over `idle_seconds`, per reactor count.
+    pub idle_core_share: Vec<(usize, f64)>,
 }
 
 fn stats(client: &mut reactor::Client) -> Result<reactor::ReactorStats, String> {
@@ -60,7 +65,11 @@ fn stats(client: &mut reactor::Client) -> Result<reactor::ReactorStats, String> 
     }
 }
 
-fn one_run(config: &ClientsBenchConfig, clients: usize) -> Result<ClientsResult, String> {
+fn one_run(
+    config: &ClientsBenchConfig,
+    reactors: usize,
+    clients: usize,
+) -> Result<ClientsResult, String> {
     let image = tempfile::Builder::new()
         .prefix("corefs-clientsbench-")
         .suffix(".img")
@@ -82,6 +91,7 @@ fn one_run(config: &ClientsBenchConfig, clients: usize) -> Result<ClientsResult,
         } else {
             IdlePolicy::default()
         },
+        reactors,
         ..Default::default()
     })
     .map_err(|e| e.to_string())?;
@@ -165,6 +175,7 @@ fn one_run(config: &ClientsBenchConfig, clients: usize) -> Result<ClientsResult,
     let fallbacks = after.log.fallback_commits() - before.log.fallback_commits();
     let ops = after.ops - before.ops;
     Ok(ClientsResult {
+        reactors,
         clients,
         latency: LatencySummary::from_histogram(&all, elapsed),
         fsyncs,
@@ -176,37 +187,58 @@ fn one_run(config: &ClientsBenchConfig, clients: usize) -> Result<ClientsResult,
     })
 }
 
-fn idle_share(seconds: f64) -> Result<f64, String> {
+/// CPU time of the whole process, in nanoseconds.
+fn process_cpu_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec for the duration of the call.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return 0;
+    }
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+fn idle_share(seconds: f64, reactors: usize) -> Result<f64, String> {
     let runtime = Runtime::start(Config {
         device: "mem:256MiB".into(),
         mkfs: Some(MkfsOptions::default()),
         idle: IdlePolicy::default(),
+        reactors,
         ..Default::default()
     })
     .map_err(|e| e.to_string())?;
-    let mut client = runtime.client(2);
     std::thread::sleep(Duration::from_millis(200));
-    let before = stats(&mut client)?;
+    // The process's CPU: the reactors, the coordinator and this (sleeping) thread.
+    let before = process_cpu_ns();
     let start = Instant::now();
     std::thread::sleep(Duration::from_secs_f64(seconds));
-    let after = stats(&mut client)?;
+    let after = process_cpu_ns();
     let wall = start.elapsed().as_nanos() as f64;
-    drop(client);
     runtime.shutdown().map_err(|e| e.to_string())?;
-    Ok((after.cpu_ns - before.cpu_ns) as f64 / wall)
+    Ok(after.saturating_sub(before) as f64 / wall)
 }
 
 pub fn run(config: &ClientsBenchConfig) -> Result<ClientsReport, String> {
     let mut report = ClientsReport::default();
-    for &clients in &config.clients {
+    for &reactors in &config.reactors {
+        for &clients in &config.clients {
+            eprintln!(
+                "clients bench: {reactors} reactor(s), {clients} client(s), {} s...",
+                config.seconds
+            );
+            report.results.push(one_run(config, reactors, clients)?);
+        }
         eprintln!(
-            "clients bench: {clients} client(s), {} s...",
-            config.seconds
+            "clients bench: idle, {reactors} reactor(s), {} s...",
+            config.idle_seconds
         );
-        report.results.push(one_run(config, clients)?);
+        report
+            .idle_core_share
+            .push((reactors, idle_share(config.idle_seconds, reactors)?));
     }
-    eprintln!("clients bench: idle reactor, {} s...", config.idle_seconds);
-    report.idle_core_share = idle_share(config.idle_seconds)?;
     Ok(report)
 }
 
@@ -214,45 +246,52 @@ impl std::fmt::Display for ClientsReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "4 KiB append + fsync per client, each on its own file, through one reactor (file backend)"
+            "4 KiB append + fsync per client, each on its own file (file backend); x1: against one client with as many reactors"
         )?;
         writeln!(
             f,
-            "{:>7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>12} {:>9} {:>13}",
+            "{:>8} {:>7} {:>10} {:>9} {:>9} {:>9} {:>8} {:>7} {:>10} {:>9} {:>13}",
+            "reactors",
             "clients",
             "fsyncs/s",
             "p50",
             "p99",
             "max",
-            "x 1 client",
+            "rate x1",
+            "p99 x1",
             "fsyncs/rec",
             "fallback",
             "reactor CPU/op"
         )?;
-        let base = self
-            .results
-            .first()
-            .map(|r| r.latency.ops_per_sec)
-            .unwrap_or(1.0);
         for r in &self.results {
+            let base = self
+                .results
+                .iter()
+                .find(|b| b.reactors == r.reactors && b.clients == 1)
+                .unwrap_or(r);
             writeln!(
                 f,
-                "{:>7} {:>10.0} {:>9} {:>9} {:>9} {:>9.2} {:>12.2} {:>8.2}% {:>13}",
+                "{:>8} {:>7} {:>10.0} {:>9} {:>9} {:>9} {:>8.2} {:>7.2} {:>10.2} {:>8.2}% {:>13}",
+                r.reactors,
                 r.clients,
                 r.latency.ops_per_sec,
                 fmt_ns(r.latency.p50_ns as f64),
                 fmt_ns(r.latency.p99_ns as f64),
                 fmt_ns(r.latency.max_ns as f64),
-                r.latency.ops_per_sec / base,
+                r.latency.ops_per_sec / base.latency.ops_per_sec,
+                r.latency.p99_ns as f64 / base.latency.p99_ns.max(1) as f64,
                 r.fsyncs_per_record,
                 r.fallback_share * 100.0,
                 fmt_ns(r.reactor_cpu_ns_per_op)
             )?;
         }
-        writeln!(
-            f,
-            "idle reactor (spin-then-park): {:.3}% of one core",
-            self.idle_core_share * 100.0
-        )
+        for (reactors, share) in &self.idle_core_share {
+            writeln!(
+                f,
+                "idle instance, {reactors} reactor(s) (spin-then-park): {:.3}% of one core (whole process)",
+                share * 100.0
+            )?;
+        }
+        Ok(())
     }
 }

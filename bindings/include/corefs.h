@@ -58,12 +58,14 @@ struct corefs_options {
   uint8_t format;
   // Non-zero: the reactor busy-polls (a dedicated core); zero: spin then park.
   uint8_t busy_poll;
-  // Non-zero: pin the reactor to `core`; zero: not pinned.
+  // Non-zero: pin the reactors to cores `core`, `core` + 1, ...; zero: not pinned.
   uint8_t pin;
-  uint8_t reserved;
+  // Reactors (0: one). Shard `s` is served by reactor `s % reactors`, each on its own
+  // device queue, with a commit coordinator thread; at most the shard count.
+  uint8_t reactors;
   // Shards when formatting (0: the default, 64).
   uint32_t shards;
-  // The core to pin the reactor to when `pin` is set.
+  // The (first) core to pin the reactor to when `pin` is set.
   uint32_t core;
   // Commit interval in milliseconds (0: the default, 5000).
   uint32_t commit_interval_ms;

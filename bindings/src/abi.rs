@@ -50,12 +50,14 @@ pub struct corefs_options {
     pub format: u8,
     /// Non-zero: the reactor busy-polls (a dedicated core); zero: spin then park.
     pub busy_poll: u8,
-    /// Non-zero: pin the reactor to `core`; zero: not pinned.
+    /// Non-zero: pin the reactors to cores `core`, `core` + 1, ...; zero: not pinned.
     pub pin: u8,
-    pub reserved: u8,
+    /// Reactors (0: one). Shard `s` is served by reactor `s % reactors`, each on its own
+    /// device queue, with a commit coordinator thread; at most the shard count.
+    pub reactors: u8,
     /// Shards when formatting (0: the default, 64).
     pub shards: u32,
-    /// The core to pin the reactor to when `pin` is set.
+    /// The (first) core to pin the reactor to when `pin` is set.
     pub core: u32,
     /// Commit interval in milliseconds (0: the default, 5000).
     pub commit_interval_ms: u32,
@@ -347,8 +349,10 @@ pub unsafe extern "C" fn corefs_mount(
             if o.busy_poll != 0 {
                 config.idle = IdlePolicy::BusyPoll;
             }
+            config.reactors = (o.reactors as usize).max(1);
             if o.pin != 0 {
                 config.core = Some(o.core as usize);
+                config.cores = (0..config.reactors).map(|i| o.core as usize + i).collect();
             }
             if o.commit_interval_ms != 0 {
                 mount.commit_interval = Duration::from_millis(o.commit_interval_ms as u64);
@@ -374,7 +378,7 @@ pub unsafe extern "C" fn corefs_mkfs(
             format: 1,
             busy_poll: 0,
             pin: 0,
-            reserved: 0,
+            reactors: 0,
             shards: 0,
             core: 0,
             commit_interval_ms: 0,

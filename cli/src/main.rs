@@ -77,9 +77,12 @@ enum Command {
         /// Device string: file:PATH, nvme:/dev/ngXnY.
         device: String,
         mountpoint: PathBuf,
-        /// Pin the reactor to this core.
+        /// Pin the reactor to this core (with several reactors: this core and the next ones).
         #[arg(long)]
         core: Option<usize>,
+        /// Reactors, each serving every N-th shard on its own device queue.
+        #[arg(long, default_value_t = 1)]
+        reactors: usize,
         /// Busy-poll (a dedicated core) instead of spin-then-park.
         #[arg(long)]
         busy_poll: bool,
@@ -246,6 +249,9 @@ enum Bench {
         /// Busy-poll instead of spin-then-park.
         #[arg(long)]
         busy_poll: bool,
+        /// Reactor counts to run each client count with, comma-separated.
+        #[arg(long, default_value = "1,2", value_delimiter = ',')]
+        reactors: Vec<usize>,
         #[arg(long)]
         json: Option<PathBuf>,
     },
@@ -435,10 +441,15 @@ fn main() -> ExitCode {
             device,
             mountpoint,
             core,
+            reactors,
             busy_poll,
         } => reactor::Runtime::start(reactor::Config {
             device: device.clone(),
             core,
+            reactors,
+            cores: core
+                .map(|c| (0..reactors).map(|i| c + i).collect())
+                .unwrap_or_default(),
             idle: if busy_poll {
                 reactor::IdlePolicy::BusyPoll
             } else {
@@ -656,6 +667,7 @@ fn main() -> ExitCode {
             clients,
             seconds,
             busy_poll,
+            reactors,
             json,
         }) => {
             let config = corefs_bench::clients::ClientsBenchConfig {
@@ -664,6 +676,7 @@ fn main() -> ExitCode {
                 clients,
                 seconds,
                 busy_poll,
+                reactors,
                 ..Default::default()
             };
             corefs_bench::clients::run(&config).and_then(|report| {

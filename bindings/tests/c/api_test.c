@@ -33,19 +33,8 @@ static void fill(uint8_t *buf, size_t len, unsigned seed) {
   for (size_t i = 0; i < len; i++) buf[i] = (uint8_t)(i * 31 + seed);
 }
 
-int main(int argc, char **argv) {
-  if (argc < 2) {
-    fprintf(stderr, "usage: api_test DIR\n");
-    return 2;
-  }
-  char device[4096];
-  snprintf(device, sizeof device, "file:%s/api.img,size=64MiB", argv[1]);
-
-  /* Bad arguments to mount: no crash, a clear error. */
-  ERR(corefs_mount(NULL, NULL), EFAULT);
-  CHECK(corefs_mount("nosuch:/x", NULL) < 0, "a bad device string mounts");
-  CHECK(strstr(corefs_last_error(), "nosuch") != NULL, "message names the device: %s",
-        corefs_last_error());
+/* The whole API on a fresh image served by `reactors` reactors; the remounts use one. */
+static void api(const char *device, int reactors) {
   struct corefs_options bad = {0};
   bad.format = 1;
   bad.shards = 1000;
@@ -55,6 +44,7 @@ int main(int argc, char **argv) {
   opts.format = 1;
   opts.shards = 4;
   opts.label = "capi";
+  opts.reactors = (uint8_t)reactors;
   corefs_fs fs = corefs_mount(device, &opts);
   OK(fs);
 
@@ -244,6 +234,33 @@ int main(int argc, char **argv) {
   ERR(corefs_stat(fs, "c", &st), ENOENT);
   OK(corefs_close(fs));
 
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2) {
+    fprintf(stderr, "usage: api_test DIR\n");
+    return 2;
+  }
+  char device[4096];
+
+  /* Bad arguments to mount: no crash, a clear error. */
+  ERR(corefs_mount(NULL, NULL), EFAULT);
+  CHECK(corefs_mount("nosuch:/x", NULL) < 0, "a bad device string mounts");
+  CHECK(strstr(corefs_last_error(), "nosuch") != NULL, "message names the device: %s",
+        corefs_last_error());
+  /* More reactors than shards: a clear error. */
+  snprintf(device, sizeof device, "file:%s/api-many.img,size=64MiB", argv[1]);
+  struct corefs_options many = {0};
+  many.format = 1;
+  many.shards = 2;
+  many.reactors = 3;
+  ERR(corefs_mount(device, &many), EINVAL);
+  CHECK(strstr(corefs_last_error(), "reactors") != NULL, "message: %s", corefs_last_error());
+
+  for (int reactors = 1; reactors <= 2; reactors++) {
+    snprintf(device, sizeof device, "file:%s/api-%d.img,size=64MiB", argv[1], reactors);
+    api(device, reactors);
+  }
   printf("api_test: %d checks passed\n", checks);
   return 0;
 }
