@@ -70,6 +70,10 @@ enum Command {
         /// Worker threads (default: every core).
         #[arg(long)]
         threads: Option<usize>,
+        /// Run the workloads through this many reactors (client API, coordinated commits)
+        /// instead of on the engine directly.
+        #[arg(long)]
+        reactors: Option<usize>,
     },
     /// Serve a filesystem at a mountpoint through FUSE until it is unmounted (umount or
     /// fusermount3 -u); the unmount commits.
@@ -403,6 +407,7 @@ fn main() -> ExitCode {
             sample,
             seed,
             threads,
+            reactors,
         } => {
             let seed = seed.unwrap_or_else(clock_seed);
             let workloads = match (length, sample) {
@@ -422,7 +427,7 @@ fn main() -> ExitCode {
                 workloads.len()
             );
             let start = std::time::Instant::now();
-            crashtest(workloads, seed, threads).map(|(count, outcome)| {
+            crashtest(workloads, seed, threads, reactors).map(|(count, outcome)| {
                 let states = outcome.crash_states;
                 println!(
                     "crashtest: {count} workloads, {states} crash states checked, 0 violations, {:.1} s (seed {seed})",
@@ -914,6 +919,7 @@ fn crashtest(
     workloads: Vec<Vec<crashtest::workload::Op>>,
     seed: u64,
     threads: usize,
+    reactors: Option<usize>,
 ) -> Result<(u64, crashtest::Outcome), String> {
     let base = crashtest::base_image();
     let total = workloads.len();
@@ -927,7 +933,16 @@ fn crashtest(
                 if i >= total || failure.lock().expect("lock").is_some() {
                     return;
                 }
-                match crashtest::run(&base, &workloads[i], seed ^ i as u64) {
+                let outcome = match reactors {
+                    None => crashtest::run(&base, &workloads[i], seed ^ i as u64),
+                    Some(n) => crashtest::reactors::run_on_reactors(
+                        &base,
+                        &workloads[i],
+                        seed ^ i as u64,
+                        n,
+                    ),
+                };
+                match outcome {
                     Ok(outcome) => {
                         sum.lock().expect("lock").add(&outcome);
                     }

@@ -16,6 +16,7 @@
 //! persistence operation returned, so the crash test checks durability; the POSIX model tests
 //! check semantics.
 
+pub mod reactors;
 pub mod workload;
 
 use engine::{
@@ -30,6 +31,118 @@ use workload::{Falloc, Op};
 thread_local! {
     static DEVICE: RefCell<Option<Box<dyn nvme::BlockDevice>>> = const { RefCell::new(None) };
     static IMAGE: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+/// What a workload runs on and the oracle reads: the engine itself, or clients of running
+/// reactors ([`reactors`]). The methods are the engine's.
+pub trait Live {
+    fn resolve(&mut self, path: &str) -> Result<u64, EngineError>;
+    fn root(&self) -> u64;
+    fn stat(&mut self, ino: u64) -> Result<engine::Stat, EngineError>;
+    fn create(&mut self, dir: u64, name: &[u8]) -> Result<(), EngineError>;
+    fn mkdir(&mut self, dir: u64, name: &[u8]) -> Result<(), EngineError>;
+    fn symlink(&mut self, dir: u64, name: &[u8], target: &[u8]) -> Result<(), EngineError>;
+    fn fallocate(
+        &mut self,
+        ino: u64,
+        mode: FallocateMode,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), EngineError>;
+    fn write(&mut self, ino: u64, offset: u64, data: &[u8]) -> Result<(), EngineError>;
+    fn link(&mut self, ino: u64, dir: u64, name: &[u8]) -> Result<(), EngineError>;
+    fn unlink(&mut self, dir: u64, name: &[u8]) -> Result<(), EngineError>;
+    fn rmdir(&mut self, dir: u64, name: &[u8]) -> Result<(), EngineError>;
+    fn rename(&mut self, src: u64, from: &[u8], dst: u64, to: &[u8]) -> Result<(), EngineError>;
+    fn setxattr(&mut self, ino: u64, name: &[u8], value: &[u8]) -> Result<(), EngineError>;
+    fn removexattr(&mut self, ino: u64, name: &[u8]) -> Result<(), EngineError>;
+    fn truncate(&mut self, ino: u64, size: u64) -> Result<(), EngineError>;
+    fn fsync(&mut self, ino: u64) -> Result<(), EngineError>;
+    fn fdatasync(&mut self, ino: u64) -> Result<(), EngineError>;
+    fn sync(&mut self) -> Result<(), EngineError>;
+    fn listxattr(&mut self, ino: u64) -> Result<Vec<Vec<u8>>, EngineError>;
+    fn getxattr(&mut self, ino: u64, name: &[u8]) -> Result<Vec<u8>, EngineError>;
+    fn readdir(&mut self, ino: u64) -> Result<Vec<engine::DirEntry>, EngineError>;
+    fn readlink(&mut self, ino: u64) -> Result<Vec<u8>, EngineError>;
+    fn read(&mut self, ino: u64, offset: u64, len: usize) -> Result<Vec<u8>, EngineError>;
+}
+
+impl Live for Filesystem {
+    fn resolve(&mut self, path: &str) -> Result<u64, EngineError> {
+        Filesystem::resolve(self, path)
+    }
+    fn root(&self) -> u64 {
+        Filesystem::root(self)
+    }
+    fn stat(&mut self, ino: u64) -> Result<engine::Stat, EngineError> {
+        Filesystem::stat(self, ino)
+    }
+    fn create(&mut self, dir: u64, name: &[u8]) -> Result<(), EngineError> {
+        Filesystem::create(self, dir, name, 0o644, 0, 0).map(drop)
+    }
+    fn mkdir(&mut self, dir: u64, name: &[u8]) -> Result<(), EngineError> {
+        Filesystem::mkdir(self, dir, name, 0o755, 0, 0).map(drop)
+    }
+    fn symlink(&mut self, dir: u64, name: &[u8], target: &[u8]) -> Result<(), EngineError> {
+        Filesystem::symlink(self, dir, name, target, 0, 0).map(drop)
+    }
+    fn fallocate(
+        &mut self,
+        ino: u64,
+        mode: FallocateMode,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), EngineError> {
+        Filesystem::fallocate(self, ino, mode, offset, len)
+    }
+    fn write(&mut self, ino: u64, offset: u64, data: &[u8]) -> Result<(), EngineError> {
+        Filesystem::write(self, ino, offset, data).map(drop)
+    }
+    fn link(&mut self, ino: u64, dir: u64, name: &[u8]) -> Result<(), EngineError> {
+        Filesystem::link(self, ino, dir, name).map(drop)
+    }
+    fn unlink(&mut self, dir: u64, name: &[u8]) -> Result<(), EngineError> {
+        Filesystem::unlink(self, dir, name)
+    }
+    fn rmdir(&mut self, dir: u64, name: &[u8]) -> Result<(), EngineError> {
+        Filesystem::rmdir(self, dir, name)
+    }
+    fn rename(&mut self, src: u64, from: &[u8], dst: u64, to: &[u8]) -> Result<(), EngineError> {
+        Filesystem::rename(self, src, from, dst, to, RenameFlags::default())
+    }
+    fn setxattr(&mut self, ino: u64, name: &[u8], value: &[u8]) -> Result<(), EngineError> {
+        Filesystem::setxattr(self, ino, name, value, XattrFlags::Any)
+    }
+    fn removexattr(&mut self, ino: u64, name: &[u8]) -> Result<(), EngineError> {
+        Filesystem::removexattr(self, ino, name)
+    }
+    fn truncate(&mut self, ino: u64, size: u64) -> Result<(), EngineError> {
+        Filesystem::truncate(self, ino, size)
+    }
+    fn fsync(&mut self, ino: u64) -> Result<(), EngineError> {
+        Filesystem::fsync(self, ino)
+    }
+    fn fdatasync(&mut self, ino: u64) -> Result<(), EngineError> {
+        Filesystem::fdatasync(self, ino)
+    }
+    fn sync(&mut self) -> Result<(), EngineError> {
+        Filesystem::sync(self)
+    }
+    fn listxattr(&mut self, ino: u64) -> Result<Vec<Vec<u8>>, EngineError> {
+        Filesystem::listxattr(self, ino)
+    }
+    fn getxattr(&mut self, ino: u64, name: &[u8]) -> Result<Vec<u8>, EngineError> {
+        Filesystem::getxattr(self, ino, name)
+    }
+    fn readdir(&mut self, ino: u64) -> Result<Vec<engine::DirEntry>, EngineError> {
+        Filesystem::readdir(self, ino, 0, usize::MAX)
+    }
+    fn readlink(&mut self, ino: u64) -> Result<Vec<u8>, EngineError> {
+        Filesystem::readlink(self, ino)
+    }
+    fn read(&mut self, ino: u64, offset: u64, len: usize) -> Result<Vec<u8>, EngineError> {
+        Filesystem::read(self, ino, offset, len)
+    }
 }
 
 /// What a path held when it was persisted (or when the crash state is inspected).
@@ -99,7 +212,7 @@ fn summarize(entry: Option<&Entry>) -> String {
 
 /// What one persistence point promises.
 #[derive(Debug, Clone)]
-enum Promise {
+pub(crate) enum Promise {
     /// fsync of a file or symlink: the whole entry; of a directory: its names.
     Whole(String, Option<Entry>),
     /// fdatasync: data and size only.
@@ -132,7 +245,7 @@ impl Outcome {
 
 const CAPACITY: u64 = 4 << 20;
 
-fn config() -> MemConfig {
+pub(crate) fn config() -> MemConfig {
     MemConfig {
         capacity_bytes: CAPACITY,
         lba_size_bytes: 512,
@@ -196,21 +309,25 @@ fn pattern(seed: &str, len: usize) -> Vec<u8> {
 
 /// Applies one operation; errors (a name that does not exist, a non-empty directory...) are
 /// part of the workload's meaning and are ignored, as a real program's would be.
-fn apply(fs: &mut Filesystem, op: &Op) -> Result<(), EngineError> {
-    let lookup = |fs: &mut Filesystem, path: &str| fs.resolve(path);
-    let parent_of =
-        |fs: &mut Filesystem, path: &'static str| -> Result<(u64, &'static str), EngineError> {
-            let (parent, name) = split(path);
-            Ok((fs.resolve(parent)?, name))
-        };
+pub(crate) fn apply<F: Live>(fs: &mut F, op: &Op) -> Result<(), EngineError> {
+    fn lookup<F: Live>(fs: &mut F, path: &str) -> Result<u64, EngineError> {
+        fs.resolve(path)
+    }
+    fn parent_of<F: Live>(
+        fs: &mut F,
+        path: &'static str,
+    ) -> Result<(u64, &'static str), EngineError> {
+        let (parent, name) = split(path);
+        Ok((fs.resolve(parent)?, name))
+    }
     match *op {
         Op::Creat(p) => {
             let (dir, name) = parent_of(fs, p)?;
-            fs.create(dir, name.as_bytes(), 0o644, 0, 0).map(drop)
+            fs.create(dir, name.as_bytes())
         }
         Op::Mkdir(p) => {
             let (dir, name) = parent_of(fs, p)?;
-            fs.mkdir(dir, name.as_bytes(), 0o755, 0, 0).map(drop)
+            fs.mkdir(dir, name.as_bytes())
         }
         Op::Falloc {
             path,
@@ -245,12 +362,11 @@ fn apply(fs: &mut Filesystem, op: &Op) -> Result<(), EngineError> {
             let ino = lookup(fs, path)?;
             let at = if append { fs.stat(ino)?.size } else { offset };
             fs.write(ino, at, &pattern(&format!("{path}{at}"), len as usize))
-                .map(drop)
         }
         Op::Link(a, b) => {
             let ino = lookup(fs, a)?;
             let (dir, name) = parent_of(fs, b)?;
-            fs.link(ino, dir, name.as_bytes()).map(drop)
+            fs.link(ino, dir, name.as_bytes())
         }
         Op::Unlink(p) => {
             let (dir, name) = parent_of(fs, p)?;
@@ -266,17 +382,11 @@ fn apply(fs: &mut Filesystem, op: &Op) -> Result<(), EngineError> {
         Op::Rename(a, b) => {
             let (src, sname) = parent_of(fs, a)?;
             let (dst, dname) = parent_of(fs, b)?;
-            fs.rename(
-                src,
-                sname.as_bytes(),
-                dst,
-                dname.as_bytes(),
-                RenameFlags::default(),
-            )
+            fs.rename(src, sname.as_bytes(), dst, dname.as_bytes())
         }
         Op::SetXattr(p, v) => {
             let ino = lookup(fs, p)?;
-            fs.setxattr(ino, b"user.ace", &[v; 40], XattrFlags::Any)
+            fs.setxattr(ino, b"user.ace", &[v; 40])
         }
         Op::RemoveXattr(p) => {
             let ino = lookup(fs, p)?;
@@ -288,7 +398,7 @@ fn apply(fs: &mut Filesystem, op: &Op) -> Result<(), EngineError> {
         }
         Op::Symlink(p) => {
             let (dir, name) = parent_of(fs, p)?;
-            fs.symlink(dir, name.as_bytes(), b"foo", 0, 0).map(drop)
+            fs.symlink(dir, name.as_bytes(), b"foo")
         }
         Op::Fsync(p) => {
             let ino = lookup(fs, p)?;
@@ -302,7 +412,7 @@ fn apply(fs: &mut Filesystem, op: &Op) -> Result<(), EngineError> {
     }
 }
 
-fn entry_of(fs: &mut Filesystem, ino: u64) -> Result<Entry, EngineError> {
+fn entry_of<F: Live>(fs: &mut F, ino: u64) -> Result<Entry, EngineError> {
     let st = fs.stat(ino)?;
     let mut xattrs = Vec::new();
     if !st.is_symlink() {
@@ -314,11 +424,7 @@ fn entry_of(fs: &mut Filesystem, ino: u64) -> Result<Entry, EngineError> {
         }
     }
     Ok(if st.is_dir() {
-        let mut names: Vec<Vec<u8>> = fs
-            .readdir(ino, 0, usize::MAX)?
-            .into_iter()
-            .map(|e| e.name)
-            .collect();
+        let mut names: Vec<Vec<u8>> = fs.readdir(ino)?.into_iter().map(|e| e.name).collect();
         names.sort();
         Entry::Dir {
             names,
@@ -341,13 +447,13 @@ fn entry_of(fs: &mut Filesystem, ino: u64) -> Result<Entry, EngineError> {
 }
 
 /// Every path of the filesystem with its entry.
-pub fn snapshot(fs: &mut Filesystem) -> Result<Tree, EngineError> {
+pub fn snapshot<F: Live>(fs: &mut F) -> Result<Tree, EngineError> {
     let mut tree = Tree::new();
     let mut stack = vec![(String::new(), fs.root())];
     while let Some((path, ino)) = stack.pop() {
         let entry = entry_of(fs, ino)?;
         if matches!(entry, Entry::Dir { .. }) {
-            for child in fs.readdir(ino, 0, usize::MAX)? {
+            for child in fs.readdir(ino)? {
                 let name = String::from_utf8_lossy(&child.name).into_owned();
                 let child_path = if path.is_empty() {
                     name
@@ -384,10 +490,30 @@ pub fn run(base: &[u8], ops: &[Op], seed: u64) -> Result<Outcome, String> {
     let log = recording.log();
     let mut fs = Filesystem::mount(Box::new(recording), MountOptions::default())
         .map_err(|e| e.to_string())?;
-    // (record count when the point was reached, what it promised, tree at that moment)
-    let mut points: Vec<(usize, Promise, Tree)> = Vec::new();
+    let points = run_ops(&mut fs, ops, &log)?;
+    let stats = fs.log_stats();
+    drop(fs);
+    let records = log.snapshot();
+    let outcome = Outcome {
+        persistence_points: points.len() as u64,
+        log_writes: stats.log_writes,
+        already_logged: stats.already_logged,
+        fallback_commits: stats.fallback_commits(),
+        ..Default::default()
+    };
+    check_points(base, &records, &points, seed, outcome)
+}
+
+/// Applies `ops`, recording a persistence point (write-log length, promise, live tree) as
+/// each persistence operation returns.
+pub(crate) fn run_ops<F: Live>(
+    fs: &mut F,
+    ops: &[Op],
+    log: &nvme::wrap::WriteLog,
+) -> Result<Vec<Point>, String> {
+    let mut points: Vec<Point> = Vec::new();
     for op in ops {
-        let result = apply(&mut fs, op);
+        let result = apply(fs, op);
         if let Err(
             e @ (EngineError::Device(_)
             | EngineError::Corrupt { .. }
@@ -404,27 +530,36 @@ pub fn run(base: &[u8], ops: &[Op], seed: u64) -> Result<Outcome, String> {
                 }
                 continue;
             }
-            let live = snapshot(&mut fs).map_err(|e| format!("snapshot after {op:?}: {e}"))?;
-            let promise = match op {
-                Op::Sync => Promise::All(live.clone()),
-                Op::Fsync(p) => Promise::Whole(p.to_string(), live.get(*p).cloned()),
-                Op::Fdatasync(p) => Promise::Data(p.to_string(), data_of(live.get(*p))),
-                _ => unreachable!("persistence op"),
-            };
-            points.push((log.len(), promise, live));
+            points.push(persistence_point(fs, op, log.len())?);
         }
     }
-    let stats = fs.log_stats();
-    drop(fs);
-    let records = log.snapshot();
-    let mut outcome = Outcome {
-        persistence_points: points.len() as u64,
-        log_writes: stats.log_writes,
-        already_logged: stats.already_logged,
-        fallback_commits: stats.fallback_commits(),
-        ..Default::default()
-    };
+    Ok(points)
+}
 
+/// One persistence point: the write-log length when it returned, what it promised, and the
+/// live tree at that moment.
+pub(crate) type Point = (usize, Promise, Tree);
+
+/// The live state and promise of persistence operation `op`, which just returned.
+pub(crate) fn persistence_point<F: Live>(fs: &mut F, op: &Op, at: usize) -> Result<Point, String> {
+    let live = snapshot(fs).map_err(|e| format!("snapshot after {op:?}: {e}"))?;
+    let promise = match op {
+        Op::Sync => Promise::All(live.clone()),
+        Op::Fsync(p) => Promise::Whole(p.to_string(), live.get(*p).cloned()),
+        Op::Fdatasync(p) => Promise::Data(p.to_string(), data_of(live.get(*p))),
+        _ => unreachable!("persistence op"),
+    };
+    Ok((at, promise, live))
+}
+
+/// Checks every crash state the write log allows against the persistence points.
+pub(crate) fn check_points(
+    base: &[u8],
+    records: &[Record],
+    points: &[Point],
+    seed: u64,
+    mut outcome: Outcome,
+) -> Result<Outcome, String> {
     // Crash points: every persistence point, and every flush both before it completes (the
     // epoch's writes in flight: in the torn mode a random subset lands, sectors torn) and after.
     let mut cuts: Vec<usize> = points.iter().map(|(cut, _, _)| *cut).collect();
@@ -452,7 +587,7 @@ pub fn run(base: &[u8], ops: &[Op], seed: u64) -> Result<Outcome, String> {
                 seed: seed ^ cut as u64,
             },
         ] {
-            IMAGE.with_borrow_mut(|image| crash_image_into(base, 512, &records, cut, mode, image));
+            IMAGE.with_borrow_mut(|image| crash_image_into(base, 512, records, cut, mode, image));
             let context = format!("crash after record {cut} of {} ({mode:?})", records.len());
             IMAGE.with_borrow(|image| check_state(image, &promised, in_flight, &context))?;
             outcome.crash_states += 1;

@@ -194,7 +194,25 @@ impl Drop for MarkStopped {
     }
 }
 
+/// Raises the calling reactor thread's scheduling weight (nice -10) when allowed. On cores
+/// shared with many client threads, a woken reactor otherwise waits behind them for a time
+/// slice while every client waits for it.
+fn raise_priority() {
+    // SAFETY: gettid and setpriority take no pointers.
+    let rc = unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        libc::setpriority(libc::PRIO_PROCESS, tid, -10)
+    };
+    if rc != 0 {
+        tracing::debug!(
+            "reactor priority not raised ({}): needs CAP_SYS_NICE or RLIMIT_NICE",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
 fn pin(core: Option<usize>) {
+    raise_priority();
     if let Some(core) = core {
         if !core_affinity::set_for_current(core_affinity::CoreId { id: core }) {
             tracing::warn!(

@@ -930,3 +930,134 @@ fn clients_filling_the_device_get_enospc_and_lose_nothing_durable() {
     }
     assert_eq!(fs.read(ino, 0, 256 << 10).unwrap(), vec![7; 256 << 10]);
 }
+
+/// The fsync log stops walking up at a partition boundary; that is sound only because a
+/// directory rename commits before it returns. Here a file lives (by a rename spanning
+/// reactors) in a directory held by the other reactor; that directory is then renamed locally
+/// over there, and the file is fsynced: after a power cut right then, the file is at its new
+/// path.
+#[test]
+fn a_directory_renamed_on_another_reactor_is_durable_before_an_fsync_below_it() {
+    let mem = MemConfig {
+        capacity_bytes: 64 << 20,
+        lba_size_bytes: 512,
+        queue_depth: 32,
+        buf_bytes: 64 << 10,
+        buf_count: 64,
+    };
+    let dev = Filesystem::mkfs(
+        Box::new(MemDevice::new(mem).unwrap()),
+        &MkfsOptions {
+            shards: 4,
+            label: "boundary".into(),
+        },
+    )
+    .unwrap();
+    let mut image = vec![0u8; 64 << 20];
+    let mut dev = dev;
+    nvme::read_sync(&mut *dev, 0, &mut image).unwrap();
+    let recording = RecordingDevice::new(MemDevice::from_image(&image, mem).unwrap());
+    let log = recording.log();
+    let runtime = Runtime::start_with_device(
+        Config {
+            device: "recorded mem".into(),
+            reactors: 2,
+            ..Default::default()
+        },
+        Box::new(recording),
+    )
+    .unwrap();
+    let mut c = runtime.client(4);
+    // Shard s is served by reactor s % 2 and inode i lives in shard i % 4: find a directory
+    // G on reactor 1 holding a directory D on reactor 1, and a directory E on reactor 0.
+    let reactor_of = |ino: u64| (ino % 4) % 2;
+    let mut made = Vec::new();
+    let mut find = |c: &mut Client, parent: u64, want: u64, tag: &str| -> u64 {
+        for i in 0.. {
+            let ino = mkdir(c, parent, &format!("{tag}{i}"));
+            made.push(ino);
+            if reactor_of(ino) == want {
+                return ino;
+            }
+        }
+        unreachable!()
+    };
+    let g = find(&mut c, ROOT, 1, "g");
+    let d = find(&mut c, g, 1, "d");
+    let e = find(&mut c, ROOT, 0, "e");
+    let d_name = String::from_utf8(runtime_name(&mut c, g, d).expect("D is named in G")).unwrap();
+    let f = ino_of(
+        c.call(Op::Create {
+            dir: e,
+            name: b"f".to_vec(),
+            mode: 0o644,
+        })
+        .unwrap(),
+    );
+    assert_eq!(reactor_of(f), 0, "a file goes to its directory's reactor");
+    c.call(Op::Write {
+        ino: f,
+        offset: 0,
+        data: vec![7; 4096],
+    })
+    .unwrap();
+    c.call(Op::Rename {
+        from_dir: e,
+        from: b"f".to_vec(),
+        to_dir: d,
+        to: b"f".to_vec(),
+        flags: RenameFlags::default(),
+    })
+    .unwrap();
+    c.call(Op::Sync).unwrap();
+    // Rename D within G: both on reactor 1, a local operation there.
+    c.call(Op::Rename {
+        from_dir: g,
+        from: d_name.clone().into_bytes(),
+        to_dir: g,
+        to: b"renamed".to_vec(),
+        flags: RenameFlags::default(),
+    })
+    .unwrap();
+    c.call(Op::Write {
+        ino: f,
+        offset: 4096,
+        data: vec![8; 4096],
+    })
+    .unwrap();
+    c.call(Op::Fsync { ino: f }).unwrap();
+    let cut = log.len();
+    drop(c);
+    drop(runtime);
+    let records = log.snapshot();
+    let crashed = crash_image(&image, 512, &records, cut, CrashMode::DurableOnly);
+    let dev = MemDevice::from_image(&crashed, mem).unwrap();
+    let mut fs = Filesystem::mount(Box::new(dev), MountOptions::default()).unwrap();
+    fs.check().unwrap();
+    let g_name = format!("g{}", made.iter().position(|&i| i == g).unwrap());
+    let path = format!("{g_name}/renamed/f");
+    let ino = fs
+        .resolve(&path)
+        .unwrap_or_else(|e| panic!("{path} after the power cut: {e}"));
+    assert_eq!(ino, f);
+    assert_eq!(
+        fs.stat(f).unwrap().size,
+        8192,
+        "the fsynced append is there"
+    );
+}
+
+/// The name `child` has in `dir`.
+fn runtime_name(c: &mut Client, dir: u64, child: u64) -> Option<Vec<u8>> {
+    match c
+        .call(Op::Readdir {
+            dir,
+            cookie: 0,
+            max: 1000,
+        })
+        .unwrap()
+    {
+        Reply::Entries(entries) => entries.into_iter().find(|e| e.ino == child).map(|e| e.name),
+        other => panic!("{other:?}"),
+    }
+}
