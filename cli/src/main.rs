@@ -208,6 +208,9 @@ enum Bench {
         /// corefs reactors busy-poll instead of spin-then-park.
         #[arg(long)]
         busy_poll: bool,
+        /// corefs reactors (each serving every N-th shard; at most --shards).
+        #[arg(long, default_value_t = 1)]
+        reactors: usize,
         #[arg(long, default_value_t = 1)]
         seed: u64,
         /// Where results.json, table.txt and the plots go (default: bench-results/<time>).
@@ -604,6 +607,7 @@ fn main() -> ExitCode {
             dbench_clients,
             read_file_size,
             busy_poll,
+            reactors,
             seed,
             out,
         }) => bench_suite(
@@ -625,6 +629,7 @@ fn main() -> ExitCode {
                     read_file_bytes: read_file_size,
                 },
                 busy_poll,
+                reactors,
                 seed,
             },
             targets,

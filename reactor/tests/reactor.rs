@@ -582,7 +582,26 @@ fn power_cut_during_fsyncs(reactors: usize) {
     )
     .unwrap();
     let mut setup = runtime.client(4);
-    let inos = create_files(&mut setup, "c", 3);
+    // A directory per client: with two reactors the directories spread over both, and each
+    // file lives with its directory, so both reactors' log streams are written.
+    let inos: Vec<u64> = (0..4)
+        .map(|i| {
+            let dir = mkdir(&mut setup, ROOT, &format!("d{i}"));
+            ino_of(
+                setup
+                    .call(Op::Create {
+                        dir,
+                        name: b"c".to_vec(),
+                        mode: 0o644,
+                    })
+                    .unwrap(),
+            )
+        })
+        .collect();
+    if reactors == 2 {
+        let on: std::collections::BTreeSet<u64> = inos.iter().map(|i| (i % 4) % 2).collect();
+        assert_eq!(on.len(), 2, "the files are spread over both reactors");
+    }
     // (write-log length when the fsync returned, inode, blocks acknowledged)
     let acks: Vec<(usize, u64, u64)> = std::thread::scope(|scope| {
         let handles: Vec<_> = inos

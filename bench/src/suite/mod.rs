@@ -78,6 +78,8 @@ pub struct SuiteConfig {
     pub only: Vec<String>,
     pub sizes: Sizes,
     pub busy_poll: bool,
+    /// Reactors serving corefs (at most `shards`).
+    pub reactors: usize,
     pub seed: u64,
 }
 
@@ -93,6 +95,7 @@ impl Default for SuiteConfig {
             only: Vec::new(),
             sizes: Sizes::default(),
             busy_poll: false,
+            reactors: 1,
             seed: 1,
         }
     }
@@ -149,6 +152,7 @@ fn build_targets(
                     &device,
                     config.shards,
                     config.busy_poll,
+                    config.reactors,
                 )));
             }
             TargetSpec::CorefsMem => out.push(Box::new(CorefsTarget::new(
@@ -156,12 +160,14 @@ fn build_targets(
                 &format!("mem:{}", config.image_bytes),
                 config.shards,
                 config.busy_poll,
+                config.reactors,
             ))),
             TargetSpec::CorefsDevice(device) => out.push(Box::new(CorefsTarget::new(
                 &format!("corefs-{}", device.split(':').next().unwrap_or("dev")),
                 &device,
                 config.shards,
                 config.busy_poll,
+                config.reactors,
             ))),
             TargetSpec::KernelDir(dir) => {
                 let fs = crate::fsync::fs_type_of(&dir);

@@ -120,18 +120,26 @@ pub struct CorefsTarget {
     device: String,
     shards: u32,
     busy_poll: bool,
+    reactors: usize,
     runtime: Option<Runtime>,
     /// A memory device lives only as long as its handle: it is kept across remounts.
     kept_device: Option<Box<dyn nvme::BlockDevice>>,
 }
 
 impl CorefsTarget {
-    pub fn new(label: &str, device: &str, shards: u32, busy_poll: bool) -> CorefsTarget {
+    pub fn new(
+        label: &str,
+        device: &str,
+        shards: u32,
+        busy_poll: bool,
+        reactors: usize,
+    ) -> CorefsTarget {
         CorefsTarget {
             label: label.to_string(),
             device: device.to_string(),
             shards,
             busy_poll,
+            reactors,
             runtime: None,
             kept_device: None,
         }
@@ -150,6 +158,7 @@ impl CorefsTarget {
             } else {
                 IdlePolicy::default()
             },
+            reactors: self.reactors,
             ..Config::default()
         };
         let runtime = match self.kept_device.take() {
