@@ -27,6 +27,7 @@ fn tiny_config(dir: &std::path::Path, targets: Vec<TargetSpec>) -> SuiteConfig {
             read_file_bytes: 4 << 20,
         },
         busy_poll: false,
+        reactors: 1,
         seed: 7,
     }
 }
@@ -37,6 +38,31 @@ fn scratch() -> tempfile::TempDir {
         .prefix("corefs-suite-test-")
         .tempdir_in("/var/tmp")
         .expect("a scratch directory in /var/tmp")
+}
+
+/// Every workload through two reactors (creates, renames, deltree spanning them; the reads
+/// after a remount of the memory device, whose queues the reactors share).
+#[test]
+fn every_workload_runs_on_two_reactors() {
+    let dir = scratch();
+    let mut config = tiny_config(dir.path(), vec![TargetSpec::CorefsMem]);
+    config.reactors = 2;
+    let results = suite::run(&config, &|line| eprintln!("{line}")).expect("suite runs");
+    assert_eq!(results.runs.len(), 7);
+    for run in &results.runs {
+        assert!(
+            run.ops > 0,
+            "{} on two reactors: no operations",
+            run.workload
+        );
+        let engine = run.engine.as_ref().expect("engine figures");
+        if ["append", "randwrite", "fsync"]
+            .iter()
+            .any(|w| run.workload.starts_with(w))
+        {
+            assert!(engine.log_writes > 0, "{}: {engine:?}", run.workload);
+        }
+    }
 }
 
 #[test]
