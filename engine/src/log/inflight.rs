@@ -45,6 +45,10 @@ pub struct DeviceMux {
     inner: Box<dyn BlockDevice>,
     background: Vec<Completion>,
     background_in_flight: u32,
+    /// Background writes not submitted yet (the queue or the DMA pool was full): submitted
+    /// as room frees, and all of them before any foreground request. Bounded by what the
+    /// engine hands over at once (a record, or one commit's blocks).
+    backlog: VecDeque<(u64, u64, Vec<u8>)>,
     scratch: Vec<Completion>,
 }
 
@@ -54,6 +58,7 @@ impl DeviceMux {
             inner,
             background: Vec::new(),
             background_in_flight: 0,
+            backlog: VecDeque::new(),
             scratch: Vec::new(),
         }
     }
@@ -78,14 +83,65 @@ impl DeviceMux {
         foreground
     }
 
-    /// Waits until no background request is in flight (their completions are kept).
+    /// Waits until every background write is submitted and no background request is in
+    /// flight (their completions are kept).
     fn drain_background(&mut self) -> std::result::Result<(), DevError> {
         let mut none = Vec::new();
-        while self.background_in_flight > 0 {
+        loop {
+            self.pump()?;
+            if self.background_in_flight == 0 {
+                if self.backlog.is_empty() {
+                    return Ok(());
+                }
+                // Nothing in flight to free a buffer or a slot, and still not submitted.
+                return Err(DevError::PoolExhausted);
+            }
             self.inner
                 .wait(&mut self.scratch, Duration::from_millis(100))?;
             self.route(&mut none);
             assert!(none.is_empty(), "no foreground request was in flight");
+        }
+    }
+
+    /// Queues a background write of `data` at `lba` and submits what fits now.
+    fn queue_background_write(
+        &mut self,
+        token: u64,
+        lba: u64,
+        data: Vec<u8>,
+    ) -> std::result::Result<(), DevError> {
+        assert!(is_background(token));
+        self.backlog.push_back((token, lba, data));
+        self.pump()
+    }
+
+    /// Submits queued background writes while the queue and the DMA pool have room.
+    fn pump(&mut self) -> std::result::Result<(), DevError> {
+        while let Some((token, lba, data)) = self.backlog.pop_front() {
+            let Some(mut buf) = self.inner.pool().alloc(data.len()) else {
+                self.backlog.push_front((token, lba, data));
+                return Ok(());
+            };
+            buf.as_mut_slice().copy_from_slice(&data);
+            let request = Request {
+                token,
+                op: Op::Write {
+                    lba,
+                    buf,
+                    fua: false,
+                },
+            };
+            match self.inner.submit(request) {
+                Ok(()) => self.background_in_flight += 1,
+                Err(Rejected {
+                    reason: DevError::QueueFull,
+                    ..
+                }) => {
+                    self.backlog.push_front((token, lba, data));
+                    return Ok(());
+                }
+                Err(rejected) => return Err(rejected.reason),
+            }
         }
         Ok(())
     }
@@ -105,6 +161,7 @@ impl DeviceMux {
         wait: Option<Duration>,
     ) -> std::result::Result<Vec<Completion>, DevError> {
         let mut none = Vec::new();
+        self.pump()?;
         if self.background_in_flight > 0 {
             self.inner.poll(&mut self.scratch)?;
             self.route(&mut none);
@@ -114,6 +171,9 @@ impl DeviceMux {
                     self.route(&mut none);
                 }
             }
+            self.pump()?;
+        } else if !self.backlog.is_empty() {
+            return Err(DevError::PoolExhausted);
         }
         assert!(none.is_empty(), "no foreground request was in flight");
         Ok(std::mem::take(&mut self.background))
@@ -225,39 +285,11 @@ impl Filesystem {
         });
         let token = BACKGROUND | ticket << 1;
         for (addr, data) in runs {
-            // Buffers come back with completions; wait for some when the pool is empty.
-            let mut buf = loop {
-                if let Some(buf) = self.dev.pool().alloc(data.len()) {
-                    break buf;
-                }
-                if self.dev.background_in_flight == 0 {
-                    return self.fail_background(DevError::PoolExhausted);
-                }
-                self.log_progress(Some(Duration::from_millis(10)))?;
-            };
-            buf.as_mut_slice().copy_from_slice(&data);
             let lba = block_lba(&*self.dev, addr);
-            let mut request = Request {
-                token,
-                op: Op::Write {
-                    lba,
-                    buf,
-                    fua: false,
-                },
-            };
-            // A full queue frees up as earlier requests (this record's among them) complete.
-            loop {
-                match self.dev.submit_background(request) {
-                    Ok(()) => break,
-                    Err(Rejected {
-                        request: back,
-                        reason: DevError::QueueFull,
-                    }) => {
-                        request = back;
-                        self.log_progress(Some(Duration::from_millis(10)))?;
-                    }
-                    Err(rejected) => return self.fail_background(rejected.reason),
-                }
+            // What does not fit the queue or the pool now goes as earlier requests complete
+            // (log_progress pumps the backlog).
+            if let Err(e) = self.dev.queue_background_write(token, lba, data) {
+                return self.fail_background(e);
             }
         }
         Ok(ticket)
