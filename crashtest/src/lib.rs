@@ -511,9 +511,25 @@ pub(crate) fn run_ops<F: Live>(
     ops: &[Op],
     log: &nvme::wrap::WriteLog,
 ) -> Result<Vec<Point>, String> {
+    run_ops_committing(fs, ops, log, |_, _| false)
+}
+
+/// As [`run_ops`], where `commits(fs, op)` says that `op`, which just succeeded, committed the
+/// whole filesystem before returning (a directory rename with several reactors): a point
+/// promising the whole tree, like a sync.
+pub(crate) fn run_ops_committing<F: Live>(
+    fs: &mut F,
+    ops: &[Op],
+    log: &nvme::wrap::WriteLog,
+    commits: impl Fn(&mut F, &Op) -> bool,
+) -> Result<Vec<Point>, String> {
     let mut points: Vec<Point> = Vec::new();
     for op in ops {
         let result = apply(fs, op);
+        if result.is_ok() && commits(fs, op) {
+            points.push(persistence_point(fs, &Op::Sync, log.len())?);
+            continue;
+        }
         if let Err(
             e @ (EngineError::Device(_)
             | EngineError::Corrupt { .. }

@@ -4,7 +4,7 @@
 //! their separate log streams, spans and coordinated commits.
 
 use crate::workload::Op;
-use crate::{check_points, config, run_ops, Live, Outcome};
+use crate::{check_points, config, run_ops_committing, Live, Outcome};
 use engine::{DirEntry, EngineError, FallocateMode, RenameFlags, Stat, XattrFlags};
 use nvme::backend::mem::MemDevice;
 use nvme::wrap::RecordingDevice;
@@ -207,7 +207,18 @@ pub fn run_on_reactors(
     )
     .map_err(|e| format!("starting {reactors} reactors: {e}"))?;
     let mut live = Clients(runtime.client(4));
-    let points = run_ops(&mut live, ops, &log)?;
+    // With several reactors a directory rename commits before it returns (docs/reactors.md):
+    // a promise of the whole tree, like a sync.
+    let points = run_ops_committing(&mut live, ops, &log, |fs, op| {
+        reactors > 1
+            && match op {
+                Op::Rename(_, to) => fs
+                    .resolve(to)
+                    .and_then(|ino| fs.stat(ino))
+                    .is_ok_and(|s| s.is_dir()),
+                _ => false,
+            }
+    })?;
     drop(live);
     let stats = runtime.shutdown().map_err(|e| format!("shutdown: {e}"))?;
     let records = log.snapshot();

@@ -43,6 +43,32 @@ pub enum CommitState {
     Completed,
 }
 
+/// Where the commit in flight stands ([`Filesystem::commit_progress`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CommitProgress {
+    /// No commit in flight.
+    Idle,
+    /// Its blocks (or its superblock) are being written.
+    Writing,
+    /// A partition's half is durable: its coordinator may write the superblock.
+    Written,
+    /// The superblock of this generation is durable.
+    SuperCommitted(u64),
+}
+
+/// A commit whose writes are in flight.
+#[derive(Debug)]
+pub(crate) struct CommitInFlight {
+    pub generation: u64,
+    pub roots: Vec<(u32, ShardRoot)>,
+    pub blocks: u64,
+    pub started: Instant,
+    /// The pipeline ticket of the trees' writes and their flush.
+    pub writes: u64,
+    /// The superblock and the ticket of its write and flush, once submitted.
+    pub superblock: Option<(Superblock, u64)>,
+}
+
 /// A partition's half of a commit ([`Filesystem::commit_write`]): what it wrote, for the
 /// coordinator's superblock and for [`Filesystem::commit_finish`].
 #[derive(Debug, Clone)]
@@ -109,46 +135,56 @@ impl Filesystem {
 
     /// Commits the running transaction and returns at SuperCommitted, leaving the unpinning
     /// to [`Filesystem::complete_commit`]: what a caller with waiters to release (fsync
-    /// fallbacks, sync) uses, so they go before the unpinning. A partition commits through
-    /// its coordinator instead ([`Filesystem::commit_write`], [`Filesystem::write_super`],
-    /// [`Filesystem::commit_finish`]).
+    /// fallbacks, sync) uses, so they go before the unpinning. A commit already in flight
+    /// ([`Filesystem::commit_start`]) finishes first. A partition commits through its
+    /// coordinator instead ([`crate::partition`]).
     pub fn commit_to_super(&mut self) -> Result<u64> {
         if self.partitioned {
             return Err(EngineError::Invalid(
                 "a partition commits through its coordinator".into(),
             ));
         }
-        let Some(written) = self.commit_write()? else {
+        self.check_writable()?;
+        self.finish_commit_in_flight()?;
+        if !self.commit_start()? {
             return Ok(self.sb.generation);
-        };
-        let generation = written.generation;
-        let result = self.write_super(&written.roots).map(|sb| {
-            self.commit_finish(&sb, &written);
-        });
-        if let Err(e) = &result {
-            self.failed.get_or_insert(e.clone());
-            self.state = CommitState::Running;
-            tracing::error!(
-                generation,
-                "commit failed, filesystem is now read-only: {e}"
-            );
-            return Err(e.clone());
         }
-        Ok(generation)
+        self.finish_commit_in_flight()?;
+        Ok(self.sb.generation)
     }
 
-    /// The first half of a commit, for the shards held here: the records in flight finish,
-    /// the previous commit unpins, delayed index items and inode counters join the trees, and
-    /// staged data and every dirty node are written (not flushed). Returns None when nothing
-    /// here changed (the held shards keep their roots). On error the filesystem is fail-stop.
-    pub fn commit_write(&mut self) -> Result<Option<CommitWritten>> {
+    /// Waits for the commit in flight, if any, to reach SuperCommitted (a whole mount) or to
+    /// have its writes durable (a partition, whose coordinator writes the superblock).
+    pub(crate) fn finish_commit_in_flight(&mut self) -> Result<()> {
+        loop {
+            match self.commit_progress(Some(Duration::from_millis(100)))? {
+                CommitProgress::Idle | CommitProgress::SuperCommitted(_) => return Ok(()),
+                CommitProgress::Written if self.partitioned => return Ok(()),
+                CommitProgress::Written | CommitProgress::Writing => {}
+            }
+        }
+    }
+
+    /// Starts committing the running transaction (generation N) without waiting: the records
+    /// in flight finish and the previous commit unpins; delayed index items and inode counters
+    /// join the trees; staged data and every dirty node are serialized and handed to the
+    /// device in the background, followed by a flush. From here on changes belong to N+1 and
+    /// the caller may go on serving reads and writes while [`Filesystem::commit_progress`]
+    /// carries N to SuperCommitted. Returns false when nothing changed. An fsync must not be
+    /// logged while N is in flight (its record would belong to N+1, which replay ignores until
+    /// N is durable): [`Filesystem::fsync_group_start`] finishes N first; a reactor holds its
+    /// fsyncs until then. On error the filesystem is fail-stop.
+    pub fn commit_start(&mut self) -> Result<bool> {
         self.check_writable()?;
+        if self.commit_in_flight.is_some() {
+            return Err(EngineError::Invalid("a commit is already in flight".into()));
+        }
         // Records in flight finish first: the commit truncates the logs they are written to.
         self.drain_log()?;
         // Generations unpin in order: the previous commit's frees go first.
         self.complete_commit();
         if !self.is_dirty() {
-            return Ok(None);
+            return Ok(false);
         }
         let started = Instant::now();
         let generation = self.generation;
@@ -165,14 +201,15 @@ impl Filesystem {
             return Err(e);
         }
         self.state = CommitState::CommitDoing;
-        let result = self.write_trees(generation);
-        match result {
-            Ok((roots, blocks)) => Ok(Some(CommitWritten {
-                generation,
-                roots,
-                blocks,
-                started,
-            })),
+        let written = self
+            .serialize_trees(generation)
+            .and_then(|(roots, blocks)| {
+                let count = blocks.len() as u64;
+                self.submit_record(blocks)
+                    .map(|ticket| (roots, count, ticket))
+            });
+        let (roots, blocks, writes) = match written {
+            Ok(w) => w,
             Err(e) => {
                 self.failed.get_or_insert(e.clone());
                 self.state = CommitState::Running;
@@ -180,14 +217,120 @@ impl Filesystem {
                     generation,
                     "commit failed, filesystem is now read-only: {e}"
                 );
-                Err(e)
+                return Err(e);
             }
+        };
+        // N+1 starts: what changes from now on is tracked for its own fsyncs and commit;
+        // everything tracked so far is in N.
+        self.generation = generation + 1;
+        self.transaction_started = Instant::now();
+        self.log.reset_tracking();
+        self.commit_in_flight = Some(CommitInFlight {
+            generation,
+            roots,
+            blocks,
+            started,
+            writes,
+            superblock: None,
+        });
+        Ok(true)
+    }
+
+    /// The generation whose commit is in flight, if one is.
+    pub fn commit_in_flight(&self) -> Option<u64> {
+        self.commit_in_flight.as_ref().map(|c| c.generation)
+    }
+
+    /// Advances the commit in flight (`wait`: sleep up to that long on the device when nothing
+    /// is ready). A whole mount writes the superblock once the trees are durable, and reaches
+    /// SuperCommitted when it is; a partition stops at Written (its coordinator writes the
+    /// superblock, then [`Filesystem::commit_finish`]). A device error fails the commit and
+    /// the filesystem stops (read-only).
+    pub fn commit_progress(&mut self, wait: Option<Duration>) -> Result<CommitProgress> {
+        let Some(c) = &self.commit_in_flight else {
+            return Ok(CommitProgress::Idle);
+        };
+        let (generation, writes, superblock) = (
+            c.generation,
+            c.writes,
+            c.superblock.as_ref().map(|(_, t)| *t),
+        );
+        let durable_below = match self.log_progress(wait) {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::error!(
+                    generation,
+                    "commit failed, filesystem is now read-only: {e}"
+                );
+                return Err(e);
+            }
+        };
+        if durable_below <= writes {
+            return Ok(CommitProgress::Writing);
+        }
+        if self.partitioned {
+            self.state = CommitState::Unblocked;
+            return Ok(CommitProgress::Written);
+        }
+        match superblock {
+            None => {
+                self.state = CommitState::Unblocked;
+                let c = self.commit_in_flight.as_ref().expect("in flight");
+                let mut sb = Superblock {
+                    generation: c.generation,
+                    ..self.sb.clone()
+                };
+                for &(id, root) in &c.roots {
+                    sb.shards[id as usize] = root;
+                }
+                // One FUA write (the trees' flush completed before it), into the copy the
+                // previous generation does not use.
+                let copy = SUPERBLOCK_ADDRS[(c.generation % 2) as usize];
+                let ticket = self.submit_fua(vec![(copy, sb.encode())])?;
+                self.commit_in_flight
+                    .as_mut()
+                    .expect("in flight")
+                    .superblock = Some((sb, ticket));
+                Ok(CommitProgress::Writing)
+            }
+            Some(ticket) if durable_below > ticket => {
+                let c = self.commit_in_flight.as_ref().expect("in flight");
+                let sb = c.superblock.as_ref().expect("written").0.clone();
+                self.commit_finish(&sb);
+                Ok(CommitProgress::SuperCommitted(sb.generation))
+            }
+            Some(_) => Ok(CommitProgress::Writing),
         }
     }
 
-    /// Writes staged data and every held shard's dirty nodes for `generation`; returns the
-    /// held shards' new roots and the blocks written.
-    fn write_trees(&mut self, generation: u64) -> Result<(Vec<(u32, ShardRoot)>, u64)> {
+    /// A partition's half of a coordinated commit, waited for: started, written and flushed.
+    /// Returns its shards' new roots, or None when it had nothing to write (it still takes
+    /// [`Filesystem::commit_finish`]).
+    pub fn commit_write(&mut self) -> Result<Option<CommitWritten>> {
+        if !self.commit_start()? {
+            return Ok(None);
+        }
+        self.finish_commit_in_flight()?;
+        Ok(self.commit_written())
+    }
+
+    /// The roots of the commit in flight (a partition's half for its coordinator).
+    pub fn commit_written(&self) -> Option<CommitWritten> {
+        self.commit_in_flight.as_ref().map(|c| CommitWritten {
+            generation: c.generation,
+            roots: c.roots.clone(),
+            blocks: c.blocks,
+            started: c.started,
+        })
+    }
+
+    /// Serializes staged data and every held shard's dirty nodes for `generation`; returns
+    /// the held shards' new roots and the blocks to write.
+    #[allow(clippy::type_complexity)]
+    fn serialize_trees(
+        &mut self,
+        generation: u64,
+    ) -> Result<(Vec<(u32, ShardRoot)>, Vec<(u64, Vec<u8>)>)> {
         // Staged file data goes out with the tree nodes, before the flush.
         let mut blocks: Vec<(u64, Vec<u8>)> = self.take_all_staged();
         let mut roots = Vec::with_capacity(self.shards.len());
@@ -234,9 +377,7 @@ impl Filesystem {
                 },
             ));
         }
-        let block_count = blocks.len() as u64;
-        write_blocks(&mut *self.dev, blocks)?;
-        Ok((roots, block_count))
+        Ok((roots, blocks))
     }
 
     /// The second half, run once for the whole filesystem (by the coordinator of partitions):
@@ -261,34 +402,46 @@ impl Filesystem {
         Ok(sb)
     }
 
-    /// SuperCommitted for the shards held here: `sb` is durable, the running transaction
-    /// becomes its generation + 1, the logs start over, and the frees wait for
-    /// [`Filesystem::complete_commit`]. `written` is this partition's half (None when it had
-    /// nothing to write: it moves to the next generation all the same).
-    pub fn commit_finish(&mut self, sb: &Superblock, written: &CommitWritten) {
-        assert_eq!(
-            sb.generation, self.generation,
-            "commit of another generation"
-        );
+    /// SuperCommitted for the shards held here: `sb` is durable. The commit in flight (or,
+    /// for a partition that had nothing to write, the running transaction) becomes durable:
+    /// the next generation runs, the logs start over, and the frees wait for
+    /// [`Filesystem::complete_commit`].
+    pub fn commit_finish(&mut self, sb: &Superblock) {
+        let (started, blocks) = match self.commit_in_flight.take() {
+            Some(c) => {
+                assert_eq!(c.generation, sb.generation, "commit of another generation");
+                (c.started, c.blocks)
+            }
+            None => {
+                assert_eq!(
+                    sb.generation, self.generation,
+                    "commit of another generation"
+                );
+                // Nothing was written here: this partition moves to the next generation now.
+                self.generation = sb.generation + 1;
+                self.transaction_started = Instant::now();
+                self.log.reset_tracking();
+                (Instant::now(), 0)
+            }
+        };
         self.sb = sb.clone();
-        self.generation = sb.generation + 1;
         self.state = CommitState::SuperCommitted;
         // Everything logged is now in the trees: the logs start over at their heads, and
-        // records of older generations are stale.
-        self.log.reset();
-        let ns = written.started.elapsed().as_nanos() as u64;
+        // records of older generations are stale. (No record was written while the commit
+        // was in flight.)
+        self.log.reset_heads();
+        let ns = started.elapsed().as_nanos() as u64;
         // Waiters may go now; unpinning waits for complete_commit.
         self.unpin_pending = Some(sb.generation);
         self.stats.commits += 1;
-        self.transaction_started = written.started;
         self.stats.commit_ns_total += ns;
         self.stats.commit_ns_max = self.stats.commit_ns_max.max(ns);
         self.stats.last_commit_ns = ns;
         self.stats.last_super_commit_ns = ns;
-        self.stats.blocks_written += written.blocks + 1;
+        self.stats.blocks_written += blocks + 1;
         tracing::debug!(
             generation = sb.generation,
-            blocks = written.blocks,
+            blocks,
             commit_us = ns / 1000,
             "super-committed"
         );

@@ -118,6 +118,9 @@ pub struct Filesystem {
     /// A generation super-committed whose frees are not unpinned yet
     /// ([`Filesystem::complete_commit`]).
     pub(crate) unpin_pending: Option<u64>,
+    /// The commit whose writes are in flight while the next generation runs
+    /// ([`Filesystem::commit_start`]).
+    pub(crate) commit_in_flight: Option<crate::commit::CommitInFlight>,
 }
 
 /// The device LBAs of filesystem block `block`.
@@ -342,6 +345,7 @@ impl Filesystem {
             staged: Default::default(),
             block_cache: Default::default(),
             unpin_pending: None,
+            commit_in_flight: None,
         };
         // Records written after the last super-commit are applied and committed here: the only
         // time mount writes.

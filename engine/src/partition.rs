@@ -208,6 +208,7 @@ impl Filesystem {
             staged: Default::default(),
             block_cache: Default::default(),
             unpin_pending: None,
+            commit_in_flight: None,
         };
         fs.put_shards(lent);
         fs

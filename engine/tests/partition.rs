@@ -118,11 +118,11 @@ impl Split {
         let roots: Vec<_> = halves.iter().flat_map(|h| h.roots.clone()).collect();
         let sb = self.coordinator.write_super(&roots).unwrap();
         for (p, half) in self.parts.iter_mut().zip(&halves) {
-            p.commit_finish(&sb, half);
+            let _ = half;
+            p.commit_finish(&sb);
             p.complete_commit();
         }
-        self.coordinator
-            .commit_finish(&sb, &CommitWritten::nothing(generation));
+        self.coordinator.commit_finish(&sb);
         self.coordinator.complete_commit();
         sb.generation
     }

@@ -38,7 +38,6 @@ use crate::client::ReplyQueue;
 use crate::op::{Completion, Op, Reply};
 use crate::runtime::{deliver, execute_on, Request, Shared};
 use crate::stats::{Histograms, ReactorStats};
-use engine::commit::CommitWritten;
 use engine::format::{ShardRoot, Superblock};
 use engine::partition::Lent;
 use engine::{EngineError, Filesystem};
@@ -424,7 +423,6 @@ impl Coordinator {
     /// it fails).
     pub fn commit_all(&mut self) -> Result<(), EngineError> {
         let generation = self.fs.generation();
-        let started = Instant::now();
         self.broadcast(|| Control::CommitPrepare);
         let n = self.to_reactors.len();
         let mut halves: Vec<Option<Half>> = (0..n).map(|_| None).collect();
@@ -456,15 +454,7 @@ impl Coordinator {
         };
         match result {
             Ok(sb) => {
-                self.fs.commit_finish(
-                    &sb,
-                    &CommitWritten {
-                        generation,
-                        roots: Vec::new(),
-                        blocks: 0,
-                        started,
-                    },
-                );
+                self.fs.commit_finish(&sb);
                 self.fs.complete_commit();
                 tracing::debug!(generation, dirty, "coordinated commit");
                 self.broadcast(|| Control::CommitDone(Box::new(sb.clone())));

@@ -832,7 +832,6 @@ impl Reactor {
     /// This reactor's half of a coordinated commit; waits for the superblock (the reactor
     /// does nothing else meanwhile), then releases its commit waiters.
     fn commit_half(&mut self, shared: &Shared) {
-        let generation = self.fs.generation();
         let half = self.fs.commit_write();
         self.poll_durable(None);
         let m = self.multi.as_mut().expect("multi");
@@ -859,11 +858,7 @@ impl Reactor {
         m.commit_asked = false;
         let result = match outcome {
             Ok(sb) => {
-                let written = match half {
-                    Ok(Some(w)) => w,
-                    _ => engine::commit::CommitWritten::nothing(generation),
-                };
-                self.fs.commit_finish(&sb, &written);
+                self.fs.commit_finish(&sb);
                 Ok(())
             }
             Err(e) => {

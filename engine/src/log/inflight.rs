@@ -48,7 +48,7 @@ pub struct DeviceMux {
     /// Background writes not submitted yet (the queue or the DMA pool was full): submitted
     /// as room frees, and all of them before any foreground request. Bounded by what the
     /// engine hands over at once (a record, or one commit's blocks).
-    backlog: VecDeque<(u64, u64, Vec<u8>)>,
+    backlog: VecDeque<(u64, u64, Vec<u8>, bool)>,
     scratch: Vec<Completion>,
 }
 
@@ -109,27 +109,24 @@ impl DeviceMux {
         token: u64,
         lba: u64,
         data: Vec<u8>,
+        fua: bool,
     ) -> std::result::Result<(), DevError> {
         assert!(is_background(token));
-        self.backlog.push_back((token, lba, data));
+        self.backlog.push_back((token, lba, data, fua));
         self.pump()
     }
 
     /// Submits queued background writes while the queue and the DMA pool have room.
     fn pump(&mut self) -> std::result::Result<(), DevError> {
-        while let Some((token, lba, data)) = self.backlog.pop_front() {
+        while let Some((token, lba, data, fua)) = self.backlog.pop_front() {
             let Some(mut buf) = self.inner.pool().alloc(data.len()) else {
-                self.backlog.push_front((token, lba, data));
+                self.backlog.push_front((token, lba, data, fua));
                 return Ok(());
             };
             buf.as_mut_slice().copy_from_slice(&data);
             let request = Request {
                 token,
-                op: Op::Write {
-                    lba,
-                    buf,
-                    fua: false,
-                },
+                op: Op::Write { lba, buf, fua },
             };
             match self.inner.submit(request) {
                 Ok(()) => self.background_in_flight += 1,
@@ -137,7 +134,7 @@ impl DeviceMux {
                     reason: DevError::QueueFull,
                     ..
                 }) => {
-                    self.backlog.push_front((token, lba, data));
+                    self.backlog.push_front((token, lba, data, fua));
                     return Ok(());
                 }
                 Err(rejected) => return Err(rejected.reason),
@@ -243,6 +240,8 @@ struct InFlight {
     writes_left: u32,
     flush_submitted: bool,
     flushed: bool,
+    /// Written with FUA: durable when the writes complete, no flush.
+    fua: bool,
 }
 
 /// The log's background I/O state.
@@ -270,6 +269,16 @@ impl Filesystem {
     /// Submits `blocks` (a record and, for a large fsync, its data) as background writes
     /// under a new ticket; the flush follows when they complete.
     pub(crate) fn submit_record(&mut self, blocks: Vec<(u64, Vec<u8>)>) -> Result<u64> {
+        self.submit_background(blocks, false)
+    }
+
+    /// As [`Filesystem::submit_record`] with every write FUA and no flush after: durable when
+    /// the writes complete (a superblock).
+    pub(crate) fn submit_fua(&mut self, blocks: Vec<(u64, Vec<u8>)>) -> Result<u64> {
+        self.submit_background(blocks, true)
+    }
+
+    fn submit_background(&mut self, blocks: Vec<(u64, Vec<u8>)>, fua: bool) -> Result<u64> {
         if self.log.pipeline.in_flight.len() >= MAX_IN_FLIGHT {
             let oldest = self.log.pipeline.in_flight[0].ticket;
             self.wait_durable(oldest)?;
@@ -280,15 +289,17 @@ impl Filesystem {
         self.log.pipeline.in_flight.push_back(InFlight {
             ticket,
             writes_left: runs.len() as u32,
-            flush_submitted: false,
+            // FUA writes are durable when they complete: no flush.
+            flush_submitted: fua,
             flushed: false,
+            fua,
         });
         let token = BACKGROUND | ticket << 1;
         for (addr, data) in runs {
             let lba = block_lba(&*self.dev, addr);
             // What does not fit the queue or the pool now goes as earlier requests complete
             // (log_progress pumps the backlog).
-            if let Err(e) = self.dev.queue_background_write(token, lba, data) {
+            if let Err(e) = self.dev.queue_background_write(token, lba, data, fua) {
                 return self.fail_background(e);
             }
         }
@@ -332,6 +343,12 @@ impl Filesystem {
                 entry.flushed = true;
             } else {
                 entry.writes_left -= 1;
+            }
+        }
+        // FUA-only entries are durable once their writes are.
+        for entry in self.log.pipeline.in_flight.iter_mut() {
+            if entry.flush_submitted && !entry.flushed && entry.writes_left == 0 && entry.fua {
+                entry.flushed = true;
             }
         }
         // Each record whose writes are all done gets its flush (a full queue: next time).

@@ -170,11 +170,16 @@ impl LogState {
         self.tracked_keys
     }
 
-    /// A super-commit made everything durable: the logs start over.
-    pub fn reset(&mut self) {
+    /// A commit started: every change tracked so far is in it, the next generation's
+    /// changes are tracked from here.
+    pub fn reset_tracking(&mut self) {
         self.inodes.clear();
         self.cross.clear();
         self.tracked_keys = 0;
+    }
+
+    /// A super-commit made everything logged durable: the logs start over at their heads.
+    pub fn reset_heads(&mut self) {
         self.heads.iter_mut().for_each(|h| *h = 0);
         self.shard_seqs.iter_mut().for_each(|s| *s = 0);
         self.next_seq = 0;
@@ -253,6 +258,14 @@ impl Filesystem {
     /// changes.
     pub fn fsync_group_start(&mut self, group: &[(u64, bool)]) -> Result<FsyncStart> {
         self.check_writable()?;
+        // A record written now would belong to the next generation, which replay ignores
+        // until the commit in flight is durable: let it finish first.
+        if self.commit_in_flight.is_some() {
+            if self.partitioned {
+                return Ok(FsyncStart::NeedsCommit);
+            }
+            self.finish_commit_in_flight()?;
+        }
         self.log.stats.fsyncs += group.len() as u64;
         let mut wanted = Vec::with_capacity(group.len());
         for &(ino, datasync) in group {
