@@ -63,8 +63,8 @@ pub(crate) struct CommitInFlight {
     pub roots: Vec<(u32, ShardRoot)>,
     pub blocks: u64,
     pub started: Instant,
-    /// The pipeline ticket of the trees' writes and their flush.
-    pub writes: u64,
+    /// The pipeline ticket of the trees' writes and their flush (None: nothing to write).
+    pub writes: Option<u64>,
     /// The superblock and the ticket of its write and flush, once submitted.
     pub superblock: Option<(Superblock, u64)>,
 }
@@ -183,11 +183,28 @@ impl Filesystem {
         self.drain_log()?;
         // Generations unpin in order: the previous commit's frees go first.
         self.complete_commit();
-        if !self.is_dirty() {
-            return Ok(false);
-        }
         let started = Instant::now();
         let generation = self.generation;
+        if !self.is_dirty() {
+            if !self.partitioned {
+                return Ok(false);
+            }
+            // A partition with nothing to write still moves to N+1 now, with the others: a
+            // change made before the coordinator's superblock must belong to N+1, never to
+            // an N that is already decided (its fsync would log into a stale generation).
+            self.generation = generation + 1;
+            self.transaction_started = Instant::now();
+            self.log.reset_tracking();
+            self.commit_in_flight = Some(CommitInFlight {
+                generation,
+                roots: Vec::new(),
+                blocks: 0,
+                started,
+                writes: None,
+                superblock: None,
+            });
+            return Ok(true);
+        }
         self.state = CommitState::CommitStart;
         // Delayed index items join the trees in per-directory batches before anything is
         // serialized.
@@ -230,7 +247,7 @@ impl Filesystem {
             roots,
             blocks,
             started,
-            writes,
+            writes: Some(writes),
             superblock: None,
         });
         Ok(true)
@@ -265,7 +282,7 @@ impl Filesystem {
                 return Err(e);
             }
         };
-        if durable_below <= writes {
+        if writes.is_some_and(|w| durable_below <= w) {
             return Ok(CommitProgress::Writing);
         }
         if self.partitioned {

@@ -91,6 +91,9 @@ pub struct Filesystem {
     /// The shard the next new inode goes to, set by whoever places it (a partition's owner
     /// spreading directories over every shard); otherwise round-robin over the held shards.
     pub(crate) place_next: Option<u32>,
+    /// An fsync that must commit says so ([`crate::log::FsyncStart::NeedsCommit`]) instead of
+    /// committing inline: a reactor runs the commit in the background and releases it then.
+    pub(crate) commits_deferred: bool,
     /// The running transaction's generation.
     pub(crate) generation: u64,
     pub(crate) state: CommitState,
@@ -331,6 +334,7 @@ impl Filesystem {
             shards,
             partitioned: false,
             place_next: None,
+            commits_deferred: false,
             state: CommitState::Running,
             failed: None,
             stats: CommitStats::default(),
@@ -351,6 +355,12 @@ impl Filesystem {
         // time mount writes.
         fs.replay_logs()?;
         Ok(fs)
+    }
+
+    /// With `true`, an fsync that must commit returns [`crate::log::FsyncStart::NeedsCommit`]
+    /// instead of committing inline (the caller commits, [`Filesystem::commit_start`]).
+    pub fn defer_commits(&mut self, deferred: bool) {
+        self.commits_deferred = deferred;
     }
 
     /// The last durable generation.

@@ -193,6 +193,7 @@ impl Filesystem {
             shards: (0..count).map(|_| None).collect(),
             partitioned: true,
             place_next: None,
+            commits_deferred: true,
             generation: like.generation,
             state: crate::commit::CommitState::Running,
             failed: None,

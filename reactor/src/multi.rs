@@ -127,12 +127,14 @@ pub(crate) enum Control {
     Exit,
 }
 
-/// A reply held until the next SuperCommitted.
+/// A reply held until generation `generation` is durable (SuperCommitted).
 pub(crate) struct CommitWaiter {
     pub request: Request,
     pub reply: Reply,
     /// For an fsync that fell back: when it was checked and when its group started.
     pub fsync: Option<(Instant, Instant)>,
+    /// The running generation when it was queued: its changes are in that one.
+    pub generation: u64,
 }
 
 /// A reactor's side of the protocol.
@@ -142,8 +144,10 @@ pub(crate) struct Member {
     pub to_coordinator: Sender<ToCoordinator>,
     pub coordinator: std::thread::Thread,
     pub control: Receiver<Control>,
-    pub commit_waiters: Vec<CommitWaiter>,
+    /// A commit was asked for and its done (or failure) has not come yet.
     pub commit_asked: bool,
+    /// This reactor's half of the coordinated commit in flight was sent.
+    pub half_sent: bool,
     /// Every shard is lent to the coordinator: requests wait in `deferred`.
     pub away: bool,
     pub deferred: VecDeque<Request>,

@@ -432,8 +432,8 @@ impl Runtime {
                         to_coordinator,
                         coordinator: coordinator_thread,
                         control,
-                        commit_waiters: Vec::new(),
                         commit_asked: false,
+                        half_sent: true,
                         away: false,
                         deferred: VecDeque::new(),
                         next_dir_shard: index as u64,
@@ -588,6 +588,12 @@ pub(crate) struct Reactor {
     pending: VecDeque<PendingGroup>,
     /// With several reactors: this one's side of the coordination ([`crate::multi`]).
     pub(crate) multi: Option<Member>,
+    /// Replies held until a generation is durable (syncs, fsyncs that fell back, directory
+    /// renames with several reactors).
+    commit_waiters: Vec<crate::multi::CommitWaiter>,
+    /// fsyncs that arrived while a commit was in flight: logged once it is durable (a record
+    /// written meanwhile would belong to a generation replay ignores until then).
+    held: VecDeque<Request>,
 }
 
 /// An fsync group waiting for its record to become durable.
@@ -634,9 +640,9 @@ fn run(mut reactor: Reactor, shared: &Shared, config: &Config) -> Result<Reactor
             reactor.tick();
             continue;
         }
-        if !reactor.pending.is_empty() {
-            // Records in flight and nothing queued: poll the device (busy-poll), or sleep on
-            // it briefly (shared cores) and look at the queue again.
+        if !reactor.pending.is_empty() || reactor.commit_writing() {
+            // Records or a commit in flight and nothing queued: poll the device (busy-poll),
+            // or sleep on it briefly (shared cores) and look at the queue again.
             let wait = match config.idle {
                 IdlePolicy::BusyPoll => None,
                 IdlePolicy::SpinThenPark { .. } => Some(LOG_WAIT_SLICE),
@@ -644,13 +650,28 @@ fn run(mut reactor: Reactor, shared: &Shared, config: &Config) -> Result<Reactor
             reactor.poll_durable(wait);
             continue;
         }
+        if reactor.fs.commit_in_flight().is_some() {
+            // This reactor's half is written; the coordinator's superblock comes next.
+            if config.idle != IdlePolicy::BusyPoll {
+                park_for_control(shared, LOG_WAIT_SLICE);
+            }
+            continue;
+        }
         if shared.stopping.load(Ordering::Acquire) && shared.requests.is_empty() {
             match reactor.multi.as_mut() {
-                None => break,
+                None if reactor.commit_waiters.is_empty() && reactor.held.is_empty() => break,
+                None => {
+                    reactor.tick();
+                    continue;
+                }
                 Some(m) => {
                     // Drained: the coordinator makes the last commit once every reactor is,
                     // then says Exit.
-                    if m.commit_waiters.is_empty() && !m.drained_sent {
+                    if reactor.commit_waiters.is_empty()
+                        && reactor.held.is_empty()
+                        && reactor.fs.commit_in_flight().is_none()
+                        && !m.drained_sent
+                    {
                         m.drained_sent = true;
                         m.tell(ToCoordinator::Drained(m.index));
                     }
@@ -720,7 +741,9 @@ fn park_for_control(shared: &Shared, timeout: Duration) {
 }
 
 impl Reactor {
-    pub(crate) fn new(fs: Filesystem, commit_interval: Duration) -> Reactor {
+    pub(crate) fn new(mut fs: Filesystem, commit_interval: Duration) -> Reactor {
+        // Commits run in the background here; an fsync that needs one waits for it.
+        fs.defer_commits(true);
         Reactor {
             fs,
             commit_interval,
@@ -729,12 +752,24 @@ impl Reactor {
             cpu_start_ns: thread_cpu_ns(),
             pending: VecDeque::new(),
             multi: None,
+            commit_waiters: Vec::new(),
+            held: VecDeque::new(),
         }
     }
 
-    /// fsync groups whose records are not durable yet.
+    /// Work waiting on the device or on a commit: fsync groups whose records are not
+    /// durable, a commit in flight, replies waiting for one, fsyncs held back.
     pub(crate) fn pending_groups(&self) -> usize {
         self.pending.len()
+            + self.fs.commit_in_flight().is_some() as usize
+            + self.commit_waiters.len()
+            + self.held.len()
+    }
+
+    /// A commit of this reactor is in flight and its device I/O is not finished (with
+    /// several reactors: its half is not sent yet).
+    fn commit_writing(&self) -> bool {
+        self.fs.commit_in_flight().is_some() && self.multi.as_ref().is_none_or(|m| !m.half_sent)
     }
 
     /// Unmounts (commits unless the filesystem failed) and gives the device back.
@@ -743,12 +778,13 @@ impl Reactor {
     }
 
     pub(crate) fn tick(&mut self) {
-        if let Some(m) = self.multi.as_mut() {
-            // Unpin the last coordinated commit's frees; ask for a commit when one is due.
+        // Unpin the last commit's frees (after its waiters went), then start or ask for the
+        // next commit when one is due or waited for.
+        if self.fs.commit_in_flight().is_none() {
             self.fs.complete_commit();
-            if self.fs.failure().is_none() && self.fs.commit_due() {
-                m.ask_commit();
-            }
+        }
+        self.drive_commits();
+        if let Some(m) = self.multi.as_ref() {
             let statfs = self.fs.statfs();
             let shared = &m.router.reactors[m.index];
             shared
@@ -757,25 +793,95 @@ impl Reactor {
             shared
                 .free_blocks
                 .store(statfs.free_blocks, Ordering::Relaxed);
-            self.poll_durable(None);
+        }
+        self.poll_durable(None);
+    }
+
+    /// Starts a commit (one reactor) or asks the coordinator for one (several) when the
+    /// engine says one is due or a waiter needs a generation not yet durable.
+    fn drive_commits(&mut self) {
+        if self.fs.failure().is_some() {
+            if !self.commit_waiters.is_empty() {
+                let e = self.fs.failure().cloned().expect("failed");
+                self.release_commit_waiters(u64::MAX, Err(e));
+            }
             return;
         }
-        let before = self.fs.commit_stats().commits;
-        if let Err(e) = self.fs.tick() {
-            tracing::error!("background commit failed: {e}");
+        if self.fs.commit_in_flight().is_some() {
+            return;
         }
-        // A commit drains the records in flight: release their waiters.
-        self.poll_durable(None);
-        let after = self.fs.commit_stats();
-        if after.commits > before {
-            tracing::debug!(
-                commits = after.commits,
-                commit_us = after.last_commit_ns / 1000,
-                super_commit_us = after.last_super_commit_ns / 1000,
-                unpinned = after.last_unpinned_blocks,
-                "commit"
-            );
+        let durable = self.fs.durable_generation();
+        let waited = self.commit_waiters.iter().any(|w| w.generation > durable);
+        if !waited && !self.fs.commit_due() {
+            return;
         }
+        if let Some(m) = self.multi.as_mut() {
+            m.ask_commit();
+            return;
+        }
+        match self.fs.commit_start() {
+            Ok(true) => {}
+            // Nothing to write: every change is durable already.
+            Ok(false) => {
+                let running = self.fs.generation();
+                self.release_commit_waiters(running, Ok(()));
+            }
+            Err(e) => self.release_commit_waiters(u64::MAX, Err(e)),
+        }
+    }
+
+    /// Advances the commit in flight: its half to the coordinator once written (several
+    /// reactors), its waiters released at SuperCommitted (one reactor).
+    fn progress_commit(&mut self, wait: Option<Duration>) {
+        if self.fs.commit_in_flight().is_none() {
+            return;
+        }
+        if self.multi.as_ref().is_some_and(|m| m.half_sent) {
+            return;
+        }
+        match self.fs.commit_progress(wait) {
+            Ok(engine::commit::CommitProgress::SuperCommitted(generation)) => {
+                let after = self.fs.commit_stats();
+                tracing::debug!(
+                    commits = after.commits,
+                    commit_us = after.last_commit_ns / 1000,
+                    generation,
+                    "commit"
+                );
+                self.release_commit_waiters(generation, Ok(()));
+            }
+            Ok(engine::commit::CommitProgress::Written) => {
+                let roots = self
+                    .fs
+                    .commit_written()
+                    .map(|w| w.roots)
+                    .unwrap_or_default();
+                let m = self
+                    .multi
+                    .as_mut()
+                    .expect("only a partition stops at Written");
+                m.half_sent = true;
+                m.tell(ToCoordinator::Half(m.index, Box::new(Ok(Some(roots)))));
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::error!("commit failed: {e}");
+                if let Some(m) = self.multi.as_mut() {
+                    m.half_sent = true;
+                    m.tell(ToCoordinator::Half(m.index, Box::new(Err(e.clone()))));
+                }
+                self.release_commit_waiters(u64::MAX, Err(e));
+            }
+        }
+    }
+
+    /// Runs the fsyncs held during a commit once none is in flight.
+    fn run_held(&mut self) {
+        if self.held.is_empty() || self.fs.commit_in_flight().is_some() {
+            return;
+        }
+        let mut batch: Vec<Request> = self.held.drain(..).collect();
+        self.run_batch(&mut batch);
     }
 
     pub(crate) fn snapshot(&mut self) -> ReactorStats {
@@ -812,7 +918,21 @@ impl Reactor {
                     self.fs.put_shards(lent);
                     self.multi.as_mut().expect("multi").away = false;
                 }
-                Control::CommitPrepare => self.commit_half(shared),
+                Control::CommitPrepare => self.begin_half(),
+                Control::CommitDone(sb) => {
+                    self.fs.commit_finish(&sb);
+                    let m = self.multi.as_mut().expect("multi");
+                    m.commit_asked = false;
+                    self.release_commit_waiters(sb.generation, Ok(()));
+                    self.run_held();
+                }
+                Control::CommitFailed(e) => {
+                    self.fs.fail_stop(e.clone());
+                    let m = self.multi.as_mut().expect("multi");
+                    m.commit_asked = false;
+                    self.release_commit_waiters(u64::MAX, Err(e));
+                    self.run_held();
+                }
                 Control::Snapshot => {
                     let snapshot = self.snapshot();
                     let m = self.multi.as_ref().expect("multi");
@@ -822,62 +942,46 @@ impl Reactor {
                     ))));
                 }
                 Control::Exit => return true,
-                Control::CommitDone(_) | Control::CommitFailed(_) => {
-                    tracing::error!("commit outcome outside a commit: ignored");
-                }
             }
         }
     }
 
-    /// This reactor's half of a coordinated commit; waits for the superblock (the reactor
-    /// does nothing else meanwhile), then releases its commit waiters.
-    fn commit_half(&mut self, shared: &Shared) {
-        let half = self.fs.commit_write();
-        self.poll_durable(None);
+    /// Starts this reactor's half of a coordinated commit: its blocks go to the device in
+    /// the background while it serves the next generation; the half goes to the coordinator
+    /// once written ([`Reactor::progress_commit`]), and its done arrives as a control message.
+    fn begin_half(&mut self) {
+        let started = self.fs.commit_start();
+        // A partition always starts (its generation moves even with nothing to write).
         let m = self.multi.as_mut().expect("multi");
-        let roots = match &half {
-            Ok(h) => Ok(h.as_ref().map(|w| w.roots.clone())),
-            Err(e) => Err(e.clone()),
-        };
-        m.tell(ToCoordinator::Half(m.index, Box::new(roots)));
-        let outcome = loop {
-            match m.control.recv() {
-                Ok(c) => {
-                    shared.control_pending.fetch_sub(1, Ordering::SeqCst);
-                    match c {
-                        Control::CommitDone(sb) => break Ok(sb),
-                        Control::CommitFailed(e) => break Err(e),
-                        _ => tracing::error!("unexpected control message during a commit"),
-                    }
-                }
-                Err(_) => {
-                    break Err(EngineError::Invalid("the coordinator is gone".into()));
-                }
+        match started {
+            Ok(true) => {
+                m.half_sent = false;
+                self.poll_durable(None);
             }
-        };
-        m.commit_asked = false;
-        let result = match outcome {
-            Ok(sb) => {
-                self.fs.commit_finish(&sb);
-                Ok(())
+            Ok(false) => {
+                m.half_sent = true;
+                m.tell(ToCoordinator::Half(m.index, Box::new(Ok(None))));
             }
             Err(e) => {
-                self.fs.fail_stop(e.clone());
-                Err(e)
+                m.half_sent = true;
+                m.tell(ToCoordinator::Half(m.index, Box::new(Err(e))));
             }
-        };
-        self.release_commit_waiters(result);
+        }
     }
 
-    /// Completes every reply held for a commit.
-    fn release_commit_waiters(&mut self, result: Result<(), EngineError>) {
-        let Some(m) = self.multi.as_mut() else {
+    /// Completes the replies waiting for a generation up to `generation` (all of them, with
+    /// the error, on failure).
+    fn release_commit_waiters(&mut self, generation: u64, result: Result<(), EngineError>) {
+        if self.commit_waiters.is_empty() {
             return;
-        };
-        let waiters = std::mem::take(&mut m.commit_waiters);
+        }
+        let (ready, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.commit_waiters)
+            .into_iter()
+            .partition(|w| result.is_err() || w.generation <= generation);
+        self.commit_waiters = waiting;
         let now = Instant::now();
-        let mut done = Vec::with_capacity(waiters.len());
-        for w in waiters {
+        let mut done = Vec::with_capacity(ready.len());
+        for w in ready {
             if let Some((started, group_start)) = w.fsync {
                 let submitted = w.request.submitted;
                 let _ = self
@@ -943,6 +1047,11 @@ impl Reactor {
                 }
             }
             if let Some(member) = request.op.is_fsync() {
+                if self.fs.commit_in_flight().is_some() {
+                    // Logged once the commit in flight is durable (run_held).
+                    self.held.push_back(request);
+                    continue;
+                }
                 let started = Instant::now();
                 match self.fs.check_exists(member.0) {
                     Ok(()) => fsyncs.push((request, member, started)),
@@ -968,8 +1077,8 @@ impl Reactor {
             let result = self.execute(op);
             if let (Some(rename), Ok(_)) = (&rename, &result) {
                 if crate::multi::renamed_a_directory(&mut self.fs, rename) {
-                    let m = self.multi.as_mut().expect("multi");
-                    m.commit_waiters.push(crate::multi::CommitWaiter {
+                    let generation = self.fs.generation();
+                    self.commit_waiters.push(crate::multi::CommitWaiter {
                         request: Request {
                             op: rename.clone(),
                             token,
@@ -978,8 +1087,8 @@ impl Reactor {
                         },
                         reply: result.expect("checked"),
                         fsync: None,
+                        generation,
                     });
-                    m.ask_commit();
                     continue;
                 }
             }
@@ -1009,57 +1118,36 @@ impl Reactor {
                 Ok(FsyncStart::Durable) => {
                     self.finish_group(waiters, group_start, fell_back, Ok(()), &mut done)
                 }
-                // Only a partition asks: the coordinated commit releases the group.
-                Ok(FsyncStart::NeedsCommit) => match self.multi.as_mut() {
-                    Some(m) => {
-                        for (request, started) in waiters {
-                            m.commit_waiters.push(crate::multi::CommitWaiter {
-                                request,
-                                reply: Reply::Done,
-                                fsync: Some((started, group_start)),
-                            });
-                        }
-                        m.ask_commit();
+                // The fallback: the next commit (started or asked for after the batch)
+                // releases the group.
+                Ok(FsyncStart::NeedsCommit) => {
+                    let generation = self.fs.generation();
+                    for (request, started) in waiters {
+                        self.commit_waiters.push(crate::multi::CommitWaiter {
+                            request,
+                            reply: Reply::Done,
+                            fsync: Some((started, group_start)),
+                            generation,
+                        });
                     }
-                    None => self.finish_group(
-                        waiters,
-                        group_start,
-                        false,
-                        Err(EngineError::Invalid(
-                            "a whole mount asked for a coordinated commit".into(),
-                        )),
-                        &mut done,
-                    ),
-                },
+                }
                 Err(e) => self.finish_group(waiters, group_start, false, Err(e), &mut done),
             }
         }
-        if !syncs.is_empty() {
-            match self.multi.as_mut() {
-                Some(m) => {
-                    for request in syncs {
-                        m.commit_waiters.push(crate::multi::CommitWaiter {
-                            request,
-                            reply: Reply::Done,
-                            fsync: None,
-                        });
-                    }
-                    m.ask_commit();
-                }
-                None => {
-                    // Returns at SuperCommitted; tick() unpins after the waiters are released.
-                    let result = self.fs.commit_to_super().map(drop);
-                    for request in syncs {
-                        done.push(crate::multi::completion(
-                            request,
-                            result.clone().map(|()| Reply::Done),
-                        ));
-                    }
-                }
-            }
+        // A sync waits for the running generation (a commit in flight holds an older one):
+        // released at its SuperCommitted; tick() unpins after.
+        let generation = self.fs.generation();
+        for request in syncs {
+            self.commit_waiters.push(crate::multi::CommitWaiter {
+                request,
+                reply: Reply::Done,
+                fsync: None,
+                generation,
+            });
         }
         self.collect_durable(None, &mut done);
         deliver(done);
+        self.drive_commits();
         if let Some(m) = self.multi.as_mut() {
             for (to, request) in forwards {
                 let target = &m.router.reactors[to];
@@ -1146,8 +1234,12 @@ impl Reactor {
     /// Waits for records in flight (up to `wait`) and delivers the waiters they release.
     pub(crate) fn poll_durable(&mut self, wait: Option<Duration>) {
         let mut done = Vec::new();
+        // The commit's I/O shares the device pipeline with the records: one wait serves both.
+        let commit_wait = if self.pending.is_empty() { wait } else { None };
         self.collect_durable(wait, &mut done);
         deliver(done);
+        self.progress_commit(commit_wait);
+        self.run_held();
     }
 
     /// Runs the queued reads: one alone as any operation, several through
