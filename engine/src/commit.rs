@@ -106,6 +106,9 @@ pub struct CommitStats {
     pub last_unpinned_blocks: u64,
     pub last_unpin_ns: u64,
     pub bitmap_fixpoint_rounds_max: u32,
+    /// The longest time a caller was held by [`Filesystem::commit_start`] (delayed items,
+    /// counters, serializing the trees): the commit's pause; its writes run in the background.
+    pub pause_ns_max: u64,
 }
 
 impl Filesystem {
@@ -239,6 +242,10 @@ impl Filesystem {
         };
         // N+1 starts: what changes from now on is tracked for its own fsyncs and commit;
         // everything tracked so far is in N.
+        self.stats.pause_ns_max = self
+            .stats
+            .pause_ns_max
+            .max(started.elapsed().as_nanos() as u64);
         self.generation = generation + 1;
         self.transaction_started = Instant::now();
         self.log.reset_tracking();

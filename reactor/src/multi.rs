@@ -552,7 +552,9 @@ impl Coordinator {
         if let Some(h) = hist {
             h.fill(&mut total);
         }
+        let pause_ns_max = total.commit.pause_ns_max;
         total.commit = self.fs.commit_stats();
+        total.commit.pause_ns_max = pause_ns_max;
         total.unpinned_blocks_last = total.commit.last_unpinned_blocks;
         deliver(vec![(
             request.reply,

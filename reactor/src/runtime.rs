@@ -547,7 +547,9 @@ impl Runtime {
         match coordinator {
             Some((commit, dev)) => {
                 hist.fill(&mut stats);
+                let pause_ns_max = stats.commit.pause_ns_max;
                 stats.commit = commit;
+                stats.commit.pause_ns_max = pause_ns_max;
                 stats.unpinned_blocks_last = commit.last_unpinned_blocks;
                 Ok((stats, dev))
             }

@@ -84,6 +84,7 @@ impl ReactorStats {
         self.fsync_groups += other.fsync_groups;
         self.fsync_group_max = self.fsync_group_max.max(other.fsync_group_max);
         self.read_groups += other.read_groups;
+        self.commit.pause_ns_max = self.commit.pause_ns_max.max(other.commit.pause_ns_max);
         let (a, b) = (&mut self.log, &other.log);
         a.fsyncs += b.fsyncs;
         a.log_writes += b.log_writes;

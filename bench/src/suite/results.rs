@@ -48,6 +48,9 @@ pub struct EngineFigures {
     pub commits: u64,
     pub commit_ms_avg: f64,
     pub commit_ms_max: f64,
+    /// The longest a commit held the reactor (its writes run in the background).
+    #[serde(default)]
+    pub commit_pause_ms_max: f64,
     pub log_writes: u64,
     pub fallback_commits: u64,
     pub fsync_groups: u64,

@@ -219,6 +219,7 @@ impl Target for CorefsTarget {
                 0.0
             },
             commit_ms_max: c.commit_ns_max as f64 / 1e6,
+            commit_pause_ms_max: c.pause_ns_max as f64 / 1e6,
             log_writes: stats.log.log_writes,
             fallback_commits: stats.log.fallback_commits(),
             fsync_groups: stats.fsync_groups,
