@@ -48,6 +48,12 @@ pub struct ClientsResult {
     pub fallback_share: f64,
     pub commits: u64,
     pub reactor_cpu_ns_per_op: f64,
+    /// The reactors' view of the fsync latency, p99 by phase: waiting in the queue, the
+    /// group's log write + flush, and submit to completion pushed (the rest of what a client
+    /// sees is its wake-up).
+    pub queue_wait_p99_ns: u64,
+    pub log_write_p99_ns: u64,
+    pub reactor_total_p99_ns: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Default)]
@@ -184,6 +190,9 @@ fn one_run(
         fallback_share: fallbacks as f64 / fsyncs.max(1) as f64,
         commits: after.commit.commits - before.commit.commits,
         reactor_cpu_ns_per_op: (after.cpu_ns - before.cpu_ns) as f64 / ops.max(1) as f64,
+        queue_wait_p99_ns: after.fsync_queue_wait.p99_ns,
+        log_write_p99_ns: after.fsync_log_write.p99_ns,
+        reactor_total_p99_ns: after.fsync_total.p99_ns,
     })
 }
 
@@ -283,6 +292,21 @@ impl std::fmt::Display for ClientsReport {
                 r.fsyncs_per_record,
                 r.fallback_share * 100.0,
                 fmt_ns(r.reactor_cpu_ns_per_op)
+            )?;
+        }
+        writeln!(
+            f,
+            "fsync p99 by phase, as the reactors saw it (queue wait / log write + flush / submit to completion):"
+        )?;
+        for r in &self.results {
+            writeln!(
+                f,
+                "{:>8} {:>7}   {:>9} / {:>9} / {:>9}",
+                r.reactors,
+                r.clients,
+                fmt_ns(r.queue_wait_p99_ns as f64),
+                fmt_ns(r.log_write_p99_ns as f64),
+                fmt_ns(r.reactor_total_p99_ns as f64)
             )?;
         }
         for (reactors, share) in &self.idle_core_share {

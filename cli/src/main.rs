@@ -84,7 +84,7 @@ enum Command {
         /// Pin the reactor to this core (with several reactors: this core and the next ones).
         #[arg(long)]
         core: Option<usize>,
-        /// Reactors, each serving every N-th shard on its own device queue.
+        /// Reactors, each serving every N-th shard on its own device queue (0: one per core).
         #[arg(long, default_value_t = 1)]
         reactors: usize,
         /// Busy-poll (a dedicated core) instead of spin-then-park.

@@ -94,6 +94,9 @@ pub struct Filesystem {
     /// An fsync that must commit says so ([`crate::log::FsyncStart::NeedsCommit`]) instead of
     /// committing inline: a reactor runs the commit in the background and releases it then.
     pub(crate) commits_deferred: bool,
+    /// Data was written in place in the foreground since the last flush was submitted: a
+    /// record referencing it needs a flush, not only a FUA write ([`crate::log`]).
+    pub(crate) unflushed_writes: bool,
     /// The running transaction's generation.
     pub(crate) generation: u64,
     pub(crate) state: CommitState,
@@ -335,6 +338,7 @@ impl Filesystem {
             partitioned: false,
             place_next: None,
             commits_deferred: false,
+            unflushed_writes: true,
             state: CommitState::Running,
             failed: None,
             stats: CommitStats::default(),

@@ -194,6 +194,7 @@ impl Filesystem {
             partitioned: true,
             place_next: None,
             commits_deferred: true,
+            unflushed_writes: true,
             generation: like.generation,
             state: crate::commit::CommitState::Running,
             failed: None,

@@ -103,6 +103,8 @@ impl Filesystem {
             .push((disk, data.to_vec()));
         if self.staged.bytes > MAX_STAGED_BYTES {
             let blocks = self.take_all_staged();
+            // Durable only at the next flush: no FUA-only record until then.
+            self.unflushed_writes = true;
             let written = crate::commit::write_blocks(&mut *self.dev, blocks);
             self.fail_stop_on_error(written)?;
         }
@@ -154,6 +156,8 @@ impl Filesystem {
         }
         self.check_writable()?;
         let blocks = self.take_staged(std::iter::once(&ino));
+        // Durable only at the next flush: no FUA-only record until then.
+        self.unflushed_writes = true;
         let written = crate::commit::write_blocks(&mut *self.dev, blocks);
         self.fail_stop_on_error(written)
     }

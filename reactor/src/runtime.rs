@@ -71,8 +71,10 @@ pub struct Config {
     /// Pin the reactor to this core (None: not pinned). With several reactors, `cores` wins.
     pub core: Option<usize>,
     /// Reactors: each holds the shards `s` with `s % reactors == its index`, on a device
-    /// queue of its own, and a coordinator thread runs the commits (1: one reactor holds every
-    /// shard and commits itself). At most the shard count.
+    /// queue of its own, and a coordinator thread runs the commits (1, the default: one
+    /// reactor holds every shard and commits itself). At most the shard count. 0: one per core
+    /// the process may use (capped at the shard count) — for dedicated storage cores; on
+    /// cores shared with the clients, one reactor serves better (docs/reactors.md).
     pub reactors: usize,
     /// Pin reactor `i` to `cores[i % cores.len()]` (empty: `core`, or not pinned).
     pub cores: Vec<usize>,
@@ -242,14 +244,20 @@ impl Runtime {
         Self::spawn(config, Some(dev))
     }
 
-    fn spawn(config: Config, dev: Option<Box<dyn BlockDevice>>) -> Result<Runtime, EngineError> {
+    fn spawn(
+        mut config: Config,
+        dev: Option<Box<dyn BlockDevice>>,
+    ) -> Result<Runtime, EngineError> {
+        let mut auto = false;
         if config.reactors == 0 {
-            return Err(EngineError::Invalid(
-                "at least one reactor is needed".into(),
-            ));
+            // One per core the process may use, capped at the shard count once mounted.
+            auto = true;
+            config.reactors = core_affinity::get_core_ids()
+                .map_or(1, |cores| cores.len())
+                .max(1);
         }
         if config.reactors > 1 {
-            return Self::spawn_several(config, dev);
+            return Self::spawn_several(config, dev, auto);
         }
         let shared = Arc::new(Shared::with_reactors(config.queue_capacity, 1));
         let router = Arc::new(Router {
@@ -299,8 +307,9 @@ impl Runtime {
     fn spawn_several(
         config: Config,
         dev: Option<Box<dyn BlockDevice>>,
+        auto: bool,
     ) -> Result<Runtime, EngineError> {
-        let n = config.reactors;
+        let mut n = config.reactors;
         type Part = (Lent, PartitionTemplate, Option<Box<dyn BlockDevice>>);
         let (setup_tx, setup_rx) =
             std::sync::mpsc::sync_channel::<Result<(Vec<Part>, u32), EngineError>>(1);
@@ -321,6 +330,7 @@ impl Runtime {
                 let setup = (|| {
                     let mut fs = open(&config, dev)?;
                     let shards = fs.shard_count();
+                    let n = if auto { n.min(shards as usize) } else { n };
                     if n > shards as usize {
                         return Err(EngineError::Invalid(format!(
                             "{n} reactors for {shards} shards: at most one reactor per shard \
@@ -381,6 +391,7 @@ impl Runtime {
             }
             Err(_) => return Err(join_coordinator_error(coordinator)),
         };
+        n = parts.len();
         let reactors: Vec<Arc<Shared>> = (0..n)
             .map(|_| Arc::new(Shared::with_reactors(config.queue_capacity, n)))
             .collect();

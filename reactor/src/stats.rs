@@ -94,6 +94,7 @@ impl ReactorStats {
         a.fallback_log_full += b.fallback_log_full;
         a.fallback_too_big += b.fallback_too_big;
         a.fallback_cross += b.fallback_cross;
+        a.fua_records += b.fua_records;
         a.replayed_records += b.replayed_records;
         a.replayed_ops += b.replayed_ops;
     }

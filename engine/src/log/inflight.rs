@@ -279,6 +279,11 @@ impl Filesystem {
     }
 
     fn submit_background(&mut self, blocks: Vec<(u64, Vec<u8>)>, fua: bool) -> Result<u64> {
+        if !fua {
+            // This batch's flush will cover every write completed before it, in-place data
+            // written back in the foreground included; anything released after it is too.
+            self.unflushed_writes = false;
+        }
         if self.log.pipeline.in_flight.len() >= MAX_IN_FLIGHT {
             let oldest = self.log.pipeline.in_flight[0].ticket;
             self.wait_durable(oldest)?;

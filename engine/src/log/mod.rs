@@ -69,9 +69,10 @@ pub const EMBED_MAX_BLOCKS: usize = 16;
 pub struct LogStats {
     /// fsync and fdatasync calls (a group counts each member).
     pub fsyncs: u64,
-    /// Records written, and their blocks.
+    /// Records written, and their blocks; records written FUA (no flush after them).
     pub log_writes: u64,
     pub log_blocks: u64,
+    pub fua_records: u64,
     /// Inodes written into records.
     pub inodes_logged: u64,
     /// fsyncs that found nothing new to log (no I/O at all).
@@ -336,7 +337,17 @@ impl Filesystem {
         } else {
             self.take_staged(members.iter())
         };
-        let ticket = self.submit_record(record_and_data(at, bytes, data))?;
+        // A record that carries all its data is its only write: written FUA it is durable
+        // when it completes — one device write per fsync, no flush — unless a data block it
+        // references was written in place since the last flush was submitted (then only a
+        // flush makes that block durable). Records before it are durable first either way
+        // (tickets are released in order).
+        let ticket = if data.is_empty() && !self.unflushed_writes {
+            self.log.stats.fua_records += 1;
+            self.submit_fua(record_and_data(at, bytes, data))?
+        } else {
+            self.submit_record(record_and_data(at, bytes, data))?
+        };
         // Logged (durable once the ticket is): the coupled set's tracking starts over. Until
         // then an fsync finding nothing new waits for the newest ticket, so it cannot return
         // before the record holding its changes is durable.
