@@ -198,6 +198,7 @@ impl Filesystem {
             self.generation = generation + 1;
             self.transaction_started = Instant::now();
             self.log.reset_tracking();
+            self.log.reset_heads();
             self.commit_in_flight = Some(CommitInFlight {
                 generation,
                 roots: Vec::new(),
@@ -249,6 +250,9 @@ impl Filesystem {
         self.generation = generation + 1;
         self.transaction_started = Instant::now();
         self.log.reset_tracking();
+        // N+1 logs into the other half of each log area, from its start: N's records stay
+        // where a crash before N's superblock still needs them.
+        self.log.reset_heads();
         self.commit_in_flight = Some(CommitInFlight {
             generation,
             roots,
@@ -282,6 +286,9 @@ impl Filesystem {
         let durable_below = match self.log_progress(wait) {
             Ok(d) => d,
             Err(e) => {
+                // Abandoned: the filesystem is fail-stop, the durable state is N-1.
+                self.commit_in_flight = None;
+                self.state = CommitState::Running;
                 tracing::error!(
                     generation,
                     "commit failed, filesystem is now read-only: {e}"
@@ -289,7 +296,8 @@ impl Filesystem {
                 return Err(e);
             }
         };
-        if writes.is_some_and(|w| durable_below <= w) {
+        let _ = durable_below;
+        if writes.is_some_and(|w| !self.ticket_done(w)) {
             return Ok(CommitProgress::Writing);
         }
         if self.partitioned {
@@ -310,14 +318,14 @@ impl Filesystem {
                 // One FUA write (the trees' flush completed before it), into the copy the
                 // previous generation does not use.
                 let copy = SUPERBLOCK_ADDRS[(c.generation % 2) as usize];
-                let ticket = self.submit_fua(vec![(copy, sb.encode())])?;
+                let ticket = self.submit_commit_io(vec![(copy, sb.encode())], true)?;
                 self.commit_in_flight
                     .as_mut()
                     .expect("in flight")
                     .superblock = Some((sb, ticket));
                 Ok(CommitProgress::Writing)
             }
-            Some(ticket) if durable_below > ticket => {
+            Some(ticket) if self.ticket_done(ticket) => {
                 let c = self.commit_in_flight.as_ref().expect("in flight");
                 let sb = c.superblock.as_ref().expect("written").0.clone();
                 self.commit_finish(&sb);
@@ -445,15 +453,14 @@ impl Filesystem {
                 self.generation = sb.generation + 1;
                 self.transaction_started = Instant::now();
                 self.log.reset_tracking();
+                self.log.reset_heads();
                 (Instant::now(), 0)
             }
         };
         self.sb = sb.clone();
         self.state = CommitState::SuperCommitted;
-        // Everything logged is now in the trees: the logs start over at their heads, and
-        // records of older generations are stale. (No record was written while the commit
-        // was in flight.)
-        self.log.reset_heads();
+        // Everything N logged is now in its trees: its half of the log is stale (N+1 has
+        // been logging into the other half since the commit started).
         let ns = started.elapsed().as_nanos() as u64;
         // Waiters may go now; unpinning waits for complete_commit.
         self.unpin_pending = Some(sb.generation);

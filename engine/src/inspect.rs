@@ -403,12 +403,12 @@ pub fn format_logs(dev: &mut dyn BlockDevice) -> Result<String, String> {
     let mut out = String::new();
     let mut total = 0;
     for shard in 0..sb.shards.len() as u32 {
-        let start = sb.region_start(shard);
+        let start = sb.log_start(shard, next_generation);
         let mut head = 0u64;
         let mut seq = 0u64;
         let mut lines = Vec::new();
         let end = loop {
-            if head >= sb.log_blocks {
+            if head >= sb.log_half_blocks() {
                 break "log area full".to_string();
             }
             let first = match read_block(dev, start + head) {

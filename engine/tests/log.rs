@@ -97,10 +97,18 @@ fn an_append_fsync_is_one_fua_record_and_replays() {
             .count();
         // The appended block (staged by write) travels inside the record: one write.
         if i == 0 {
-            assert_eq!((writes, flushes, fua), (1, 1, 0), "fsync {i}: record + flush");
+            assert_eq!(
+                (writes, flushes, fua),
+                (1, 1, 0),
+                "fsync {i}: record + flush"
+            );
             assert!(matches!(records.last(), Some(Record::Flush { .. })));
         } else {
-            assert_eq!((writes, flushes, fua), (1, 0, 1), "fsync {i}: one FUA record");
+            assert_eq!(
+                (writes, flushes, fua),
+                (1, 0, 1),
+                "fsync {i}: one FUA record"
+            );
         }
     }
     assert_eq!(fs.log_stats().fua_records, 19);
@@ -572,8 +580,8 @@ fn a_failed_record_write_or_flush_is_never_acknowledged_and_fails_stop() {
         let mut fs = Filesystem::mount(Box::new(faulty), MountOptions::default()).unwrap();
         fs.write(ino, 0, &block(1)).unwrap();
         fs.fsync(ino).unwrap(); // durable
-        // A small record is written FUA, with no flush to fail; more data than a record
-        // carries is written in place beside it, and a flush makes both durable.
+                                // A small record is written FUA, with no flush to fail; more data than a record
+                                // carries is written in place beside it, and a flush makes both durable.
         let second = if kind == OpKind::Flush {
             block(2).repeat(20)
         } else {
@@ -586,7 +594,9 @@ fn a_failed_record_write_or_flush_is_never_acknowledged_and_fails_stop() {
         let result = match started {
             Ok(FsyncStart::Pending(ticket)) => fs.wait_durable(ticket),
             Ok(FsyncStart::Durable) => panic!("{kind}: a record with new data was durable at once"),
-            Ok(FsyncStart::NeedsCommit) => panic!("{kind}: a whole mount commits by itself"),
+            Ok(FsyncStart::NeedsCommit | FsyncStart::AfterCommit { .. }) => {
+                panic!("{kind}: no commit is in flight")
+            }
             Err(e) => Err(e),
         };
         let err = result.expect_err("the fsync whose record failed must fail");
@@ -621,5 +631,71 @@ fn a_failed_record_write_or_flush_is_never_acknowledged_and_fails_stop() {
             }
         }
         fs.check().unwrap();
+    }
+}
+
+/// While commit N is in flight an fsync logs for N+1 into the other half of the log area. Its
+/// record counts only once N is durable too: a power cut anywhere mounts clean, and after the
+/// point where both are durable, the fsynced data is there.
+#[test]
+fn an_fsync_logged_while_a_commit_is_in_flight_counts_once_the_commit_is_durable() {
+    let mut fs = mount(&fresh(2));
+    let root = fs.root();
+    let a = fs.create(root, b"a", 0o644, 0, 0).unwrap().ino;
+    let b = fs.create(root, b"b", 0o644, 0, 0).unwrap().ino;
+    fs.sync().unwrap();
+    let image = image_of(fs.unmount().unwrap());
+    let recording = RecordingDevice::new(MemDevice::from_image(&image, config()).unwrap());
+    let log = recording.log();
+    let mut fs = Filesystem::mount(Box::new(recording), MountOptions::default()).unwrap();
+    fs.defer_commits(true);
+    for i in 0..8u8 {
+        fs.write(a, i as u64 * 4096, &block(i + 1)).unwrap();
+    }
+    assert!(fs.commit_start().unwrap(), "a commit is in flight");
+    let generation = fs.commit_in_flight().unwrap();
+    fs.write(b, 0, &block(9)).unwrap();
+    let started = fs.fsync_group_start(&[(b, false)]).unwrap();
+    let FsyncStart::AfterCommit {
+        ticket: Some(ticket),
+        generation: after,
+    } = started
+    else {
+        panic!("expected a record after the commit: {started:?}");
+    };
+    assert_eq!(after, generation);
+    // Its writes finish at once on a memory device, yet it is not reported durable while the
+    // commit is in flight: it belongs to the next generation.
+    for _ in 0..3 {
+        assert!(
+            fs.log_progress(None).unwrap() <= ticket,
+            "released before the commit"
+        );
+    }
+    // Both become durable; the fsync is acknowledged only then.
+    loop {
+        match fs.commit_progress(None).unwrap() {
+            engine::commit::CommitProgress::SuperCommitted(g) => {
+                assert_eq!(g, generation);
+                break;
+            }
+            _ => continue,
+        }
+    }
+    fs.wait_durable(ticket).unwrap();
+    let acknowledged = log.len();
+    drop(fs);
+    let records = log.snapshot();
+    for cut in 0..=records.len() {
+        for mode in [CrashMode::DurableOnly, CrashMode::Torn { seed: cut as u64 }] {
+            let crashed = crash_image(&image, 512, &records, cut, mode);
+            let mut fs = mount(&crashed);
+            fs.check()
+                .unwrap_or_else(|e| panic!("cut {cut} {mode:?}: {e}"));
+            if cut >= acknowledged {
+                assert_eq!(fs.read(b, 0, 4096).unwrap(), block(9), "cut {cut} {mode:?}");
+                assert_eq!(fs.read(a, 0, 4096).unwrap(), block(1), "cut {cut} {mode:?}");
+            }
+        }
     }
 }

@@ -141,7 +141,9 @@ fn durable(fs: &mut Filesystem, start: FsyncStart) {
     match start {
         FsyncStart::Durable => {}
         FsyncStart::Pending(ticket) => fs.wait_durable(ticket).unwrap(),
-        FsyncStart::NeedsCommit => panic!("expected a logged fsync"),
+        FsyncStart::NeedsCommit | FsyncStart::AfterCommit { .. } => {
+            panic!("expected a logged fsync")
+        }
     }
 }
 

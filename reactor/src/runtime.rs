@@ -604,9 +604,6 @@ pub(crate) struct Reactor {
     /// Replies held until a generation is durable (syncs, fsyncs that fell back, directory
     /// renames with several reactors).
     commit_waiters: Vec<crate::multi::CommitWaiter>,
-    /// fsyncs that arrived while a commit was in flight: logged once it is durable (a record
-    /// written meanwhile would belong to a generation replay ignores until then).
-    held: VecDeque<Request>,
 }
 
 /// An fsync group waiting for its record to become durable.
@@ -653,7 +650,7 @@ fn run(mut reactor: Reactor, shared: &Shared, config: &Config) -> Result<Reactor
             reactor.tick();
             continue;
         }
-        if !reactor.pending.is_empty() || reactor.commit_writing() {
+        if reactor.waiting_on_device() {
             // Records or a commit in flight and nothing queued: poll the device (busy-poll),
             // or sleep on it briefly (shared cores) and look at the queue again.
             let wait = match config.idle {
@@ -663,16 +660,23 @@ fn run(mut reactor: Reactor, shared: &Shared, config: &Config) -> Result<Reactor
             reactor.poll_durable(wait);
             continue;
         }
-        if reactor.fs.commit_in_flight().is_some() {
-            // This reactor's half is written; the coordinator's superblock comes next.
-            if config.idle != IdlePolicy::BusyPoll {
+        if !reactor.pending.is_empty() || reactor.fs.commit_in_flight().is_some() {
+            // Nothing on the device: take the next step (submit the superblock, release what
+            // a finished commit unblocked), or, with several reactors, wait for the
+            // coordinator's superblock.
+            let before = reactor.pending_groups();
+            reactor.poll_durable(None);
+            if reactor.pending_groups() == before
+                && !reactor.fs.device_busy()
+                && config.idle != IdlePolicy::BusyPoll
+            {
                 park_for_control(shared, LOG_WAIT_SLICE);
             }
             continue;
         }
         if shared.stopping.load(Ordering::Acquire) && shared.requests.is_empty() {
             match reactor.multi.as_mut() {
-                None if reactor.commit_waiters.is_empty() && reactor.held.is_empty() => break,
+                None if reactor.commit_waiters.is_empty() => break,
                 None => {
                     reactor.tick();
                     continue;
@@ -681,7 +685,6 @@ fn run(mut reactor: Reactor, shared: &Shared, config: &Config) -> Result<Reactor
                     // Drained: the coordinator makes the last commit once every reactor is,
                     // then says Exit.
                     if reactor.commit_waiters.is_empty()
-                        && reactor.held.is_empty()
                         && reactor.fs.commit_in_flight().is_none()
                         && !m.drained_sent
                     {
@@ -766,23 +769,21 @@ impl Reactor {
             pending: VecDeque::new(),
             multi: None,
             commit_waiters: Vec::new(),
-            held: VecDeque::new(),
         }
     }
 
     /// Work waiting on the device or on a commit: fsync groups whose records are not
-    /// durable, a commit in flight, replies waiting for one, fsyncs held back.
+    /// durable, a commit in flight, replies waiting for one.
     pub(crate) fn pending_groups(&self) -> usize {
         self.pending.len()
             + self.fs.commit_in_flight().is_some() as usize
             + self.commit_waiters.len()
-            + self.held.len()
     }
 
-    /// A commit of this reactor is in flight and its device I/O is not finished (with
-    /// several reactors: its half is not sent yet).
-    fn commit_writing(&self) -> bool {
-        self.fs.commit_in_flight().is_some() && self.multi.as_ref().is_none_or(|m| !m.half_sent)
+    /// Something waits for the device: background writes or flushes in flight (records,
+    /// this reactor's commit).
+    fn waiting_on_device(&self) -> bool {
+        self.fs.device_busy()
     }
 
     /// Unmounts (commits unless the filesystem failed) and gives the device back.
@@ -888,15 +889,6 @@ impl Reactor {
         }
     }
 
-    /// Runs the fsyncs held during a commit once none is in flight.
-    fn run_held(&mut self) {
-        if self.held.is_empty() || self.fs.commit_in_flight().is_some() {
-            return;
-        }
-        let mut batch: Vec<Request> = self.held.drain(..).collect();
-        self.run_batch(&mut batch);
-    }
-
     pub(crate) fn snapshot(&mut self) -> ReactorStats {
         let mut s = self.stats.clone();
         s.cpu_ns = thread_cpu_ns().saturating_sub(self.cpu_start_ns);
@@ -937,14 +929,15 @@ impl Reactor {
                     let m = self.multi.as_mut().expect("multi");
                     m.commit_asked = false;
                     self.release_commit_waiters(sb.generation, Ok(()));
-                    self.run_held();
+                    // Groups logged during the commit may go now.
+                    self.poll_durable(None);
                 }
                 Control::CommitFailed(e) => {
                     self.fs.fail_stop(e.clone());
                     let m = self.multi.as_mut().expect("multi");
                     m.commit_asked = false;
                     self.release_commit_waiters(u64::MAX, Err(e));
-                    self.run_held();
+                    self.poll_durable(None);
                 }
                 Control::Snapshot => {
                     let snapshot = self.snapshot();
@@ -1060,11 +1053,6 @@ impl Reactor {
                 }
             }
             if let Some(member) = request.op.is_fsync() {
-                if self.fs.commit_in_flight().is_some() {
-                    // Logged once the commit in flight is durable (run_held).
-                    self.held.push_back(request);
-                    continue;
-                }
                 let started = Instant::now();
                 match self.fs.check_exists(member.0) {
                     Ok(()) => fsyncs.push((request, member, started)),
@@ -1123,11 +1111,33 @@ impl Reactor {
             match result {
                 // The record is in flight: the waiters go when it is durable, and the reactor
                 // serves the next batch meanwhile.
-                Ok(FsyncStart::Pending(ticket)) => self.pending.push_back(PendingGroup {
+                // Logged while a commit is in flight too: the engine reports such a record
+                // durable only once the commit is.
+                Ok(
+                    FsyncStart::Pending(ticket)
+                    | FsyncStart::AfterCommit {
+                        ticket: Some(ticket),
+                        ..
+                    },
+                ) => self.pending.push_back(PendingGroup {
                     ticket,
                     waiters,
                     group_start,
                 }),
+                // Nothing new to log: what it changed is in the commit in flight.
+                Ok(FsyncStart::AfterCommit {
+                    ticket: None,
+                    generation,
+                }) => {
+                    for (request, started) in waiters {
+                        self.commit_waiters.push(crate::multi::CommitWaiter {
+                            request,
+                            reply: Reply::Done,
+                            fsync: Some((started, group_start)),
+                            generation,
+                        });
+                    }
+                }
                 Ok(FsyncStart::Durable) => {
                     self.finish_group(waiters, group_start, fell_back, Ok(()), &mut done)
                 }
@@ -1251,8 +1261,14 @@ impl Reactor {
         let commit_wait = if self.pending.is_empty() { wait } else { None };
         self.collect_durable(wait, &mut done);
         deliver(done);
+        let before = self.fs.durable_generation();
         self.progress_commit(commit_wait);
-        self.run_held();
+        if self.fs.durable_generation() != before {
+            // Groups logged during the commit may go now.
+            let mut done = Vec::new();
+            self.collect_durable(None, &mut done);
+            deliver(done);
+        }
     }
 
     /// Runs the queued reads: one alone as any operation, several through

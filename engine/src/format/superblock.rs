@@ -51,6 +51,18 @@ impl Superblock {
         FIRST_REGION_BLOCK + shard as u64 * self.region_blocks
     }
 
+    /// Blocks of one half of a shard's log area. The records of generation G go to half
+    /// G % 2, so the next generation can log while G is being committed without touching the
+    /// records a crash before G's superblock would still need.
+    pub fn log_half_blocks(&self) -> u64 {
+        self.log_blocks / 2
+    }
+
+    /// The first block of the log half holding shard `shard`'s records of `generation`.
+    pub fn log_start(&self, shard: u32, generation: u64) -> u64 {
+        self.region_start(shard) + (generation % 2) * self.log_half_blocks()
+    }
+
     /// The shard whose region holds `block` (a block at or after the first region).
     pub fn shard_of_block(&self, block: u64) -> u32 {
         ((block - FIRST_REGION_BLOCK) / self.region_blocks) as u32

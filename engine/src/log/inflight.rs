@@ -242,6 +242,8 @@ struct InFlight {
     flushed: bool,
     /// Written with FUA: durable when the writes complete, no flush.
     fua: bool,
+    /// Counts as durable only once this generation is SuperCommitted too.
+    after: Option<u64>,
 }
 
 /// The log's background I/O state.
@@ -263,22 +265,49 @@ pub enum FsyncStart {
     /// Durable only after a commit of the whole filesystem, which a partition cannot make on
     /// its own: its owner asks the coordinator ([`crate::partition`]). Nothing was written.
     NeedsCommit,
+    /// A commit was in flight: durable once `ticket` (if any: this group's record, or the
+    /// newest in flight) is durable *and* generation `generation` is SuperCommitted (the
+    /// record belongs to the next generation, which replay takes only after it).
+    AfterCommit {
+        ticket: Option<u64>,
+        generation: u64,
+    },
 }
 
 impl Filesystem {
     /// Submits `blocks` (a record and, for a large fsync, its data) as background writes
     /// under a new ticket; the flush follows when they complete.
     pub(crate) fn submit_record(&mut self, blocks: Vec<(u64, Vec<u8>)>) -> Result<u64> {
-        self.submit_background(blocks, false)
+        let after = self.commit_in_flight();
+        self.submit_background(blocks, false, after)
     }
 
     /// As [`Filesystem::submit_record`] with every write FUA and no flush after: durable when
-    /// the writes complete (a superblock).
+    /// the writes complete (a small record that carries its data).
     pub(crate) fn submit_fua(&mut self, blocks: Vec<(u64, Vec<u8>)>) -> Result<u64> {
-        self.submit_background(blocks, true)
+        let after = self.commit_in_flight();
+        self.submit_background(blocks, true, after)
     }
 
-    fn submit_background(&mut self, blocks: Vec<(u64, Vec<u8>)>, fua: bool) -> Result<u64> {
+    /// A commit's own writes (its blocks, then its superblock with FUA): never held back by
+    /// the commit in flight, which they are.
+    pub(crate) fn submit_commit_io(
+        &mut self,
+        blocks: Vec<(u64, Vec<u8>)>,
+        fua: bool,
+    ) -> Result<u64> {
+        self.submit_background(blocks, fua, None)
+    }
+
+    /// `after`: a record written while the commit of that generation is in flight belongs to
+    /// the next one, which replay takes only once that commit is durable — it is reported
+    /// durable only then (even when its own writes finished first).
+    fn submit_background(
+        &mut self,
+        blocks: Vec<(u64, Vec<u8>)>,
+        fua: bool,
+        after: Option<u64>,
+    ) -> Result<u64> {
         if !fua {
             // This batch's flush will cover every write completed before it, in-place data
             // written back in the foreground included; anything released after it is too.
@@ -298,6 +327,7 @@ impl Filesystem {
             flush_submitted: fua,
             flushed: false,
             fua,
+            after,
         });
         let token = BACKGROUND | ticket << 1;
         for (addr, data) in runs {
@@ -375,8 +405,13 @@ impl Filesystem {
                 Err(rejected) => return self.fail_background(rejected.reason),
             }
         }
+        let durable_generation = self.sb.generation;
         let pipeline = &mut self.log.pipeline;
-        while pipeline.in_flight.front().is_some_and(|f| f.flushed) {
+        while pipeline
+            .in_flight
+            .front()
+            .is_some_and(|f| f.flushed && f.after.is_none_or(|g| durable_generation >= g))
+        {
             let done = pipeline.in_flight.pop_front().expect("front");
             pipeline.durable_below = done.ticket + 1;
         }
@@ -384,6 +419,22 @@ impl Filesystem {
             pipeline.durable_below = pipeline.next_ticket;
         }
         Ok(pipeline.durable_below)
+    }
+
+    /// True when `ticket`'s own writes (and flush) are done, whatever is ahead of it.
+    pub(crate) fn ticket_done(&self, ticket: u64) -> bool {
+        ticket < self.log.pipeline.durable_below
+            || self
+                .log
+                .pipeline
+                .in_flight
+                .iter()
+                .any(|f| f.ticket == ticket && f.flushed)
+    }
+
+    /// True while background writes or flushes are in flight or queued.
+    pub fn device_busy(&self) -> bool {
+        self.dev.background_in_flight > 0 || !self.dev.backlog.is_empty()
     }
 
     /// Waits until `ticket` is durable.

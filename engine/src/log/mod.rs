@@ -161,7 +161,7 @@ impl LogState {
         self.inodes.entry(ino).or_default().data = true;
     }
 
-    /// Blocks used in the fullest log area (a half-full log makes a commit due, so fsyncs
+    /// Blocks used in the fullest log half (a half-full one makes a commit due, so fsyncs
     /// rarely find the log full).
     pub fn fullest_head(&self) -> u64 {
         self.heads.iter().copied().max().unwrap_or(0)
@@ -239,6 +239,14 @@ impl Filesystem {
             FsyncStart::Durable => Ok(()),
             FsyncStart::Pending(ticket) => self.wait_durable(ticket),
             FsyncStart::NeedsCommit => self.commit_to_super().map(drop),
+            // The commit first: the record counts only after it.
+            FsyncStart::AfterCommit { ticket, .. } => {
+                self.finish_commit_in_flight()?;
+                match ticket {
+                    Some(ticket) => self.wait_durable(ticket),
+                    None => Ok(()),
+                }
+            }
         }
     }
 
@@ -259,14 +267,9 @@ impl Filesystem {
     /// changes.
     pub fn fsync_group_start(&mut self, group: &[(u64, bool)]) -> Result<FsyncStart> {
         self.check_writable()?;
-        // A record written now would belong to the next generation, which replay ignores
-        // until the commit in flight is durable: let it finish first.
-        if self.commit_in_flight.is_some() {
-            if self.partitioned {
-                return Ok(FsyncStart::NeedsCommit);
-            }
-            self.finish_commit_in_flight()?;
-        }
+        // While a commit (N) is in flight this logs for N+1 into the other half of the log
+        // area; such a record counts only once N is durable too, which the caller waits for
+        // (`FsyncStart::Pending` names the generation).
         self.log.stats.fsyncs += group.len() as u64;
         let mut wanted = Vec::with_capacity(group.len());
         for &(ino, datasync) in group {
@@ -282,6 +285,13 @@ impl Filesystem {
             }
         }
         if wanted.is_empty() {
+            // What it changed may be in the commit in flight: durable with it.
+            if let Some(generation) = self.commit_in_flight() {
+                return Ok(FsyncStart::AfterCommit {
+                    ticket: self.newest_in_flight(),
+                    generation,
+                });
+            }
             return Ok(match self.newest_in_flight() {
                 Some(ticket) => FsyncStart::Pending(ticket),
                 None => FsyncStart::Durable,
@@ -301,7 +311,7 @@ impl Filesystem {
         ops.extend(embedded.unwrap_or_default());
         let shard = self.shard_of(wanted[0]);
         let blocks = record_blocks(ops.iter());
-        let log_blocks = self.sb.log_blocks;
+        let log_blocks = self.sb.log_half_blocks();
         if blocks > log_blocks {
             self.log.stats.fallback_too_big += 1;
             tracing::debug!(
@@ -329,7 +339,7 @@ impl Filesystem {
         };
         let bytes = encode_record(header, &ops);
         assert_eq!(bytes.len() as u64, blocks * BLOCK_BYTES as u64);
-        let at = self.sb.region_start(shard) + self.log.heads[shard as usize];
+        let at = self.sb.log_start(shard, self.generation) + self.log.heads[shard as usize];
         // Otherwise the members' staged data goes out with the record: both are in flight at
         // once and the one flush covers both. Embedded blocks stay staged for the commit.
         let data = if embedding {
@@ -362,7 +372,13 @@ impl Filesystem {
         self.log.stats.log_writes += 1;
         self.log.stats.log_blocks += blocks;
         self.log.stats.inodes_logged += members.len() as u64;
-        Ok(FsyncStart::Pending(ticket))
+        Ok(match self.commit_in_flight() {
+            Some(generation) => FsyncStart::AfterCommit {
+                ticket: Some(ticket),
+                generation,
+            },
+            None => FsyncStart::Pending(ticket),
+        })
     }
 
     pub fn log_stats(&self) -> LogStats {

@@ -110,8 +110,10 @@ impl Filesystem {
 
     /// Reads shard `shard`'s current records, in order, until the first that is not.
     fn read_log(&mut self, shard: u32, out: &mut Vec<Found>) -> Result<()> {
-        let start = self.sb.region_start(shard);
-        let (log_blocks, generation, uuid) = (self.sb.log_blocks, self.generation, self.sb.uuid);
+        // The records of generation durable + 1 are in its half of the log area.
+        let start = self.sb.log_start(shard, self.generation);
+        let (log_blocks, generation, uuid) =
+            (self.sb.log_half_blocks(), self.generation, self.sb.uuid);
         let mut head = 0u64;
         let mut shard_seq = 0u64;
         while head < log_blocks {
