@@ -574,7 +574,7 @@ impl Filesystem {
             && (self.transaction_started.elapsed() >= self.options.commit_interval
                 || self.dirty_nodes() >= self.options.dirty_limit_nodes
                 || self.log.tracked_keys() >= crate::log::MAX_TRACKED_KEYS
-                || self.log.fullest_head() * 2 >= self.sb.log_half_blocks())
+                || self.log.fullest_head() * 8 >= self.sb.log_half_blocks() * 7)
     }
 
     /// Commits if [`Filesystem::commit_due`]. The engine starts no threads: whoever drives it

@@ -161,8 +161,8 @@ impl LogState {
         self.inodes.entry(ino).or_default().data = true;
     }
 
-    /// Blocks used in the fullest log half (a half-full one makes a commit due, so fsyncs
-    /// rarely find the log full).
+    /// Blocks used in the fullest log half (one 7/8 full makes a commit due, so fsyncs rarely
+    /// find it full: the next generation logs into the other half while the commit runs).
     pub fn fullest_head(&self) -> u64 {
         self.heads.iter().copied().max().unwrap_or(0)
     }
