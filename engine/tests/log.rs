@@ -482,15 +482,7 @@ fn an_fsync_of_a_just_unlinked_file_persists_the_removal_and_replays_cleanly() {
 
 #[test]
 fn records_in_flight_become_durable_in_order_and_every_cut_mounts_clean() {
-    let mut fs = mount(&fresh(2));
-    let root = fs.root();
-    let a = fs.create(root, b"a", 0o644, 0, 0).unwrap().ino;
-    let b = fs.create(root, b"b", 0o644, 0, 0).unwrap().ino;
-    fs.sync().unwrap();
-    let image = image_of(fs.unmount().unwrap());
-    let recording = RecordingDevice::new(MemDevice::from_image(&image, config()).unwrap());
-    let log = recording.log();
-    let mut fs = Filesystem::mount(Box::new(recording), MountOptions::default()).unwrap();
+    let (image, log, mut fs, a, b) = two_files_recorded();
 
     fs.write(a, 0, &block(1)).unwrap();
     let first = fs.fsync_group_start(&[(a, false)]).unwrap();
@@ -639,15 +631,7 @@ fn a_failed_record_write_or_flush_is_never_acknowledged_and_fails_stop() {
 /// point where both are durable, the fsynced data is there.
 #[test]
 fn an_fsync_logged_while_a_commit_is_in_flight_counts_once_the_commit_is_durable() {
-    let mut fs = mount(&fresh(2));
-    let root = fs.root();
-    let a = fs.create(root, b"a", 0o644, 0, 0).unwrap().ino;
-    let b = fs.create(root, b"b", 0o644, 0, 0).unwrap().ino;
-    fs.sync().unwrap();
-    let image = image_of(fs.unmount().unwrap());
-    let recording = RecordingDevice::new(MemDevice::from_image(&image, config()).unwrap());
-    let log = recording.log();
-    let mut fs = Filesystem::mount(Box::new(recording), MountOptions::default()).unwrap();
+    let (image, log, mut fs, a, b) = two_files_recorded();
     fs.defer_commits(true);
     for i in 0..8u8 {
         fs.write(a, i as u64 * 4096, &block(i + 1)).unwrap();
@@ -698,4 +682,25 @@ fn an_fsync_logged_while_a_commit_is_in_flight_counts_once_the_commit_is_durable
             }
         }
     }
+}
+
+/// Files `a` and `b` committed on a fresh image, mounted again on a recording device:
+/// (the image, the write log, the filesystem, a, b).
+fn two_files_recorded() -> (
+    Vec<u8>,
+    std::sync::Arc<nvme::wrap::WriteLog>,
+    Filesystem,
+    u64,
+    u64,
+) {
+    let mut fs = mount(&fresh(2));
+    let root = fs.root();
+    let a = fs.create(root, b"a", 0o644, 0, 0).unwrap().ino;
+    let b = fs.create(root, b"b", 0o644, 0, 0).unwrap().ino;
+    fs.sync().unwrap();
+    let image = image_of(fs.unmount().unwrap());
+    let recording = RecordingDevice::new(MemDevice::from_image(&image, config()).unwrap());
+    let log = recording.log();
+    let fs = Filesystem::mount(Box::new(recording), MountOptions::default()).unwrap();
+    (image, log, fs, a, b)
 }

@@ -551,36 +551,7 @@ fn a_power_cut_under_two_reactors_loses_no_acknowledged_fsync() {
 
 fn power_cut_during_fsyncs(reactors: usize) {
     let seed = nvme::wrap::seed_from_env();
-    let mem = MemConfig {
-        capacity_bytes: 64 << 20,
-        lba_size_bytes: 512,
-        queue_depth: 32,
-        buf_bytes: 64 << 10,
-        buf_count: 64,
-    };
-    let dev = MemDevice::new(mem).unwrap();
-    let dev = Filesystem::mkfs(
-        Box::new(dev),
-        &MkfsOptions {
-            shards: 4,
-            label: "cut".into(),
-        },
-    )
-    .unwrap();
-    let mut image = vec![0u8; 64 << 20];
-    let mut dev = dev;
-    nvme::read_sync(&mut *dev, 0, &mut image).unwrap();
-    let recording = RecordingDevice::new(MemDevice::from_image(&image, mem).unwrap());
-    let log = recording.log();
-    let runtime = Runtime::start_with_device(
-        Config {
-            device: "recorded mem".into(),
-            reactors,
-            ..Default::default()
-        },
-        Box::new(recording),
-    )
-    .unwrap();
+    let (mem, image, log, runtime) = recorded_runtime(reactors, "cut");
     let mut setup = runtime.client(4);
     // A directory per client: with two reactors the directories spread over both, and each
     // file lives with its directory, so both reactors' log streams are written.
@@ -957,35 +928,7 @@ fn clients_filling_the_device_get_enospc_and_lose_nothing_durable() {
 /// path.
 #[test]
 fn a_directory_renamed_on_another_reactor_is_durable_before_an_fsync_below_it() {
-    let mem = MemConfig {
-        capacity_bytes: 64 << 20,
-        lba_size_bytes: 512,
-        queue_depth: 32,
-        buf_bytes: 64 << 10,
-        buf_count: 64,
-    };
-    let dev = Filesystem::mkfs(
-        Box::new(MemDevice::new(mem).unwrap()),
-        &MkfsOptions {
-            shards: 4,
-            label: "boundary".into(),
-        },
-    )
-    .unwrap();
-    let mut image = vec![0u8; 64 << 20];
-    let mut dev = dev;
-    nvme::read_sync(&mut *dev, 0, &mut image).unwrap();
-    let recording = RecordingDevice::new(MemDevice::from_image(&image, mem).unwrap());
-    let log = recording.log();
-    let runtime = Runtime::start_with_device(
-        Config {
-            device: "recorded mem".into(),
-            reactors: 2,
-            ..Default::default()
-        },
-        Box::new(recording),
-    )
-    .unwrap();
+    let (mem, image, log, runtime) = recorded_runtime(2, "boundary");
     let mut c = runtime.client(4);
     // Shard s is served by reactor s % 2 and inode i lives in shard i % 4: find a directory
     // G on reactor 1 holding a directory D on reactor 1, and a directory E on reactor 0.
@@ -1079,4 +1022,46 @@ fn runtime_name(c: &mut Client, dir: u64, child: u64) -> Option<Vec<u8>> {
         Reply::Entries(entries) => entries.into_iter().find(|e| e.ino == child).map(|e| e.name),
         other => panic!("{other:?}"),
     }
+}
+
+/// A fresh 64 MiB image of 4 shards (512-byte LBAs) and `reactors` reactors on a recording
+/// device over it: (its geometry, the image before, the write log, the runtime).
+fn recorded_runtime(
+    reactors: usize,
+    label: &str,
+) -> (
+    MemConfig,
+    Vec<u8>,
+    std::sync::Arc<nvme::wrap::WriteLog>,
+    Runtime,
+) {
+    let mem = MemConfig {
+        capacity_bytes: 64 << 20,
+        lba_size_bytes: 512,
+        queue_depth: 32,
+        buf_bytes: 64 << 10,
+        buf_count: 64,
+    };
+    let mut dev = Filesystem::mkfs(
+        Box::new(MemDevice::new(mem).unwrap()),
+        &MkfsOptions {
+            shards: 4,
+            label: label.into(),
+        },
+    )
+    .unwrap();
+    let mut image = vec![0u8; 64 << 20];
+    nvme::read_sync(&mut *dev, 0, &mut image).unwrap();
+    let recording = RecordingDevice::new(MemDevice::from_image(&image, mem).unwrap());
+    let log = recording.log();
+    let runtime = Runtime::start_with_device(
+        Config {
+            device: "recorded mem".into(),
+            reactors,
+            ..Default::default()
+        },
+        Box::new(recording),
+    )
+    .unwrap();
+    (mem, image, log, runtime)
 }
