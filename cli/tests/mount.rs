@@ -30,10 +30,11 @@ struct Mounted {
 }
 
 impl Mounted {
-    fn start(device: &str, mountpoint: &Path) -> Result<Mounted, String> {
+    fn start(device: &str, mountpoint: &Path, reactors: usize) -> Result<Mounted, String> {
         let mut child = corefs()
             .args(["mount", device])
             .arg(mountpoint)
+            .args(["--reactors", &reactors.to_string()])
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -130,6 +131,17 @@ fn make_tree(root: &Path, rng: &mut Xoshiro256PlusPlus) {
 
 #[test]
 fn standard_tools_and_an_exerciser_through_the_mount() {
+    through_the_mount(1);
+}
+
+/// The same through two reactors: the copied trees' directories spread over both, so copies,
+/// renames and removals span them.
+#[test]
+fn standard_tools_and_an_exerciser_through_a_mount_on_two_reactors() {
+    through_the_mount(2);
+}
+
+fn through_the_mount(reactors: usize) {
     let seed = nvme::wrap::seed_from_env();
     eprintln!("seed {seed} (COREFS_SEED={seed} replays)");
     let work = tempfile::Builder::new()
@@ -144,7 +156,7 @@ fn standard_tools_and_an_exerciser_through_the_mount() {
 
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
-    let mounted = match Mounted::start(&device, &mountpoint) {
+    let mounted = match Mounted::start(&device, &mountpoint, reactors) {
         Ok(m) => m,
         Err(e) if !root => {
             // Without root a FUSE mount needs fusermount3 and access to /dev/fuse.
@@ -326,7 +338,7 @@ fn standard_tools_and_an_exerciser_through_the_mount() {
     // Unmount commits; fsck is clean; a new mount shows the same.
     mounted.unmount();
     run(corefs().args(["fsck", &device]));
-    let mounted = Mounted::start(&device, &mountpoint).unwrap();
+    let mounted = Mounted::start(&device, &mountpoint, reactors).unwrap();
     run(Command::new("diff")
         .arg("-r")
         .arg("--no-dereference")
