@@ -309,7 +309,11 @@ impl Filesystem {
         let embedded = self.staged_data_ops(&ops)?;
         let embedding = embedded.is_some();
         ops.extend(embedded.unwrap_or_default());
-        let shard = self.shard_of(wanted[0]);
+        // Any log held here will do (a record's ops name their own shards, and replay reads
+        // every log in sequence order): the emptiest one, so one busy file spreads its records
+        // over every shard's log instead of filling its own and forcing a commit (SQLite's WAL
+        // on 64 shards committed every 28 transactions).
+        let shard = self.emptiest_log();
         let blocks = record_blocks(ops.iter());
         let log_blocks = self.sb.log_half_blocks();
         if blocks > log_blocks {
@@ -383,6 +387,14 @@ impl Filesystem {
 
     pub fn log_stats(&self) -> LogStats {
         self.log.stats
+    }
+
+    /// The held shard whose log half has the most room.
+    fn emptiest_log(&self) -> u32 {
+        (0..self.shard_count())
+            .filter(|&s| self.holds(s))
+            .min_by_key(|&s| self.log.heads[s as usize])
+            .expect("a partition that logs holds a shard")
     }
 
     /// Data ops for every staged block the record's extents reference, or None when there
