@@ -196,20 +196,6 @@ fn one_run(
     })
 }
 
-/// CPU time of the whole process, in nanoseconds.
-fn process_cpu_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid, writable timespec for the duration of the call.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
-    if rc != 0 {
-        return 0;
-    }
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
 fn idle_share(seconds: f64, reactors: usize) -> Result<f64, String> {
     let runtime = Runtime::start(Config {
         device: "mem:256MiB".into(),
@@ -221,10 +207,10 @@ fn idle_share(seconds: f64, reactors: usize) -> Result<f64, String> {
     .map_err(|e| e.to_string())?;
     std::thread::sleep(Duration::from_millis(200));
     // The process's CPU: the reactors, the coordinator and this (sleeping) thread.
-    let before = process_cpu_ns();
+    let before = crate::suite::process_cpu_ns();
     let start = Instant::now();
     std::thread::sleep(Duration::from_secs_f64(seconds));
-    let after = process_cpu_ns();
+    let after = crate::suite::process_cpu_ns();
     let wall = start.elapsed().as_nanos() as f64;
     runtime.shutdown().map_err(|e| e.to_string())?;
     Ok(after.saturating_sub(before) as f64 / wall)

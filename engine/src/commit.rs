@@ -80,18 +80,6 @@ pub struct CommitWritten {
     pub started: Instant,
 }
 
-impl CommitWritten {
-    /// The half of a partition with nothing to write in `generation`.
-    pub fn nothing(generation: u64) -> CommitWritten {
-        CommitWritten {
-            generation,
-            roots: Vec::new(),
-            blocks: 0,
-            started: Instant::now(),
-        }
-    }
-}
-
 /// Commit statistics, in the style of btrfs's commit_stats.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CommitStats {
@@ -195,11 +183,7 @@ impl Filesystem {
             // A partition with nothing to write still moves to N+1 now, with the others: a
             // change made before the coordinator's superblock must belong to N+1, never to
             // an N that is already decided (its fsync would log into a stale generation).
-            self.generation = generation + 1;
-            self.transaction_started = Instant::now();
-            self.log.reset_tracking();
-            self.log.reset_heads();
-            self.commit_in_flight = Some(CommitInFlight {
+            self.begin_next_generation(CommitInFlight {
                 generation,
                 roots: Vec::new(),
                 blocks: 0,
@@ -247,13 +231,7 @@ impl Filesystem {
             .stats
             .pause_ns_max
             .max(started.elapsed().as_nanos() as u64);
-        self.generation = generation + 1;
-        self.transaction_started = Instant::now();
-        self.log.reset_tracking();
-        // N+1 logs into the other half of each log area, from its start: N's records stay
-        // where a crash before N's superblock still needs them.
-        self.log.reset_heads();
-        self.commit_in_flight = Some(CommitInFlight {
+        self.begin_next_generation(CommitInFlight {
             generation,
             roots,
             blocks,
@@ -262,6 +240,18 @@ impl Filesystem {
             superblock: None,
         });
         Ok(true)
+    }
+
+    /// N+1 starts while `commit` carries N: what changes from now on is tracked for N+1's
+    /// fsyncs and commit (everything tracked so far is in N), and N+1 logs into the other half
+    /// of each log area from its start, leaving N's records where a crash before N's
+    /// superblock still needs them.
+    fn begin_next_generation(&mut self, commit: CommitInFlight) {
+        self.generation = commit.generation + 1;
+        self.transaction_started = Instant::now();
+        self.log.reset_tracking();
+        self.log.reset_heads();
+        self.commit_in_flight = Some(commit);
     }
 
     /// The generation whose commit is in flight, if one is.

@@ -73,9 +73,6 @@ impl Lent {
     pub fn ids(&self) -> Vec<u32> {
         self.set.parts.iter().map(|p| p.id).collect()
     }
-    pub fn failed(&self) -> Option<&EngineError> {
-        self.set.failed.as_ref()
-    }
 }
 
 // A lent set crosses threads (reactor to coordinator and back).

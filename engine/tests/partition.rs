@@ -105,20 +105,21 @@ impl Split {
     /// The coordinated commit: every partition writes its half, the coordinator writes the
     /// superblock, everyone moves to the next generation.
     fn commit(&mut self) -> u64 {
-        let generation = self.coordinator.generation();
         let halves: Vec<CommitWritten> = self
             .parts
             .iter_mut()
             .map(|p| {
                 p.commit_write()
                     .unwrap()
-                    .unwrap_or_else(|| CommitWritten::nothing(generation))
+                    .expect("a partition always writes a half, if only to move to N+1")
             })
             .collect();
         let roots: Vec<_> = halves.iter().flat_map(|h| h.roots.clone()).collect();
+        assert!(halves
+            .iter()
+            .all(|h| h.generation == self.coordinator.generation()));
         let sb = self.coordinator.write_super(&roots).unwrap();
-        for (p, half) in self.parts.iter_mut().zip(&halves) {
-            let _ = half;
+        for p in self.parts.iter_mut() {
             p.commit_finish(&sb);
             p.complete_commit();
         }

@@ -1124,27 +1124,20 @@ impl Reactor {
                     waiters,
                     group_start,
                 }),
-                // Nothing new to log: what it changed is in the commit in flight.
-                Ok(FsyncStart::AfterCommit {
-                    ticket: None,
-                    generation,
-                }) => {
-                    for (request, started) in waiters {
-                        self.commit_waiters.push(crate::multi::CommitWaiter {
-                            request,
-                            reply: Reply::Done,
-                            fsync: Some((started, group_start)),
-                            generation,
-                        });
-                    }
-                }
                 Ok(FsyncStart::Durable) => {
                     self.finish_group(waiters, group_start, fell_back, Ok(()), &mut done)
                 }
-                // The fallback: the next commit (started or asked for after the batch)
-                // releases the group.
-                Ok(FsyncStart::NeedsCommit) => {
-                    let generation = self.fs.generation();
+                // Released by a commit: the one in flight, when there was nothing new to log
+                // (what it changed is in it), or, for a fallback, the next one (started or
+                // asked for after the batch).
+                Ok(
+                    start
+                    @ (FsyncStart::AfterCommit { ticket: None, .. } | FsyncStart::NeedsCommit),
+                ) => {
+                    let generation = match start {
+                        FsyncStart::AfterCommit { generation, .. } => generation,
+                        _ => self.fs.generation(),
+                    };
                     for (request, started) in waiters {
                         self.commit_waiters.push(crate::multi::CommitWaiter {
                             request,

@@ -101,7 +101,8 @@ impl Default for SuiteConfig {
     }
 }
 
-fn process_cpu_ns() -> u64 {
+/// CPU time of the whole process (user + system), in nanoseconds.
+pub(crate) fn process_cpu_ns() -> u64 {
     // SAFETY: getrusage writes one rusage through the pointer.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: as above; RUSAGE_SELF is always valid.
