@@ -97,11 +97,74 @@ impl LogStats {
 /// What changed in one inode since it was last logged (or since the last commit).
 #[derive(Default)]
 pub(crate) struct Tracked {
-    pub(crate) keys: BTreeSet<(ItemKind, u64)>,
+    pub(crate) keys: LazySet<(ItemKind, u64)>,
     /// Something other than timestamps changed (what fdatasync must log).
     data: bool,
+    /// One of its names (an `InodeRef` key) changed: an ancestor walk must log it.
+    name_changed: bool,
     /// Inodes a name change couples this one to.
-    links: BTreeSet<u64>,
+    links: LazySet<u64>,
+}
+
+/// A set kept as a list that is appended to and deduplicated lazily. Noting a change is on
+/// every mutation's path, and a directory taking thousands of creates notes two keys per
+/// create: a `BTreeSet` insert there cost more than the rest of the create. A push is O(1);
+/// a note of the key just noted (an inode item touched by every write) is dropped at once;
+/// the list is sorted and deduplicated when it doubles, so it never holds more than twice its
+/// distinct members and the compaction costs O(log n) per insert, amortized.
+#[derive(Debug)]
+pub(crate) struct LazySet<T> {
+    items: Vec<T>,
+    /// Length after the last compaction: the next one runs at twice this.
+    compacted_len: usize,
+}
+
+impl<T> Default for LazySet<T> {
+    fn default() -> Self {
+        LazySet {
+            items: Vec::new(),
+            compacted_len: 0,
+        }
+    }
+}
+
+impl<T: Ord + Copy> LazySet<T> {
+    /// Compaction never runs below this many items (small sets stay unsorted).
+    const COMPACT_LEN_MIN: usize = 32;
+
+    pub(crate) fn insert(&mut self, item: T) {
+        if self.items.last() == Some(&item) {
+            return;
+        }
+        if self.items.len() >= (2 * self.compacted_len).max(Self::COMPACT_LEN_MIN) {
+            self.items.sort_unstable();
+            self.items.dedup();
+            self.compacted_len = self.items.len();
+        }
+        self.items.push(item);
+    }
+
+    /// Entries held, duplicates included (what the memory bound counts).
+    pub(crate) fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+
+    /// The members, unordered, possibly repeated.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &T> {
+        self.items.iter()
+    }
+
+    /// The members, sorted and distinct.
+    pub(crate) fn sorted(&self) -> Vec<T> {
+        let mut items = self.items.clone();
+        items.sort_unstable();
+        items.dedup();
+        items
+    }
 }
 
 #[derive(Default)]
@@ -140,11 +203,15 @@ impl LogState {
             return; // the engine's own items: persisted by commits only
         }
         let tracked = self.inodes.entry(key.objectid).or_default();
-        if tracked.keys.insert((key.kind, key.offset)) {
-            self.tracked_keys += 1;
-        }
+        let held = tracked.keys.len();
+        tracked.keys.insert((key.kind, key.offset));
+        // Compaction may shrink the list: the total follows what the lists hold.
+        self.tracked_keys = self.tracked_keys - held + tracked.keys.len();
         if key.kind != ItemKind::InodeItem {
             tracked.data = true;
+        }
+        if key.kind == ItemKind::InodeRef {
+            tracked.name_changed = true;
         }
         if key.kind == ItemKind::InodeRef && key.offset != key.objectid {
             tracked.links.insert(key.offset);
@@ -187,12 +254,7 @@ impl LogState {
     }
 
     fn own_name_changed(&self, ino: u64) -> bool {
-        self.inodes.get(&ino).is_some_and(|t| {
-            t.keys
-                .range((ItemKind::InodeRef, 0)..=(ItemKind::InodeRef, u64::MAX))
-                .next()
-                .is_some()
-        })
+        self.inodes.get(&ino).is_some_and(|t| t.name_changed)
     }
 }
 
@@ -499,8 +561,9 @@ impl Filesystem {
         for &ino in members {
             let keys: Vec<Key> = self.log.inodes[&ino]
                 .keys
-                .iter()
-                .map(|&(kind, offset)| Key::new(ino, kind, offset))
+                .sorted()
+                .into_iter()
+                .map(|(kind, offset)| Key::new(ino, kind, offset))
                 .collect();
             let shard = self.shard_of(ino);
             for key in keys {
@@ -523,5 +586,33 @@ impl Filesystem {
             }
         }
         Ok(ops)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LazySet;
+    use proptest::prelude::*;
+    use std::collections::BTreeSet;
+
+    proptest! {
+        /// A lazy set holds what a `BTreeSet` would, and never more than twice its distinct
+        /// members (past the compaction floor).
+        #[test]
+        fn a_lazy_set_is_a_set_with_bounded_slack(items in proptest::collection::vec(0u64..200, 0..2000)) {
+            let mut lazy = LazySet::default();
+            let mut model = BTreeSet::new();
+            for &item in &items {
+                lazy.insert(item);
+                model.insert(item);
+                prop_assert!(lazy.len() <= (2 * model.len()).max(LazySet::<u64>::COMPACT_LEN_MIN) + 1);
+            }
+            prop_assert_eq!(lazy.sorted(), model.iter().copied().collect::<Vec<_>>());
+            prop_assert_eq!(lazy.is_empty(), model.is_empty());
+            let mut seen: Vec<u64> = lazy.iter().copied().collect();
+            seen.sort_unstable();
+            seen.dedup();
+            prop_assert_eq!(seen, model.into_iter().collect::<Vec<_>>());
+        }
     }
 }
