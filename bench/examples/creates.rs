@@ -20,7 +20,7 @@ fn main() {
     let mut fs = Filesystem::mount(
         dev,
         MountOptions {
-            cache_nodes_per_shard: 1 << 20,
+            cache_nodes: 1 << 20,
             ..Default::default()
         },
     )

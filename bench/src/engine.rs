@@ -50,7 +50,7 @@ fn mem_fs(bytes: u64, shards: u32) -> Result<Filesystem, String> {
     Filesystem::mount(
         dev,
         MountOptions {
-            cache_nodes_per_shard: 1 << 20,
+            cache_nodes: 1 << 20,
             ..Default::default()
         },
     )
@@ -206,7 +206,7 @@ pub fn run(creates: u64, million: u64) -> Result<EngineReport, String> {
         let dev = fs.unmount().map_err(e)?;
         let start = Instant::now();
         let options = MountOptions {
-            cache_nodes_per_shard: cache_nodes,
+            cache_nodes,
             ..Default::default()
         };
         let mut fs = Filesystem::mount(dev, options).map_err(e)?;

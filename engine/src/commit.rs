@@ -479,8 +479,8 @@ impl Filesystem {
         let mut unpinned = 0;
         for shard in self.shards.iter_mut().flatten() {
             unpinned += shard.space.unpin(generation);
-            shard.tree.evict_clean(self.options.cache_nodes_per_shard);
         }
+        self.trim_cache();
         self.state = CommitState::Completed;
         self.stats.last_unpinned_blocks = unpinned;
         self.stats.last_unpin_ns = started.elapsed().as_nanos() as u64;

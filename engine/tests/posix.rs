@@ -557,7 +557,7 @@ fn model_check(dev: Box<dyn BlockDevice>, rounds: u32, steps: u32) {
     );
     for round in 0..rounds {
         let options = MountOptions {
-            cache_nodes_per_shard: 16,
+            cache_nodes: 16,
             ..Default::default()
         };
         let mut fs = Filesystem::mount(dev, options).unwrap();
