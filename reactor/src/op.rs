@@ -123,6 +123,17 @@ pub enum Op {
 }
 
 impl Op {
+    /// True for operations that normally complete without waiting for the device (metadata
+    /// changes, lookups, staged writes): a client waiting on one yields its core instead of
+    /// sleeping, since a sleeping client costs the reactor a wake-up that takes longer than
+    /// the operation.
+    pub(crate) fn is_quick(&self) -> bool {
+        !matches!(
+            self,
+            Op::Fsync { .. } | Op::Fdatasync { .. } | Op::Sync | Op::Read { .. }
+        )
+    }
+
     pub(crate) fn is_fsync(&self) -> Option<(u64, bool)> {
         match self {
             Op::Fsync { ino } => Some((*ino, false)),
