@@ -22,6 +22,7 @@
 //! Fault model: a failed background write or flush makes the filesystem fail-stop (sticky
 //! error); every ticket not yet durable then fails with it. Nothing is retried.
 
+use crate::commit::Run;
 use crate::error::{EngineError, Result};
 use crate::fs::{block_lba, Filesystem};
 use nvme::{BlockDevice, Completion, DevError, DeviceInfo, DmaPool, Op, Rejected, Request};
@@ -48,7 +49,7 @@ pub struct DeviceMux {
     /// Background writes not submitted yet (the queue or the DMA pool was full): submitted
     /// as room frees, and all of them before any foreground request. Bounded by what the
     /// engine hands over at once (a record, or one commit's blocks).
-    backlog: VecDeque<(u64, u64, Vec<u8>, bool)>,
+    backlog: VecDeque<(u64, u64, Run, bool)>,
     scratch: Vec<Completion>,
 }
 
@@ -108,22 +109,22 @@ impl DeviceMux {
         &mut self,
         token: u64,
         lba: u64,
-        data: Vec<u8>,
+        run: Run,
         fua: bool,
     ) -> std::result::Result<(), DevError> {
         assert!(is_background(token));
-        self.backlog.push_back((token, lba, data, fua));
+        self.backlog.push_back((token, lba, run, fua));
         self.pump()
     }
 
     /// Submits queued background writes while the queue and the DMA pool have room.
     fn pump(&mut self) -> std::result::Result<(), DevError> {
-        while let Some((token, lba, data, fua)) = self.backlog.pop_front() {
-            let Some(mut buf) = self.inner.pool().alloc(data.len()) else {
-                self.backlog.push_front((token, lba, data, fua));
+        while let Some((token, lba, run, fua)) = self.backlog.pop_front() {
+            let Some(mut buf) = self.inner.pool().alloc(run.len_bytes()) else {
+                self.backlog.push_front((token, lba, run, fua));
                 return Ok(());
             };
-            buf.as_mut_slice().copy_from_slice(&data);
+            run.copy_to(buf.as_mut_slice());
             let request = Request {
                 token,
                 op: Op::Write { lba, buf, fua },
@@ -134,7 +135,7 @@ impl DeviceMux {
                     reason: DevError::QueueFull,
                     ..
                 }) => {
-                    self.backlog.push_front((token, lba, data, fua));
+                    self.backlog.push_front((token, lba, run, fua));
                     return Ok(());
                 }
                 Err(rejected) => return Err(rejected.reason),
@@ -330,11 +331,11 @@ impl Filesystem {
             after,
         });
         let token = BACKGROUND | ticket << 1;
-        for (addr, data) in runs {
-            let lba = block_lba(&*self.dev, addr);
+        for run in runs {
+            let lba = block_lba(&*self.dev, run.addr);
             // What does not fit the queue or the pool now goes as earlier requests complete
             // (log_progress pumps the backlog).
-            if let Err(e) = self.dev.queue_background_write(token, lba, data, fua) {
+            if let Err(e) = self.dev.queue_background_write(token, lba, run, fua) {
                 return self.fail_background(e);
             }
         }
