@@ -62,7 +62,10 @@ fn record_and_data(at: u64, record: Vec<u8>, mut data: Vec<(u64, Vec<u8>)>) -> V
 /// Tracked changed keys past which the running transaction is due to commit.
 pub const MAX_TRACKED_KEYS: usize = 1 << 20;
 /// Staged data blocks an fsync record carries itself; past this the data is written in place.
-pub const EMBED_MAX_BLOCKS: usize = 16;
+/// Larger ones go in place: embedded blocks are written twice (in the record, then by the
+/// commit), which for 64 KiB fsyncs doubled the device traffic and filled the log (and forced
+/// a commit) every 15 ms.
+pub const EMBED_MAX_BLOCKS: usize = 8;
 
 /// Fsync log figures, since mount.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -418,7 +421,13 @@ impl Filesystem {
         // references was written in place since the last flush was submitted (then only a
         // flush makes that block durable). Records before it are durable first either way
         // (tickets are released in order).
-        let ticket = if data.is_empty() && !self.unflushed_writes {
+        // A record whose data goes in place is written the same way: the data blocks and the
+        // record go FUA, all in flight at once, and the ticket is durable when every one of
+        // them completes (a crash before that leaves a record whose data crcs fail: replay
+        // stops there, and its fsync had not returned). 64 KiB fsyncs from 4 writers: the data
+        // written once instead of in the record and again by the commit, and 200 commits in
+        // 3 s fell to 20.
+        let ticket = if !self.unflushed_writes {
             self.log.stats.fua_records += 1;
             self.submit_fua(record_and_data(at, bytes, data))?
         } else {
