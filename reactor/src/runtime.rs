@@ -733,7 +733,13 @@ fn run(mut reactor: Reactor, shared: &Shared, config: &Config) -> Result<Reactor
         commits = stats.commit.commits,
         log_writes = stats.log.log_writes,
         fallbacks = stats.log.fallback_commits(),
+        fsync_p50_us = stats.fsync_total.p50_ns / 1000,
         fsync_p99_us = stats.fsync_total.p99_ns / 1000,
+        fsync_queue_wait_p50_us = stats.fsync_queue_wait.p50_ns / 1000,
+        fsync_log_write_p50_us = stats.fsync_log_write.p50_ns / 1000,
+        fsync_log_write_p99_us = stats.fsync_log_write.p99_ns / 1000,
+        fsync_groups = stats.fsync_groups,
+        fua_records = stats.log.fua_records,
         "reactor stopping"
     );
     let hist = reactor.hist.clone();
