@@ -760,6 +760,42 @@ fn a_large_fsync_writes_its_data_in_place_fua_once_and_every_cut_mounts_clean() 
     }
 }
 
+/// Records logged while a commit is in flight wait for its superblock, which only the caller
+/// (the reactor) carries on: more of them than the device pipeline holds must not make the
+/// next fsync wait for that commit — it would never come. (It hung before: the bound counted
+/// those records and waited for the oldest.)
+#[test]
+fn more_records_than_the_pipeline_holds_during_a_commit_do_not_hang() {
+    let (_image, _log, mut fs, a, _b) = two_files_recorded();
+    fs.defer_commits(true);
+    fs.write(a, 0, &block(1)).unwrap();
+    fs.fsync(a).unwrap();
+    fs.write(a, 4096, &block(2)).unwrap();
+    assert!(fs.commit_start().unwrap(), "a commit started");
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let worker = std::thread::spawn(move || {
+        let mut after_commit = 0;
+        for i in 0..engine::log::inflight::MAX_IN_FLIGHT + 8 {
+            fs.write(a, 8192 + i as u64 * 4096, &block(i as u8))
+                .unwrap();
+            match fs.fsync_group_start(&[(a, false)]).unwrap() {
+                FsyncStart::AfterCommit { .. } => after_commit += 1,
+                other => panic!("record {i}: {other:?} while a commit is in flight"),
+            }
+        }
+        done_tx.send(after_commit).unwrap();
+        fs
+    });
+    let after_commit = done_rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("fsyncs logged during a commit hung");
+    assert_eq!(after_commit, engine::log::inflight::MAX_IN_FLIGHT + 8);
+    let mut fs = worker.join().unwrap();
+    fs.sync().unwrap();
+    fs.check().unwrap();
+    assert_eq!(fs.read(a, 4096, 4096).unwrap(), block(2));
+}
+
 /// Files `a` and `b` committed on a fresh image, mounted again on a recording device:
 /// (the image, the write log, the filesystem, a, b).
 fn two_files_recorded() -> (

@@ -16,8 +16,11 @@
 //!   them. Records become durable in the order they were started: ticket N is reported durable
 //!   only once every ticket before it is, because a later record's flush may finish first and
 //!   replay stops at the first missing record anyway.
-//! - Bounded: at most [`MAX_IN_FLIGHT`] records are in flight; starting another first waits
-//!   for the oldest.
+//! - Bounded: at most [`MAX_IN_FLIGHT`] records have device work outstanding (writes or
+//!   flush); starting another first waits for the device. A record written while a commit is
+//!   in flight then waits for that commit's superblock without holding anything of the device:
+//!   those are bounded by the log area (each takes at least one of its blocks), and waiting
+//!   for one here would wait for a commit only the caller can carry on — a hang.
 //!
 //! Fault model: a failed background write or flush makes the filesystem fail-stop (sticky
 //! error); every ticket not yet durable then fails with it. Nothing is retried.
@@ -314,9 +317,8 @@ impl Filesystem {
             // written back in the foreground included; anything released after it is too.
             self.unflushed_writes = false;
         }
-        if self.log.pipeline.in_flight.len() >= MAX_IN_FLIGHT {
-            let oldest = self.log.pipeline.in_flight[0].ticket;
-            self.wait_durable(oldest)?;
+        while self.records_on_device() >= MAX_IN_FLIGHT {
+            self.log_progress(Some(Duration::from_millis(100)))?;
         }
         let runs = crate::commit::coalesce(&*self.dev, blocks);
         let ticket = self.log.pipeline.next_ticket;
@@ -459,6 +461,16 @@ impl Filesystem {
     /// The newest ticket started, if any is still in flight.
     pub(crate) fn newest_in_flight(&self) -> Option<u64> {
         self.log.pipeline.in_flight.back().map(|f| f.ticket)
+    }
+
+    /// Records whose writes or flush the device has not completed yet.
+    fn records_on_device(&self) -> usize {
+        self.log
+            .pipeline
+            .in_flight
+            .iter()
+            .filter(|f| !f.flushed)
+            .count()
     }
 
     /// Records in flight.
