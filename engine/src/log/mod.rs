@@ -421,13 +421,15 @@ impl Filesystem {
         // references was written in place since the last flush was submitted (then only a
         // flush makes that block durable). Records before it are durable first either way
         // (tickets are released in order).
-        // A record whose data goes in place is written the same way: the data blocks and the
-        // record go FUA, all in flight at once, and the ticket is durable when every one of
-        // them completes (a crash before that leaves a record whose data crcs fail: replay
-        // stops there, and its fsync had not returned). 64 KiB fsyncs from 4 writers: the data
-        // written once instead of in the record and again by the commit, and 200 commits in
-        // 3 s fell to 20.
-        let ticket = if !self.unflushed_writes {
+        // A record whose data goes in place is written the same way on a device with native
+        // FUA: the data blocks and the record go FUA, all in flight at once, and the ticket is
+        // durable when every one of them completes (a crash before that leaves a record whose
+        // data crcs fail: replay stops there, and its fsync had not returned). Where FUA is
+        // emulated (a file: each FUA write is a write and a flush) they go plain and one flush
+        // follows. 64 KiB fsyncs from 4 writers: the data written once instead of in the
+        // record and again by the commit, and 200 commits in 3 s fell to 20.
+        let all_fua = data.is_empty() || nvme::BlockDevice::info(&*self.dev).fua_native;
+        let ticket = if all_fua && !self.unflushed_writes {
             self.log.stats.fua_records += 1;
             self.submit_fua(record_and_data(at, bytes, data))?
         } else {
