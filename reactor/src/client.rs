@@ -19,16 +19,11 @@ use std::sync::{Arc, Mutex};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
-/// How long a waiting client spins on its completion queue when it has a core of its own,
-/// for a quick operation: waking a sleeping thread costs tens of microseconds on a virtual
-/// machine, more than most quick operations take (one client's creates: 90k/s spinning
-/// 20 us, 106k/s spinning 300 us). The spin only runs on a core no other waiting client needs.
-const SPIN_TIME_QUICK: Duration = Duration::from_micros(300);
-/// The same for an operation that waits for the device: short, because the kernel's own
-/// workers finishing a file backend's write (io_uring's io-wq) need that core. Spinning
-/// 300 us there took it from them: one client's 4 KiB fsyncs fell from 4.7k/s (p99 0.4 ms)
-/// to 1.3k/s (p99 4 ms, a scheduler tick).
-const SPIN_TIME_SLOW: Duration = Duration::from_micros(20);
+/// How long a waiting client spins on its completion queue when it has a core of its own:
+/// longer than a file-backed fsync takes, since waking a sleeping thread costs tens of
+/// microseconds on a virtual machine (one client's creates: 90k/s spinning 20 us, 106k/s
+/// spinning 300 us; the spin only runs on a core no other waiting client needs).
+const SPIN_TIME: Duration = Duration::from_micros(300);
 /// How long a client waiting for a quick operation yields its core before it sleeps: longer
 /// than a batch of quick operations takes, short against a commit's pause.
 const YIELD_TIME: Duration = Duration::from_micros(200);
@@ -36,7 +31,7 @@ const YIELD_TIME: Duration = Duration::from_micros(200);
 /// How a client waits for a reply before it sleeps.
 #[derive(Clone, Copy)]
 enum Wait {
-    Spin(Duration),
+    Spin,
     Yield,
     Sleep,
 }
@@ -176,21 +171,9 @@ impl Client {
         // cores from clients with work to do.
         let shared = &self.shared;
         let waiting = shared.waiters.fetch_add(1, Ordering::AcqRel) + 1;
-        // Yielding while fsyncs wait for the device takes the cores from the kernel workers
-        // writing them: 16 clients appending and fsyncing lost 10-15% yielding on their
-        // writes.
-        let fsyncs_on_device = self
-            .router
-            .reactors
-            .iter()
-            .any(|r| r.fsyncs_on_device.load(Ordering::Relaxed));
         let wait = if waiting <= shared.spinners_max {
-            Wait::Spin(if quick {
-                SPIN_TIME_QUICK
-            } else {
-                SPIN_TIME_SLOW
-            })
-        } else if quick && !fsyncs_on_device {
+            Wait::Spin
+        } else if quick {
             Wait::Yield
         } else {
             Wait::Sleep
@@ -202,7 +185,7 @@ impl Client {
 
     fn wait_for_reply(&self, deadline: Instant, wait: Wait) -> bool {
         let until = match wait {
-            Wait::Spin(time) => Some(Instant::now() + time),
+            Wait::Spin => Some(Instant::now() + SPIN_TIME),
             Wait::Yield => Some(Instant::now() + YIELD_TIME),
             Wait::Sleep => None,
         };

@@ -121,10 +121,6 @@ pub(crate) struct Shared {
     /// time spinning, and without spinning the dbench-like mix ran 30% faster.
     pub waiters: std::sync::atomic::AtomicUsize,
     pub spinners_max: usize,
-    /// fsync groups are waiting for the device: a client then sleeps rather than yields
-    /// (see `Client::sleep_until_reply`), leaving the cores to the kernel workers that carry
-    /// out the writes.
-    pub fsyncs_on_device: AtomicBool,
     /// Control messages sent by the coordinator and not yet taken (a parking reactor checks).
     pub control_pending: std::sync::atomic::AtomicUsize,
     /// This reactor's shards' size and free space, published after each batch (statfs with
@@ -147,7 +143,6 @@ impl Shared {
             parked: AtomicBool::new(false),
             reactor: OnceLock::new(),
             waiters: std::sync::atomic::AtomicUsize::new(0),
-            fsyncs_on_device: AtomicBool::new(false),
             spinners_max: std::thread::available_parallelism()
                 .map_or(1, |n| n.get())
                 .saturating_sub(reactors),
@@ -643,9 +638,6 @@ fn run(mut reactor: Reactor, shared: &Shared, config: &Config) -> Result<Reactor
                 }
             }
         }
-        shared
-            .fsyncs_on_device
-            .store(!reactor.pending.is_empty(), Ordering::Relaxed);
         while batch.len() < config.batch_max {
             match shared.requests.pop() {
                 Some(r) => batch.push(r),
