@@ -356,6 +356,7 @@ impl Filesystem {
         // Staged file data goes out with the tree nodes, before the flush.
         let mut blocks: Vec<(u64, Vec<u8>)> = self.take_all_staged();
         let mut roots = Vec::with_capacity(self.shards.len());
+        let mut spare = std::mem::take(&mut self.dev.spare_blocks);
         for (id, held) in self.shards.iter_mut().enumerate() {
             let Some(Shard { tree, space }) = held.as_mut() else {
                 continue;
@@ -389,7 +390,7 @@ impl Filesystem {
             }
             self.stats.bitmap_fixpoint_rounds_max =
                 self.stats.bitmap_fixpoint_rounds_max.max(rounds);
-            let (ptr, level) = tree.write_dirty(generation, &mut blocks);
+            let (ptr, level) = tree.write_dirty(generation, &mut blocks, &mut spare);
             roots.push((
                 id as u32,
                 ShardRoot {
@@ -399,6 +400,7 @@ impl Filesystem {
                 },
             ));
         }
+        self.dev.spare_blocks = spare;
         Ok((roots, blocks))
     }
 
@@ -575,6 +577,11 @@ pub(crate) struct Run {
 impl Run {
     pub fn len_bytes(&self) -> usize {
         self.bytes
+    }
+
+    /// The pieces, for reuse once copied.
+    pub fn into_pieces(self) -> Vec<Vec<u8>> {
+        self.pieces
     }
 
     /// Copies the pieces into `dst`, which is exactly the run's length.

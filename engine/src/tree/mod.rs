@@ -802,10 +802,12 @@ impl Tree {
     /// Serializes every dirty node bottom-up into `out` as (block address, block bytes), marks
     /// them clean as of `generation`, and returns the new root pointer and level (address 0:
     /// empty tree).
+    /// `spare`: block buffers to reuse before allocating.
     pub fn write_dirty(
         &mut self,
         generation: u64,
         out: &mut Vec<(u64, Vec<u8>)>,
+        spare: &mut Vec<Vec<u8>>,
     ) -> (BlockPtr, u8) {
         self.emptied = false;
         let Some(root) = self.root.clone() else {
@@ -814,7 +816,7 @@ impl Tree {
         let Some(id) = root.loaded.filter(|&id| self.node(id).dirty) else {
             return (root.ptr, self.root_level);
         };
-        let ptr = self.write_node(id, generation, out);
+        let ptr = self.write_node(id, generation, out, spare);
         self.root.as_mut().expect("root checked").ptr = ptr;
         (ptr, self.root_level)
     }
@@ -824,6 +826,7 @@ impl Tree {
         id: NodeId,
         generation: u64,
         out: &mut Vec<(u64, Vec<u8>)>,
+        spare: &mut Vec<Vec<u8>>,
     ) -> BlockPtr {
         if let Body::Internal(children) = &self.node(id).body {
             let dirty_children: Vec<(usize, NodeId)> = children
@@ -833,7 +836,7 @@ impl Tree {
                 .filter(|(_, l)| self.node(*l).dirty)
                 .collect();
             for (index, child) in dirty_children {
-                let ptr = self.write_node(child, generation, out);
+                let ptr = self.write_node(child, generation, out, spare);
                 self.node_mut(id).children_mut()[index].ptr = ptr;
             }
         }
@@ -845,7 +848,16 @@ impl Tree {
             owner: self.owner,
             level: node.level,
         };
-        let mut block = vec![0u8; BLOCK_BYTES];
+        // A reused buffer is zeroed: the bytes between a leaf's item headers and its data
+        // are part of the checksummed block and must not carry an older node's.
+        let mut block = match spare.pop() {
+            Some(mut block) => {
+                assert_eq!(block.len(), BLOCK_BYTES);
+                block.fill(0);
+                block
+            }
+            None => vec![0u8; BLOCK_BYTES],
+        };
         let crc = match &node.body {
             Body::Leaf(items) => encode_leaf(&header, items, &mut block),
             Body::Internal(children) => {

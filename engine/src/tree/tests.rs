@@ -58,7 +58,7 @@ impl MemIo {
     /// pinning guarantees), then unpins.
     fn commit(&mut self, tree: &mut Tree, generation: u64) -> (BlockPtr, u8) {
         let mut out = Vec::new();
-        let root = tree.write_dirty(generation, &mut out);
+        let root = tree.write_dirty(generation, &mut out, &mut Vec::new());
         for (addr, block) in out {
             assert!(
                 self.allocated.contains(&addr),
