@@ -104,6 +104,14 @@ pub fn core_ops() -> Vec<Op> {
             len: 3000,
             append: false,
         });
+        // More than an fsync record carries (engine::log::EMBED_MAX_BLOCKS): its fsync writes
+        // the data in place beside the record.
+        ops.push(Op::Write {
+            path: f,
+            offset: 0,
+            len: 12 * 4096,
+            append: true,
+        });
         for (mode, offset, len) in [
             (Falloc::KeepSize, 16384, 8192),
             (Falloc::PunchHole, 2048, 6000),
