@@ -532,6 +532,9 @@ impl Target for KernelTarget {
 
     fn prepare(&mut self) -> R<()> {
         self.finish()?;
+        // The last run's deletions and writeback go to disk now, not into this run's time
+        // (fsperf syncs between runs too).
+        sync_filesystem(&self.base)?;
         self.runs += 1;
         let dir = self
             .base
@@ -574,6 +577,17 @@ impl Drop for KernelTarget {
             tracing::warn!("cleaning up {}: {e}", self.label);
         }
     }
+}
+
+/// syncfs(2) on the filesystem holding `dir`.
+fn sync_filesystem(dir: &Path) -> R<()> {
+    use std::os::fd::AsRawFd;
+    let handle = std::fs::File::open(dir).map_err(|e| io(dir, e))?;
+    // SAFETY: `handle` is an open descriptor for the duration of the call.
+    if unsafe { libc::syncfs(handle.as_raw_fd()) } != 0 {
+        return Err(io(dir, std::io::Error::last_os_error()));
+    }
+    Ok(())
 }
 
 struct KernelSession {
