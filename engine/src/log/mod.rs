@@ -409,25 +409,22 @@ impl Filesystem {
         let bytes = encode_record(header, &ops);
         assert_eq!(bytes.len() as u64, blocks * BLOCK_BYTES as u64);
         let at = self.sb.log_start(shard, self.generation) + self.log.heads[shard as usize];
-        // Otherwise the members' staged data goes out with the record: both are in flight at
-        // once and the one flush covers both. Embedded blocks stay staged for the commit.
+        // Otherwise the members' staged data goes in place, in flight together with the
+        // record. Embedded blocks stay staged for the commit.
         let data = if embedding {
             Vec::new()
         } else {
             self.take_staged(members.iter())
         };
-        // A record that carries all its data is its only write: written FUA it is durable
-        // when it completes — one device write per fsync, no flush — unless a data block it
-        // references was written in place since the last flush was submitted (then only a
-        // flush makes that block durable). Records before it are durable first either way
-        // (tickets are released in order).
-        // A record whose data goes in place is written the same way on a device with native
-        // FUA: the data blocks and the record go FUA, all in flight at once, and the ticket is
-        // durable when every one of them completes (a crash before that leaves a record whose
-        // data crcs fail: replay stops there, and its fsync had not returned). Where FUA is
-        // emulated (a file: each FUA write is a write and a flush) they go plain and one flush
-        // follows. 64 KiB fsyncs from 4 writers: the data written once instead of in the
-        // record and again by the commit, and 200 commits in 3 s fell to 20.
+        // How the writes become durable. A record that carries all its data is its only
+        // write: written FUA it is durable when it completes — one device write per fsync, no
+        // flush. A record with in-place data goes the same way on a device with native FUA:
+        // every write FUA, the ticket durable when all complete (a crash before that leaves a
+        // record whose data crcs fail: replay stops there, and its fsync had not returned).
+        // Where FUA is emulated (a file: each FUA write is a write and a flush) those writes
+        // go plain and one flush follows; so does any record when a data block was written in
+        // place since the last flush was submitted (only a flush makes that block durable).
+        // Records before it are durable first either way (tickets are released in order).
         let all_fua = data.is_empty() || nvme::BlockDevice::info(&*self.dev).fua_native;
         let ticket = if all_fua && !self.unflushed_writes {
             self.log.stats.fua_records += 1;

@@ -882,7 +882,7 @@ impl Tree {
         let Some(root) = self.root.as_ref().and_then(|r| r.loaded) else {
             return;
         };
-        let mut loaded = self.nodes.iter().flatten().count();
+        let mut loaded = self.loaded_count;
         // Unload from the bottom: clean children of level-1 nodes first, then higher levels.
         for level in 1..=self.root_level {
             if loaded <= max_nodes {
