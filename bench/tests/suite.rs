@@ -6,7 +6,7 @@
 use corefs_bench::suite::compare::{compare, mean_stdev};
 use corefs_bench::suite::results::{Percentiles, RunResult, SuiteResults};
 use corefs_bench::suite::workloads::Sizes;
-use corefs_bench::suite::{self, SuiteConfig, TargetSpec};
+use corefs_bench::suite::{self, Placement, SuiteConfig, TargetSpec};
 
 fn tiny_config(dir: &std::path::Path, targets: Vec<TargetSpec>) -> SuiteConfig {
     SuiteConfig {
@@ -26,7 +26,7 @@ fn tiny_config(dir: &std::path::Path, targets: Vec<TargetSpec>) -> SuiteConfig {
             dbench_clients: 2,
             read_file_bytes: 4 << 20,
         },
-        busy_poll: false,
+        placement: Placement::Shared,
         reactors: 1,
         seed: 7,
     }
@@ -38,6 +38,41 @@ fn scratch() -> tempfile::TempDir {
         .prefix("corefs-suite-test-")
         .tempdir_in("/var/tmp")
         .expect("a scratch directory in /var/tmp")
+}
+
+/// The default placement on a machine with a core to spare: the reactor busy-polls on a core
+/// of its own (the last), the clients are pinned to the others, and every workload runs; the
+/// placement is recorded with the results.
+#[test]
+fn every_workload_runs_with_the_reactor_on_a_dedicated_core() {
+    let cores = core_affinity::get_core_ids().map_or(0, |c| c.len());
+    let placement = Placement::choose(1, false);
+    if cores >= 2 {
+        let Placement::Dedicated {
+            reactor_cores,
+            client_cores,
+        } = &placement
+        else {
+            panic!("{cores} cores but {placement:?}");
+        };
+        assert_eq!(reactor_cores.len(), 1);
+        assert_eq!(client_cores.len(), cores - 1);
+        assert!(!client_cores.contains(&reactor_cores[0]));
+    } else {
+        assert_eq!(
+            placement,
+            Placement::Shared,
+            "one core: nothing to dedicate"
+        );
+    }
+    assert_eq!(Placement::choose(1, true), Placement::Shared);
+    let dir = scratch();
+    let mut config = tiny_config(dir.path(), vec![TargetSpec::CorefsMem]);
+    config.placement = placement.clone();
+    let results = suite::run(&config, &|line| eprintln!("{line}")).expect("suite runs");
+    assert_eq!(results.runs.len(), 7);
+    assert!(results.runs.iter().all(|r| r.ops > 0), "every workload ran");
+    assert_eq!(results.meta.placement, placement.describe());
 }
 
 /// Every workload through two reactors (creates, renames, deltree spanning them; the reads

@@ -205,9 +205,12 @@ enum Bench {
         /// The random-read file.
         #[arg(long, default_value = "192MiB", value_parser = parse_size)]
         read_file_size: u64,
-        /// corefs reactors busy-poll instead of spin-then-park.
+        /// corefs reactors share the cores with the clients (unpinned; reactors spin, then
+        /// park). The default, when there are more cores than reactors: each reactor pinned to
+        /// a core of its own (the last ones), busy-polling, and corefs's clients on the
+        /// others — dedicated storage cores, as corefs is meant to run.
         #[arg(long)]
-        busy_poll: bool,
+        shared_cores: bool,
         /// corefs reactors (each serving every N-th shard; at most --shards).
         #[arg(long, default_value_t = 1)]
         reactors: usize,
@@ -606,7 +609,7 @@ fn main() -> ExitCode {
             create_dirs,
             dbench_clients,
             read_file_size,
-            busy_poll,
+            shared_cores,
             reactors,
             seed,
             out,
@@ -628,7 +631,7 @@ fn main() -> ExitCode {
                     dbench_clients,
                     read_file_bytes: read_file_size,
                 },
-                busy_poll,
+                placement: corefs_bench::suite::Placement::choose(reactors, shared_cores),
                 reactors,
                 seed,
             },

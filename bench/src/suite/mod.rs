@@ -63,6 +63,56 @@ impl TargetSpec {
     }
 }
 
+/// Where corefs's reactors and the workload's clients run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Placement {
+    /// How corefs is meant to run (dedicated storage cores): each reactor pinned to a core
+    /// of its own, busy-polling, and the clients pinned to the other cores. A kernel
+    /// filesystem's clients use every core (its work runs in them).
+    Dedicated {
+        reactor_cores: Vec<usize>,
+        client_cores: Vec<usize>,
+    },
+    /// Reactors and clients share every core, unpinned; reactors spin, then park.
+    Shared,
+}
+
+impl Placement {
+    /// Dedicated cores when the process may use more cores than there are reactors (the
+    /// last ones go to the reactors), unless `shared` is asked for.
+    pub fn choose(reactors: usize, shared: bool) -> Placement {
+        let cores: Vec<usize> = core_affinity::get_core_ids()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|c| c.id)
+            .collect();
+        let reactors = reactors.max(1);
+        if shared || cores.len() <= reactors {
+            return Placement::Shared;
+        }
+        let (client_cores, reactor_cores) = cores.split_at(cores.len() - reactors);
+        Placement::Dedicated {
+            reactor_cores: reactor_cores.to_vec(),
+            client_cores: client_cores.to_vec(),
+        }
+    }
+
+    /// One line for the run's header.
+    pub fn describe(&self) -> String {
+        match self {
+            Placement::Dedicated {
+                reactor_cores,
+                client_cores,
+            } => format!(
+                "corefs reactors busy-poll on dedicated cores {reactor_cores:?}, their clients run on cores {client_cores:?} (kernel filesystems' clients on every core)"
+            ),
+            Placement::Shared => {
+                "corefs reactors and clients share every core (reactors spin, then park)".into()
+            }
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct SuiteConfig {
     /// Where images, loop files and kernel-directory runs go (must support O_DIRECT).
@@ -77,7 +127,8 @@ pub struct SuiteConfig {
     /// Run only workloads whose name contains one of these (empty: all).
     pub only: Vec<String>,
     pub sizes: Sizes,
-    pub busy_poll: bool,
+    /// Where corefs's reactors and its clients run.
+    pub placement: Placement,
     /// Reactors serving corefs (at most `shards`).
     pub reactors: usize,
     pub seed: u64,
@@ -94,7 +145,7 @@ impl Default for SuiteConfig {
             targets: Vec::new(),
             only: Vec::new(),
             sizes: Sizes::default(),
-            busy_poll: false,
+            placement: Placement::Shared,
             reactors: 1,
             seed: 1,
         }
@@ -152,7 +203,7 @@ fn build_targets(
                     "corefs-file",
                     &device,
                     config.shards,
-                    config.busy_poll,
+                    config.placement.clone(),
                     config.reactors,
                 )));
             }
@@ -160,14 +211,14 @@ fn build_targets(
                 "corefs-mem",
                 &format!("mem:{}", config.image_bytes),
                 config.shards,
-                config.busy_poll,
+                config.placement.clone(),
                 config.reactors,
             ))),
             TargetSpec::CorefsDevice(device) => out.push(Box::new(CorefsTarget::new(
                 &format!("corefs-{}", device.split(':').next().unwrap_or("dev")),
                 &device,
                 config.shards,
-                config.busy_poll,
+                config.placement.clone(),
                 config.reactors,
             ))),
             TargetSpec::KernelDir(dir) => {
@@ -214,12 +265,20 @@ fn run_one(
     let cpu_before = process_cpu_ns();
     let started = Instant::now();
     let until = started + Duration::from_secs_f64(seconds);
+    let client_cores = target.client_cores();
     let recorders: Vec<R<Recorder>> = std::thread::scope(|scope| {
         let handles: Vec<_> = sessions
             .into_iter()
             .enumerate()
             .map(|(c, mut session)| {
-                scope.spawn(move || workload.client(c, &mut *session, until, seed))
+                let core = (!client_cores.is_empty()).then(|| client_cores[c % client_cores.len()]);
+                scope.spawn(move || {
+                    if let Some(id) = core {
+                        // Best effort: an unpinned client only shares the reactor's core.
+                        core_affinity::set_for_current(core_affinity::CoreId { id });
+                    }
+                    workload.client(c, &mut *session, until, seed)
+                })
             })
             .collect();
         // Long runs show they are alive: a line every 10 s.
@@ -318,9 +377,11 @@ pub fn run(config: &SuiteConfig, progress: &(dyn Fn(&str) + Sync)) -> R<SuiteRes
             repeats: config.repeats,
             dir: config.dir.display().to_string(),
             dir_fs: crate::fsync::fs_type_of(&config.dir),
+            placement: config.placement.describe(),
         },
         runs: Vec::new(),
     };
+    progress(&results.meta.placement);
     let total = workloads.len() * targets.len() * config.repeats as usize;
     let suite_started = Instant::now();
     let mut step = 0;
@@ -393,6 +454,9 @@ pub fn side_by_side(results: &SuiteResults) -> String {
         .find(|t| t.starts_with("corefs"))
         .cloned()
         .unwrap_or_else(|| targets[0].clone());
+    if !results.meta.placement.is_empty() {
+        let _ = writeln!(out, "{}", results.meta.placement);
+    }
     let _ = writeln!(
         out,
         "{:<22} {:<14} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",

@@ -136,6 +136,10 @@ pub struct Meta {
     /// The directory holding images and kernel targets, and its filesystem type.
     pub dir: String,
     pub dir_fs: String,
+    /// Where corefs's reactors and clients ran (absent from results written before it was
+    /// recorded).
+    #[serde(default)]
+    pub placement: String,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]

@@ -11,6 +11,7 @@
 
 use super::loopdev::LoopFs;
 use super::results::EngineFigures;
+use super::Placement;
 use engine::{MkfsOptions, RenameFlags};
 use reactor::{Config, IdlePolicy, Op, Reply, Runtime};
 use std::collections::HashMap;
@@ -69,6 +70,10 @@ pub trait Target {
     fn remount(&mut self) -> R<Option<f64>>;
     /// Ends the workload: unmount or remove what it made.
     fn finish(&mut self) -> R<()>;
+    /// Cores the workload's clients are pinned to, round robin (empty: not pinned).
+    fn client_cores(&self) -> Vec<usize> {
+        Vec::new()
+    }
 }
 
 /// A session's open files: a handle is an index, never reused while the table holds any open
@@ -119,7 +124,7 @@ pub struct CorefsTarget {
     label: String,
     device: String,
     shards: u32,
-    busy_poll: bool,
+    placement: Placement,
     reactors: usize,
     runtime: Option<Runtime>,
     /// A memory device lives only as long as its handle: it is kept across remounts.
@@ -131,14 +136,14 @@ impl CorefsTarget {
         label: &str,
         device: &str,
         shards: u32,
-        busy_poll: bool,
+        placement: Placement,
         reactors: usize,
     ) -> CorefsTarget {
         CorefsTarget {
             label: label.to_string(),
             device: device.to_string(),
             shards,
-            busy_poll,
+            placement,
             reactors,
             runtime: None,
             kept_device: None,
@@ -153,10 +158,13 @@ impl CorefsTarget {
                 shards: self.shards,
                 label: "bench".into(),
             }),
-            idle: if self.busy_poll {
-                IdlePolicy::BusyPoll
-            } else {
-                IdlePolicy::default()
+            idle: match self.placement {
+                Placement::Dedicated { .. } => IdlePolicy::BusyPoll,
+                Placement::Shared => IdlePolicy::default(),
+            },
+            cores: match &self.placement {
+                Placement::Dedicated { reactor_cores, .. } => reactor_cores.clone(),
+                Placement::Shared => Vec::new(),
             },
             reactors: self.reactors,
             ..Config::default()
@@ -187,6 +195,13 @@ impl CorefsTarget {
 impl Target for CorefsTarget {
     fn name(&self) -> String {
         self.label.clone()
+    }
+
+    fn client_cores(&self) -> Vec<usize> {
+        match &self.placement {
+            Placement::Dedicated { client_cores, .. } => client_cores.clone(),
+            Placement::Shared => Vec::new(),
+        }
     }
 
     fn prepare(&mut self) -> R<()> {
