@@ -581,6 +581,11 @@ impl Target for KernelTarget {
     fn finish(&mut self) -> R<()> {
         if let Some(dir) = self.run_dir.take() {
             std::fs::remove_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+            // The deletion's writes go to disk now, not into the next target's run (the
+            // suite runs each workload on every target in turn): what the loop targets left
+            // behind made corefs's next fsyncs wait behind it (dbench's Flush p99 13.6 ms,
+            // 1.7 ms with this sync; its throughput 80k -> 108k ops/s).
+            sync_filesystem(&self.base)?;
         }
         Ok(())
     }
