@@ -12,10 +12,8 @@
 //!   every background request in flight completes (and is accounted). So a read never races
 //!   an in-place data write of a record, and a commit (which also drains explicitly) never
 //!   reorders with a record.
-//! - A record's flush is submitted only after all of its writes completed, and those of every
-//!   write-back started before it, so the flush covers them (a write-back has no flush of its
-//!   own: its data is durable at the next one, which a record or commit referencing it waits
-//!   for). Records become durable in the order they were started: ticket N is reported durable
+//! - A record's flush is submitted only after all of its writes completed, so the flush covers
+//!   them. Records become durable in the order they were started: ticket N is reported durable
 //!   only once every ticket before it is, because a later record's flush may finish first and
 //!   replay stops at the first missing record anyway.
 //! - Bounded: at most [`MAX_IN_FLIGHT`] records have device work outstanding (writes or
@@ -265,9 +263,6 @@ struct InFlight {
     flushed: bool,
     /// Written with FUA: durable when the writes complete, no flush.
     fua: bool,
-    /// Staged file data written back early ([`Filesystem::submit_writeback`]): done when the
-    /// writes complete, no flush; these bytes (0 for a record).
-    writeback_bytes: usize,
     /// Counts as durable only once this generation is SuperCommitted too.
     after: Option<u64>,
 }
@@ -305,35 +300,14 @@ impl Filesystem {
     /// under a new ticket; the flush follows when they complete.
     pub(crate) fn submit_record(&mut self, blocks: Vec<(u64, Vec<u8>)>) -> Result<u64> {
         let after = self.commit_in_flight();
-        self.submit_background(blocks, false, after, 0)
-    }
-
-    /// Writes staged file data back in the background under a new ticket, done when the
-    /// writes complete: no flush of its own, so the data is durable only at the next flush
-    /// (`unflushed_writes`), and the next record's flush waits for these writes.
-    pub(crate) fn submit_writeback(&mut self, blocks: Vec<(u64, Vec<u8>)>) -> Result<u64> {
-        let bytes = blocks.len() * crate::format::BLOCK_BYTES;
-        let ticket = self.submit_background(blocks, false, None, bytes)?;
-        self.unflushed_writes = true;
-        Ok(ticket)
-    }
-
-    /// Bytes of write-backs whose writes the device has not completed.
-    pub(crate) fn writeback_bytes_in_flight(&self) -> usize {
-        self.log
-            .pipeline
-            .in_flight
-            .iter()
-            .filter(|f| !f.flushed)
-            .map(|f| f.writeback_bytes)
-            .sum()
+        self.submit_background(blocks, false, after)
     }
 
     /// As [`Filesystem::submit_record`] with every write FUA and no flush after: durable when
     /// the writes complete (a small record that carries its data).
     pub(crate) fn submit_fua(&mut self, blocks: Vec<(u64, Vec<u8>)>) -> Result<u64> {
         let after = self.commit_in_flight();
-        self.submit_background(blocks, true, after, 0)
+        self.submit_background(blocks, true, after)
     }
 
     /// A commit's own writes (its blocks, then its superblock with FUA): never held back by
@@ -343,7 +317,7 @@ impl Filesystem {
         blocks: Vec<(u64, Vec<u8>)>,
         fua: bool,
     ) -> Result<u64> {
-        self.submit_background(blocks, fua, None, 0)
+        self.submit_background(blocks, fua, None)
     }
 
     /// `after`: a record written while the commit of that generation is in flight belongs to
@@ -354,9 +328,8 @@ impl Filesystem {
         blocks: Vec<(u64, Vec<u8>)>,
         fua: bool,
         after: Option<u64>,
-        writeback_bytes: usize,
     ) -> Result<u64> {
-        if !fua && writeback_bytes == 0 {
+        if !fua {
             // This batch's flush will cover every write completed before it, in-place data
             // written back in the foreground included; anything released after it is too.
             self.unflushed_writes = false;
@@ -370,11 +343,10 @@ impl Filesystem {
         self.log.pipeline.in_flight.push_back(InFlight {
             ticket,
             writes_left: runs.len() as u32,
-            // FUA writes are durable when they complete, a write-back is done then: no flush.
-            flush_submitted: fua || writeback_bytes > 0,
+            // FUA writes are durable when they complete: no flush.
+            flush_submitted: fua,
             flushed: false,
             fua,
-            writeback_bytes,
             after,
         });
         let token = BACKGROUND | ticket << 1;
@@ -428,25 +400,16 @@ impl Filesystem {
                 entry.writes_left -= 1;
             }
         }
-        // FUA-only entries are durable once their writes are; a write-back is done then.
+        // FUA-only entries are durable once their writes are.
         for entry in self.log.pipeline.in_flight.iter_mut() {
-            if entry.flush_submitted
-                && !entry.flushed
-                && entry.writes_left == 0
-                && (entry.fua || entry.writeback_bytes > 0)
-            {
+            if entry.flush_submitted && !entry.flushed && entry.writes_left == 0 && entry.fua {
                 entry.flushed = true;
             }
         }
-        // Each record whose writes are all done gets its flush (a full queue: next time), once
-        // no write-back started before it has writes outstanding: the flush must cover the
-        // data the record may reference.
-        let mut writeback_ahead = false;
+        // Each record whose writes are all done gets its flush (a full queue: next time).
         for i in 0..self.log.pipeline.in_flight.len() {
             let entry = &self.log.pipeline.in_flight[i];
-            let held = writeback_ahead;
-            writeback_ahead |= entry.writeback_bytes > 0 && entry.writes_left > 0;
-            if entry.writes_left > 0 || entry.flush_submitted || held {
+            if entry.writes_left > 0 || entry.flush_submitted {
                 continue;
             }
             let request = Request {
