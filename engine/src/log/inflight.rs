@@ -83,9 +83,14 @@ impl DeviceMux {
     /// Moves completions from the device, keeping background ones aside.
     fn route(&mut self, out: &mut Vec<Completion>) -> usize {
         let mut foreground = 0;
-        for c in self.scratch.drain(..) {
+        for mut c in self.scratch.drain(..) {
             if is_background(c.token) {
                 self.background_in_flight -= 1;
+                // Only the token and result matter from here: the buffer goes back to the
+                // pool now, for the backlog. Kept until the pipeline looked at the completion,
+                // a commit larger than the pool left a synchronous read draining the backlog
+                // with every buffer held by finished writes: PoolExhausted, fail-stop.
+                c.buf = None;
                 self.background.push(c);
             } else {
                 out.push(c);
@@ -372,9 +377,14 @@ impl Filesystem {
     /// `wait` sleeps up to that long for a completion when nothing is ready. Fails with the
     /// filesystem's sticky error once a background request failed.
     pub fn log_progress(&mut self, wait: Option<Duration>) -> Result<u64> {
-        if let Some(e) = &self.failed {
+        if let Some(e) = self.failed.clone() {
             if !self.log.pipeline.in_flight.is_empty() {
-                return Err(e.clone());
+                // Fail-stopped: nothing more goes to the device, and what is in flight still
+                // completes (its completions dropped here), so the device drains and a reactor
+                // waiting for it to go idle can stop.
+                self.dev.backlog.clear();
+                let _ = self.dev.poll_background(wait);
+                return Err(e);
             }
         }
         let completions = match self.dev.poll_background(wait) {
