@@ -57,6 +57,11 @@ pub struct MountOptions {
     /// 14 µs per dirty node here (4096 nodes: ~60 ms; 16384 made 20 s of creates pause for
     /// up to 240 ms and run at 60% of the rate).
     pub dirty_limit_nodes: usize,
+    /// Staged (written, not yet on the device) file data past which the oldest inodes' data
+    /// goes to the device in the background ([`crate::writeback`]). Data that dies young
+    /// (a temporary file) is never written when it stays under this; 8 MiB keeps half of
+    /// the hard bound, [`crate::writeback::MAX_STAGED_BYTES`], as headroom.
+    pub writeback_start_bytes: usize,
 }
 
 impl Default for MountOptions {
@@ -65,6 +70,7 @@ impl Default for MountOptions {
             cache_nodes: 1 << 16,
             commit_interval: std::time::Duration::from_secs(5),
             dirty_limit_nodes: 4096,
+            writeback_start_bytes: 8 << 20,
         }
     }
 }

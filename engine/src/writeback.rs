@@ -5,7 +5,14 @@
 //!   record, so the device works on both at once, and one flush makes both durable;
 //! - a commit writes all staged data with its tree nodes, before its flush;
 //! - a read of an inode with staged data writes that inode's data back first;
-//! - past [`MAX_STAGED_BYTES`] everything staged is written back (memory stays bounded).
+//! - past [`MountOptions::writeback_start_bytes`] the data of the lowest-numbered (roughly the
+//!   oldest) inodes goes to the device in the background, [`WRITEBACK_CHUNK_BYTES`] at a time
+//!   with at most [`WRITEBACK_IN_FLIGHT_MAX_BYTES`] on the device, while the reactor serves on;
+//! - past [`MAX_STAGED_BYTES`] (the background fell behind) everything staged is written back
+//!   before the write returns, so memory stays bounded.
+//!
+//! Writing back in the background matters for latency: a synchronous write-back of 16 MiB held
+//! the reactor, and every client's operation, for 30 ms on a file image.
 //!
 //! Recently written and read data blocks are also kept, by disk block, in a bounded cache
 //! ([`CACHE_BLOCKS`]): a read, or the read-modify-write of a write that covers part of a block
@@ -29,8 +36,14 @@ use crate::format::BLOCK_BYTES;
 use crate::fs::Filesystem;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
-/// Staged data bytes past which everything staged is written back.
+/// Staged data bytes past which everything staged is written back before a write returns.
 pub const MAX_STAGED_BYTES: usize = 16 << 20;
+/// Bytes one background write-back takes (whole inodes, so it may take a little more).
+pub const WRITEBACK_CHUNK_BYTES: usize = 1 << 20;
+/// Background write-back bytes on the device at once. Small, because any synchronous I/O
+/// (a cold read) first waits for the background I/O in flight: about 4 ms for 2 MiB on a
+/// file image.
+pub const WRITEBACK_IN_FLIGHT_MAX_BYTES: usize = 2 << 20;
 /// Data blocks the cache keeps (16 MiB).
 pub const CACHE_BLOCKS: usize = 4096;
 
@@ -107,6 +120,37 @@ impl Filesystem {
             self.unflushed_writes = true;
             let written = crate::commit::write_blocks(&mut *self.dev, blocks);
             self.fail_stop_on_error(written)?;
+        } else if self.staged.bytes > self.options.writeback_start_bytes {
+            self.start_writeback()?;
+        }
+        Ok(())
+    }
+
+    /// Hands the data of the lowest-numbered staged inodes to the device in the background
+    /// until staging is back under the threshold or the write-backs in flight reach their
+    /// bound.
+    fn start_writeback(&mut self) -> Result<()> {
+        // Completions first, so finished write-backs no longer count against the bound.
+        self.log_progress(None)?;
+        while self.staged.bytes > self.options.writeback_start_bytes
+            && self.writeback_bytes_in_flight() < WRITEBACK_IN_FLIGHT_MAX_BYTES
+        {
+            let mut inos = Vec::new();
+            let mut bytes = 0usize;
+            for (ino, runs) in &self.staged.by_ino {
+                inos.push(*ino);
+                bytes += runs.iter().map(|(_, d)| d.len()).sum::<usize>();
+                if bytes >= WRITEBACK_CHUNK_BYTES {
+                    break;
+                }
+            }
+            let blocks = self.take_staged(inos.iter());
+            assert!(
+                !blocks.is_empty(),
+                "staged bytes are counted with their runs"
+            );
+            self.log.stats.writeback_bytes += (blocks.len() * BLOCK_BYTES) as u64;
+            self.submit_writeback(blocks)?;
         }
         Ok(())
     }

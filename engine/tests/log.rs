@@ -847,3 +847,91 @@ fn a_read_during_a_commit_larger_than_the_dma_pool_succeeds() {
         chunk
     );
 }
+
+/// Staged data past `writeback_start_bytes` goes to the device in the background before any
+/// fsync or commit asks for it, with no flush of its own, and staging stays bounded; the next
+/// fsync's record is flushed after those writes. A power cut after any prefix of the writes
+/// mounts clean with the file as committed (empty) or with all of the fsynced data.
+#[test]
+fn staged_data_past_the_threshold_is_written_back_in_the_background_and_every_cut_mounts_clean() {
+    let mut fs = mount(&fresh(2));
+    let root = fs.root();
+    let a = fs.create(root, b"a", 0o644, 0, 0).unwrap().ino;
+    fs.sync().unwrap();
+    let image = image_of(fs.unmount().unwrap());
+    let recording = RecordingDevice::new(MemDevice::from_image(&image, config()).unwrap());
+    let log = recording.log();
+    let threshold = 64 << 10;
+    let options = MountOptions {
+        writeback_start_bytes: threshold,
+        ..MountOptions::default()
+    };
+    let mut fs = Filesystem::mount(Box::new(recording), options).unwrap();
+    let before = log.len();
+    let blocks = 40u8;
+    for i in 0..blocks {
+        fs.write(a, i as u64 * 4096, &block(i + 1)).unwrap();
+        assert!(
+            fs.staged_bytes() <= threshold,
+            "staged {} after write {i}",
+            fs.staged_bytes()
+        );
+    }
+    let written_back = fs.log_stats().writeback_bytes;
+    assert!(written_back >= 2 * threshold as u64, "{written_back}");
+    let plain_write_bytes = |records: &[Record]| -> usize {
+        records
+            .iter()
+            .filter_map(|r| match r {
+                Record::Write {
+                    data, fua: false, ..
+                } => Some(data.len()),
+                _ => None,
+            })
+            .sum()
+    };
+    let early = log.snapshot()[before..].to_vec();
+    assert!(
+        plain_write_bytes(&early) > 0,
+        "write-backs were submitted before any fsync"
+    );
+    assert!(
+        !early.iter().any(|r| matches!(r, Record::Flush { .. })),
+        "a write-back has no flush of its own"
+    );
+    // Served from memory or the device, the data reads back whole.
+    let whole: Vec<u8> = (0..blocks).flat_map(|i| block(i + 1)).collect();
+    assert!(fs.read(a, 0, whole.len()).unwrap() == whole, "read back");
+
+    fs.fsync(a).unwrap();
+    let records = log.snapshot();
+    let flush_at = records[before..]
+        .iter()
+        .position(|r| matches!(r, Record::Flush { .. }))
+        .map(|i| before + i)
+        .expect("the fsync flushed: the written-back data is durable only then");
+    assert!(
+        plain_write_bytes(&records[before..flush_at]) as u64 >= written_back,
+        "every write-back was submitted before the flush"
+    );
+
+    for cut in before..=records.len() {
+        for mode in [CrashMode::DurableOnly, CrashMode::Torn { seed: cut as u64 }] {
+            let crashed = crash_image(&image, 512, &records, cut, mode);
+            let mut fs = mount(&crashed);
+            fs.check()
+                .unwrap_or_else(|e| panic!("cut {cut} {mode:?}: {e}"));
+            let size = fs.stat(a).unwrap().size;
+            assert!(
+                size == 0 || size == whole.len() as u64,
+                "cut {cut} {mode:?}: size {size}"
+            );
+            if size > 0 {
+                assert!(fs.read(a, 0, whole.len()).unwrap() == whole, "cut {cut}");
+            }
+            if cut == records.len() && mode == CrashMode::DurableOnly {
+                assert_eq!(size, whole.len() as u64, "the fsync returned");
+            }
+        }
+    }
+}

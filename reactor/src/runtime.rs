@@ -1239,7 +1239,9 @@ impl Reactor {
         wait: Option<Duration>,
         done: &mut Vec<(Arc<ReplyQueue>, Completion)>,
     ) {
-        if self.pending.is_empty() {
+        // With no fsync waiting, the pipeline still advances for background write-backs: their
+        // completions free the room the next ones need.
+        if self.pending.is_empty() && !self.fs.device_busy() {
             return;
         }
         match self.fs.log_progress(wait) {

@@ -12,8 +12,10 @@
 //!   every background request in flight completes (and is accounted). So a read never races
 //!   an in-place data write of a record, and a commit (which also drains explicitly) never
 //!   reorders with a record.
-//! - A record's flush is submitted only after all of its writes completed, so the flush covers
-//!   them. Records become durable in the order they were started: ticket N is reported durable
+//! - A record's flush is submitted only after all of its writes completed, and those of every
+//!   write-back started before it, so the flush covers them (a write-back has no flush of its
+//!   own: its data is durable at the next one, which a record or commit referencing it waits
+//!   for). Records become durable in the order they were started: ticket N is reported durable
 //!   only once every ticket before it is, because a later record's flush may finish first and
 //!   replay stops at the first missing record anyway.
 //! - Bounded: at most [`MAX_IN_FLIGHT`] records have device work outstanding (writes or
@@ -268,6 +270,9 @@ struct InFlight {
     flushed: bool,
     /// Written with FUA: durable when the writes complete, no flush.
     fua: bool,
+    /// Staged file data written back early ([`Filesystem::submit_writeback`]): done when the
+    /// writes complete, no flush; these bytes (0 for a record).
+    writeback_bytes: usize,
     /// Counts as durable only once this generation is SuperCommitted too.
     after: Option<u64>,
 }
@@ -305,14 +310,35 @@ impl Filesystem {
     /// under a new ticket; the flush follows when they complete.
     pub(crate) fn submit_record(&mut self, blocks: Vec<(u64, Vec<u8>)>) -> Result<u64> {
         let after = self.commit_in_flight();
-        self.submit_background(blocks, false, after)
+        self.submit_background(blocks, false, after, 0)
+    }
+
+    /// Writes staged file data back in the background under a new ticket, done when the
+    /// writes complete: no flush of its own, so the data is durable only at the next flush
+    /// (`unflushed_writes`), and the next record's flush waits for these writes.
+    pub(crate) fn submit_writeback(&mut self, blocks: Vec<(u64, Vec<u8>)>) -> Result<u64> {
+        let bytes = blocks.len() * crate::format::BLOCK_BYTES;
+        let ticket = self.submit_background(blocks, false, None, bytes)?;
+        self.unflushed_writes = true;
+        Ok(ticket)
+    }
+
+    /// Bytes of write-backs whose writes the device has not completed.
+    pub(crate) fn writeback_bytes_in_flight(&self) -> usize {
+        self.log
+            .pipeline
+            .in_flight
+            .iter()
+            .filter(|f| !f.flushed)
+            .map(|f| f.writeback_bytes)
+            .sum()
     }
 
     /// As [`Filesystem::submit_record`] with every write FUA and no flush after: durable when
     /// the writes complete (a small record that carries its data).
     pub(crate) fn submit_fua(&mut self, blocks: Vec<(u64, Vec<u8>)>) -> Result<u64> {
         let after = self.commit_in_flight();
-        self.submit_background(blocks, true, after)
+        self.submit_background(blocks, true, after, 0)
     }
 
     /// A commit's own writes (its blocks, then its superblock with FUA): never held back by
@@ -322,7 +348,7 @@ impl Filesystem {
         blocks: Vec<(u64, Vec<u8>)>,
         fua: bool,
     ) -> Result<u64> {
-        self.submit_background(blocks, fua, None)
+        self.submit_background(blocks, fua, None, 0)
     }
 
     /// `after`: a record written while the commit of that generation is in flight belongs to
@@ -333,8 +359,9 @@ impl Filesystem {
         blocks: Vec<(u64, Vec<u8>)>,
         fua: bool,
         after: Option<u64>,
+        writeback_bytes: usize,
     ) -> Result<u64> {
-        if !fua {
+        if !fua && writeback_bytes == 0 {
             // This batch's flush will cover every write completed before it, in-place data
             // written back in the foreground included; anything released after it is too.
             self.unflushed_writes = false;
@@ -348,10 +375,11 @@ impl Filesystem {
         self.log.pipeline.in_flight.push_back(InFlight {
             ticket,
             writes_left: runs.len() as u32,
-            // FUA writes are durable when they complete: no flush.
-            flush_submitted: fua,
+            // FUA writes are durable when they complete, a write-back is done then: no flush.
+            flush_submitted: fua || writeback_bytes > 0,
             flushed: false,
             fua,
+            writeback_bytes,
             after,
         });
         let token = BACKGROUND | ticket << 1;
@@ -410,16 +438,25 @@ impl Filesystem {
                 entry.writes_left -= 1;
             }
         }
-        // FUA-only entries are durable once their writes are.
+        // FUA-only entries are durable once their writes are; a write-back is done then.
         for entry in self.log.pipeline.in_flight.iter_mut() {
-            if entry.flush_submitted && !entry.flushed && entry.writes_left == 0 && entry.fua {
+            if entry.flush_submitted
+                && !entry.flushed
+                && entry.writes_left == 0
+                && (entry.fua || entry.writeback_bytes > 0)
+            {
                 entry.flushed = true;
             }
         }
-        // Each record whose writes are all done gets its flush (a full queue: next time).
+        // Each record whose writes are all done gets its flush (a full queue: next time), once
+        // no write-back started before it has writes outstanding: the flush must cover the
+        // data the record may reference.
+        let mut writeback_ahead = false;
         for i in 0..self.log.pipeline.in_flight.len() {
             let entry = &self.log.pipeline.in_flight[i];
-            if entry.writes_left > 0 || entry.flush_submitted {
+            let held = writeback_ahead;
+            writeback_ahead |= entry.writeback_bytes > 0 && entry.writes_left > 0;
+            if entry.writes_left > 0 || entry.flush_submitted || held {
                 continue;
             }
             let request = Request {

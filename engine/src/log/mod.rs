@@ -89,6 +89,9 @@ pub struct LogStats {
     /// Records and ops replayed by mount.
     pub replayed_records: u64,
     pub replayed_ops: u64,
+    /// Staged file data written back in the background before an fsync or a commit needed
+    /// it ([`crate::writeback`]).
+    pub writeback_bytes: u64,
 }
 
 impl LogStats {
