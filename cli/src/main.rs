@@ -368,6 +368,14 @@ fn parse_size(text: &str) -> Result<u64, String> {
     nvme::spec::parse_size(text)
 }
 
+/// The tool's allocator. The reactor frees what client threads allocated (an operation's
+/// names and data) and the clients free its replies; glibc's malloc took a lock per such free
+/// and consolidated arenas on the reactor's time (a quarter of it in a create run). An
+/// application embedding corefs chooses its own allocator; this one is for the tool's runs
+/// (creates 152k -> 172k/s, mean of three paired runs).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // The crash tester mounts millions of crash states, most of which replay or drop a log
