@@ -599,12 +599,18 @@ pub(crate) struct Reactor {
     cpu_start_ns: u64,
     /// fsync groups whose records are in flight, oldest first (tickets ascend).
     pending: VecDeque<PendingGroup>,
+    /// Since when a due commit waits for the records in flight ([`COMMIT_DEFER_MAX`]).
+    commit_deferred_since: Option<Instant>,
     /// With several reactors: this one's side of the coordination ([`crate::multi`]).
     pub(crate) multi: Option<Member>,
     /// Replies held until a generation is durable (syncs, fsyncs that fell back, directory
     /// renames with several reactors).
     commit_waiters: Vec<crate::multi::CommitWaiter>,
 }
+
+/// How long a due commit waits for the records in flight to become durable before it starts
+/// anyway (and waits for them itself, holding the reactor).
+const COMMIT_DEFER_MAX: Duration = Duration::from_millis(50);
 
 /// An fsync group waiting for its record to become durable.
 struct PendingGroup {
@@ -787,6 +793,7 @@ impl Reactor {
             stats: ReactorStats::default(),
             cpu_start_ns: thread_cpu_ns(),
             pending: VecDeque::new(),
+            commit_deferred_since: None,
             multi: None,
             commit_waiters: Vec::new(),
         }
@@ -853,6 +860,17 @@ impl Reactor {
             m.ask_commit();
             return;
         }
+        // A commit first waits for the records in flight to become durable, holding the
+        // reactor: behind a slow device flush (tens of ms on a shared disk) every client
+        // stalled with it. So it starts once they are durable, polled for in the meantime, or
+        // after COMMIT_DEFER_MAX if fsyncs keep the pipeline busy.
+        if self.fs.log_in_flight() > 0 {
+            let since = *self.commit_deferred_since.get_or_insert_with(Instant::now);
+            if since.elapsed() < COMMIT_DEFER_MAX {
+                return;
+            }
+        }
+        self.commit_deferred_since = None;
         match self.fs.commit_start() {
             Ok(true) => {}
             // Nothing to write: every change is durable already.
