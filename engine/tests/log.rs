@@ -805,6 +805,18 @@ fn two_files_recorded() -> (
     u64,
     u64,
 ) {
+    two_files_recorded_with(MountOptions::default())
+}
+
+fn two_files_recorded_with(
+    options: MountOptions,
+) -> (
+    Vec<u8>,
+    std::sync::Arc<nvme::wrap::WriteLog>,
+    Filesystem,
+    u64,
+    u64,
+) {
     let mut fs = mount(&fresh(2));
     let root = fs.root();
     let a = fs.create(root, b"a", 0o644, 0, 0).unwrap().ino;
@@ -813,7 +825,7 @@ fn two_files_recorded() -> (
     let image = image_of(fs.unmount().unwrap());
     let recording = RecordingDevice::new(MemDevice::from_image(&image, config()).unwrap());
     let log = recording.log();
-    let fs = Filesystem::mount(Box::new(recording), MountOptions::default()).unwrap();
+    let fs = Filesystem::mount(Box::new(recording), options).unwrap();
     (image, log, fs, a, b)
 }
 
@@ -854,19 +866,12 @@ fn a_read_during_a_commit_larger_than_the_dma_pool_succeeds() {
 /// mounts clean with the file as committed (empty) or with all of the fsynced data.
 #[test]
 fn staged_data_past_the_threshold_is_written_back_in_the_background_and_every_cut_mounts_clean() {
-    let mut fs = mount(&fresh(2));
-    let root = fs.root();
-    let a = fs.create(root, b"a", 0o644, 0, 0).unwrap().ino;
-    fs.sync().unwrap();
-    let image = image_of(fs.unmount().unwrap());
-    let recording = RecordingDevice::new(MemDevice::from_image(&image, config()).unwrap());
-    let log = recording.log();
     let threshold = 64 << 10;
     let options = MountOptions {
         writeback_start_bytes: threshold,
         ..MountOptions::default()
     };
-    let mut fs = Filesystem::mount(Box::new(recording), options).unwrap();
+    let (image, log, mut fs, a, _b) = two_files_recorded_with(options);
     let before = log.len();
     let blocks = 40u8;
     for i in 0..blocks {
