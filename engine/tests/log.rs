@@ -737,27 +737,9 @@ fn a_large_fsync_writes_its_data_in_place_fua_once_and_every_cut_mounts_clean() 
         "the commit wrote {committed} bytes: the data again?"
     );
 
-    for cut in before..=records.len() {
-        for mode in [CrashMode::DurableOnly, CrashMode::Torn { seed: cut as u64 }] {
-            let crashed = crash_image(&image, 512, &records, cut, mode);
-            let mut fs = mount(&crashed);
-            fs.check()
-                .unwrap_or_else(|e| panic!("cut {cut} {mode:?}: {e}"));
-            assert_eq!(fs.read(a, 0, 4096).unwrap(), block(1), "cut {cut}");
-            let size = fs.stat(a).unwrap().size;
-            let whole = 4096 + big.len() as u64;
-            assert!(
-                size == 4096 || size == whole,
-                "cut {cut} {mode:?}: size {size}"
-            );
-            if size == whole {
-                assert_eq!(fs.read(a, 4096, big.len()).unwrap(), big, "cut {cut}");
-            }
-            if cut == records.len() && mode == CrashMode::DurableOnly {
-                assert_eq!(size, whole, "every write completed, and the fsync returned");
-            }
-        }
-    }
+    let old = block(1);
+    let new: Vec<u8> = old.iter().chain(&big).copied().collect();
+    assert_every_cut_all_or_nothing(&image, &records, before, a, &old, &new);
 }
 
 /// Records logged while a commit is in flight wait for its superblock, which only the caller
@@ -794,6 +776,39 @@ fn more_records_than_the_pipeline_holds_during_a_commit_do_not_hang() {
     fs.sync().unwrap();
     fs.check().unwrap();
     assert_eq!(fs.read(a, 4096, 4096).unwrap(), block(2));
+}
+
+/// A power cut after every prefix of `records` from `from` on (durable writes only, and torn)
+/// mounts clean with file `ino` holding exactly `old` or exactly `new`; after all of them,
+/// with every write durable, `new` (the fsync returned).
+fn assert_every_cut_all_or_nothing(
+    image: &[u8],
+    records: &[Record],
+    from: usize,
+    ino: u64,
+    old: &[u8],
+    new: &[u8],
+) {
+    for cut in from..=records.len() {
+        for mode in [CrashMode::DurableOnly, CrashMode::Torn { seed: cut as u64 }] {
+            let crashed = crash_image(image, 512, records, cut, mode);
+            let mut fs = mount(&crashed);
+            fs.check()
+                .unwrap_or_else(|e| panic!("cut {cut} {mode:?}: {e}"));
+            let size = fs.stat(ino).unwrap().size;
+            let content = fs.read(ino, 0, size as usize).unwrap();
+            assert!(
+                content == old || content == new,
+                "cut {cut} {mode:?}: size {size}, neither the old content nor the new"
+            );
+            if cut == records.len() && mode == CrashMode::DurableOnly {
+                assert!(
+                    content == new,
+                    "every write completed, and the fsync returned"
+                );
+            }
+        }
+    }
 }
 
 /// Files `a` and `b` committed on a fresh image, mounted again on a recording device:
@@ -920,23 +935,5 @@ fn staged_data_past_the_threshold_is_written_back_in_the_background_and_every_cu
         "every write-back was submitted before the flush"
     );
 
-    for cut in before..=records.len() {
-        for mode in [CrashMode::DurableOnly, CrashMode::Torn { seed: cut as u64 }] {
-            let crashed = crash_image(&image, 512, &records, cut, mode);
-            let mut fs = mount(&crashed);
-            fs.check()
-                .unwrap_or_else(|e| panic!("cut {cut} {mode:?}: {e}"));
-            let size = fs.stat(a).unwrap().size;
-            assert!(
-                size == 0 || size == whole.len() as u64,
-                "cut {cut} {mode:?}: size {size}"
-            );
-            if size > 0 {
-                assert!(fs.read(a, 0, whole.len()).unwrap() == whole, "cut {cut}");
-            }
-            if cut == records.len() && mode == CrashMode::DurableOnly {
-                assert_eq!(size, whole.len() as u64, "the fsync returned");
-            }
-        }
-    }
+    assert_every_cut_all_or_nothing(&image, &records, before, a, &[], &whole);
 }
