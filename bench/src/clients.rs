@@ -47,6 +47,12 @@ pub struct ClientsResult {
     pub fsyncs_per_record: f64,
     pub fallback_share: f64,
     pub commits: u64,
+    /// Commits in the run: mean and longest, start to SuperCommitted. An fsync logged while
+    /// one is in flight waits for it (its record belongs to the next generation).
+    pub commit_ns_mean: f64,
+    pub commit_ns_max: u64,
+    /// Blocks a commit wrote, mean (tree nodes and staged data not yet written back).
+    pub commit_blocks_mean: f64,
     pub reactor_cpu_ns_per_op: f64,
     /// The reactors' view of the fsync latency, p99 by phase: waiting in the queue, the
     /// group's log write + flush, and submit to completion pushed (the rest of what a client
@@ -189,6 +195,12 @@ fn one_run(
         fsyncs_per_record: fsyncs as f64 / log_writes.max(1) as f64,
         fallback_share: fallbacks as f64 / fsyncs.max(1) as f64,
         commits: after.commit.commits - before.commit.commits,
+        commit_ns_mean: (after.commit.commit_ns_total - before.commit.commit_ns_total) as f64
+            / (after.commit.commits - before.commit.commits).max(1) as f64,
+        // The stats keep the longest commit since mount: the setup's tiny ones do not reach it.
+        commit_ns_max: after.commit.commit_ns_max,
+        commit_blocks_mean: (after.commit.blocks_written - before.commit.blocks_written) as f64
+            / (after.commit.commits - before.commit.commits).max(1) as f64,
         reactor_cpu_ns_per_op: (after.cpu_ns - before.cpu_ns) as f64 / ops.max(1) as f64,
         queue_wait_p99_ns: after.fsync_queue_wait.p99_ns,
         log_write_p99_ns: after.fsync_log_write.p99_ns,
@@ -282,17 +294,21 @@ impl std::fmt::Display for ClientsReport {
         }
         writeln!(
             f,
-            "fsync p99 by phase, as the reactors saw it (queue wait / log write + flush / submit to completion):"
+            "fsync p99 by phase, as the reactors saw it (queue wait / log write + flush / submit to completion); commits (mean, max)"
         )?;
         for r in &self.results {
             writeln!(
                 f,
-                "{:>8} {:>7}   {:>9} / {:>9} / {:>9}",
+                "{:>8} {:>7}   {:>9} / {:>9} / {:>9}   {} commits ({}, {}; {:.0} blocks)",
                 r.reactors,
                 r.clients,
                 fmt_ns(r.queue_wait_p99_ns as f64),
                 fmt_ns(r.log_write_p99_ns as f64),
-                fmt_ns(r.reactor_total_p99_ns as f64)
+                fmt_ns(r.reactor_total_p99_ns as f64),
+                r.commits,
+                fmt_ns(r.commit_ns_mean),
+                fmt_ns(r.commit_ns_max as f64),
+                r.commit_blocks_mean
             )?;
         }
         for (reactors, share) in &self.idle_core_share {

@@ -627,6 +627,16 @@ impl Filesystem {
                 || self.log.fullest_head() * 8 >= self.sb.log_half_blocks() * 7)
     }
 
+    /// True when the running transaction is past 5/8 of what makes a commit due (its age,
+    /// its dirty nodes or the fill of its log): staged data is then written back early
+    /// ([`crate::writeback`]) so the commit itself stays short.
+    pub fn commit_near(&self) -> bool {
+        self.transaction_started.elapsed() * 8 >= self.options.commit_interval * 5
+            || self.dirty_nodes() * 8 >= self.options.dirty_limit_nodes * 5
+            || self.log.tracked_keys() * 8 >= crate::log::MAX_TRACKED_KEYS * 5
+            || self.log.fullest_head() * 8 >= self.sb.log_half_blocks() * 5
+    }
+
     /// Commits if [`Filesystem::commit_due`]. The engine starts no threads: whoever drives it
     /// (a reactor's loop, a tool, a test) calls this between operations. Returns whether it
     /// committed.

@@ -937,3 +937,57 @@ fn staged_data_past_the_threshold_is_written_back_in_the_background_and_every_cu
 
     assert_every_cut_all_or_nothing(&image, &records, before, a, &[], &whole);
 }
+
+/// Once a commit is near (here: at once, the commit interval being zero), staged data goes to
+/// the device past `PRECOMMIT_STAGED_BYTES` instead of the mount's much higher threshold, so
+/// the commit finds little left to write; with the commit far off, the same writes stay
+/// staged. A power cut after any prefix of the write-backs and the commit mounts clean with
+/// the file empty (as committed) or whole.
+#[test]
+fn staged_data_goes_to_the_device_early_when_a_commit_is_near_and_every_cut_mounts_clean() {
+    use engine::writeback::PRECOMMIT_STAGED_BYTES;
+    let blocks = 160u8;
+    let whole: Vec<u8> = (0..blocks).flat_map(|i| block(i + 1)).collect();
+    assert!(whole.len() > 2 * PRECOMMIT_STAGED_BYTES);
+
+    // The control: far from a commit, everything stays staged (under the 8 MiB default).
+    let (_image, _log, mut far, a, _b) = two_files_recorded();
+    assert!(!far.commit_near());
+    for i in 0..blocks {
+        far.write(a, i as u64 * 4096, &block(i + 1)).unwrap();
+    }
+    assert_eq!(far.staged_bytes(), whole.len());
+    assert_eq!(far.log_stats().writeback_bytes, 0);
+
+    let options = MountOptions {
+        commit_interval: std::time::Duration::ZERO,
+        ..MountOptions::default()
+    };
+    let (image, log, mut fs, a, _b) = two_files_recorded_with(options);
+    assert!(fs.commit_near());
+    let before = log.len();
+    for i in 0..blocks {
+        fs.write(a, i as u64 * 4096, &block(i + 1)).unwrap();
+        assert!(
+            fs.staged_bytes() <= PRECOMMIT_STAGED_BYTES,
+            "staged {} after write {i}",
+            fs.staged_bytes()
+        );
+    }
+    let written_back = fs.log_stats().writeback_bytes as usize;
+    assert!(
+        written_back >= whole.len() - PRECOMMIT_STAGED_BYTES,
+        "{written_back}"
+    );
+    let committed_before = fs.commit_stats().blocks_written;
+    fs.sync().unwrap();
+    let commit_blocks = (fs.commit_stats().blocks_written - committed_before) as usize;
+    // The data left staged, the tree nodes and the superblock: far less than the file.
+    assert!(
+        commit_blocks * 4096 <= PRECOMMIT_STAGED_BYTES + (64 << 10),
+        "the commit wrote {commit_blocks} blocks"
+    );
+    assert!(fs.read(a, 0, whole.len()).unwrap() == whole, "read back");
+    let records = log.snapshot();
+    assert_every_cut_all_or_nothing(&image, &records, before, a, &[], &whole);
+}
