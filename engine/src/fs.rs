@@ -666,6 +666,12 @@ impl Filesystem {
         self.commit().map(drop)
     }
 
+    /// Has the device queue signal `eventfd` on every completion ([`BlockDevice::signal_completions_to`]):
+    /// the owner then sleeps on the eventfd for I/O and for its other wake-ups at once.
+    pub fn signal_completions_to(&mut self, eventfd: std::os::fd::RawFd) -> bool {
+        nvme::BlockDevice::signal_completions_to(&mut *self.dev, eventfd)
+    }
+
     /// Gives the device back without committing: what a crash leaves (tests, tools).
     pub fn into_device(self) -> Box<dyn BlockDevice> {
         self.dev.into_inner()

@@ -205,6 +205,16 @@ pub trait BlockDevice: Send {
     /// Requests submitted and not yet handed back by `poll`/`wait`.
     fn in_flight(&self) -> u32;
 
+    /// Has this queue signal `eventfd` (add to its counter) whenever a completion is ready,
+    /// so the owner can sleep on that one descriptor for its completions and for any other
+    /// wake-up at once (a reactor's clients ring the same eventfd). Call it from the thread
+    /// that owns the queue. False when this queue cannot (a polled queue, memory): then only
+    /// [`wait`](Self::wait) sleeps until a completion.
+    fn signal_completions_to(&mut self, eventfd: std::os::fd::RawFd) -> bool {
+        let _ = eventfd;
+        false
+    }
+
     /// Another queue on the same storage that any thread may take, if the device can make
     /// one here (the memory device). An io_uring device cannot (its rings belong to the thread
     /// that made them): each reactor opens its own from the device string.
@@ -243,6 +253,9 @@ impl<D: BlockDevice + ?Sized> BlockDevice for Box<D> {
     }
     fn in_flight(&self) -> u32 {
         (**self).in_flight()
+    }
+    fn signal_completions_to(&mut self, eventfd: std::os::fd::RawFd) -> bool {
+        (**self).signal_completions_to(eventfd)
     }
     fn sim_access(&mut self) -> Option<&mut dyn SimAccess> {
         (**self).sim_access()

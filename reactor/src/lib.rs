@@ -23,6 +23,7 @@
 //! See docs/reactors.md.
 
 pub mod client;
+mod doorbell;
 mod multi;
 pub mod op;
 mod runtime;

@@ -21,6 +21,7 @@
 //! reactor keeps serving reads and stats. Shutdown commits and unmounts.
 
 use crate::client::{Client, ReplyQueue};
+use crate::doorbell::Doorbell;
 use crate::multi::{Control, Coordinator, Member, Plan, Router, ToCoordinator};
 use crate::op::{Completion, Op, Reply};
 use crate::stats::{thread_cpu_ns, Histograms, ReactorStats};
@@ -31,14 +32,16 @@ use engine::{EngineError, Filesystem, MkfsOptions, MountOptions};
 use nvme::BlockDevice;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
-use std::thread::{JoinHandle, Thread};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// How long an idle reactor with fsync records in flight sleeps on its device queue before it
-/// looks at the request queue again (spin-then-park only; busy-poll never sleeps). The sleep
-/// ends at the first completion, so this bounds only how late a new request is noticed while
-/// a flush runs. 50 µs slices made the reactor wake ~4 times per flush and compete with the
+/// How long an idle reactor with I/O in flight sleeps before it looks around again
+/// (spin-then-park only; busy-poll never sleeps). On the doorbell ([`crate::doorbell`]) a
+/// completion or a request ends the sleep, and this only bounds a missed one. Where the device
+/// cannot ring the doorbell the reactor sleeps on its device queue instead: the sleep ends at
+/// the first completion, and this bounds how late a new request is noticed while a flush
+/// runs. 50 µs slices made the reactor wake ~4 times per flush and compete with the
 /// kernel's fsync worker on 2 cores: SQLite WAL fell from 2,680 to 900–1,450 tx/s; with 1 ms
 /// it is 2,930 and 16 fsync clients did not lose (30k fsyncs/s).
 const LOG_WAIT_SLICE: Duration = Duration::from_millis(1);
@@ -113,7 +116,8 @@ pub(crate) struct Shared {
     pub stopping: AtomicBool,
     pub stopped: AtomicBool,
     parked: AtomicBool,
-    reactor: OnceLock<Thread>,
+    /// What the reactor sleeps on and wakers ring ([`crate::doorbell`]).
+    pub(crate) doorbell: Doorbell,
     /// Clients waiting for a reply right now (spinning or asleep), and how many may wait
     /// spinning: the cores besides the reactor's. A client spins only while the waiters fit
     /// those cores — one client on 2 cores spins (a SQLite connection's calls answered in
@@ -141,7 +145,7 @@ impl Shared {
             stopping: AtomicBool::new(false),
             stopped: AtomicBool::new(false),
             parked: AtomicBool::new(false),
-            reactor: OnceLock::new(),
+            doorbell: Doorbell::new(),
             waiters: std::sync::atomic::AtomicUsize::new(0),
             spinners_max: std::thread::available_parallelism()
                 .map_or(1, |n| n.get())
@@ -158,9 +162,7 @@ impl Shared {
         // `parked` is read (see `ReplyQueue::wake`), or a parking reactor could miss it.
         std::sync::atomic::fence(Ordering::SeqCst);
         if self.parked.load(Ordering::SeqCst) {
-            if let Some(thread) = self.reactor.get() {
-                thread.unpark();
-            }
+            self.doorbell.ring();
         }
     }
 }
@@ -270,7 +272,7 @@ impl Runtime {
             .name("corefs-reactor".into())
             .spawn(move || {
                 let shared = reactor_router.reactors[0].clone();
-                let _ = shared.reactor.set(std::thread::current());
+                shared.doorbell.bind_thread();
                 let _stopped = MarkStopped(reactor_router);
                 pin(config.cores.first().copied().or(config.core));
                 let fs = match open(&config, dev) {
@@ -414,7 +416,7 @@ impl Runtime {
                 .name(format!("corefs-reactor-{index}"))
                 .spawn(move || -> Result<ReactorExit, EngineError> {
                     let shared = router.reactors[index].clone();
-                    let _ = shared.reactor.set(std::thread::current());
+                    shared.doorbell.bind_thread();
                     let _stopped = MarkStopped(router.clone());
                     let core = if config.cores.is_empty() {
                         None
@@ -516,9 +518,7 @@ impl Runtime {
         }
         for shared in &self.router.reactors {
             shared.stopping.store(true, Ordering::Release);
-            if let Some(thread) = shared.reactor.get() {
-                thread.unpark();
-            }
+            shared.doorbell.ring();
         }
         let mut exits = Vec::new();
         let mut failure = None;
@@ -633,6 +633,15 @@ fn yield_to_kernel_work() {
 fn run(mut reactor: Reactor, shared: &Shared, config: &Config) -> Result<ReactorExit, EngineError> {
     let mut batch: Vec<Request> = Vec::with_capacity(config.batch_max);
     let mut idle_since: Option<Instant> = None;
+    // Completions ring the doorbell too: waiting for the device, the reactor sleeps on it and
+    // still hears its clients. (Busy-poll never sleeps and needs no signal.)
+    let device_rings = config.idle != IdlePolicy::BusyPoll
+        && shared
+            .doorbell
+            .raw_fd()
+            .is_some_and(|fd| reactor.fs.signal_completions_to(fd));
+    tracing::debug!(device_rings, "reactor doorbell");
+    reactor.stats.device_ring_reactors = device_rings as u64;
     loop {
         if reactor.multi.is_some() {
             if reactor.take_control(shared) {
@@ -644,7 +653,7 @@ fn run(mut reactor: Reactor, shared: &Shared, config: &Config) -> Result<Reactor
                 while let Some(r) = shared.requests.pop() {
                     m.deferred.push_back(r);
                 }
-                park_for_control(shared, Duration::from_millis(1));
+                let _ = park_for_control(shared, Duration::from_millis(1));
                 continue;
             }
             let m = reactor.multi.as_mut().expect("multi");
@@ -670,13 +679,22 @@ fn run(mut reactor: Reactor, shared: &Shared, config: &Config) -> Result<Reactor
         if reactor.waiting_on_device() {
             // Records or a commit in flight and nothing queued: poll the device (busy-poll),
             // or sleep on it briefly (shared cores) and look at the queue again.
-            let wait = match config.idle {
-                IdlePolicy::BusyPoll => None,
-                IdlePolicy::SpinThenPark { .. } => Some(LOG_WAIT_SLICE),
-            };
-            reactor.poll_durable(wait);
-            if wait.is_none() {
-                yield_to_kernel_work();
+            match config.idle {
+                IdlePolicy::BusyPoll => {
+                    reactor.poll_durable(None);
+                    yield_to_kernel_work();
+                }
+                // Take what is done, then sleep until a completion or a request rings.
+                IdlePolicy::SpinThenPark { .. } if device_rings => {
+                    reactor.poll_durable(None);
+                    if reactor.waiting_on_device() {
+                        reactor.stats.device_sleeps += 1;
+                        if !park_for_control(shared, LOG_WAIT_SLICE) {
+                            reactor.stats.device_sleep_timeouts += 1;
+                        }
+                    }
+                }
+                IdlePolicy::SpinThenPark { .. } => reactor.poll_durable(Some(LOG_WAIT_SLICE)),
             }
             continue;
         }
@@ -690,7 +708,7 @@ fn run(mut reactor: Reactor, shared: &Shared, config: &Config) -> Result<Reactor
                 && !reactor.fs.device_busy()
                 && config.idle != IdlePolicy::BusyPoll
             {
-                park_for_control(shared, LOG_WAIT_SLICE);
+                let _ = park_for_control(shared, LOG_WAIT_SLICE);
             }
             continue;
         }
@@ -711,7 +729,7 @@ fn run(mut reactor: Reactor, shared: &Shared, config: &Config) -> Result<Reactor
                         m.drained_sent = true;
                         m.tell(ToCoordinator::Drained(m.index));
                     }
-                    park_for_control(shared, Duration::from_millis(10));
+                    let _ = park_for_control(shared, Duration::from_millis(10));
                     continue;
                 }
             }
@@ -734,9 +752,9 @@ fn run(mut reactor: Reactor, shared: &Shared, config: &Config) -> Result<Reactor
                     reactor.stats.parks += 1;
                     // Wake for the commit timer even when no client comes.
                     let timer = reactor.commit_interval / 4;
-                    std::thread::park_timeout(
-                        timer.clamp(Duration::from_millis(1), Duration::from_millis(500)),
-                    );
+                    shared
+                        .doorbell
+                        .sleep(timer.clamp(Duration::from_millis(1), Duration::from_millis(500)));
                 }
                 shared.parked.store(false, Ordering::SeqCst);
             }
@@ -772,14 +790,17 @@ fn run(mut reactor: Reactor, shared: &Shared, config: &Config) -> Result<Reactor
     Ok(ReactorExit { stats, hist, dev })
 }
 
-/// Parks up to `timeout` unless a control message or a request is waiting.
-fn park_for_control(shared: &Shared, timeout: Duration) {
+/// Parks up to `timeout` unless a control message or a request is waiting. True when the
+/// doorbell rang.
+fn park_for_control(shared: &Shared, timeout: Duration) -> bool {
     shared.parked.store(true, Ordering::SeqCst);
     std::sync::atomic::fence(Ordering::SeqCst);
+    let mut rung = true;
     if shared.control_pending.load(Ordering::SeqCst) == 0 && shared.requests.is_empty() {
-        std::thread::park_timeout(timeout);
+        rung = shared.doorbell.sleep(timeout);
     }
     shared.parked.store(false, Ordering::SeqCst);
+    rung
 }
 
 impl Reactor {

@@ -35,6 +35,12 @@ pub struct ReactorStats {
     /// Batches drained from the request queue; times the reactor parked when idle.
     pub batches: u64,
     pub parks: u64,
+    /// Reactors whose device queue rings their doorbell on completion ([`crate::doorbell`]),
+    /// and the times one slept on it waiting for its device (hearing its clients meanwhile).
+    pub device_ring_reactors: u64,
+    pub device_sleeps: u64,
+    /// Of those sleeps, the ones that ended at their timeout instead of a ring.
+    pub device_sleep_timeouts: u64,
     /// fsync groups (one log record, or one fallback commit, each) and the largest group.
     pub fsync_groups: u64,
     pub fsync_group_max: u64,
@@ -81,6 +87,9 @@ impl ReactorStats {
         self.cpu_ns += other.cpu_ns;
         self.batches += other.batches;
         self.parks += other.parks;
+        self.device_ring_reactors += other.device_ring_reactors;
+        self.device_sleeps += other.device_sleeps;
+        self.device_sleep_timeouts += other.device_sleep_timeouts;
         self.fsync_groups += other.fsync_groups;
         self.fsync_group_max = self.fsync_group_max.max(other.fsync_group_max);
         self.read_groups += other.read_groups;

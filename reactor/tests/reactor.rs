@@ -237,6 +237,14 @@ fn stress(idle: IdlePolicy, clients: usize, reactors: usize) {
     });
     let stats = runtime.shutdown().unwrap();
     assert!(stats.ops > 0);
+    // A file image's completions ring each sleeping reactor's doorbell (busy-poll never
+    // sleeps, so it does not ask).
+    let ringing = if idle == IdlePolicy::BusyPoll {
+        0
+    } else {
+        reactors as u64
+    };
+    assert_eq!(stats.device_ring_reactors, ringing, "seed {seed}");
     // Remount what shutdown committed: every client's directory is exactly its model.
     let mut fs = remount_checked(&device);
     for (i, (&d, model)) in dirs.iter().zip(&models).enumerate() {
@@ -1064,4 +1072,53 @@ fn recorded_runtime(
     )
     .unwrap();
     (mem, image, log, runtime)
+}
+
+/// On a file image a spin-then-park reactor waiting for an fsync record sleeps on its
+/// doorbell, which the kernel rings when the write completes: every fsync returns (none waits
+/// for a timeout slice to notice), and the data is there after a remount.
+#[test]
+fn a_reactor_waiting_for_its_device_sleeps_on_the_doorbell_and_completions_wake_it() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let config = file_config(&dir, IdlePolicy::default());
+    let device = config.device.clone();
+    let runtime = Runtime::start(config).unwrap();
+    let mut client = runtime.client(4);
+    let ino = create_files(&mut client, "f", 1)[0];
+    let fsyncs = 20u64;
+    for i in 0..fsyncs {
+        client
+            .call(Op::Write {
+                ino,
+                offset: i * 4096,
+                data: vec![i as u8 + 1; 4096],
+            })
+            .unwrap();
+        client.call(Op::Fsync { ino }).unwrap();
+    }
+    drop(client);
+    let stats = runtime.shutdown().unwrap();
+    assert_eq!(stats.device_ring_reactors, 1);
+    assert!(stats.log.fsyncs >= fsyncs, "{}", stats.log.fsyncs);
+    // Each fsync's record is a device write of tens of microseconds at least, with nothing
+    // else to do meanwhile.
+    assert!(
+        stats.device_sleeps > 0,
+        "the reactor never slept on its doorbell for the device"
+    );
+    // Nothing but a completion can ring it here (the one client waits for its fsync): had
+    // the kernel not signalled completions, every sleep would have run to its timeout.
+    assert!(
+        stats.device_sleep_timeouts < stats.device_sleeps,
+        "{} of {} device sleeps timed out: completions do not ring the doorbell",
+        stats.device_sleep_timeouts,
+        stats.device_sleeps
+    );
+    let mut fs = remount_checked(&device);
+    for i in 0..fsyncs {
+        assert_eq!(
+            fs.read(ino, i * 4096, 4096).unwrap(),
+            vec![i as u8 + 1; 4096]
+        );
+    }
 }

@@ -254,6 +254,10 @@ impl BlockDevice for DeviceMux {
         self.inner.in_flight() - self.background_in_flight
     }
 
+    fn signal_completions_to(&mut self, eventfd: std::os::fd::RawFd) -> bool {
+        self.inner.signal_completions_to(eventfd)
+    }
+
     fn sim_access(&mut self) -> Option<&mut dyn nvme::SimAccess> {
         self.inner.sim_access()
     }

@@ -173,6 +173,23 @@ impl<S: squeue::EntryMarker, C: cqueue::EntryMarker> Ring<S, C> {
         self.ring.submission().taskrun()
     }
 
+    /// Has the kernel signal `eventfd` for every completion this ring posts (with deferred
+    /// task running too: the kernel signals when the completion is queued for this thread).
+    /// False when the ring is polled (nothing posts a completion until we poll) or the kernel
+    /// refused.
+    pub fn register_eventfd(&mut self, eventfd: std::os::fd::RawFd, what: &str) -> bool {
+        if self.ring.params().is_setup_iopoll() {
+            return false;
+        }
+        match self.ring.submitter().register_eventfd(eventfd) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::debug!(device = what, error = %e, "completion eventfd not registered: the owner polls in slices instead");
+                false
+            }
+        }
+    }
+
     /// Submits what is queued and, with `want` > 0, waits for that many completions or the
     /// timeout. EINTR, EAGAIN, EBUSY and ETIME are transient: the caller polls again.
     pub fn enter(&mut self, want: usize, timeout: Option<Duration>) -> Result<(), DevError> {

@@ -346,6 +346,11 @@ impl BlockDevice for FileDevice {
     fn in_flight(&self) -> u32 {
         self.slots.in_flight()
     }
+
+    fn signal_completions_to(&mut self, eventfd: std::os::fd::RawFd) -> bool {
+        let name = self.info.name.clone();
+        self.ring.register_eventfd(eventfd, &name)
+    }
 }
 
 impl Drop for FileDevice {

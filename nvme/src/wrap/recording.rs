@@ -184,6 +184,10 @@ impl<D: BlockDevice> BlockDevice for RecordingDevice<D> {
         self.inner.in_flight()
     }
 
+    fn signal_completions_to(&mut self, eventfd: std::os::fd::RawFd) -> bool {
+        self.inner.signal_completions_to(eventfd)
+    }
+
     fn sim_access(&mut self) -> Option<&mut dyn SimAccess> {
         self.inner.sim_access()
     }

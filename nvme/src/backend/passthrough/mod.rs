@@ -481,6 +481,17 @@ impl BlockDevice for PassthroughDevice {
     fn in_flight(&self) -> u32 {
         self.slots.in_flight()
     }
+
+    fn signal_completions_to(&mut self, eventfd: std::os::fd::RawFd) -> bool {
+        // Both rings, or neither: a completion the eventfd never hears of would be found
+        // only when the owner next looks for another reason.
+        let name = self.info.name.clone();
+        if self.data_ring.ring.params().is_setup_iopoll() {
+            return false;
+        }
+        self.data_ring.register_eventfd(eventfd, &name)
+            && self.dataless_ring.register_eventfd(eventfd, &name)
+    }
 }
 
 impl Drop for PassthroughDevice {
