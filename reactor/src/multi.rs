@@ -328,6 +328,11 @@ pub(crate) struct Coordinator {
     /// Messages that arrived during a protocol step, handled after it.
     backlog: VecDeque<ToCoordinator>,
     drained: Vec<bool>,
+    /// Coordinated commits timed here, from CommitPrepare to the superblock durable (what
+    /// fsync waiters wait): this coordinator's own filesystem writes only the superblock.
+    commit_ns_total: u64,
+    commit_ns_max: u64,
+    commit_ns_last: u64,
 }
 
 impl Coordinator {
@@ -345,6 +350,9 @@ impl Coordinator {
             router,
             backlog: VecDeque::new(),
             drained: vec![false; n],
+            commit_ns_total: 0,
+            commit_ns_max: 0,
+            commit_ns_last: 0,
         }
     }
 
@@ -427,6 +435,7 @@ impl Coordinator {
     /// it fails).
     pub fn commit_all(&mut self) -> Result<(), EngineError> {
         let generation = self.fs.generation();
+        let started = std::time::Instant::now();
         self.broadcast(|| Control::CommitPrepare);
         let n = self.to_reactors.len();
         let mut halves: Vec<Option<Half>> = (0..n).map(|_| None).collect();
@@ -459,6 +468,10 @@ impl Coordinator {
         match result {
             Ok(sb) => {
                 self.fs.commit_finish(&sb);
+                let ns = started.elapsed().as_nanos() as u64;
+                self.commit_ns_total += ns;
+                self.commit_ns_max = self.commit_ns_max.max(ns);
+                self.commit_ns_last = ns;
                 self.fs.complete_commit();
                 tracing::debug!(generation, dirty, "coordinated commit");
                 self.broadcast(|| Control::CommitDone(Box::new(sb.clone())));
@@ -537,6 +550,7 @@ impl Coordinator {
         let n = self.to_reactors.len();
         let mut total = ReactorStats::default();
         let mut hist: Option<Histograms> = None;
+        let mut reactor_blocks = 0u64;
         for _ in 0..n {
             let snapshot = self.wait_for(|m| match m {
                 ToCoordinator::Snapshot(s) => Ok(s),
@@ -544,6 +558,12 @@ impl Coordinator {
             });
             let (stats, h) = *snapshot;
             total.absorb(&stats);
+            // Each reactor wrote its half's blocks (its count includes the superblock,
+            // which the coordinator wrote once: taken off here).
+            reactor_blocks += stats
+                .commit
+                .blocks_written
+                .saturating_sub(stats.commit.commits);
             match &mut hist {
                 Some(all) => all.add(&h),
                 None => hist = Some(h),
@@ -555,6 +575,11 @@ impl Coordinator {
         let pause_ns_max = total.commit.pause_ns_max;
         total.commit = self.fs.commit_stats();
         total.commit.pause_ns_max = pause_ns_max;
+        total.commit.commit_ns_total = self.commit_ns_total;
+        total.commit.commit_ns_max = self.commit_ns_max;
+        total.commit.last_commit_ns = self.commit_ns_last;
+        total.commit.last_super_commit_ns = self.commit_ns_last;
+        total.commit.blocks_written += reactor_blocks;
         total.unpinned_blocks_last = total.commit.last_unpinned_blocks;
         deliver(vec![(
             request.reply,

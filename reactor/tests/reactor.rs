@@ -1122,3 +1122,42 @@ fn a_reactor_waiting_for_its_device_sleeps_on_the_doorbell_and_completions_wake_
         );
     }
 }
+
+/// With two reactors a commit is coordinated: its figures in the statistics are the whole
+/// commit's (prepare to superblock, every reactor's half of the blocks), not the
+/// coordinator's own superblock write alone.
+#[test]
+fn two_reactors_report_the_coordinated_commits_time_and_blocks() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let runtime = Runtime::start(file_config_n(&dir, IdlePolicy::default(), 2)).unwrap();
+    let mut client = runtime.client(4);
+    let inos = create_files(&mut client, "c", 4);
+    let blocks_per_file = 8u64;
+    for &ino in &inos {
+        for b in 0..blocks_per_file {
+            client
+                .call(Op::Write {
+                    ino,
+                    offset: b * 4096,
+                    data: vec![b as u8 + 1; 4096],
+                })
+                .unwrap();
+        }
+    }
+    client.call(Op::Sync).unwrap();
+    let stats = match client.call(Op::Stats).unwrap() {
+        Reply::Stats(s) => s,
+        other => panic!("{other:?}"),
+    };
+    let c = &stats.commit;
+    assert!(c.commits >= 1, "{c:?}");
+    assert!(
+        c.commit_ns_max > 0 && c.commit_ns_total >= c.commit_ns_max,
+        "{c:?}"
+    );
+    // The files' data went to the device with the commit, on both reactors' shards.
+    let data_blocks = blocks_per_file * inos.len() as u64;
+    assert!(c.blocks_written >= data_blocks, "{c:?}");
+    drop(client);
+    runtime.shutdown().unwrap();
+}
