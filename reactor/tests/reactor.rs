@@ -406,6 +406,7 @@ fn reads_queued_together_are_served_together_and_in_order_with_writes() {
     let runtime = Runtime::start(file_config(&dir, IdlePolicy::default())).unwrap();
     let mut client = runtime.client(64);
     let inos = create_files(&mut client, "r", 4);
+    let busy = create_files(&mut client, "busy", 1)[0];
     let block = |ino: u64, b: u64, version: u8| -> Vec<u8> {
         (0..4096u64)
             .map(|i| (i ^ ino ^ (b * 7)) as u8 ^ version)
@@ -422,9 +423,21 @@ fn reads_queued_together_are_served_together_and_in_order_with_writes() {
                 .unwrap();
         }
     }
-    // The commit of those writes keeps the reactor busy while the reads below queue up, so
-    // they reach it together whatever the scheduling.
-    client.submit(Op::Sync, 7_777).unwrap();
+    client.call(Op::Sync).unwrap();
+    // A large write into another file keeps the reactor busy for milliseconds (copying and
+    // staging 8 MiB) while the reads below queue up behind it, so they reach it together.
+    // (A commit's I/O no longer does: the reactor hears requests while it waits for the
+    // device, and these reads come from its cache in microseconds.)
+    client
+        .submit(
+            Op::Write {
+                ino: busy,
+                offset: 0,
+                data: vec![7; 8 << 20],
+            },
+            7_777,
+        )
+        .unwrap();
     // 16 reads, an overwrite of a block they read, 16 more reads: the second run must see the
     // new data, the first the old, whatever the grouping.
     let mut expected = BTreeMap::new();
