@@ -1,10 +1,14 @@
 //! Concurrent fsync clients through the reactor (issue 5's figures): C client threads each
 //! append 4 KiB to its own file and fsync it, for C = 1, 4, 16 by default, on a file-backed
-//! image. Reports fsyncs/s, latency percentiles, how many fsyncs each log record carried, the
+//! image. Placed as the suite places corefs ([`Placement`]): with more cores than reactors,
+//! each reactor busy-polls on a core of its own and the clients are pinned to the others;
+//! otherwise (or with `shared_cores`) everything shares every core and reactors spin, then
+//! park. Reports fsyncs/s, latency percentiles, how many fsyncs each log record carried, the
 //! share that fell back to a commit, the reactor's CPU time per operation, and the CPU an idle
 //! reactor uses with spin-then-park.
 
 use crate::stats::{fmt_ns, latency_histogram, LatencySummary};
+use crate::suite::Placement;
 use engine::MkfsOptions;
 use reactor::{Config, IdlePolicy, Op, Reply, Runtime};
 use serde::Serialize;
@@ -18,6 +22,9 @@ pub struct ClientsBenchConfig {
     pub clients: Vec<usize>,
     pub seconds: f64,
     pub idle_seconds: f64,
+    /// Reactors share the cores with the clients even when there are cores to spare.
+    pub shared_cores: bool,
+    /// With shared cores: busy-poll instead of spin-then-park.
     pub busy_poll: bool,
     /// Reactor counts to run each client count with.
     pub reactors: Vec<usize>,
@@ -31,6 +38,7 @@ impl Default for ClientsBenchConfig {
             clients: vec![1, 4, 16],
             seconds: 3.0,
             idle_seconds: 2.0,
+            shared_cores: false,
             busy_poll: false,
             reactors: vec![1, 2],
         }
@@ -41,6 +49,8 @@ impl Default for ClientsBenchConfig {
 pub struct ClientsResult {
     pub reactors: usize,
     pub clients: usize,
+    /// Where the reactors and clients ran ([`Placement::describe`]).
+    pub placement: String,
     pub latency: LatencySummary,
     pub fsyncs: u64,
     pub log_writes: u64,
@@ -88,6 +98,14 @@ fn one_run(
         .tempfile_in(&config.dir)
         .map_err(|e| format!("creating an image in {}: {e}", config.dir.display()))?;
     crate::fsync::prefill(image.as_file(), config.image_bytes)?;
+    let placement = Placement::choose(reactors, config.shared_cores);
+    let (reactor_cores, client_cores) = match &placement {
+        Placement::Dedicated {
+            reactor_cores,
+            client_cores,
+        } => (reactor_cores.clone(), client_cores.clone()),
+        Placement::Shared => (Vec::new(), Vec::new()),
+    };
     let runtime = Runtime::start(Config {
         device: format!(
             "file:{},size={}",
@@ -98,12 +116,13 @@ fn one_run(
             shards: 16,
             label: "clients".into(),
         }),
-        idle: if config.busy_poll {
+        idle: if config.busy_poll || !reactor_cores.is_empty() {
             IdlePolicy::BusyPoll
         } else {
             IdlePolicy::default()
         },
         reactors,
+        cores: reactor_cores,
         ..Default::default()
     })
     .map_err(|e| e.to_string())?;
@@ -130,9 +149,16 @@ fn one_run(
         std::thread::scope(|scope| {
             let handles: Vec<_> = inos
                 .iter()
-                .map(|&ino| {
+                .enumerate()
+                .map(|(c, &ino)| {
                     let mut client = runtime.client(2);
+                    let core =
+                        (!client_cores.is_empty()).then(|| client_cores[c % client_cores.len()]);
                     scope.spawn(move || {
+                        if let Some(id) = core {
+                            // Best effort: an unpinned client only shares the reactor's core.
+                            core_affinity::set_for_current(core_affinity::CoreId { id });
+                        }
                         let mut h = latency_histogram();
                         let mut offset = 0u64;
                         while Instant::now() < end {
@@ -189,6 +215,7 @@ fn one_run(
     Ok(ClientsResult {
         reactors,
         clients,
+        placement: placement.describe(),
         latency: LatencySummary::from_histogram(&all, elapsed),
         fsyncs,
         log_writes,
@@ -255,6 +282,15 @@ impl std::fmt::Display for ClientsReport {
             f,
             "4 KiB append + fsync per client, each on its own file (file backend); x1: against one client with as many reactors"
         )?;
+        let mut placements: Vec<(usize, &str)> = Vec::new();
+        for r in &self.results {
+            if !placements.contains(&(r.reactors, r.placement.as_str())) {
+                placements.push((r.reactors, &r.placement));
+            }
+        }
+        for (reactors, placement) in placements {
+            writeln!(f, "{reactors} reactor(s): {placement}")?;
+        }
         writeln!(
             f,
             "{:>8} {:>7} {:>10} {:>9} {:>9} {:>9} {:>8} {:>7} {:>10} {:>9} {:>13}",

@@ -256,7 +256,12 @@ enum Bench {
         /// Seconds per client count.
         #[arg(long, default_value_t = 3.0)]
         seconds: f64,
-        /// Busy-poll instead of spin-then-park.
+        /// Reactors share every core with the clients (spin, then park). The default, when
+        /// there are more cores than reactors: each reactor busy-polls on a core of its own
+        /// (the last ones) and the clients are pinned to the others, as the suite runs.
+        #[arg(long)]
+        shared_cores: bool,
+        /// With --shared-cores: busy-poll instead of spin-then-park.
         #[arg(long)]
         busy_poll: bool,
         /// Reactor counts to run each client count with, comma-separated.
@@ -706,6 +711,7 @@ fn main() -> ExitCode {
             image_size,
             clients,
             seconds,
+            shared_cores,
             busy_poll,
             reactors,
             json,
@@ -715,6 +721,7 @@ fn main() -> ExitCode {
                 image_bytes: image_size,
                 clients,
                 seconds,
+                shared_cores,
                 busy_poll,
                 reactors,
                 ..Default::default()
