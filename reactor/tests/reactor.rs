@@ -1087,6 +1087,17 @@ fn recorded_runtime(
     (mem, image, log, runtime)
 }
 
+/// Writes block `b` of `ino`, every byte `b + 1`.
+fn write_filled_block(client: &mut Client, ino: u64, b: u64) {
+    client
+        .call(Op::Write {
+            ino,
+            offset: b * 4096,
+            data: vec![b as u8 + 1; 4096],
+        })
+        .unwrap();
+}
+
 /// On a file image a spin-then-park reactor waiting for an fsync record sleeps on its
 /// doorbell, which the kernel rings when the write completes: every fsync returns (none waits
 /// for a timeout slice to notice), and the data is there after a remount.
@@ -1100,13 +1111,7 @@ fn a_reactor_waiting_for_its_device_sleeps_on_the_doorbell_and_completions_wake_
     let ino = create_files(&mut client, "f", 1)[0];
     let fsyncs = 20u64;
     for i in 0..fsyncs {
-        client
-            .call(Op::Write {
-                ino,
-                offset: i * 4096,
-                data: vec![i as u8 + 1; 4096],
-            })
-            .unwrap();
+        write_filled_block(&mut client, ino, i);
         client.call(Op::Fsync { ino }).unwrap();
     }
     drop(client);
@@ -1148,13 +1153,7 @@ fn two_reactors_report_the_coordinated_commits_time_and_blocks() {
     let blocks_per_file = 8u64;
     for &ino in &inos {
         for b in 0..blocks_per_file {
-            client
-                .call(Op::Write {
-                    ino,
-                    offset: b * 4096,
-                    data: vec![b as u8 + 1; 4096],
-                })
-                .unwrap();
+            write_filled_block(&mut client, ino, b);
         }
     }
     client.call(Op::Sync).unwrap();
