@@ -81,6 +81,57 @@ fn flush_and_fua(dev: &mut PassthroughDevice) -> Check {
     Ok(())
 }
 
+/// Reads and resets an eventfd's counter; true when it was non-zero.
+fn eventfd_take(fd: &std::os::fd::OwnedFd) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut count: u64 = 0;
+    // SAFETY: reads 8 bytes into a live u64 from a descriptor we own (non-blocking).
+    let n = unsafe {
+        libc::read(
+            fd.as_raw_fd(),
+            (&mut count as *mut u64).cast::<libc::c_void>(),
+            std::mem::size_of::<u64>(),
+        )
+    };
+    n == 8 && count > 0
+}
+
+/// The completion eventfd (`signal_completions_to`, what a reactor's doorbell hears): an
+/// interrupt-driven queue signals it for a write (data ring) and a flush (dataless ring); a
+/// polled queue says it cannot.
+fn completion_eventfd(dev: &mut PassthroughDevice) -> Check {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    // SAFETY: eventfd takes no pointers; a non-negative result is a descriptor we own.
+    let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if raw < 0 {
+        return Err(format!("eventfd: {}", std::io::Error::last_os_error()));
+    }
+    // SAFETY: just created, owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let polled = dev.info().completion_mode == CompletionMode::Polled;
+    let registered = dev.signal_completions_to(fd.as_raw_fd());
+    if polled {
+        return match registered {
+            true => Err("a polled queue claims to signal completions".into()),
+            false => Ok(()),
+        };
+    }
+    if !registered {
+        return Err("an interrupt-driven queue did not register the eventfd".into());
+    }
+    let lba_size = dev.info().lba_size_bytes as usize;
+    eventfd_take(&fd);
+    nvme::write_sync(dev, 60, &pattern(60, 3, lba_size), false).map_err(|e| e.to_string())?;
+    if !eventfd_take(&fd) {
+        return Err("a write completed without signalling the eventfd".into());
+    }
+    nvme::flush_sync(dev).map_err(|e| e.to_string())?;
+    if !eventfd_take(&fd) {
+        return Err("a flush completed without signalling the eventfd".into());
+    }
+    Ok(())
+}
+
 fn write_zeroes_and_deallocate(dev: &mut PassthroughDevice) -> Check {
     let lba_size = dev.info().lba_size_bytes as usize;
     let data: Vec<u8> = (0..8).flat_map(|b| pattern(200 + b, 7, lba_size)).collect();
@@ -299,6 +350,7 @@ fn main() {
                 write_zeroes_and_deallocate(&mut dev),
             );
             report("32+ in flight", many_in_flight(&mut dev));
+            report("completion eventfd", completion_eventfd(&mut dev));
             drop(dev);
             report("out-of-range LBA", out_of_range(path));
         }
