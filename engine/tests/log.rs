@@ -212,10 +212,7 @@ fn a_grouped_fsync_writes_one_record_for_every_member() {
 
 #[test]
 fn an_fsync_does_not_log_unrelated_inodes() {
-    let mut fs = mount(&fresh(4));
-    let root = fs.root();
-    let a = fs.create(root, b"a", 0o644, 0, 0).unwrap().ino;
-    let b = fs.create(root, b"b", 0o644, 0, 0).unwrap().ino;
+    let (mut fs, a, b) = files_a_and_b(4);
     fs.sync().unwrap();
     fs.write(a, 0, &block(1)).unwrap();
     fs.write(b, 0, &block(2)).unwrap();
@@ -811,6 +808,16 @@ fn assert_every_cut_all_or_nothing(
     }
 }
 
+/// A fresh image of `shards` shards, mounted, with files `a` and `b` in the root (not yet
+/// committed): (the filesystem, a, b).
+fn files_a_and_b(shards: u32) -> (Filesystem, u64, u64) {
+    let mut fs = mount(&fresh(shards));
+    let root = fs.root();
+    let a = fs.create(root, b"a", 0o644, 0, 0).unwrap().ino;
+    let b = fs.create(root, b"b", 0o644, 0, 0).unwrap().ino;
+    (fs, a, b)
+}
+
 /// Files `a` and `b` committed on a fresh image, mounted again on a recording device:
 /// (the image, the write log, the filesystem, a, b).
 fn two_files_recorded() -> (
@@ -832,10 +839,7 @@ fn two_files_recorded_with(
     u64,
     u64,
 ) {
-    let mut fs = mount(&fresh(2));
-    let root = fs.root();
-    let a = fs.create(root, b"a", 0o644, 0, 0).unwrap().ino;
-    let b = fs.create(root, b"b", 0o644, 0, 0).unwrap().ino;
+    let (mut fs, a, b) = files_a_and_b(2);
     fs.sync().unwrap();
     let image = image_of(fs.unmount().unwrap());
     let recording = RecordingDevice::new(MemDevice::from_image(&image, config()).unwrap());
@@ -851,10 +855,7 @@ fn two_files_recorded_with(
 /// looked at them.)
 #[test]
 fn a_read_during_a_commit_larger_than_the_dma_pool_succeeds() {
-    let mut fs = mount(&fresh(2));
-    let root = fs.root();
-    let a = fs.create(root, b"a", 0o644, 0, 0).unwrap().ino;
-    let b = fs.create(root, b"b", 0o644, 0, 0).unwrap().ino;
+    let (mut fs, a, b) = files_a_and_b(2);
     fs.write(b, 0, &block(7)).unwrap();
     fs.sync().unwrap();
     let image = image_of(fs.unmount().unwrap());
