@@ -4,7 +4,8 @@
 //! - tree structure: checksums, addresses, generations, key order and bounds, fill limits;
 //! - placement: every item of inode `i` is in shard `i % shards`;
 //! - names: each directory-item entry has the matching index item and inode back-reference,
-//!   and vice versa; hashes are right; every name points at an existing inode;
+//!   and vice versa; each is in its hash's chain, chain links are never empty and a name or
+//!   an attribute appears once; every name points at an existing inode;
 //! - link counts: a file's nlink is its number of names; a directory's is 2 + subdirectories;
 //!   every inode but the root has a name;
 //! - data: extents of an inode never overlap; `blocks` matches them; every data block is
@@ -12,7 +13,7 @@
 //! - space: the bitmap marks exactly the tree blocks plus the data blocks.
 
 use crate::error::{EngineError, Result};
-use crate::format::items::{decode_names, decode_xattrs, name_hash, ExtentItem, InodeItem};
+use crate::format::items::{chain_hash, decode_names, decode_xattrs, ExtentItem, InodeItem};
 use crate::format::{ItemKind, Key, BLOCK_BYTES};
 use crate::fs::{Filesystem, ShardIo, FIRST_INODE, SPACE_OBJECTID};
 use crate::inode::{INO_COUNTER_OBJECTID, ROOT_INO, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG};
@@ -98,6 +99,9 @@ impl Filesystem {
         // (child, dir, name) → seq from back-references.
         let mut back_refs: BTreeMap<(u64, u64, Vec<u8>), u64> = BTreeMap::new();
         let mut extents: BTreeMap<u64, Vec<(u64, ExtentItem)>> = BTreeMap::new();
+        // (inode, attribute name): each attribute once over its whole chain.
+        let mut xattr_names: BTreeSet<(u64, Vec<u8>)> = BTreeSet::new();
+        let hasher = self.sb.name_hasher();
 
         for shard in 0..self.shard_count() {
             let generation = self.generation;
@@ -110,6 +114,7 @@ impl Filesystem {
                 space,
                 generation,
                 for_commit: false,
+                commit_floor: 0,
             };
             let (count, mut blocks) = tree.check(&mut io)?;
             report.items += count;
@@ -136,10 +141,13 @@ impl Filesystem {
                         inodes.insert(ino, item);
                     }
                     ItemKind::DirItem => {
-                        for e in
-                            decode_names(&value).map_err(|why| bad("directory item", ino, why))?
-                        {
-                            if name_hash(&e.name) != key.offset {
+                        let names =
+                            decode_names(&value).map_err(|why| bad("directory item", ino, why))?;
+                        if names.is_empty() {
+                            return Err(bad("directory item", ino, "an empty chain link"));
+                        }
+                        for e in names {
+                            if hasher.hash(&e.name) != chain_hash(key.offset) {
                                 return Err(bad(
                                     "directory item",
                                     ino,
@@ -200,7 +208,24 @@ impl Filesystem {
                         }
                     }
                     ItemKind::XattrItem => {
-                        decode_xattrs(&value).map_err(|why| bad("xattr item", ino, why))?;
+                        let xattrs =
+                            decode_xattrs(&value).map_err(|why| bad("xattr item", ino, why))?;
+                        if xattrs.is_empty() {
+                            return Err(bad("xattr item", ino, "an empty chain link"));
+                        }
+                        let mut names = BTreeSet::new();
+                        for x in xattrs {
+                            if hasher.hash(&x.name) != chain_hash(key.offset) {
+                                return Err(bad(
+                                    "xattr item",
+                                    ino,
+                                    "attribute in the wrong hash chain",
+                                ));
+                            }
+                            if !xattr_names.insert((ino, x.name.clone())) || !names.insert(x.name) {
+                                return Err(bad("xattr item", ino, "duplicate attribute"));
+                            }
+                        }
                     }
                     _ => {
                         return Err(bad(

@@ -366,6 +366,7 @@ impl Filesystem {
                 space,
                 generation,
                 for_commit: true,
+                commit_floor: 0,
             };
             // Persist the space bitmap until writing it changes it no more.
             let mut rounds = 0;

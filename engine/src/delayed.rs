@@ -11,6 +11,10 @@
 //! - Every name has exactly one index entry: in the tree or here, never both.
 //! - Pending items are bounded ([`MAX_PENDING`]); past the bound they are flushed into the
 //!   trees without a commit, so memory does not grow with an unbounded transaction.
+//! - The metadata blocks inserting them may take are part of the commit floor of their
+//!   directory's shard ([`DelayedIndex::reserved_blocks`]): the operation that adds a name
+//!   reserves [`DELAYED_ITEM_BLOCKS_MAX`] for it, and every allocation outside a commit leaves
+//!   the floor free, so the insert can never run out of space.
 //! - The bookkeeping of a batch is released when the batch is in the tree (the map entry is
 //!   consumed by the insert); in debug builds every pending item is tracked by a [`Tracker`]
 //!   that reports any item still held when the filesystem is dropped.
@@ -31,6 +35,10 @@ pub const MAX_PENDING: usize = 65_536;
 /// while batches stay many leaves long, so the leaf-copy savings remain.
 pub const DIR_BATCH_MAX: usize = 2048;
 
+/// The most one more pending item adds to [`DelayedIndex::reserved_blocks`] (a new leaf's
+/// share, a new directory's two, and the internal nodes' rounding).
+pub const DELAYED_ITEM_BLOCKS_MAX: u64 = 4;
+
 /// Batching figures.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DelayedStats {
@@ -42,36 +50,91 @@ pub struct DelayedStats {
     pub cancelled: u64,
 }
 
-#[derive(Default)]
 pub(crate) struct DelayedIndex {
     pending: BTreeMap<u64, BTreeMap<u64, NameEntry>>,
     count: usize,
+    /// Per shard: pending items, and directories with pending items (what the shard's commit
+    /// floor reserves for them).
+    by_shard: Vec<(u64, u64)>,
+    /// Directories whose pending batch reached [`DIR_BATCH_MAX`]: flushed after the
+    /// operation that filled them.
+    due: Vec<u64>,
     pub stats: DelayedStats,
     tracker: Tracker,
 }
 
 impl DelayedIndex {
+    pub fn new(shards: u32) -> DelayedIndex {
+        DelayedIndex {
+            pending: BTreeMap::new(),
+            count: 0,
+            by_shard: vec![(0, 0); shards as usize],
+            due: Vec::new(),
+            stats: DelayedStats::default(),
+            tracker: Tracker::default(),
+        }
+    }
+
+    fn shard_of(&self, dir: u64) -> usize {
+        (dir % self.by_shard.len() as u64) as usize
+    }
+
     pub fn insert(&mut self, dir: u64, seq: u64, entry: NameEntry) {
         self.tracker.acquire((dir, seq), "delayed index item");
-        let previous = self.pending.entry(dir).or_default().insert(seq, entry);
+        let shard = self.shard_of(dir);
+        let items = self.pending.entry(dir).or_default();
+        if items.is_empty() {
+            self.by_shard[shard].1 += 1;
+        }
+        let previous = items.insert(seq, entry);
         assert!(
             previous.is_none(),
             "index {seq} of directory {dir} delayed twice"
         );
+        if items.len() == DIR_BATCH_MAX {
+            self.due.push(dir);
+        }
+        self.by_shard[shard].0 += 1;
         self.count += 1;
     }
 
     /// Takes the pending item `(dir, seq)`, if it is still pending.
     pub fn take(&mut self, dir: u64, seq: u64) -> Option<NameEntry> {
+        let shard = self.shard_of(dir);
         let items = self.pending.get_mut(&dir)?;
         let entry = items.remove(&seq)?;
         if items.is_empty() {
             self.pending.remove(&dir);
+            self.by_shard[shard].1 -= 1;
         }
+        self.by_shard[shard].0 -= 1;
         self.count -= 1;
         self.stats.cancelled += 1;
         self.tracker.release((dir, seq));
         Some(entry)
+    }
+
+    /// Takes every pending item of `dir`.
+    fn take_dir(&mut self, dir: u64) -> Option<BTreeMap<u64, NameEntry>> {
+        let items = self.pending.remove(&dir)?;
+        let shard = self.shard_of(dir);
+        self.by_shard[shard].0 -= items.len() as u64;
+        self.by_shard[shard].1 -= 1;
+        self.count -= items.len();
+        Some(items)
+    }
+
+    /// Metadata blocks inserting the pending items of shard `shard` may allocate (part of its
+    /// commit floor, [`crate::fs::Filesystem::commit_floor_blocks`], which adds the paths):
+    /// a batch of consecutive keys fills leaves one after another, at least 6 items of the
+    /// longest names each (the tree splits at the end of a run); per directory, the leaf its
+    /// run starts in is copied and split once; internal nodes add a sixteenth.
+    pub fn reserved_blocks(&self, shard: u32) -> u64 {
+        let Some(&(items, dirs)) = self.by_shard.get(shard as usize) else {
+            return 0;
+        };
+        let leaves = items.div_ceil(6) + 2 * dirs;
+        leaves + leaves.div_ceil(16)
     }
 
     /// Pending items of `dir` with sequence ≥ `from`, in order.
@@ -118,14 +181,34 @@ impl Filesystem {
         Ok(())
     }
 
-    /// Inserts the pending index items of `dir` into its tree as one batch.
+    /// After an operation: inserts the batches that reached [`DIR_BATCH_MAX`], or every
+    /// pending item past [`MAX_PENDING`], without waiting for the commit. Their blocks come
+    /// out of the commit floor that was reserved for them; a failure (a device error) makes
+    /// the filesystem fail-stop.
+    pub(crate) fn flush_due_delayed(&mut self) -> Result<()> {
+        if self.delayed.due.is_empty() && self.delayed.len() <= MAX_PENDING {
+            return Ok(());
+        }
+        let was_in_commit = std::mem::replace(&mut self.in_commit, true);
+        let mut result = Ok(());
+        while let Some(dir) = self.delayed.due.pop() {
+            if self.delayed.pending_in(dir) >= DIR_BATCH_MAX {
+                result = result.and_then(|()| self.flush_delayed_dir(dir));
+            }
+        }
+        if self.delayed.len() > MAX_PENDING {
+            result = result.and_then(|()| self.flush_delayed_index());
+        }
+        self.in_commit = was_in_commit;
+        self.fail_stop_on_error(result)
+    }
+
+    /// Inserts the pending index items of `dir` into its tree as one batch. Its blocks were
+    /// reserved in the commit floor when the names were added.
     pub(crate) fn flush_delayed_dir(&mut self, dir: u64) -> Result<()> {
-        if let Some(items) = self.delayed.pending.remove(&dir) {
-            self.delayed.count -= items.len();
+        if let Some(items) = self.delayed.take_dir(dir) {
             let shard = self.shard_of(dir);
             let batch = items.len() as u64;
-            // Consecutive keys fill leaves: about one new leaf per 40 items, plus the path.
-            self.ensure_meta_room(shard, batch / 32 + 2)?;
             let mut released = Vec::with_capacity(items.len());
             self.with_tree(shard, true, |tree, io| {
                 for (seq, entry) in items {
@@ -164,11 +247,10 @@ impl DelayedIndex {
         let dirs: Vec<u64> = self.pending.keys().copied().filter(|d| pick(*d)).collect();
         let mut out = Vec::with_capacity(dirs.len());
         for dir in dirs {
-            let items = self.pending.remove(&dir).expect("listed");
+            let items = self.take_dir(dir).expect("listed");
             for seq in items.keys() {
                 self.tracker.release((dir, *seq));
             }
-            self.count -= items.len();
             out.push((dir, items));
         }
         out

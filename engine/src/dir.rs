@@ -1,25 +1,33 @@
 //! Directories and names: lookup, create, mkdir, symlink, link, unlink, rmdir, rename,
 //! readdir.
 //!
-//! A name is three items: a directory item `(dir, DirItem, hash(name))` for lookups (a bucket
-//! of names sharing the hash), a directory index item `(dir, DirIndex, seq)` for readdir in
-//! creation order with stable cookies, and an inode back-reference `(child, InodeRef, dir)`
-//! listing the child's names in that directory with their sequence numbers (for link counts,
-//! rename and log replay). All three change together in one transaction.
+//! A name is three items: a directory item `(dir, DirItem, chain_offset(hash(name), link))`
+//! for lookups (one link of the chain of names sharing the keyed hash, [`crate::bucket`]), a
+//! directory index item `(dir, DirIndex, seq)` for readdir in creation order with stable
+//! cookies, and an inode back-reference `(child, InodeRef, dir)` listing the child's names in
+//! that directory with their sequence numbers (for link counts, rename and log replay). All
+//! three change together in one transaction.
+//!
+//! Every operation here is all or nothing ([`Filesystem::run_op`]): it looks up and checks
+//! everything it needs (names, types, emptiness, the room in every item it will grow) and
+//! reserves the worst case of the blocks it may allocate in every shard it touches, then
+//! changes the trees. ENOSPC, EEXIST, EMLINK and the like come back with nothing changed.
 //!
 //! # Invariants
-//! - A name appears in exactly one directory-item bucket, one index item and one back-reference
-//!   of its child; the checker verifies the three agree.
+//! - A name appears in exactly one directory-item chain link, one index item and one
+//!   back-reference of its child; the checker verifies the three agree.
 //! - A directory's `nlink` is 2 + its subdirectories; a file's `nlink` is its back-reference
 //!   count. Readdir cookies are index sequences: 0 and 1 are `.` and `..`, names start at 2.
 
+use crate::bucket::Chain;
+use crate::delayed::DELAYED_ITEM_BLOCKS_MAX;
 use crate::error::{EngineError, Result};
-use crate::format::items::{
-    decode_names, encode_names, find_name, name_hash, push_name, InodeItem, NameEntry, Timespec,
-};
+use crate::format::items::{decode_names, encode_names, push_name, InodeItem, NameEntry, Timespec};
+use crate::format::node::MAX_ITEM_BYTES;
 use crate::format::{ItemKind, Key};
-use crate::fs::Filesystem;
+use crate::fs::{Filesystem, Needs};
 use crate::inode::{Stat, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG};
+use crate::space::MetaNeed;
 
 /// One readdir entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,18 +47,19 @@ pub struct RenameFlags {
     pub exchange: bool,
 }
 
-/// What [`Filesystem::add_name_at`] needs about the directory, loaded once per operation.
+/// What adding or checking a name in a directory needs, loaded once per operation.
 struct NameSlot {
     dir_item: InodeItem,
-    hash: u64,
-    /// The name's hash bucket, encoded (creates append to it without decoding it).
-    bucket: Vec<u8>,
+    /// The chain of the name's hash.
+    chain: Chain<NameEntry>,
 }
 
 /// First readdir cookie of a real entry (0 = start, 1 = after `.`).
 pub const FIRST_INDEX: u64 = 2;
 /// Longest symlink target (its text is one item).
 pub const MAX_SYMLINK_BYTES: usize = 1024;
+/// Most names one file may have (ext4's limit): link(2) fails with EMLINK beyond.
+pub const MAX_LINKS: u32 = 65_000;
 
 fn check_name(name: &[u8]) -> Result<()> {
     if name.len() > 255 {
@@ -70,19 +79,14 @@ fn kind_of(mode: u32) -> u8 {
     ((mode & S_IFMT) >> 12) as u8
 }
 
-impl Filesystem {
-    fn dir_item(&mut self, dir: u64, hash: u64) -> Result<Vec<NameEntry>> {
-        self.list_at(self.shard_of(dir), Key::new(dir, ItemKind::DirItem, hash))
-    }
+fn is_dir_kind(kind: u8) -> bool {
+    kind as u32 == S_IFDIR >> 12
+}
 
+impl Filesystem {
     /// Stores a name list; an empty one removes the item.
     fn put_encoded(&mut self, shard: u32, key: Key, bytes: Vec<u8>) -> Result<()> {
-        self.put_bucket(
-            shard,
-            key,
-            bytes,
-            "too many names share one hash or one parent",
-        )
+        self.put_bucket(shard, key, bytes, "names of one inode in one directory")
     }
 
     fn put_list(&mut self, shard: u32, key: Key, entries: &[NameEntry]) -> Result<()> {
@@ -97,6 +101,16 @@ impl Filesystem {
         Ok(item)
     }
 
+    /// The hash placing `name` in its directory's chain (and an xattr's).
+    pub(crate) fn name_hash(&self, name: &[u8]) -> u32 {
+        self.sb.name_hasher().hash(name)
+    }
+
+    fn name_chain(&mut self, dir: u64, name: &[u8]) -> Result<Chain<NameEntry>> {
+        let hash = self.name_hash(name);
+        self.read_chain(dir, ItemKind::DirItem, hash)
+    }
+
     /// Looks `name` up in `dir`.
     pub fn lookup(&mut self, dir: u64, name: &[u8]) -> Result<Stat> {
         let (ino, _) = self.find_name(dir, name)?.ok_or(EngineError::NotFound)?;
@@ -109,70 +123,92 @@ impl Filesystem {
             return Err(EngineError::NameTooLong);
         }
         self.dir_inode(dir)?;
-        let bucket = self.dir_item(dir, name_hash(name))?;
-        Ok(bucket
-            .into_iter()
-            .find(|e| e.name == name)
+        Ok(self
+            .name_chain(dir, name)?
+            .get(name)
             .map(|e| (e.target, e.kind)))
     }
 
-    /// Adds `name` → `child` to `dir`: directory item, index item, back-reference; updates the
-    /// directory's size and times. The caller has checked the name is free.
     /// Loads what adding or checking `name` in `dir` needs: the directory's inode (it must
-    /// be a directory) and the name's hash bucket; also says whether the name exists.
+    /// be a directory) and the name's chain; also says whether the name exists.
     fn name_slot(&mut self, dir: u64, name: &[u8]) -> Result<(NameSlot, Option<(u64, u8)>)> {
         if name.len() > 255 {
             return Err(EngineError::NameTooLong);
         }
         let dir_item = self.dir_inode(dir)?;
-        let hash = name_hash(name);
-        let shard = self.shard_of(dir);
-        let key = Key::new(dir, ItemKind::DirItem, hash);
-        let bucket = self
-            .with_tree(shard, false, |tree, io| tree.get(io, &key))?
-            .unwrap_or_default();
-        let existing = find_name(&bucket, name)
-            .map_err(|why| EngineError::corrupt("directory item", dir, why))?;
-        Ok((
-            NameSlot {
-                dir_item,
-                hash,
-                bucket,
-            },
-            existing,
-        ))
+        let chain = self.name_chain(dir, name)?;
+        let existing = chain.get(name).map(|e| (e.target, e.kind));
+        Ok((NameSlot { dir_item, chain }, existing))
     }
 
-    /// Fails with NoSpace, before anything changes, unless adding a name to `dir` for `child`
-    /// (plus `child_items` more changes of the child's own items) cannot run out of space
-    /// halfway: directory item, directory inode and the delayed index item in the directory's
-    /// shard, the back-reference in the child's.
-    fn ensure_room_for_name(&mut self, dir: u64, child: u64, child_items: u64) -> Result<()> {
-        let (dir_shard, child_shard) = (self.shard_of(dir), self.shard_of(child));
-        if dir_shard == child_shard {
-            self.ensure_meta_room(dir_shard, 4 + child_items)
+    /// Blocks `ops` tree changes in `shard` may allocate, added to `needs`.
+    fn need_ops(&self, needs: &mut Needs, shard: u32, ops: u64) {
+        needs.meta(shard, ops * self.tree_op_blocks(shard));
+    }
+
+    /// What adding a name to `dir` for `child` may allocate: its chain link (one: the first
+    /// with room, or a new one), the directory's inode and its delayed index item (whose
+    /// insert the commit floor then holds) in the directory's shard, the back-reference in
+    /// the child's.
+    fn need_add_name(&self, needs: &mut Needs, dir: u64, child: u64) {
+        let dir_shard = self.shard_of(dir);
+        self.need_ops(needs, dir_shard, 2);
+        needs.meta(dir_shard, DELAYED_ITEM_BLOCKS_MAX);
+        self.need_ops(needs, self.shard_of(child), 1);
+    }
+
+    /// What removing a name from `dir` may allocate: its chain link, its index item and the
+    /// directory's inode; the child's back-reference.
+    fn need_remove_name(&self, needs: &mut Needs, dir: u64, child: u64) {
+        self.need_ops(needs, self.shard_of(dir), 3);
+        self.need_ops(needs, self.shard_of(child), 1);
+    }
+
+    /// What dropping one link of `child` may allocate: its inode item, or, for its last link,
+    /// removing every item it has.
+    fn need_drop_link(&mut self, needs: &mut Needs, child: u64, item: &InodeItem) -> Result<()> {
+        let shard = self.shard_of(child);
+        if item.mode & S_IFMT == S_IFDIR || item.nlink <= 1 {
+            let blocks = self.item_range_blocks(
+                shard,
+                Key::new(child, ItemKind::InodeItem, 0),
+                Key::new(child + 1, ItemKind::InodeItem, 0),
+            )?;
+            needs.meta(shard, blocks);
         } else {
-            self.ensure_meta_room(dir_shard, 3)?;
-            self.ensure_meta_room(child_shard, 1 + child_items)
+            self.need_ops(needs, shard, 1);
         }
+        Ok(())
     }
 
-    fn add_name(
+    /// EMLINK unless `child`'s back-reference list in `dir` has room for `adding` once
+    /// `removing` (a name of it in the same directory, for a rename there) is gone. Checked
+    /// before an operation changes anything.
+    fn check_ref_room(
         &mut self,
-        dir: u64,
-        name: &[u8],
         child: u64,
-        kind: u8,
-        now: Timespec,
+        dir: u64,
+        adding: &[u8],
+        removing: Option<&[u8]>,
     ) -> Result<()> {
-        self.ensure_room_for_name(dir, child, 1)?;
-        let (slot, _) = self.name_slot(dir, name)?;
-        self.add_name_at(dir, slot, name, child, kind, now, false, 0)
+        let shard = self.shard_of(child);
+        let key = Key::new(child, ItemKind::InodeRef, dir);
+        let bytes = self
+            .with_tree(shard, false, |tree, io| {
+                tree.get_with(io, &key, <[u8]>::len)
+            })?
+            .unwrap_or(0);
+        let freed = removing.map_or(0, |name| 11 + name.len());
+        if bytes.saturating_sub(freed) + 11 + adding.len() > MAX_ITEM_BYTES {
+            return Err(EngineError::TooManyLinks);
+        }
+        Ok(())
     }
 
     /// Adds `name` → `child` to `dir`: directory item, index item (delayed), back-reference;
     /// updates the directory's size, times and, by `dir_nlink_delta`, its link count. The
-    /// caller has checked the name is free. A `new_child` has no back-references yet.
+    /// caller checked the name is free and reserved the room ([`Filesystem::need_add_name`]).
+    /// A `new_child` has no back-references yet.
     #[allow(clippy::too_many_arguments)]
     fn add_name_at(
         &mut self,
@@ -187,8 +223,7 @@ impl Filesystem {
     ) -> Result<()> {
         let NameSlot {
             mut dir_item,
-            hash,
-            mut bucket,
+            mut chain,
         } = slot;
         let index = dir_item.next_index.max(FIRST_INDEX);
         dir_item.next_index = index + 1;
@@ -196,10 +231,15 @@ impl Filesystem {
         dir_item.mtime = now;
         dir_item.ctime = now;
         dir_item.nlink += dir_nlink_delta;
-        push_name(&mut bucket, child, kind, name);
-        let dir_shard = self.shard_of(dir);
-        self.put_encoded(dir_shard, Key::new(dir, ItemKind::DirItem, hash), bucket)?;
-        // The index item waits for the commit, batched with the directory's other new names.
+        chain.insert(NameEntry {
+            target: child,
+            kind,
+            name: name.to_vec(),
+        });
+        self.write_chain(&chain)?;
+        // The index item waits for the commit, batched with the directory's other new names
+        // (its insert is reserved in the commit floor; a full batch goes in after the
+        // operation, [`Filesystem::flush_due_delayed`]).
         self.log.note(Key::new(dir, ItemKind::DirIndex, index));
         self.delayed.insert(
             dir,
@@ -210,13 +250,6 @@ impl Filesystem {
                 name: name.to_vec(),
             },
         );
-        if self.delayed.pending_in(dir) >= crate::delayed::DIR_BATCH_MAX {
-            let flushed = self.flush_delayed_dir(dir);
-            self.fail_stop_on_error(flushed)?;
-        } else if self.delayed.len() > crate::delayed::MAX_PENDING {
-            let flushed = self.flush_delayed_index();
-            self.fail_stop_on_error(flushed)?;
-        }
         let child_shard = self.shard_of(child);
         let ref_key = Key::new(child, ItemKind::InodeRef, dir);
         let mut refs = if new_child {
@@ -228,6 +261,19 @@ impl Filesystem {
         push_name(&mut refs, index, 0, name);
         self.put_encoded(child_shard, ref_key, refs)?;
         self.store_inode(dir, &dir_item)
+    }
+
+    fn add_name(
+        &mut self,
+        dir: u64,
+        name: &[u8],
+        child: u64,
+        kind: u8,
+        now: Timespec,
+    ) -> Result<()> {
+        let (slot, existing) = self.name_slot(dir, name)?;
+        assert!(existing.is_none(), "add_name: the caller checked the name");
+        self.add_name_at(dir, slot, name, child, kind, now, false, 0)
     }
 
     /// The name list at `key` (decoded in place), empty when there is none.
@@ -245,15 +291,10 @@ impl Filesystem {
     /// Removes `name` from `dir`; returns the child and its kind.
     fn remove_name(&mut self, dir: u64, name: &[u8], now: Timespec) -> Result<(u64, u8)> {
         let mut dir_item = self.dir_inode(dir)?;
-        let hash = name_hash(name);
-        let mut bucket = self.dir_item(dir, hash)?;
-        let at = bucket
-            .iter()
-            .position(|e| e.name == name)
-            .ok_or(EngineError::NotFound)?;
-        let entry = bucket.remove(at);
+        let mut chain = self.name_chain(dir, name)?;
+        let entry = chain.remove(name).ok_or(EngineError::NotFound)?;
+        self.write_chain(&chain)?;
         let dir_shard = self.shard_of(dir);
-        self.put_list(dir_shard, Key::new(dir, ItemKind::DirItem, hash), &bucket)?;
         let child = entry.target;
         let child_shard = self.shard_of(child);
         let ref_key = Key::new(child, ItemKind::InodeRef, dir);
@@ -283,60 +324,75 @@ impl Filesystem {
         Ok((child, entry.kind))
     }
 
+    /// Creates an inode of `mode` named `name` in `dir`, with `target` as its symlink target.
     fn make_node(
         &mut self,
         dir: u64,
         name: &[u8],
         mode: u32,
-        uid: u32,
-        gid: u32,
+        owner: (u32, u32),
+        target: Option<&[u8]>,
     ) -> Result<(u64, InodeItem)> {
-        self.check_writable()?;
-        check_name(name)?;
-        let (slot, existing) = self.name_slot(dir, name)?;
-        if existing.is_some() {
-            return Err(EngineError::Exists);
-        }
-        let now = Timespec::now();
-        let ino = self.alloc_ino()?;
-        // The inode item and the name must both fit, or neither is written.
-        self.ensure_room_for_name(dir, ino, 2)?;
-        let is_dir = mode & S_IFMT == S_IFDIR;
-        let item = InodeItem {
-            mode,
-            uid,
-            gid,
-            nlink: if is_dir { 2 } else { 1 },
-            atime: now,
-            mtime: now,
-            ctime: now,
-            crtime: now,
-            generation: self.generation,
-            next_index: FIRST_INDEX,
-            ..Default::default()
-        };
-        self.store_inode(ino, &item)?;
-        self.add_name_at(
-            dir,
-            slot,
-            name,
-            ino,
-            kind_of(mode),
-            now,
-            true,
-            is_dir as u32,
-        )?;
-        Ok((ino, item))
+        self.run_op(|fs| {
+            check_name(name)?;
+            let (slot, existing) = fs.name_slot(dir, name)?;
+            if existing.is_some() {
+                return Err(EngineError::Exists);
+            }
+            let now = Timespec::now();
+            let ino = fs.alloc_ino()?;
+            let mut needs = Needs::default();
+            fs.need_add_name(&mut needs, dir, ino);
+            // The inode item, and for a symlink its target and the inode item again.
+            let child_ops = if target.is_some() { 3 } else { 1 };
+            fs.need_ops(&mut needs, fs.shard_of(ino), child_ops);
+            fs.reserve(&needs, MetaNeed::Grow)?;
+            let is_dir = mode & S_IFMT == S_IFDIR;
+            let mut item = InodeItem {
+                mode,
+                uid: owner.0,
+                gid: owner.1,
+                nlink: if is_dir { 2 } else { 1 },
+                atime: now,
+                mtime: now,
+                ctime: now,
+                crtime: now,
+                generation: fs.generation,
+                next_index: FIRST_INDEX,
+                ..Default::default()
+            };
+            fs.store_inode(ino, &item)?;
+            fs.add_name_at(
+                dir,
+                slot,
+                name,
+                ino,
+                kind_of(mode),
+                now,
+                true,
+                is_dir as u32,
+            )?;
+            if let Some(target) = target {
+                let shard = fs.shard_of(ino);
+                let bytes = target.to_vec();
+                fs.with_tree(shard, true, |tree, io| {
+                    tree.insert(io, Key::new(ino, ItemKind::SymlinkTarget, 0), bytes)
+                })?;
+                item.size = target.len() as u64;
+                fs.store_inode(ino, &item)?;
+            }
+            Ok((ino, item))
+        })
     }
 
     /// Creates a regular file (mode's permission bits are kept).
     pub fn create(&mut self, dir: u64, name: &[u8], mode: u32, uid: u32, gid: u32) -> Result<Stat> {
-        let (ino, item) = self.make_node(dir, name, S_IFREG | (mode & 0o7777), uid, gid)?;
+        let (ino, item) = self.make_node(dir, name, S_IFREG | (mode & 0o7777), (uid, gid), None)?;
         Ok(Self::stat_of(ino, &item))
     }
 
     pub fn mkdir(&mut self, dir: u64, name: &[u8], mode: u32, uid: u32, gid: u32) -> Result<Stat> {
-        let (ino, item) = self.make_node(dir, name, S_IFDIR | (mode & 0o7777), uid, gid)?;
+        let (ino, item) = self.make_node(dir, name, S_IFDIR | (mode & 0o7777), (uid, gid), None)?;
         Ok(Self::stat_of(ino, &item))
     }
 
@@ -351,14 +407,7 @@ impl Filesystem {
         if target.is_empty() || target.len() > MAX_SYMLINK_BYTES {
             return Err(EngineError::NameTooLong);
         }
-        let (ino, mut item) = self.make_node(dir, name, S_IFLNK | 0o777, uid, gid)?;
-        let shard = self.shard_of(ino);
-        let bytes = target.to_vec();
-        self.with_tree(shard, true, |tree, io| {
-            tree.insert(io, Key::new(ino, ItemKind::SymlinkTarget, 0), bytes)
-        })?;
-        item.size = target.len() as u64;
-        self.store_inode(ino, &item)?;
+        let (ino, item) = self.make_node(dir, name, S_IFLNK | 0o777, (uid, gid), Some(target))?;
         Ok(Self::stat_of(ino, &item))
     }
 
@@ -376,23 +425,33 @@ impl Filesystem {
 
     /// A new name `name` in `dir` for the existing file `ino`.
     pub fn link(&mut self, ino: u64, dir: u64, name: &[u8]) -> Result<Stat> {
-        self.check_writable()?;
-        check_name(name)?;
-        let mut item = self.load_inode(ino)?;
-        if item.mode & S_IFMT == S_IFDIR {
-            return Err(EngineError::Invalid(
-                "hard links to directories are not allowed".into(),
-            ));
-        }
-        if self.find_name(dir, name)?.is_some() {
-            return Err(EngineError::Exists);
-        }
-        let now = Timespec::now();
-        self.add_name(dir, name, ino, kind_of(item.mode), now)?;
-        item.nlink += 1;
-        item.ctime = now;
-        self.store_inode(ino, &item)?;
-        Ok(Self::stat_of(ino, &item))
+        self.run_op(|fs| {
+            check_name(name)?;
+            let mut item = fs.load_inode(ino)?;
+            if item.mode & S_IFMT == S_IFDIR {
+                return Err(EngineError::Invalid(
+                    "hard links to directories are not allowed".into(),
+                ));
+            }
+            if item.nlink >= MAX_LINKS {
+                return Err(EngineError::TooManyLinks);
+            }
+            let (slot, existing) = fs.name_slot(dir, name)?;
+            if existing.is_some() {
+                return Err(EngineError::Exists);
+            }
+            fs.check_ref_room(ino, dir, name, None)?;
+            let mut needs = Needs::default();
+            fs.need_add_name(&mut needs, dir, ino);
+            fs.need_ops(&mut needs, fs.shard_of(ino), 1);
+            fs.reserve(&needs, MetaNeed::Grow)?;
+            let now = Timespec::now();
+            fs.add_name_at(dir, slot, name, ino, kind_of(item.mode), now, false, 0)?;
+            item.nlink += 1;
+            item.ctime = now;
+            fs.store_inode(ino, &item)?;
+            Ok(Self::stat_of(ino, &item))
+        })
     }
 
     /// Drops one link of `child`; deletes the inode when none is left.
@@ -413,14 +472,20 @@ impl Filesystem {
     }
 
     pub fn unlink(&mut self, dir: u64, name: &[u8]) -> Result<()> {
-        self.check_writable()?;
-        let (child, kind) = self.find_name(dir, name)?.ok_or(EngineError::NotFound)?;
-        if kind as u32 == S_IFDIR >> 12 {
-            return Err(EngineError::IsDir);
-        }
-        let now = Timespec::now();
-        self.remove_name(dir, name, now)?;
-        self.drop_link(child, now)
+        self.run_op(|fs| {
+            let (child, kind) = fs.find_name(dir, name)?.ok_or(EngineError::NotFound)?;
+            if is_dir_kind(kind) {
+                return Err(EngineError::IsDir);
+            }
+            let item = fs.load_inode(child)?;
+            let mut needs = Needs::default();
+            fs.need_remove_name(&mut needs, dir, child);
+            fs.need_drop_link(&mut needs, child, &item)?;
+            fs.reserve(&needs, MetaNeed::Shrink)?;
+            let now = Timespec::now();
+            fs.remove_name(dir, name, now)?;
+            fs.drop_link(child, now)
+        })
     }
 
     fn dir_is_empty(&mut self, dir: u64) -> Result<bool> {
@@ -435,20 +500,25 @@ impl Filesystem {
     }
 
     pub fn rmdir(&mut self, dir: u64, name: &[u8]) -> Result<()> {
-        self.check_writable()?;
-        let (child, kind) = self.find_name(dir, name)?.ok_or(EngineError::NotFound)?;
-        if kind as u32 != S_IFDIR >> 12 {
-            return Err(EngineError::NotDir);
-        }
-        if !self.dir_is_empty(child)? {
-            return Err(EngineError::NotEmpty);
-        }
-        let now = Timespec::now();
-        self.remove_name(dir, name, now)?;
-        let mut parent = self.load_inode(dir)?;
-        parent.nlink -= 1;
-        self.store_inode(dir, &parent)?;
-        self.drop_link(child, now)
+        self.run_op(|fs| {
+            let (child, kind) = fs.find_name(dir, name)?.ok_or(EngineError::NotFound)?;
+            if !is_dir_kind(kind) {
+                return Err(EngineError::NotDir);
+            }
+            if !fs.dir_is_empty(child)? {
+                return Err(EngineError::NotEmpty);
+            }
+            let item = fs.load_inode(child)?;
+            let mut needs = Needs::default();
+            fs.need_remove_name(&mut needs, dir, child);
+            fs.need_ops(&mut needs, fs.shard_of(dir), 1);
+            fs.need_drop_link(&mut needs, child, &item)?;
+            fs.reserve(&needs, MetaNeed::Shrink)?;
+            let now = Timespec::now();
+            fs.remove_name(dir, name, now)?;
+            fs.adjust_nlink(dir, -1)?;
+            fs.drop_link(child, now)
+        })
     }
 
     /// True when `ancestor` is `ino` or one of its ancestors (walking `..` back-references).
@@ -478,7 +548,8 @@ impl Filesystem {
         ))
     }
 
-    /// rename(2), with RENAME_NOREPLACE and RENAME_EXCHANGE.
+    /// rename(2), with RENAME_NOREPLACE and RENAME_EXCHANGE. Everything that can refuse it
+    /// (names, types, emptiness, loops, EMLINK, space) is checked before the first change.
     pub fn rename(
         &mut self,
         src_dir: u64,
@@ -487,7 +558,17 @@ impl Filesystem {
         dst_name: &[u8],
         flags: RenameFlags,
     ) -> Result<()> {
-        self.check_writable()?;
+        self.run_op(|fs| fs.rename_op(src_dir, src_name, dst_dir, dst_name, flags))
+    }
+
+    fn rename_op(
+        &mut self,
+        src_dir: u64,
+        src_name: &[u8],
+        dst_dir: u64,
+        dst_name: &[u8],
+        flags: RenameFlags,
+    ) -> Result<()> {
         check_name(dst_name)?;
         if flags.noreplace && flags.exchange {
             return Err(EngineError::Invalid(
@@ -498,7 +579,7 @@ impl Filesystem {
             .find_name(src_dir, src_name)?
             .ok_or(EngineError::NotFound)?;
         let dst = self.find_name(dst_dir, dst_name)?;
-        let src_is_dir = src_kind as u32 == S_IFDIR >> 12;
+        let src_is_dir = is_dir_kind(src_kind);
         if src_dir == dst_dir && src_name == dst_name {
             return if flags.noreplace {
                 Err(EngineError::Exists)
@@ -511,15 +592,29 @@ impl Filesystem {
                 "cannot move a directory into itself".into(),
             ));
         }
+        let mut needs = Needs::default();
         let now = Timespec::now();
         if flags.exchange {
             let (dst_ino, dst_kind) = dst.ok_or(EngineError::NotFound)?;
-            let dst_is_dir = dst_kind as u32 == S_IFDIR >> 12;
+            let dst_is_dir = is_dir_kind(dst_kind);
             if dst_is_dir && self.is_ancestor(dst_ino, src_dir)? {
                 return Err(EngineError::Invalid(
                     "cannot move a directory into itself".into(),
                 ));
             }
+            // Each takes the other's name; within one directory, each loses its own first.
+            let same_dir = src_dir == dst_dir;
+            self.check_ref_room(src, dst_dir, dst_name, same_dir.then_some(src_name))?;
+            self.check_ref_room(dst_ino, src_dir, src_name, same_dir.then_some(dst_name))?;
+            self.need_remove_name(&mut needs, src_dir, src);
+            self.need_remove_name(&mut needs, dst_dir, dst_ino);
+            self.need_add_name(&mut needs, dst_dir, src);
+            self.need_add_name(&mut needs, src_dir, dst_ino);
+            self.need_ops(&mut needs, self.shard_of(src_dir), 1);
+            self.need_ops(&mut needs, self.shard_of(dst_dir), 1);
+            self.need_ops(&mut needs, self.shard_of(src), 1);
+            self.need_ops(&mut needs, self.shard_of(dst_ino), 1);
+            self.reserve(&needs, MetaNeed::Grow)?;
             self.remove_name(src_dir, src_name, now)?;
             self.remove_name(dst_dir, dst_name, now)?;
             self.add_name(dst_dir, dst_name, src, src_kind, now)?;
@@ -544,15 +639,33 @@ impl Filesystem {
                 // Two names of one file: rename does nothing (POSIX).
                 return Ok(());
             }
-            let dst_is_dir = dst_kind as u32 == S_IFDIR >> 12;
+            let dst_is_dir = is_dir_kind(dst_kind);
             match (src_is_dir, dst_is_dir) {
                 (true, false) => return Err(EngineError::NotDir),
                 (false, true) => return Err(EngineError::IsDir),
                 (true, true) if !self.dir_is_empty(dst_ino)? => return Err(EngineError::NotEmpty),
                 _ => {}
             }
+            let dst_item = self.load_inode(dst_ino)?;
+            self.need_remove_name(&mut needs, dst_dir, dst_ino);
+            self.need_ops(&mut needs, self.shard_of(dst_dir), 1);
+            self.need_drop_link(&mut needs, dst_ino, &dst_item)?;
+        }
+        self.check_ref_room(
+            src,
+            dst_dir,
+            dst_name,
+            (src_dir == dst_dir).then_some(src_name),
+        )?;
+        self.need_remove_name(&mut needs, src_dir, src);
+        self.need_add_name(&mut needs, dst_dir, src);
+        self.need_ops(&mut needs, self.shard_of(src_dir), 1);
+        self.need_ops(&mut needs, self.shard_of(dst_dir), 1);
+        self.need_ops(&mut needs, self.shard_of(src), 1);
+        self.reserve(&needs, MetaNeed::Grow)?;
+        if let Some((dst_ino, dst_kind)) = dst {
             self.remove_name(dst_dir, dst_name, now)?;
-            if dst_is_dir {
+            if is_dir_kind(dst_kind) {
                 self.adjust_nlink(dst_dir, -1)?;
             }
             self.drop_link(dst_ino, now)?;

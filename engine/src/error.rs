@@ -38,6 +38,8 @@ pub enum EngineError {
     NoData,
     #[error("value too large for this filesystem ({0})")]
     TooBig(String),
+    #[error("too many links")]
+    TooManyLinks,
 }
 
 impl EngineError {
@@ -76,6 +78,7 @@ impl EngineError {
             EngineError::NameTooLong => 36,     // ENAMETOOLONG
             EngineError::NoData => 61,          // ENODATA
             EngineError::TooBig(_) => 27,       // EFBIG
+            EngineError::TooManyLinks => 31,    // EMLINK
         }
     }
 }

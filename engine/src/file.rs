@@ -17,8 +17,9 @@
 use crate::error::{EngineError, Result};
 use crate::format::items::{ExtentItem, InodeItem, Timespec, MAX_EXTENT_BLOCKS};
 use crate::format::{ItemKind, Key, BLOCK_BYTES};
-use crate::fs::Filesystem;
+use crate::fs::{Filesystem, Needs};
 use crate::inode::{S_IFDIR, S_IFMT, S_IFREG};
+use crate::space::MetaNeed;
 
 const BLOCK: u64 = BLOCK_BYTES as u64;
 /// Largest file offset (keeps every byte offset and block count in range).
@@ -115,6 +116,50 @@ impl Filesystem {
             }
         }
         Ok(out)
+    }
+
+    /// Allocates `count` data blocks in shard `shard` as runs of at most
+    /// [`MAX_EXTENT_BLOCKS`] (from the operation's data reservation when it holds one): all
+    /// of them, or none and NoSpace. Allocating is not a change of the filesystem: blocks
+    /// not used are given back ([`Filesystem::give_back`]).
+    fn alloc_data_runs(&mut self, shard: u32, count: u64) -> Result<Vec<(u64, u64)>> {
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        let mut allocated = 0u64;
+        while allocated < count {
+            let want = (count - allocated).min(MAX_EXTENT_BLOCKS as u64);
+            match self.with_tree(shard, true, |_, io| {
+                io.space.alloc_data(want, io.commit_floor)
+            }) {
+                Ok((disk, got)) => {
+                    runs.push((disk, got));
+                    allocated += got;
+                }
+                Err(e) => {
+                    self.give_back(shard, &runs)?;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(runs)
+    }
+
+    /// Metadata blocks changing the extents of `ino` that overlap file blocks `first..end`
+    /// may allocate: each extent cut at most twice (its left piece rewritten, its right
+    /// piece inserted) when there are a few, else every leaf holding them copied.
+    fn punch_needs_blocks(
+        &mut self,
+        ino: u64,
+        overlapping: u64,
+        first: u64,
+        end: u64,
+    ) -> Result<u64> {
+        let shard = self.shard_of(ino);
+        let per_extent = 2 * overlapping * self.tree_op_blocks(shard);
+        if overlapping <= 4 {
+            return Ok(per_extent);
+        }
+        let leaves = self.item_range_blocks(shard, extent_key(ino, first), extent_key(ino, end))?;
+        Ok(per_extent.min(leaves + 2 * self.tree_op_blocks(shard)))
     }
 
     /// Frees data blocks allocated by a write that fails before using them.
@@ -322,34 +367,27 @@ impl Filesystem {
     /// Allocates and writes `data` (whole blocks) as new extents at file block `first`,
     /// replacing whatever covered that range. Returns the net change in allocated blocks.
     ///
-    /// Order matters for a full device: data blocks are allocated (and given back on ENOSPC)
-    /// and room for the metadata changes is checked before anything changes. The data is
-    /// staged ([`crate::writeback`]) and reaches the device before any record or commit that
-    /// makes the new extents durable.
+    /// Order matters for a full device: the data blocks are allocated (and given back when
+    /// refused), then the metadata the change may allocate is reserved, before anything
+    /// changes. The data is staged ([`crate::writeback`]) and reaches the device before any
+    /// record or commit that makes the new extents durable.
     fn write_blocks(&mut self, ino: u64, first: u64, data: &[u8]) -> Result<i64> {
         assert_eq!(data.len() % BLOCK_BYTES, 0);
         let count = (data.len() / BLOCK_BYTES) as u64;
         let shard = self.shard_of(ino);
-        let mut runs: Vec<(u64, u64)> = Vec::new();
-        let mut allocated = 0u64;
-        while allocated < count {
-            let want = (count - allocated).min(MAX_EXTENT_BLOCKS as u64);
-            match self.with_tree(shard, true, |_, io| io.space.alloc_data(want)) {
-                Ok((disk, got)) => {
-                    runs.push((disk, got));
-                    allocated += got;
-                }
-                Err(e) => {
-                    self.give_back(shard, &runs)?;
-                    return Err(e);
-                }
-            }
-        }
+        let runs = self.alloc_data_runs(shard, count)?;
         let room = self
             .extents_in(ino, first, first + count)
             .and_then(|overlapping| {
-                self.ensure_meta_room(shard, 3 * overlapping.len() as u64 + runs.len() as u64 + 1)
-                    .map(|()| overlapping)
+                let punch =
+                    self.punch_needs_blocks(ino, overlapping.len() as u64, first, first + count)?;
+                let mut needs = Needs::default();
+                needs.meta(
+                    shard,
+                    punch + (runs.len() as u64 + 1) * self.tree_op_blocks(shard),
+                );
+                self.reserve(&needs, MetaNeed::Grow)?;
+                Ok(overlapping)
             });
         let overlapping = match room {
             Ok(overlapping) => overlapping,
@@ -376,18 +414,13 @@ impl Filesystem {
             ));
             done += got;
         }
-        let result = self
-            .punch_extents(ino, overlapping, first, first + count, Some(first))
-            .and_then(|freed| {
-                self.with_tree(shard, true, |tree, io| {
-                    for (file_block, item) in items {
-                        tree.insert(io, extent_key(ino, file_block), item.encode())?;
-                    }
-                    Ok(())
-                })?;
-                Ok(freed)
-            });
-        let freed = self.fail_stop_on_error(result)?;
+        let freed = self.punch_extents(ino, overlapping, first, first + count, Some(first))?;
+        self.with_tree(shard, true, |tree, io| {
+            for (file_block, item) in items {
+                tree.insert(io, extent_key(ino, file_block), item.encode())?;
+            }
+            Ok(())
+        })?;
         Ok(count as i64 - freed as i64)
     }
 
@@ -395,17 +428,21 @@ impl Filesystem {
     /// only because blocks freed in the running transaction wait for its commit (an overwrite
     /// frees the old copy, pinned), commits once and retries before reporting ENOSPC.
     pub fn write(&mut self, ino: u64, offset: u64, data: &[u8]) -> Result<usize> {
-        self.retry_when_pinned(ino, |fs| fs.write_once(ino, offset, data))
+        self.retry_when_pinned(ino, |fs| fs.run_op(|fs| fs.write_once(ino, offset, data)))
     }
 
     /// Runs an allocating change of `ino`; when it finds the shard full while frees of the
     /// running transaction wait for a commit, commits (unpinning them) and runs it once more.
-    /// The change must leave nothing behind when it fails with NoSpace.
+    /// The change leaves nothing behind when it fails with NoSpace ([`Filesystem::run_op`]).
+    /// Inside another operation it runs once: a commit there would persist half of it.
     fn retry_when_pinned<T>(
         &mut self,
         ino: u64,
         mut change: impl FnMut(&mut Self) -> Result<T>,
     ) -> Result<T> {
+        if self.op.depth > 0 {
+            return change(self);
+        }
         match change(self) {
             Err(EngineError::NoSpace) if self.pinned_blocks(self.shard_of(ino)) > 0 => {
                 self.commit()?;
@@ -416,7 +453,6 @@ impl Filesystem {
     }
 
     fn write_once(&mut self, ino: u64, offset: u64, data: &[u8]) -> Result<usize> {
-        self.check_writable()?;
         let mut item = self.file_inode(ino)?;
         if data.is_empty() {
             return Ok(0);
@@ -465,10 +501,40 @@ impl Filesystem {
     /// Sets the file size: shrinking frees the blocks past the end and zeroes the tail of the
     /// last block, so growing again reads zeroes.
     pub fn truncate(&mut self, ino: u64, size: u64) -> Result<()> {
-        self.check_writable()?;
+        self.run_op(|fs| {
+            let mut needs = Needs::default();
+            fs.need_truncate(&mut needs, ino, size)?;
+            fs.reserve(&needs, MetaNeed::Shrink)?;
+            fs.truncate_reserved(ino, size)
+        })
+    }
+
+    /// What truncating `ino` to `size` may allocate: every leaf holding extents past the new
+    /// end copied, and for a cut inside a block that block rewritten (a data block, its
+    /// extent and the inode twice).
+    pub(crate) fn need_truncate(&mut self, needs: &mut Needs, ino: u64, size: u64) -> Result<()> {
         if size > MAX_FILE_BYTES {
             return Err(EngineError::TooBig("file size".into()));
         }
+        let item = self.file_inode(ino)?;
+        let shard = self.shard_of(ino);
+        let op = self.tree_op_blocks(shard);
+        if size < item.size {
+            let keep_blocks = size.div_ceil(BLOCK);
+            let punch = self.item_range_blocks(
+                shard,
+                extent_key(ino, keep_blocks),
+                Key::new(ino, ItemKind::ExtentData, u64::MAX),
+            )?;
+            needs.meta(shard, punch + 7 * op).data(shard, 1);
+        } else {
+            needs.meta(shard, op);
+        }
+        Ok(())
+    }
+
+    /// [`Filesystem::truncate`] once its room is reserved.
+    pub(crate) fn truncate_reserved(&mut self, ino: u64, size: u64) -> Result<()> {
         let mut item = self.file_inode(ino)?;
         if size < item.size {
             let keep_blocks = size.div_ceil(BLOCK);
@@ -504,9 +570,13 @@ impl Filesystem {
         offset: u64,
         len: u64,
     ) -> Result<()> {
-        self.retry_when_pinned(ino, |fs| fs.fallocate_once(ino, mode, offset, len))
+        self.retry_when_pinned(ino, |fs| {
+            fs.run_op(|fs| fs.fallocate_once(ino, mode, offset, len))
+        })
     }
 
+    /// One fallocate, all or nothing: the blocks it preallocates are allocated, and the
+    /// metadata (and edge data blocks) it may need reserved, before anything changes.
     fn fallocate_once(
         &mut self,
         ino: u64,
@@ -514,7 +584,6 @@ impl Filesystem {
         offset: u64,
         len: u64,
     ) -> Result<()> {
-        self.check_writable()?;
         let end = offset
             .checked_add(len)
             .filter(|&e| len > 0 && e <= MAX_FILE_BYTES)
@@ -523,77 +592,112 @@ impl Filesystem {
             return Err(EngineError::Invalid("punch hole needs KEEP_SIZE".into()));
         }
         // Only regular files have extents (EISDIR for directories, EINVAL for symlinks).
-        self.file_inode(ino)?;
-        if mode.punch_hole || mode.zero_range {
-            // Whole blocks inside the range become holes; partial edges are written as zeroes.
-            let size = self.file_inode(ino)?.size;
-            let inner_first = offset.div_ceil(BLOCK);
-            let inner_end = end / BLOCK;
-            let zero_edge = |fs: &mut Filesystem, from: u64, to: u64| -> Result<()> {
-                let to = if mode.zero_range { to } else { to.min(size) };
-                if from < to {
-                    fs.write(ino, from, &vec![0u8; (to - from) as usize])?;
-                }
-                Ok(())
-            };
-            if inner_first < inner_end {
-                let freed = self.punch_blocks(ino, inner_first, inner_end)?;
-                let mut item = self.file_inode(ino)?;
-                item.blocks -= freed.min(item.blocks);
-                self.store_inode(ino, &item)?;
-                zero_edge(self, offset, inner_first * BLOCK)?;
-                zero_edge(self, inner_end * BLOCK, end)?;
-            } else {
-                zero_edge(self, offset, end)?;
-            }
-            // Writing zeroes at the edges may have grown the file; KEEP_SIZE puts it back.
-            let mut item = self.file_inode(ino)?;
-            item.size = if mode.keep_size { size } else { size.max(end) };
-            self.store_inode(ino, &item)?;
-            if mode.punch_hole {
-                return Ok(());
-            }
-        }
-        // Preallocate every hole in the range.
+        let size = self.file_inode(ino)?.size;
+        let shard = self.shard_of(ino);
+        let op = self.tree_op_blocks(shard);
         let first = offset / BLOCK;
         let last = end.div_ceil(BLOCK);
-        let shard = self.shard_of(ino);
-        let mut at = first;
-        let mut added = 0u64;
+        // Whole blocks inside the range become holes (punch, zero); partial edges are
+        // written as zeroes.
+        let inner_first = offset.div_ceil(BLOCK);
+        let inner_end = end / BLOCK;
+        let punching = mode.punch_hole || mode.zero_range;
+        let edges: Vec<(u64, u64)> = if !punching {
+            Vec::new()
+        } else if inner_first < inner_end {
+            vec![(offset, inner_first * BLOCK), (inner_end * BLOCK, end)]
+        } else {
+            vec![(offset, end)]
+        };
+        let edges: Vec<(u64, u64)> = edges
+            .into_iter()
+            .map(|(from, to)| (from, if mode.zero_range { to } else { to.min(size) }))
+            .filter(|(from, to)| from < to)
+            .collect();
+        // What preallocation will fill: for a zero range, the whole blocks the punch
+        // empties; for a plain preallocation, every hole of the range. A punched hole stays
+        // a hole.
         let extents = self.extents_in(ino, first, last)?;
         let mut holes = Vec::new();
-        for extent in &extents {
-            if extent.file_block > at {
-                holes.push((at, extent.file_block.min(last)));
+        if mode.zero_range {
+            if inner_first < inner_end {
+                holes.push((inner_first, inner_end));
             }
-            at = at.max(extent.end());
+        } else if !mode.punch_hole {
+            let mut at = first;
+            for extent in &extents {
+                if extent.file_block > at {
+                    holes.push((at, extent.file_block.min(last)));
+                }
+                at = at.max(extent.end());
+            }
+            if at < last {
+                holes.push((at, last));
+            }
         }
-        if at < last {
-            holes.push((at, last));
+        let hole_blocks: u64 = holes.iter().map(|(f, t)| t - f).sum();
+        let runs = self.alloc_data_runs(shard, hole_blocks)?;
+        let mut needs = Needs::default();
+        let punch = if punching && inner_first < inner_end {
+            let overlapping = extents
+                .iter()
+                .filter(|e| e.end() > inner_first && e.file_block < inner_end)
+                .count() as u64;
+            self.punch_needs_blocks(ino, overlapping, inner_first, inner_end)?
+        } else {
+            0
+        };
+        // Each edge write: a data block, its extent cut (two changes), its insert, the inode.
+        needs
+            .meta(
+                shard,
+                punch + (4 * edges.len() as u64 + runs.len() as u64 + 3) * op,
+            )
+            .data(shard, edges.len() as u64);
+        if let Err(e) = self.reserve(&needs, MetaNeed::Grow) {
+            self.give_back(shard, &runs)?;
+            return Err(e);
         }
+        if punching && inner_first < inner_end {
+            let freed = self.punch_blocks(ino, inner_first, inner_end)?;
+            let mut item = self.file_inode(ino)?;
+            item.blocks -= freed.min(item.blocks);
+            self.store_inode(ino, &item)?;
+        }
+        for (from, to) in edges {
+            self.write(ino, from, &vec![0u8; (to - from) as usize])?;
+        }
+        // Preallocate the holes with the runs allocated above, in order.
+        let mut added = 0u64;
+        let mut runs = runs.into_iter();
+        let mut pending: Option<(u64, u64)> = None;
         for (mut from, to) in holes {
             while from < to {
-                let want = (to - from).min(MAX_EXTENT_BLOCKS as u64);
-                let item = self.with_tree(shard, true, |tree, io| {
-                    let (disk, got) = io.space.alloc_data(want)?;
-                    let item = ExtentItem {
-                        disk_block: disk,
-                        blocks: got as u32,
-                        prealloc: true,
-                        crcs: Vec::new(),
-                    };
-                    tree.insert(io, extent_key(ino, from), item.encode())?;
-                    Ok(item)
+                let (disk, got) = match pending.take().or_else(|| runs.next()) {
+                    Some(run) => run,
+                    None => unreachable!("runs cover every hole"),
+                };
+                let take = got.min(to - from);
+                if take < got {
+                    pending = Some((disk + take, got - take));
+                }
+                let item = ExtentItem {
+                    disk_block: disk,
+                    blocks: take as u32,
+                    prealloc: true,
+                    crcs: Vec::new(),
+                };
+                self.with_tree(shard, true, |tree, io| {
+                    tree.insert(io, extent_key(ino, from), item.encode())
                 })?;
-                from += item.blocks as u64;
-                added += item.blocks as u64;
+                from += take;
+                added += take;
             }
         }
         let mut item = self.file_inode(ino)?;
         item.blocks += added;
-        if !mode.keep_size {
-            item.size = item.size.max(end);
-        }
+        // The edge writes may have grown the file; KEEP_SIZE puts it back.
+        item.size = if mode.keep_size { size } else { size.max(end) };
         item.ctime = Timespec::now();
         self.store_inode(ino, &item)
     }

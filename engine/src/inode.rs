@@ -217,9 +217,21 @@ impl Filesystem {
 
     /// chmod, chown, utimens and truncate in one call, as FUSE's setattr.
     pub fn setattr(&mut self, ino: u64, change: SetAttr) -> Result<Stat> {
-        self.check_writable()?;
+        self.run_op(|fs| fs.setattr_op(ino, change))
+    }
+
+    fn setattr_op(&mut self, ino: u64, change: SetAttr) -> Result<Stat> {
+        let mut needs = crate::fs::Needs::default();
         if let Some(size) = change.size {
-            self.truncate(ino, size)?;
+            self.need_truncate(&mut needs, ino, size)?;
+        } else {
+            self.load_inode(ino)?;
+        }
+        let shard = self.shard_of(ino);
+        needs.meta(shard, self.tree_op_blocks(shard));
+        self.reserve(&needs, crate::space::MetaNeed::Shrink)?;
+        if let Some(size) = change.size {
+            self.truncate_reserved(ino, size)?;
         }
         let mut item = self.load_inode(ino)?;
         if let Some(mode) = change.mode {

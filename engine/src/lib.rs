@@ -11,6 +11,7 @@
 //! - [`inode`], [`dir`], [`file`], [`xattr`]: the POSIX operations;
 //! - [`check`]: the checker behind `corefs fsck` and every test.
 
+mod bucket;
 pub mod check;
 pub mod commit;
 pub mod delayed;

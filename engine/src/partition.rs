@@ -200,7 +200,7 @@ impl Filesystem {
             in_commit: false,
             next_create_shard: like.stream as u64,
             transaction_started: std::time::Instant::now(),
-            delayed: DelayedIndex::default(),
+            delayed: DelayedIndex::new(count as u32),
             ino_counters: vec![None; count],
             ino_counters_dirty: vec![false; count],
             log,
@@ -208,6 +208,7 @@ impl Filesystem {
             block_cache: Default::default(),
             unpin_pending: None,
             commit_in_flight: None,
+            op: Default::default(),
         };
         fs.put_shards(lent);
         // The mount's metadata cache budget is shared out by shards held.

@@ -1,5 +1,5 @@
 //! The block allocator of one shard: a bitmap over the shard's region, with frees pinned to
-//! the generation that made them.
+//! the generation that made them, and the accounting that keeps ENOSPC an answer to one call.
 //!
 //! # Invariants
 //! - `allocated` is the truth the next commit persists: a bit is set iff the running
@@ -11,10 +11,19 @@
 //! - Pins are released strictly in generation order, one generation per call, so two
 //!   generations never release the same block twice (btrfs once allocated the same space twice
 //!   by unpinning overlapping ranges of two transactions at once).
-//! - `reserve_blocks` blocks are kept back from data allocations, so a commit can always
-//!   copy-on-write its metadata: ENOSPC reaches the caller before the device is too full to
-//!   commit.
-
+//! - **The commit always has room.** Every allocation outside a commit keeps back the shard's
+//!   *commit floor* (what the next commit may allocate: its space bitmap and inode counter
+//!   items, and the delayed directory-index items waiting for it; the caller computes it,
+//!   [`crate::fs::Filesystem::commit_floor_blocks`]), so a commit never fails for want of space
+//!   and ENOSPC never turns the filesystem read-only.
+//! - **An operation is all or nothing.** Before an operation changes anything it reserves the
+//!   worst case of every metadata block (and data block) it may allocate, in every shard it
+//!   touches ([`Space::reserve_op`]); its allocations then draw on the reservation and cannot
+//!   fail, so ENOSPC is returned before the first change or not at all. An allocation beyond
+//!   the reservation (an estimate too low: a bug) still succeeds while any block is free, and
+//!   is counted in [`Space::overrun_blocks`], which the tests require to stay 0.
+//! - Beyond the floor, data allocations keep the whole reserve, changes that grow the trees
+//!   keep half of it, and removals may use all of it: a full filesystem can always delete.
 use crate::error::{EngineError, Result};
 use std::collections::{BTreeSet, VecDeque};
 
@@ -22,11 +31,18 @@ use std::collections::{BTreeSet, VecDeque};
 pub const BLOCKS_PER_CHUNK: u64 = 4096;
 pub const CHUNK_BYTES: usize = (BLOCKS_PER_CHUNK / 8) as usize;
 
-/// Why metadata blocks are wanted; decides how much of the reserve may be used.
+/// Why blocks are wanted; decides how much of the reserve may be used.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MetaNeed {
+    /// File data: keeps the commit floor and the whole reserve.
+    Data,
+    /// A change that grows the trees (a create, a write's extents): keeps the floor and half
+    /// of the reserve, which only removals may use.
     Grow,
+    /// A removal (it frees space once committed, but copies nodes on write first): keeps the
+    /// commit floor only.
     Shrink,
+    /// The commit itself and mount's replay: may use every free block.
     Commit,
 }
 
@@ -43,6 +59,17 @@ pub struct Space {
     /// Bitmap chunks whose `allocated` bits changed since the last commit persisted them.
     dirty_chunks: BTreeSet<u64>,
     reserve_blocks: u64,
+    /// Blocks promised to the operation in progress: metadata, and data blocks.
+    op_meta_blocks: u64,
+    op_data_blocks: u64,
+    /// An operation holds a reservation here ([`Space::reserve_op`] .. [`Space::end_op`]).
+    op_active: bool,
+    /// Metadata blocks allocated by operations beyond what they reserved (a bug: tests
+    /// require 0).
+    overrun_blocks: u64,
+    /// Blocks counted as in use without being allocated: a test shrinks the free space with
+    /// it to run an operation at every level of fullness ([`Space::set_ballast`]).
+    ballast_blocks: u64,
 }
 
 impl Space {
@@ -60,6 +87,11 @@ impl Space {
             hint: 0,
             dirty_chunks: BTreeSet::new(),
             reserve_blocks: (region_blocks / 50).clamp(64.min(region_blocks / 4), 4096),
+            op_meta_blocks: 0,
+            op_data_blocks: 0,
+            op_active: false,
+            overrun_blocks: 0,
+            ballast_blocks: 0,
         }
     }
 
@@ -69,10 +101,86 @@ impl Space {
     pub fn allocated_blocks(&self) -> u64 {
         self.allocated_count
     }
-    /// Blocks a data allocation may still take.
+    /// Blocks neither in use, pinned, nor promised to the operation in progress.
     pub fn free_blocks(&self) -> u64 {
-        self.region_blocks - self.busy_count
+        self.region_blocks
+            .saturating_sub(self.busy_count + self.ballast_blocks)
+            .saturating_sub(self.op_meta_blocks + self.op_data_blocks)
     }
+
+    /// Blocks a data allocation may take, with `commit_floor` blocks kept for the next
+    /// commit (statfs's "available").
+    pub fn data_available(&self, commit_floor: u64) -> u64 {
+        self.free_blocks()
+            .saturating_sub(self.keep(MetaNeed::Data, commit_floor))
+    }
+
+    /// The reserve kept back from data allocations (beyond the commit floor).
+    pub fn reserve_blocks(&self) -> u64 {
+        self.reserve_blocks
+    }
+
+    /// Blocks an allocation of kind `need` must leave free.
+    fn keep(&self, need: MetaNeed, commit_floor: u64) -> u64 {
+        match need {
+            MetaNeed::Data => commit_floor + self.reserve_blocks,
+            MetaNeed::Grow => commit_floor + self.reserve_blocks / 2,
+            MetaNeed::Shrink => commit_floor,
+            MetaNeed::Commit => 0,
+        }
+    }
+
+    /// Counts `blocks` as in use without allocating them (0 removes the ballast): a test
+    /// hook to run an operation at every level of fullness.
+    #[doc(hidden)]
+    pub fn set_ballast(&mut self, blocks: u64) {
+        self.ballast_blocks = blocks;
+    }
+
+    /// Metadata blocks operations allocated beyond their reservations (a bug when not 0).
+    pub fn overrun_blocks(&self) -> u64 {
+        self.overrun_blocks
+    }
+
+    /// Reserves `meta_blocks` metadata and `data_blocks` data blocks for the operation about
+    /// to run, keeping what an allocation of kind `need` must keep (`commit_floor` included).
+    /// All or nothing: false (and nothing reserved) when they are not there. Reservations of
+    /// one operation add up; [`Space::end_op`] returns what was not used.
+    pub fn reserve_op(
+        &mut self,
+        meta_blocks: u64,
+        data_blocks: u64,
+        need: MetaNeed,
+        commit_floor: u64,
+    ) -> bool {
+        let data_keep = if data_blocks > 0 {
+            self.keep(MetaNeed::Data, commit_floor)
+        } else {
+            0
+        };
+        let free = self.free_blocks();
+        let fits = free >= self.keep(need, commit_floor) + meta_blocks + data_blocks
+            && free >= data_keep + data_blocks;
+        if fits {
+            self.op_meta_blocks += meta_blocks;
+            self.op_data_blocks += data_blocks;
+            self.op_active = true;
+        }
+        fits
+    }
+
+    /// The operation is over: what it reserved and did not use is free again.
+    pub fn end_op(&mut self) {
+        self.op_meta_blocks = 0;
+        self.op_data_blocks = 0;
+        self.op_active = false;
+    }
+
+    /// True while an operation holds a reservation here.
+    pub fn in_op(&self) -> bool {
+        self.op_active
+    }
+
     pub fn pinned_generations(&self) -> usize {
         self.pinned.len()
     }
@@ -104,34 +212,59 @@ impl Space {
         addr - self.region_start
     }
 
-    /// Allocates one metadata block. Callers first check [`Space::can_alloc_meta`] for the
-    /// whole change, so this only fails when that check was skipped.
+    /// Allocates one metadata block: from the operation's reservation when it holds one,
+    /// else from any free block (the caller checked [`Space::can_alloc_meta`] for its change;
+    /// an operation past its reservation is counted as an overrun).
     pub fn alloc_meta(&mut self) -> Result<u64> {
-        self.alloc_run(1, 0).map(|(start, _)| start)
+        if self.op_meta_blocks > 0 {
+            self.op_meta_blocks -= 1;
+        } else {
+            if self.op_active {
+                self.overrun_blocks += 1;
+                tracing::warn!(
+                    region = self.region_start,
+                    "an operation allocated more metadata than it reserved"
+                );
+            }
+            if self.free_blocks() == 0 {
+                return Err(EngineError::NoSpace);
+            }
+        }
+        Ok(self.take_run(1).0)
     }
 
-    /// True when a change of kind `need` may allocate `blocks` metadata blocks. Changes that
-    /// grow the tree keep half the reserve back; changes that free space (removals) may dig
-    /// deeper, so a full filesystem can always delete; the commit may use all of it.
-    pub fn can_alloc_meta(&self, blocks: u64, need: MetaNeed) -> bool {
-        let keep = match need {
-            MetaNeed::Grow => self.reserve_blocks / 2,
-            MetaNeed::Shrink => self.reserve_blocks / 8,
-            MetaNeed::Commit => 0,
-        };
-        self.free_blocks() >= keep + blocks
+    /// True when a change of kind `need` may allocate `blocks` metadata blocks with
+    /// `commit_floor` blocks kept for the next commit. Changes that grow the tree keep part of
+    /// the reserve back; removals may dig deeper, so a full filesystem can always delete; the
+    /// commit may use every block.
+    pub fn can_alloc_meta(&self, blocks: u64, need: MetaNeed, commit_floor: u64) -> bool {
+        self.free_blocks() >= self.keep(need, commit_floor) + blocks
     }
 
-    /// Allocates up to `want` contiguous data blocks, at least one; keeps the reserve.
-    pub fn alloc_data(&mut self, want: u64) -> Result<(u64, u64)> {
-        self.alloc_run(want.max(1), self.reserve_blocks)
-    }
-
-    fn alloc_run(&mut self, want: u64, keep: u64) -> Result<(u64, u64)> {
-        if self.free_blocks() <= keep {
+    /// Allocates up to `want` contiguous data blocks, at least one: from the operation's
+    /// data reservation when it holds one, else keeping the floor and the reserve.
+    pub fn alloc_data(&mut self, want: u64, commit_floor: u64) -> Result<(u64, u64)> {
+        let want = want.max(1);
+        if self.op_data_blocks > 0 {
+            let take = want.min(self.op_data_blocks);
+            self.op_data_blocks -= take;
+            let (start, got) = self.take_run(take);
+            // A shorter run leaves the rest of the reservation for the next call.
+            self.op_data_blocks += take - got;
+            return Ok((start, got));
+        }
+        let available = self.data_available(commit_floor);
+        if available == 0 {
             return Err(EngineError::NoSpace);
         }
-        let want = want.min(self.free_blocks() - keep);
+        Ok(self.take_run(want.min(available)))
+    }
+
+    /// Takes the first free run of up to `want` blocks from the next-fit hint. The caller has
+    /// checked that `want` blocks are free (reservations and ballast only count blocks), so
+    /// a free bit exists.
+    fn take_run(&mut self, want: u64) -> (u64, u64) {
+        assert!(want >= 1);
         let n = self.region_blocks;
         let mut index = self.hint % n;
         for _ in 0..n {
@@ -149,11 +282,11 @@ impl Space {
                     self.mark(i, true);
                 }
                 self.hint = index + len;
-                return Ok((self.region_start + index, len));
+                return (self.region_start + index, len);
             }
             index = (index + 1) % n;
         }
-        unreachable!("free_blocks() > 0 but no free bit found");
+        unreachable!("free blocks were counted but no free bit found");
     }
 
     fn mark(&mut self, index: u64, on: bool) {
@@ -324,7 +457,7 @@ mod tests {
         let mut space = Space::new(0, 1000);
         let reserve = space.reserve_blocks;
         let mut data = 0;
-        while let Ok((_, len)) = space.alloc_data(64) {
+        while let Ok((_, len)) = space.alloc_data(64, 0) {
             data += len;
         }
         assert_eq!(data, 1000 - reserve);
@@ -332,7 +465,7 @@ mod tests {
         space.free(2, 10, None);
         // Ten blocks came back, but one of the reserve now holds metadata: data may take nine.
         assert_eq!(
-            space.alloc_data(100).unwrap().1,
+            space.alloc_data(100, 0).unwrap().1,
             9,
             "freed unwritten blocks return at once"
         );
@@ -359,6 +492,66 @@ mod tests {
             loaded.load_chunk(1, &bad).is_err(),
             "bits past the region are corruption"
         );
+    }
+
+    #[test]
+    fn a_reservation_is_all_or_nothing_and_its_allocations_cannot_fail() {
+        let mut space = Space::new(0, 1000);
+        let reserve = space.reserve_blocks;
+        let floor = 10;
+        // Growing changes keep the floor and half of the reserve.
+        let room = 1000 - floor - reserve / 2;
+        assert!(!space.reserve_op(room + 1, 0, MetaNeed::Grow, floor));
+        assert_eq!(
+            space.free_blocks(),
+            1000,
+            "a refused reservation holds nothing"
+        );
+        assert!(space.reserve_op(room, 0, MetaNeed::Grow, floor));
+        assert_eq!(space.free_blocks(), 1000 - room);
+        // Nobody else may take reserved blocks, not even a removal.
+        assert!(!space.can_alloc_meta(reserve / 2 + 1, MetaNeed::Shrink, floor));
+        for _ in 0..room {
+            space.alloc_meta().unwrap();
+        }
+        assert_eq!(space.overrun_blocks(), 0);
+        space.alloc_meta().unwrap();
+        assert_eq!(
+            space.overrun_blocks(),
+            1,
+            "past the reservation is an overrun"
+        );
+        space.end_op();
+        assert!(!space.in_op());
+    }
+
+    #[test]
+    fn a_data_reservation_keeps_the_floor_and_the_reserve() {
+        let mut space = Space::new(0, 1000);
+        let reserve = space.reserve_blocks;
+        let floor = 10;
+        let room = 1000 - floor - reserve;
+        assert!(!space.reserve_op(0, room + 1, MetaNeed::Grow, floor));
+        assert!(space.reserve_op(0, room, MetaNeed::Grow, floor));
+        let mut got = 0;
+        while got < room {
+            got += space.alloc_data(room - got, floor).unwrap().1;
+        }
+        space.end_op();
+        assert_eq!(space.data_available(floor), 0);
+        assert_eq!(space.alloc_data(1, floor), Err(EngineError::NoSpace));
+        assert!(space.can_alloc_meta(reserve, MetaNeed::Shrink, floor));
+    }
+
+    #[test]
+    fn ballast_shrinks_the_free_space_without_allocating() {
+        let mut space = Space::new(0, 100);
+        space.set_ballast(99);
+        assert_eq!(space.free_blocks(), 1);
+        space.alloc_meta().unwrap();
+        assert_eq!(space.alloc_meta(), Err(EngineError::NoSpace));
+        space.set_ballast(0);
+        assert_eq!(space.allocated_blocks(), 1);
     }
 
     #[test]

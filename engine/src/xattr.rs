@@ -1,12 +1,15 @@
-//! Extended attributes: `(ino, XattrItem, hash(name))` items, each a bucket of the inode's
-//! attributes whose names share the hash. Names up to 255 bytes; a value must fit one item
-//! with its bucket ([`MAX_XATTR_VALUE_BYTES`]).
+//! Extended attributes: `(ino, XattrItem, chain_offset(hash(name), link))` items, the chain
+//! of the inode's attributes whose names share the keyed hash ([`crate::bucket`]). Names up to
+//! 255 bytes; a value must fit one item with its name ([`MAX_XATTR_VALUE_BYTES`]). Setting or
+//! removing one is all or nothing ([`Filesystem::run_op`]).
 
+use crate::bucket::{Chain, CHAIN_LINKS_PER_CHANGE_MAX};
 use crate::error::{EngineError, Result};
-use crate::format::items::{decode_xattrs, encode_xattrs, name_hash, Timespec, Xattr};
+use crate::format::items::{decode_xattrs, Timespec, Xattr};
 use crate::format::node::MAX_ITEM_BYTES;
 use crate::format::{ItemKind, Key};
-use crate::fs::Filesystem;
+use crate::fs::{Filesystem, Needs};
+use crate::space::MetaNeed;
 
 /// Largest xattr value corefs stores (one tree item holds the name, the value and any names
 /// sharing the hash).
@@ -24,22 +27,23 @@ pub enum XattrFlags {
 }
 
 impl Filesystem {
-    fn xattr_bucket(&mut self, ino: u64, hash: u64) -> Result<Vec<Xattr>> {
+    fn xattr_chain(&mut self, ino: u64, name: &[u8]) -> Result<Chain<Xattr>> {
         self.load_inode(ino)?;
-        let shard = self.shard_of(ino);
-        let key = Key::new(ino, ItemKind::XattrItem, hash);
-        match self.with_tree(shard, false, |tree, io| tree.get(io, &key))? {
-            Some(bytes) => {
-                decode_xattrs(&bytes).map_err(|why| EngineError::corrupt("xattr item", ino, why))
-            }
-            None => Ok(Vec::new()),
-        }
+        let hash = self.name_hash(name);
+        self.read_chain(ino, ItemKind::XattrItem, hash)
     }
 
-    fn put_xattr_bucket(&mut self, ino: u64, hash: u64, bucket: &[Xattr]) -> Result<()> {
+    /// Writes back a changed chain and the inode's ctime: reserved first, so it is all or
+    /// nothing.
+    fn put_xattr_chain(&mut self, ino: u64, chain: &Chain<Xattr>, need: MetaNeed) -> Result<()> {
         let shard = self.shard_of(ino);
-        let key = Key::new(ino, ItemKind::XattrItem, hash);
-        self.put_bucket(shard, key, encode_xattrs(bucket), "xattr value")?;
+        let mut needs = Needs::default();
+        needs.meta(
+            shard,
+            (CHAIN_LINKS_PER_CHANGE_MAX + 1) * self.tree_op_blocks(shard),
+        );
+        self.reserve(&needs, need)?;
+        self.write_chain(chain)?;
         let mut item = self.load_inode(ino)?;
         item.ctime = Timespec::now();
         self.store_inode(ino, &item)
@@ -62,34 +66,35 @@ impl Filesystem {
         value: &[u8],
         flags: XattrFlags,
     ) -> Result<()> {
-        self.check_writable()?;
-        Self::check_xattr_name(name)?;
-        if value.len() > MAX_XATTR_VALUE_BYTES {
-            return Err(EngineError::TooBig(format!(
-                "xattr values are limited to {MAX_XATTR_VALUE_BYTES} bytes"
-            )));
-        }
-        let hash = name_hash(name);
-        let mut bucket = self.xattr_bucket(ino, hash)?;
-        match (bucket.iter().position(|x| x.name == name), flags) {
-            (Some(_), XattrFlags::Create) => return Err(EngineError::Exists),
-            (None, XattrFlags::Replace) => return Err(EngineError::NoData),
-            (Some(at), _) => bucket[at].value = value.to_vec(),
-            (None, _) => bucket.push(Xattr {
+        self.run_op(|fs| {
+            Self::check_xattr_name(name)?;
+            if value.len() > MAX_XATTR_VALUE_BYTES {
+                return Err(EngineError::TooBig(format!(
+                    "xattr values are limited to {MAX_XATTR_VALUE_BYTES} bytes"
+                )));
+            }
+            let mut chain = fs.xattr_chain(ino, name)?;
+            match (chain.get(name).is_some(), flags) {
+                (true, XattrFlags::Create) => return Err(EngineError::Exists),
+                (false, XattrFlags::Replace) => return Err(EngineError::NoData),
+                _ => {}
+            }
+            // A new value may not fit where the old one was: it takes the first link with
+            // room, like a new attribute.
+            chain.remove(name);
+            chain.insert(Xattr {
                 name: name.to_vec(),
                 value: value.to_vec(),
-            }),
-        }
-        self.put_xattr_bucket(ino, hash, &bucket)
+            });
+            fs.put_xattr_chain(ino, &chain, MetaNeed::Grow)
+        })
     }
 
     pub fn getxattr(&mut self, ino: u64, name: &[u8]) -> Result<Vec<u8>> {
         Self::check_xattr_name(name)?;
-        let bucket = self.xattr_bucket(ino, name_hash(name))?;
-        bucket
-            .into_iter()
-            .find(|x| x.name == name)
-            .map(|x| x.value)
+        self.xattr_chain(ino, name)?
+            .get(name)
+            .map(|x| x.value.clone())
             .ok_or(EngineError::NoData)
     }
 
@@ -106,8 +111,8 @@ impl Filesystem {
         })?;
         let mut names = Vec::new();
         for (_, bytes) in items {
-            for x in
-                decode_xattrs(&bytes).map_err(|why| EngineError::corrupt("xattr item", ino, why))?
+            for x in decode_xattrs(&bytes)
+                .map_err(|why| EngineError::corrupt_inode("xattr item", ino, why))?
             {
                 names.push(x.name);
             }
@@ -116,15 +121,11 @@ impl Filesystem {
     }
 
     pub fn removexattr(&mut self, ino: u64, name: &[u8]) -> Result<()> {
-        self.check_writable()?;
-        Self::check_xattr_name(name)?;
-        let hash = name_hash(name);
-        let mut bucket = self.xattr_bucket(ino, hash)?;
-        let at = bucket
-            .iter()
-            .position(|x| x.name == name)
-            .ok_or(EngineError::NoData)?;
-        bucket.remove(at);
-        self.put_xattr_bucket(ino, hash, &bucket)
+        self.run_op(|fs| {
+            Self::check_xattr_name(name)?;
+            let mut chain = fs.xattr_chain(ino, name)?;
+            chain.remove(name).ok_or(EngineError::NoData)?;
+            fs.put_xattr_chain(ino, &chain, MetaNeed::Shrink)
+        })
     }
 }

@@ -267,9 +267,43 @@ pub fn decode_xattrs(b: &[u8]) -> Result<Vec<Xattr>, String> {
     Ok(out)
 }
 
-/// The hash that orders directory items and xattrs: crc32c of the name, widened.
-pub fn name_hash(name: &[u8]) -> u64 {
-    crc32c::crc32c(name) as u64
+/// The keyed hash that places a name in its directory item or xattr item: SipHash-1-3 of
+/// the name under the filesystem's random key ([`super::Superblock::hash_key`]), 32 bits
+/// (fewer when formatted so for tests). Without the key nobody can compute names that
+/// collide; names that do collide still all fit, because a hash has a chain of items
+/// ([`chain_offset`]), not one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NameHasher {
+    key: [u8; 16],
+    mask: u32,
+}
+
+impl NameHasher {
+    pub fn new(key: [u8; 16], bits: u8) -> NameHasher {
+        assert!((1..=32).contains(&bits), "a name hash has 1 to 32 bits");
+        NameHasher {
+            key,
+            mask: (u64::from(u32::MAX) >> (32 - bits)) as u32,
+        }
+    }
+
+    pub fn hash(&self, name: &[u8]) -> u32 {
+        use std::hash::Hasher;
+        let mut h = siphasher::sip::SipHasher13::new_with_key(&self.key);
+        h.write(name);
+        h.finish() as u32 & self.mask
+    }
+}
+
+/// The key offset of item `link` in the chain of hash `hash`: the hash in the high half,
+/// so one hash's items are neighbours in the tree and one range read finds them all.
+pub fn chain_offset(hash: u32, link: u32) -> u64 {
+    (u64::from(hash) << 32) | u64::from(link)
+}
+
+/// The hash a chain item's key offset belongs to.
+pub fn chain_hash(offset: u64) -> u32 {
+    (offset >> 32) as u32
 }
 
 #[cfg(test)]

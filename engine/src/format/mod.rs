@@ -1,4 +1,4 @@
-//! The on-disk format, version 2. Every integer on disk is fixed-width little-endian; every
+//! The on-disk format, version 3. Every integer on disk is fixed-width little-endian; every
 //! block carries a crc32c; every pointer to a block carries the block's address, generation and
 //! crc32c, so a reader detects bit rot, torn writes, lost writes and misdirected writes before
 //! it uses a byte (see docs/on-disk-format.md).
@@ -20,8 +20,9 @@ pub use superblock::{ShardRoot, Superblock};
 
 /// The filesystem block size: tree nodes, superblocks and data extents are whole blocks.
 pub const BLOCK_BYTES: usize = 4096;
-/// Version 2 added the per-shard fsync log area.
-pub const FORMAT_VERSION: u32 = 2;
+/// Version 2 added the per-shard fsync log area; version 3 places names with a keyed hash
+/// and chains the items of names sharing a hash.
+pub const FORMAT_VERSION: u32 = 3;
 /// Superblock copies live in these blocks.
 pub const SUPERBLOCK_ADDRS: [u64; 2] = [0, 1];
 /// First block of the shard regions.

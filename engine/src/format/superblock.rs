@@ -42,6 +42,11 @@ pub struct Superblock {
     /// The first blocks of every shard region are the shard's fsync log ([`crate::log`]); the
     /// allocator owns the rest.
     pub log_blocks: u64,
+    /// The key of the hash that places names in directory and xattr items (random per
+    /// filesystem, [`super::items::NameHasher`]), and how many bits of it are used: 32, or
+    /// fewer when a test formats a filesystem whose names collide often.
+    pub hash_key: [u8; 16],
+    pub name_hash_bits: u8,
     pub shards: Vec<ShardRoot>,
 }
 
@@ -78,6 +83,11 @@ impl Superblock {
         self.region_blocks - self.log_blocks
     }
 
+    /// The hash placing names in this filesystem's directory and xattr items.
+    pub fn name_hasher(&self) -> super::items::NameHasher {
+        super::items::NameHasher::new(self.hash_key, self.name_hash_bits)
+    }
+
     pub fn encode(&self) -> Vec<u8> {
         assert!(!self.shards.is_empty() && self.shards.len() <= MAX_SHARDS as usize);
         assert!(self.label.len() <= 32, "label longer than 32 bytes");
@@ -92,6 +102,8 @@ impl Superblock {
         b[48..64].copy_from_slice(&self.uuid);
         b[64..64 + self.label.len()].copy_from_slice(self.label.as_bytes());
         b[96..104].copy_from_slice(&self.log_blocks.to_le_bytes());
+        b[104..120].copy_from_slice(&self.hash_key);
+        b[120] = self.name_hash_bits;
         for (i, shard) in self.shards.iter().enumerate() {
             let at = SHARD_ROOTS_AT + i * SHARD_ROOT_BYTES;
             shard.tree.encode(&mut b[at..]);
@@ -154,6 +166,10 @@ impl Superblock {
                 "log area of {log_blocks} blocks in regions of {region_blocks}"
             ));
         }
+        let name_hash_bits = b[120];
+        if !(1..=32).contains(&name_hash_bits) {
+            return Err(format!("name hash of {name_hash_bits} bits"));
+        }
         let label_bytes = &b[64..96];
         let label_len = label_bytes.iter().position(|&c| c == 0).unwrap_or(32);
         let label = String::from_utf8(label_bytes[..label_len].to_vec())
@@ -166,6 +182,8 @@ impl Superblock {
             uuid: b[48..64].try_into().expect("16 bytes"),
             label,
             log_blocks,
+            hash_key: b[104..120].try_into().expect("16 bytes"),
+            name_hash_bits,
             shards: Vec::with_capacity(shard_count as usize),
         };
         for i in 0..shard_count {
@@ -207,6 +225,8 @@ mod tests {
             uuid: [7; 16],
             label: "data".into(),
             log_blocks: 16,
+            hash_key: [3; 16],
+            name_hash_bits: 32,
             shards: (0..4)
                 .map(|i| ShardRoot {
                     tree: BlockPtr {

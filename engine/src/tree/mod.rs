@@ -138,6 +138,9 @@ pub struct Tree {
     /// the owner asked for them (the fsync log's change tracking).
     changed: Vec<Key>,
     record_changes: bool,
+    /// Inserts and removals that changed the tree, ever: whoever drives an operation
+    /// compares it before and after a step to know whether the step changed anything.
+    changes: u64,
 }
 
 impl Tree {
@@ -155,6 +158,7 @@ impl Tree {
             stats: TreeStats::default(),
             changed: Vec::new(),
             record_changes: false,
+            changes: 0,
         }
     }
 
@@ -206,6 +210,16 @@ impl Tree {
     fn node_mut(&mut self, id: NodeId) -> &mut Node {
         self.nodes[id as usize].as_mut().expect("live node id")
     }
+    /// Inserts and removals so far (see the field).
+    pub fn changes(&self) -> u64 {
+        self.changes
+    }
+
+    /// The root's level (0: the root is a leaf, or the tree is empty).
+    pub fn level(&self) -> u8 {
+        self.root_level
+    }
+
     /// Nodes in memory.
     pub fn loaded_nodes(&self) -> usize {
         self.loaded_count
@@ -417,7 +431,8 @@ impl Tree {
         }
     }
 
-    /// Every item with `start` ≤ key < `end`, in key order.
+    /// Every item with `start` ≤ key < `end`, in key order. One descent per leaf, not per
+    /// item: the items of a leaf are taken together.
     pub fn range(
         &mut self,
         io: &mut dyn NodeIo,
@@ -425,18 +440,52 @@ impl Tree {
         end: Key,
     ) -> Result<Vec<(Key, Vec<u8>)>> {
         let mut out = Vec::new();
+        let Some(root) = self.root_id(io)? else {
+            return Ok(out);
+        };
         let mut at = start;
-        while let Some((key, value)) = self.seek(io, &at)? {
-            if key >= end {
-                break;
+        while let Some((leaf, first)) = self.seek_position(io, root, &at)? {
+            let items = self.node(leaf).leaf();
+            let mut last = None;
+            for (key, value) in &items[first..] {
+                if *key >= end {
+                    return Ok(out);
+                }
+                out.push((*key, value.clone()));
+                last = Some(*key);
             }
-            out.push((key, value));
-            match key.successor() {
+            // The leaf ran out inside the range: go on after its last key.
+            match last.and_then(|k| k.successor()) {
                 Some(next) => at = next,
                 None => break,
             }
         }
         Ok(out)
+    }
+
+    /// The leaf and index of the first item with a key ≥ `key` under `id`, if any.
+    fn seek_position(
+        &mut self,
+        io: &mut dyn NodeIo,
+        id: NodeId,
+        key: &Key,
+    ) -> Result<Option<(NodeId, usize)>> {
+        match &self.node(id).body {
+            Body::Leaf(items) => {
+                let i = items.partition_point(|(k, _)| k < key);
+                Ok((i < items.len()).then_some((id, i)))
+            }
+            Body::Internal(children) => {
+                let count = children.len();
+                for index in Self::child_index(children, key)..count {
+                    let child = self.child_id(io, id, index)?;
+                    if let Some(found) = self.seek_position(io, child, key)? {
+                        return Ok(Some(found));
+                    }
+                }
+                Ok(None)
+            }
+        }
     }
 
     /// The most blocks one change can allocate: a copy and a split per level, and a new root.
@@ -485,8 +534,11 @@ impl Tree {
         value: Vec<u8>,
     ) -> Result<Option<Vec<u8>>> {
         let result = self.insert_item(io, key, value);
-        if self.record_changes && result.is_ok() {
-            self.changed.push(key);
+        if result.is_ok() {
+            self.changes += 1;
+            if self.record_changes {
+                self.changed.push(key);
+            }
         }
         result
     }
@@ -682,8 +734,11 @@ impl Tree {
     /// Removes `key`. Returns its value, if it was there.
     pub fn remove(&mut self, io: &mut dyn NodeIo, key: &Key) -> Result<Option<Vec<u8>>> {
         let result = self.remove_item(io, key);
-        if self.record_changes && matches!(result, Ok(Some(_))) {
-            self.changed.push(*key);
+        if matches!(result, Ok(Some(_))) {
+            self.changes += 1;
+            if self.record_changes {
+                self.changed.push(*key);
+            }
         }
         result
     }
