@@ -38,6 +38,10 @@ pub enum EngineError {
     NoData,
     #[error("value too large for this filesystem ({0})")]
     TooBig(String),
+    /// A bug met at run time (a reactor that panicked): the operation's outcome is unknown
+    /// and the filesystem serving it has stopped (fail-stop), as after a device error.
+    #[error("internal error: {0}")]
+    Internal(String),
 }
 
 impl EngineError {
@@ -76,6 +80,7 @@ impl EngineError {
             EngineError::NameTooLong => 36,     // ENAMETOOLONG
             EngineError::NoData => 61,          // ENODATA
             EngineError::TooBig(_) => 27,       // EFBIG
+            EngineError::Internal(_) => libc_eio(),
         }
     }
 }
