@@ -157,7 +157,7 @@ fn one_run(
                     scope.spawn(move || {
                         if let Some(id) = core {
                             // Best effort: an unpinned client only shares the reactor's core.
-                            core_affinity::set_for_current(core_affinity::CoreId { id });
+                            let _ = reactor::affinity::pin_current_thread(id);
                         }
                         let mut h = latency_histogram();
                         let mut offset = 0u64;

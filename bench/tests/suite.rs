@@ -45,7 +45,7 @@ fn scratch() -> tempfile::TempDir {
 /// placement is recorded with the results.
 #[test]
 fn every_workload_runs_with_the_reactor_on_a_dedicated_core() {
-    let cores = core_affinity::get_core_ids().map_or(0, |c| c.len());
+    let cores = reactor::affinity::allowed_cores().map_or(0, |c| c.len());
     let placement = Placement::choose(1, false);
     if cores >= 2 {
         let Placement::Dedicated {

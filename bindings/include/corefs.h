@@ -169,13 +169,16 @@ corefs_fd corefs_open(corefs_fs fs, const char *path, int flags, uint32_t mode);
 // Closes a file handle (its data stays where it is: fsync first to make it durable).
 int corefs_release(corefs_fs fs, corefs_fd fd);
 
-// Reads up to `len` bytes at `offset`. Returns the bytes read (0 at end of file).
+// Reads up to `len` bytes at `offset`. Returns the bytes read (0 at end of file). As
+// pread(2): at most 0x7ffff000 bytes per call, and `offset + len` past INT64_MAX is -EINVAL.
 //
 // # Safety
 // `buf` is valid for writing `len` bytes.
 int64_t corefs_pread(corefs_fs fs, corefs_fd fd, uint8_t *buf, size_t len, uint64_t offset);
 
-// Writes `len` bytes at `offset` (at the end of file with COREFS_O_APPEND). Returns `len`.
+// Writes `len` bytes at `offset` (at the end of file with COREFS_O_APPEND). Returns `len`,
+// or as pwrite(2) 0x7ffff000 for a longer write (it writes that much); `offset + len` past
+// INT64_MAX is -EINVAL.
 //
 // # Safety
 // `buf` is valid for reading `len` bytes.
@@ -307,9 +310,9 @@ int corefs_removexattr(corefs_fs fs, const char *path, const char *name);
 // `out` is valid for writing one `corefs_stats`.
 int corefs_get_stats(corefs_fs fs, struct corefs_stats *out);
 
-// Submits a read of up to `len` bytes at `offset` into `buf`; its completion (on this thread's
-// queue, see `corefs_poll`) carries `token` and the bytes read. -EAGAIN when this thread has
-// 256 operations in flight: poll, then submit again.
+// Submits a read of up to `len` bytes at `offset` into `buf` (bounded as `corefs_pread`);
+// its completion (on this thread's queue, see `corefs_poll`) carries `token` and the bytes
+// read. -EAGAIN when this thread has 256 operations in flight: poll, then submit again.
 //
 // # Safety
 // `buf` stays valid for writing `len` bytes until the completion is polled, on this thread.
@@ -320,8 +323,8 @@ int corefs_submit_pread(corefs_fs fs,
                         uint64_t offset,
                         uint64_t token);
 
-// Submits a write of `len` bytes at `offset` (the data is copied: `buf` may be reused at
-// once). Completion as `corefs_submit_pread`.
+// Submits a write of `len` bytes at `offset` (bounded as `corefs_pwrite`; the data is
+// copied: `buf` may be reused at once). Completion as `corefs_submit_pread`.
 //
 // # Safety
 // `buf` is valid for reading `len` bytes during the call.

@@ -136,20 +136,25 @@ const _: () = assert!(std::mem::size_of::<corefs_stats>() == 112);
 
 /// Runs an ABI call: errors and panics become a negative errno and a thread-local message.
 fn guard(name: &str, f: impl FnOnce() -> Result<i64, Error>) -> i64 {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(value)) => value,
-        Ok(Err(e)) => {
+    guard_or(name, -(libc::EIO as i64), || match f() {
+        Ok(value) => value,
+        Err(e) => {
             set_error(&format!("{name}: {}", e.message));
             -(e.errno as i64)
         }
+    })
+}
+
+/// Runs the body of any `extern "C"` function: a panic, which must not unwind into C (it
+/// would abort the process), becomes `on_panic` with the panic's message for
+/// `corefs_last_error()`. Every exported function goes through this.
+fn guard_or<T>(name: &str, on_panic: T, f: impl FnOnce() -> T) -> T {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(value) => value,
         Err(panic) => {
-            let why = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "unknown".into());
+            let why = reactor::panic_message(&*panic);
             set_error(&format!("{name}: internal error (panic: {why})"));
-            -(libc::EIO as i64)
+            on_panic
         }
     }
 }
@@ -208,6 +213,13 @@ unsafe fn bytes_mut<'a>(p: *mut u8, len: usize, what: &str) -> Result<&'a mut [u
     }
     // SAFETY: non-NULL, and the caller guarantees `len` writable bytes.
     Ok(unsafe { std::slice::from_raw_parts_mut(p, len) })
+}
+
+/// The length a read or write of `len` bytes at `offset` moves, bounded as pread(2) and
+/// pwrite(2) bound theirs ([`engine::file::rw_len`]): `offset + len` past the largest
+/// file position is -EINVAL, and more than 0x7ffff000 bytes is shortened to that.
+fn io_len(offset: u64, len: usize) -> Result<usize, Error> {
+    engine::file::rw_len(offset, len).map_err(Error::from)
 }
 
 fn call(fs: &Fs, op: Op) -> Result<Reply, Error> {
@@ -300,7 +312,7 @@ fn to_c_stat(s: &Stat) -> corefs_stat {
 /// thread's next corefs call.
 #[no_mangle]
 pub extern "C" fn corefs_last_error() -> *const c_char {
-    handles::last_error_ptr()
+    guard_or("corefs_last_error", c"".as_ptr(), handles::last_error_ptr)
 }
 
 /// Starts a reactor on `device` (`file:/srv/fs.img,size=1GiB`, `nvme:/dev/ng0n1`,
@@ -351,8 +363,11 @@ pub unsafe extern "C" fn corefs_mount(
             }
             config.reactors = (o.reactors as usize).max(1);
             if o.pin != 0 {
-                config.core = Some(o.core as usize);
-                config.cores = (0..config.reactors).map(|i| o.core as usize + i).collect();
+                // Checked here, so a core the process may not run on is -EINVAL naming it
+                // and the allowed set.
+                config.cores =
+                    reactor::affinity::consecutive_cores(o.core as usize, config.reactors)?;
+                config.core = config.cores.first().copied();
             }
             if o.commit_interval_ms != 0 {
                 mount.commit_interval = Duration::from_millis(o.commit_interval_ms as u64);
@@ -373,6 +388,15 @@ pub unsafe extern "C" fn corefs_mkfs(
     device: *const c_char,
     options: *const corefs_options,
 ) -> c_int {
+    // SAFETY: forwarded from this function's contract.
+    guard_or("corefs_mkfs", -libc::EIO, || unsafe {
+        mkfs(device, options)
+    })
+}
+
+/// # Safety
+/// As `corefs_mkfs`.
+unsafe fn mkfs(device: *const c_char, options: *const corefs_options) -> c_int {
     let mut o = if options.is_null() {
         corefs_options {
             format: 1,
@@ -509,7 +533,8 @@ pub extern "C" fn corefs_release(fs: corefs_fs, fd: corefs_fd) -> c_int {
     })
 }
 
-/// Reads up to `len` bytes at `offset`. Returns the bytes read (0 at end of file).
+/// Reads up to `len` bytes at `offset`. Returns the bytes read (0 at end of file). As
+/// pread(2): at most 0x7ffff000 bytes per call, and `offset + len` past INT64_MAX is -EINVAL.
 ///
 /// # Safety
 /// `buf` is valid for writing `len` bytes.
@@ -530,7 +555,8 @@ pub unsafe extern "C" fn corefs_pread(
                 format!("{fd} is not open for reading"),
             ));
         }
-        // SAFETY: forwarded from this function's contract.
+        let len = io_len(offset, len)?;
+        // SAFETY: forwarded from this function's contract (`len` only shrank).
         let out = unsafe { bytes_mut(buf, len, "buf") }?;
         let data = match call(
             &fs,
@@ -548,7 +574,9 @@ pub unsafe extern "C" fn corefs_pread(
     })
 }
 
-/// Writes `len` bytes at `offset` (at the end of file with COREFS_O_APPEND). Returns `len`.
+/// Writes `len` bytes at `offset` (at the end of file with COREFS_O_APPEND). Returns `len`,
+/// or as pwrite(2) 0x7ffff000 for a longer write (it writes that much); `offset + len` past
+/// INT64_MAX is -EINVAL.
 ///
 /// # Safety
 /// `buf` is valid for reading `len` bytes.
@@ -569,7 +597,8 @@ pub unsafe extern "C" fn corefs_pwrite(
                 format!("{fd} is not open for writing"),
             ));
         }
-        // SAFETY: forwarded from this function's contract.
+        let len = io_len(offset, len)?;
+        // SAFETY: forwarded from this function's contract (`len` only shrank).
         let data = unsafe { bytes(buf, len, "buf") }?;
         let offset = if f.append {
             stat_of(call(&fs, Op::Stat { ino: f.ino })?)?.size
@@ -1175,9 +1204,9 @@ fn submit(
     Ok(())
 }
 
-/// Submits a read of up to `len` bytes at `offset` into `buf`; its completion (on this thread's
-/// queue, see `corefs_poll`) carries `token` and the bytes read. -EAGAIN when this thread has
-/// 256 operations in flight: poll, then submit again.
+/// Submits a read of up to `len` bytes at `offset` into `buf` (bounded as `corefs_pread`);
+/// its completion (on this thread's queue, see `corefs_poll`) carries `token` and the bytes
+/// read. -EAGAIN when this thread has 256 operations in flight: poll, then submit again.
 ///
 /// # Safety
 /// `buf` stays valid for writing `len` bytes until the completion is polled, on this thread.
@@ -1194,6 +1223,7 @@ pub unsafe extern "C" fn corefs_submit_pread(
         if buf.is_null() && len > 0 {
             return Err(efault("buf"));
         }
+        let len = io_len(offset, len)?;
         let f = regular(&*fs_of(fs)?, fd)?;
         if !f.readable {
             return Err(Error::new(
@@ -1214,8 +1244,8 @@ pub unsafe extern "C" fn corefs_submit_pread(
     })
 }
 
-/// Submits a write of `len` bytes at `offset` (the data is copied: `buf` may be reused at
-/// once). Completion as `corefs_submit_pread`.
+/// Submits a write of `len` bytes at `offset` (bounded as `corefs_pwrite`; the data is
+/// copied: `buf` may be reused at once). Completion as `corefs_submit_pread`.
 ///
 /// # Safety
 /// `buf` is valid for reading `len` bytes during the call.
@@ -1236,7 +1266,9 @@ pub unsafe extern "C" fn corefs_submit_pwrite(
                 format!("{fd} is not open for writing"),
             ));
         }
-        // SAFETY: forwarded from this function's contract.
+        // Bounded before the copy: a huge `len` never sizes an allocation.
+        let len = io_len(offset, len)?;
+        // SAFETY: forwarded from this function's contract (`len` only shrank).
         let data = unsafe { bytes(buf, len, "buf") }?.to_vec();
         submit(
             fs,
@@ -1356,7 +1388,7 @@ thread_local! {
 /// alignment step, not a copy.
 #[no_mangle]
 pub extern "C" fn corefs_buf_alloc(len: usize) -> *mut u8 {
-    let result = catch_unwind(|| {
+    guard_or("corefs_buf_alloc", std::ptr::null_mut(), || {
         if len == 0 || len > (1 << 30) {
             set_error("corefs_buf_alloc: length must be 1 byte to 1 GiB");
             return std::ptr::null_mut();
@@ -1366,8 +1398,7 @@ pub extern "C" fn corefs_buf_alloc(len: usize) -> *mut u8 {
             Ok(layout) => unsafe { std::alloc::alloc_zeroed(layout) },
             Err(_) => std::ptr::null_mut(),
         }
-    });
-    result.unwrap_or(std::ptr::null_mut())
+    })
 }
 
 /// Frees a buffer from `corefs_buf_alloc` (`len` as allocated). NULL is ignored.
@@ -1376,11 +1407,27 @@ pub extern "C" fn corefs_buf_alloc(len: usize) -> *mut u8 {
 /// `buf` is NULL or came from `corefs_buf_alloc(len)` and is not used afterwards.
 #[no_mangle]
 pub unsafe extern "C" fn corefs_buf_free(buf: *mut u8, len: usize) {
-    if buf.is_null() || len == 0 {
-        return;
-    }
-    if let Ok(layout) = std::alloc::Layout::from_size_align(len, 4096) {
-        // SAFETY: allocated by corefs_buf_alloc with this layout, by contract.
-        unsafe { std::alloc::dealloc(buf, layout) };
-    }
+    guard_or("corefs_buf_free", (), || {
+        if buf.is_null() || len == 0 {
+            return;
+        }
+        if let Ok(layout) = std::alloc::Layout::from_size_align(len, 4096) {
+            // SAFETY: allocated by corefs_buf_alloc with this layout, by contract.
+            unsafe { std::alloc::dealloc(buf, layout) };
+        }
+    })
+}
+
+/// Test hook (Rust only, not in the header): reactor `reactor` of filesystem `fs` panics
+/// when it next runs a request. Does nothing and returns false unless the library was
+/// built with the reactor's `test-hooks` feature, which only tests turn on.
+#[doc(hidden)]
+pub fn test_hook_panic_on_next_request(fs: corefs_fs, reactor: usize) -> bool {
+    let Ok(fs) = fs_of(fs) else {
+        return false;
+    };
+    let runtime = fs.runtime.lock().unwrap_or_else(|p| p.into_inner());
+    runtime
+        .as_ref()
+        .is_some_and(|r| reactor < r.reactors() && r.panic_on_next_request(reactor))
 }

@@ -8,7 +8,8 @@
 //!   in tables, so a null pointer, a closed or never-opened handle, a handle of the wrong kind
 //!   or an out-of-range argument is an error (-EBADF, -EINVAL, -EFAULT ...), never a crash.
 //! - No panic crosses the ABI: each call runs under `catch_unwind` and a panic becomes -EIO
-//!   with its message.
+//!   with its message. A reactor that panics fails its filesystem: every later call on it is
+//!   -EIO with the panic's message, and `corefs_close` returns that error.
 //! - Thread safety: every call may be made from any thread, concurrently. Each thread gets its
 //!   own reactor client (and so its own completion queue for the asynchronous calls).
 

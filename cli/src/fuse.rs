@@ -61,9 +61,22 @@ impl Pool {
                     .name(format!("corefs-fuse-{i}"))
                     .spawn(move || loop {
                         // The lock is held only to take one job.
-                        let job = rx.lock().expect("job queue lock").recv();
+                        let job = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
                         match job {
-                            Ok(job) => job(&mut client),
+                            // A panic fails this request alone (its reply, dropped while
+                            // unwinding, answers EIO) and the worker serves on.
+                            Ok(job) => {
+                                let ran =
+                                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                        job(&mut client)
+                                    }));
+                                if let Err(panic) = ran {
+                                    tracing::error!(
+                                        "FUSE request panicked: {}",
+                                        reactor::panic_message(&*panic)
+                                    );
+                                }
+                            }
                             Err(_) => return, // the session ended
                         }
                     })
@@ -414,10 +427,15 @@ impl Filesystem for CorefsFuse {
         if offset < 0 {
             return reply.error(libc::EINVAL);
         }
+        // The kernel bounds `size` by max_read, but `offset + size` may still pass i64::MAX.
+        let len = match engine::file::rw_len(offset as u64, size as usize) {
+            Ok(len) => len,
+            Err(e) => return reply.error(errno(&e)),
+        };
         let op = Op::Read {
             ino: to_engine(ino),
             offset: offset as u64,
-            len: size as usize,
+            len,
         };
         self.pool.run(move |c| match call(c, op) {
             Ok(Reply::Data(d)) => reply.data(&d),
@@ -441,10 +459,14 @@ impl Filesystem for CorefsFuse {
         if offset < 0 {
             return reply.error(libc::EINVAL);
         }
+        let len = match engine::file::rw_len(offset as u64, data.len()) {
+            Ok(len) => len,
+            Err(e) => return reply.error(errno(&e)),
+        };
         let op = Op::Write {
             ino: to_engine(ino),
             offset: offset as u64,
-            data: data.to_vec(),
+            data: data[..len].to_vec(),
         };
         self.pool.run(move |c| match call(c, op) {
             Ok(Reply::Written(n)) => reply.written(n as u32),

@@ -82,7 +82,7 @@ enum Command {
         device: String,
         mountpoint: PathBuf,
         /// Pin the reactor to this core (with several reactors: this core and the next ones).
-        #[arg(long)]
+        #[arg(long, value_parser = parse_core)]
         core: Option<usize>,
         /// Reactors, each serving every N-th shard on its own device queue (0: one per core).
         #[arg(long, default_value_t = 1)]
@@ -373,6 +373,16 @@ fn parse_size(text: &str) -> Result<u64, String> {
     nvme::spec::parse_size(text)
 }
 
+/// A core id the process may run on (`reactor::affinity`): an error naming the allowed set
+/// otherwise, while the arguments are parsed.
+fn parse_core(text: &str) -> Result<usize, String> {
+    let core: usize = text
+        .parse()
+        .map_err(|e| format!("{text:?} is not a core id: {e}"))?;
+    reactor::affinity::check_cores(&[core]).map_err(|e| e.to_string())?;
+    Ok(core)
+}
+
 /// The tool's allocator. The reactor frees what client threads allocated (an operation's
 /// names and data) and the clients free its replies; glibc's malloc took a lock per such free
 /// and consolidated arenas on the reactor's time (a quarter of it in a create run). An
@@ -486,21 +496,28 @@ fn main() -> ExitCode {
             core,
             reactors,
             busy_poll,
-        } => reactor::Runtime::start(reactor::Config {
-            device: device.clone(),
-            core,
-            reactors,
-            cores: core
-                .map(|c| (0..reactors).map(|i| c + i).collect())
-                .unwrap_or_default(),
-            idle: if busy_poll {
-                reactor::IdlePolicy::BusyPoll
-            } else {
-                reactor::IdlePolicy::default()
-            },
-            ..reactor::Config::default()
+        } => match core {
+            // One core per reactor from `core` on, each one the process may run on (with
+            // reactors 0, the number is not known yet: `core` alone).
+            Some(c) if reactors > 0 => reactor::affinity::consecutive_cores(c, reactors),
+            _ => Ok(Vec::new()),
+        }
+        .map_err(|e| format!("--core: {e}"))
+        .and_then(|cores| {
+            reactor::Runtime::start(reactor::Config {
+                device: device.clone(),
+                core,
+                reactors,
+                cores,
+                idle: if busy_poll {
+                    reactor::IdlePolicy::BusyPoll
+                } else {
+                    reactor::IdlePolicy::default()
+                },
+                ..reactor::Config::default()
+            })
+            .map_err(|e| format!("{device}: {e}"))
         })
-        .map_err(|e| format!("{device}: {e}"))
         .and_then(|runtime| {
             eprintln!(
                 "corefs: serving {device} at {} (unmount with: umount {})",

@@ -129,6 +129,37 @@ fn make_tree(root: &Path, rng: &mut Xoshiro256PlusPlus) {
     run(Command::new("chmod").arg("755").arg(root.join("run.sh")));
 }
 
+/// `--core` names a core the process may run on, for every reactor: anything else is a
+/// clear error before anything starts (a core past 1023 used to abort the process from the
+/// reactor thread). Needs no root: nothing is mounted.
+#[test]
+fn a_core_the_process_may_not_run_on_is_refused_with_the_allowed_set() {
+    let allowed = reactor::affinity::allowed_cores().unwrap();
+    let past = allowed[allowed.len() - 1] + 1;
+    for (core, reactors, named) in [
+        (5000, 1, 5000),
+        (past, 1, past),
+        (allowed[allowed.len() - 1], 2, past),
+    ] {
+        let out = corefs()
+            .args(["mount", "mem:64MiB", "/nonexistent-mountpoint", "--core"])
+            .arg(core.to_string())
+            .args(["--reactors", &reactors.to_string()])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.code().is_some_and(|c| c != 0),
+            "--core {core} --reactors {reactors}: {} {err}",
+            out.status
+        );
+        assert!(
+            err.contains(&format!("core {named} ")) && err.contains("allowed: "),
+            "--core {core} --reactors {reactors}: {err}"
+        );
+    }
+}
+
 #[test]
 fn standard_tools_and_an_exerciser_through_the_mount() {
     through_the_mount(1);

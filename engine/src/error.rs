@@ -40,6 +40,10 @@ pub enum EngineError {
     TooBig(String),
     #[error("too many links")]
     TooManyLinks,
+    /// A bug met at run time (a reactor that panicked): the operation's outcome is unknown
+    /// and the filesystem serving it has stopped (fail-stop), as after a device error.
+    #[error("internal error: {0}")]
+    Internal(String),
 }
 
 impl EngineError {
@@ -79,6 +83,7 @@ impl EngineError {
             EngineError::NoData => 61,          // ENODATA
             EngineError::TooBig(_) => 27,       // EFBIG
             EngineError::TooManyLinks => 31,    // EMLINK
+            EngineError::Internal(_) => libc_eio(),
         }
     }
 }

@@ -25,6 +25,30 @@ const BLOCK: u64 = BLOCK_BYTES as u64;
 /// Largest file offset (keeps every byte offset and block count in range).
 pub const MAX_FILE_BYTES: u64 = 1 << 50;
 
+/// The most bytes one read or write moves: Linux's `MAX_RW_COUNT` (`INT_MAX & PAGE_MASK`).
+/// A longer request is shortened to it, as read(2) and write(2) shorten theirs, so no
+/// caller's length makes the engine allocate more than this for one request.
+pub const MAX_RW_BYTES: usize = 0x7fff_f000;
+
+/// Bounds the position and length of one read or write from outside (an ABI call, a FUSE
+/// request, a client's operation) the way Linux's `rw_verify_area` does before a read or
+/// write runs: file positions are signed 64-bit (`loff_t`), so an offset past `i64::MAX`
+/// (a negative position) or an `offset + len` past it is EINVAL; a length over
+/// [`MAX_RW_BYTES`] is then shortened, not refused. Returns the length to use. Every
+/// read and write entry point of the engine calls this before it sizes any buffer.
+pub fn rw_len(offset: u64, len: usize) -> Result<usize> {
+    let end = u64::try_from(len)
+        .ok()
+        .and_then(|len| offset.checked_add(len))
+        .filter(|&end| end <= i64::MAX as u64);
+    if end.is_none() {
+        return Err(EngineError::Invalid(format!(
+            "offset {offset} + length {len} is past the largest file position (2^63 - 1)"
+        )));
+    }
+    Ok(len.min(MAX_RW_BYTES))
+}
+
 /// A device read one request of [`Filesystem::read_many`] waits for: `count` blocks at `disk`
 /// (verified against `crcs`), whose bytes `src` go to the request's output bytes `dst`.
 struct ReadPiece {
@@ -172,7 +196,9 @@ impl Filesystem {
         })
     }
 
-    /// Reads up to `len` bytes at `offset`; short at end of file.
+    /// Reads up to `len` bytes at `offset`; short at end of file, and at most
+    /// [`MAX_RW_BYTES`]. A position past `i64::MAX` (or `offset + len` past it) is EINVAL
+    /// ([`rw_len`]).
     pub fn read(&mut self, ino: u64, offset: u64, len: usize) -> Result<Vec<u8>> {
         self.read_many(&[(ino, offset, len)])
             .pop()
@@ -260,6 +286,9 @@ impl Filesystem {
         len: usize,
         pieces: &mut Vec<ReadPiece>,
     ) -> Result<Vec<u8>> {
+        // Bounded before anything is sized by it: `end` below cannot overflow, and the
+        // buffer is at most MAX_RW_BYTES (and the file's size) long.
+        let len = rw_len(offset, len)?;
         let item = self.file_inode(ino)?;
         if offset >= item.size || len == 0 {
             return Ok(Vec::new());
@@ -427,7 +456,10 @@ impl Filesystem {
     /// Writes `data` at `offset` (any alignment). Returns bytes written. When the shard is full
     /// only because blocks freed in the running transaction wait for its commit (an overwrite
     /// frees the old copy, pinned), commits once and retries before reporting ENOSPC.
+    /// Like write(2), a write longer than [`MAX_RW_BYTES`] writes that much and returns it;
+    /// a position past `i64::MAX` is EINVAL ([`rw_len`]).
     pub fn write(&mut self, ino: u64, offset: u64, data: &[u8]) -> Result<usize> {
+        let data = &data[..rw_len(offset, data.len())?];
         self.retry_when_pinned(ino, |fs| fs.run_op(|fs| fs.write_once(ino, offset, data)))
     }
 

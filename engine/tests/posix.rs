@@ -864,6 +864,64 @@ fn read_many_returns_what_read_returns_and_fails_a_corrupt_request_alone() {
     }
 }
 
+/// Positions and lengths from outside are bounded as Linux bounds read(2) and write(2):
+/// `offset + len` past the largest signed 64-bit position is EINVAL (a huge length used to
+/// overflow the read path's `offset + len` and panic), and one call moves at most
+/// MAX_RW_BYTES, shortening a longer request instead of sizing a buffer by it.
+#[test]
+fn reads_and_writes_of_any_position_and_length_are_bounded_as_linux_bounds_them() {
+    use engine::file::{rw_len, MAX_RW_BYTES};
+    let mut fs = fresh(16 << 20, 1);
+    let f = fs.create(fs.root(), b"f", 0o644, 0, 0).unwrap().ino;
+    let data: Vec<u8> = (0..10_000u32).map(|b| b as u8).collect();
+    fs.write(f, 0, &data).unwrap();
+    let einval = |r: Result<Vec<u8>, EngineError>| r.map(drop).map_err(|e| e.errno());
+    let end = i64::MAX as u64;
+    assert_eq!(einval(fs.read(f, 1, usize::MAX)), Err(libc::EINVAL));
+    assert_eq!(einval(fs.read(f, 0, usize::MAX)), Err(libc::EINVAL));
+    assert_eq!(einval(fs.read(f, end, 1)), Err(libc::EINVAL));
+    assert_eq!(einval(fs.read(f, u64::MAX, 0)), Err(libc::EINVAL));
+    assert_eq!(
+        fs.read(f, end, 0).unwrap(),
+        b"",
+        "the last position, nothing asked"
+    );
+    assert_eq!(
+        fs.read(f, end - 5, 5).unwrap(),
+        b"",
+        "past the end of the file"
+    );
+    assert_eq!(fs.read(f, 9_990, 1 << 40).unwrap(), &data[9_990..]);
+    // One bad request of a batch fails alone.
+    let many = fs.read_many(&[(f, 1, usize::MAX), (f, 100, 10)]);
+    assert_eq!(
+        many[0].as_ref().map_err(|e| e.errno()).err(),
+        Some(libc::EINVAL)
+    );
+    assert_eq!(many[1].as_ref().unwrap(), &data[100..110]);
+    // Writes: a position past i64::MAX is EINVAL; past the largest file, EFBIG.
+    for offset in [end, u64::MAX - 1, end + 1] {
+        let e = fs.write(f, offset, b"xy").unwrap_err();
+        assert_eq!(e.errno(), libc::EINVAL, "write at {offset}: {e}");
+    }
+    let e = fs
+        .write(f, engine::file::MAX_FILE_BYTES, b"xy")
+        .unwrap_err();
+    assert!(matches!(e, EngineError::TooBig(_)), "{e}");
+    // A read longer than MAX_RW_BYTES returns MAX_RW_BYTES of a larger (sparse) file.
+    fs.truncate(f, 3 << 30).unwrap();
+    let long = fs.read(f, 0, 4 << 30).unwrap();
+    assert_eq!(long.len(), MAX_RW_BYTES);
+    assert_eq!(&long[..10_000], &data[..]);
+    assert_eq!(long[MAX_RW_BYTES - 1], 0);
+    drop(long);
+    assert_eq!(rw_len(0, MAX_RW_BYTES + 1), Ok(MAX_RW_BYTES));
+    assert_eq!(rw_len(end - 10, 10), Ok(10));
+    assert!(rw_len(end - 10, 11).is_err());
+    fs.commit().unwrap();
+    fs.check().unwrap();
+}
+
 #[test]
 fn index_items_of_a_large_directory_go_in_bounded_batches_and_list_in_order() {
     let mut fs = fresh(64 << 20, 1);

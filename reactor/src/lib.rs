@@ -22,13 +22,24 @@
 //! today; splitting it per shard (and running generation N+1 while N commits) is the next step.
 //! See docs/reactors.md.
 
+pub mod affinity;
 pub mod client;
 mod doorbell;
 mod multi;
 pub mod op;
+mod owed;
 mod runtime;
 pub mod sim;
 pub mod stats;
+
+/// A panic's message (its `&str` or `String` payload), for logs and error messages.
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "(no message)".into())
+}
 
 pub use client::{Client, SubmitError};
 pub use op::{Completion, Op, Reply};

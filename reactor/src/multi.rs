@@ -51,9 +51,35 @@ use std::time::{Duration, Instant};
 pub(crate) struct Router {
     pub reactors: Vec<Arc<Shared>>,
     pub shard_count: u32,
+    /// Set once, when a reactor or the coordinator panics: the whole runtime has failed
+    /// ([`crate::runtime`] says why and what each thread then does).
+    failure: std::sync::OnceLock<EngineError>,
 }
 
 impl Router {
+    pub fn new(reactors: Vec<Arc<Shared>>, shard_count: u32) -> Router {
+        Router {
+            reactors,
+            shard_count,
+            failure: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// The runtime has failed with `e` (the first failure wins and is returned); every
+    /// reactor is woken to notice.
+    pub fn fail(&self, e: EngineError) -> EngineError {
+        let _ = self.failure.set(e);
+        for r in &self.reactors {
+            r.doorbell.ring();
+        }
+        self.failure.get().cloned().expect("set above")
+    }
+
+    /// The runtime's failure, once a reactor or the coordinator panicked.
+    pub fn failure(&self) -> Option<&EngineError> {
+        self.failure.get()
+    }
+
     pub fn owner_of_shard(&self, shard: u32) -> usize {
         shard as usize % self.reactors.len()
     }
@@ -161,6 +187,20 @@ impl Member {
         // The coordinator outlives every reactor: a send cannot fail while it runs.
         let _ = self.to_coordinator.send(message);
         self.coordinator.unpark();
+    }
+
+    /// Sends a client request on to the coordinator; gives it back if the coordinator has
+    /// gone (it only goes before the reactors when its thread died).
+    pub fn hand_on(&self, message: ToCoordinator) -> Result<(), Box<Request>> {
+        let sent = self.to_coordinator.send(message);
+        self.coordinator.unpark();
+        match sent {
+            Ok(()) => Ok(()),
+            Err(std::sync::mpsc::SendError(
+                ToCoordinator::Span(request, _) | ToCoordinator::Stats(request),
+            )) => Err(request),
+            Err(_) => Ok(()),
+        }
     }
 
     pub fn ask_commit(&mut self) {
@@ -333,6 +373,9 @@ pub(crate) struct Coordinator {
     commit_ns_total: u64,
     commit_ns_max: u64,
     commit_ns_last: u64,
+    /// The client request a span or a statistics step is serving: answered with the
+    /// failure if the coordinator panics while it holds it.
+    serving: Option<(Arc<ReplyQueue>, u64)>,
 }
 
 impl Coordinator {
@@ -353,6 +396,7 @@ impl Coordinator {
             commit_ns_total: 0,
             commit_ns_max: 0,
             commit_ns_last: 0,
+            serving: None,
         }
     }
 
@@ -369,12 +413,16 @@ impl Coordinator {
         }
     }
 
-    /// The next message, waiting for it.
+    /// The next message, waiting for it; None once the reactors are gone or the runtime
+    /// failed.
     fn next(&mut self) -> Option<ToCoordinator> {
         if let Some(m) = self.backlog.pop_front() {
             return Some(m);
         }
         loop {
+            if self.router.failure().is_some() {
+                return None;
+            }
             match self.from_reactors.recv_timeout(Duration::from_millis(100)) {
                 Ok(m) => return Some(m),
                 Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
@@ -383,18 +431,27 @@ impl Coordinator {
         }
     }
 
-    /// Waits for the message `pick` accepts, keeping the others for later.
+    /// Waits for the message `pick` accepts, keeping the others for later. Fails when the
+    /// runtime does (a failed reactor answers no protocol step: waiting for it would hang).
     fn wait_for<T>(
         &mut self,
         mut pick: impl FnMut(ToCoordinator) -> Result<T, ToCoordinator>,
-    ) -> T {
+    ) -> Result<T, EngineError> {
         loop {
-            let m = self
-                .from_reactors
-                .recv()
-                .expect("reactors outlive the coordinator's protocol steps");
+            if let Some(e) = self.router.failure() {
+                return Err(e.clone());
+            }
+            let m = match self.from_reactors.recv_timeout(Duration::from_millis(10)) {
+                Ok(m) => m,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(EngineError::Internal(
+                        "the reactors left during a coordinated step".into(),
+                    ))
+                }
+            };
             match pick(m) {
-                Ok(t) => return t,
+                Ok(t) => return Ok(t),
                 Err(other) => self.backlog.push_back(other),
             }
         }
@@ -402,7 +459,45 @@ impl Coordinator {
 
     /// Serves until every reactor has drained after a stop; then the final commit. Returns
     /// the whole mount (for the device).
+    ///
+    /// A panic here fails the whole runtime ([`Router::fail`]): the request being served is
+    /// answered with the failure, and the coordinator then answers every request the
+    /// reactors hand it with it until they are gone, so no client and no reactor waits for
+    /// it forever.
     pub fn run(mut self) -> Result<Filesystem, EngineError> {
+        let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.serve()));
+        let failure = match served {
+            Ok(result) => match self.router.failure() {
+                None => return result.map(|()| self.fs),
+                Some(e) => e.clone(),
+            },
+            Err(panic) => {
+                let why = crate::panic_message(&*panic);
+                tracing::error!("the commit coordinator panicked: {why}");
+                self.router.fail(EngineError::Internal(format!(
+                    "the commit coordinator panicked: {why}"
+                )))
+            }
+        };
+        if let Some((reply, token)) = self.serving.take() {
+            crate::runtime::deliver_failed(vec![(reply, token)], &failure);
+        }
+        self.serve_failed(&failure);
+        Err(failure)
+    }
+
+    /// After a failure: answers every request handed here with `failure` until every
+    /// reactor has gone (their ends of the channel closed).
+    fn serve_failed(&mut self, failure: &EngineError) {
+        let backlog: Vec<ToCoordinator> = self.backlog.drain(..).collect();
+        for message in backlog.into_iter().chain(self.from_reactors.iter()) {
+            if let ToCoordinator::Span(request, _) | ToCoordinator::Stats(request) = message {
+                crate::runtime::deliver_failed(vec![(request.reply, request.token)], failure);
+            }
+        }
+    }
+
+    fn serve(&mut self) -> Result<(), EngineError> {
         while let Some(message) = self.next() {
             match message {
                 ToCoordinator::CommitRequest => {
@@ -421,6 +516,9 @@ impl Coordinator {
                 }
             }
         }
+        if self.router.failure().is_some() {
+            return Ok(());
+        }
         // Shutdown: every reactor is idle; the last commit, then they unmount their queues.
         let result = if self.fs.failure().is_none() {
             self.commit_all().map(drop)
@@ -428,7 +526,7 @@ impl Coordinator {
             Ok(())
         };
         self.broadcast(|| Control::Exit);
-        result.map(|()| self.fs)
+        result
     }
 
     /// The coordinated commit. Releases every reactor's commit waiters (with the error, if
@@ -443,7 +541,7 @@ impl Coordinator {
             let (r, half) = self.wait_for(|m| match m {
                 ToCoordinator::Half(r, half) => Ok((r, half)),
                 other => Err(other),
-            });
+            })?;
             halves[r] = Some(*half);
         }
         let mut roots = Vec::new();
@@ -488,15 +586,21 @@ impl Coordinator {
 
     /// Runs a request spanning reactors with every shard lent here.
     fn span(&mut self, request: Request, place: Option<u32>) {
+        self.serving = Some((request.reply.clone(), request.token));
         self.broadcast(|| Control::Lend);
         let n = self.to_reactors.len();
         let mut lent: Vec<(usize, Vec<u32>)> = Vec::with_capacity(n);
         let mut failure = None;
         for _ in 0..n {
-            let (r, result) = self.wait_for(|m| match m {
+            let waited = self.wait_for(|m| match m {
                 ToCoordinator::Lent(r, l) => Ok((r, l)),
                 other => Err(other),
             });
+            let (r, result) = match waited {
+                Ok(lent) => lent,
+                // The runtime failed: the shards lent so far stay here, unused.
+                Err(e) => return self.answer(request, Err(e)),
+            };
             match *result {
                 Ok(l) => {
                     lent.push((r, l.ids()));
@@ -535,6 +639,12 @@ impl Coordinator {
                 result = Err(e);
             }
         }
+        self.answer(request, result);
+    }
+
+    /// Completes the request being served.
+    fn answer(&mut self, request: Request, result: Result<Reply, EngineError>) {
+        self.serving = None;
         deliver(vec![(
             request.reply,
             Completion {
@@ -546,16 +656,21 @@ impl Coordinator {
 
     /// Every reactor's statistics, merged; the commit figures are this coordinator's.
     fn stats(&mut self, request: Request) {
+        self.serving = Some((request.reply.clone(), request.token));
         self.broadcast(|| Control::Snapshot);
         let n = self.to_reactors.len();
         let mut total = ReactorStats::default();
         let mut hist: Option<Histograms> = None;
         let mut reactor_blocks = 0u64;
         for _ in 0..n {
-            let snapshot = self.wait_for(|m| match m {
+            let waited = self.wait_for(|m| match m {
                 ToCoordinator::Snapshot(s) => Ok(s),
                 other => Err(other),
             });
+            let snapshot = match waited {
+                Ok(snapshot) => snapshot,
+                Err(e) => return self.answer(request, Err(e)),
+            };
             let (stats, h) = *snapshot;
             total.absorb(&stats);
             // Each reactor wrote its half's blocks (its count includes the superblock,
@@ -581,13 +696,7 @@ impl Coordinator {
         total.commit.last_super_commit_ns = self.commit_ns_last;
         total.commit.blocks_written += reactor_blocks;
         total.unpinned_blocks_last = total.commit.last_unpinned_blocks;
-        deliver(vec![(
-            request.reply,
-            Completion {
-                token: request.token,
-                result: Ok(Reply::Stats(Box::new(total))),
-            },
-        )]);
+        self.answer(request, Ok(Reply::Stats(Box::new(total))));
     }
 }
 

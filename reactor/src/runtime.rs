@@ -19,11 +19,24 @@
 //! Fault model: an engine error fails the operations it hits and, for device errors and
 //! failed commits, makes the filesystem fail-stop (every later change returns ReadOnly); the
 //! reactor keeps serving reads and stats. Shutdown commits and unmounts.
+//!
+//! A panic (a bug: a broken invariant in memory) never leaves a reactor thread. Each runs
+//! its loop under `catch_unwind`; one that panics logs the message (`tracing::error!`) and
+//! fails the whole runtime ([`Router::fail`]) with [`EngineError::Internal`] (EIO). Every
+//! reactor then becomes a *failed reactor*: it answers every request it owes (the batch it
+//! was running, fsync and commit waiters: [`crate::owed`]), every request queued and every
+//! later one with that error, commits nothing more, and exits when shut down; shutdown
+//! returns the error. The whole runtime fails, not only the reactor that panicked, because
+//! no later change could become durable (a commit needs every reactor's half, and a span
+//! every reactor's shards) and the panic may have left shards lent or half changed; the
+//! filesystem is fail-stop: its durable generation and acknowledged fsyncs (in the logs)
+//! are intact for the next mount, as after a device error.
 
 use crate::client::{Client, ReplyQueue};
 use crate::doorbell::Doorbell;
 use crate::multi::{Control, Coordinator, Member, Plan, Router, ToCoordinator};
 use crate::op::{Completion, Op, Reply};
+use crate::owed::Owed;
 use crate::stats::{thread_cpu_ns, Histograms, ReactorStats};
 use crossbeam_queue::ArrayQueue;
 use engine::log::FsyncStart;
@@ -31,6 +44,7 @@ use engine::partition::{Lent, PartitionTemplate};
 use engine::{EngineError, Filesystem, MkfsOptions, MountOptions};
 use nvme::BlockDevice;
 use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -131,6 +145,10 @@ pub(crate) struct Shared {
     /// several reactors sums them).
     pub total_blocks: std::sync::atomic::AtomicU64,
     pub free_blocks: std::sync::atomic::AtomicU64,
+    /// Test hook ([`Runtime::panic_on_next_request`]): the reactor panics when it next
+    /// runs a request.
+    #[cfg(any(test, feature = "test-hooks"))]
+    pub(crate) panic_next: Arc<AtomicBool>,
 }
 
 impl Shared {
@@ -153,6 +171,8 @@ impl Shared {
             control_pending: std::sync::atomic::AtomicUsize::new(0),
             total_blocks: std::sync::atomic::AtomicU64::new(0),
             free_blocks: std::sync::atomic::AtomicU64::new(0),
+            #[cfg(any(test, feature = "test-hooks"))]
+            panic_next: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -218,13 +238,108 @@ fn raise_priority() {
 fn pin(core: Option<usize>) {
     raise_priority();
     if let Some(core) = core {
-        if !core_affinity::set_for_current(core_affinity::CoreId { id: core }) {
-            tracing::warn!(
-                core,
-                "could not pin the reactor to core {core}; running unpinned"
-            );
+        // Checked when the runtime started: this fails only if the allowed set changed.
+        if let Err(e) = crate::affinity::pin_current_thread(core) {
+            tracing::warn!(core, "{e}; the reactor runs unpinned");
         }
     }
+}
+
+/// What a reactor thread does once its engine is mounted: the loop, under `catch_unwind`;
+/// after a panic (its own, or another thread's that failed the runtime), the failed
+/// reactor's service ([`serve_failed`]). Never unwinds.
+fn serve(
+    mut reactor: Reactor,
+    shared: &Shared,
+    router: &Router,
+    config: &Config,
+    index: usize,
+) -> Result<ReactorExit, EngineError> {
+    #[cfg(any(test, feature = "test-hooks"))]
+    {
+        reactor.panic_next = shared.panic_next.clone();
+    }
+    let ran = catch_unwind(AssertUnwindSafe(|| {
+        run(&mut reactor, shared, router, config)
+    }));
+    match ran {
+        Ok(Ran::Stopped(exit)) => {
+            let (stats, hist) = *exit;
+            let multi = reactor.multi.is_some();
+            let unmounted = catch_unwind(AssertUnwindSafe(move || {
+                if multi {
+                    // The coordinator made the last commit; this queue only goes away.
+                    Ok(reactor.fs.into_device())
+                } else {
+                    reactor.fs.unmount()
+                }
+            }));
+            match unmounted {
+                Ok(Ok(dev)) => Ok(ReactorExit { stats, hist, dev }),
+                Ok(Err(e)) => Err(e),
+                Err(panic) => Err(panicked(router, index, &*panic)),
+            }
+        }
+        Ok(Ran::Failed) => serve_failed(reactor, shared, router),
+        Err(panic) => {
+            panicked(router, index, &*panic);
+            serve_failed(reactor, shared, router)
+        }
+    }
+}
+
+/// Logs reactor `index`'s panic and fails the runtime with it; returns the runtime's
+/// failure (the first one, if another thread failed it first).
+fn panicked(router: &Router, index: usize, panic: &(dyn std::any::Any + Send)) -> EngineError {
+    let why = crate::panic_message(panic);
+    tracing::error!(reactor = index, "reactor {index} panicked: {why}");
+    router.fail(EngineError::Internal(format!(
+        "reactor {index} panicked: {why}"
+    )))
+}
+
+/// The failed reactor: answers what it owes, what is queued and what comes later with the
+/// runtime's failure until it is shut down; then drops its engine (committing nothing) and
+/// returns the failure. The engine may be half-changed, so none of its code runs again: the
+/// device's own drop lets the I/O in flight finish (bounded) before its buffers go.
+fn serve_failed(
+    mut reactor: Reactor,
+    shared: &Shared,
+    router: &Router,
+) -> Result<ReactorExit, EngineError> {
+    let failure = router
+        .failure()
+        .cloned()
+        .expect("a failed reactor's runtime has failed");
+    // The ledger holds the requests of the batch that was running and of the fsync groups
+    // and commit waiters; the deferred ones (shards lent) never reached a batch.
+    let mut owed = reactor.owed.take_all();
+    reactor.pending.clear();
+    reactor.commit_waiters.clear();
+    if let Some(m) = reactor.multi.as_mut() {
+        owed.extend(m.deferred.drain(..).map(|r| (r.reply, r.token)));
+    }
+    deliver_failed(owed, &failure);
+    loop {
+        let mut queued = Vec::new();
+        while let Some(r) = shared.requests.pop() {
+            queued.push((r.reply, r.token));
+        }
+        deliver_failed(queued, &failure);
+        if let Some(m) = reactor.multi.as_ref() {
+            // Control messages are moot now (lent shards coming back are dropped); taking
+            // them keeps the count a parked reactor checks true.
+            while m.control.try_recv().is_ok() {
+                shared.control_pending.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        if shared.stopping.load(Ordering::Acquire) && shared.requests.is_empty() {
+            break;
+        }
+        let _ = park_for_control(shared, Duration::from_millis(100));
+    }
+    let _ = catch_unwind(AssertUnwindSafe(move || drop(reactor)));
+    Err(failure)
 }
 
 impl Runtime {
@@ -250,22 +365,23 @@ impl Runtime {
         mut config: Config,
         dev: Option<Box<dyn BlockDevice>>,
     ) -> Result<Runtime, EngineError> {
+        // Every core a reactor may be pinned to is one this process may run on: an error
+        // naming it here, before any thread starts, rather than a failed pin later.
+        let mut cores = config.cores.clone();
+        cores.extend(config.core);
+        crate::affinity::check_cores(&cores)?;
         let mut auto = false;
         if config.reactors == 0 {
             // One per core the process may use, capped at the shard count once mounted.
             auto = true;
-            config.reactors = core_affinity::get_core_ids()
-                .map_or(1, |cores| cores.len())
-                .max(1);
+            config.reactors =
+                crate::affinity::allowed_cores().map_or(1, |cores| cores.len().max(1));
         }
         if config.reactors > 1 {
             return Self::spawn_several(config, dev, auto);
         }
         let shared = Arc::new(Shared::with_reactors(config.queue_capacity, 1));
-        let router = Arc::new(Router {
-            reactors: vec![shared.clone()],
-            shard_count: 0,
-        });
+        let router = Arc::new(Router::new(vec![shared.clone()], 0));
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
         let reactor_router = router.clone();
         let thread = std::thread::Builder::new()
@@ -273,7 +389,7 @@ impl Runtime {
             .spawn(move || {
                 let shared = reactor_router.reactors[0].clone();
                 shared.doorbell.bind_thread();
-                let _stopped = MarkStopped(reactor_router);
+                let _stopped = MarkStopped(reactor_router.clone());
                 pin(config.cores.first().copied().or(config.core));
                 let fs = match open(&config, dev) {
                     Ok(fs) => fs,
@@ -284,7 +400,7 @@ impl Runtime {
                 };
                 let _ = ready_tx.send(Ok(()));
                 let reactor = Reactor::new(fs, config.mount.commit_interval);
-                run(reactor, &shared, &config)
+                serve(reactor, &shared, &reactor_router, &config, 0)
             })
             .map_err(|e| EngineError::Invalid(format!("starting the reactor thread: {e}")))?;
         match ready_rx.recv() {
@@ -297,10 +413,7 @@ impl Runtime {
                 let _ = thread.join();
                 Err(e)
             }
-            Err(_) => Err(match thread.join() {
-                Ok(Err(e)) => e,
-                _ => EngineError::Invalid("the reactor thread died while starting".into()),
-            }),
+            Err(_) => Err(died_starting("the reactor thread", thread.join())),
         }
     }
 
@@ -377,14 +490,10 @@ impl Runtime {
                 Ok((stats, fs.into_device()))
             })
             .map_err(|e| EngineError::Invalid(format!("starting the coordinator thread: {e}")))?;
-        let join_coordinator_error = |coordinator: JoinHandle<
-            Result<CoordinatorExit, EngineError>,
-        >| {
-            match coordinator.join() {
-                Ok(Err(e)) => e,
-                _ => EngineError::Invalid("the coordinator died while starting".into()),
-            }
-        };
+        let join_coordinator_error =
+            |coordinator: JoinHandle<Result<CoordinatorExit, EngineError>>| {
+                died_starting("the coordinator", coordinator.join())
+            };
         let (parts, shard_count) = match setup_rx.recv() {
             Ok(Ok(setup)) => setup,
             Ok(Err(e)) => {
@@ -397,10 +506,7 @@ impl Runtime {
         let reactors: Vec<Arc<Shared>> = (0..n)
             .map(|_| Arc::new(Shared::with_reactors(config.queue_capacity, n)))
             .collect();
-        let router = Arc::new(Router {
-            reactors,
-            shard_count,
-        });
+        let router = Arc::new(Router::new(reactors, shard_count));
         let coordinator_thread = coordinator.thread().clone();
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<(usize, Result<(), EngineError>)>();
         let mut threads = Vec::with_capacity(n);
@@ -439,6 +545,7 @@ impl Runtime {
                     let fs = Filesystem::from_shards(dev, &template, lent);
                     let _ = ready_tx.send((index, Ok(())));
                     let mut reactor = Reactor::new(fs, config.mount.commit_interval);
+                    let member_router = router.clone();
                     reactor.multi = Some(Member {
                         index,
                         router: router.clone(),
@@ -452,7 +559,7 @@ impl Runtime {
                         next_dir_shard: index as u64,
                         drained_sent: false,
                     });
-                    run(reactor, &shared, &config)
+                    serve(reactor, &shared, &member_router, &config, index)
                 })
                 .map_err(|e| EngineError::Invalid(format!("starting reactor {index}: {e}")))?;
             threads.push(thread);
@@ -497,6 +604,31 @@ impl Runtime {
     /// Reactors running.
     pub fn reactors(&self) -> usize {
         self.router.reactors.len()
+    }
+
+    /// The runtime's failure, once a reactor or the coordinator panicked: every request is
+    /// then answered with it (see the module's fault model).
+    pub fn failure(&self) -> Option<EngineError> {
+        self.router.failure().cloned()
+    }
+
+    /// Test hook: reactor `reactor` panics when it next runs a request, so tests can check
+    /// what a panic does. Armed only in builds with the `test-hooks` feature (tests turn it
+    /// on): elsewhere this does nothing and returns false, and no panic is compiled in.
+    #[doc(hidden)]
+    pub fn panic_on_next_request(&self, reactor: usize) -> bool {
+        #[cfg(any(test, feature = "test-hooks"))]
+        {
+            let shared = &self.router.reactors[reactor];
+            shared.panic_next.store(true, Ordering::SeqCst);
+            shared.doorbell.ring();
+            true
+        }
+        #[cfg(not(any(test, feature = "test-hooks")))]
+        {
+            let _ = reactor;
+            false
+        }
     }
 
     /// Stops taking requests, runs those queued, commits, unmounts; returns the final
@@ -545,6 +677,11 @@ impl Runtime {
                 None
             }
         };
+        // After a panic every thread ends with the runtime's failure (or a consequence of
+        // it): report the cause.
+        if let Some(e) = self.router.failure() {
+            return Err(e.clone());
+        }
         if let Some(e) = failure {
             return Err(e);
         }
@@ -566,6 +703,21 @@ impl Runtime {
             }
             None => Ok((stats, dev)),
         }
+    }
+}
+
+/// The error of a thread that ended while starting (an error it returned, or its panic).
+fn died_starting(
+    what: &str,
+    joined: std::thread::Result<Result<impl Sized, EngineError>>,
+) -> EngineError {
+    match joined {
+        Ok(Err(e)) => e,
+        Ok(Ok(_)) => EngineError::Invalid(format!("{what} ended while starting")),
+        Err(panic) => EngineError::Internal(format!(
+            "{what} panicked while starting: {}",
+            crate::panic_message(&*panic)
+        )),
     }
 }
 
@@ -606,6 +758,12 @@ pub(crate) struct Reactor {
     /// Replies held until a generation is durable (syncs, fsyncs that fell back, directory
     /// renames with several reactors).
     commit_waiters: Vec<crate::multi::CommitWaiter>,
+    /// Every request taken into a batch and not yet answered or handed on: what a failed
+    /// reactor answers ([`crate::owed`]).
+    owed: Owed,
+    /// Test hook: panic when the next request runs ([`Runtime::panic_on_next_request`]).
+    #[cfg(any(test, feature = "test-hooks"))]
+    panic_next: Arc<AtomicBool>,
 }
 
 /// How long a due commit waits for the records in flight to become durable before it starts
@@ -630,7 +788,17 @@ fn yield_to_kernel_work() {
     std::thread::yield_now();
 }
 
-fn run(mut reactor: Reactor, shared: &Shared, config: &Config) -> Result<ReactorExit, EngineError> {
+/// How a reactor's loop ended.
+enum Ran {
+    /// Shut down: every request answered; the final statistics.
+    Stopped(Box<(ReactorStats, Histograms)>),
+    /// The runtime failed (another thread panicked): serve as a failed reactor.
+    Failed,
+}
+
+/// The reactor's loop, until shutdown or until the runtime fails; then the fsync groups in
+/// flight are waited for.
+fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, config: &Config) -> Ran {
     let mut batch: Vec<Request> = Vec::with_capacity(config.batch_max);
     let mut idle_since: Option<Instant> = None;
     // Completions ring the doorbell too: waiting for the device, the reactor sleeps on it and
@@ -643,6 +811,9 @@ fn run(mut reactor: Reactor, shared: &Shared, config: &Config) -> Result<Reactor
     tracing::debug!(device_rings, "reactor doorbell");
     reactor.stats.device_ring_reactors = device_rings as u64;
     loop {
+        if router.failure().is_some() {
+            return Ran::Failed;
+        }
         if reactor.multi.is_some() {
             if reactor.take_control(shared) {
                 break;
@@ -671,6 +842,14 @@ fn run(mut reactor: Reactor, shared: &Shared, config: &Config) -> Result<Reactor
             }
         }
         if !batch.is_empty() {
+            if router.failure().is_some() {
+                // Checked after taking the requests: a request sent after its client saw the
+                // failure (answered by another reactor) is answered with it too, never run.
+                for r in batch.drain(..) {
+                    reactor.owed.take(&r.reply, r.token);
+                }
+                return Ran::Failed;
+            }
             idle_since = None;
             reactor.run_batch(&mut batch);
             reactor.tick();
@@ -762,7 +941,19 @@ fn run(mut reactor: Reactor, shared: &Shared, config: &Config) -> Result<Reactor
     }
     // Every fsync waiter goes before the reactor does.
     while !reactor.pending.is_empty() {
+        if router.failure().is_some() {
+            return Ran::Failed;
+        }
         reactor.poll_durable(Some(Duration::from_millis(100)));
+    }
+    if !reactor.owed.is_empty() {
+        // A reply the loop lost track of: answered rather than left to hang its client.
+        tracing::error!("reactor stopping with requests unanswered");
+        let owed = reactor.owed.take_all();
+        deliver_failed(
+            owed,
+            &EngineError::Internal("the reactor stopped without answering".into()),
+        );
     }
     let stats = reactor.snapshot();
     tracing::info!(
@@ -780,14 +971,7 @@ fn run(mut reactor: Reactor, shared: &Shared, config: &Config) -> Result<Reactor
         fua_records = stats.log.fua_records,
         "reactor stopping"
     );
-    let hist = reactor.hist.clone();
-    let dev = if reactor.multi.is_some() {
-        // The coordinator made the last commit; this queue only goes away.
-        reactor.fs.into_device()
-    } else {
-        reactor.fs.unmount()?
-    };
-    Ok(ReactorExit { stats, hist, dev })
+    Ran::Stopped(Box::new((stats, reactor.hist.clone())))
 }
 
 /// Parks up to `timeout` unless a control message or a request is waiting. True when the
@@ -817,6 +1001,30 @@ impl Reactor {
             commit_deferred_since: None,
             multi: None,
             commit_waiters: Vec::new(),
+            owed: Owed::default(),
+            #[cfg(any(test, feature = "test-hooks"))]
+            panic_next: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// Pushes completions to their clients ([`deliver`]); they are no longer owed.
+    fn deliver(&mut self, done: Vec<(Arc<ReplyQueue>, Completion)>) {
+        for (reply, completion) in &done {
+            self.owed.settle(reply, completion.token);
+        }
+        deliver(done);
+    }
+
+    /// Hands a client request to the coordinator (a span, or statistics); answers it here
+    /// if the coordinator has gone.
+    fn hand_on(&mut self, request: Request, make: impl FnOnce(Box<Request>) -> ToCoordinator) {
+        self.owed.settle(&request.reply, request.token);
+        let m = self.multi.as_ref().expect("several reactors");
+        if let Err(request) = m.hand_on(make(Box::new(request))) {
+            deliver_failed(
+                vec![(request.reply, request.token)],
+                &EngineError::Internal("the commit coordinator has stopped".into()),
+            );
         }
     }
 
@@ -1067,7 +1275,7 @@ impl Reactor {
                 result.clone().map(|()| w.reply),
             ));
         }
-        deliver(done);
+        self.deliver(done);
     }
 
     /// Runs a batch: every operation in order; the fsyncs are checked when reached and made
@@ -1081,8 +1289,19 @@ impl Reactor {
         // With several reactors: requests for another reactor, and spans for the coordinator.
         let mut forwards: Vec<(usize, Request)> = Vec::new();
         let mut spans: Vec<(Request, Option<u32>)> = Vec::new();
+        // Owed from here until answered or handed on, whatever happens in between.
+        for request in batch.iter() {
+            self.owed.take(&request.reply, request.token);
+        }
         for request in batch.drain(..) {
             self.stats.ops += 1;
+            #[cfg(any(test, feature = "test-hooks"))]
+            if self.panic_next.swap(false, Ordering::SeqCst) {
+                panic!(
+                    "test hook: this reactor panics on its next request ({request_op:?})",
+                    request_op = request.op
+                );
+            }
             // Consecutive reads run together, their device reads all in flight at once; any
             // other operation first lets the reads before it finish, so order is kept.
             if matches!(request.op, Op::Read { .. }) {
@@ -1090,11 +1309,11 @@ impl Reactor {
                 continue;
             }
             self.run_reads(&mut reads, &mut done);
+            if self.multi.is_some() && matches!(request.op, Op::Stats) {
+                self.hand_on(request, ToCoordinator::Stats);
+                continue;
+            }
             if let Some(m) = self.multi.as_mut() {
-                if matches!(request.op, Op::Stats) {
-                    m.tell(ToCoordinator::Stats(Box::new(request)));
-                    continue;
-                }
                 match crate::multi::plan(&mut self.fs, m, &request.op) {
                     Plan::Local => {}
                     Plan::Forward(to, op) => {
@@ -1221,19 +1440,23 @@ impl Reactor {
             });
         }
         self.collect_durable(None, &mut done);
-        deliver(done);
+        self.deliver(done);
         self.drive_commits();
-        if let Some(m) = self.multi.as_mut() {
+        if let Some(router) = self.multi.as_ref().map(|m| m.router.clone()) {
             for (to, request) in forwards {
-                let target = &m.router.reactors[to];
+                let (reply, token) = (request.reply.clone(), request.token);
+                let target = &router.reactors[to];
                 match target.requests.push(request) {
-                    Ok(()) => target.wake_reactor(),
+                    Ok(()) => {
+                        target.wake_reactor();
+                        self.owed.settle(&reply, token);
+                    }
                     // Its queue is full: the coordinator runs it instead (it can run anything).
                     Err(request) => spans.push((request, None)),
                 }
             }
             for (request, place) in spans {
-                m.tell(ToCoordinator::Span(Box::new(request), place));
+                self.hand_on(request, |r| ToCoordinator::Span(r, place));
             }
         }
     }
@@ -1314,14 +1537,14 @@ impl Reactor {
         // The commit's I/O shares the device pipeline with the records: one wait serves both.
         let commit_wait = if self.pending.is_empty() { wait } else { None };
         self.collect_durable(wait, &mut done);
-        deliver(done);
+        self.deliver(done);
         let before = self.fs.durable_generation();
         self.progress_commit(commit_wait);
         if self.fs.durable_generation() != before {
             // Groups logged during the commit may go now.
             let mut done = Vec::new();
             self.collect_durable(None, &mut done);
-            deliver(done);
+            self.deliver(done);
         }
     }
 
@@ -1438,6 +1661,30 @@ pub(crate) fn execute_on(fs: &mut Filesystem, op: Op) -> Result<Reply, EngineErr
             ))
         }
     })
+}
+
+/// Answers requests with `failure` (a failed runtime). Never panics: a completion queue
+/// with no room (which the clients' capacities rule out) loses that completion, logged.
+pub(crate) fn deliver_failed(requests: Vec<(Arc<ReplyQueue>, u64)>, failure: &EngineError) {
+    let mut to_wake: Vec<Arc<ReplyQueue>> = Vec::new();
+    for (reply, token) in requests {
+        let completion = Completion {
+            token,
+            result: Err(failure.clone()),
+        };
+        if reply.done.push(completion).is_err() {
+            tracing::error!(
+                token,
+                "a failed reactor's answer found its client's queue full"
+            );
+        }
+        if !to_wake.iter().any(|r| Arc::ptr_eq(r, &reply)) {
+            to_wake.push(reply);
+        }
+    }
+    for reply in to_wake {
+        reply.wake();
+    }
 }
 
 /// Pushes completions to their clients, then wakes each client once (never inline while the

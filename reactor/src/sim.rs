@@ -183,10 +183,7 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
     let mut clients: Vec<SimClient> = (0..config.clients)
         .map(|_| SimClient {
             client: Client::new(
-                Arc::new(crate::multi::Router {
-                    reactors: vec![shared.clone()],
-                    shard_count: 0,
-                }),
+                Arc::new(crate::multi::Router::new(vec![shared.clone()], 0)),
                 4,
             ),
             inos: Vec::new(),

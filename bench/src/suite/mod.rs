@@ -81,11 +81,7 @@ impl Placement {
     /// Dedicated cores when the process may use more cores than there are reactors (the
     /// last ones go to the reactors), unless `shared` is asked for.
     pub fn choose(reactors: usize, shared: bool) -> Placement {
-        let cores: Vec<usize> = core_affinity::get_core_ids()
-            .unwrap_or_default()
-            .into_iter()
-            .map(|c| c.id)
-            .collect();
+        let cores = reactor::affinity::allowed_cores().unwrap_or_default();
         let reactors = reactors.max(1);
         if shared || cores.len() <= reactors {
             return Placement::Shared;
@@ -275,7 +271,7 @@ fn run_one(
                 scope.spawn(move || {
                     if let Some(id) = core {
                         // Best effort: an unpinned client only shares the reactor's core.
-                        core_affinity::set_for_current(core_affinity::CoreId { id });
+                        let _ = reactor::affinity::pin_current_thread(id);
                     }
                     workload.client(c, &mut *session, until, seed)
                 })

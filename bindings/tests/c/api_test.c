@@ -67,6 +67,12 @@ static void api(const char *device, int reactors) {
   CHECK(memcmp(back, data, sizeof data) == 0, "read back differs");
   CHECK(corefs_pread(fs, fd, back, 100, 20050) == 50, "short read at the end");
   CHECK(corefs_pread(fs, fd, back, 100, 30000) == 0, "read past the end");
+  /* Positions past INT64_MAX (offset + len) are -EINVAL, as for pread(2) and pwrite(2). */
+  ERR(corefs_pread(fs, fd, back, 16, INT64_MAX), EINVAL);
+  ERR(corefs_pread(fs, fd, back, 16, UINT64_MAX), EINVAL);
+  ERR(corefs_pwrite(fs, fd, data, 2, INT64_MAX - 1), EINVAL);
+  ERR(corefs_submit_pread(fs, fd, back, SIZE_MAX, 1, 1), EINVAL);
+  ERR(corefs_submit_pwrite(fs, fd, data, 16, UINT64_MAX - 8, 1), EINVAL);
   ERR(corefs_pread(fs, fd, NULL, 10, 0), EFAULT);
   ERR(corefs_pwrite(fs, fd, NULL, 10, 0), EFAULT);
   CHECK(corefs_pwrite(fs, fd, NULL, 0, 0) == 0, "empty write with NULL");
@@ -256,6 +262,14 @@ int main(int argc, char **argv) {
   many.reactors = 3;
   ERR(corefs_mount(device, &many), EINVAL);
   CHECK(strstr(corefs_last_error(), "reactors") != NULL, "message: %s", corefs_last_error());
+  /* A core the process may not run on: a clear error naming it (it used to abort). */
+  struct corefs_options pinned = {0};
+  pinned.format = 1;
+  pinned.pin = 1;
+  pinned.core = 5000;
+  ERR(corefs_mount(device, &pinned), EINVAL);
+  CHECK(strstr(corefs_last_error(), "core 5000") != NULL && strstr(corefs_last_error(), "allowed"),
+        "message: %s", corefs_last_error());
 
   for (int reactors = 1; reactors <= 2; reactors++) {
     snprintf(device, sizeof device, "file:%s/api-%d.img,size=64MiB", argv[1], reactors);

@@ -1,0 +1,151 @@
+//! CPU cores: which ones the process may run on, checking a core id a caller asked for, and
+//! pinning a thread. Every core id that reaches pinning (the reactors' `Config::core` and
+//! `Config::cores`, the C ABI's `corefs_options.core`, `corefs mount --core`, the benchmark
+//! clients) goes through [`check_cores`] or [`pin_current_thread`] here.
+//!
+//! # Invariants
+//! - A core id is checked against the calling thread's affinity mask (`sched_getaffinity`)
+//!   before it is used; an id outside it is an error naming the core and the allowed set,
+//!   never a panic. (libc's `CPU_SET` is an `extern "C"` function that indexes a 1024-bit
+//!   array: a core ≥ 1024 made it panic where a panic cannot unwind, and the process
+//!   aborted.)
+//! - Masks are sized to the core ids involved, so machines with more than 1024 CPUs work.
+//!
+//! Fault model: `sched_getaffinity` failing (it does not in practice) is reported as an
+//! error; a pin that the kernel refuses (the allowed set changed since the check) is an
+//! error the caller logs.
+
+use engine::EngineError;
+
+/// The most CPUs a mask is grown to while asking the kernel for the affinity mask.
+const MASK_BITS_MAX: usize = 1 << 20;
+
+/// The cores the calling thread may run on (its affinity mask), ascending.
+pub fn allowed_cores() -> Result<Vec<usize>, EngineError> {
+    let mut words = 1024 / 64;
+    loop {
+        let mut mask = vec![0u64; words];
+        // SAFETY: `mask` is writable for `words * 8` bytes, the size passed; the kernel
+        // writes at most that many.
+        let rc = unsafe {
+            libc::sched_getaffinity(0, words * 8, mask.as_mut_ptr().cast::<libc::cpu_set_t>())
+        };
+        if rc == 0 {
+            let cores = (0..words * 64)
+                .filter(|&core| mask[core / 64] & (1 << (core % 64)) != 0)
+                .collect();
+            return Ok(cores);
+        }
+        let e = std::io::Error::last_os_error();
+        // EINVAL: the mask is smaller than the kernel's CPU count; try a larger one.
+        if e.raw_os_error() == Some(libc::EINVAL) && words * 64 < MASK_BITS_MAX {
+            words *= 2;
+            continue;
+        }
+        return Err(EngineError::Invalid(format!(
+            "reading the CPU affinity mask: {e}"
+        )));
+    }
+}
+
+/// `0-3,8,10-11`: a set of cores as Linux prints cpu lists.
+fn cpu_list(cores: &[usize]) -> String {
+    let mut out = String::new();
+    let mut i = 0;
+    while i < cores.len() {
+        let start = cores[i];
+        let mut end = start;
+        while i + 1 < cores.len() && cores[i + 1] == end + 1 {
+            i += 1;
+            end = cores[i];
+        }
+        if !out.is_empty() {
+            out.push(',');
+        }
+        if end == start {
+            out.push_str(&start.to_string());
+        } else {
+            out.push_str(&format!("{start}-{end}"));
+        }
+        i += 1;
+    }
+    out
+}
+
+/// Checks that every core in `cores` is one the process may run on. The error names the
+/// first core that is not and the allowed set (`core 5000 is not a core this process may
+/// run on (allowed: 0-1)`).
+pub fn check_cores(cores: &[usize]) -> Result<(), EngineError> {
+    if cores.is_empty() {
+        return Ok(());
+    }
+    let allowed = allowed_cores()?;
+    match cores.iter().find(|c| allowed.binary_search(c).is_err()) {
+        None => Ok(()),
+        Some(core) => Err(EngineError::Invalid(format!(
+            "core {core} is not a core this process may run on (allowed: {})",
+            cpu_list(&allowed)
+        ))),
+    }
+}
+
+/// `count` consecutive cores from `first` (one per reactor), each checked ([`check_cores`]).
+pub fn consecutive_cores(first: usize, count: usize) -> Result<Vec<usize>, EngineError> {
+    let cores: Vec<usize> = (0..count.max(1))
+        .map(|i| {
+            first.checked_add(i).ok_or_else(|| {
+                EngineError::Invalid(format!("core {first} + {i} is past the largest core id"))
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    check_cores(&cores)?;
+    Ok(cores)
+}
+
+/// Pins the calling thread to `core`, after checking it ([`check_cores`]).
+pub fn pin_current_thread(core: usize) -> Result<(), EngineError> {
+    check_cores(&[core])?;
+    let words = core / 64 + 1;
+    let mut mask = vec![0u64; words];
+    mask[core / 64] |= 1 << (core % 64);
+    // SAFETY: `mask` is readable for `words * 8` bytes, the size passed; a mask shorter
+    // than the kernel's CPU count is read as zero past its end.
+    let rc =
+        unsafe { libc::sched_setaffinity(0, words * 8, mask.as_ptr().cast::<libc::cpu_set_t>()) };
+    if rc != 0 {
+        return Err(EngineError::Invalid(format!(
+            "pinning to core {core}: {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_lists_print_as_linux_prints_them() {
+        assert_eq!(cpu_list(&[]), "");
+        assert_eq!(cpu_list(&[0]), "0");
+        assert_eq!(cpu_list(&[0, 1, 2, 3, 8, 10, 11]), "0-3,8,10-11");
+    }
+
+    #[test]
+    fn a_core_outside_the_affinity_mask_is_an_error_naming_it_and_the_allowed_set() {
+        let allowed = allowed_cores().unwrap();
+        assert!(!allowed.is_empty());
+        check_cores(&allowed).unwrap();
+        for core in [5000, 1024, usize::MAX, allowed.last().unwrap() + 1] {
+            let e = check_cores(&[allowed[0], core]).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("core {core} ")) && e.contains(&cpu_list(&allowed)),
+                "{e}"
+            );
+            assert!(pin_current_thread(core).is_err());
+        }
+        assert!(consecutive_cores(usize::MAX, 2).is_err());
+        assert_eq!(consecutive_cores(allowed[0], 1).unwrap(), vec![allowed[0]]);
+    }
+}
