@@ -9,13 +9,30 @@
 use std::os::unix::process::ExitStatusExt;
 use std::process::Command;
 
-/// Runs `corefs ARGS`; returns the exit status and stdout + stderr.
+/// Runs `corefs ARGS`; returns the exit status and stdout + stderr. A `mount` that is still
+/// serving after 30 s mounted what it should have refused: it is unmounted and the test fails
+/// (rather than waiting for it forever).
 fn corefs(args: &[&str]) -> (std::process::ExitStatus, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_corefs"))
+    let mut child = Command::new(env!("CARGO_BIN_EXE_corefs"))
         .args(args)
         .env("COREFS_LOG", "error")
-        .output()
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            if args[0] == "mount" {
+                let _ = Command::new("umount").arg("-l").arg(args[2]).status();
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("corefs {args:?} was still running after 30 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
@@ -82,7 +99,10 @@ fn an_image_held_by_another_process_is_refused_to_writers_and_read_with_a_warnin
         vec!["fsck", &spec, "--repair"],
     ] {
         let (status, text) = corefs(&args);
-        assert!(!status.success(), "{args:?} succeeded on a held image: {text}");
+        assert!(
+            !status.success(),
+            "{args:?} succeeded on a held image: {text}"
+        );
         assert_eq!(status.signal(), None, "{args:?}: {text}");
         assert!(
             text.contains("is in use") && text.contains(&holder),

@@ -406,7 +406,11 @@ fn fsck_n_replays_in_memory_and_writes_nothing() {
         "{err_n}"
     );
     assert_eq!(hash(&image), before, "fsck -n changed the image");
-    assert_eq!(dump(&image, &["logs"]), records, "the records are still pending");
+    assert_eq!(
+        dump(&image, &["logs"]),
+        records,
+        "the records are still pending"
+    );
 
     let (code, report, err) = out(&[]);
     assert_eq!(code, 0, "{report}{err}");

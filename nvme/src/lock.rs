@@ -195,9 +195,11 @@ pub(crate) fn holder(file: &File, device: &str) -> Result<Option<Holder>, DevErr
             "",
         ));
     }
-    Ok((lock.l_type != libc::F_UNLCK as libc::c_short).then(|| Holder {
-        pid: holder_pid(key),
-    }))
+    Ok(
+        (lock.l_type != libc::F_UNLCK as libc::c_short).then(|| Holder {
+            pid: holder_pid(key),
+        }),
+    )
 }
 
 /// Whether a writer holds the device a device string names (`None` for `mem:`, which no other

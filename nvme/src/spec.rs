@@ -317,7 +317,11 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         "g" | "gb" | "gib" => 30,
         "t" | "tb" | "tib" => 40,
         "e" | "eb" | "eib" => 60,
-        _ => return Err(format!("{text:?}: unknown unit {unit:?} (use K, M, G, T, E)")),
+        _ => {
+            return Err(format!(
+                "{text:?}: unknown unit {unit:?} (use K, M, G, T, E)"
+            ))
+        }
     };
     number
         .checked_mul(1u64 << shift)
@@ -407,16 +411,28 @@ mod tests {
     fn out_of_range_options_are_named_errors() {
         let d = OpenOptions::default();
         let cases: &[(&str, &[&str])] = &[
-            ("mem:64MiB,buf=9223372036854779904,bufs=2", &["buf=", "16MiB"]),
-            ("mem:64MiB,buf=4096,bufs=18446744073709551615", &["bufs=", "1..16384"]),
+            (
+                "mem:64MiB,buf=9223372036854779904,bufs=2",
+                &["buf=", "16MiB"],
+            ),
+            (
+                "mem:64MiB,buf=4096,bufs=18446744073709551615",
+                &["bufs=", "1..16384"],
+            ),
             ("mem:64MiB,bufs=20000", &["bufs=20000", "1..16384"]),
             ("mem:64MiB,bufs=0", &["bufs=0", "1..16384"]),
             ("mem:64MiB,buf=4G", &["buf=4294967296", "16MiB"]),
             ("mem:64MiB,buf=6000", &["buf=6000", "multiple of 4KiB"]),
             ("mem:64MiB,buf=0", &["buf=0", "multiple of 4KiB"]),
-            ("mem:64MiB,buf=16MiB,bufs=128", &["buf=16777216 x bufs=128", "1GiB"]),
+            (
+                "mem:64MiB,buf=16MiB,bufs=128",
+                &["buf=16777216 x bufs=128", "1GiB"],
+            ),
             ("file:/x,buf=1MiB,bufs=1025", &["bufs=1025", "1GiB"]),
-            ("mem:64MiB,lba=4294967808", &["lba=4294967808", "512, 1024, 2048 or 4096"]),
+            (
+                "mem:64MiB,lba=4294967808",
+                &["lba=4294967808", "512, 1024, 2048 or 4096"],
+            ),
             ("mem:64MiB,lba=8192", &["lba=8192", "4096"]),
             ("mem:64MiB,lba=0", &["lba=0"]),
             ("mem:64MiB,qd=0", &["qd=0", "1..4096"]),
@@ -427,12 +443,18 @@ mod tests {
             ("file:/x,size=2048", &["size=2048"]),
             ("file:/x,size=2EiB", &["size=2305843009213693952", "1EiB"]),
             ("file:/x,size=1PiB", &["size=", "unknown unit"]),
-            ("file:/x,size=2000000T", &["size=2199023255552000000", "1EiB"]),
+            (
+                "file:/x,size=2000000T",
+                &["size=2199023255552000000", "1EiB"],
+            ),
             ("file:/x,size=99999999999T", &["size=", "too large"]),
             ("mem:0", &["size=0"]),
             ("mem:99999999999T", &["mem:", "too large"]),
             ("file:/x,sqpoll=0", &["sqpoll=0", "1..60000"]),
-            ("file:/x,sqpoll=4294967296", &["sqpoll=4294967296", "1..60000"]),
+            (
+                "file:/x,sqpoll=4294967296",
+                &["sqpoll=4294967296", "1..60000"],
+            ),
             ("file:/x,sqpoll=-1", &["sqpoll=-1", "not a number"]),
             ("nvme:/dev/ng0n1,iopoll=maybe", &["iopoll=maybe"]),
             ("file:/x,hugepages=yes", &["hugepages=yes"]),

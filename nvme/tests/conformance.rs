@@ -219,7 +219,12 @@ fn wrappers_without_faults_are_transparent() {
         1500,
         16,
     );
-    run_model(&mut OverlayDevice::new(Box::new(mem(4096))), seed(), 1500, 16);
+    run_model(
+        &mut OverlayDevice::new(Box::new(mem(4096))),
+        seed(),
+        1500,
+        16,
+    );
 }
 
 proptest! {

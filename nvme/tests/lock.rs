@@ -11,7 +11,10 @@ use nvme::{Access, DevError, OpenOptions};
 use std::path::Path;
 
 fn image(dir: &tempfile::TempDir) -> String {
-    format!("file:{},size=4MiB,hugepages=off", dir.path().join("img").display())
+    format!(
+        "file:{},size=4MiB,hugepages=off",
+        dir.path().join("img").display()
+    )
 }
 
 fn open(spec: &str, access: Access) -> Result<Box<dyn nvme::BlockDevice>, DevError> {
@@ -37,7 +40,9 @@ fn a_second_exclusive_open_fails_naming_the_holder_until_the_first_is_dropped() 
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let spec = image(&dir);
     let first = open(&spec, Access::Exclusive).unwrap();
-    let err = open(&spec, Access::Exclusive).err().expect("second open fails");
+    let err = open(&spec, Access::Exclusive)
+        .err()
+        .expect("second open fails");
     let text = err.to_string();
     let pid = format!("pid {}", std::process::id());
     assert!(
@@ -109,7 +114,12 @@ fn another_process_holding_the_image_is_named() {
     // flock(1) holds no OFD lock, so the holder is a small program of our own: this test
     // binary re-run as a child that takes the lock and waits on stdin.
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "hold_lock_child", "--nocapture", "--include-ignored"])
+        .args([
+            "--exact",
+            "hold_lock_child",
+            "--nocapture",
+            "--include-ignored",
+        ])
         .env("COREFS_HOLD", &path)
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())

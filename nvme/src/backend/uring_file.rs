@@ -19,6 +19,7 @@
 use super::ring::{drain_before_drop, Ring, RingSetup};
 use super::slots::{InFlight, Slots};
 use crate::dma::HugepagePolicy;
+use crate::lock::{self, Access, DeviceLock};
 use crate::{
     validate, BlockDevice, Completion, CompletionMode, DevError, DeviceInfo, DmaPool, Op, OpKind,
     Rejected, Request,
@@ -27,7 +28,6 @@ use io_uring::{cqueue, opcode, squeue, types};
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
-use crate::lock::{self, Access, DeviceLock};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;

@@ -18,8 +18,7 @@
 //! completion is returned by the next poll.
 
 use crate::{
-    validate, BlockDevice, Completion, DevError, DeviceInfo, DmaPool, Op, OpKind,
-    Rejected, Request,
+    validate, BlockDevice, Completion, DevError, DeviceInfo, DmaPool, Op, OpKind, Rejected, Request,
 };
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
@@ -126,7 +125,12 @@ impl OverlayDevice {
         let lba_bytes = self.lba_bytes();
         let end = lba + (buf.len() / lba_bytes) as u64;
         let out = buf.as_mut_slice();
-        for (s, e) in self.zeroed.range(..end).rev().take_while(|(_, e)| **e > lba) {
+        for (s, e) in self
+            .zeroed
+            .range(..end)
+            .rev()
+            .take_while(|(_, e)| **e > lba)
+        {
             let from = (s.max(&lba) - lba) as usize * lba_bytes;
             let to = (e.min(&end) - lba) as usize * lba_bytes;
             out[from..to].fill(0);
@@ -248,11 +252,20 @@ mod tests {
             .unwrap()
             .result
             .unwrap();
-        assert_eq!(dev.zeroed.len(), 1, "touching ranges merge: {:?}", dev.zeroed);
+        assert_eq!(
+            dev.zeroed.len(),
+            1,
+            "touching ranges merge: {:?}",
+            dev.zeroed
+        );
         write_sync(&mut dev, 5, &[4u8; 512], false).unwrap();
         let back = read(&mut dev, 2, 12);
         let block = |i: usize| &back[i * 512..(i + 1) * 512];
-        assert_eq!(block(0), &[7u8; 512][..], "LBA 2 written before, outside the range");
+        assert_eq!(
+            block(0),
+            &[7u8; 512][..],
+            "LBA 2 written before, outside the range"
+        );
         assert_eq!(block(1), &[0u8; 512][..], "LBA 3 zeroed after its write");
         assert_eq!(block(3), &[4u8; 512][..], "LBA 5 written after the zeroing");
         assert_eq!(block(9), &[0u8; 512][..], "LBA 11 deallocated");

@@ -26,6 +26,7 @@ pub mod abi;
 use super::ring::{drain_before_drop, Ring, RingSetup};
 use super::slots::{InFlight, Slots};
 use crate::dma::HugepagePolicy;
+use crate::lock::{self, Access, DeviceLock};
 use crate::{
     validate, BlockDevice, Completion, CompletionMode, DevError, DeviceInfo, DmaPool, NvmeStatus,
     Op, OpKind, Rejected, Request,
@@ -34,7 +35,6 @@ use abi::*;
 use io_uring::{cqueue, opcode, squeue, types};
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
-use crate::lock::{self, Access, DeviceLock};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
