@@ -21,6 +21,9 @@
 //! process-wide table of the locks held, and fails when this process holds none.
 //!
 //! # Invariants
+//! - A forked child shares its parent's open file descriptions, and so the lock, until it
+//!   execs (every descriptor here is `O_CLOEXEC`) or exits: an exclusive open waits a moment
+//!   ([`BUSY_WAIT`]) before it reports a conflict, so that such a passing copy does not fail it.
 //! - The lock lives on a duplicate of the first queue's descriptor, owned by a [`DeviceLock`]
 //!   that every queue sharing it keeps through an `Arc`: it is released when the last of them
 //!   is dropped, never earlier.
@@ -40,6 +43,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 /// How a device is opened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -128,15 +132,35 @@ fn whole_file_lock(kind: libc::c_int) -> libc::flock {
     lock
 }
 
+/// How long an exclusive open waits for a conflicting lock to go before it reports the device
+/// busy. Why wait at all: a descriptor is copied into every child the process forks and stays
+/// there until the child execs (`O_CLOEXEC` acts only then), and an OFD lock lives as long as
+/// any copy of its open file description. So for a moment after a multi-threaded program
+/// closes a device while another thread spawns a process, the closed device's lock lives on
+/// in the child, and reopening the device then would fail for nothing. A real holder is
+/// reported after this wait.
+const BUSY_WAIT: Duration = Duration::from_secs(1);
+const BUSY_RETRY: Duration = Duration::from_millis(10);
+
 /// Takes the exclusive lock through `file` (opened for writing) and registers it for
 /// [`Access::AnotherQueue`]. `device` names the device in errors.
 pub(crate) fn lock_exclusive(file: &File, device: &str) -> Result<Arc<DeviceLock>, DevError> {
     let key = key_of(file, device)?;
     let lock = whole_file_lock(libc::F_WRLCK);
-    // SAFETY: F_OFD_SETLK reads one struct flock through the pointer, which outlives the call.
-    let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &lock) };
-    if rc != 0 {
+    let started = Instant::now();
+    loop {
+        // SAFETY: F_OFD_SETLK reads one struct flock through the pointer, which outlives the
+        // call.
+        let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &lock) };
+        if rc == 0 {
+            break;
+        }
         let e = std::io::Error::last_os_error();
+        let conflict = matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EACCES));
+        if conflict && started.elapsed() < BUSY_WAIT {
+            std::thread::sleep(BUSY_RETRY);
+            continue;
+        }
         return Err(match e.raw_os_error() {
             Some(libc::EAGAIN | libc::EACCES) => DevError::Busy {
                 device: device.to_string(),

@@ -54,7 +54,8 @@ fn a_second_exclusive_open_fails_naming_the_holder_until_the_first_is_dropped() 
         Some(std::process::id())
     );
     drop(first);
-    assert_eq!(nvme::lock::in_use(&spec).unwrap(), None, "released at drop");
+    // (Not checked with in_use: a child another test spawns holds a copy of the descriptor
+    // until it execs, and the exclusive open waits for that, in_use does not.)
     let again = open(&spec, Access::Exclusive).expect("free again after the drop");
     drop(again);
 }
