@@ -141,7 +141,10 @@ const char *corefs_last_error(void);
 
 // Starts a reactor on `device` (`file:/srv/fs.img,size=1GiB`, `nvme:/dev/ng0n1`,
 // `mem:256MiB`), formatting it if `options->format`, and mounts it (replaying the fsync logs).
-// `options` may be NULL (defaults). Returns the filesystem handle or a negative errno.
+// `options` may be NULL (defaults). Returns the filesystem handle or a negative errno:
+// -EINVAL for a bad device string (an option out of its range is named), -EBUSY when
+// another mount, mkfs or fsck holds the device (in this process or another: the message
+// names the holder's pid). The device is held exclusively until `corefs_close`.
 //
 // # Safety
 // `device` is NULL or a NUL-terminated string; `options` is NULL or points to a

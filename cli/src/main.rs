@@ -21,7 +21,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Create a filesystem (destroys what the device holds).
+    /// Create a filesystem (destroys what the device holds). Refused while another mount,
+    /// mkfs or fsck holds the device.
     Mkfs {
         /// Device string: file:PATH, nvme:/dev/ngXnY, mem:SIZE.
         device: String,
@@ -38,17 +39,27 @@ enum Command {
     /// address, generation), every name, back-reference, link count, extent and block of the
     /// space bitmap, and every data block's checksum. Exit codes as e2fsck: 0 clean, 1 errors
     /// corrected, 4 errors left uncorrected, 8 operational error.
+    ///
+    /// By default fsck writes, as a mount does: it replays the fsync log records the device
+    /// holds and commits them (it says how many before it writes), and it holds the device
+    /// exclusively. With -n it writes nothing: the records are replayed in memory only, and
+    /// the device is opened read-only, so it also works (with a warning) while mounted.
     Fsck {
         device: String,
         /// Repair what is safe to repair: a damaged superblock copy is rewritten from the
         /// current one. (Log records are replayed by every mount, as a journal is.)
-        #[arg(long)]
+        #[arg(long, conflicts_with = "no_write")]
         repair: bool,
+        /// Check only, change nothing (e2fsck's -n): open the device read-only and replay the
+        /// fsync logs in memory; the report is the one a plain fsck would give.
+        #[arg(short = 'n', long = "no-write")]
+        no_write: bool,
         /// Skip reading and verifying every data block.
         #[arg(long)]
         no_data: bool,
     },
-    /// Print what an image holds without mounting it (nothing is written).
+    /// Print what an image holds without mounting it (nothing is written; the device is
+    /// opened read-only, so this works on a mounted image too, with a warning).
     Dump {
         device: String,
         #[command(subcommand)]
@@ -76,7 +87,8 @@ enum Command {
         reactors: Option<usize>,
     },
     /// Serve a filesystem at a mountpoint through FUSE until it is unmounted (umount or
-    /// fusermount3 -u); the unmount commits.
+    /// fusermount3 -u); the unmount commits. The device is held exclusively meanwhile: a
+    /// second mount, mkfs or fsck of it fails (dump and fsck -n still read it).
     Mount {
         /// Device string: file:PATH, nvme:/dev/ngXnY.
         device: String,
@@ -435,9 +447,10 @@ fn main() -> ExitCode {
         Command::Fsck {
             device,
             repair,
+            no_write,
             no_data,
-        } => return fsck(&device, repair, !no_data),
-        Command::Dump { device, what } => open(&device, None).and_then(|mut dev| {
+        } => return fsck(&device, repair, no_write, !no_data),
+        Command::Dump { device, what } => open_read_only(&device, "dump").and_then(|mut dev| {
             let dev = &mut *dev;
             use engine::inspect;
             let text = match what {
@@ -817,6 +830,26 @@ fn open(device: &str, size: Option<u64>) -> Result<Box<dyn nvme::BlockDevice>, S
     nvme::open_device(device, &defaults).map_err(|e| e.to_string())
 }
 
+/// Opens a device read-only and without its exclusive lock, for tools that write nothing;
+/// says so when a writer holds it, since what they read may then be stale or change under
+/// them.
+fn open_read_only(device: &str, tool: &str) -> Result<Box<dyn nvme::BlockDevice>, String> {
+    let defaults = nvme::OpenOptions {
+        access: nvme::Access::ReadShared,
+        ..Default::default()
+    };
+    let dev = nvme::open_device(device, &defaults).map_err(|e| e.to_string())?;
+    match nvme::lock::in_use(device) {
+        Ok(Some(holder)) => eprintln!(
+            "corefs {tool}: warning: {device} is in use ({holder}): it is read as it is now, \
+             while it may be changing, so what this shows may be stale or inconsistent"
+        ),
+        Ok(None) => {}
+        Err(e) => eprintln!("corefs {tool}: warning: cannot tell whether {device} is in use: {e}"),
+    }
+    Ok(dev)
+}
+
 fn mkfs(device: &str, size: Option<u64>, shards: u32, label: String) -> Result<(), String> {
     let dev = open(device, size)?;
     let bytes = dev.info().capacity_bytes();
@@ -835,10 +868,15 @@ fn mkfs(device: &str, size: Option<u64>, shards: u32, label: String) -> Result<(
     Ok(())
 }
 
-fn fsck(device: &str, repair: bool, check_data: bool) -> ExitCode {
+fn fsck(device: &str, repair: bool, no_write: bool, check_data: bool) -> ExitCode {
     use engine::inspect;
     use std::io::IsTerminal;
-    let mut dev = match open(device, None) {
+    let opened = if no_write {
+        open_read_only(device, "fsck")
+    } else {
+        open(device, None)
+    };
+    let mut dev = match opened {
         Ok(dev) => dev,
         Err(why) => {
             eprintln!("corefs fsck: {why}");
@@ -877,17 +915,33 @@ fn fsck(device: &str, repair: bool, check_data: bool) -> ExitCode {
             }
         }
     }
-    match inspect::format_logs(&mut *dev) {
-        Ok(logs) => {
-            if let Some(last) = logs.lines().last() {
-                eprintln!("corefs fsck: fsync logs: {last}");
-            }
-        }
+    let records = match inspect::pending_log_records(&mut *dev) {
+        Ok(records) => records,
         Err(why) => {
             eprintln!("corefs fsck: {device}: reading the logs: {why}");
             return ExitCode::from(8);
         }
+    };
+    // Mounting replays the records and commits them, as every mount does: said before it
+    // happens, with how to check without it.
+    match (records, no_write) {
+        (0, _) => eprintln!("corefs fsck: fsync logs: no records to replay"),
+        (n, false) => eprintln!(
+            "corefs fsck: fsync logs: {n} records: replaying them and writing them to \
+             {device}, as a mount would (fsck -n checks without writing)"
+        ),
+        (n, true) => eprintln!(
+            "corefs fsck: fsync logs: {n} records: replaying them in memory only (-n: nothing \
+             is written to {device})"
+        ),
     }
+    // -n: every write of the mount (replay, commit) stays in an in-memory overlay over the
+    // read-only device, so the engine runs exactly as it would and the device is not touched.
+    let dev: Box<dyn nvme::BlockDevice> = if no_write {
+        Box::new(nvme::wrap::OverlayDevice::new(dev))
+    } else {
+        dev
+    };
     let mut fs = match engine::Filesystem::mount(dev, Default::default()) {
         Ok(fs) => fs,
         Err(e) => return fsck_failed(device, "", &e),

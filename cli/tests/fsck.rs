@@ -356,3 +356,75 @@ fn dump_shows_superblocks_trees_an_inode_logs_and_stats() {
     let mut fs = Filesystem::mount(open(&image), MountOptions::default()).unwrap();
     assert_eq!(fs.read(a, 16384, 6).unwrap(), b"logged");
 }
+
+/// `fsck -n` changes nothing: on an image with pending fsync log records it replays them in
+/// memory only (the image's bytes are identical afterwards) and reports what a plain fsck
+/// reports; the plain fsck says it will write them, then does (the bytes change), and a second
+/// `-n` finds nothing left to replay.
+#[test]
+fn fsck_n_replays_in_memory_and_writes_nothing() {
+    let dir = tempfile::Builder::new()
+        .prefix("corefs-fsck-n-test-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let (image, names) = healthy(dir.path());
+    let a = names[0].1;
+    let mut fs = Filesystem::mount(open(&image), MountOptions::default()).unwrap();
+    fs.write(a, 16384, b"only in the log").unwrap();
+    fs.fsync(a).unwrap();
+    let b = fs.create(fs.root(), b"new", 0o644, 0, 0).unwrap().ino;
+    fs.write(b, 0, &[7u8; 9000]).unwrap();
+    fs.fsync(b).unwrap();
+    drop(fs.into_device()); // a crash: the records are not committed
+    let records = dump(&image, &["logs"]);
+    assert!(!records.contains("\n0 records"), "{records}");
+
+    let hash = |path: &Path| {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        std::fs::read(path).unwrap().hash(&mut h);
+        h.finish()
+    };
+    let before = hash(&image);
+    let out = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_corefs"))
+            .arg("fsck")
+            .args(args)
+            .arg(device(&image))
+            .output()
+            .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, report_n, err_n) = out(&["-n"]);
+    assert_eq!(code, 0, "{report_n}{err_n}");
+    assert!(
+        err_n.contains("replaying them in memory only") && err_n.contains("nothing is written"),
+        "{err_n}"
+    );
+    assert_eq!(hash(&image), before, "fsck -n changed the image");
+    assert_eq!(
+        dump(&image, &["logs"]),
+        records,
+        "the records are still pending"
+    );
+
+    let (code, report, err) = out(&[]);
+    assert_eq!(code, 0, "{report}{err}");
+    assert!(
+        err.contains("replaying them and writing them") && err.contains("fsck -n"),
+        "the plain fsck does not say it writes: {err}"
+    );
+    assert_eq!(report, report_n, "fsck -n reports what fsck reports");
+    assert!(report.contains("clean at generation"), "{report}");
+    assert_ne!(hash(&image), before, "the plain fsck did not replay");
+    let (code, again, err) = out(&["-n"]);
+    assert_eq!(code, 0, "{again}{err}");
+    assert!(err.contains("no records to replay"), "{err}");
+    let mut fs = Filesystem::mount(open(&image), MountOptions::default()).unwrap();
+    assert_eq!(fs.read(a, 16384, 15).unwrap(), b"only in the log");
+    assert_eq!(fs.read(b, 0, 9000).unwrap(), vec![7u8; 9000]);
+}

@@ -383,3 +383,95 @@ fn through_the_mount(reactors: usize) {
     }
     mounted.unmount();
 }
+
+/// A served image is held by its server (here on two reactors, whose queues share the lock):
+/// a second mount, mkfs and fsck (with or without --repair) fail naming the server's pid and
+/// change nothing; dump and fsck -n read it with a warning; after the unmount the fsynced
+/// file is there and fsck is clean. Before the lock, the second mount succeeded and the last
+/// unmount erased the other's fsynced data.
+#[test]
+fn a_served_image_is_held_by_its_server() {
+    let work = tempfile::Builder::new()
+        .prefix("corefs-mount-held-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let image = work.path().join("fs.img");
+    let device = format!("file:{}", image.display());
+    run(corefs().args(["mkfs", &device, "--size", "128MiB", "--shards", "4"]));
+    let mountpoint = work.path().join("mnt");
+    let second = work.path().join("mnt2");
+    std::fs::create_dir(&mountpoint).unwrap();
+    std::fs::create_dir(&second).unwrap();
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("not root: no FUSE mount to hold the image (cli/tests/devices.rs holds one)");
+        return;
+    }
+    let mounted = Mounted::start(&device, &mountpoint, 2).unwrap();
+    let pid = mounted.child.as_ref().unwrap().id();
+    let file = mountpoint.join("kept");
+    let data = vec![0x6b_u8; 20_000];
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&file).unwrap();
+        f.write_all(&data).unwrap();
+        f.sync_all().unwrap();
+    }
+    let holder = format!("held by pid {pid}");
+    let output = |args: &[&str]| {
+        let out = corefs()
+            .args(args)
+            .env("COREFS_LOG", "error")
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status, text)
+    };
+    // The second mount fails at once; if it mounts instead, it is undone and the test fails.
+    match Mounted::start(&device, &second, 1) {
+        Ok(m) => {
+            m.unmount();
+            panic!("a second mount of a served image succeeded");
+        }
+        Err(e) => assert!(e.contains("is in use") && e.contains(&holder), "{e}"),
+    }
+    for args in [
+        vec!["mkfs", &device],
+        vec!["fsck", &device],
+        vec!["fsck", &device, "--repair"],
+    ] {
+        let (status, text) = output(&args);
+        assert!(
+            !status.success(),
+            "{args:?} succeeded on a served image: {text}"
+        );
+        assert!(
+            text.contains("is in use") && text.contains(&holder),
+            "{args:?}: {text}"
+        );
+    }
+    assert!(!is_mounted(&second), "the second mount appeared");
+    for args in [vec!["dump", &device, "logs"], vec!["fsck", "-n", &device]] {
+        let (status, text) = output(&args);
+        assert!(status.success(), "{args:?} on a served image: {text}");
+        assert!(
+            text.contains("warning") && text.contains(&holder),
+            "{args:?}: {text}"
+        );
+    }
+    assert_eq!(std::fs::read(&file).unwrap(), data);
+    mounted.unmount();
+    let (status, text) = output(&["fsck", &device]);
+    assert!(status.success(), "{text}");
+    let again = Mounted::start(&device, &mountpoint, 1).unwrap();
+    assert_eq!(
+        std::fs::read(&file).unwrap(),
+        data,
+        "the fsynced file survived"
+    );
+    again.unmount();
+}

@@ -69,6 +69,8 @@ impl EngineError {
     /// The errno a POSIX caller sees.
     pub fn errno(&self) -> i32 {
         match self {
+            // Another writer holds the device: the open was refused, nothing failed.
+            EngineError::Device(DevError::Busy { .. }) => 16, // EBUSY
             EngineError::Device(_) => libc_eio(),
             EngineError::Corrupt { .. } => 117, // EUCLEAN, as btrfs and ext4 report corruption
             EngineError::NoSpace => 28,         // ENOSPC

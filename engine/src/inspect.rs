@@ -398,6 +398,16 @@ pub fn format_inode(dev: &mut dyn BlockDevice, ino: u64) -> Result<String, Strin
 /// Each shard's log area: the records of the current transaction (which the next mount
 /// replays) and where the log ends, with why.
 pub fn format_logs(dev: &mut dyn BlockDevice) -> Result<String, String> {
+    scan_logs(dev).map(|(text, _)| text)
+}
+
+/// How many fsync log records the next mount finds to replay (what `format_logs` lists).
+pub fn pending_log_records(dev: &mut dyn BlockDevice) -> Result<usize, String> {
+    scan_logs(dev).map(|(_, records)| records)
+}
+
+/// The logs' description and the count of records in it.
+fn scan_logs(dev: &mut dyn BlockDevice) -> Result<(String, usize), String> {
     let sb = current_superblock(dev)?;
     let next_generation = sb.generation + 1;
     let mut out = String::new();
@@ -476,5 +486,5 @@ pub fn format_logs(dev: &mut dyn BlockDevice) -> Result<String, String> {
         "{total} records of generation {next_generation} in {} logs (the next mount replays them)",
         sb.shards.len()
     );
-    Ok(out)
+    Ok((out, total))
 }

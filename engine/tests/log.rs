@@ -399,8 +399,19 @@ fn a_killed_process_behind_a_volatile_cache_keeps_exactly_the_fsynced_data() {
     fs.write(lost, 0, &block(2)).unwrap();
     fs.write(kept, 4096, &block(3)).unwrap();
     std::mem::forget(fs);
+    // The forgotten filesystem still holds the image's exclusive lock (a real kill would
+    // release it with the process's descriptors): read the image shared, and let the mount's
+    // replay write into an overlay in memory, as `corefs fsck -n` does.
     let plain = format!("file:{}/v.img", dir.path().display());
-    let dev = nvme::open_device(&plain, &nvme::OpenOptions::default()).unwrap();
+    let dev = nvme::open_device(
+        &plain,
+        &nvme::OpenOptions {
+            access: nvme::Access::ReadShared,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let dev = Box::new(nvme::wrap::OverlayDevice::new(dev));
     let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
     assert_eq!(fs.log_stats().replayed_records, 1);
     assert_eq!(

@@ -46,6 +46,42 @@ pub enum HugepagePolicy {
 /// indexes travel in 16-bit SQE fields.
 pub const MAX_BUFFERS: u32 = 1 << 14;
 
+/// Largest DMA buffer, so the largest single I/O. NVMe controllers cap a transfer far lower
+/// (MDTS, typically 128 KiB to 2 MiB) and so does the block layer; past this a buffer only
+/// wastes pinned memory. It also keeps every transfer length within the u32 fields it travels in.
+pub const BUF_BYTES_MAX: usize = 16 << 20;
+
+/// Largest DMA pool (buffer size x buffers) of one queue. The pool is one slab, pinned when
+/// registered, and every reactor has one: 1 GiB is 32 times the default and still leaves a
+/// machine room for several queues.
+pub const POOL_BYTES_MAX: usize = 1 << 30;
+
+/// Checks a pool's geometry and returns its slab size (whole 2 MiB pages). The messages name
+/// the device-string option that sets each value (`buf=`, `bufs=`).
+pub fn check_geometry(buf_bytes: usize, buf_count: u32) -> Result<usize, String> {
+    if buf_bytes == 0 || buf_bytes % BUF_ALIGN_BYTES != 0 || buf_bytes > BUF_BYTES_MAX {
+        return Err(format!(
+            "buf={buf_bytes} must be a multiple of 4KiB from 4KiB to {}",
+            crate::spec::format_size(BUF_BYTES_MAX as u64)
+        ));
+    }
+    if buf_count == 0 || buf_count > MAX_BUFFERS {
+        return Err(format!("bufs={buf_count} must be 1..{MAX_BUFFERS}"));
+    }
+    let pool_bytes = buf_bytes
+        .checked_mul(buf_count as usize)
+        .filter(|&bytes| bytes <= POOL_BYTES_MAX)
+        .ok_or_else(|| {
+            format!(
+                "buf={buf_bytes} x bufs={buf_count} is more than the {} a queue's DMA pool may \
+                 take: use fewer or smaller buffers",
+                crate::spec::format_size(POOL_BYTES_MAX as u64)
+            )
+        })?;
+    // Cannot overflow: pool_bytes is at most 1 GiB.
+    Ok(pool_bytes.next_multiple_of(HUGEPAGE_BYTES))
+}
+
 static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
 static WARNED_NO_HUGEPAGES: AtomicBool = AtomicBool::new(false);
 
@@ -87,22 +123,19 @@ impl std::fmt::Debug for DmaPool {
 }
 
 impl DmaPool {
-    /// Maps `buf_count` buffers of `buf_bytes` each. `buf_bytes` must be a non-zero multiple of
-    /// 4 KiB; the slab is rounded up to whole 2 MiB pages.
+    /// Maps `buf_count` buffers of `buf_bytes` each; the slab is rounded up to whole 2 MiB
+    /// pages. The geometry is checked first ([`check_geometry`]): it comes from device strings
+    /// and C callers, so a bad one is an error, never a panic or a wrapped multiplication.
     pub fn new(
         buf_bytes: usize,
         buf_count: u32,
         policy: HugepagePolicy,
     ) -> Result<DmaPool, crate::DevError> {
-        assert!(
-            buf_bytes > 0 && buf_bytes % BUF_ALIGN_BYTES == 0,
-            "DMA buffer size {buf_bytes} must be a non-zero multiple of {BUF_ALIGN_BYTES}"
-        );
-        assert!(
-            buf_count > 0 && buf_count <= MAX_BUFFERS,
-            "a DMA pool has 1..={MAX_BUFFERS} buffers, not {buf_count}"
-        );
-        let slab_bytes = (buf_bytes * buf_count as usize).next_multiple_of(HUGEPAGE_BYTES);
+        let slab_bytes =
+            check_geometry(buf_bytes, buf_count).map_err(|why| crate::DevError::BadSpec {
+                spec: format!("buf={buf_bytes},bufs={buf_count}"),
+                why,
+            })?;
 
         let (map, backing) = match policy {
             HugepagePolicy::Prefer => match MmapOptions::new()

@@ -51,6 +51,14 @@ pub enum DevError {
     },
     #[error("bad device string {spec:?}: {why}")]
     BadSpec { spec: String, why: String },
+    /// Another open for writing holds the device ([`crate::lock`]): a second writer would
+    /// destroy the first one's data.
+    #[error(
+        "{device} is in use ({holder}): another corefs mount, mkfs or fsck has it open for \
+         writing, and two writers would destroy each other's data. Stop that one first; \
+         `corefs dump` and `corefs fsck -n` read it without writing"
+    )]
+    Busy { device: String, holder: String },
 }
 
 fn hint_suffix(hint: &str) -> String {

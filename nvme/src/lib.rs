@@ -8,7 +8,8 @@
 //!
 //! Backends ([`backend`]): NVMe passthrough (`nvme:/dev/ngXnY`), io_uring on a file or block
 //! device (`file:PATH`), and memory (`mem:SIZE`). Wrappers ([`wrap`]) record every write for crash
-//! testing and inject seeded faults.
+//! testing, inject seeded faults, and keep a read-only check's writes in memory. An open for
+//! writing holds the device exclusively ([`lock`]); read-only tools open it shared.
 //!
 //! # Invariants
 //! - At most [`DeviceInfo::queue_depth`] requests are in flight on one queue; a full queue rejects
@@ -27,12 +28,14 @@
 pub mod backend;
 pub mod dma;
 pub mod error;
+pub mod lock;
 pub mod probe;
 pub mod spec;
 pub mod wrap;
 
 pub use dma::{DmaBuf, DmaPool, PoolBacking};
 pub use error::{DevError, NvmeStatus};
+pub use lock::Access;
 pub use spec::{open_device, DeviceSpec, OpenOptions};
 
 use std::time::Duration;
@@ -297,6 +300,19 @@ pub fn validate(info: &DeviceInfo, pool: &DmaPool, op: &Op) -> Result<(), DevErr
         }
     }
     Ok(())
+}
+
+/// Refuses what would change a device opened read-only ([`Access::ReadShared`]): writes,
+/// write-zeroes and deallocate fail with `EROFS` before they reach it. Reads and flushes
+/// pass (a flush changes nothing a reader could see).
+pub fn refuse_writes(op: &Op) -> Result<(), DevError> {
+    match op.kind() {
+        OpKind::Write | OpKind::WriteZeroes | OpKind::Deallocate => Err(DevError::Io {
+            op: op.kind(),
+            errno: libc::EROFS,
+        }),
+        OpKind::Read | OpKind::Flush => Ok(()),
+    }
 }
 
 /// Submits one request and spins on `poll` until it completes; for tools, tests and mkfs, never

@@ -5,18 +5,27 @@
 //! - `mem:1GiB` — a RAM device.
 //!
 //! Options follow the path after commas: `file:/srv/corefs.img,size=1GiB,qd=64,sqpoll=2000`.
-//! `size=` (file: create/grow; mem: capacity), `lba=` (512..4096, file and mem), `qd=` (queue
-//! depth), `buf=` (DMA buffer size = largest I/O), `bufs=` (buffers in the pool), `sqpoll[=MS]`,
-//! `iopoll=auto|on|off` (nvme), `hugepages=on|off`, `cache=volatile` (simulated volatile
-//! write cache: a killed process is a power cut). Sizes take K, M, G, T suffixes with optional
-//! `iB`/`B`, all binary (1K = 1024).
+//! `size=` (file: create/grow; mem: capacity; 4KiB..1EiB), `lba=` (512, 1024, 2048 or 4096;
+//! file and mem), `qd=` (queue depth, 1..4096), `buf=` (DMA buffer size = largest I/O; a
+//! multiple of 4KiB up to 16MiB), `bufs=` (buffers in the pool, 1..16384; buf x bufs at most
+//! 1GiB), `sqpoll[=MS]` (1..60000), `iopoll=auto|on|off` (nvme), `hugepages=on|off`,
+//! `cache=volatile` (simulated volatile write cache: a killed process is a power cut). Sizes
+//! take K, M, G, T suffixes with optional `iB`/`B`, all binary (1K = 1024).
+//!
+//! # Invariants
+//! - Every value is range-checked when the string is parsed ([`OpenOptions::check`]) and read
+//!   as u64 before any narrowing: a bad string is a [`DevError::BadSpec`] naming the option
+//!   and its range, never a wrapped product, a truncated value or a panic at open. The
+//!   backends check again what reaches them directly (a program filling in a config).
+//! - How the device is opened ([`OpenOptions::access`]: exclusive, read-only shared, another
+//!   queue) is the program's choice, not the string's ([`crate::lock`]).
 
 use crate::backend::mem::MemConfig;
 use crate::backend::passthrough::{IoPoll, PassthroughConfig};
 use crate::backend::uring_file::FileConfig;
 use crate::backend::{FileDevice, MemDevice, PassthroughDevice};
 use crate::dma::HugepagePolicy;
-use crate::{BlockDevice, DevError};
+use crate::{Access, BlockDevice, DevError};
 use std::path::PathBuf;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,6 +50,10 @@ pub struct OpenOptions {
     /// `cache=volatile`: simulate a volatile write cache ([`crate::wrap::volatile`]), so that
     /// killing the process loses exactly the unflushed writes (crash testing).
     pub volatile_cache: bool,
+    /// Exclusive (the default: read-write, holding the device's lock), read-only and shared,
+    /// or another queue of a device this process holds ([`crate::lock`]). `mem:` devices
+    /// ignore it: no other process can open them.
+    pub access: Access,
 }
 
 impl Default for OpenOptions {
@@ -55,12 +68,79 @@ impl Default for OpenOptions {
             iopoll: IoPoll::Auto,
             hugepages: HugepagePolicy::Prefer,
             volatile_cache: false,
+            access: Access::Exclusive,
         }
     }
 }
 
+/// Smallest `size=`: one 4 KiB block.
+pub const SIZE_BYTES_MIN: u64 = 4096;
+/// Largest `size=`: 1 EiB, far past any device, and small enough that byte offsets computed
+/// from it cannot overflow.
+pub const SIZE_BYTES_MAX: u64 = 1 << 60;
+/// Largest `qd=`: the ring has a slot per request, and io_uring allows 32768 entries.
+pub const QUEUE_DEPTH_MAX: u32 = 4096;
+/// Largest `sqpoll=` idle time: a minute of a kernel thread spinning on nothing is already
+/// more than any use of it wants.
+pub const SQPOLL_IDLE_MS_MAX: u32 = 60_000;
+
+impl OpenOptions {
+    /// Checks every setting against its range. The messages name the device-string option,
+    /// since that is where a bad value comes from (a program setting the fields directly gets
+    /// the same names).
+    pub fn check(&self) -> Result<(), String> {
+        if let Some(size) = self.size_bytes {
+            if !(SIZE_BYTES_MIN..=SIZE_BYTES_MAX).contains(&size) {
+                return Err(format!(
+                    "size={size} must be from {} to {}",
+                    format_size(SIZE_BYTES_MIN),
+                    format_size(SIZE_BYTES_MAX)
+                ));
+            }
+        }
+        check_lba_size(self.lba_size_bytes as u64)?;
+        check_queue_depth(self.queue_depth as u64)?;
+        crate::dma::check_geometry(self.buf_bytes, self.buf_count)?;
+        if let Some(ms) = self.sqpoll_idle_ms {
+            check_sqpoll_idle_ms(ms as u64)?;
+        }
+        Ok(())
+    }
+}
+
+/// `lba=`: 512, 1024, 2048 or 4096 (u64, so that no value is truncated before the check).
+pub fn check_lba_size(lba_size_bytes: u64) -> Result<u32, String> {
+    if lba_size_bytes.is_power_of_two() && (512..=4096).contains(&lba_size_bytes) {
+        Ok(lba_size_bytes as u32)
+    } else {
+        Err(format!(
+            "lba={lba_size_bytes} must be 512, 1024, 2048 or 4096"
+        ))
+    }
+}
+
+/// `qd=`: 1 to [`QUEUE_DEPTH_MAX`].
+pub fn check_queue_depth(queue_depth: u64) -> Result<u32, String> {
+    if (1..=QUEUE_DEPTH_MAX as u64).contains(&queue_depth) {
+        Ok(queue_depth as u32)
+    } else {
+        Err(format!("qd={queue_depth} must be 1..{QUEUE_DEPTH_MAX}"))
+    }
+}
+
+/// `sqpoll=MS`: 1 to [`SQPOLL_IDLE_MS_MAX`].
+pub fn check_sqpoll_idle_ms(ms: u64) -> Result<u32, String> {
+    if (1..=SQPOLL_IDLE_MS_MAX as u64).contains(&ms) {
+        Ok(ms as u32)
+    } else {
+        Err(format!("sqpoll={ms} must be 1..{SQPOLL_IDLE_MS_MAX} ms"))
+    }
+}
+
 impl DeviceSpec {
-    /// Parses a device string; options in it override `defaults`.
+    /// Parses a device string; options in it override `defaults`. Every value is checked
+    /// against its range here ([`OpenOptions::check`]), so an open never starts with a bad
+    /// one.
     pub fn parse(
         spec: &str,
         defaults: &OpenOptions,
@@ -77,21 +157,41 @@ impl DeviceSpec {
         let mut options = defaults.clone();
         for option in parts {
             let (key, value) = option.split_once('=').unwrap_or((option, ""));
+            // Numbers and sizes are read as u64 and range-checked before any narrowing, so
+            // that no value wraps or is truncated into a valid-looking one.
             let number = |v: &str| {
-                v.parse::<u32>()
+                v.parse::<u64>()
                     .map_err(|_| bad(format!("{key}={v} is not a number")))
             };
+            let size = |v: &str| parse_size(v).map_err(|why| bad(format!("{key}={v}: {why}")));
             match key {
-                "size" => options.size_bytes = Some(parse_size(value).map_err(bad)?),
-                "lba" => options.lba_size_bytes = parse_size(value).map_err(bad)? as u32,
-                "qd" => options.queue_depth = number(value)?,
-                "buf" => options.buf_bytes = parse_size(value).map_err(bad)? as usize,
-                "bufs" => options.buf_count = number(value)?,
+                "size" => options.size_bytes = Some(size(value)?),
+                "lba" => options.lba_size_bytes = check_lba_size(size(value)?).map_err(bad)?,
+                "qd" => options.queue_depth = check_queue_depth(number(value)?).map_err(bad)?,
+                // Narrowed without loss here; ranges (and buf x bufs) are checked below.
+                "buf" => {
+                    let bytes = size(value)?;
+                    options.buf_bytes = usize::try_from(bytes).map_err(|_| {
+                        bad(format!(
+                            "buf={bytes} must be a multiple of 4KiB from 4KiB to {}",
+                            format_size(crate::dma::BUF_BYTES_MAX as u64)
+                        ))
+                    })?;
+                }
+                "bufs" => {
+                    let count = number(value)?;
+                    options.buf_count = u32::try_from(count).map_err(|_| {
+                        bad(format!(
+                            "bufs={count} must be 1..{}",
+                            crate::dma::MAX_BUFFERS
+                        ))
+                    })?;
+                }
                 "sqpoll" => {
                     options.sqpoll_idle_ms = Some(if value.is_empty() {
                         1000
                     } else {
-                        number(value)?
+                        check_sqpoll_idle_ms(number(value)?).map_err(bad)?
                     })
                 }
                 "iopoll" => {
@@ -119,23 +219,6 @@ impl DeviceSpec {
                 _ => return Err(bad(format!("unknown option {key:?}"))),
             }
         }
-        if !options.lba_size_bytes.is_power_of_two()
-            || !(512..=4096).contains(&options.lba_size_bytes)
-        {
-            return Err(bad(format!(
-                "lba={} must be 512, 1024, 2048 or 4096",
-                options.lba_size_bytes
-            )));
-        }
-        if options.buf_bytes == 0 || options.buf_bytes % 4096 != 0 {
-            return Err(bad(format!(
-                "buf={} must be a multiple of 4 KiB",
-                options.buf_bytes
-            )));
-        }
-        if options.queue_depth == 0 || options.queue_depth > 4096 || options.buf_count == 0 {
-            return Err(bad("qd must be 1..4096 and bufs at least 1".into()));
-        }
         let device = match scheme {
             "nvme" if target.is_empty() => {
                 return Err(bad("give the char device: nvme:/dev/ng0n1".into()))
@@ -151,7 +234,9 @@ impl DeviceSpec {
             },
             "mem" => {
                 if !target.is_empty() {
-                    options.size_bytes = Some(parse_size(target).map_err(bad)?);
+                    options.size_bytes = Some(
+                        parse_size(target).map_err(|why| bad(format!("mem:{target}: {why}")))?,
+                    );
                 }
                 if options.size_bytes.is_none() {
                     return Err(bad("give a size: mem:1GiB".into()));
@@ -164,6 +249,7 @@ impl DeviceSpec {
                 )))
             }
         };
+        options.check().map_err(bad)?;
         Ok((device, options))
     }
 }
@@ -182,6 +268,7 @@ pub fn open_device(spec: &str, defaults: &OpenOptions) -> Result<Box<dyn BlockDe
                 hugepages: o.hugepages,
                 check_ranges: true,
                 register_buffers: true,
+                access: o.access,
             },
         )?),
         DeviceSpec::File { path } => Box::new(FileDevice::open(
@@ -194,6 +281,7 @@ pub fn open_device(spec: &str, defaults: &OpenOptions) -> Result<Box<dyn BlockDe
                 buf_count: o.buf_count,
                 sqpoll_idle_ms: o.sqpoll_idle_ms,
                 hugepages: o.hugepages,
+                access: o.access,
             },
         )?),
         DeviceSpec::Mem => Box::new(MemDevice::new(MemConfig {
@@ -211,7 +299,8 @@ pub fn open_device(spec: &str, defaults: &OpenOptions) -> Result<Box<dyn BlockDe
     })
 }
 
-/// Parses `4096`, `64K`, `128KiB`, `1GiB`, `2g`, `1TB` (binary multiples).
+/// Parses `4096`, `64K`, `128KiB`, `1GiB`, `2g`, `1TB`, `1EiB` (binary multiples); a product
+/// past u64 is an error.
 pub fn parse_size(text: &str) -> Result<u64, String> {
     let text = text.trim();
     let digits_end = text
@@ -227,7 +316,12 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         "m" | "mb" | "mib" => 20,
         "g" | "gb" | "gib" => 30,
         "t" | "tb" | "tib" => 40,
-        _ => return Err(format!("{text:?}: unknown unit {unit:?} (use K, M, G, T)")),
+        "e" | "eb" | "eib" => 60,
+        _ => {
+            return Err(format!(
+                "{text:?}: unknown unit {unit:?} (use K, M, G, T, E)"
+            ))
+        }
     };
     number
         .checked_mul(1u64 << shift)
@@ -236,7 +330,13 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
 
 /// Formats a byte count the way `parse_size` reads it back: `64MiB`, `4096`.
 pub fn format_size(bytes: u64) -> String {
-    for (shift, unit) in [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")] {
+    for (shift, unit) in [
+        (60, "EiB"),
+        (40, "TiB"),
+        (30, "GiB"),
+        (20, "MiB"),
+        (10, "KiB"),
+    ] {
         if bytes >= 1 << shift && bytes % (1 << shift) == 0 {
             return format!("{}{unit}", bytes >> shift);
         }
@@ -301,6 +401,80 @@ mod tests {
         ] {
             let err = DeviceSpec::parse(bad, &d).unwrap_err();
             assert!(matches!(err, DevError::BadSpec { .. }), "{bad}: {err}");
+        }
+    }
+
+    /// Every option out of its range is an error naming the option and its range, at parse
+    /// time: the strings below once wrapped `buf * bufs` (a segfault in mkfs and in
+    /// corefs_mount), panicked, or were silently truncated (`lba=4294967808` read as 512).
+    #[test]
+    fn out_of_range_options_are_named_errors() {
+        let d = OpenOptions::default();
+        let cases: &[(&str, &[&str])] = &[
+            (
+                "mem:64MiB,buf=9223372036854779904,bufs=2",
+                &["buf=", "16MiB"],
+            ),
+            (
+                "mem:64MiB,buf=4096,bufs=18446744073709551615",
+                &["bufs=", "1..16384"],
+            ),
+            ("mem:64MiB,bufs=20000", &["bufs=20000", "1..16384"]),
+            ("mem:64MiB,bufs=0", &["bufs=0", "1..16384"]),
+            ("mem:64MiB,buf=4G", &["buf=4294967296", "16MiB"]),
+            ("mem:64MiB,buf=6000", &["buf=6000", "multiple of 4KiB"]),
+            ("mem:64MiB,buf=0", &["buf=0", "multiple of 4KiB"]),
+            (
+                "mem:64MiB,buf=16MiB,bufs=128",
+                &["buf=16777216 x bufs=128", "1GiB"],
+            ),
+            ("file:/x,buf=1MiB,bufs=1025", &["bufs=1025", "1GiB"]),
+            (
+                "mem:64MiB,lba=4294967808",
+                &["lba=4294967808", "512, 1024, 2048 or 4096"],
+            ),
+            ("mem:64MiB,lba=8192", &["lba=8192", "4096"]),
+            ("mem:64MiB,lba=0", &["lba=0"]),
+            ("mem:64MiB,qd=0", &["qd=0", "1..4096"]),
+            ("mem:64MiB,qd=4097", &["qd=4097", "1..4096"]),
+            ("mem:64MiB,qd=4294967297", &["qd=4294967297", "1..4096"]),
+            ("mem:64MiB,qd=", &["qd=", "not a number"]),
+            ("file:/x,size=0", &["size=0", "4KiB", "1EiB"]),
+            ("file:/x,size=2048", &["size=2048"]),
+            ("file:/x,size=2EiB", &["size=2305843009213693952", "1EiB"]),
+            ("file:/x,size=1PiB", &["size=", "unknown unit"]),
+            (
+                "file:/x,size=2000000T",
+                &["size=2199023255552000000", "1EiB"],
+            ),
+            ("file:/x,size=99999999999T", &["size=", "too large"]),
+            ("mem:0", &["size=0"]),
+            ("mem:99999999999T", &["mem:", "too large"]),
+            ("file:/x,sqpoll=0", &["sqpoll=0", "1..60000"]),
+            (
+                "file:/x,sqpoll=4294967296",
+                &["sqpoll=4294967296", "1..60000"],
+            ),
+            ("file:/x,sqpoll=-1", &["sqpoll=-1", "not a number"]),
+            ("nvme:/dev/ng0n1,iopoll=maybe", &["iopoll=maybe"]),
+            ("file:/x,hugepages=yes", &["hugepages=yes"]),
+            ("file:/x,cache=write-back", &["cache=write-back"]),
+        ];
+        for (spec, words) in cases {
+            let err = DeviceSpec::parse(spec, &d).expect_err(spec);
+            assert!(matches!(err, DevError::BadSpec { .. }), "{spec}: {err}");
+            let text = err.to_string();
+            for w in *words {
+                assert!(text.contains(w), "{spec}: {text:?} does not say {w:?}");
+            }
+        }
+        // The edges of each range are accepted.
+        for spec in [
+            "mem:4KiB,lba=4096,qd=1,buf=4KiB,bufs=1",
+            "mem:1EiB,lba=512,qd=4096,buf=16MiB,bufs=64",
+            "file:/x,buf=64KiB,bufs=16384,sqpoll=60000,size=1EiB",
+        ] {
+            DeviceSpec::parse(spec, &d).unwrap_or_else(|e| panic!("{spec}: {e}"));
         }
     }
 }

@@ -6,7 +6,7 @@
 use nvme::backend::mem::{MemConfig, MemDevice};
 use nvme::backend::uring_file::{FileConfig, FileDevice};
 use nvme::dma::HugepagePolicy;
-use nvme::wrap::{FaultConfig, FaultDevice, RecordingDevice};
+use nvme::wrap::{FaultConfig, FaultDevice, OverlayDevice, RecordingDevice};
 use nvme::{BlockDevice, Completion, DevError, Op, Request};
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
@@ -37,6 +37,7 @@ fn file(dir: &tempfile::TempDir, lba: u32, sqpoll: bool) -> FileDevice {
             buf_count: 96,
             sqpoll_idle_ms: sqpoll.then_some(100),
             hugepages: HugepagePolicy::Never,
+            access: nvme::Access::Exclusive,
         },
     )
     .unwrap()
@@ -218,6 +219,12 @@ fn wrappers_without_faults_are_transparent() {
         1500,
         16,
     );
+    run_model(
+        &mut OverlayDevice::new(Box::new(mem(4096))),
+        seed(),
+        1500,
+        16,
+    );
 }
 
 proptest! {
@@ -340,6 +347,7 @@ fn backends_reject_bad_requests_and_give_backpressure() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     check_rejections(&mut file(&dir, 4096, false));
     check_rejections(&mut RecordingDevice::new(mem(512)));
+    check_rejections(&mut OverlayDevice::new(Box::new(mem(512))));
     check_rejections(&mut FaultDevice::new(mem(512), FaultConfig::default()));
 }
 

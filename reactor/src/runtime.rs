@@ -530,10 +530,18 @@ impl Runtime {
                         Some(config.cores[index % config.cores.len()])
                     };
                     pin(core);
+                    // The coordinator's queue holds the device's exclusive lock (it opened
+                    // the device to mount it); each reactor's own queue shares that lock.
                     let dev = match queue {
                         Some(q) => Ok(q),
-                        None => nvme::open_device(&config.device, &nvme::OpenOptions::default())
-                            .map_err(|e| EngineError::Invalid(format!("{}: {e}", config.device))),
+                        None => nvme::open_device(
+                            &config.device,
+                            &nvme::OpenOptions {
+                                access: nvme::Access::AnotherQueue,
+                                ..Default::default()
+                            },
+                        )
+                        .map_err(|e| open_failed(&config.device, e)),
                     };
                     let dev = match dev {
                         Ok(dev) => dev,
@@ -731,11 +739,20 @@ impl Drop for Runtime {
     }
 }
 
+/// An open that failed: a device held by another writer keeps its own error (its errno is
+/// EBUSY, and the message names the holder); anything else is the caller's device string.
+fn open_failed(device: &str, e: nvme::DevError) -> EngineError {
+    match e {
+        nvme::DevError::Busy { .. } => EngineError::Device(e),
+        e => EngineError::Invalid(format!("{device}: {e}")),
+    }
+}
+
 fn open(config: &Config, dev: Option<Box<dyn BlockDevice>>) -> Result<Filesystem, EngineError> {
     let mut dev = match dev {
         Some(dev) => dev,
         None => nvme::open_device(&config.device, &nvme::OpenOptions::default())
-            .map_err(|e| EngineError::Invalid(format!("{}: {e}", config.device)))?,
+            .map_err(|e| open_failed(&config.device, e))?,
     };
     if let Some(mkfs) = &config.mkfs {
         dev = Filesystem::mkfs(dev, mkfs)?;

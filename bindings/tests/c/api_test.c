@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static int checks = 0;
 
@@ -270,6 +271,32 @@ int main(int argc, char **argv) {
   ERR(corefs_mount(device, &pinned), EINVAL);
   CHECK(strstr(corefs_last_error(), "core 5000") != NULL && strstr(corefs_last_error(), "allowed"),
         "message: %s", corefs_last_error());
+
+  /* Device-string options out of range: a clear error naming the option, never a crash
+   * (the first once wrapped buf * bufs and the process died of SIGSEGV). */
+  ERR(corefs_mount("mem:64MiB,buf=9223372036854779904,bufs=2", NULL), EINVAL);
+  CHECK(strstr(corefs_last_error(), "buf=") != NULL, "message: %s", corefs_last_error());
+  ERR(corefs_mount("mem:64MiB,bufs=20000", NULL), EINVAL);
+  CHECK(strstr(corefs_last_error(), "bufs=") != NULL, "message: %s", corefs_last_error());
+
+  /* One writer per image: a second mount (or mkfs) of a mounted image fails with EBUSY
+   * naming the holder, this process; once the first is closed it mounts again. */
+  snprintf(device, sizeof device, "file:%s/api-twice.img,size=64MiB", argv[1]);
+  struct corefs_options format = {0};
+  format.format = 1;
+  format.shards = 2;
+  corefs_fs first = corefs_mount(device, &format);
+  OK(first);
+  ERR(corefs_mount(device, NULL), EBUSY);
+  char pid[32];
+  snprintf(pid, sizeof pid, "pid %d", (int)getpid());
+  CHECK(strstr(corefs_last_error(), pid) != NULL, "message names %s: %s", pid,
+        corefs_last_error());
+  ERR(corefs_mkfs(device, NULL), EBUSY);
+  OK(corefs_close(first));
+  corefs_fs again = corefs_mount(device, NULL);
+  OK(again);
+  OK(corefs_close(again));
 
   for (int reactors = 1; reactors <= 2; reactors++) {
     snprintf(device, sizeof device, "file:%s/api-%d.img,size=64MiB", argv[1], reactors);

@@ -51,20 +51,30 @@ impl Default for MemConfig {
 
 impl MemDevice {
     pub fn new(config: MemConfig) -> Result<MemDevice, DevError> {
-        let lba = config.lba_size_bytes;
-        assert!(
-            lba.is_power_of_two() && (512..=4096).contains(&lba),
-            "LBA size {lba} must be a power of two from 512 to 4096"
-        );
-        assert!(config.queue_depth > 0, "queue depth must be at least 1");
+        // The config may come from a device string or a C caller: every size is checked, and
+        // a bad one is an error, never a panic.
+        let spec = format!("mem:{}", config.capacity_bytes);
+        let bad = |why: String| DevError::BadSpec {
+            spec: spec.clone(),
+            why,
+        };
+        let lba = crate::spec::check_lba_size(config.lba_size_bytes as u64).map_err(bad)?;
+        crate::spec::check_queue_depth(config.queue_depth as u64).map_err(bad)?;
+        crate::dma::check_geometry(config.buf_bytes, config.buf_count).map_err(bad)?;
+        if config.capacity_bytes > crate::spec::SIZE_BYTES_MAX {
+            return Err(bad(format!(
+                "size={} is more than {}",
+                config.capacity_bytes,
+                crate::spec::format_size(crate::spec::SIZE_BYTES_MAX)
+            )));
+        }
         let capacity_lbas = config.capacity_bytes / lba as u64;
         if capacity_lbas == 0 {
-            return Err(DevError::BadSpec {
-                spec: format!("mem:{}", config.capacity_bytes),
-                why: format!("smaller than one {lba}-byte LBA"),
-            });
+            return Err(bad(format!("smaller than one {lba}-byte LBA")));
         }
-        let store = MmapMut::map_anon((capacity_lbas * lba as u64) as usize)
+        let store_bytes = usize::try_from(capacity_lbas * lba as u64)
+            .map_err(|_| bad("larger than this machine's address space".into()))?;
+        let store = MmapMut::map_anon(store_bytes)
             .map_err(|e| DevError::setup("mapping the memory device", &e, "use a smaller size"))?;
         let pool = DmaPool::new(config.buf_bytes, config.buf_count, HugepagePolicy::Prefer)?;
         Ok(MemDevice {
@@ -76,7 +86,8 @@ impl MemDevice {
                 lba_size_bytes: lba,
                 capacity_lbas,
                 queue_depth: config.queue_depth,
-                max_io_bytes: config.buf_bytes as u32,
+                max_io_bytes: u32::try_from(config.buf_bytes)
+                    .expect("buf_bytes is at most BUF_BYTES_MAX, checked above"),
                 fua_native: true,
                 completion_mode: CompletionMode::Immediate,
             },

@@ -7,13 +7,19 @@
 //! `fallocate(ZERO_RANGE|KEEP_SIZE)`; deallocate → `fallocate(PUNCH_HOLE|KEEP_SIZE)`. SQPOLL is
 //! optional.
 //!
+//! Access ([`crate::lock`]): an exclusive open takes an OFD write lock on the file (and opens a
+//! block device with `O_EXCL` too), so a second writer fails at open; a read-shared open is
+//! `O_RDONLY`, takes no lock, and refuses writes at submit (`EROFS`).
+//!
 //! Fault model: every CQE is checked. A negative result is an errno named in the error; a read
 //! or write moving fewer bytes than asked is a `ShortTransfer` error, never silently accepted;
-//! a failing `io_uring_enter` makes the queue fail-stop.
+//! a failing `io_uring_enter` makes the queue fail-stop. Every size in the config is checked
+//! at open (it may come from a device string or a C caller): a bad one is an error.
 
 use super::ring::{drain_before_drop, Ring, RingSetup};
 use super::slots::{InFlight, Slots};
 use crate::dma::HugepagePolicy;
+use crate::lock::{self, Access, DeviceLock};
 use crate::{
     validate, BlockDevice, Completion, CompletionMode, DevError, DeviceInfo, DmaPool, Op, OpKind,
     Rejected, Request,
@@ -23,7 +29,23 @@ use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
+
+/// The error for a block device that refused `O_EXCL`: held by a corefs process (its OFD lock
+/// names the pid) or mounted or opened exclusively by something else.
+fn busy_block_device(path: &Path, path_text: &str) -> DevError {
+    let holder = File::open(path)
+        .ok()
+        .and_then(|f| lock::holder(&f, path_text).ok().flatten());
+    DevError::Busy {
+        device: format!("file:{path_text}"),
+        holder: match holder {
+            Some(holder) => holder.to_string(),
+            None => "mounted, or opened exclusively by another program".into(),
+        },
+    }
+}
 
 /// How to open a file or block device.
 #[derive(Debug, Clone)]
@@ -38,6 +60,9 @@ pub struct FileConfig {
     /// Kernel-side submission polling, with the idle time before the poller sleeps.
     pub sqpoll_idle_ms: Option<u32>,
     pub hugepages: HugepagePolicy,
+    /// Exclusive (locked, read-write), read-only shared, or another queue of a device this
+    /// process holds ([`crate::lock`]).
+    pub access: Access,
 }
 
 impl Default for FileConfig {
@@ -50,6 +75,7 @@ impl Default for FileConfig {
             buf_count: 256,
             sqpoll_idle_ms: None,
             hugepages: HugepagePolicy::Prefer,
+            access: Access::Exclusive,
         }
     }
 }
@@ -62,6 +88,11 @@ pub struct FileDevice {
     pool: DmaPool,
     file: File,
     failed: Option<DevError>,
+    /// Opened [`Access::ReadShared`]: writes are refused at submit.
+    read_only: bool,
+    /// The device's exclusive lock, shared with the process's other queues on it; `None` when
+    /// read-shared. Dropped after `file`, the descriptor it may have been taken through.
+    _lock: Option<Arc<DeviceLock>>,
 }
 
 const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
@@ -70,25 +101,64 @@ const BLKSSZGET: libc::c_ulong = 0x1268;
 impl FileDevice {
     pub fn open(path: &Path, config: &FileConfig) -> Result<FileDevice, DevError> {
         let path_text = path.display().to_string();
+        let bad = |why: String| DevError::BadSpec {
+            spec: format!("file:{path_text}"),
+            why,
+        };
+        // The sizes are checked before anything is opened or created: each may come from a
+        // device string or a C caller, and a wrapped one would size a pool or a ring wrongly.
+        crate::spec::check_queue_depth(config.queue_depth as u64).map_err(bad)?;
+        crate::dma::check_geometry(config.buf_bytes, config.buf_count).map_err(bad)?;
+        if let Some(ms) = config.sqpoll_idle_ms {
+            crate::spec::check_sqpoll_idle_ms(ms as u64).map_err(bad)?;
+        }
+        if let Some(bytes) = config.create_bytes {
+            if bytes > crate::spec::SIZE_BYTES_MAX {
+                return Err(bad(format!(
+                    "size={bytes} is more than {}",
+                    crate::spec::format_size(crate::spec::SIZE_BYTES_MAX)
+                )));
+            }
+        }
+        let read_only = config.access == Access::ReadShared;
+        // A block device is opened O_EXCL for exclusive use (the kernel then refuses a mount
+        // or another O_EXCL open of it); never with O_CREAT, since O_CREAT|O_EXCL fails on
+        // any existing path.
+        let is_block_device = std::fs::metadata(path)
+            .map(|m| m.file_type().is_block_device())
+            .unwrap_or(false);
+        let mut flags = libc::O_DIRECT | libc::O_CLOEXEC;
+        if is_block_device && config.access == Access::Exclusive {
+            flags |= libc::O_EXCL;
+        }
         let mut options = OpenOptions::new();
-        options
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC);
-        if config.create_bytes.is_some() {
+        options.read(true).write(!read_only).custom_flags(flags);
+        if config.create_bytes.is_some() && !read_only && !is_block_device {
             options.create(true);
         }
         let file = options.open(path).map_err(|e| {
+            if e.raw_os_error() == Some(libc::EBUSY) && is_block_device {
+                return busy_block_device(path, &path_text);
+            }
             let hint = match e.raw_os_error() {
                 Some(libc::EINVAL) => {
                     "the filesystem holding it does not support O_DIRECT (tmpfs?): put the image \
                      on ext4, xfs or btrfs"
                 }
-                Some(libc::ENOENT) => "give a size to create it (file:PATH,size=1GiB)",
+                Some(libc::ENOENT) if !read_only => {
+                    "give a size to create it (file:PATH,size=1GiB)"
+                }
                 _ => "",
             };
             DevError::setup(format!("opening {path_text}"), &e, hint)
         })?;
+        // The lock is taken before the file is sized or read, so a second writer learns at
+        // once that the image is in use and changes nothing.
+        let lock = match config.access {
+            Access::Exclusive => Some(lock::lock_exclusive(&file, &format!("file:{path_text}"))?),
+            Access::AnotherQueue => Some(lock::join(&file, &format!("file:{path_text}"))?),
+            Access::ReadShared => None,
+        };
         let meta = file
             .metadata()
             .map_err(|e| DevError::setup(format!("stat {path_text}"), &e, ""))?;
@@ -112,7 +182,7 @@ impl FileDevice {
             (size, ssz as u32)
         } else if meta.file_type().is_file() {
             let mut size = meta.len();
-            if let Some(want) = config.create_bytes {
+            if let Some(want) = config.create_bytes.filter(|_| !read_only) {
                 if size < want {
                     file.set_len(want)
                         .map_err(|e| DevError::setup(format!("sizing {path_text}"), &e, ""))?;
@@ -141,6 +211,7 @@ impl FileDevice {
         }
 
         let pool = DmaPool::new(config.buf_bytes, config.buf_count, config.hugepages)?;
+        // At most 4096 (checked above), so neither this nor the u32 below can overflow.
         let queue_depth = config.queue_depth.next_power_of_two();
         let mut ring = Ring::new(
             RingSetup {
@@ -164,13 +235,16 @@ impl FileDevice {
                 lba_size_bytes,
                 capacity_lbas,
                 queue_depth,
-                max_io_bytes: config.buf_bytes as u32,
+                max_io_bytes: u32::try_from(config.buf_bytes)
+                    .expect("buf_bytes is at most BUF_BYTES_MAX, checked above"),
                 fua_native: false,
                 completion_mode: CompletionMode::Interrupt,
             },
             pool,
             file,
             failed: None,
+            read_only,
+            _lock: lock,
         })
     }
 
@@ -288,6 +362,11 @@ impl BlockDevice for FileDevice {
         }
         if let Err(reason) = validate(&self.info, &self.pool, &request.op) {
             return Err(Rejected { request, reason });
+        }
+        if self.read_only {
+            if let Err(reason) = crate::refuse_writes(&request.op) {
+                return Err(Rejected { request, reason });
+            }
         }
         let kind = request.op.kind();
         let expect_bytes = match &request.op {

@@ -7,7 +7,7 @@
 
 use nvme::backend::passthrough::{IoPoll, PassthroughConfig, PassthroughDevice};
 use nvme::dma::HugepagePolicy;
-use nvme::{BlockDevice, CompletionMode, DevError, Op, Request};
+use nvme::{Access, BlockDevice, CompletionMode, DevError, Op, Request};
 use std::path::Path;
 use std::time::Duration;
 
@@ -20,6 +20,14 @@ fn pattern(lba: u64, salt: u8, lba_size: usize) -> Vec<u8> {
 }
 
 fn open(path: &str, check_ranges: bool) -> Result<PassthroughDevice, String> {
+    open_with(path, check_ranges, Access::Exclusive).map_err(|e| e.to_string())
+}
+
+fn open_with(
+    path: &str,
+    check_ranges: bool,
+    access: Access,
+) -> Result<PassthroughDevice, DevError> {
     PassthroughDevice::open(
         Path::new(path),
         &PassthroughConfig {
@@ -30,9 +38,62 @@ fn open(path: &str, check_ranges: bool) -> Result<PassthroughDevice, String> {
             hugepages: HugepagePolicy::Prefer,
             check_ranges,
             register_buffers: std::env::var_os("COREFS_NO_FIXED").is_none(),
+            access,
         },
     )
-    .map_err(|e| e.to_string())
+}
+
+/// The namespace's exclusive lock, while `dev` (opened exclusively) is open: a second
+/// exclusive open fails naming this process; a read-shared open works, reads what `dev`
+/// wrote and refuses writes; another queue of this process shares the lock.
+fn exclusive_lock(path: &str, dev: &mut PassthroughDevice) -> Check {
+    match open_with(path, true, Access::Exclusive) {
+        Ok(_) => return Err("a second exclusive open of the namespace succeeded".into()),
+        Err(DevError::Busy { holder, .. }) => {
+            let want = format!("pid {}", std::process::id());
+            if !holder.contains(&want) {
+                return Err(format!("the busy error says {holder:?}, not {want:?}"));
+            }
+        }
+        Err(e) => return Err(format!("a second exclusive open failed otherwise: {e}")),
+    }
+    let lba_size = dev.info().lba_size_bytes as usize;
+    let data = pattern(60, 0x33, lba_size);
+    nvme::write_sync(dev, 60, &data, true).map_err(|e| e.to_string())?;
+    let mut reader = open_with(path, true, Access::ReadShared)
+        .map_err(|e| format!("a read-shared open while held: {e}"))?;
+    let mut back = vec![0u8; lba_size];
+    nvme::read_sync(&mut reader, 60, &mut back).map_err(|e| format!("shared read: {e}"))?;
+    if back != data {
+        return Err("the read-shared queue read different data".into());
+    }
+    match nvme::write_sync(&mut reader, 60, &data, false) {
+        Err(DevError::Io { errno, .. }) if errno == libc::EROFS => {}
+        other => return Err(format!("a write on the read-shared queue gave {other:?}")),
+    }
+    if nvme::lock::in_use(&format!("nvme:{path}"))
+        .map_err(|e| e.to_string())?
+        .is_none()
+    {
+        return Err("lock::in_use does not see the held namespace".into());
+    }
+    let mut queue = open_with(path, true, Access::AnotherQueue)
+        .map_err(|e| format!("another queue of the held namespace: {e}"))?;
+    nvme::read_sync(&mut queue, 60, &mut back).map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+/// Once every queue holding it is gone, the lock is gone: an exclusive open works again.
+fn lock_released(path: &str) -> Check {
+    if nvme::lock::in_use(&format!("nvme:{path}"))
+        .map_err(|e| e.to_string())?
+        .is_some()
+    {
+        return Err("the namespace is still locked after its queues were dropped".into());
+    }
+    open_with(path, true, Access::Exclusive)
+        .map(drop)
+        .map_err(|e| format!("reopening after the drop: {e}"))
 }
 
 fn write_read_patterns(dev: &mut PassthroughDevice) -> Check {
@@ -351,7 +412,9 @@ fn main() {
             );
             report("32+ in flight", many_in_flight(&mut dev));
             report("completion eventfd", completion_eventfd(&mut dev));
+            report("exclusive lock", exclusive_lock(path, &mut dev));
             drop(dev);
+            report("lock released at drop", lock_released(path));
             report("out-of-range LBA", out_of_range(path));
         }
     }

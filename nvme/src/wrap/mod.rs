@@ -4,17 +4,21 @@
 //! - [`fault`]: seeded fault injection — EIO, bit rot, misdirected and lost writes, ignored
 //!   flushes, latency spikes, and a simulated power cut that drops or tears unflushed writes;
 //! - [`volatile`]: a volatile write cache (`cache=volatile`): unflushed writes live in memory,
-//!   so killing the process is a power cut.
+//!   so killing the process is a power cut;
+//! - [`overlay`]: every write kept in memory and none passed down (`corefs fsck -n`: the engine
+//!   mounts and replays as usual, the image is not changed).
 //!
-//! Both wrap any [`crate::BlockDevice`] and are devices themselves, so they stack.
+//! Each wraps any [`crate::BlockDevice`] and is a device itself, so they stack.
 
 pub mod crash;
 pub mod fault;
+pub mod overlay;
 pub mod recording;
 pub mod volatile;
 
 pub use crash::{crash_image, crash_image_into, CrashMode};
 pub use fault::{FaultConfig, FaultDevice, FaultHandle, FaultStats};
+pub use overlay::OverlayDevice;
 pub use recording::{Record, RecordingDevice, WriteLog};
 pub use volatile::VolatileCacheDevice;
 

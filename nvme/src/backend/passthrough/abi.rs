@@ -153,6 +153,13 @@ impl NamespaceId {
         if size_lbas == 0 {
             return Err("namespace size is zero".into());
         }
+        // The size comes from the controller: its byte count must fit the u64 every offset
+        // is computed in.
+        if size_lbas.checked_mul(1 << lbads).is_none() {
+            return Err(format!(
+                "namespace size {size_lbas} LBAs of 2^{lbads} bytes overflows 64 bits"
+            ));
+        }
         Ok(NamespaceId {
             size_lbas,
             lba_size_bytes: 1 << lbads,

@@ -12,14 +12,21 @@
 //! - Data-less commands (Flush, Write Zeroes) go on a second ring without IOPOLL: on Linux 6.1 a
 //!   Flush on an IOPOLL ring with poll queues can oops the kernel.
 //!
+//! - Access ([`crate::lock`]): an exclusive open takes an OFD write lock on the char device, so
+//!   a second writer of the namespace (another corefs process, or a second open in this one)
+//!   fails at open; a read-shared open is `O_RDONLY`, takes no lock and refuses writes.
+//!
 //! Fault model: `cqe.res` < 0 is an errno, > 0 an NVMe status (named in the error, with the DNR
 //! bit), 0 success. Nothing is retried here. A failed `io_uring_enter` makes the queue fail-stop.
+//! The config's sizes are checked at open, and the controller's reported sizes are used with
+//! checked or saturating arithmetic: neither can wrap a size.
 
 pub mod abi;
 
 use super::ring::{drain_before_drop, Ring, RingSetup};
 use super::slots::{InFlight, Slots};
 use crate::dma::HugepagePolicy;
+use crate::lock::{self, Access, DeviceLock};
 use crate::{
     validate, BlockDevice, Completion, CompletionMode, DevError, DeviceInfo, DmaPool, NvmeStatus,
     Op, OpKind, Rejected, Request,
@@ -29,6 +36,7 @@ use io_uring::{cqueue, opcode, squeue, types};
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Whether to poll for completions.
@@ -53,6 +61,9 @@ pub struct PassthroughConfig {
     pub check_ranges: bool,
     /// Register the DMA pool with the ring (fixed buffers). Off only to compare.
     pub register_buffers: bool,
+    /// Exclusive (locked, read-write), read-only shared, or another queue of a namespace this
+    /// process holds ([`crate::lock`]).
+    pub access: Access,
 }
 
 impl Default for PassthroughConfig {
@@ -65,6 +76,7 @@ impl Default for PassthroughConfig {
             hugepages: HugepagePolicy::Prefer,
             check_ranges: true,
             register_buffers: true,
+            access: Access::Exclusive,
         }
     }
 }
@@ -85,14 +97,26 @@ pub struct PassthroughDevice {
     controller: ControllerId,
     failed: Option<DevError>,
     check_ranges: bool,
+    /// Opened [`Access::ReadShared`]: writes are refused at submit.
+    read_only: bool,
+    /// The namespace's exclusive lock, shared with this process's other queues on it; `None`
+    /// when read-shared. Dropped after `file`.
+    _lock: Option<Arc<DeviceLock>>,
 }
 
 impl PassthroughDevice {
     pub fn open(path: &Path, config: &PassthroughConfig) -> Result<PassthroughDevice, DevError> {
         let path_text = path.display().to_string();
+        let bad = |why: String| DevError::BadSpec {
+            spec: format!("nvme:{path_text}"),
+            why,
+        };
+        crate::spec::check_queue_depth(config.queue_depth as u64).map_err(bad)?;
+        crate::dma::check_geometry(config.buf_bytes, config.buf_count).map_err(bad)?;
+        let read_only = config.access == Access::ReadShared;
         let file = OpenOptions::new()
             .read(true)
-            .write(true)
+            .write(!read_only)
             .custom_flags_cloexec()
             .open(path)
             .map_err(|e| {
@@ -109,6 +133,14 @@ impl PassthroughDevice {
                 };
                 DevError::setup(format!("opening {path_text}"), &e, hint)
             })?;
+        // Locked before the first command: a second writer learns at once that the namespace
+        // is in use, before it identifies or touches anything.
+        let device_name = format!("nvme:{path_text}");
+        let lock = match config.access {
+            Access::Exclusive => Some(lock::lock_exclusive(&file, &device_name)?),
+            Access::AnotherQueue => Some(lock::join(&file, &device_name)?),
+            Access::ReadShared => None,
+        };
         let fd = file.as_raw_fd();
 
         // SAFETY: NVME_IOCTL_ID takes no argument and returns the namespace id or -1.
@@ -208,6 +240,8 @@ impl PassthroughDevice {
             controller,
             failed: None,
             check_ranges: config.check_ranges,
+            read_only,
+            _lock: lock,
         })
     }
 
@@ -374,6 +408,13 @@ impl BlockDevice for PassthroughDevice {
             Err(DevError::OutOfRange { .. }) if !self.check_ranges => Ok(()),
             other => other,
         };
+        let checked = checked.and_then(|()| {
+            if self.read_only {
+                crate::refuse_writes(&request.op)
+            } else {
+                Ok(())
+            }
+        });
         if let Err(reason) = checked.and_then(|()| self.check_supported(&request.op)) {
             return Err(Rejected { request, reason });
         }
@@ -547,9 +588,12 @@ fn max_transfer_bytes(path_text: &str, controller: &ControllerId, buf_bytes: usi
     if let Some(kb) = sysfs_block_attr(Path::new(path_text), "max_hw_sectors_kb")
         .and_then(|s| s.parse::<u64>().ok())
     {
-        max = max.min(kb * 1024);
+        // Saturating: the value is the kernel's, but a size from outside is never trusted to
+        // fit.
+        max = max.min(kb.saturating_mul(1024));
     }
-    max as u32
+    // At most buf_bytes, which open checked against BUF_BYTES_MAX.
+    u32::try_from(max).unwrap_or(u32::MAX)
 }
 
 /// Reads `/sys/block/nvmeXnY/queue/ATTR` for the namespace behind `/dev/ngXnY`.
