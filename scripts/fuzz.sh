@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # fuzz.sh - runs the cargo-fuzz targets (fuzz/): mount_image (mount + fsck + reads of images
 # made from arbitrary bytes), log_record (record decoding and replay of arbitrary log bytes),
-# c_abi (the C ABI under arbitrary call programs). Usage: scripts/fuzz.sh [SECONDS_PER_TARGET]
-# [TARGET...]. Needs a nightly toolchain (rustup toolchain install nightly) and cargo-fuzz
-# (installed here if missing). Crashes are saved under fuzz/artifacts/<target>/; the corpus
+# structured_image (a valid image with one node, superblock or log record mutated field by
+# field and re-checksummed, then mounted, checked, read, changed and remounted), c_abi (the C
+# ABI under arbitrary call programs). Usage: scripts/fuzz.sh [SECONDS_PER_TARGET] [TARGET...].
+# Needs a nightly toolchain (rustup toolchain install nightly) and cargo-fuzz (installed here
+# if missing). Crashes are saved under fuzz/artifacts/<target>/; the corpus
 # grows in fuzz/corpus/<target>/. The seeded regression tests of the same harnesses
 # (engine/tests/fuzz_inputs.rs, bindings/tests/fuzz_abi.rs) run in scripts/test.sh.
 set -euo pipefail
@@ -11,7 +13,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 seconds=${1:-60}
 shift || true
 targets=("$@")
-((${#targets[@]})) || targets=(mount_image log_record c_abi)
+((${#targets[@]})) || targets=(mount_image log_record structured_image c_abi)
 rustup toolchain list | grep -q nightly || {
   echo "fuzz.sh: needs a nightly toolchain: rustup toolchain install nightly" >&2
   exit 1

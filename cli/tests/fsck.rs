@@ -3,7 +3,8 @@
 //! 8 operational error), and `--repair` fixes only what is safe (a damaged superblock copy).
 //! Block-level damage is done to the image file; item-level damage (wrong link count, missing
 //! back-reference, dangling name, overlapping extents, unaccounted space) through the engine's
-//! raw item calls, which bypass the invariants the checker verifies.
+//! raw item calls, which bypass the invariants the checker verifies; malformed leaves (items
+//! sharing data, keys out of order) by editing a leaf and re-sealing its crc and pointer.
 
 use engine::format::items::{ExtentItem, InodeItem};
 use engine::format::{ItemKind, Key, NodeBody};
@@ -148,6 +149,26 @@ fn leaves(image: &Path, shard: u32, ino: u64) -> Vec<(u64, bool)> {
     out
 }
 
+/// Lets `f` change shard `shard`'s tree, a single leaf, then re-seals the leaf's crc and the
+/// superblock's pointer to it (both copies), so only the structure checks can tell.
+fn reseal_root_leaf(image: &Path, shard: u32, f: impl FnOnce(&mut [u8])) {
+    let mut dev = open(image);
+    let mut sb = engine::inspect::current_superblock(&mut *dev).unwrap();
+    let root = sb.shards[shard as usize];
+    assert_eq!(root.level, 0, "shard {shard}'s tree is one leaf");
+    drop(dev);
+    let mut leaf = read_block(image, root.tree.addr);
+    f(&mut leaf);
+    let crc = engine::format::block_crc(&leaf);
+    leaf[0..4].copy_from_slice(&crc.to_le_bytes());
+    write_block(image, root.tree.addr, &leaf);
+    sb.shards[shard as usize].tree.crc = crc;
+    let mut dev = open(image);
+    for addr in engine::format::SUPERBLOCK_ADDRS {
+        engine::inspect::rewrite_superblock(&mut *dev, &sb, addr).unwrap();
+    }
+}
+
 /// Mounts `image`, lets `f` change raw items, commits.
 fn edit(image: &Path, f: impl FnOnce(&mut Filesystem)) {
     let mut fs = Filesystem::mount(open(image), MountOptions::default()).unwrap();
@@ -226,6 +247,26 @@ fn every_corruption_class_is_found_and_named() {
     let img = copy(&image, dir.path(), "misdirected");
     write_block(&img, leaf_a, &read_block(&image, other));
     expect_corrupt(&img, "misdirected write", &["lost or misdirected write"]);
+
+    // Checksum-valid but malformed leaves (the crc and the superblock's pointer re-sealed):
+    // the structure checks name them.
+    let item = |i: usize| 64 + i * 21;
+    let img = copy(&image, dir.path(), "shared-data");
+    reseal_root_leaf(&img, shard_a, |leaf| {
+        leaf.copy_within(item(1) + 17..item(1) + 21, item(0) + 17);
+    });
+    expect_corrupt(
+        &img,
+        "items sharing data",
+        &["tree node", "share data bytes"],
+    );
+    let img = copy(&image, dir.path(), "key-order");
+    reseal_root_leaf(&img, shard_a, |leaf| {
+        let first = leaf[item(0)..item(1)].to_vec();
+        leaf.copy_within(item(1)..item(2), item(0));
+        leaf[item(1)..item(2)].copy_from_slice(&first);
+    });
+    expect_corrupt(&img, "keys out of order", &["tree node", "out of order"]);
 
     // A data block with a flipped bit: read and verified by fsck.
     let mut fs = Filesystem::mount(open(&image), MountOptions::default()).unwrap();

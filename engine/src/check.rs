@@ -55,6 +55,21 @@ impl Filesystem {
                 }
                 let item = ExtentItem::decode(&value)
                     .map_err(|why| bad("extent item", key.objectid, why))?;
+                // Read nothing outside the shard's data region (another shard's blocks, the
+                // log, past the device): that is corruption, not a device error.
+                let in_region = self.shards[shard as usize]
+                    .as_ref()
+                    .is_some_and(|s| s.space.contains(item.disk_block, item.blocks as u64));
+                if !in_region {
+                    return Err(bad(
+                        "extent item",
+                        key.objectid,
+                        format!(
+                            "data blocks {}+{} outside shard {shard}'s region",
+                            item.disk_block, item.blocks
+                        ),
+                    ));
+                }
                 if !item.prealloc {
                     extents.push((key.objectid, item));
                 }

@@ -123,14 +123,30 @@ impl Filesystem {
         let mut out = Vec::new();
         for (key, bytes) in before.into_iter().chain(inside) {
             if key.offset % BLOCK != 0 {
-                return Err(EngineError::corrupt(
+                return Err(EngineError::corrupt_inode(
                     "extent item",
                     ino,
                     format!("unaligned offset {}", key.offset),
                 ));
             }
             let item = ExtentItem::decode(&bytes)
-                .map_err(|why| EngineError::corrupt("extent item", ino, why))?;
+                .map_err(|why| EngineError::corrupt_inode("extent item", ino, why))?;
+            // Blocks outside the shard's data region would be read from (or freed into)
+            // another shard's space, the log or past the device.
+            let space = &self.shards[shard as usize]
+                .as_ref()
+                .expect("the tree walk above found the shard held")
+                .space;
+            if !space.contains(item.disk_block, item.blocks as u64) {
+                return Err(EngineError::corrupt_inode(
+                    "extent item",
+                    ino,
+                    format!(
+                        "blocks {}+{} outside shard {shard}'s data region",
+                        item.disk_block, item.blocks
+                    ),
+                ));
+            }
             let extent = Extent {
                 file_block: key.offset / BLOCK,
                 item,
@@ -385,6 +401,11 @@ impl Filesystem {
                 if let Some(right) = right {
                     tree.insert(io, extent_key(ino, cut_to), right.encode())?;
                 }
+                // Blocks that overlapping extents, a tree node (freed by the copies above) or
+                // the bitmap say are not this extent's are corruption, not a double free.
+                io.space
+                    .check_allocated(freed_at, freed_len)
+                    .map_err(|why| EngineError::corrupt_inode("extent item", ino, why))?;
                 io.space.free(freed_at, freed_len, Some(generation));
                 Ok(())
             })?;

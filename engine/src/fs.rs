@@ -264,8 +264,12 @@ impl NodeIo for ShardIo<'_> {
             Err(EngineError::NoSpace)
         }
     }
-    fn free_block(&mut self, addr: u64, written: bool) {
+    fn free_block(&mut self, addr: u64, written: bool) -> Result<()> {
+        self.space
+            .check_allocated(addr, 1)
+            .map_err(|why| EngineError::corrupt("tree node", addr, why))?;
         self.space.free(addr, 1, written.then_some(self.generation));
+        Ok(())
     }
 }
 

@@ -6,13 +6,19 @@
 //!   bytes themselves as a whole image, or a valid image (with files, directories and fsync log
 //!   records waiting for replay) patched by them, which reaches far deeper than random bytes;
 //! - [`log_record`]: the record decoder on raw bytes, and those bytes placed in a shard's log
-//!   area of a valid image, so mount's replay reads them.
+//!   area of a valid image, so mount's replay reads them;
+//! - [`structured_image`]: a valid image with one tree node, superblock or log record
+//!   mutated field by field and re-checksummed (with the pointers above it), so the mutation
+//!   gets past crc32c to the structure checks and the code behind them.
 
 use crate::fs::{Filesystem, MkfsOptions, MountOptions};
 use crate::log::record::{decode_header, decode_record};
 use nvme::backend::mem::{MemConfig, MemDevice};
 use nvme::BlockDevice;
 use std::sync::OnceLock;
+
+mod structured;
+pub use structured::structured_image;
 
 /// Size of the template images: small, so an iteration is cheap.
 pub const IMAGE_BYTES: usize = 2 << 20;

@@ -156,7 +156,17 @@ impl Filesystem {
                 let counter = Key::new(INO_COUNTER_OBJECTID, ItemKind::InodeItem, 0);
                 match self.with_tree(shard, false, |tree, io| tree.get(io, &counter))? {
                     Some(bytes) if bytes.len() == 8 => {
-                        u64::from_le_bytes(bytes.try_into().expect("8 bytes"))
+                        let next = u64::from_le_bytes(bytes.try_into().expect("8 bytes"));
+                        if !(FIRST_INODE..=crate::format::items::MAX_INO).contains(&next)
+                            || next % shards != shard as u64
+                        {
+                            return Err(EngineError::corrupt(
+                                "inode counter",
+                                shard as u64,
+                                format!("{next} is not an inode number of this shard"),
+                            ));
+                        }
+                        next
                     }
                     Some(_) => {
                         return Err(EngineError::corrupt(

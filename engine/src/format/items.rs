@@ -1,8 +1,15 @@
 //! Item values: the inode item, names (directory items, index items, inode back-references),
 //! file extents and xattrs. All little-endian, each with a fixed header, decoded with bounds
 //! checks so a corrupt item is an error, never a panic.
+//!
+//! Decoding also checks what the engine later does arithmetic with or trusts, so a
+//! checksum-valid but impossible value is reported where it is read: file types, sizes and
+//! block counts within [`crate::file::MAX_FILE_BYTES`], counters with room to grow, names as
+//! the engine accepts them, extents that neither wrap the block numbers nor start in the
+//! superblocks.
 
-use super::{le_u16, le_u32, le_u64};
+use super::{le_u16, le_u32, le_u64, FIRST_REGION_BLOCK};
+use crate::file::MAX_FILE_BYTES;
 
 /// A timestamp: seconds and nanoseconds since the epoch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, PartialOrd, Ord)]
@@ -45,6 +52,12 @@ pub struct InodeItem {
 }
 
 pub const INODE_ITEM_BYTES: usize = 104;
+/// The largest inode number disk contents may name (an inode counter, a logged inode): the
+/// engine adds the shard count to inode numbers without checking.
+pub const MAX_INO: u64 = u64::MAX / 2;
+/// The largest directory-index sequence an inode item may hold: each name a directory ever
+/// held takes one, and the engine adds to it without checking.
+pub const MAX_INDEX: u64 = u64::MAX / 2;
 
 impl InodeItem {
     pub fn encode(&self) -> Vec<u8> {
@@ -97,6 +110,20 @@ impl InodeItem {
         {
             return Err("timestamp nanoseconds out of range".into());
         }
+        // The types the engine creates (see crate::inode); the checker knows no others.
+        const S_IFMT: u32 = 0o170000;
+        if ![0o100000, 0o040000, 0o120000].contains(&(item.mode & S_IFMT)) {
+            return Err(format!("unknown file type in mode {:o}", item.mode));
+        }
+        if item.size > MAX_FILE_BYTES || item.blocks > MAX_FILE_BYTES / 4096 {
+            return Err(format!(
+                "size {} or blocks {} past the largest file",
+                item.size, item.blocks
+            ));
+        }
+        if item.next_index > MAX_INDEX {
+            return Err(format!("directory index counter {}", item.next_index));
+        }
         Ok(item)
     }
 }
@@ -131,21 +158,35 @@ pub fn push_name(out: &mut Vec<u8>, target: u64, kind: u8, name: &[u8]) {
     out.extend_from_slice(name);
 }
 
+/// The name of the entry at `at` in an encoded list, checked: inside the list, 1..=255 bytes,
+/// and a name the engine would accept (no "/" or NUL, not "." or "..").
+fn entry_name(b: &[u8], at: usize) -> Result<&[u8], String> {
+    if at + 11 > b.len() {
+        return Err("truncated name entry".into());
+    }
+    let len = le_u16(b, at + 9) as usize;
+    if len == 0 || len > 255 || at + 11 + len > b.len() {
+        return Err(format!("name entry of length {len} overruns its item"));
+    }
+    let name = &b[at + 11..at + 11 + len];
+    if name == b"." || name == b".." || name.contains(&b'/') || name.contains(&0) {
+        return Err(format!(
+            "impossible name {:?}",
+            String::from_utf8_lossy(name)
+        ));
+    }
+    Ok(name)
+}
+
 /// Finds `name` in an encoded list without decoding it: (target, kind).
 pub fn find_name(b: &[u8], name: &[u8]) -> Result<Option<(u64, u8)>, String> {
     let mut at = 0;
     while at < b.len() {
-        if at + 11 > b.len() {
-            return Err("truncated name entry".into());
-        }
-        let len = le_u16(b, at + 9) as usize;
-        if len == 0 || len > 255 || at + 11 + len > b.len() {
-            return Err(format!("name entry of length {len} overruns its item"));
-        }
-        if &b[at + 11..at + 11 + len] == name {
+        let found = entry_name(b, at)?;
+        if found == name {
             return Ok(Some((le_u64(b, at), b[at + 8])));
         }
-        at += 11 + len;
+        at += 11 + found.len();
     }
     Ok(None)
 }
@@ -154,21 +195,13 @@ pub fn decode_names(b: &[u8]) -> Result<Vec<NameEntry>, String> {
     let mut out = Vec::new();
     let mut at = 0;
     while at < b.len() {
-        if at + 11 > b.len() {
-            return Err("truncated name entry".into());
-        }
-        let target = le_u64(b, at);
-        let kind = b[at + 8];
-        let len = le_u16(b, at + 9) as usize;
-        if len == 0 || len > 255 || at + 11 + len > b.len() {
-            return Err(format!("name entry of length {len} overruns its item"));
-        }
+        let name = entry_name(b, at)?;
         out.push(NameEntry {
-            target,
-            kind,
-            name: b[at + 11..at + 11 + len].to_vec(),
+            target: le_u64(b, at),
+            kind: b[at + 8],
+            name: name.to_vec(),
         });
-        at += 11 + len;
+        at += 11 + name.len();
     }
     Ok(out)
 }
@@ -213,6 +246,10 @@ impl ExtentItem {
         if blocks == 0 || blocks > MAX_EXTENT_BLOCKS {
             return Err(format!("extent of {blocks} blocks"));
         }
+        let disk_block = le_u64(b, 1);
+        if disk_block < FIRST_REGION_BLOCK || disk_block.checked_add(blocks as u64).is_none() {
+            return Err(format!("extent at impossible block {disk_block}"));
+        }
         let want = if prealloc { 0 } else { blocks as usize };
         if b.len() != 13 + 4 * want {
             return Err(format!(
@@ -222,7 +259,7 @@ impl ExtentItem {
         }
         Ok(ExtentItem {
             prealloc,
-            disk_block: le_u64(b, 1),
+            disk_block,
             blocks,
             crcs: (0..want).map(|i| le_u32(b, 13 + 4 * i)).collect(),
         })
@@ -256,10 +293,13 @@ pub fn decode_xattrs(b: &[u8]) -> Result<Vec<Xattr>, String> {
         }
         let name_len = le_u16(b, at) as usize;
         let value_len = le_u16(b, at + 2) as usize;
-        if name_len == 0 || at + 4 + name_len + value_len > b.len() {
+        if name_len == 0 || name_len > 255 || at + 4 + name_len + value_len > b.len() {
             return Err("xattr overruns its item".into());
         }
         let name = b[at + 4..at + 4 + name_len].to_vec();
+        if name.contains(&0) {
+            return Err("xattr name holds a NUL".into());
+        }
         let value = b[at + 4 + name_len..at + 4 + name_len + value_len].to_vec();
         out.push(Xattr { name, value });
         at += 4 + name_len + value_len;
@@ -364,5 +404,55 @@ mod tests {
             },
         ];
         assert_eq!(decode_xattrs(&encode_xattrs(&xattrs)).unwrap(), xattrs);
+    }
+
+    /// Well-formed bytes holding values the engine never writes and would later do arithmetic
+    /// with or trust: each is refused where it is decoded.
+    #[test]
+    fn impossible_values_are_refused_by_name() {
+        let good = InodeItem {
+            mode: 0o100644,
+            nlink: 1,
+            ..Default::default()
+        };
+        let refused = |f: &dyn Fn(&mut InodeItem)| {
+            let mut item = good;
+            f(&mut item);
+            InodeItem::decode(&item.encode()).unwrap_err()
+        };
+        assert!(refused(&|i| i.mode = 0o010644).contains("file type"));
+        assert!(refused(&|i| i.blocks = u64::MAX).contains("largest file"));
+        assert!(refused(&|i| i.size = MAX_FILE_BYTES + 1).contains("largest file"));
+        assert!(refused(&|i| i.next_index = u64::MAX).contains("index counter"));
+        for name in [&b"a/b"[..], b".", b"..", b"nul\0"] {
+            let entry = NameEntry {
+                target: 300,
+                kind: 8,
+                name: name.to_vec(),
+            };
+            let bytes = encode_names(&[entry]);
+            assert!(decode_names(&bytes)
+                .unwrap_err()
+                .contains("impossible name"));
+            assert!(find_name(&bytes, b"x").is_err());
+        }
+        let xattr = Xattr {
+            name: b"user.\0".to_vec(),
+            value: vec![],
+        };
+        assert!(decode_xattrs(&encode_xattrs(&[xattr]))
+            .unwrap_err()
+            .contains("NUL"));
+        for disk_block in [0, u64::MAX - 1] {
+            let extent = ExtentItem {
+                disk_block,
+                blocks: 2,
+                prealloc: true,
+                crcs: vec![],
+            };
+            assert!(ExtentItem::decode(&extent.encode())
+                .unwrap_err()
+                .contains("impossible block"));
+        }
     }
 }

@@ -72,8 +72,10 @@ impl Key {
         out[9..17].copy_from_slice(&self.offset.to_le_bytes());
     }
 
-    /// Decodes a key; `None` for an unknown kind (a corrupt or newer-format block).
+    /// Decodes a key; `None` for an unknown kind (a corrupt or newer-format block) or fewer
+    /// than [`Key::ENCODED_BYTES`] bytes.
     pub fn decode(bytes: &[u8]) -> Option<Key> {
+        let bytes = bytes.get(..Key::ENCODED_BYTES)?;
         Some(Key {
             objectid: super::le_u64(bytes, 0),
             kind: ItemKind::from_u8(bytes[8])?,

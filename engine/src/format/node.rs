@@ -10,7 +10,11 @@
 //!
 //! Decoding checks everything a corrupt or misplaced block could get wrong and names it: the
 //! checksum, the magic, the address (misdirected writes), the generation the parent expects
-//! (lost writes), the owner, the level, item bounds and key order.
+//! (lost writes), the owner, the level; and the structure, since a checksum-valid block can
+//! still be malformed: item count, each item's data inside the data area, no longer than
+//! [`MAX_ITEM_BYTES`] and sharing no byte with another's, keys known and strictly increasing,
+//! child pointers non-zero, not newer than the node and distinct. A decoded node therefore
+//! always fits a block and obeys the split contract (any two items fit one leaf).
 
 use super::{block_crc, le_u16, le_u32, le_u64, BlockPtr, Key, BLOCK_BYTES};
 
@@ -196,24 +200,7 @@ pub fn decode_node(
         Ok(())
     };
     let body = if header.level == 0 {
-        if HEADER_BYTES + count * LEAF_ITEM_HEADER_BYTES > BLOCK_BYTES {
-            return Err(format!("{count} items cannot fit a leaf"));
-        }
-        let data_start = HEADER_BYTES + count * LEAF_ITEM_HEADER_BYTES;
-        let mut items = Vec::with_capacity(count);
-        for i in 0..count {
-            let at = HEADER_BYTES + i * LEAF_ITEM_HEADER_BYTES;
-            let key = Key::decode(&block[at..])
-                .ok_or_else(|| format!("item {i} has an unknown kind {}", block[at + 8]))?;
-            check_order(key)?;
-            let offset = le_u16(block, at + 17) as usize;
-            let len = le_u16(block, at + 19) as usize;
-            if offset < data_start || offset + len > BLOCK_BYTES {
-                return Err(format!("item {i} data {offset}+{len} outside the leaf"));
-            }
-            items.push((key, block[offset..offset + len].to_vec()));
-        }
-        NodeBody::Leaf(items)
+        NodeBody::Leaf(decode_leaf_items(block, count, &mut check_order)?)
     } else {
         if count == 0 || count > INTERNAL_FANOUT {
             return Err(format!("internal node with {count} children"));
@@ -225,6 +212,12 @@ pub fn decode_node(
                 .ok_or_else(|| format!("entry {i} has an unknown kind {}", block[at + 8]))?;
             check_order(key)?;
             let ptr = BlockPtr::decode(&block[at + 17..]);
+            if ptr.addr == 0 || ptr.addr == header.addr || ptr.generation == 0 {
+                return Err(format!(
+                    "child {i} pointer is impossible (block {}, generation {})",
+                    ptr.addr, ptr.generation
+                ));
+            }
             if ptr.generation > header.generation {
                 return Err(format!(
                     "child {i} is newer (generation {}) than its parent",
@@ -233,9 +226,62 @@ pub fn decode_node(
             }
             entries.push((key, ptr));
         }
+        // The same child twice would be copied on write twice and freed twice: a node is
+        // reachable by one path only.
+        let mut addrs: Vec<u64> = entries.iter().map(|(_, p)| p.addr).collect();
+        addrs.sort_unstable();
+        if let Some(w) = addrs.windows(2).find(|w| w[0] == w[1]) {
+            return Err(format!("child block {} is referenced twice", w[0]));
+        }
         NodeBody::Internal(entries)
     };
     Ok((header, body))
+}
+
+/// The items of a leaf holding `count` of them: every item header inside the block, every
+/// item's data inside the data area (after the headers), no longer than [`MAX_ITEM_BYTES`]
+/// and not sharing a byte with another item's, keys known and strictly increasing. So a
+/// decoded leaf always fits a block and any two of its items fit one (the split contract).
+fn decode_leaf_items(
+    block: &[u8],
+    count: usize,
+    check_order: &mut impl FnMut(Key) -> Result<(), String>,
+) -> Result<Vec<(Key, Vec<u8>)>, String> {
+    let data_start = HEADER_BYTES + count * LEAF_ITEM_HEADER_BYTES;
+    if data_start > BLOCK_BYTES {
+        return Err(format!("{count} items cannot fit a leaf"));
+    }
+    let mut items = Vec::with_capacity(count);
+    // (offset, length, item) of every item with data, to find overlaps.
+    let mut spans: Vec<(usize, usize, usize)> = Vec::with_capacity(count);
+    for i in 0..count {
+        let at = HEADER_BYTES + i * LEAF_ITEM_HEADER_BYTES;
+        let key = Key::decode(&block[at..])
+            .ok_or_else(|| format!("item {i} has an unknown kind {}", block[at + 8]))?;
+        check_order(key)?;
+        let offset = le_u16(block, at + 17) as usize;
+        let len = le_u16(block, at + 19) as usize;
+        if len > MAX_ITEM_BYTES {
+            return Err(format!(
+                "item {i} is {len} bytes, more than the largest item ({MAX_ITEM_BYTES})"
+            ));
+        }
+        if offset < data_start || offset + len > BLOCK_BYTES {
+            return Err(format!("item {i} data {offset}+{len} outside the leaf"));
+        }
+        if len > 0 {
+            spans.push((offset, len, i));
+        }
+        items.push((key, block[offset..offset + len].to_vec()));
+    }
+    spans.sort_unstable();
+    if let Some(w) = spans.windows(2).find(|w| w[0].0 + w[0].1 > w[1].0) {
+        return Err(format!(
+            "items {} and {} share data bytes ({}+{} and {}+{})",
+            w[0].2, w[1].2, w[0].0, w[0].1, w[1].0, w[1].1
+        ));
+    }
+    Ok(items)
 }
 
 #[cfg(test)]
@@ -338,6 +384,126 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.contains("generation"), "{err}");
+    }
+
+    /// Re-seals `block` after a change and decodes it with a pointer that matches, so only
+    /// the structure checks can refuse it.
+    fn decode_resealed(block: &mut [u8], level: u8) -> Result<(NodeHeader, NodeBody), String> {
+        let crc = seal(block);
+        let ptr = BlockPtr {
+            addr: le_u64(block, 8),
+            generation: le_u64(block, 16),
+            crc,
+        };
+        decode_node(block, &ptr, le_u32(block, 24), Some(level))
+    }
+
+    #[test]
+    fn checksum_valid_but_malformed_leaves_are_named() {
+        let (header, body) = leaf();
+        let mut block = vec![0u8; BLOCK_BYTES];
+        encode_node(&header, &body, &mut block);
+        let item = |i: usize| HEADER_BYTES + i * LEAF_ITEM_HEADER_BYTES;
+
+        // Item 3 longer than any item may be (its data stays inside the block).
+        let mut bad = block.clone();
+        let offset = le_u16(&bad, item(19) + 17);
+        bad[item(19) + 17..item(19) + 19].copy_from_slice(&(offset - 2000).to_le_bytes());
+        bad[item(19) + 19..item(19) + 21]
+            .copy_from_slice(&(MAX_ITEM_BYTES as u16 + 1).to_le_bytes());
+        let err = decode_resealed(&mut bad, 0).unwrap_err();
+        assert!(err.contains("largest item"), "{err}");
+
+        // Item 5 one byte longer: it runs into item 4's data.
+        let mut bad = block.clone();
+        let len = le_u16(&bad, item(5) + 19);
+        bad[item(5) + 19..item(5) + 21].copy_from_slice(&(len + 1).to_le_bytes());
+        let err = decode_resealed(&mut bad, 0).unwrap_err();
+        assert!(err.contains("share data"), "{err}");
+
+        // Item 7 points at item 2's bytes.
+        let mut bad = block.clone();
+        bad.copy_within(item(2) + 17..item(2) + 21, item(7) + 17);
+        let err = decode_resealed(&mut bad, 0).unwrap_err();
+        assert!(err.contains("share data"), "{err}");
+
+        // Data inside the item headers.
+        let mut bad = block.clone();
+        bad[item(0) + 17..item(0) + 19].copy_from_slice(&(item(19) as u16).to_le_bytes());
+        let err = decode_resealed(&mut bad, 0).unwrap_err();
+        assert!(err.contains("outside the leaf"), "{err}");
+
+        // Keys out of order, an unknown kind, more items than a leaf holds.
+        let mut bad = block.clone();
+        bad.copy_within(item(3)..item(3) + 17, item(4));
+        assert!(decode_resealed(&mut bad, 0)
+            .unwrap_err()
+            .contains("out of order"));
+        let mut bad = block.clone();
+        bad[item(6) + 8] = 77;
+        assert!(decode_resealed(&mut bad, 0)
+            .unwrap_err()
+            .contains("unknown kind"));
+        let mut bad = block.clone();
+        bad[32..34].copy_from_slice(&200u16.to_le_bytes());
+        assert!(decode_resealed(&mut bad, 0)
+            .unwrap_err()
+            .contains("cannot fit"));
+    }
+
+    #[test]
+    fn checksum_valid_but_malformed_internal_nodes_are_named() {
+        let entries: Vec<(Key, BlockPtr)> = (0..10u64)
+            .map(|i| {
+                let ptr = BlockPtr {
+                    addr: 100 + i,
+                    generation: 2,
+                    crc: i as u32,
+                };
+                (Key::new(i, ItemKind::InodeItem, 0), ptr)
+            })
+            .collect();
+        let header = NodeHeader {
+            addr: 9,
+            generation: 3,
+            owner: 0,
+            level: 1,
+        };
+        let mut block = vec![0u8; BLOCK_BYTES];
+        encode_node(&header, &NodeBody::Internal(entries), &mut block);
+        let entry = |i: usize| HEADER_BYTES + i * INTERNAL_ENTRY_BYTES;
+
+        // The same child under two keys: it would be copied on write and freed twice.
+        let mut bad = block.clone();
+        bad.copy_within(entry(2) + 17..entry(2) + 37, entry(6) + 17);
+        let err = decode_resealed(&mut bad, 1).unwrap_err();
+        assert!(err.contains("referenced twice"), "{err}");
+
+        // A child at block 0, or at generation 0.
+        let mut bad = block.clone();
+        bad[entry(4) + 17..entry(4) + 25].fill(0);
+        assert!(decode_resealed(&mut bad, 1)
+            .unwrap_err()
+            .contains("impossible"));
+        let mut bad = block.clone();
+        bad[entry(4) + 25..entry(4) + 33].fill(0);
+        assert!(decode_resealed(&mut bad, 1)
+            .unwrap_err()
+            .contains("impossible"));
+
+        // No children, too many, keys out of order.
+        for count in [0u16, INTERNAL_FANOUT as u16 + 1] {
+            let mut bad = block.clone();
+            bad[32..34].copy_from_slice(&count.to_le_bytes());
+            assert!(decode_resealed(&mut bad, 1)
+                .unwrap_err()
+                .contains("children"));
+        }
+        let mut bad = block.clone();
+        bad.copy_within(entry(8)..entry(8) + 17, entry(1));
+        assert!(decode_resealed(&mut bad, 1)
+            .unwrap_err()
+            .contains("out of order"));
     }
 
     #[test]

@@ -17,6 +17,8 @@ use super::{
 };
 
 pub const SUPERBLOCK_MAGIC: u64 = u64::from_le_bytes(*b"CoreFSsb");
+/// The largest generation a superblock may carry (see [`Superblock::decode`]).
+pub const MAX_GENERATION: u64 = u64::MAX / 2;
 const SHARD_ROOTS_AT: usize = 128;
 const SHARD_ROOT_BYTES: usize = 48;
 const _: () = assert!(SHARD_ROOTS_AT + MAX_SHARDS as usize * SHARD_ROOT_BYTES <= BLOCK_BYTES);
@@ -136,6 +138,11 @@ impl Superblock {
             ));
         }
         let generation = le_u64(b, 16);
+        // Generations count commits from 1; one past u64::MAX / 2 would take longer than the
+        // device lives, and the engine adds to it without checking.
+        if generation == 0 || generation > MAX_GENERATION {
+            return Err(format!("impossible generation {generation}"));
+        }
         let total_blocks = le_u64(b, 24);
         let lba_size_bytes = le_u32(b, 32);
         let shard_count = le_u32(b, 36);
@@ -161,7 +168,8 @@ impl Superblock {
             ));
         }
         let log_blocks = le_u64(b, 96);
-        if log_blocks == 0 || log_blocks >= region_blocks {
+        // Two halves of at least a block each, and at least one block left for the allocator.
+        if log_blocks < 2 || log_blocks >= region_blocks {
             return Err(format!(
                 "log area of {log_blocks} blocks in regions of {region_blocks}"
             ));
@@ -267,5 +275,21 @@ mod tests {
         assert!(Superblock::decode(&bad.encode(), 10_000)
             .unwrap_err()
             .contains("exceed"));
+        // Checksum-valid but impossible: each is named, none is trusted.
+        let mut bad = sample();
+        bad.generation = u64::MAX;
+        assert!(Superblock::decode(&bad.encode(), 10_000)
+            .unwrap_err()
+            .contains("generation"));
+        let mut bad = sample();
+        bad.log_blocks = 1;
+        assert!(Superblock::decode(&bad.encode(), 10_000)
+            .unwrap_err()
+            .contains("log area"));
+        let mut bad = sample();
+        bad.shards[1].level = MAX_LEVEL + 1;
+        assert!(Superblock::decode(&bad.encode(), 10_000)
+            .unwrap_err()
+            .contains("impossible"));
     }
 }

@@ -22,8 +22,11 @@
 //! - A record names its filesystem (uuid), its generation and both sequence numbers, so replay
 //!   tells a stale record (an older generation, another filesystem, an earlier lap of the log
 //!   area) from a current one without the log area ever being erased.
-//! - Decoding checks every length against the record's size before reading.
+//! - Decoding checks every length against the record's size before reading, and every value
+//!   against the largest item a tree holds; what the ops mean (which inodes, which blocks) is
+//!   checked by replay ([`super::replay`]).
 
+use crate::format::node::MAX_ITEM_BYTES;
 use crate::format::{le_u16, le_u32, le_u64, Key, BLOCK_BYTES};
 
 pub const LOG_MAGIC: u64 = u64::from_le_bytes(*b"CoreFSlg");
@@ -209,6 +212,11 @@ pub fn decode_record(bytes: &[u8]) -> Result<(RecordHeader, Vec<LogOp>), String>
                 if at + 2 + len > end {
                     return Err(format!("value at byte {at} runs past the payload"));
                 }
+                if len > MAX_ITEM_BYTES {
+                    return Err(format!(
+                        "value at byte {at} is {len} bytes, more than an item holds"
+                    ));
+                }
                 ops.push(LogOp::Put(key, bytes[at + 2..at + 2 + len].to_vec()));
                 at += 2 + len;
             }
@@ -289,5 +297,9 @@ mod tests {
         assert!(decode_record(&bytes[..BLOCK_BYTES])
             .unwrap_err()
             .contains("given"));
+        // Intact, but the value could never be a tree item.
+        assert!(decode_record(&bytes)
+            .unwrap_err()
+            .contains("more than an item holds"));
     }
 }

@@ -8,8 +8,10 @@
 //!   record may depend on it). Streams are independent: a partition writes its own stream
 //!   about inodes it alone holds, and anything spanning partitions is committed, never logged
 //!   ([`crate::partition`]).
-//! - A record applies only if its crc and the crc32c of every data block it references match;
-//!   the first that fails, and everything after it, is dropped (its fsync never returned).
+//! - A record applies only if its crc and the crc32c of every data block it references match,
+//!   and its ops are ones the engine writes (inode items only, values that decode, extents
+//!   and data inside the data regions); the first that fails, and everything after it, is
+//!   dropped (its fsync never returned, or the record is not the engine's).
 //! - Space is rebuilt from the extents the records changed: blocks the final extents reference
 //!   are allocated, blocks only earlier values referenced are freed pinned until the replay's
 //!   commit is durable, so a crash during replay finds every block a record references as it
@@ -21,8 +23,8 @@
 
 use super::record::{decode_header, decode_record, LogOp};
 use crate::error::{EngineError, Result};
-use crate::format::items::ExtentItem;
-use crate::format::{ItemKind, Key, BLOCK_BYTES};
+use crate::format::items::{decode_names, decode_xattrs, ExtentItem, InodeItem, MAX_INO};
+use crate::format::{ItemKind, Key, BLOCK_BYTES, FIRST_REGION_BLOCK};
 use crate::fs::{block_lba, read_block, Filesystem, FIRST_INODE};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
@@ -68,6 +70,16 @@ impl Filesystem {
                     "fsync log: stream {} record {expected} is missing; later records of the \
                      stream are not replayed",
                     record.stream
+                );
+                stream_ended = true;
+                continue;
+            }
+            if let Some(why) = self.invalid_ops(&record.ops) {
+                tracing::warn!(
+                    "fsync log: record {expected} (stream {}, shard {}) is intact but \
+                     impossible ({why}); it and later records of the stream are not replayed",
+                    record.stream,
+                    record.shard
                 );
                 stream_ended = true;
                 continue;
@@ -154,6 +166,71 @@ impl Filesystem {
         Ok(())
     }
 
+    /// Why a record's ops could not have been written by the engine, if they could not: a
+    /// change to an engine item or to a kind the log never carries, an inode number past
+    /// [`MAX_INO`], a value its kind does not decode, an extent outside its inode's shard
+    /// region, a data op for a block outside every shard's data region. Checked before the
+    /// record is accepted, so a checksum-valid but malformed record ends the replay like a
+    /// torn one instead of reaching the trees and the allocator.
+    fn invalid_ops(&self, ops: &[LogOp]) -> Option<String> {
+        for op in ops {
+            let (key, value) = match op {
+                LogOp::Put(key, value) => (key, Some(value)),
+                LogOp::Delete(key) => (key, None),
+                LogOp::Data(block, _) => {
+                    let inside = *block >= FIRST_REGION_BLOCK && {
+                        let shard = self.sb.shard_of_block(*block);
+                        (shard as usize) < self.shards.len()
+                            && self.shard_space(shard).contains(*block, 1)
+                    };
+                    if !inside {
+                        return Some(format!("data for block {block}, outside every data region"));
+                    }
+                    continue;
+                }
+            };
+            let ino = key.objectid;
+            if !(FIRST_INODE..=MAX_INO).contains(&ino) {
+                return Some(format!("a change to {key:?}, not an inode's item"));
+            }
+            let Some(value) = value else { continue };
+            let decoded = match key.kind {
+                ItemKind::InodeItem if key.offset == 0 => InodeItem::decode(value).map(drop),
+                ItemKind::InodeRef | ItemKind::DirItem | ItemKind::DirIndex => {
+                    decode_names(value).map(drop)
+                }
+                ItemKind::XattrItem => decode_xattrs(value).map(drop),
+                ItemKind::SymlinkTarget if !value.is_empty() => Ok(()),
+                ItemKind::ExtentData if key.offset % BLOCK_BYTES as u64 == 0 => {
+                    ExtentItem::decode(value).and_then(|item| {
+                        let space = self.shard_space(self.shard_of(ino));
+                        if space.contains(item.disk_block, item.blocks as u64) {
+                            Ok(())
+                        } else {
+                            Err(format!(
+                                "blocks {}+{} outside the shard's data region",
+                                item.disk_block, item.blocks
+                            ))
+                        }
+                    })
+                }
+                _ => Err("a kind or place the log never writes".into()),
+            };
+            if let Err(why) = decoded {
+                return Some(format!("{key:?}: {why}"));
+            }
+        }
+        None
+    }
+
+    /// The allocator of shard `shard`, which a whole-filesystem mount (replay) holds.
+    fn shard_space(&self, shard: u32) -> &crate::space::Space {
+        &self.shards[shard as usize]
+            .as_ref()
+            .expect("a whole-filesystem mount holds every shard")
+            .space
+    }
+
     /// Why a record's data is not what it says, if it is not: checks the crc32c of every block
     /// its extents reference, in `embedded` (carried by a record) or else on the device.
     fn data_mismatch(
@@ -198,12 +275,10 @@ impl Filesystem {
     }
 
     fn check_in_region(&self, ino: u64, disk_block: u64, blocks: u64) -> Result<()> {
-        let (start, len) = self.shards[self.shard_of(ino) as usize]
-            .as_ref()
-            .expect("a whole-filesystem mount holds every shard")
-            .space
-            .region();
-        if disk_block < start || disk_block + blocks > start + len {
+        if !self
+            .shard_space(self.shard_of(ino))
+            .contains(disk_block, blocks)
+        {
             return Err(EngineError::corrupt(
                 "logged extent",
                 ino,
@@ -213,12 +288,16 @@ impl Filesystem {
         Ok(())
     }
 
-    /// The data blocks the extent at `key` references now.
+    /// The data blocks the extent at `key` references now; they must be allocated (replay
+    /// frees those no extent references afterwards).
     fn extent_blocks(&mut self, key: &Key, out: &mut BTreeSet<u64>) -> Result<()> {
         let shard = self.shard_of(key.objectid);
         if let Some(value) = self.with_tree(shard, false, |tree, io| tree.get(io, key))? {
             let item = ExtentItem::decode(&value)
-                .map_err(|why| EngineError::corrupt("extent item", key.objectid, why))?;
+                .map_err(|why| EngineError::corrupt_inode("extent item", key.objectid, why))?;
+            self.shard_space(shard)
+                .check_allocated(item.disk_block, item.blocks as u64)
+                .map_err(|why| EngineError::corrupt_inode("extent item", key.objectid, why))?;
             out.extend(item.disk_block..item.disk_block + item.blocks as u64);
         }
         Ok(())
@@ -263,11 +342,11 @@ impl Filesystem {
             }
             let shard = self.sb.shard_of_block(block);
             let space = &mut self.shard_mut(shard).space;
-            if space.is_allocated(block) {
+            if let Err(why) = space.check_claimable(block) {
                 return Err(EngineError::corrupt(
                     "fsync log",
                     block,
-                    "a logged extent references a block in use",
+                    format!("a logged extent references a block it cannot have: {why}"),
                 ));
             }
             space.claim(block);
@@ -313,6 +392,11 @@ impl Filesystem {
         for block in unused {
             let shard = self.sb.shard_of_block(block);
             let space = &mut self.shard_mut(shard).space;
+            // A durable extent sharing a block with a tree node the replay copied on write
+            // (freeing it) is corruption, not a double free.
+            space.check_allocated(block, 1).map_err(|why| {
+                EngineError::corrupt("extent item", block, format!("replay frees it: {why}"))
+            })?;
             space.free(block, 1, Some(generation));
         }
         for (shard, ino) in created {

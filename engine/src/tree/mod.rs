@@ -34,8 +34,10 @@ pub trait NodeIo {
     /// `shrinking`: the change frees space overall (a removal) and may use more of the reserve.
     fn ensure_free(&mut self, blocks: u64, shrinking: bool) -> Result<()>;
     /// Frees `addr`. `written` says whether a committed tree may still reference it: such a
-    /// block stays pinned until the next super-commit; an unwritten one is free at once.
-    fn free_block(&mut self, addr: u64, written: bool);
+    /// block stays pinned until the next super-commit; an unwritten one is free at once. Fails
+    /// (corruption) when the allocator does not hold `addr` as allocated: a node read from
+    /// disk whose block the space bitmap says is free, or that two parents point at.
+    fn free_block(&mut self, addr: u64, written: bool) -> Result<()>;
 }
 
 type NodeId = u32;
@@ -296,13 +298,27 @@ impl Tree {
             return Ok(id);
         }
         let level = self.node(parent).level - 1;
+        let next = self.node(parent).children().get(index + 1).map(|c| c.key);
         let id = self.load(io, &child.ptr, level)?;
+        // A child's keys lie in its parent's bounds [key i, key i + 1): the walks route by
+        // them, and a split copies them up, so a node outside them would spread disorder.
         let first = self.node(id).first_key();
-        if first.is_some_and(|k| k < child.key) {
+        let last = match &self.node(id).body {
+            Body::Leaf(items) => items.last().map(|(k, _)| *k),
+            Body::Internal(children) => children.last().map(|c| c.key),
+        };
+        let below = first.is_some_and(|k| k < child.key);
+        let above = last.zip(next).is_some_and(|(k, n)| k >= n);
+        if below || above {
+            self.drop_node(id);
             return Err(EngineError::corrupt(
                 "tree node",
                 child.ptr.addr,
-                "holds a key below its parent's bound",
+                if below {
+                    "holds a key below its parent's bound"
+                } else {
+                    "holds a key at or above its parent's next bound"
+                },
             ));
         }
         self.node_mut(parent).children_mut()[index].loaded = Some(id);
@@ -315,11 +331,11 @@ impl Tree {
             return Ok(());
         }
         let new_addr = io.alloc_block()?;
+        // Freed first: a block disk contents claim twice fails here, before the node changes.
+        io.free_block(self.node(id).addr, true)?;
         let node = self.node_mut(id);
-        let old_addr = node.addr;
         node.addr = new_addr;
         node.dirty = true;
-        io.free_block(old_addr, true);
         self.stats.cow_copies += 1;
         self.dirty_count += 1;
         Ok(())
@@ -697,7 +713,16 @@ impl Tree {
                     used += node::LEAF_ITEM_HEADER_BYTES + items[cut].1.len();
                     cut += 1;
                 }
-                let cut = cut.clamp(1, items.len() - 1);
+                let mut cut = cut.clamp(1, items.len() - 1);
+                // The halfway cut can leave the right half overfull when a large item follows
+                // it (left 1 KiB, then 2 KiB items): move the cut right while the left half
+                // still fits. Some cut always fits both, as no item is over half a leaf.
+                while cut + 1 < items.len()
+                    && leaf_used_bytes(&items[cut..]) > LEAF_SPACE_BYTES
+                    && leaf_used_bytes(&items[..=cut]) <= LEAF_SPACE_BYTES
+                {
+                    cut += 1;
+                }
                 Body::Leaf(items.split_off(cut))
             }
             Body::Internal(children) => {
@@ -765,8 +790,10 @@ impl Tree {
             match &node.body {
                 Body::Internal(children) if children.len() == 1 => {
                     let only = children[0].loaded.expect("the path child is loaded");
+                    // Freed before the node leaves the arena, so a failure leaves the tree
+                    // whole (here and below).
+                    io.free_block(node.addr, false)?;
                     let old = self.drop_node(root);
-                    io.free_block(old.addr, false);
                     self.root = Some(Child {
                         key: Key::MIN,
                         ptr: BlockPtr::default(),
@@ -775,8 +802,8 @@ impl Tree {
                     self.root_level = old.level - 1;
                 }
                 Body::Leaf(items) if items.is_empty() => {
-                    let old = self.drop_node(root);
-                    io.free_block(old.addr, false);
+                    io.free_block(node.addr, false)?;
+                    self.drop_node(root);
                     self.root = None;
                     self.root_level = 0;
                     self.emptied = true;
@@ -813,8 +840,8 @@ impl Tree {
             .loaded
             .expect("path child is loaded");
         if self.node(child).level == 0 && self.node(child).leaf().is_empty() && count > 1 {
-            let gone = self.drop_node(child);
-            io.free_block(gone.addr, false);
+            io.free_block(self.node(child).addr, false)?;
+            self.drop_node(child);
             self.node_mut(parent).children_mut().remove(index);
             self.stats.merges += 1;
             return Ok(());
@@ -840,10 +867,10 @@ impl Tree {
             return Ok(());
         }
         self.cow(io, left)?;
-        let gone = self.drop_node(right);
         // The right node was copied on write before (it is on the path) or is clean: free its
         // block, pinned if a committed tree may reference it.
-        io.free_block(gone.addr, !gone.dirty);
+        io.free_block(self.node(right).addr, !self.node(right).dirty)?;
+        let gone = self.drop_node(right);
         match (&mut self.node_mut(left).body, gone.body) {
             (Body::Leaf(a), Body::Leaf(mut b)) => a.append(&mut b),
             (Body::Internal(a), Body::Internal(mut b)) => a.append(&mut b),

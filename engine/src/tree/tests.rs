@@ -40,7 +40,7 @@ impl NodeIo for MemIo {
     fn ensure_free(&mut self, _blocks: u64, _shrinking: bool) -> Result<()> {
         Ok(())
     }
-    fn free_block(&mut self, addr: u64, written: bool) {
+    fn free_block(&mut self, addr: u64, written: bool) -> Result<()> {
         assert!(
             self.allocated.remove(&addr),
             "block {addr} freed but not allocated"
@@ -50,6 +50,7 @@ impl NodeIo for MemIo {
         } else {
             self.free.push(addr);
         }
+        Ok(())
     }
 }
 
@@ -309,4 +310,57 @@ fn deletes_merge_nodes_and_keep_the_model() {
         tree.range(&mut io, Key::MIN, Key::MAX).unwrap(),
         model.into_iter().collect::<Vec<_>>()
     );
+}
+
+/// Items of 1009, 2016 and 1007 bytes (headers included) fill a leaf exactly; a 2016-byte
+/// item inserted second makes the halfway cut fall after the first item, leaving 5039 bytes on
+/// the right. The cut must move right until both halves fit.
+#[test]
+fn a_split_among_large_items_leaves_both_halves_fitting() {
+    let header = node::LEAF_ITEM_HEADER_BYTES;
+    let mut io = MemIo::default();
+    let mut tree = Tree::empty(0);
+    let k = |n| Key::new(1, ItemKind::Test, n);
+    tree.insert(&mut io, k(10), vec![1; 1009 - header]).unwrap();
+    tree.insert(&mut io, k(30), vec![3; MAX_ITEM_BYTES])
+        .unwrap();
+    tree.insert(&mut io, k(40), vec![4; 1007 - header]).unwrap();
+    assert_eq!(tree.stats().splits, 0, "three items fill one leaf");
+    tree.insert(&mut io, k(20), vec![2; MAX_ITEM_BYTES])
+        .unwrap();
+    assert_eq!(tree.stats().splits, 1);
+    io.commit(&mut tree, 1);
+    let (count, _) = tree.check(&mut io).unwrap();
+    assert_eq!(count, 4);
+}
+
+/// A child whose keys reach its right neighbour's bound (a checksum-valid parent with a
+/// lowered key) is reported when it is loaded, before a walk or a split spreads the disorder.
+#[test]
+fn a_child_past_its_parents_next_bound_is_reported() {
+    let mut io = MemIo::default();
+    let mut tree = Tree::empty(0);
+    for i in 0..400 {
+        tree.insert(&mut io, key(i), value(i, 1)).unwrap();
+    }
+    let (root, level) = io.commit(&mut tree, 1);
+    assert_eq!(level, 1, "one internal node over the leaves");
+    let (header, body) = decode_node(&io.blocks[&root.addr], &root, 0, Some(1)).unwrap();
+    let NodeBody::Internal(mut entries) = body else {
+        panic!("the root is internal");
+    };
+    // Entry 1's bound moves just above entry 0's: leaf 0's later keys are now past it.
+    entries[1].0 = Key {
+        offset: entries[0].0.offset + 1,
+        ..entries[0].0
+    };
+    let mut block = vec![0u8; BLOCK_BYTES];
+    let crc = node::encode_node(&header, &NodeBody::Internal(entries), &mut block);
+    io.blocks.insert(root.addr, block);
+    let mut reopened = Tree::open(0, BlockPtr { crc, ..root }, level);
+    let err = reopened.check(&mut io).unwrap_err();
+    assert!(err.to_string().contains("next bound"), "{err}");
+    let mut reopened = Tree::open(0, BlockPtr { crc, ..root }, level);
+    let err = reopened.get(&mut io, &key(0)).unwrap_err();
+    assert!(err.to_string().contains("next bound"), "{err}");
 }
