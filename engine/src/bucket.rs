@@ -18,7 +18,7 @@
 use crate::error::{EngineError, Result};
 use crate::format::items::{
     chain_hash, chain_offset, decode_names, decode_xattrs, encode_names, encode_xattrs, NameEntry,
-    Xattr,
+    Xattr, XattrValue,
 };
 use crate::format::node::MAX_ITEM_BYTES;
 use crate::format::{ItemKind, Key};
@@ -62,7 +62,7 @@ impl Entry for Xattr {
         &self.name
     }
     fn encoded_len(&self) -> usize {
-        4 + self.name.len() + self.value.len()
+        Xattr::encoded_len(self)
     }
     fn decode_all(bytes: &[u8]) -> std::result::Result<Vec<Self>, String> {
         decode_xattrs(bytes)
@@ -134,6 +134,11 @@ impl<E: Entry> Chain<E> {
         None
     }
 
+    /// Every entry, link by link.
+    pub fn entries(&self) -> impl Iterator<Item = &E> {
+        self.links.iter().flat_map(|(_, entries)| entries.iter())
+    }
+
     fn note_changed(&mut self, link: u32) {
         if !self.changed.contains(&link) {
             self.changed.push(link);
@@ -153,6 +158,22 @@ impl<E: Entry> Chain<E> {
                 (self.key(link), E::encode_all(entries))
             })
             .collect()
+    }
+}
+
+impl Chain<Xattr> {
+    /// The lowest out-of-line value slot no entry of this chain holds.
+    pub fn lowest_free_slot(&self) -> Result<u16> {
+        let used: std::collections::BTreeSet<u16> = self
+            .entries()
+            .filter_map(|x| match x.value {
+                XattrValue::Pieces { slot, .. } => Some(slot),
+                XattrValue::Inline(_) => None,
+            })
+            .collect();
+        (0..=u16::MAX)
+            .find(|s| !used.contains(s))
+            .ok_or(EngineError::NoSpace)
     }
 }
 

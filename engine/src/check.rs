@@ -13,10 +13,15 @@
 //! - space: the bitmap marks exactly the tree blocks plus the data blocks.
 
 use crate::error::{EngineError, Result};
-use crate::format::items::{chain_hash, decode_names, decode_xattrs, ExtentItem, InodeItem};
+use crate::format::items::{
+    chain_hash, decode_names, decode_xattrs, ExtentItem, InodeItem, XattrValue,
+};
 use crate::format::{ItemKind, Key, BLOCK_BYTES};
 use crate::fs::{Filesystem, ShardIo, FIRST_INODE, SPACE_OBJECTID};
-use crate::inode::{INO_COUNTER_OBJECTID, ROOT_INO, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG};
+use crate::inode::{
+    INO_COUNTER_OBJECTID, ORPHAN_OBJECTID, ROOT_INO, S_IFBLK, S_IFCHR, S_IFDIR, S_IFIFO, S_IFLNK,
+    S_IFMT, S_IFREG, S_IFSOCK,
+};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// What the checker saw.
@@ -117,10 +122,24 @@ impl Filesystem {
         // (inode, attribute name): each attribute once over its whole chain.
         let mut xattr_names: BTreeSet<(u64, Vec<u8>)> = BTreeSet::new();
         let hasher = self.sb.name_hasher();
+        // Orphans: inodes marked, and listed in their shard's index.
+        let mut orphan_marks: BTreeSet<u64> = BTreeSet::new();
+        let mut orphan_index: BTreeSet<u64> = BTreeSet::new();
+        // Symlink target pieces, per inode: (piece, bytes).
+        let mut symlink_pieces: BTreeMap<u64, Vec<(u64, usize)>> = BTreeMap::new();
+        let mut inodes_per_shard: BTreeMap<u32, u64> = BTreeMap::new();
+        // Out-of-line xattr values: (ino, hash, slot) → length the entry says, and the pieces
+        // found (piece, bytes).
+        let mut xattr_values: BTreeMap<(u64, u32, u16), u32> = BTreeMap::new();
+        let mut xattr_pieces: BTreeMap<(u64, u32, u16), Vec<(u16, usize)>> = BTreeMap::new();
 
         for shard in 0..self.shard_count() {
             let generation = self.generation;
-            let Some(crate::fs::Shard { tree, space }) = self.shards[shard as usize].as_mut()
+            let Some(crate::fs::Shard {
+                tree,
+                space,
+                inodes: io_inodes,
+            }) = self.shards[shard as usize].as_mut()
             else {
                 continue;
             };
@@ -150,7 +169,21 @@ impl Filesystem {
                 }
                 match key.kind {
                     _ if ino == SPACE_OBJECTID || ino == INO_COUNTER_OBJECTID => {}
+                    ItemKind::OrphanIndex if ino == ORPHAN_OBJECTID => {
+                        if key.offset % shard_count != shard as u64 {
+                            return Err(bad(
+                                "orphan index",
+                                key.offset,
+                                format!("listed in shard {shard}"),
+                            ));
+                        }
+                        orphan_index.insert(key.offset);
+                    }
+                    ItemKind::OrphanMark => {
+                        orphan_marks.insert(ino);
+                    }
                     ItemKind::InodeItem => {
+                        *inodes_per_shard.entry(shard).or_default() += 1;
                         let item =
                             InodeItem::decode(&value).map_err(|why| bad("inode item", ino, why))?;
                         inodes.insert(ino, item);
@@ -218,9 +251,23 @@ impl Filesystem {
                             .push((key.offset / BLOCK_BYTES as u64, extent));
                     }
                     ItemKind::SymlinkTarget => {
-                        if value.is_empty() || key.offset != 0 {
-                            return Err(bad("symlink", ino, "empty or misplaced target"));
+                        if value.is_empty() {
+                            return Err(bad("symlink", ino, "an empty target piece"));
                         }
+                        symlink_pieces
+                            .entry(ino)
+                            .or_default()
+                            .push((key.offset, value.len()));
+                    }
+                    ItemKind::XattrValue => {
+                        if value.is_empty() {
+                            return Err(bad("xattr value", ino, "an empty piece"));
+                        }
+                        let at = (ino, chain_hash(key.offset), (key.offset >> 16) as u16);
+                        xattr_pieces
+                            .entry(at)
+                            .or_default()
+                            .push((key.offset as u16, value.len()));
                     }
                     ItemKind::XattrItem => {
                         let xattrs =
@@ -239,6 +286,12 @@ impl Filesystem {
                             }
                             if !xattr_names.insert((ino, x.name.clone())) || !names.insert(x.name) {
                                 return Err(bad("xattr item", ino, "duplicate attribute"));
+                            }
+                            if let XattrValue::Pieces { slot, len } = x.value {
+                                let at = (ino, chain_hash(key.offset), slot);
+                                if xattr_values.insert(at, len).is_some() {
+                                    return Err(bad("xattr item", ino, "two values in one slot"));
+                                }
                             }
                         }
                     }
@@ -268,6 +321,17 @@ impl Filesystem {
                         data_blocks.push(b);
                     }
                 }
+            }
+            let counted = *io_inodes;
+            if counted != inodes_per_shard.get(&shard).copied().unwrap_or(0) {
+                return Err(bad(
+                    "inode count",
+                    shard as u64,
+                    format!(
+                        "shard {shard} counts {counted} inodes, its tree holds {}",
+                        inodes_per_shard.get(&shard).copied().unwrap_or(0)
+                    ),
+                ));
             }
             report.tree_blocks += blocks.len() as u64;
             report.data_blocks += data_blocks.len() as u64;
@@ -380,7 +444,13 @@ impl Filesystem {
             match item.mode & S_IFMT {
                 S_IFDIR => {
                     report.directories += 1;
-                    let want = 2 + subdirs.get(&ino).copied().unwrap_or(0);
+                    // A removed directory still held open is an empty orphan with nlink 0.
+                    let orphan = orphan_marks.contains(&ino);
+                    let want = if orphan {
+                        0
+                    } else {
+                        2 + subdirs.get(&ino).copied().unwrap_or(0)
+                    };
                     if item.nlink != want {
                         return Err(bad(
                             "inode item",
@@ -388,7 +458,7 @@ impl Filesystem {
                             format!("directory nlink {} but {} expected", item.nlink, want),
                         ));
                     }
-                    if ino != ROOT_INO && names != 1 {
+                    if ino != ROOT_INO && names != 1 && !orphan {
                         return Err(bad(
                             "inode item",
                             ino,
@@ -396,7 +466,7 @@ impl Filesystem {
                         ));
                     }
                 }
-                S_IFREG | S_IFLNK => {
+                S_IFREG | S_IFLNK | S_IFIFO | S_IFCHR | S_IFBLK | S_IFSOCK => {
                     if item.nlink != names {
                         return Err(bad(
                             "inode item",
@@ -413,8 +483,36 @@ impl Filesystem {
                     ))
                 }
             }
-            if ino != ROOT_INO && names == 0 {
+            // An inode without a name is an orphan (open when its last name went): nlink 0,
+            // marked and indexed, so the next mount deletes it. Anything else is lost.
+            let orphan = orphan_marks.contains(&ino);
+            if orphan != orphan_index.contains(&ino) {
+                return Err(bad(
+                    "orphan index",
+                    ino,
+                    "orphan mark and index item disagree",
+                ));
+            }
+            if ino != ROOT_INO && names == 0 && !(orphan && item.nlink == 0) {
                 return Err(bad("inode item", ino, "no name reaches it (orphan)"));
+            }
+            if orphan && (item.nlink != 0 || names != 0) {
+                return Err(bad("orphan mark", ino, "on an inode that still has names"));
+            }
+            if item.mode & S_IFMT == S_IFLNK {
+                let pieces = symlink_pieces.remove(&ino).unwrap_or_default();
+                let bytes: usize = pieces.iter().map(|(_, len)| len).sum();
+                let in_order = pieces.iter().enumerate().all(|(i, (p, _))| *p == i as u64);
+                if !in_order || bytes == 0 || bytes as u64 != item.size {
+                    return Err(bad(
+                        "symlink",
+                        ino,
+                        format!(
+                            "target pieces hold {bytes} bytes, the inode says {}",
+                            item.size
+                        ),
+                    ));
+                }
             }
             if item.mode & S_IFMT == S_IFREG {
                 let mut list = extents.remove(&ino).unwrap_or_default();
@@ -440,6 +538,47 @@ impl Filesystem {
                     ));
                 }
             }
+        }
+        if let Some(&ino) = orphan_marks
+            .iter()
+            .chain(&orphan_index)
+            .find(|i| !inodes.contains_key(i))
+        {
+            return Err(bad("orphan mark", ino, "of a missing inode"));
+        }
+        for (at, pieces) in &xattr_pieces {
+            let Some(&len) = xattr_values.get(at) else {
+                return Err(bad("xattr value", at.0, "pieces no attribute owns"));
+            };
+            let bytes: usize = pieces.iter().map(|(_, b)| b).sum();
+            let in_order = pieces
+                .iter()
+                .enumerate()
+                .all(|(i, (p, _))| *p as usize == i);
+            if !in_order || bytes != len as usize {
+                return Err(bad(
+                    "xattr value",
+                    at.0,
+                    format!("pieces hold {bytes} bytes, the attribute says {len}"),
+                ));
+            }
+        }
+        if let Some((at, _)) = xattr_values
+            .iter()
+            .find(|(at, _)| !xattr_pieces.contains_key(at))
+        {
+            return Err(bad(
+                "xattr value",
+                at.0,
+                "an attribute's pieces are missing",
+            ));
+        }
+        if let Some((&ino, _)) = symlink_pieces.iter().next() {
+            return Err(bad(
+                "symlink",
+                ino,
+                "target of a missing inode or non-symlink",
+            ));
         }
         if let Some((&ino, _)) = extents.iter().next() {
             return Err(bad(

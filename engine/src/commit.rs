@@ -358,9 +358,15 @@ impl Filesystem {
         let mut roots = Vec::with_capacity(self.shards.len());
         let mut spare = std::mem::take(&mut self.dev.spare_blocks);
         for (id, held) in self.shards.iter_mut().enumerate() {
-            let Some(Shard { tree, space }) = held.as_mut() else {
+            let Some(Shard {
+                tree,
+                space,
+                inodes,
+            }) = held.as_mut()
+            else {
                 continue;
             };
+            let inodes = *inodes;
             let mut io = ShardIo {
                 dev: &mut *self.dev,
                 space,
@@ -398,6 +404,7 @@ impl Filesystem {
                     tree: ptr,
                     level,
                     used_blocks: io.space.allocated_blocks(),
+                    inodes,
                 },
             ));
         }

@@ -26,7 +26,9 @@ use crate::format::items::{decode_names, encode_names, push_name, InodeItem, Nam
 use crate::format::node::MAX_ITEM_BYTES;
 use crate::format::{ItemKind, Key};
 use crate::fs::{Filesystem, Needs};
-use crate::inode::{Stat, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG};
+use crate::inode::{
+    Stat, S_IFBLK, S_IFCHR, S_IFDIR, S_IFIFO, S_IFLNK, S_IFMT, S_IFREG, S_IFSOCK, S_ISGID,
+};
 use crate::space::MetaNeed;
 
 /// One readdir entry.
@@ -56,8 +58,10 @@ struct NameSlot {
 
 /// First readdir cookie of a real entry (0 = start, 1 = after `.`).
 pub const FIRST_INDEX: u64 = 2;
-/// Longest symlink target (its text is one item).
-pub const MAX_SYMLINK_BYTES: usize = 1024;
+/// Longest symlink target (PATH_MAX less its NUL, as Linux allows).
+pub const MAX_SYMLINK_BYTES: usize = 4095;
+/// A symlink target is stored in items of at most this many bytes, keyed by piece number.
+pub const SYMLINK_PIECE_BYTES: usize = 1536;
 /// Most names one file may have (ext4's limit): link(2) fails with EMLINK beyond.
 pub const MAX_LINKS: u32 = 65_000;
 
@@ -136,6 +140,11 @@ impl Filesystem {
             return Err(EngineError::NameTooLong);
         }
         let dir_item = self.dir_inode(dir)?;
+        if dir_item.nlink == 0 {
+            // A removed directory still held open: nothing may be created in it (ENOENT,
+            // as Linux says for a deleted working directory).
+            return Err(EngineError::NotFound);
+        }
         let chain = self.name_chain(dir, name)?;
         let existing = chain.get(name).map(|e| (e.target, e.kind));
         Ok((NameSlot { dir_item, chain }, existing))
@@ -165,10 +174,11 @@ impl Filesystem {
     }
 
     /// What dropping one link of `child` may allocate: its inode item, or, for its last link,
-    /// removing every item it has.
+    /// removing every item it has (or, when it is held, its orphan mark and index item).
     fn need_drop_link(&mut self, needs: &mut Needs, child: u64, item: &InodeItem) -> Result<()> {
         let shard = self.shard_of(child);
         if item.mode & S_IFMT == S_IFDIR || item.nlink <= 1 {
+            self.need_ops(needs, shard, 3);
             let blocks = self.item_range_blocks(
                 shard,
                 Key::new(child, ItemKind::InodeItem, 0),
@@ -324,14 +334,18 @@ impl Filesystem {
         Ok((child, entry.kind))
     }
 
-    /// Creates an inode of `mode` named `name` in `dir`, with `target` as its symlink target.
+    /// Creates an inode of `mode` named `name` in `dir`, owned by `owner` (uid, gid), with
+    /// `target` as its symlink target and `rdev` as its device number. In a set-group-ID
+    /// directory the new inode takes the directory's group, and a new directory the bit too
+    /// (as ext4 and every System V descendant do).
     fn make_node(
         &mut self,
         dir: u64,
         name: &[u8],
-        mode: u32,
+        mut mode: u32,
         owner: (u32, u32),
         target: Option<&[u8]>,
+        rdev: u64,
     ) -> Result<(u64, InodeItem)> {
         self.run_op(|fs| {
             check_name(name)?;
@@ -339,20 +353,29 @@ impl Filesystem {
             if existing.is_some() {
                 return Err(EngineError::Exists);
             }
+            let is_dir = mode & S_IFMT == S_IFDIR;
+            let mut gid = owner.1;
+            if slot.dir_item.mode & S_ISGID != 0 {
+                gid = slot.dir_item.gid;
+                if is_dir {
+                    mode |= S_ISGID;
+                }
+            }
             let now = Timespec::now();
             let ino = fs.alloc_ino()?;
             let mut needs = Needs::default();
             fs.need_add_name(&mut needs, dir, ino);
-            // The inode item, and for a symlink its target and the inode item again.
-            let child_ops = if target.is_some() { 3 } else { 1 };
+            // The inode item, and for a symlink its target's pieces and the inode item again.
+            let pieces = target.map_or(0, |t| t.len().div_ceil(SYMLINK_PIECE_BYTES) as u64);
+            let child_ops = 1 + if target.is_some() { pieces + 1 } else { 0 };
             fs.need_ops(&mut needs, fs.shard_of(ino), child_ops);
             fs.reserve(&needs, MetaNeed::Grow)?;
-            let is_dir = mode & S_IFMT == S_IFDIR;
             let mut item = InodeItem {
                 mode,
                 uid: owner.0,
-                gid: owner.1,
+                gid,
                 nlink: if is_dir { 2 } else { 1 },
+                rdev,
                 atime: now,
                 mtime: now,
                 ctime: now,
@@ -362,6 +385,7 @@ impl Filesystem {
                 ..Default::default()
             };
             fs.store_inode(ino, &item)?;
+            fs.count_inodes(fs.shard_of(ino), 1);
             fs.add_name_at(
                 dir,
                 slot,
@@ -374,9 +398,12 @@ impl Filesystem {
             )?;
             if let Some(target) = target {
                 let shard = fs.shard_of(ino);
-                let bytes = target.to_vec();
                 fs.with_tree(shard, true, |tree, io| {
-                    tree.insert(io, Key::new(ino, ItemKind::SymlinkTarget, 0), bytes)
+                    for (i, piece) in target.chunks(SYMLINK_PIECE_BYTES).enumerate() {
+                        let key = Key::new(ino, ItemKind::SymlinkTarget, i as u64);
+                        tree.insert(io, key, piece.to_vec())?;
+                    }
+                    Ok(())
                 })?;
                 item.size = target.len() as u64;
                 fs.store_inode(ino, &item)?;
@@ -387,12 +414,42 @@ impl Filesystem {
 
     /// Creates a regular file (mode's permission bits are kept).
     pub fn create(&mut self, dir: u64, name: &[u8], mode: u32, uid: u32, gid: u32) -> Result<Stat> {
-        let (ino, item) = self.make_node(dir, name, S_IFREG | (mode & 0o7777), (uid, gid), None)?;
+        let (ino, item) =
+            self.make_node(dir, name, S_IFREG | (mode & 0o7777), (uid, gid), None, 0)?;
         Ok(Self::stat_of(ino, &item))
     }
 
     pub fn mkdir(&mut self, dir: u64, name: &[u8], mode: u32, uid: u32, gid: u32) -> Result<Stat> {
-        let (ino, item) = self.make_node(dir, name, S_IFDIR | (mode & 0o7777), (uid, gid), None)?;
+        let (ino, item) =
+            self.make_node(dir, name, S_IFDIR | (mode & 0o7777), (uid, gid), None, 0)?;
+        Ok(Self::stat_of(ino, &item))
+    }
+
+    /// mknod(2): a regular file, a FIFO, a socket, or a character or block device numbered
+    /// `rdev` (kept for devices only). EINVAL for any other file type.
+    pub fn mknod(
+        &mut self,
+        dir: u64,
+        name: &[u8],
+        mode: u32,
+        rdev: u64,
+        uid: u32,
+        gid: u32,
+    ) -> Result<Stat> {
+        let kind = mode & S_IFMT;
+        let rdev = match kind {
+            S_IFCHR | S_IFBLK => rdev,
+            S_IFREG | S_IFIFO | S_IFSOCK => 0,
+            0 => return self.create(dir, name, mode, uid, gid),
+            _ => {
+                return Err(EngineError::Invalid(format!(
+                    "mknod of file type {:o}",
+                    kind >> 12
+                )))
+            }
+        };
+        let (ino, item) =
+            self.make_node(dir, name, kind | (mode & 0o7777), (uid, gid), None, rdev)?;
         Ok(Self::stat_of(ino, &item))
     }
 
@@ -407,7 +464,8 @@ impl Filesystem {
         if target.is_empty() || target.len() > MAX_SYMLINK_BYTES {
             return Err(EngineError::NameTooLong);
         }
-        let (ino, item) = self.make_node(dir, name, S_IFLNK | 0o777, (uid, gid), Some(target))?;
+        let (ino, item) =
+            self.make_node(dir, name, S_IFLNK | 0o777, (uid, gid), Some(target), 0)?;
         Ok(Self::stat_of(ino, &item))
     }
 
@@ -417,10 +475,32 @@ impl Filesystem {
             return Err(EngineError::Invalid("not a symlink".into()));
         }
         let shard = self.shard_of(ino);
-        self.with_tree(shard, false, |tree, io| {
-            tree.get(io, &Key::new(ino, ItemKind::SymlinkTarget, 0))
-        })?
-        .ok_or_else(|| EngineError::corrupt("symlink", ino, "target missing"))
+        let pieces = self.with_tree(shard, false, |tree, io| {
+            tree.range(
+                io,
+                Key::new(ino, ItemKind::SymlinkTarget, 0),
+                Key::new(ino, ItemKind::SymlinkTarget, u64::MAX),
+            )
+        })?;
+        let mut target = Vec::with_capacity(item.size as usize);
+        for (i, (key, piece)) in pieces.into_iter().enumerate() {
+            if key.offset != i as u64 {
+                return Err(EngineError::corrupt_inode(
+                    "symlink",
+                    ino,
+                    format!("target piece {} missing", i),
+                ));
+            }
+            target.extend_from_slice(&piece);
+        }
+        if target.is_empty() || target.len() as u64 != item.size {
+            return Err(EngineError::corrupt_inode(
+                "symlink",
+                ino,
+                format!("target of {} bytes, inode says {}", target.len(), item.size),
+            ));
+        }
+        Ok(target)
     }
 
     /// A new name `name` in `dir` for the existing file `ino`.
@@ -463,7 +543,9 @@ impl Filesystem {
         } else {
             item.nlink.saturating_sub(1)
         };
-        if item.nlink == 0 {
+        if item.nlink == 0 && self.holders(child) > 0 {
+            self.make_orphan(child, item, now)
+        } else if item.nlink == 0 {
             self.delete_inode(child)
         } else {
             item.ctime = now;

@@ -40,6 +40,8 @@ pub enum EngineError {
     TooBig(String),
     #[error("too many links")]
     TooManyLinks,
+    #[error("xattr value of {0} bytes is larger than the 65536 Linux allows")]
+    XattrTooLarge(usize),
     /// A bug met at run time (a reactor that panicked): the operation's outcome is unknown
     /// and the filesystem serving it has stopped (fail-stop), as after a device error.
     #[error("internal error: {0}")]
@@ -85,6 +87,7 @@ impl EngineError {
             EngineError::NoData => 61,          // ENODATA
             EngineError::TooBig(_) => 27,       // EFBIG
             EngineError::TooManyLinks => 31,    // EMLINK
+            EngineError::XattrTooLarge(_) => 7, // E2BIG
             EngineError::Internal(_) => libc_eio(),
         }
     }

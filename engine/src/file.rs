@@ -484,6 +484,15 @@ impl Filesystem {
         self.retry_when_pinned(ino, |fs| fs.run_op(|fs| fs.write_once(ino, offset, data)))
     }
 
+    /// Appends `data` at the end of the file, atomically: the end is read and written in
+    /// one operation, so two appenders never write at the same place (O_APPEND). Returns
+    /// the offset it wrote at and the bytes written.
+    pub fn append(&mut self, ino: u64, data: &[u8]) -> Result<(u64, usize)> {
+        let offset = self.file_inode(ino)?.size;
+        let written = self.write(ino, offset, data)?;
+        Ok((offset, written))
+    }
+
     /// Runs an allocating change of `ino`; when it finds the shard full while frees of the
     /// running transaction wait for a commit, commits (unpinning them) and runs it once more.
     /// The change leaves nothing behind when it fails with NoSpace ([`Filesystem::run_op`]).

@@ -81,12 +81,23 @@ pub struct StatFs {
     pub block_bytes: u32,
     pub total_blocks: u64,
     pub free_blocks: u64,
+    /// Inodes in use, and how many more fit: inodes are allocated as needed (as on XFS),
+    /// so "free" is what the free blocks would hold at [`INODES_PER_FREE_BLOCK`] each.
+    pub inodes: u64,
+    pub free_inodes: u64,
     pub name_max: u32,
 }
+
+/// Inodes one free block is counted as holding in statfs: an inode's items (inode item,
+/// one name, its back-reference, with leaf headers) take about 250 bytes of tree.
+pub const INODES_PER_FREE_BLOCK: u64 = 16;
 
 pub(crate) struct Shard {
     pub tree: Tree,
     pub space: Space,
+    /// Inodes living in the shard, kept current by every create and delete (and by replay)
+    /// and written into the superblock at each commit.
+    pub inodes: u64,
 }
 
 pub struct Filesystem {
@@ -141,6 +152,8 @@ pub struct Filesystem {
     pub(crate) commit_in_flight: Option<crate::commit::CommitInFlight>,
     /// The operation in progress ([`Filesystem::run_op`]).
     pub(crate) op: OpState,
+    /// Holds per inode ([`Filesystem::hold`]): open files, kernel references.
+    pub(crate) holds: std::collections::HashMap<u64, u32>,
 }
 
 /// What [`Filesystem::run_op`] keeps about the operation in progress.
@@ -353,6 +366,7 @@ impl Filesystem {
             ..Default::default()
         };
         fs.store_inode(ROOT_INO, &root)?;
+        fs.count_inodes(fs.shard_of(ROOT_INO), 1);
         fs.unmount()
     }
 
@@ -426,7 +440,11 @@ impl Filesystem {
                 ));
             }
             tree.record_changes();
-            shards.push(Some(Shard { tree, space }));
+            shards.push(Some(Shard {
+                tree,
+                space,
+                inodes: root.inodes,
+            }));
         }
         let mut fs = Filesystem {
             generation: sb.generation + 1,
@@ -453,6 +471,7 @@ impl Filesystem {
             unpin_pending: None,
             commit_in_flight: None,
             op: OpState::default(),
+            holds: Default::default(),
         };
         // Records written after the last super-commit are applied and committed here: the only
         // time mount writes. Replay may use every free block, as a commit does: it redoes
@@ -462,6 +481,11 @@ impl Filesystem {
         let replayed = fs.replay_logs();
         fs.in_commit = false;
         replayed?;
+        // Inodes left open and nameless when the last session ended (a crash, or a process
+        // that died holding them) have no holder now.
+        if fs.delete_orphans()? > 0 {
+            fs.commit()?;
+        }
         Ok(fs)
     }
 
@@ -523,7 +547,7 @@ impl Filesystem {
         f: impl FnOnce(&mut Tree, &mut ShardIo) -> Result<T>,
     ) -> Result<T> {
         let commit_floor = self.commit_floor_blocks(shard);
-        let Some(Shard { tree, space }) = self.shards[shard as usize].as_mut() else {
+        let Some(Shard { tree, space, .. }) = self.shards[shard as usize].as_mut() else {
             // A routing bug, never a user error: fail stop rather than change half an
             // operation's shards.
             let e = EngineError::Invalid(format!(
@@ -867,6 +891,8 @@ impl Filesystem {
             block_bytes: BLOCK_BYTES as u32,
             total_blocks: total,
             free_blocks: free,
+            inodes: self.held().map(|s| s.inodes).sum(),
+            free_inodes: free.saturating_mul(INODES_PER_FREE_BLOCK),
             name_max: 255,
         }
     }

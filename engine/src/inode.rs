@@ -15,6 +15,8 @@ use crate::fs::{Filesystem, FIRST_INODE};
 
 /// Object id of each shard's next-inode counter item.
 pub const INO_COUNTER_OBJECTID: u64 = 2;
+/// Object id of the orphan index items ([`ItemKind::OrphanIndex`]).
+pub const ORPHAN_OBJECTID: u64 = 3;
 /// The root directory's inode number.
 pub const ROOT_INO: u64 = FIRST_INODE;
 
@@ -22,6 +24,11 @@ pub const S_IFMT: u32 = 0o170000;
 pub const S_IFREG: u32 = 0o100000;
 pub const S_IFDIR: u32 = 0o040000;
 pub const S_IFLNK: u32 = 0o120000;
+pub const S_IFIFO: u32 = 0o010000;
+pub const S_IFCHR: u32 = 0o020000;
+pub const S_IFBLK: u32 = 0o060000;
+pub const S_IFSOCK: u32 = 0o140000;
+pub const S_ISGID: u32 = 0o2000;
 
 /// File attributes as `stat` reports them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -264,21 +271,143 @@ impl Filesystem {
         Ok(Self::stat_of(ino, &item))
     }
 
-    /// Deletes every item of an inode (its last name is gone) and frees its data.
+    /// Deletes every item of an inode (its last name is gone and nobody holds it) and frees
+    /// its data; an orphan's index item goes with it.
     pub(crate) fn delete_inode(&mut self, ino: u64) -> Result<()> {
         self.free_all_extents(ino)?;
         self.drop_staged(ino);
         let shard = self.shard_of(ino);
-        self.with_tree(shard, true, |tree, io| {
+        let removed = self.with_tree(shard, true, |tree, io| {
             let items = tree.range(
                 io,
                 Key::new(ino, ItemKind::InodeItem, 0),
                 Key::new(ino + 1, ItemKind::InodeItem, 0),
             )?;
+            let mut inode = false;
             for (key, _) in items {
+                inode |= key.kind == ItemKind::InodeItem;
                 tree.remove(io, &key)?;
             }
-            Ok(())
+            tree.remove(io, &orphan_index_key(ino))?;
+            Ok(inode)
+        })?;
+        if removed {
+            self.count_inodes(shard, -1);
+        }
+        Ok(())
+    }
+
+    /// Keeps shard `shard`'s inode count ([`crate::fs::Shard::inodes`]) current.
+    pub(crate) fn count_inodes(&mut self, shard: u32, delta: i64) {
+        if let Some(held) = self.shards[shard as usize].as_mut() {
+            held.inodes = held.inodes.saturating_add_signed(delta);
+        }
+    }
+
+    /// Takes a hold on `ino` (an open file, a kernel reference): while any hold remains, an
+    /// inode that loses its last name stays, with nlink 0, as an orphan (recorded durably,
+    /// so a crash before the last release frees it at the next mount), and reads, writes and
+    /// stat through the holder go on working.
+    pub fn hold(&mut self, ino: u64) -> Result<()> {
+        self.load_inode(ino)?;
+        *self.holds.entry(ino).or_insert(0) += 1;
+        Ok(())
+    }
+
+    /// Lets go of one hold on `ino`. The last release of an orphan deletes it.
+    pub fn release(&mut self, ino: u64) -> Result<()> {
+        let Some(count) = self.holds.get_mut(&ino) else {
+            return Err(EngineError::Invalid(format!("inode {ino} is not held")));
+        };
+        *count -= 1;
+        if *count > 0 {
+            return Ok(());
+        }
+        self.holds.remove(&ino);
+        match self.load_inode(ino) {
+            Ok(item) if item.nlink == 0 && ino != ROOT_INO => self.delete_orphan(ino),
+            Ok(_) | Err(EngineError::NotFound) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Holds taken on `ino` and not yet released.
+    pub fn holders(&self, ino: u64) -> u32 {
+        self.holds.get(&ino).copied().unwrap_or(0)
+    }
+
+    /// Deletes the orphan `ino` (nobody holds it any more), all or nothing.
+    fn delete_orphan(&mut self, ino: u64) -> Result<()> {
+        self.run_op(|fs| {
+            let shard = fs.shard_of(ino);
+            let blocks = fs.item_range_blocks(
+                shard,
+                Key::new(ino, ItemKind::InodeItem, 0),
+                Key::new(ino + 1, ItemKind::InodeItem, 0),
+            )? + fs.tree_op_blocks(shard);
+            let mut needs = crate::fs::Needs::default();
+            needs.meta(shard, blocks);
+            fs.reserve(&needs, crate::space::MetaNeed::Shrink)?;
+            fs.delete_inode(ino)
         })
     }
+
+    /// Makes `ino`, which just lost its last name while held, an orphan: nlink 0, its mark
+    /// (logged with it) and its index item (where mount finds it).
+    pub(crate) fn make_orphan(
+        &mut self,
+        ino: u64,
+        mut item: InodeItem,
+        now: Timespec,
+    ) -> Result<()> {
+        item.nlink = 0;
+        item.ctime = now;
+        self.store_inode(ino, &item)?;
+        let shard = self.shard_of(ino);
+        self.with_tree(shard, true, |tree, io| {
+            tree.insert(
+                io,
+                Key::new(ino, ItemKind::OrphanMark, 0),
+                ino.to_le_bytes().to_vec(),
+            )?;
+            tree.insert(io, orphan_index_key(ino), ino.to_le_bytes().to_vec())
+        })?;
+        Ok(())
+    }
+
+    /// Deletes every orphan the index lists (run by mount, after replay: no holder survives
+    /// a mount). An index item whose inode is not an orphan any more is dropped. Returns the
+    /// orphans deleted.
+    pub(crate) fn delete_orphans(&mut self) -> Result<u64> {
+        let mut deleted = 0;
+        for shard in 0..self.shard_count() {
+            if !self.holds(shard) {
+                continue;
+            }
+            let listed = self.with_tree(shard, false, |tree, io| {
+                tree.range(
+                    io,
+                    Key::new(ORPHAN_OBJECTID, ItemKind::OrphanIndex, 0),
+                    Key::new(ORPHAN_OBJECTID, ItemKind::OrphanIndex, u64::MAX),
+                )
+            })?;
+            for (key, _) in listed {
+                let ino = key.offset;
+                let orphan = self.shard_of(ino) == shard
+                    && matches!(self.load_inode(ino), Ok(item) if item.nlink == 0);
+                if orphan {
+                    self.delete_orphan(ino)?;
+                    deleted += 1;
+                } else {
+                    self.with_tree(shard, true, |tree, io| tree.remove(io, &key))?;
+                }
+            }
+        }
+        Ok(deleted)
+    }
+}
+
+/// Where mount finds orphan `ino`: its index item, in its own shard.
+pub(crate) fn orphan_index_key(ino: u64) -> Key {
+    Key::new(ORPHAN_OBJECTID, ItemKind::OrphanIndex, ino)
 }

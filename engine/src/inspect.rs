@@ -7,7 +7,7 @@
 //! generation, owner, level against the parent pointer); a block that fails is printed as
 //! such, with the reason, and the walk goes on with its siblings.
 
-use crate::format::items::{decode_names, decode_xattrs, ExtentItem, InodeItem};
+use crate::format::items::{decode_names, decode_xattrs, ExtentItem, InodeItem, XattrValue};
 use crate::format::{
     decode_node, BlockPtr, ItemKind, Key, NodeBody, Superblock, BLOCK_BYTES, SUPERBLOCK_ADDRS,
 };
@@ -267,17 +267,22 @@ pub fn format_item(key: &Key, value: &[u8]) -> String {
             Ok(x) => x
                 .iter()
                 .map(|x| {
-                    format!(
-                        "xattr {:?} ({} bytes)",
-                        String::from_utf8_lossy(&x.name),
-                        x.value.len()
-                    )
+                    let value = match &x.value {
+                        XattrValue::Inline(v) => format!("{} bytes", v.len()),
+                        XattrValue::Pieces { slot, len } => {
+                            format!("{len} bytes in pieces, slot {slot}")
+                        }
+                    };
+                    format!("xattr {:?} ({value})", String::from_utf8_lossy(&x.name))
                 })
                 .collect::<Vec<_>>()
                 .join(", "),
             Err(why) => format!("xattrs: BAD: {why}"),
         },
         ItemKind::SymlinkTarget => format!("symlink -> {:?}", String::from_utf8_lossy(value)),
+        ItemKind::XattrValue => format!("xattr value piece ({} bytes)", value.len()),
+        ItemKind::OrphanMark => "orphan: deleted when its last holder lets go, or at mount".into(),
+        ItemKind::OrphanIndex => "orphan index".into(),
         _ => format!("{} bytes", value.len()),
     };
     format!("{k} {body}")

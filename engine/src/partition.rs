@@ -53,13 +53,16 @@ struct ShardParts {
     ino_counter_dirty: bool,
 }
 
-/// The state kept per inode (staged data, log tracking) and per directory (delayed index
-/// items) for the inodes of the moving shards.
+/// The state kept per inode (staged data, log tracking, holds) and per directory (delayed
+/// index items) for the inodes of the moving shards.
 struct InodeState {
     staged: StagedRuns,
     delayed: Vec<(u64, BTreeMap<u64, NameEntry>)>,
     tracked: Vec<(u64, Tracked)>,
     cross: Vec<u64>,
+    /// Holds on the moving inodes: an unlink run elsewhere must see them to keep an open
+    /// inode as an orphan.
+    holds: Vec<(u64, u32)>,
 }
 
 /// A [`ShardSet`] with its inode state: what actually moves.
@@ -132,12 +135,18 @@ impl Filesystem {
         for ino in &cross {
             self.log.cross.remove(ino);
         }
+        let held: Vec<u64> = self.holds.keys().copied().filter(|i| pick(*i)).collect();
+        let holds = held
+            .into_iter()
+            .map(|ino| (ino, self.holds.remove(&ino).expect("listed")))
+            .collect();
         Ok(Lent {
             inodes: InodeState {
                 staged: self.staged.take_inodes(pick),
                 delayed: self.delayed.take_dirs(pick),
                 tracked,
                 cross,
+                holds,
             },
             set: ShardSet {
                 parts,
@@ -168,6 +177,10 @@ impl Filesystem {
             assert!(previous.is_none(), "inode {ino} tracked twice");
         }
         self.log.cross.extend(inodes.cross);
+        for (ino, count) in inodes.holds {
+            let previous = self.holds.insert(ino, count);
+            assert!(previous.is_none(), "inode {ino} held in two engines");
+        }
         if let Some(e) = set.failed {
             self.failed.get_or_insert(e);
         }
@@ -209,6 +222,7 @@ impl Filesystem {
             unpin_pending: None,
             commit_in_flight: None,
             op: Default::default(),
+            holds: Default::default(),
         };
         fs.put_shards(lent);
         // The mount's metadata cache budget is shared out by shards held.

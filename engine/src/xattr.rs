@@ -1,19 +1,23 @@
 //! Extended attributes: `(ino, XattrItem, chain_offset(hash(name), link))` items, the chain
 //! of the inode's attributes whose names share the keyed hash ([`crate::bucket`]). Names up to
-//! 255 bytes; a value must fit one item with its name ([`MAX_XATTR_VALUE_BYTES`]). Setting or
-//! removing one is all or nothing ([`Filesystem::run_op`]).
+//! 255 bytes, values up to 64 KiB (Linux's limit; E2BIG beyond): a value up to
+//! [`XATTR_INLINE_MAX_BYTES`] sits in its link, a larger one in pieces of its own,
+//! `(ino, XattrValue, hash << 32 | slot << 16 | piece)`. Setting or removing one is all or
+//! nothing ([`Filesystem::run_op`]).
+//!
+//! # Invariants
+//! - An entry with its value in pieces owns slot `slot` of its hash: no other entry of the
+//!   chain uses it, and pieces 0..n of it exist, holding exactly its length.
 
 use crate::bucket::{Chain, CHAIN_LINKS_PER_CHANGE_MAX};
 use crate::error::{EngineError, Result};
-use crate::format::items::{decode_xattrs, Timespec, Xattr};
-use crate::format::node::MAX_ITEM_BYTES;
+use crate::format::items::{
+    decode_xattrs, xattr_piece_offset, Timespec, Xattr, XattrValue, MAX_XATTR_VALUE_BYTES,
+    XATTR_INLINE_MAX_BYTES, XATTR_PIECE_BYTES,
+};
 use crate::format::{ItemKind, Key};
 use crate::fs::{Filesystem, Needs};
 use crate::space::MetaNeed;
-
-/// Largest xattr value corefs stores (one tree item holds the name, the value and any names
-/// sharing the hash).
-pub const MAX_XATTR_VALUE_BYTES: usize = MAX_ITEM_BYTES - 256 - 4;
 
 /// setxattr(2) flags.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -26,27 +30,23 @@ pub enum XattrFlags {
     Replace,
 }
 
+fn piece_key(ino: u64, hash: u32, slot: u16, piece: usize) -> Key {
+    Key::new(
+        ino,
+        ItemKind::XattrValue,
+        xattr_piece_offset(hash, slot, piece as u16),
+    )
+}
+
+fn pieces_of(len: usize) -> usize {
+    len.div_ceil(XATTR_PIECE_BYTES)
+}
+
 impl Filesystem {
     fn xattr_chain(&mut self, ino: u64, name: &[u8]) -> Result<Chain<Xattr>> {
         self.load_inode(ino)?;
         let hash = self.name_hash(name);
         self.read_chain(ino, ItemKind::XattrItem, hash)
-    }
-
-    /// Writes back a changed chain and the inode's ctime: reserved first, so it is all or
-    /// nothing.
-    fn put_xattr_chain(&mut self, ino: u64, chain: &Chain<Xattr>, need: MetaNeed) -> Result<()> {
-        let shard = self.shard_of(ino);
-        let mut needs = Needs::default();
-        needs.meta(
-            shard,
-            (CHAIN_LINKS_PER_CHANGE_MAX + 1) * self.tree_op_blocks(shard),
-        );
-        self.reserve(&needs, need)?;
-        self.write_chain(chain)?;
-        let mut item = self.load_inode(ino)?;
-        item.ctime = Timespec::now();
-        self.store_inode(ino, &item)
     }
 
     fn check_xattr_name(name: &[u8]) -> Result<()> {
@@ -59,6 +59,42 @@ impl Filesystem {
         Ok(())
     }
 
+    /// Reserves what rewriting a chain link or two, `pieces` value pieces and the inode may
+    /// allocate, as changes of kind `need`.
+    fn reserve_xattr_change(&mut self, ino: u64, pieces: usize, need: MetaNeed) -> Result<()> {
+        let shard = self.shard_of(ino);
+        let mut needs = Needs::default();
+        let ops = CHAIN_LINKS_PER_CHANGE_MAX + pieces as u64 + 1;
+        needs.meta(shard, ops * self.tree_op_blocks(shard));
+        self.reserve(&needs, need)
+    }
+
+    /// Writes back a changed chain and the inode's ctime (the caller reserved the room).
+    fn put_xattr_chain(&mut self, ino: u64, chain: &Chain<Xattr>) -> Result<()> {
+        self.write_chain(chain)?;
+        let mut item = self.load_inode(ino)?;
+        item.ctime = Timespec::now();
+        self.store_inode(ino, &item)
+    }
+
+    /// Removes pieces `from..count` of slot `slot` of hash `hash`.
+    fn remove_pieces(
+        &mut self,
+        ino: u64,
+        hash: u32,
+        slot: u16,
+        from: usize,
+        count: usize,
+    ) -> Result<()> {
+        let shard = self.shard_of(ino);
+        self.with_tree(shard, true, |tree, io| {
+            for piece in from..count {
+                tree.remove(io, &piece_key(ino, hash, slot, piece))?;
+            }
+            Ok(())
+        })
+    }
+
     pub fn setxattr(
         &mut self,
         ino: u64,
@@ -69,33 +105,105 @@ impl Filesystem {
         self.run_op(|fs| {
             Self::check_xattr_name(name)?;
             if value.len() > MAX_XATTR_VALUE_BYTES {
-                return Err(EngineError::TooBig(format!(
-                    "xattr values are limited to {MAX_XATTR_VALUE_BYTES} bytes"
-                )));
+                return Err(EngineError::XattrTooLarge(value.len()));
             }
+            let hash = fs.name_hash(name);
             let mut chain = fs.xattr_chain(ino, name)?;
-            match (chain.get(name).is_some(), flags) {
-                (true, XattrFlags::Create) => return Err(EngineError::Exists),
-                (false, XattrFlags::Replace) => return Err(EngineError::NoData),
+            let old = chain.remove(name);
+            match (&old, flags) {
+                (Some(_), XattrFlags::Create) => return Err(EngineError::Exists),
+                (None, XattrFlags::Replace) => return Err(EngineError::NoData),
                 _ => {}
             }
+            let old_pieces = match &old {
+                Some(Xattr {
+                    value: XattrValue::Pieces { slot, len },
+                    ..
+                }) => Some((*slot, pieces_of(*len as usize))),
+                _ => None,
+            };
+            let new_pieces = if value.len() > XATTR_INLINE_MAX_BYTES {
+                pieces_of(value.len())
+            } else {
+                0
+            };
+            // A large value keeps the slot it had, or takes the lowest one its chain leaves.
+            let slot = match old_pieces {
+                Some((slot, _)) => slot,
+                None => chain.lowest_free_slot()?,
+            };
+            let entry_value = if new_pieces > 0 {
+                XattrValue::Pieces {
+                    slot,
+                    len: value.len() as u32,
+                }
+            } else {
+                XattrValue::Inline(value.to_vec())
+            };
             // A new value may not fit where the old one was: it takes the first link with
             // room, like a new attribute.
-            chain.remove(name);
             chain.insert(Xattr {
                 name: name.to_vec(),
-                value: value.to_vec(),
+                value: entry_value,
             });
-            fs.put_xattr_chain(ino, &chain, MetaNeed::Grow)
+            let old_count = old_pieces.map_or(0, |(_, n)| n);
+            fs.reserve_xattr_change(ino, old_count.max(new_pieces), MetaNeed::Grow)?;
+            if new_pieces > 0 {
+                let shard = fs.shard_of(ino);
+                fs.with_tree(shard, true, |tree, io| {
+                    for (piece, bytes) in value.chunks(XATTR_PIECE_BYTES).enumerate() {
+                        tree.insert(io, piece_key(ino, hash, slot, piece), bytes.to_vec())?;
+                    }
+                    Ok(())
+                })?;
+            }
+            if let Some((old_slot, count)) = old_pieces {
+                fs.remove_pieces(ino, hash, old_slot, new_pieces, count)?;
+            }
+            fs.put_xattr_chain(ino, &chain)
         })
     }
 
     pub fn getxattr(&mut self, ino: u64, name: &[u8]) -> Result<Vec<u8>> {
         Self::check_xattr_name(name)?;
-        self.xattr_chain(ino, name)?
+        let hash = self.name_hash(name);
+        let value = self
+            .xattr_chain(ino, name)?
             .get(name)
             .map(|x| x.value.clone())
-            .ok_or(EngineError::NoData)
+            .ok_or(EngineError::NoData)?;
+        match value {
+            XattrValue::Inline(bytes) => Ok(bytes),
+            XattrValue::Pieces { slot, len } => {
+                let shard = self.shard_of(ino);
+                let pieces = self.with_tree(shard, false, |tree, io| {
+                    tree.range(
+                        io,
+                        piece_key(ino, hash, slot, 0),
+                        piece_key(ino, hash, slot, pieces_of(len as usize)),
+                    )
+                })?;
+                let mut out = Vec::with_capacity(len as usize);
+                for (i, (key, bytes)) in pieces.iter().enumerate() {
+                    if key.offset != xattr_piece_offset(hash, slot, i as u16) {
+                        return Err(EngineError::corrupt_inode(
+                            "xattr value",
+                            ino,
+                            format!("piece {i} missing"),
+                        ));
+                    }
+                    out.extend_from_slice(bytes);
+                }
+                if out.len() != len as usize {
+                    return Err(EngineError::corrupt_inode(
+                        "xattr value",
+                        ino,
+                        format!("pieces hold {} bytes, the entry says {len}", out.len()),
+                    ));
+                }
+                Ok(out)
+            }
+        }
     }
 
     /// Every attribute name of `ino`, in hash order.
@@ -123,9 +231,18 @@ impl Filesystem {
     pub fn removexattr(&mut self, ino: u64, name: &[u8]) -> Result<()> {
         self.run_op(|fs| {
             Self::check_xattr_name(name)?;
+            let hash = fs.name_hash(name);
             let mut chain = fs.xattr_chain(ino, name)?;
-            chain.remove(name).ok_or(EngineError::NoData)?;
-            fs.put_xattr_chain(ino, &chain, MetaNeed::Shrink)
+            let old = chain.remove(name).ok_or(EngineError::NoData)?;
+            let pieces = match old.value {
+                XattrValue::Pieces { slot, len } => Some((slot, pieces_of(len as usize))),
+                XattrValue::Inline(_) => None,
+            };
+            fs.reserve_xattr_change(ino, pieces.map_or(0, |(_, n)| n), MetaNeed::Shrink)?;
+            if let Some((slot, count)) = pieces {
+                fs.remove_pieces(ino, hash, slot, 0, count)?;
+            }
+            fs.put_xattr_chain(ino, &chain)
         })
     }
 }

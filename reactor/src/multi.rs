@@ -338,14 +338,18 @@ fn resolve_plan(
 fn statfs(router: &Router) -> engine::fs::StatFs {
     let mut total = 0;
     let mut free = 0;
+    let mut inodes = 0;
     for r in &router.reactors {
         total += r.total_blocks.load(Ordering::Relaxed);
         free += r.free_blocks.load(Ordering::Relaxed);
+        inodes += r.inodes.load(Ordering::Relaxed);
     }
     engine::fs::StatFs {
         block_bytes: engine::format::BLOCK_BYTES as u32,
         total_blocks: total,
         free_blocks: free,
+        inodes,
+        free_inodes: free.saturating_mul(engine::fs::INODES_PER_FREE_BLOCK),
         name_max: 255,
     }
 }

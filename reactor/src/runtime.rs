@@ -145,6 +145,7 @@ pub(crate) struct Shared {
     /// several reactors sums them).
     pub total_blocks: std::sync::atomic::AtomicU64,
     pub free_blocks: std::sync::atomic::AtomicU64,
+    pub inodes: std::sync::atomic::AtomicU64,
     /// Test hook ([`Runtime::panic_on_next_request`]): the reactor panics when it next
     /// runs a request.
     #[cfg(any(test, feature = "test-hooks"))]
@@ -171,6 +172,7 @@ impl Shared {
             control_pending: std::sync::atomic::AtomicUsize::new(0),
             total_blocks: std::sync::atomic::AtomicU64::new(0),
             free_blocks: std::sync::atomic::AtomicU64::new(0),
+            inodes: std::sync::atomic::AtomicU64::new(0),
             #[cfg(any(test, feature = "test-hooks"))]
             panic_next: Arc::new(AtomicBool::new(false)),
         }
@@ -1080,6 +1082,7 @@ impl Reactor {
             shared
                 .free_blocks
                 .store(statfs.free_blocks, Ordering::Relaxed);
+            shared.inodes.store(statfs.inodes, Ordering::Relaxed);
         }
         self.poll_durable(None);
     }

@@ -112,7 +112,11 @@ impl InodeItem {
         }
         // The types the engine creates (see crate::inode); the checker knows no others.
         const S_IFMT: u32 = 0o170000;
-        if ![0o100000, 0o040000, 0o120000].contains(&(item.mode & S_IFMT)) {
+        // Regular, directory, symlink, FIFO, character and block device, socket.
+        const TYPES: [u32; 7] = [
+            0o100000, 0o040000, 0o120000, 0o010000, 0o020000, 0o060000, 0o140000,
+        ];
+        if !TYPES.contains(&(item.mode & S_IFMT)) {
             return Err(format!("unknown file type in mode {:o}", item.mode));
         }
         if item.size > MAX_FILE_BYTES || item.blocks > MAX_FILE_BYTES / 4096 {
@@ -266,20 +270,65 @@ impl ExtentItem {
     }
 }
 
-/// One extended attribute in an xattr item's bucket.
+/// One extended attribute in an xattr item's chain link.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Xattr {
     pub name: Vec<u8>,
-    pub value: Vec<u8>,
+    pub value: XattrValue,
 }
 
+/// Where an xattr's value is: in its chain link, or, when larger than
+/// [`XATTR_INLINE_MAX_BYTES`], in pieces of its own (`(ino, XattrValue, xattr_piece_offset(
+/// hash, slot, piece))`), `slot` telling apart the large values of names sharing the hash.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum XattrValue {
+    Inline(Vec<u8>),
+    Pieces { slot: u16, len: u32 },
+}
+
+/// Largest value kept in its chain link; larger ones go out in pieces.
+pub const XATTR_INLINE_MAX_BYTES: usize = 1024;
+/// Bytes per out-of-line piece (one item each).
+pub const XATTR_PIECE_BYTES: usize = 1536;
+
+/// The key offset of piece `piece` of the out-of-line value in slot `slot` of hash `hash`.
+pub fn xattr_piece_offset(hash: u32, slot: u16, piece: u16) -> u64 {
+    (u64::from(hash) << 32) | (u64::from(slot) << 16) | u64::from(piece)
+}
+
+const XATTR_PIECES: u8 = 1;
+
+impl Xattr {
+    /// Bytes the entry takes in its link.
+    pub fn encoded_len(&self) -> usize {
+        7 + self.name.len()
+            + match &self.value {
+                XattrValue::Inline(v) => v.len(),
+                XattrValue::Pieces { .. } => 2,
+            }
+    }
+}
+
+/// name length u16 | flags u8 (1: value in pieces) | value length u32 | slot u16 (pieces
+/// only) | name | value (inline only), for each entry.
 pub fn encode_xattrs(entries: &[Xattr]) -> Vec<u8> {
     let mut b = Vec::new();
     for x in entries {
         b.extend_from_slice(&(x.name.len() as u16).to_le_bytes());
-        b.extend_from_slice(&(x.value.len() as u16).to_le_bytes());
-        b.extend_from_slice(&x.name);
-        b.extend_from_slice(&x.value);
+        match &x.value {
+            XattrValue::Inline(value) => {
+                b.push(0);
+                b.extend_from_slice(&(value.len() as u32).to_le_bytes());
+                b.extend_from_slice(&x.name);
+                b.extend_from_slice(value);
+            }
+            XattrValue::Pieces { slot, len } => {
+                b.push(XATTR_PIECES);
+                b.extend_from_slice(&len.to_le_bytes());
+                b.extend_from_slice(&slot.to_le_bytes());
+                b.extend_from_slice(&x.name);
+            }
+        }
     }
     b
 }
@@ -288,24 +337,50 @@ pub fn decode_xattrs(b: &[u8]) -> Result<Vec<Xattr>, String> {
     let mut out = Vec::new();
     let mut at = 0;
     while at < b.len() {
-        if at + 4 > b.len() {
+        if at + 7 > b.len() {
             return Err("truncated xattr".into());
         }
         let name_len = le_u16(b, at) as usize;
-        let value_len = le_u16(b, at + 2) as usize;
-        if name_len == 0 || name_len > 255 || at + 4 + name_len + value_len > b.len() {
+        let flags = b[at + 2];
+        let value_len = le_u32(b, at + 3) as usize;
+        let (slot, inline_len) = match flags {
+            0 => (None, value_len),
+            XATTR_PIECES => {
+                if at + 9 > b.len() {
+                    return Err("truncated xattr".into());
+                }
+                (Some(le_u16(b, at + 7)), 0)
+            }
+            f => return Err(format!("unknown xattr flags {f}")),
+        };
+        let header = if slot.is_some() { 9 } else { 7 };
+        if value_len > MAX_XATTR_VALUE_BYTES || (slot.is_some() && value_len == 0) {
+            return Err(format!("xattr value of {value_len} bytes"));
+        }
+        if name_len == 0 || name_len > 255 || at + header + name_len + inline_len > b.len() {
             return Err("xattr overruns its item".into());
         }
-        let name = b[at + 4..at + 4 + name_len].to_vec();
+        let name = b[at + header..at + header + name_len].to_vec();
         if name.contains(&0) {
             return Err("xattr name holds a NUL".into());
         }
-        let value = b[at + 4 + name_len..at + 4 + name_len + value_len].to_vec();
+        let value = match slot {
+            Some(slot) => XattrValue::Pieces {
+                slot,
+                len: value_len as u32,
+            },
+            None => XattrValue::Inline(
+                b[at + header + name_len..at + header + name_len + inline_len].to_vec(),
+            ),
+        };
         out.push(Xattr { name, value });
-        at += 4 + name_len + value_len;
+        at += header + name_len + inline_len;
     }
     Ok(out)
 }
+
+/// Largest xattr value (XATTR_SIZE_MAX, what Linux lets any filesystem store).
+pub const MAX_XATTR_VALUE_BYTES: usize = 65536;
 
 /// The keyed hash that places a name in its directory item or xattr item: SipHash-1-3 of
 /// the name under the filesystem's random key ([`super::Superblock::hash_key`]), 32 bits
@@ -396,13 +471,25 @@ mod tests {
         let xattrs = vec![
             Xattr {
                 name: b"user.a".to_vec(),
-                value: vec![],
+                value: XattrValue::Inline(vec![]),
             },
             Xattr {
                 name: b"user.b".to_vec(),
-                value: vec![1; 100],
+                value: XattrValue::Inline(vec![1; 100]),
+            },
+            Xattr {
+                name: b"user.c".to_vec(),
+                value: XattrValue::Pieces {
+                    slot: 3,
+                    len: 60_000,
+                },
             },
         ];
+        let bytes = encode_xattrs(&xattrs);
+        assert_eq!(
+            bytes.len(),
+            xattrs.iter().map(Xattr::encoded_len).sum::<usize>()
+        );
         assert_eq!(decode_xattrs(&encode_xattrs(&xattrs)).unwrap(), xattrs);
     }
 
@@ -420,7 +507,8 @@ mod tests {
             f(&mut item);
             InodeItem::decode(&item.encode()).unwrap_err()
         };
-        assert!(refused(&|i| i.mode = 0o010644).contains("file type"));
+        assert!(refused(&|i| i.mode = 0o030644).contains("file type"));
+        assert!(refused(&|i| i.mode = 0o644).contains("file type"));
         assert!(refused(&|i| i.blocks = u64::MAX).contains("largest file"));
         assert!(refused(&|i| i.size = MAX_FILE_BYTES + 1).contains("largest file"));
         assert!(refused(&|i| i.next_index = u64::MAX).contains("index counter"));
@@ -438,7 +526,7 @@ mod tests {
         }
         let xattr = Xattr {
             name: b"user.\0".to_vec(),
-            value: vec![],
+            value: XattrValue::Inline(vec![]),
         };
         assert!(decode_xattrs(&encode_xattrs(&[xattr]))
             .unwrap_err()

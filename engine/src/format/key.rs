@@ -7,14 +7,23 @@
 #[repr(u8)]
 pub enum ItemKind {
     InodeItem = 1,
+    /// (ino, OrphanMark, 0): the inode has no name left but is still open; it goes when the
+    /// last holder lets go, or at the next mount. Logged with the inode.
+    OrphanMark = 2,
     InodeRef = 12,
     XattrItem = 24,
+    /// (ino, XattrValue, hash << 32 | slot << 16 | piece): a piece of an xattr value too large
+    /// to sit in its chain link.
+    XattrValue = 25,
     DirItem = 84,
     DirIndex = 96,
     ExtentData = 108,
     SymlinkTarget = 110,
     ExtentCsum = 128,
     SpaceBitmap = 200,
+    /// (ORPHAN_OBJECTID, OrphanIndex, ino), in the inode's shard: where mount finds the
+    /// orphans to delete. Persisted by commits; replay rebuilds it from the marks it applies.
+    OrphanIndex = 201,
     /// Keys used by tests of the tree alone.
     Test = 255,
 }
@@ -23,14 +32,17 @@ impl ItemKind {
     pub fn from_u8(value: u8) -> Option<ItemKind> {
         Some(match value {
             1 => ItemKind::InodeItem,
+            2 => ItemKind::OrphanMark,
             12 => ItemKind::InodeRef,
             24 => ItemKind::XattrItem,
+            25 => ItemKind::XattrValue,
             84 => ItemKind::DirItem,
             96 => ItemKind::DirIndex,
             108 => ItemKind::ExtentData,
             110 => ItemKind::SymlinkTarget,
             128 => ItemKind::ExtentCsum,
             200 => ItemKind::SpaceBitmap,
+            201 => ItemKind::OrphanIndex,
             255 => ItemKind::Test,
             _ => return None,
         })

@@ -2,10 +2,10 @@
 //!
 //! Layout: crc32c u32 (of bytes 4..4096) | magic u64 `CoreFSsb` | format version u32 |
 //! generation u64 | total blocks u64 | device LBA size u32 | shard count u32 | blocks per shard
-//! region u64 | uuid [16] | label [32] | log blocks per shard u64 | 24 reserved | shard roots
-//! from byte 128, 48 bytes each:
+//! region u64 | uuid [16] | label [32] | log blocks per shard u64 | name hash key [16] | name
+//! hash bits u8 | 7 reserved | shard roots from byte 128, 48 bytes each:
 //! tree pointer (address u64, generation u64, crc32c u32) | tree level u8 | 3 reserved |
-//! used blocks u64 | 16 reserved.
+//! used blocks u64 | inodes u64 | 8 reserved.
 //!
 //! Decoding validates every field against the others (sizes, region bounds, levels) so that a
 //! corrupt superblock is reported by name and never trusted.
@@ -31,6 +31,8 @@ pub struct ShardRoot {
     pub level: u8,
     /// Blocks of the shard's region in use (tree nodes and data).
     pub used_blocks: u64,
+    /// Inodes living in the shard (statfs's inode figures).
+    pub inodes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -111,6 +113,7 @@ impl Superblock {
             shard.tree.encode(&mut b[at..]);
             b[at + 20] = shard.level;
             b[at + 24..at + 32].copy_from_slice(&shard.used_blocks.to_le_bytes());
+            b[at + 32..at + 40].copy_from_slice(&shard.inodes.to_le_bytes());
         }
         let crc = block_crc(&b);
         b[0..4].copy_from_slice(&crc.to_le_bytes());
@@ -200,6 +203,7 @@ impl Superblock {
                 tree: BlockPtr::decode(&b[at..]),
                 level: b[at + 20],
                 used_blocks: le_u64(b, at + 24),
+                inodes: le_u64(b, at + 32),
             };
             let (start, end) = (sb.data_start(i), sb.region_start(i) + region_blocks);
             if root.tree.addr != 0 && !(start..end).contains(&root.tree.addr) {
@@ -244,6 +248,7 @@ mod tests {
                     },
                     level: 1,
                     used_blocks: 10,
+                    inodes: 3,
                 })
                 .collect(),
         }

@@ -200,7 +200,8 @@ impl Filesystem {
                     decode_names(value).map(drop)
                 }
                 ItemKind::XattrItem => decode_xattrs(value).map(drop),
-                ItemKind::SymlinkTarget if !value.is_empty() => Ok(()),
+                ItemKind::SymlinkTarget | ItemKind::XattrValue if !value.is_empty() => Ok(()),
+                ItemKind::OrphanMark if key.offset == 0 => Ok(()),
                 ItemKind::ExtentData if key.offset % BLOCK_BYTES as u64 == 0 => {
                     ExtentItem::decode(value).and_then(|item| {
                         let space = self.shard_space(self.shard_of(ino));
@@ -364,17 +365,34 @@ impl Filesystem {
             let Some(&key) = op.key() else { continue };
             let shard = self.shard_of(key.objectid);
             self.log.stats.replayed_ops += 1;
+            // An orphan mark brings its index item along (the index is not logged: it is
+            // where mount finds orphans, and follows the marks).
+            let index = crate::inode::orphan_index_key(key.objectid);
             match op {
                 LogOp::Put(key, value) => {
                     let value = value.clone();
-                    self.with_tree(shard, true, |tree, io| tree.insert(io, *key, value))?;
+                    let previous =
+                        self.with_tree(shard, true, |tree, io| tree.insert(io, *key, value))?;
                     if key.kind == ItemKind::InodeItem {
                         let top = created.entry(shard).or_default();
                         *top = (*top).max(key.objectid);
+                        if previous.is_none() {
+                            self.count_inodes(shard, 1);
+                        }
+                    }
+                    if key.kind == ItemKind::OrphanMark {
+                        let ino = key.objectid.to_le_bytes().to_vec();
+                        self.with_tree(shard, true, |tree, io| tree.insert(io, index, ino))?;
                     }
                 }
                 LogOp::Delete(key) => {
-                    self.with_tree(shard, true, |tree, io| tree.remove(io, key))?;
+                    let previous = self.with_tree(shard, true, |tree, io| tree.remove(io, key))?;
+                    if key.kind == ItemKind::InodeItem && previous.is_some() {
+                        self.count_inodes(shard, -1);
+                    }
+                    if key.kind == ItemKind::OrphanMark {
+                        self.with_tree(shard, true, |tree, io| tree.remove(io, &index))?;
+                    }
                 }
                 LogOp::Data(..) => {}
             }
