@@ -134,6 +134,7 @@ fn one_run(
                 dir: 256,
                 name: format!("client-{i}").into_bytes(),
                 mode: 0o644,
+                owner: reactor::Owner::ROOT,
             })
             .map_err(|e| e.to_string())?;
         match reply {

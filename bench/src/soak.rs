@@ -72,6 +72,7 @@ fn client_loop(
             dir: engine::inode::ROOT_INO,
             name: format!("soak{c}").into_bytes(),
             mode: 0o755,
+            owner: reactor::Owner::ROOT,
         },
     )?)?;
     // name → (inode, contents)
@@ -90,6 +91,7 @@ fn client_loop(
                     dir,
                     name: format!("f{name}").into_bytes(),
                     mode: 0o644,
+                    owner: reactor::Owner::ROOT,
                 },
             )?)?;
             let len = 1 + pick % 20_000;

@@ -8,7 +8,7 @@
 
 use crate::handles::{self, set_error, with_client, Error, Fs, OpenFile};
 use engine::{FallocateMode, MkfsOptions, MountOptions, RenameFlags, SetAttr, Stat, XattrFlags};
-use reactor::{Config, IdlePolicy, Op, Reply, Runtime};
+use reactor::{Config, IdlePolicy, Op, Owner, Reply, Runtime};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, CStr};
@@ -16,6 +16,18 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
+
+/// Who a C caller creates inodes as: the process's effective user and group, as the kernel
+/// uses for a file the process creates.
+fn caller() -> Owner {
+    // SAFETY: geteuid and getegid cannot fail and touch no memory.
+    unsafe {
+        Owner {
+            uid: libc::geteuid(),
+            gid: libc::getegid(),
+        }
+    }
+}
 
 /// A mounted filesystem (≥ 1).
 pub type corefs_fs = i64;
@@ -484,6 +496,7 @@ pub unsafe extern "C" fn corefs_open(
                         dir,
                         name: name.as_bytes().to_vec(),
                         mode: mode & 0o7777,
+                        owner: caller(),
                     },
                 )?)?
             }
@@ -798,6 +811,7 @@ pub unsafe extern "C" fn corefs_mkdir(fs: corefs_fs, path: *const c_char, mode: 
                 dir,
                 name,
                 mode: mode & 0o7777,
+                owner: caller(),
             })
         }
     })
@@ -906,7 +920,14 @@ pub unsafe extern "C" fn corefs_symlink(
         // SAFETY: forwarded from this function's contract.
         let target = unsafe { c_str(target, "target") }?.as_bytes().to_vec();
         // SAFETY: forwarded from this function's contract.
-        unsafe { name_op(fs, path, |dir, name| Op::Symlink { dir, name, target }) }
+        unsafe {
+            name_op(fs, path, |dir, name| Op::Symlink {
+                dir,
+                name,
+                target,
+                owner: caller(),
+            })
+        }
     })
 }
 

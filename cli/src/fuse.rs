@@ -164,6 +164,15 @@ fn errno(e: &EngineError) -> i32 {
     }
 }
 
+/// The inode owner a FUSE request creates with: the calling process's user and group, as
+/// the kernel passes them.
+fn owner_of(req: &Request<'_>) -> reactor::Owner {
+    reactor::Owner {
+        uid: req.uid(),
+        gid: req.gid(),
+    }
+}
+
 fn to_engine(ino: u64) -> u64 {
     if ino == FUSE_ROOT_ID {
         ROOT_INO
@@ -318,7 +327,7 @@ impl Filesystem for CorefsFuse {
 
     fn mkdir(
         &mut self,
-        _req: &Request<'_>,
+        req: &Request<'_>,
         parent: u64,
         name: &OsStr,
         mode: u32,
@@ -329,6 +338,7 @@ impl Filesystem for CorefsFuse {
             dir: to_engine(parent),
             name: name.as_bytes().to_vec(),
             mode: mode & !umask & 0o7777,
+            owner: owner_of(req),
         };
         self.pool.run(move |c| reply_entry(c, op, reply));
     }
@@ -351,7 +361,7 @@ impl Filesystem for CorefsFuse {
 
     fn symlink(
         &mut self,
-        _req: &Request<'_>,
+        req: &Request<'_>,
         parent: u64,
         link_name: &OsStr,
         target: &Path,
@@ -361,6 +371,7 @@ impl Filesystem for CorefsFuse {
             dir: to_engine(parent),
             name: link_name.as_bytes().to_vec(),
             target: target.as_os_str().as_bytes().to_vec(),
+            owner: owner_of(req),
         };
         self.pool.run(move |c| reply_entry(c, op, reply));
     }
@@ -676,7 +687,7 @@ impl Filesystem for CorefsFuse {
 
     fn create(
         &mut self,
-        _req: &Request<'_>,
+        req: &Request<'_>,
         parent: u64,
         name: &OsStr,
         mode: u32,
@@ -686,6 +697,7 @@ impl Filesystem for CorefsFuse {
     ) {
         let dir = to_engine(parent);
         let name = name.as_bytes().to_vec();
+        let owner = owner_of(req);
         // The kernel sends O_CREAT without O_EXCL here only when the name did not exist at
         // its lookup; a racing create found in between is opened, as open(2) would.
         self.pool.run(move |c| {
@@ -695,6 +707,7 @@ impl Filesystem for CorefsFuse {
                     dir,
                     name: name.clone(),
                     mode: mode & !umask & 0o7777,
+                    owner,
                 },
             );
             let stat = match made {

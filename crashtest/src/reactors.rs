@@ -54,6 +54,7 @@ impl Live for Clients {
             dir,
             name: name.to_vec(),
             mode: 0o644,
+            owner: reactor::Owner::ROOT,
         })
     }
     fn mkdir(&mut self, dir: u64, name: &[u8]) -> Result<(), EngineError> {
@@ -61,6 +62,7 @@ impl Live for Clients {
             dir,
             name: name.to_vec(),
             mode: 0o755,
+            owner: reactor::Owner::ROOT,
         })
     }
     fn symlink(&mut self, dir: u64, name: &[u8], target: &[u8]) -> Result<(), EngineError> {
@@ -68,6 +70,7 @@ impl Live for Clients {
             dir,
             name: name.to_vec(),
             target: target.to_vec(),
+            owner: reactor::Owner::ROOT,
         })
     }
     fn fallocate(

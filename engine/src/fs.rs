@@ -153,7 +153,7 @@ pub struct Filesystem {
     /// The operation in progress ([`Filesystem::run_op`]).
     pub(crate) op: OpState,
     /// Holds per inode ([`Filesystem::hold`]): open files, kernel references.
-    pub(crate) holds: std::collections::HashMap<u64, u32>,
+    pub(crate) inode_holds: std::collections::HashMap<u64, u32>,
 }
 
 /// What [`Filesystem::run_op`] keeps about the operation in progress.
@@ -471,7 +471,7 @@ impl Filesystem {
             unpin_pending: None,
             commit_in_flight: None,
             op: OpState::default(),
-            holds: Default::default(),
+            inode_holds: Default::default(),
         };
         // Records written after the last super-commit are applied and committed here: the only
         // time mount writes. Replay may use every free block, as a commit does: it redoes

@@ -310,20 +310,20 @@ impl Filesystem {
     /// stat through the holder go on working.
     pub fn hold(&mut self, ino: u64) -> Result<()> {
         self.load_inode(ino)?;
-        *self.holds.entry(ino).or_insert(0) += 1;
+        *self.inode_holds.entry(ino).or_insert(0) += 1;
         Ok(())
     }
 
     /// Lets go of one hold on `ino`. The last release of an orphan deletes it.
     pub fn release(&mut self, ino: u64) -> Result<()> {
-        let Some(count) = self.holds.get_mut(&ino) else {
+        let Some(count) = self.inode_holds.get_mut(&ino) else {
             return Err(EngineError::Invalid(format!("inode {ino} is not held")));
         };
         *count -= 1;
         if *count > 0 {
             return Ok(());
         }
-        self.holds.remove(&ino);
+        self.inode_holds.remove(&ino);
         match self.load_inode(ino) {
             Ok(item) if item.nlink == 0 && ino != ROOT_INO => self.delete_orphan(ino),
             Ok(_) | Err(EngineError::NotFound) => Ok(()),
@@ -333,7 +333,7 @@ impl Filesystem {
 
     /// Holds taken on `ino` and not yet released.
     pub fn holders(&self, ino: u64) -> u32 {
-        self.holds.get(&ino).copied().unwrap_or(0)
+        self.inode_holds.get(&ino).copied().unwrap_or(0)
     }
 
     /// Deletes the orphan `ino` (nobody holds it any more), all or nothing.

@@ -135,10 +135,15 @@ impl Filesystem {
         for ino in &cross {
             self.log.cross.remove(ino);
         }
-        let held: Vec<u64> = self.holds.keys().copied().filter(|i| pick(*i)).collect();
+        let held: Vec<u64> = self
+            .inode_holds
+            .keys()
+            .copied()
+            .filter(|i| pick(*i))
+            .collect();
         let holds = held
             .into_iter()
-            .map(|ino| (ino, self.holds.remove(&ino).expect("listed")))
+            .map(|ino| (ino, self.inode_holds.remove(&ino).expect("listed")))
             .collect();
         Ok(Lent {
             inodes: InodeState {
@@ -178,7 +183,7 @@ impl Filesystem {
         }
         self.log.cross.extend(inodes.cross);
         for (ino, count) in inodes.holds {
-            let previous = self.holds.insert(ino, count);
+            let previous = self.inode_holds.insert(ino, count);
             assert!(previous.is_none(), "inode {ino} held in two engines");
         }
         if let Some(e) = set.failed {
@@ -222,7 +227,7 @@ impl Filesystem {
             unpin_pending: None,
             commit_in_flight: None,
             op: Default::default(),
-            holds: Default::default(),
+            inode_holds: Default::default(),
         };
         fs.put_shards(lent);
         // The mount's metadata cache budget is shared out by shards held.

@@ -42,6 +42,6 @@ pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 }
 
 pub use client::{Client, SubmitError};
-pub use op::{Completion, Op, Reply};
+pub use op::{Completion, Op, Owner, Reply};
 pub use runtime::{Config, IdlePolicy, Runtime};
 pub use stats::{Latency, ReactorStats};

@@ -100,6 +100,7 @@ impl Router {
             | Op::Create { dir: ino, .. }
             | Op::Mkdir { dir: ino, .. }
             | Op::Symlink { dir: ino, .. }
+            | Op::Mknod { dir: ino, .. }
             | Op::Link { dir: ino, .. }
             | Op::Unlink { dir: ino, .. }
             | Op::Rmdir { dir: ino, .. }
@@ -110,6 +111,9 @@ impl Router {
             | Op::SetAttr { ino, .. }
             | Op::Read { ino, .. }
             | Op::Write { ino, .. }
+            | Op::Append { ino, .. }
+            | Op::Hold { ino }
+            | Op::Release { ino }
             | Op::Truncate { ino, .. }
             | Op::Fallocate { ino, .. }
             | Op::SetXattr { ino, .. }

@@ -3,6 +3,19 @@
 use engine::fs::StatFs;
 use engine::{DirEntry, EngineError, FallocateMode, RenameFlags, SetAttr, Stat, XattrFlags};
 
+/// Who creates an inode: its owner and group (the caller's, as the kernel passes them to
+/// FUSE or as a C program's credentials are; a set-group-ID directory overrides the group).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Owner {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+impl Owner {
+    /// root:root, what tools and tests that act for nobody in particular use.
+    pub const ROOT: Owner = Owner { uid: 0, gid: 0 };
+}
+
 /// One engine operation. Inode numbers and names are the engine's (see `engine`).
 #[derive(Debug, Clone)]
 pub enum Op {
@@ -24,16 +37,27 @@ pub enum Op {
         dir: u64,
         name: Vec<u8>,
         mode: u32,
+        owner: Owner,
     },
     Mkdir {
         dir: u64,
         name: Vec<u8>,
         mode: u32,
+        owner: Owner,
     },
     Symlink {
         dir: u64,
         name: Vec<u8>,
         target: Vec<u8>,
+        owner: Owner,
+    },
+    /// mknod(2): a FIFO, socket, device (`rdev`) or regular file.
+    Mknod {
+        dir: u64,
+        name: Vec<u8>,
+        mode: u32,
+        rdev: u64,
+        owner: Owner,
     },
     Readlink {
         ino: u64,
@@ -79,6 +103,19 @@ pub enum Op {
         ino: u64,
         offset: u64,
         data: Vec<u8>,
+    },
+    /// Writes at the end of the file, atomically (O_APPEND): [`Reply::Appended`].
+    Append {
+        ino: u64,
+        data: Vec<u8>,
+    },
+    /// An open handle or kernel reference to `ino`: while one is held, the inode outlives
+    /// its last name (an orphan), and goes at the last [`Op::Release`].
+    Hold {
+        ino: u64,
+    },
+    Release {
+        ino: u64,
     },
     Truncate {
         ino: u64,
@@ -151,6 +188,11 @@ pub enum Reply {
     Entries(Vec<DirEntry>),
     Data(Vec<u8>),
     Written(usize),
+    /// An append: where it wrote and how much.
+    Appended {
+        offset: u64,
+        written: usize,
+    },
     Names(Vec<Vec<u8>>),
     Statfs(StatFs),
     Stats(Box<crate::stats::ReactorStats>),

@@ -1635,9 +1635,37 @@ pub(crate) fn execute_on(fs: &mut Filesystem, op: Op) -> Result<Reply, EngineErr
             Reply::Stat(fs.stat(ino)?)
         }
         Op::Lookup { dir, name } => Reply::Stat(fs.lookup(dir, &name)?),
-        Op::Create { dir, name, mode } => Reply::Stat(fs.create(dir, &name, mode, 0, 0)?),
-        Op::Mkdir { dir, name, mode } => Reply::Stat(fs.mkdir(dir, &name, mode, 0, 0)?),
-        Op::Symlink { dir, name, target } => Reply::Stat(fs.symlink(dir, &name, &target, 0, 0)?),
+        Op::Create {
+            dir,
+            name,
+            mode,
+            owner,
+        } => Reply::Stat(fs.create(dir, &name, mode, owner.uid, owner.gid)?),
+        Op::Mkdir {
+            dir,
+            name,
+            mode,
+            owner,
+        } => Reply::Stat(fs.mkdir(dir, &name, mode, owner.uid, owner.gid)?),
+        Op::Symlink {
+            dir,
+            name,
+            target,
+            owner,
+        } => Reply::Stat(fs.symlink(dir, &name, &target, owner.uid, owner.gid)?),
+        Op::Mknod {
+            dir,
+            name,
+            mode,
+            rdev,
+            owner,
+        } => Reply::Stat(fs.mknod(dir, &name, mode, rdev, owner.uid, owner.gid)?),
+        Op::Append { ino, data } => {
+            let (offset, written) = fs.append(ino, &data)?;
+            Reply::Appended { offset, written }
+        }
+        Op::Hold { ino } => fs.hold(ino).map(|()| Reply::Done)?,
+        Op::Release { ino } => fs.release(ino).map(|()| Reply::Done)?,
         Op::Readlink { ino } => Reply::Data(fs.readlink(ino)?),
         Op::Link { ino, dir, name } => Reply::Stat(fs.link(ino, dir, &name)?),
         Op::Unlink { dir, name } => fs.unlink(dir, &name).map(|()| Reply::Done)?,

@@ -202,6 +202,7 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
                         dir: engine::inode::ROOT_INO,
                         name: format!("c{c}f{f}").into_bytes(),
                         mode: 0o644,
+                        owner: crate::op::Owner::ROOT,
                     },
                     f as u64,
                 )

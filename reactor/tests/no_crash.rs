@@ -109,6 +109,7 @@ fn a_panicking_reactor_fails_the_runtime(reactors: usize) {
                     dir: ROOT,
                     name: format!("d{i}").into_bytes(),
                     mode: 0o755,
+                    owner: reactor::Owner::ROOT,
                 })
                 .unwrap(),
             );
@@ -117,6 +118,7 @@ fn a_panicking_reactor_fails_the_runtime(reactors: usize) {
                     dir,
                     name: b"f".to_vec(),
                     mode: 0o644,
+                    owner: reactor::Owner::ROOT,
                 })
                 .unwrap(),
             )

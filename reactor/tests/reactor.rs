@@ -56,6 +56,7 @@ fn create_files(client: &mut Client, prefix: &str, count: usize) -> Vec<u64> {
                         dir: ROOT,
                         name: format!("{prefix}{i}").into_bytes(),
                         mode: 0o644,
+                        owner: reactor::Owner::ROOT,
                     })
                     .unwrap(),
             )
@@ -102,6 +103,7 @@ fn mkdir(client: &mut Client, dir: u64, name: &str) -> u64 {
                 dir,
                 name: name.into(),
                 mode: 0o755,
+                owner: reactor::Owner::ROOT,
             })
             .unwrap(),
     )
@@ -127,6 +129,7 @@ fn client_workload(
                             dir,
                             name: name.clone().into_bytes(),
                             mode: 0o644,
+                            owner: reactor::Owner::ROOT,
                         })
                         .unwrap(),
                 );
@@ -299,6 +302,7 @@ fn rename_storm(reactors: usize) {
                 dir: dirs[0],
                 name: format!("n{f}").into_bytes(),
                 mode: 0o644,
+                owner: reactor::Owner::ROOT,
             })
             .unwrap();
     }
@@ -585,6 +589,7 @@ fn power_cut_during_fsyncs(reactors: usize) {
                         dir,
                         name: b"c".to_vec(),
                         mode: 0o644,
+                        owner: reactor::Owner::ROOT,
                     })
                     .unwrap(),
             )
@@ -840,6 +845,7 @@ fn clients_filling_the_device_get_enospc_and_lose_nothing_durable() {
                             dir: ROOT,
                             name: format!("c{c}-{f}").into_bytes(),
                             mode: 0o644,
+                            owner: reactor::Owner::ROOT,
                         }) {
                             Ok(r) => ino_of(r),
                             Err(e) => {
@@ -902,6 +908,7 @@ fn clients_filling_the_device_get_enospc_and_lose_nothing_durable() {
                 dir: ROOT,
                 name: b"after".to_vec(),
                 mode: 0o644,
+                owner: reactor::Owner::ROOT,
             })
             .unwrap(),
     );
@@ -974,6 +981,7 @@ fn a_directory_renamed_on_another_reactor_is_durable_before_an_fsync_below_it() 
             dir: e,
             name: b"f".to_vec(),
             mode: 0o644,
+            owner: reactor::Owner::ROOT,
         })
         .unwrap(),
     );
@@ -1172,4 +1180,116 @@ fn two_reactors_report_the_coordinated_commits_time_and_blocks() {
     assert!(c.blocks_written >= data_blocks, "{c:?}");
     drop(client);
     runtime.shutdown().unwrap();
+}
+
+/// What programs need of a filesystem beyond plain files, through the reactor, with one and
+/// with two reactors: creates carry their owner; special files; an inode held open outlives
+/// its last name and goes at its release; appends from several clients at once never land
+/// on each other (O_APPEND).
+#[test]
+fn owners_special_files_held_inodes_and_concurrent_appends() {
+    for reactors in [1, 2] {
+        let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+        let runtime = Runtime::start(file_config_n(&dir, IdlePolicy::default(), reactors)).unwrap();
+        let mut c = runtime.client(8);
+        let owner = reactor::Owner { uid: 1000, gid: 50 };
+        let file = match c
+            .call(Op::Create {
+                dir: ROOT,
+                name: b"owned".to_vec(),
+                mode: 0o640,
+                owner,
+            })
+            .unwrap()
+        {
+            Reply::Stat(s) => s,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!((file.uid, file.gid), (1000, 50), "{reactors} reactors");
+        let fifo = match c
+            .call(Op::Mknod {
+                dir: ROOT,
+                name: b"fifo".to_vec(),
+                mode: 0o010600,
+                rdev: 0,
+                owner,
+            })
+            .unwrap()
+        {
+            Reply::Stat(s) => s,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(fifo.mode & 0o170000, 0o010000);
+        // Held, unlinked, still readable; gone at its release.
+        c.call(Op::Write {
+            ino: file.ino,
+            offset: 0,
+            data: b"kept while open".to_vec(),
+        })
+        .unwrap();
+        c.call(Op::Hold { ino: file.ino }).unwrap();
+        c.call(Op::Unlink {
+            dir: ROOT,
+            name: b"owned".to_vec(),
+        })
+        .unwrap();
+        assert_eq!(
+            data_of(
+                c.call(Op::Read {
+                    ino: file.ino,
+                    offset: 0,
+                    len: 100
+                })
+                .unwrap()
+            ),
+            b"kept while open"
+        );
+        c.call(Op::Release { ino: file.ino }).unwrap();
+        assert_eq!(
+            c.call(Op::Stat { ino: file.ino }).unwrap_err(),
+            EngineError::NotFound
+        );
+        // Four clients append 200 records each to one file.
+        let log = create_files(&mut c, "log", 1)[0];
+        let offsets: Vec<Vec<u64>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..4u8)
+                .map(|w| {
+                    let mut client = runtime.client(8);
+                    scope.spawn(move || {
+                        (0..200)
+                            .map(|i| {
+                                let record = vec![w; 100 + (i % 7)];
+                                match client
+                                    .call(Op::Append {
+                                        ino: log,
+                                        data: record.clone(),
+                                    })
+                                    .unwrap()
+                                {
+                                    Reply::Appended { offset, written } => {
+                                        assert_eq!(written, record.len());
+                                        offset
+                                    }
+                                    other => panic!("{other:?}"),
+                                }
+                            })
+                            .collect()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let mut all: Vec<u64> = offsets.into_iter().flatten().collect();
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(all.len(), 800, "two appends landed at one offset");
+        let total: u64 = (0..200u64).map(|i| 100 + i % 7).sum::<u64>() * 4;
+        match c.call(Op::Stat { ino: log }).unwrap() {
+            Reply::Stat(s) => assert_eq!(s.size, total),
+            other => panic!("{other:?}"),
+        }
+        drop(c);
+        runtime.shutdown().unwrap();
+        remount_checked(&format!("file:{}/fs.img", dir.path().display()));
+    }
 }

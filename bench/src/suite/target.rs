@@ -320,6 +320,7 @@ impl Session for CorefsSession {
             dir,
             name: name.as_bytes().to_vec(),
             mode: 0o644,
+            owner: reactor::Owner::ROOT,
         })? {
             Reply::Stat(s) => Ok(self.handle(s.ino)),
             other => Err(format!("unexpected reply {other:?}")),
@@ -372,6 +373,7 @@ impl Session for CorefsSession {
             dir,
             name: name.as_bytes().to_vec(),
             mode: 0o755,
+            owner: reactor::Owner::ROOT,
         })? {
             Reply::Stat(s) => {
                 self.dirs.insert(path.to_string(), s.ino);
