@@ -478,11 +478,11 @@ impl Filesystem {
         }
         let durable_generation = self.sb.generation;
         let pipeline = &mut self.log.pipeline;
-        while pipeline
-            .in_flight
-            .front()
-            .is_some_and(|f| f.flushed && f.after.is_none_or(|g| durable_generation >= g))
-        {
+        // Mutation check: release a record logged during commit N before N is durable.
+        let early = mutated!(AckBeforeCommit);
+        while pipeline.in_flight.front().is_some_and(|f| {
+            f.flushed && (early || f.after.is_none_or(|g| durable_generation >= g))
+        }) {
             let done = pipeline.in_flight.pop_front().expect("front");
             pipeline.durable_below = done.ticket + 1;
         }
