@@ -240,7 +240,7 @@ pub fn run_on_reactors(
         &log.snapshot(),
         &log.submissions(),
         &points,
-        from,
+        &[0..from],
         seed,
         outcome,
     )

@@ -271,7 +271,13 @@ impl Namespace {
         !self.exists(path) && self.kind(parent_str(path)) == Some(Kind::Dir)
     }
 
-    fn apply(&mut self, op: &Op) {
+    /// Every existing path, sorted.
+    pub fn paths(&self) -> Vec<String> {
+        self.paths.keys().map(|p| p.to_string()).collect()
+    }
+
+    /// Applies a core operation's effect on names (persistence operations have none).
+    pub fn apply(&mut self, op: &Op) {
         match *op {
             Op::Creat(p) if self.can_create(p) => self.add(p, Kind::File),
             Op::Mkdir(p) if self.can_create(p) => self.add(p, Kind::Dir),

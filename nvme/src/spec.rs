@@ -8,7 +8,8 @@
 //! `size=` (file: create/grow; mem: capacity), `lba=` (512..4096, file and mem), `qd=` (queue
 //! depth), `buf=` (DMA buffer size = largest I/O), `bufs=` (buffers in the pool), `sqpoll[=MS]`,
 //! `iopoll=auto|on|off` (nvme), `hugepages=on|off`, `cache=volatile` (simulated volatile
-//! write cache: a killed process is a power cut). Sizes take K, M, G, T suffixes with optional
+//! write cache: a killed process is a power cut), `flushdelay=US` (its flushes and FUA writes
+//! take effect that many microseconds after submission, at their completion). Sizes take K, M, G, T suffixes with optional
 //! `iB`/`B`, all binary (1K = 1024).
 
 use crate::backend::mem::MemConfig;
@@ -41,6 +42,10 @@ pub struct OpenOptions {
     /// `cache=volatile`: simulate a volatile write cache ([`crate::wrap::volatile`]), so that
     /// killing the process loses exactly the unflushed writes (crash testing).
     pub volatile_cache: bool,
+    /// `flushdelay=MICROSECONDS` (with `cache=volatile`): a flush or FUA write takes effect
+    /// (and completes) no earlier than this after it was submitted, widening the window in
+    /// which a kill -9 catches an fsync acknowledged before its flush completed.
+    pub flush_delay_us: u64,
 }
 
 impl Default for OpenOptions {
@@ -55,6 +60,7 @@ impl Default for OpenOptions {
             iopoll: IoPoll::Auto,
             hugepages: HugepagePolicy::Prefer,
             volatile_cache: false,
+            flush_delay_us: 0,
         }
     }
 }
@@ -115,6 +121,16 @@ impl DeviceSpec {
                         "none" => false,
                         _ => return Err(bad(format!("cache={value}: use volatile or none"))),
                     }
+                }
+                "flushdelay" => {
+                    let us: u64 = value
+                        .parse()
+                        .ok()
+                        .filter(|&us| us <= 1_000_000)
+                        .ok_or_else(|| {
+                            bad(format!("flushdelay={value}: microseconds, at most 1000000"))
+                        })?;
+                    options.flush_delay_us = us;
                 }
                 _ => return Err(bad(format!("unknown option {key:?}"))),
             }
@@ -205,7 +221,10 @@ pub fn open_device(spec: &str, defaults: &OpenOptions) -> Result<Box<dyn BlockDe
         })?),
     };
     Ok(if o.volatile_cache {
-        Box::new(crate::wrap::VolatileCacheDevice::new(dev))
+        Box::new(crate::wrap::VolatileCacheDevice::with_flush_delay(
+            dev,
+            std::time::Duration::from_micros(o.flush_delay_us),
+        ))
     } else {
         dev
     })

@@ -492,6 +492,12 @@ impl Filesystem {
         Ok(pipeline.durable_below)
     }
 
+    /// The ticket below which every record is durable, as the last
+    /// [`Filesystem::log_progress`] found it (nothing is polled).
+    pub fn log_durable_below(&self) -> u64 {
+        self.log.pipeline.durable_below
+    }
+
     /// True when `ticket`'s own writes (and flush) are done, whatever is ahead of it.
     pub(crate) fn ticket_done(&self, ticket: u64) -> bool {
         ticket < self.log.pipeline.durable_below
