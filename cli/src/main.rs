@@ -1033,12 +1033,9 @@ fn crashtest(
                     return;
                 }
                 let outcome = match reactors {
-                    None => crashtest::run_schedules(
-                        &base,
-                        &workloads[i],
-                        seed ^ i as u64,
-                        schedules,
-                    ),
+                    None => {
+                        crashtest::run_schedules(&base, &workloads[i], seed ^ i as u64, schedules)
+                    }
                     Some(n) => crashtest::reactors::run_on_reactors(
                         &base,
                         &workloads[i],

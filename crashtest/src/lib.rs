@@ -40,7 +40,6 @@ use std::cell::RefCell;
 use std::collections::BTreeMap;
 use workload::{Falloc, Op};
 
-
 /// What a workload runs on and the oracle reads: the engine itself, or clients of running
 /// reactors ([`reactors`]). The methods are the engine's.
 pub trait Live {
@@ -682,7 +681,8 @@ pub fn run_schedule(
                 // The prelude's record durable, its change (logged, not committed) is committed
                 // in the background while the workload runs.
                 driver.finish(&mut fs, &log, &mut points)?;
-                fs.commit_start().map_err(|e| format!("commit start: {e}"))?;
+                fs.commit_start()
+                    .map_err(|e| format!("commit start: {e}"))?;
             }
             // Pipelined: the prelude's record (the first after mount: written, then flushed)
             // is still in flight as the workload's records follow it.
@@ -759,16 +759,21 @@ impl RunDevice {
     /// A recording device holding `base`, with an empty write log.
     fn take(
         base: &[u8],
-    ) -> Result<(Box<dyn nvme::BlockDevice>, std::sync::Arc<nvme::wrap::WriteLog>), String> {
+    ) -> Result<
+        (
+            Box<dyn nvme::BlockDevice>,
+            std::sync::Arc<nvme::wrap::WriteLog>,
+        ),
+        String,
+    > {
         let base_crc = crc32c::crc32c(base);
         if let Some(kept) = RUN_DEVICE.take() {
             if kept.base_crc == base_crc && kept.log.is_empty() {
                 return Ok((kept.device, kept.log));
             }
         }
-        let recording = RecordingDevice::new(
-            MemDevice::from_image(base, config()).map_err(|e| e.to_string())?,
-        );
+        let recording =
+            RecordingDevice::new(MemDevice::from_image(base, config()).map_err(|e| e.to_string())?);
         let log = recording.log();
         Ok((Box::new(recording), log))
     }
@@ -814,8 +819,8 @@ fn lbas_of(record: &Record) -> Option<std::ops::Range<u64>> {
 /// the workload generator's model of names is checked against.
 pub fn live_paths_after(base: &[u8], ops: &[Op]) -> Result<Vec<String>, String> {
     let dev = MemDevice::from_image(base, config()).map_err(|e| e.to_string())?;
-    let mut fs = Filesystem::mount(Box::new(dev), MountOptions::default())
-        .map_err(|e| e.to_string())?;
+    let mut fs =
+        Filesystem::mount(Box::new(dev), MountOptions::default()).map_err(|e| e.to_string())?;
     for op in ops {
         let _ = apply(&mut fs, op);
     }
@@ -1010,14 +1015,21 @@ impl Pipeline {
 
     /// Starts an fsync or fdatasync; its point is taken now (what it persists) and
     /// acknowledged later.
-    fn start(&mut self, fs: &mut Filesystem, op: &Op, log: &nvme::wrap::WriteLog) -> Result<(), String> {
+    fn start(
+        &mut self,
+        fs: &mut Filesystem,
+        op: &Op,
+        log: &nvme::wrap::WriteLog,
+    ) -> Result<(), String> {
         let (path, datasync) = match op {
             Op::Fsync(p) => (*p, false),
             Op::Fdatasync(p) => (*p, true),
             _ => unreachable!("an fsync"),
         };
         let started_at = log.len();
-        let ino = fs.resolve(path).map_err(|e| format!("{op:?} failed: {e}"))?;
+        let ino = fs
+            .resolve(path)
+            .map_err(|e| format!("{op:?} failed: {e}"))?;
         let point = persistence_point(fs, op, started_at, 0)?;
         fs.check_exists(ino)
             .map_err(|e| format!("{op:?} failed: {e}"))?;
@@ -1209,15 +1221,10 @@ thread_local! {
 
 impl Checker {
     /// The thread's checker, (re)built when `base` is not the image it holds.
-    fn for_base<'a>(
-        slot: &'a mut Option<Checker>,
-        base: &[u8],
-    ) -> Result<&'a mut Checker, String> {
+    fn for_base<'a>(slot: &'a mut Option<Checker>, base: &[u8]) -> Result<&'a mut Checker, String> {
         let base_crc = crc32c::crc32c(base);
         let fresh = match slot {
-            Some(c) => {
-                c.base_crc != base_crc || c.image.len() != base.len() || c.device.is_none()
-            }
+            Some(c) => c.base_crc != base_crc || c.image.len() != base.len() || c.device.is_none(),
             None => true,
         };
         if fresh {
@@ -1282,7 +1289,10 @@ impl Checker {
                 .sim_access()
                 .expect("a memory device");
             for r in &self.touched {
-                sim.sim_write(r.start, &self.image[r.start as usize * 512..r.end as usize * 512]);
+                sim.sim_write(
+                    r.start,
+                    &self.image[r.start as usize * 512..r.end as usize * 512],
+                );
             }
         }
         for r in &self.touched {

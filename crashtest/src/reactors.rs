@@ -4,7 +4,10 @@
 //! their separate log streams, spans and coordinated commits.
 
 use crate::workload::Op;
-use crate::{check_points, config, run_ops, run_ops_committing, snapshot, Live, Outcome, Point, Promise, PRELUDE};
+use crate::{
+    check_points, config, run_ops, run_ops_committing, snapshot, Live, Outcome, Point, Promise,
+    PRELUDE,
+};
 use engine::{DirEntry, EngineError, FallocateMode, RenameFlags, Stat, XattrFlags};
 use nvme::backend::mem::MemDevice;
 use nvme::wrap::RecordingDevice;

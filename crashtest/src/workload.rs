@@ -200,10 +200,16 @@ impl Default for Namespace {
 
 /// Every path a workload can name (the files, the directories, their renamed places).
 fn all_paths() -> impl Iterator<Item = &'static str> {
-    FILES
-        .into_iter()
-        .chain(DIRS)
-        .chain(["B/C", "B/D/foo", "B/D/bar", "B/D/C", "B/D/C/foo", "B/D/C/bar", "B/C/foo", "B/C/bar"])
+    FILES.into_iter().chain(DIRS).chain([
+        "B/C",
+        "B/D/foo",
+        "B/D/bar",
+        "B/D/C",
+        "B/D/C/foo",
+        "B/D/C/bar",
+        "B/C/foo",
+        "B/C/bar",
+    ])
 }
 
 /// The `&'static str` for a path that is one of [`all_paths`].
@@ -263,7 +269,11 @@ impl Namespace {
     }
 
     fn is_empty_dir(&self, path: &str) -> bool {
-        self.kind(path) == Some(Kind::Dir) && !self.paths.keys().any(|p| !p.is_empty() && parent(p) == path)
+        self.kind(path) == Some(Kind::Dir)
+            && !self
+                .paths
+                .keys()
+                .any(|p| !p.is_empty() && parent(p) == path)
     }
 
     /// A new name can go at `path`: its parent is a directory and the name is free.
@@ -295,7 +305,9 @@ impl Namespace {
                 }
             }
             Op::Remove(p) => {
-                if matches!(self.kind(p), Some(Kind::File | Kind::Symlink)) || (!p.is_empty() && self.is_empty_dir(p)) {
+                if matches!(self.kind(p), Some(Kind::File | Kind::Symlink))
+                    || (!p.is_empty() && self.is_empty_dir(p))
+                {
                     self.paths.remove(p);
                 }
             }
@@ -334,7 +346,8 @@ impl Namespace {
         }
         for (p, v) in moved {
             let to = format!("{b}{}", &p[a.len()..]);
-            let to = interned(&to).unwrap_or_else(|| panic!("rename {a} -> {b}: {to} is not a workload path"));
+            let to = interned(&to)
+                .unwrap_or_else(|| panic!("rename {a} -> {b}: {to} is not a workload path"));
             self.paths.insert(to, v);
         }
     }

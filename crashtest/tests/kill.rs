@@ -1,11 +1,11 @@
 //! kill -9 during fsync-heavy work behind the simulated volatile cache (`cache=volatile`,
 //! whose flushes and FUA writes take effect only when their completion is delivered, here
 //! 2 ms after submission): a child process runs a reactor on a file image, committing every
-//! millisecond, and appends a block and fsyncs it over and over, printing each fsync it was
-//! told succeeded; the parent kills it with SIGKILL at a random moment, mounts the image, and
-//! checks every acknowledged block is there. With the guard that holds a record logged during
-//! a commit until the commit's superblock is durable removed (`ack-before-commit`), some kill
-//! finds an acknowledged block missing. `COREFS_SEED` replays the kill times.
+//! millisecond, and appends 48 KiB and fsyncs it over and over, printing each fsync it was
+//! told succeeded; the parent kills it with SIGKILL right after a random acknowledgement,
+//! mounts the image, and checks every acknowledged chunk is there. With the guard that holds a
+//! record until its flush *completes* removed (`ack-at-flush-submit`), a kill finds an
+//! acknowledged chunk missing. `COREFS_SEED` replays the kill points.
 
 use engine::{Filesystem, MkfsOptions, MountOptions};
 use rand::{Rng, SeedableRng};
@@ -16,8 +16,12 @@ use std::time::Duration;
 /// Set in the child: the image it runs on.
 const CHILD_IMAGE: &str = "COREFS_KILL_CHILD_IMAGE";
 
+/// Bytes appended per fsync: more than a record carries (8 blocks), so each fsync writes its
+/// data in place and, on a file (no native FUA), flushes: a record durable only at its flush.
+const CHUNK: u64 = 12 * 4096;
+
 fn block(index: u64) -> Vec<u8> {
-    (0..4096u64)
+    (0..CHUNK)
         .map(|i| (index.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (i % 57)) as u8 ^ i as u8)
         .collect()
 }
@@ -35,7 +39,10 @@ fn kill_child() {
             image.to_string_lossy()
         ),
         mount: MountOptions {
-            // Commits back to back: a commit is in flight at almost every fsync.
+            // A commit (two 2 ms device round trips) every 5 ms: many fsyncs arrive while one
+            // is in flight, with a write made after it started, and log for the next
+            // generation. (Every millisecond, each write was swept into a commit before its
+            // fsync came, which then had nothing to log.)
             commit_interval: Duration::from_millis(1),
             ..MountOptions::default()
         },
@@ -53,22 +60,41 @@ fn kill_child() {
     };
     client.call(reactor::Op::Sync).expect("sync");
     println!("ready");
+    let mut done = Vec::new();
     for index in 0..100_000u64 {
+        // The write and its fsync in one batch: the fsync logs the write (a commit starting
+        // between the two would sweep the write in and leave the fsync nothing to log).
         client
-            .call(reactor::Op::Write {
-                ino,
-                offset: index * 4096,
-                data: block(index),
-            })
-            .expect("write");
-        client.call(reactor::Op::Fsync { ino }).expect("fsync");
+            .submit(
+                reactor::Op::Write {
+                    ino,
+                    offset: index * CHUNK,
+                    data: block(index),
+                },
+                1,
+            )
+            .and_then(|()| client.submit(reactor::Op::Fsync { ino }, 2))
+            .expect("submit");
+        done.clear();
+        while done.len() < 2 {
+            client.wait(&mut done, Duration::from_secs(10));
+        }
+        for c in &done {
+            c.result.as_ref().expect("write and fsync");
+        }
         println!("ack {index}");
+        // A pause with nothing in flight lets the due commit start (under a steady stream of
+        // records it waits up to 50 ms); shorter than a flush, so the next fsync logs while
+        // the commit's flush is still under way.
+        std::thread::sleep(Duration::from_micros(500));
     }
 }
 
-/// One run: formats an image, starts the child (with `mutation`), kills it `after` its first
-/// fsyncs, and checks the image. Returns the acknowledged blocks, or what was lost.
-fn run_once(mutation: Option<&str>, after: Duration) -> Result<u64, String> {
+/// One run: formats an image, starts the child (with `mutation`), kills it with SIGKILL as
+/// soon as it reads the child's `ack {kill_at}` (so the kill lands right after an
+/// acknowledgement, where an early one is exposed), and checks the image. Returns the
+/// acknowledged blocks, or what was lost.
+fn run_once(mutation: Option<&str>, kill_at: u64) -> Result<u64, String> {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
     let image = dir.path().join("kill.img");
     let dev = nvme::open_device(
@@ -76,7 +102,12 @@ fn run_once(mutation: Option<&str>, after: Duration) -> Result<u64, String> {
         &nvme::OpenOptions::default(),
     )
     .expect("image");
-    drop(Filesystem::mkfs(dev, &MkfsOptions::default()).expect("mkfs"));
+    // Four shards: the file's data all goes to one, which must hold every chunk.
+    let options = MkfsOptions {
+        shards: 4,
+        label: "kill".into(),
+    };
+    drop(Filesystem::mkfs(dev, &options).expect("mkfs"));
     let mut command = Command::new(std::env::current_exe().expect("test binary"));
     command
         .args(["kill_child", "--exact", "--ignored", "--nocapture"])
@@ -89,31 +120,33 @@ fn run_once(mutation: Option<&str>, after: Duration) -> Result<u64, String> {
     }
     let mut child = command.spawn().expect("spawning the child");
     let stdout = child.stdout.take().expect("piped");
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let (acks_tx, acks_rx) = std::sync::mpsc::channel();
     let reader = std::thread::spawn(move || {
         let mut acked = None;
         for line in std::io::BufReader::new(stdout).lines() {
             let Ok(line) = line else { break };
-            if line == "ready" {
-                let _ = ready_tx.send(());
-            } else if let Some(n) = line.strip_prefix("ack ") {
+            if let Some(n) = line.strip_prefix("ack ") {
                 acked = n.parse::<u64>().ok().or(acked);
+                let _ = acks_tx.send(acked);
             }
         }
         acked
     });
-    if ready_rx.recv_timeout(Duration::from_secs(60)).is_err() {
-        let _ = child.kill();
-        let _ = child.wait();
-        return Err("the child never became ready".into());
+    loop {
+        match acks_rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(Some(n)) if n >= kill_at => break,
+            Ok(_) => {}
+            Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!("the child stopped before ack {kill_at}"));
+            }
+        }
     }
-    std::thread::sleep(after);
     child.kill().expect("SIGKILL");
     let _ = child.wait();
     // Every line the child wrote before it died: each was an fsync it was told had returned.
-    let Some(last) = reader.join().expect("reader") else {
-        return Ok(0);
-    };
+    let last = reader.join().expect("reader").expect("acknowledged");
     let dev = nvme::open_device(
         &format!("file:{}", image.display()),
         &nvme::OpenOptions::default(),
@@ -128,16 +161,16 @@ fn run_once(mutation: Option<&str>, after: Duration) -> Result<u64, String> {
         .ino;
     let size = fs.stat(ino).map_err(|e| e.to_string())?.size;
     for index in 0..=last {
-        let found = if index * 4096 < size {
-            fs.read(ino, index * 4096, 4096).map_err(|e| e.to_string())?
+        let found = if index * CHUNK < size {
+            fs.read(ino, index * CHUNK, CHUNK as usize)
+                .map_err(|e| e.to_string())?
         } else {
             Vec::new()
         };
         if found != block(index) {
             return Err(format!(
-                "block {index} of {} acknowledged is lost ({} bytes on the image)",
-                last + 1,
-                size
+                "block {index} of {} acknowledged is lost ({size} bytes on the image)",
+                last + 1
             ));
         }
     }
@@ -149,26 +182,26 @@ fn a_kill_during_fsyncs_behind_a_volatile_cache_loses_no_acknowledged_fsync() {
     let seed = nvme::wrap::seed_from_env();
     let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(seed);
     let mut acked = 0;
-    for run in 0..5 {
-        let after = Duration::from_millis(rng.random_range(20..200));
-        acked += run_once(None, after)
-            .unwrap_or_else(|why| panic!("seed {seed} run {run} (killed after {after:?}): {why}"));
+    let runs = 6;
+    for run in 0..runs {
+        let kill_at = rng.random_range(2..40);
+        acked += run_once(None, kill_at)
+            .unwrap_or_else(|why| panic!("seed {seed} run {run} (killed at ack {kill_at}): {why}"));
     }
-    eprintln!("5 kills: {acked} acknowledged fsyncs, all on the image");
-    assert!(acked > 5, "too few fsyncs were acknowledged to check");
+    eprintln!("{runs} kills: {acked} acknowledged fsyncs, all on the image");
 }
 
 #[test]
-fn a_kill_catches_a_record_acknowledged_before_the_commit_in_flight_is_durable() {
+fn a_kill_catches_an_fsync_acknowledged_when_its_flush_was_submitted() {
     let seed = nvme::wrap::seed_from_env();
     let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(seed);
-    let runs = 20;
+    let runs = 10;
     for run in 0..runs {
-        let after = Duration::from_millis(rng.random_range(20..200));
-        if let Err(why) = run_once(Some("ack-before-commit"), after) {
-            eprintln!("seed {seed} run {run} (killed after {after:?}): {why}");
+        let kill_at = rng.random_range(2..40);
+        if let Err(why) = run_once(Some("ack-at-flush-submit"), kill_at) {
+            eprintln!("seed {seed} run {run} (killed at ack {kill_at}): {why}");
             return;
         }
     }
-    panic!("seed {seed}: {runs} kills with ack-before-commit lost no acknowledged fsync");
+    panic!("seed {seed}: {runs} kills with ack-at-flush-submit lost no acknowledged fsync");
 }

@@ -1,7 +1,8 @@
 //! Mutation checks: each guard of the fsync log removed on purpose (`engine::mutation`, the
 //! `mutations` feature, which the dev-dependency turns on for these tests only) makes the crash
 //! tester report a violation within a bounded run — the length-one exhaustive run for the
-//! first three, a length-two subset of fsync, change, fsync of one file for the fourth — and
+//! record crc, the gap, the commit in flight and the flush's completion, a length-two subset
+//! of fsync, change, fsync of one file for the inode logged once — and
 //! the workload that exposed it passes with the guard in place. A guard whose removal no test
 //! notices is a guard nothing checks. `COREFS_SEED` replays (the seed picks the torn and
 //! damaged sectors).
@@ -32,7 +33,11 @@ fn assert_caught(mutation: Mutation, workloads: &[Vec<Op>], schedules: &[Schedul
             workloads.len()
         );
     };
-    eprintln!("{}: workload {i} {:?}: {why}", mutation.name(), workloads[i]);
+    eprintln!(
+        "{}: workload {i} {:?}: {why}",
+        mutation.name(),
+        workloads[i]
+    );
     if let Err(other) = crashtest::run_schedules(&base, &workloads[i], seed ^ i as u64, schedules) {
         panic!(
             "seed {seed}: workload {i} {:?} fails with every guard in place too: {other}",
@@ -44,12 +49,20 @@ fn assert_caught(mutation: Mutation, workloads: &[Vec<Op>], schedules: &[Schedul
 
 #[test]
 fn replay_accepting_a_record_whose_crc_fails_is_caught() {
-    assert_caught(Mutation::SkipRecordCrc, &workload::exhaustive(1), &Schedule::ALL);
+    assert_caught(
+        Mutation::SkipRecordCrc,
+        &workload::exhaustive(1),
+        &Schedule::ALL,
+    );
 }
 
 #[test]
 fn replay_going_on_past_a_missing_record_is_caught() {
-    assert_caught(Mutation::ReplayPastGap, &workload::exhaustive(1), &Schedule::ALL);
+    assert_caught(
+        Mutation::ReplayPastGap,
+        &workload::exhaustive(1),
+        &Schedule::ALL,
+    );
 }
 
 #[test]
@@ -87,6 +100,15 @@ fn never_logging_an_inode_again_in_its_generation_is_caught() {
         .collect();
     let why = assert_caught(Mutation::NoRelog, &again, &schedules);
     assert!(!why.contains("filling"), "{why}");
+}
+
+#[test]
+fn acknowledging_a_record_when_its_flush_is_submitted_is_caught() {
+    assert_caught(
+        Mutation::AckAtFlushSubmit,
+        &workload::exhaustive(1),
+        &Schedule::ALL,
+    );
 }
 
 #[test]

@@ -33,14 +33,18 @@ pub enum Mutation {
     /// An inode logged once in a generation is never logged again in it: a later fsync of it
     /// finds "nothing new" whatever changed.
     NoRelog,
+    /// A record is reported durable when its flush is submitted, not when it completes (the
+    /// waiter-release guard of the pipeline).
+    AckAtFlushSubmit,
 }
 
 impl Mutation {
-    pub const ALL: [Mutation; 4] = [
+    pub const ALL: [Mutation; 5] = [
         Mutation::SkipRecordCrc,
         Mutation::ReplayPastGap,
         Mutation::AckBeforeCommit,
         Mutation::NoRelog,
+        Mutation::AckAtFlushSubmit,
     ];
 
     /// The name `COREFS_MUTATION` takes.
@@ -50,6 +54,7 @@ impl Mutation {
             Mutation::ReplayPastGap => "replay-past-gap",
             Mutation::AckBeforeCommit => "ack-before-commit",
             Mutation::NoRelog => "no-relog",
+            Mutation::AckAtFlushSubmit => "ack-at-flush-submit",
         }
     }
 

@@ -429,13 +429,20 @@ impl Filesystem {
             if let Err(e) = c.result {
                 return self.fail_background(e);
             }
-            let entry = self
+            let Some(entry) = self
                 .log
                 .pipeline
                 .in_flight
                 .iter_mut()
                 .find(|f| f.ticket == ticket)
-                .expect("a completion belongs to a record in flight");
+            else {
+                // Mutation check: the record went at its flush's submission.
+                assert!(
+                    mutated!(AckAtFlushSubmit) && is_flush,
+                    "a completion belongs to a record in flight"
+                );
+                continue;
+            };
             if is_flush {
                 entry.flushed = true;
             } else {
@@ -468,7 +475,12 @@ impl Filesystem {
                 op: Op::Flush,
             };
             match self.dev.submit_background(request) {
-                Ok(()) => self.log.pipeline.in_flight[i].flush_submitted = true,
+                Ok(()) => {
+                    let entry = &mut self.log.pipeline.in_flight[i];
+                    entry.flush_submitted = true;
+                    // Mutation check: durable before the flush completed.
+                    entry.flushed |= mutated!(AckAtFlushSubmit);
+                }
                 Err(Rejected {
                     reason: DevError::QueueFull,
                     ..

@@ -86,7 +86,10 @@ impl WriteLog {
     pub fn take(&self) -> (Vec<Record>, Vec<Submission>) {
         let mut records = self.records.lock().expect("write log lock");
         let mut submissions = self.submissions.lock().expect("write log lock");
-        (std::mem::take(&mut *records), std::mem::take(&mut *submissions))
+        (
+            std::mem::take(&mut *records),
+            std::mem::take(&mut *submissions),
+        )
     }
     /// Appends a completed op; returns its index.
     fn push(&self, record: Record) -> usize {

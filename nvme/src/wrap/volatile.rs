@@ -169,7 +169,9 @@ impl VolatileCacheDevice {
         while self.deferred.front().is_some_and(|d| d.due <= now) {
             let d = self.deferred.pop_front().expect("front");
             let result = match &d.fua {
-                None => self.write_back().and_then(|()| flush_sync(&mut *self.inner)),
+                None => self
+                    .write_back()
+                    .and_then(|()| flush_sync(&mut *self.inner)),
                 Some((lba, data)) => {
                     let lba_bytes = self.lba_bytes();
                     // A cached copy with these bytes is now on the media; a newer one stays.
