@@ -299,17 +299,14 @@ impl Namespace {
                     }
                 }
             }
-            Op::Unlink(p) => {
-                if matches!(self.kind(p), Some(Kind::File | Kind::Symlink)) {
-                    self.paths.remove(p);
-                }
+            Op::Unlink(p) if matches!(self.kind(p), Some(Kind::File | Kind::Symlink)) => {
+                self.paths.remove(p);
             }
-            Op::Remove(p) => {
+            Op::Remove(p)
                 if matches!(self.kind(p), Some(Kind::File | Kind::Symlink))
-                    || (!p.is_empty() && self.is_empty_dir(p))
-                {
-                    self.paths.remove(p);
-                }
+                    || (!p.is_empty() && self.is_empty_dir(p)) =>
+            {
+                self.paths.remove(p);
             }
             Op::Rename(a, b) => self.rename(a, b),
             _ => {}
