@@ -865,8 +865,8 @@ fn fill_logs(
         {
             // The change must be logged, in one block of a log with room for it.
             return Err(format!(
-                "filling the logs: fsync(/) of a changed xattr wrote {} log blocks and {} \
-                 fallback commits, not one block",
+                "filling the logs: fsync(/) after changing its xattr wrote {} log blocks and {} \
+                 fallback commits, not one block (zero: it returned with nothing durable)",
                 after.log_blocks - before.log_blocks,
                 after.fallback_commits() - before.fallback_commits()
             ));
