@@ -1340,6 +1340,18 @@ fn check_mounted(
     let latest = promised.last().map(|p| &p.tree);
     // The path shows what a persistence operation in flight was making durable.
     let as_in_flight = |path: &str| in_flight.iter().any(|t| t.get(path) == now.get(path));
+    // The path names, as an operation in flight names it, the same file (or a directory, a
+    // symlink): a rename of an ancestor in flight brings a subtree's names, whose content that
+    // operation does not persist (a child's unsynced data stays behind).
+    let named_in_flight = |path: &str| {
+        let same = |t: &Tree| match (now.get(path), t.get(path)) {
+            (Some(Entry::File { ino, .. }), Some(Entry::File { ino: other, .. })) => ino == other,
+            (Some(Entry::Dir { .. }), Some(Entry::Dir { .. }))
+            | (Some(Entry::Symlink { .. }), Some(Entry::Symlink { .. })) => true,
+            _ => false,
+        };
+        in_flight.iter().any(|t| same(t))
+    };
     for point in promised.iter() {
         let at_point = &point.tree;
         // A promise binds while what it promised is still what the live filesystem held at
@@ -1350,7 +1362,11 @@ fn check_mounted(
             // exactly as synced (present or absent).
             Promise::All(tree) => {
                 for path in tree.keys().chain(now.keys()) {
-                    if unchanged(path) && tree.get(path) != now.get(path) && !as_in_flight(path) {
+                    if unchanged(path)
+                        && tree.get(path) != now.get(path)
+                        && !as_in_flight(path)
+                        && !(tree.get(path).is_none() && named_in_flight(path))
+                    {
                         return Err(format!(
                             "{context}: after sync /{path} should be {}, found {}",
                             summarize(tree.get(path)),
