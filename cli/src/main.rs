@@ -82,9 +82,13 @@ enum Command {
         #[arg(long)]
         threads: Option<usize>,
         /// Run the workloads through this many reactors (client API, coordinated commits)
-        /// instead of on the engine directly.
+        /// only, instead of under every schedule.
         #[arg(long)]
         reactors: Option<usize>,
+        /// The schedules to run each workload under (default: all of them): plain,
+        /// pipelined, commit-in-flight, fallback, writeback, reactors (two reactors).
+        #[arg(long, value_delimiter = ',')]
+        schedules: Option<Vec<String>>,
     },
     /// Serve a filesystem at a mountpoint through FUSE until it is unmounted (umount or
     /// fusermount3 -u); the unmount commits. The device is held exclusively meanwhile: a
@@ -469,8 +473,23 @@ fn main() -> ExitCode {
             seed,
             threads,
             reactors,
+            schedules,
         } => {
             let seed = seed.unwrap_or_else(clock_seed);
+            let schedules: Vec<crashtest::Schedule> = match schedules {
+                None => crashtest::Schedule::ALL.to_vec(),
+                Some(names) => match names
+                    .iter()
+                    .map(|n| crashtest::Schedule::from_name(n).ok_or(n))
+                    .collect()
+                {
+                    Ok(s) => s,
+                    Err(n) => return fail(format!("--schedules: no schedule {n}")),
+                },
+            };
+            if let Err(why) = announce_mutation() {
+                return fail(why);
+            }
             let workloads = match (length, sample) {
                 (Some(length), _) if (1..=2).contains(&length) => {
                     crashtest::workload::exhaustive(length)
@@ -484,22 +503,35 @@ fn main() -> ExitCode {
                     .unwrap_or(1)
             });
             eprintln!(
-                "crashtest: {} workloads on {threads} threads, seed {seed}",
-                workloads.len()
+                "crashtest: {} workloads on {threads} threads, seed {seed}, schedules {}",
+                workloads.len(),
+                match reactors {
+                    Some(n) => format!("{n} reactors"),
+                    None => schedules
+                        .iter()
+                        .map(|s| s.name())
+                        .collect::<Vec<_>>()
+                        .join(","),
+                }
             );
             let start = std::time::Instant::now();
-            crashtest(workloads, seed, threads, reactors).map(|(count, outcome)| {
+            crashtest(workloads, seed, threads, reactors, &schedules).map(|(count, outcome)| {
                 let states = outcome.crash_states;
                 println!(
-                    "crashtest: {count} workloads, {states} crash states checked, 0 violations, {:.1} s (seed {seed})",
+                    "crashtest: {count} workloads, {} runs, {states} crash states checked ({} with writes in flight), 0 violations, {:.1} s (seed {seed})",
+                    outcome.runs,
+                    outcome.in_flight_states,
                     start.elapsed().as_secs_f64()
                 );
                 println!(
-                    "crashtest: {} persistence points: {} fsync log records, {} fsyncs with nothing new to log, {} fell back to a commit",
+                    "crashtest: {} persistence points: {} fsync log records ({} pipelined behind another, {} during a commit), {} fsyncs with nothing new to log, {} fell back to a commit, {} KiB written back in the background",
                     outcome.persistence_points,
                     outcome.log_writes,
+                    outcome.pipelined_records,
+                    outcome.records_during_commit,
                     outcome.already_logged,
-                    outcome.fallback_commits
+                    outcome.fallback_commits,
+                    outcome.writeback_bytes >> 10
                 );
             })
         }
@@ -1026,6 +1058,30 @@ fn write_json(path: Option<PathBuf>, report: &impl serde::Serialize) -> Result<(
     }
 }
 
+/// Says which deliberate breakage `COREFS_MUTATION` turned on (a mutation check: the run must
+/// then fail), or why it cannot: a normal build carries none of them.
+fn announce_mutation() -> Result<(), String> {
+    let Ok(name) = std::env::var("COREFS_MUTATION") else {
+        return Ok(());
+    };
+    #[cfg(feature = "mutations")]
+    {
+        match engine::mutation::from_env() {
+            Some(m) => eprintln!(
+                "crashtest: mutation {} is on: this run must report a violation",
+                m.name()
+            ),
+            None => eprintln!("crashtest: COREFS_MUTATION={name}: no mutation"),
+        }
+        Ok(())
+    }
+    #[cfg(not(feature = "mutations"))]
+    Err(format!(
+        "COREFS_MUTATION={name}: this corefs was built without the mutation checks \
+         (cargo build --release -p corefs-cli --features mutations)"
+    ))
+}
+
 /// Runs crash-consistency workloads on `threads` threads; returns the workload count and the
 /// summed outcome.
 fn crashtest(
@@ -1033,6 +1089,7 @@ fn crashtest(
     seed: u64,
     threads: usize,
     reactors: Option<usize>,
+    schedules: &[crashtest::Schedule],
 ) -> Result<(u64, crashtest::Outcome), String> {
     let base = crashtest::base_image();
     let total = workloads.len();
@@ -1047,7 +1104,9 @@ fn crashtest(
                     return;
                 }
                 let outcome = match reactors {
-                    None => crashtest::run(&base, &workloads[i], seed ^ i as u64),
+                    None => {
+                        crashtest::run_schedules(&base, &workloads[i], seed ^ i as u64, schedules)
+                    }
                     Some(n) => crashtest::reactors::run_on_reactors(
                         &base,
                         &workloads[i],

@@ -1,37 +1,44 @@
 //! Crash-consistency testing in the style of CrashMonkey/ACE and xfstests' dm-log-writes.
 //!
-//! A workload ([`workload`]) runs on a recording device. At every persistence point (each
-//! fsync, fdatasync or sync returning) and at every flush, the crash state is rebuilt from the
-//! write log — what the flushes made durable, and, in a reordering mode, random subsets of the
-//! last epoch's writes with torn sectors — mounted (which replays whatever mount replays), and
-//! checked against an oracle:
+//! A workload ([`workload`]) runs on a recording device, on an aged image (stale records of
+//! earlier generations in both halves of every log area) after a prelude that logs `foo` in
+//! the running generation, under each [`Schedule`]: the engine's synchronous calls; fsyncs
+//! pipelined as a reactor runs them (several records in flight); a commit in flight while
+//! the workload's fsyncs log; full logs (every fsync falls back to a commit); background
+//! write-back; two reactors. The crash state is rebuilt from the write log at every
+//! persistence point, at every flush and every FUA write both before it completes and after,
+//! and at the end, in every crash mode of [`nvme::wrap::crash`] (only durable writes; all
+//! landed; a random subset; torn at sector granularity, FUA writes in flight included; one
+//! sector damaged), mounted (which replays the logs), and checked against an oracle:
 //! - every path persisted before the crash, and not changed since, has exactly its persisted
 //!   state: data, size, mode, link count, names, symlink target, xattrs (fdatasync: data and
-//!   size); a directory fsynced has its entries; after a sync the whole tree is identical;
+//!   size); a directory fsynced has its entries; after a sync (and from the synced image the
+//!   run starts from) the whole tree is identical — or, for a crash inside persistence
+//!   operations under way, what one of them was persisting;
 //! - the tree checker passes;
 //! - the filesystem is usable: a file can be created in every directory, then everything
 //!   deleted, directories included, and the checker passes again.
 //!
 //! The oracle's expected states are snapshots of the live filesystem taken when each
-//! persistence operation returned, so the crash test checks durability; the POSIX model tests
-//! check semantics.
+//! persistence operation started (what it persists) and acknowledged, so the crash test
+//! checks durability; the POSIX model tests check semantics.
+//!
+//! Mutation checks (`tests/mutations.rs`, and `corefs crashtest` built with
+//! `--features mutations` and run with `COREFS_MUTATION=NAME`): each guard of the fsync log
+//! removed in [`engine::mutation`] fails a run.
 
 pub mod reactors;
 pub mod workload;
 
+use engine::log::FsyncStart;
 use engine::{
     EngineError, FallocateMode, Filesystem, MkfsOptions, MountOptions, RenameFlags, XattrFlags,
 };
 use nvme::backend::mem::{MemConfig, MemDevice};
-use nvme::wrap::{crash_image_into, CrashMode, Record, RecordingDevice};
+use nvme::wrap::{crash_state_onto, cut_has_choices, CrashMode, Record, RecordingDevice};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use workload::{Falloc, Op};
-
-thread_local! {
-    static DEVICE: RefCell<Option<Box<dyn nvme::BlockDevice>>> = const { RefCell::new(None) };
-    static IMAGE: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
-}
 
 /// What a workload runs on and the oracle reads: the engine itself, or clients of running
 /// reactors ([`reactors`]). The methods are the engine's.
@@ -217,29 +224,127 @@ pub(crate) enum Promise {
     Whole(String, Option<Entry>),
     /// fdatasync: data and size only.
     Data(String, Option<Vec<u8>>),
-    /// sync: the whole tree.
+    /// sync (and the synced image every run starts from): the whole tree.
     All(Tree),
 }
+
+/// One persistence point: when it was acknowledged (the write-log length then), when its
+/// operation started (from there on what it persists may be on the way), what it promised, and
+/// the live tree it persists.
+#[derive(Debug, Clone)]
+pub(crate) struct Point {
+    pub at: usize,
+    pub started_at: usize,
+    pub promise: Promise,
+    pub tree: Tree,
+}
+
+/// How a workload is driven. Each exposes crash states the others cannot: together they put
+/// records in flight at every cut, several at once, during a commit and beside background
+/// write-back, and they run the commit fallback and the reactors' code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Schedule {
+    /// The engine's synchronous calls: each fsync returns once its record is durable.
+    Plain,
+    /// Every fsync is started and not waited for ([`Filesystem::fsync_group_start`], as a
+    /// reactor does): the prelude's second record is still in flight when the workload
+    /// starts, so several records are in flight at once and acknowledged in order as the
+    /// engine reports them durable.
+    Pipelined,
+    /// A commit of the prelude is in flight (started, not finished) while the workload runs:
+    /// its fsyncs log for the next generation and are acknowledged when the engine says so.
+    CommitInFlight,
+    /// Every log half is full before the workload: each fsync that has something to log falls
+    /// back to a commit.
+    Fallback,
+    /// Background write-back from the first staged byte: a write's data goes to its place in
+    /// the background, and records wait for it.
+    Writeback,
+    /// Two reactors, through the client API ([`reactors`]).
+    Reactors,
+}
+
+impl Schedule {
+    pub const ALL: [Schedule; 6] = [
+        Schedule::Plain,
+        Schedule::Pipelined,
+        Schedule::CommitInFlight,
+        Schedule::Fallback,
+        Schedule::Writeback,
+        Schedule::Reactors,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Schedule::Plain => "plain",
+            Schedule::Pipelined => "pipelined",
+            Schedule::CommitInFlight => "commit-in-flight",
+            Schedule::Fallback => "fallback",
+            Schedule::Writeback => "writeback",
+            Schedule::Reactors => "reactors",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Schedule> {
+        Schedule::ALL.into_iter().find(|s| s.name() == name)
+    }
+}
+
+/// What every run does after mounting, before the workload, in the same generation: a 4 KiB
+/// append to `foo`, fsynced. So `foo` is already logged in this generation (a later change
+/// to it must be logged again), and the workload's records follow one in the log.
+pub const PRELUDE: [Op; 2] = [
+    Op::Write {
+        path: "foo",
+        offset: 0,
+        len: 4096,
+        append: true,
+    },
+    Op::Fsync("foo"),
+];
 
 /// The outcome of one workload.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Outcome {
+    /// Runs (one per schedule).
+    pub runs: u64,
     pub crash_states: u64,
+    /// Crash states with a write in flight (submitted, not completed) at the cut.
+    pub in_flight_states: u64,
     pub persistence_points: u64,
     /// How the workload's persistence points were served: log records written, fsyncs that
     /// found nothing new, fsyncs that fell back to a commit.
     pub log_writes: u64,
     pub already_logged: u64,
     pub fallback_commits: u64,
+    /// Records acknowledged with another record in flight, and records logged while a commit
+    /// was in flight.
+    pub pipelined_records: u64,
+    pub records_during_commit: u64,
+    /// Staged data written back in the background.
+    pub writeback_bytes: u64,
 }
 
 impl Outcome {
     pub fn add(&mut self, other: &Outcome) {
+        self.runs += other.runs;
         self.crash_states += other.crash_states;
+        self.in_flight_states += other.in_flight_states;
         self.persistence_points += other.persistence_points;
         self.log_writes += other.log_writes;
         self.already_logged += other.already_logged;
         self.fallback_commits += other.fallback_commits;
+        self.pipelined_records += other.pipelined_records;
+        self.records_during_commit += other.records_during_commit;
+        self.writeback_bytes += other.writeback_bytes;
+    }
+
+    pub(crate) fn with_log(mut self, stats: &engine::log::LogStats) -> Outcome {
+        self.log_writes += stats.log_writes;
+        self.already_logged += stats.already_logged;
+        self.fallback_commits += stats.fallback_commits();
+        self.writeback_bytes += stats.writeback_bytes;
+        self
     }
 }
 
@@ -262,7 +367,11 @@ fn mem_image(dev: Box<dyn nvme::BlockDevice>) -> Vec<u8> {
     image
 }
 
-/// The image every workload starts from (built once).
+/// The image every workload starts from (built once): ACE's setup (directories `A`, `B`,
+/// `A/C`; files `foo` and `A/foo` with 16 KiB each), on an *aged* filesystem: before the
+/// setup's last commit, three generations logged fsync records — creates, appends, xattrs,
+/// renames and unlinks much like the workloads' — so both halves of every shard's log area hold
+/// stale records, and a record torn by a crash lies over old record bytes, not zeroes.
 pub fn base_image() -> Vec<u8> {
     let dev = MemDevice::new(config()).expect("memory device");
     let dev = Filesystem::mkfs(
@@ -288,7 +397,40 @@ pub fn base_image() -> Vec<u8> {
             .ino;
         fs.write(ino, 0, &pattern(f, 16384)).expect("write");
     }
+    fs.sync().expect("sync");
+    age(&mut fs).expect("aging the image");
+    // Every aging file's first fsync logs it (whatever else the log skips): at least 12
+    // records over three generations.
+    assert!(
+        fs.log_stats().log_writes >= 12,
+        "aging wrote too few records"
+    );
     mem_image(fs.unmount().expect("unmount"))
+}
+
+/// Fills both halves of the log areas with records of earlier generations, leaving the tree
+/// as the setup made it.
+fn age(fs: &mut Filesystem) -> Result<(), EngineError> {
+    let root = fs.root();
+    for generation in 0..3u8 {
+        for (i, dir) in ["", "A", "B", "A/C"].into_iter().enumerate() {
+            let d = fs.resolve(dir)?;
+            let name = format!("aging{i}");
+            let ino = fs.create(d, name.as_bytes(), 0o644, 0, 0)?.ino;
+            fs.fsync(ino)?;
+            fs.write(ino, 0, &pattern(&name, 4096 * (1 + i % 2)))?;
+            fs.fsync(ino)?;
+            fs.setxattr(ino, b"user.ace", &[generation; 40], XattrFlags::Any)?;
+            fs.fdatasync(ino)?;
+            fs.fsync(ino)?;
+            fs.rename(d, name.as_bytes(), root, b"aged", RenameFlags::default())?;
+            fs.fsync(root)?;
+            fs.unlink(root, b"aged")?;
+            fs.fsync(root)?;
+        }
+        fs.sync()?;
+    }
+    Ok(())
 }
 
 fn split(path: &str) -> (&str, &str) {
@@ -483,35 +625,280 @@ fn data_of(entry: Option<&Entry>) -> Option<Vec<u8>> {
     }
 }
 
-/// Runs one workload and checks every crash state. `Err` describes the first violation.
+/// Runs one workload under every [`Schedule`] and checks every crash state. `Err` describes
+/// the first violation, with the schedule.
 pub fn run(base: &[u8], ops: &[Op], seed: u64) -> Result<Outcome, String> {
-    let dev = MemDevice::from_image(base, config()).map_err(|e| e.to_string())?;
-    let recording = RecordingDevice::new(dev);
-    let log = recording.log();
-    let mut fs = Filesystem::mount(Box::new(recording), MountOptions::default())
-        .map_err(|e| e.to_string())?;
-    let points = run_ops(&mut fs, ops, &log)?;
-    let stats = fs.log_stats();
-    drop(fs);
-    let records = log.snapshot();
-    let outcome = Outcome {
-        persistence_points: points.len() as u64,
-        log_writes: stats.log_writes,
-        already_logged: stats.already_logged,
-        fallback_commits: stats.fallback_commits(),
-        ..Default::default()
-    };
-    check_points(base, &records, &points, seed, outcome)
+    run_schedules(base, ops, seed, &Schedule::ALL)
 }
 
-/// Applies `ops`, recording a persistence point (write-log length, promise, live tree) as
-/// each persistence operation returns.
+/// [`run`] under the given schedules.
+pub fn run_schedules(
+    base: &[u8],
+    ops: &[Op],
+    seed: u64,
+    schedules: &[Schedule],
+) -> Result<Outcome, String> {
+    let mut total = Outcome::default();
+    for &schedule in schedules {
+        let outcome = run_schedule(base, ops, seed, schedule)
+            .map_err(|why| format!("[{}] {why}", schedule.name()))?;
+        total.add(&outcome);
+    }
+    Ok(total)
+}
+
+/// Runs one workload under one schedule and checks every crash state.
+pub fn run_schedule(
+    base: &[u8],
+    ops: &[Op],
+    seed: u64,
+    schedule: Schedule,
+) -> Result<Outcome, String> {
+    if schedule == Schedule::Reactors {
+        return reactors::run_on_reactors(base, ops, seed, 2);
+    }
+    let (dev, log) = RunDevice::take(base)?;
+    let options = MountOptions {
+        writeback_start_bytes: if schedule == Schedule::Writeback {
+            0
+        } else {
+            MountOptions::default().writeback_start_bytes
+        },
+        ..MountOptions::default()
+    };
+    let mut fs = Filesystem::mount(dev, options).map_err(|e| e.to_string())?;
+    let mut points = vec![base_point(&mut fs)?];
+    let mut outcome = Outcome {
+        runs: 1,
+        ..Default::default()
+    };
+    let mut skip: Vec<std::ops::Range<usize>> = Vec::new();
+    let from = match schedule {
+        Schedule::Pipelined | Schedule::CommitInFlight => {
+            let mut driver = Pipeline::default();
+            driver.run(&mut fs, &PRELUDE, &log, &mut points)?;
+            if schedule == Schedule::CommitInFlight {
+                // The prelude's record durable, its change (logged, not committed) is committed
+                // in the background while the workload runs.
+                driver.finish(&mut fs, &log, &mut points)?;
+                fs.commit_start()
+                    .map_err(|e| format!("commit start: {e}"))?;
+            }
+            // Pipelined: the prelude's record (the first after mount: written, then flushed)
+            // is still in flight as the workload's records follow it.
+            let from = log.len();
+            driver.run(&mut fs, ops, &log, &mut points)?;
+            driver.finish(&mut fs, &log, &mut points)?;
+            outcome.pipelined_records = driver.pipelined;
+            outcome.records_during_commit = driver.during_commit;
+            from
+        }
+        _ => {
+            points.extend(run_ops(&mut fs, &PRELUDE, &log)?);
+            let fallback = schedule == Schedule::Fallback;
+            // Cuts inside a filling are not checked (its fsyncs are not points; the last one's
+            // state is promised at its end).
+            let mut fillings: Vec<std::ops::Range<usize>> = Vec::new();
+            let mut fill = |fs: &mut Filesystem, points: &mut Vec<Point>| -> Result<(), String> {
+                let start = log.len();
+                // Each filling fsync is a point (a cut just before the filling may show its
+                // first record landed).
+                fill_logs(
+                    fs,
+                    &mut |fs, started_at| {
+                        let at = log.len();
+                        points.push(persistence_point(fs, &Op::Fsync(""), started_at, at)?);
+                        Ok(())
+                    },
+                    &log,
+                )?;
+                fillings.push(start + 1..log.len());
+                Ok(())
+            };
+            if fallback {
+                fill(&mut fs, &mut points)?;
+            }
+            let from = log.len();
+            for op in ops {
+                let logged = fs.log_stats().log_writes;
+                points.extend(run_ops(&mut fs, std::slice::from_ref(op), &log)?);
+                if fallback && fs.log_stats().log_writes != logged {
+                    return Err(format!("{op:?} logged into a full log"));
+                }
+                // A commit (a sync, a fallback) empties the logs: full again for what follows.
+                if fallback && fs.log_room_blocks() > 0 {
+                    fill(&mut fs, &mut points)?;
+                }
+            }
+            skip.extend(fillings);
+            from
+        }
+    };
+    let stats = fs.log_stats();
+    let (records, submissions) = log.take();
+    RunDevice::give_back(base, fs.into_device(), log, &submissions);
+    let outcome = outcome.with_log(&stats);
+    skip.push(0..from);
+    check_points(base, &records, &submissions, &points, &skip, seed, outcome)
+}
+
+/// The recording memory device runs use, kept per thread between runs and put back to the
+/// base image by undoing what each run wrote: a fresh 4 MiB mapping per run spent more time in
+/// page faults than the run itself.
+struct RunDevice {
+    base_crc: u32,
+    device: Box<dyn nvme::BlockDevice>,
+    log: std::sync::Arc<nvme::wrap::WriteLog>,
+}
+
+thread_local! {
+    static RUN_DEVICE: RefCell<Option<RunDevice>> = const { RefCell::new(None) };
+}
+
+impl RunDevice {
+    /// A recording device holding `base`, with an empty write log.
+    fn take(
+        base: &[u8],
+    ) -> Result<
+        (
+            Box<dyn nvme::BlockDevice>,
+            std::sync::Arc<nvme::wrap::WriteLog>,
+        ),
+        String,
+    > {
+        let base_crc = crc32c::crc32c(base);
+        if let Some(kept) = RUN_DEVICE.take() {
+            if kept.base_crc == base_crc && kept.log.is_empty() {
+                return Ok((kept.device, kept.log));
+            }
+        }
+        let recording =
+            RecordingDevice::new(MemDevice::from_image(base, config()).map_err(|e| e.to_string())?);
+        let log = recording.log();
+        Ok((Box::new(recording), log))
+    }
+
+    /// Keeps `device` for the next run, with every LBA `written` put back as in `base`.
+    fn give_back(
+        base: &[u8],
+        mut device: Box<dyn nvme::BlockDevice>,
+        log: std::sync::Arc<nvme::wrap::WriteLog>,
+        written: &[nvme::wrap::Submission],
+    ) {
+        if device.in_flight() > 0 {
+            return;
+        }
+        let sim = device.sim_access().expect("a memory device");
+        for r in written.iter().filter_map(|s| lbas_of(&s.record)) {
+            let (from, to) = (r.start as usize * 512, r.end as usize * 512);
+            sim.sim_write(r.start, &base[from..to]);
+        }
+        let (records, submissions) = log.take();
+        if records.is_empty() && submissions.is_empty() {
+            RUN_DEVICE.set(Some(RunDevice {
+                base_crc: crc32c::crc32c(base),
+                device,
+                log,
+            }));
+        }
+    }
+}
+
+/// The 512-byte LBAs a write covers.
+fn lbas_of(record: &Record) -> Option<std::ops::Range<u64>> {
+    match record {
+        Record::Write { lba, data, .. } => Some(*lba..*lba + (data.len() / 512) as u64),
+        Record::WriteZeroes { lba, lbas } | Record::Deallocate { lba, lbas } => {
+            Some(*lba..*lba + *lbas as u64)
+        }
+        Record::Flush { .. } => None,
+    }
+}
+
+/// The paths that exist after `ops` run on `base` (errors ignored, as in a workload): what
+/// the workload generator's model of names is checked against.
+pub fn live_paths_after(base: &[u8], ops: &[Op]) -> Result<Vec<String>, String> {
+    let dev = MemDevice::from_image(base, config()).map_err(|e| e.to_string())?;
+    let mut fs =
+        Filesystem::mount(Box::new(dev), MountOptions::default()).map_err(|e| e.to_string())?;
+    for op in ops {
+        let _ = apply(&mut fs, op);
+    }
+    let tree = snapshot(&mut fs).map_err(|e| e.to_string())?;
+    Ok(tree.into_keys().collect())
+}
+
+/// The synced image a run starts from: a promise of the whole tree at cut 0.
+fn base_point(fs: &mut Filesystem) -> Result<Point, String> {
+    let tree = snapshot(fs).map_err(|e| format!("snapshot of the base: {e}"))?;
+    Ok(Point {
+        at: 0,
+        started_at: 0,
+        promise: Promise::All(tree.clone()),
+        tree,
+    })
+}
+
+/// Logs one-block records (an xattr of the root changed, fsynced: the root is never renamed,
+/// and after a commit nothing is coupled to it) until every log half is full, so the
+/// workload's fsyncs fall back to commits. `fsynced(fs, started_at)` is called after each
+/// fsync, with the write-log length before it.
+fn fill_logs(
+    fs: &mut Filesystem,
+    fsynced: &mut dyn FnMut(&mut Filesystem, usize) -> Result<(), String>,
+    log: &nvme::wrap::WriteLog,
+) -> Result<(), String> {
+    let ino = fs.root();
+    // Each record takes one block of the emptiest log; a bound well past every log's size.
+    for value in 0..4096u32 {
+        if fs.log_room_blocks() == 0 {
+            return Ok(());
+        }
+        let before = fs.log_stats();
+        let started_at = log.len();
+        fs.setxattr(ino, b"user.fill", &value.to_le_bytes(), XattrFlags::Any)
+            .and_then(|()| fs.fsync(ino))
+            .map_err(|e| format!("filling the logs: {e}"))?;
+        let after = fs.log_stats();
+        if after.fallback_commits() != before.fallback_commits()
+            || after.log_blocks != before.log_blocks + 1
+        {
+            // The change must be logged, in one block of a log with room for it.
+            return Err(format!(
+                "filling the logs: fsync(/) after changing its xattr wrote {} log blocks and {} \
+                 fallback commits, not one block (zero: it returned with nothing durable)",
+                after.log_blocks - before.log_blocks,
+                after.fallback_commits() - before.fallback_commits()
+            ));
+        }
+        fsynced(fs, started_at)?;
+    }
+    Err("filling the logs: they never filled".into())
+}
+
+/// Applies `ops` through the engine's synchronous calls (or a reactor client), recording a
+/// persistence point as each persistence operation returns.
 pub(crate) fn run_ops<F: Live>(
     fs: &mut F,
     ops: &[Op],
     log: &nvme::wrap::WriteLog,
 ) -> Result<Vec<Point>, String> {
     run_ops_committing(fs, ops, log, |_, _| false)
+}
+
+/// Fails on an error no workload may meet; persistence operations must succeed (every one
+/// names an existing path: [`workload`] makes sure of it).
+fn check_result(op: &Op, result: &Result<(), EngineError>) -> Result<(), String> {
+    match result {
+        Err(
+            e @ (EngineError::Device(_)
+            | EngineError::Corrupt { .. }
+            | EngineError::ReadOnly(_)
+            | EngineError::NoSpace),
+        ) => Err(format!("{op:?} failed: {e}")),
+        Err(e) if op.is_persistence() => Err(format!("{op:?} failed: {e}")),
+        _ => Ok(()),
+    }
 }
 
 /// As [`run_ops`], where `commits(fs, op)` says that `op`, which just succeeded, committed the
@@ -525,136 +912,461 @@ pub(crate) fn run_ops_committing<F: Live>(
 ) -> Result<Vec<Point>, String> {
     let mut points: Vec<Point> = Vec::new();
     for op in ops {
+        let started_at = log.len();
         let result = apply(fs, op);
         if result.is_ok() && commits(fs, op) {
-            points.push(persistence_point(fs, &Op::Sync, log.len())?);
+            points.push(persistence_point(fs, &Op::Sync, started_at, log.len())?);
             continue;
         }
-        if let Err(
-            e @ (EngineError::Device(_)
-            | EngineError::Corrupt { .. }
-            | EngineError::ReadOnly(_)
-            | EngineError::NoSpace),
-        ) = &result
-        {
-            return Err(format!("{op:?} failed: {e}"));
-        }
+        check_result(op, &result)?;
         if op.is_persistence() {
-            if let Err(e) = &result {
-                if !matches!(e, EngineError::NotFound) {
-                    return Err(format!("{op:?} failed: {e}"));
-                }
-                continue;
-            }
-            points.push(persistence_point(fs, op, log.len())?);
+            points.push(persistence_point(fs, op, started_at, log.len())?);
         }
     }
     Ok(points)
 }
 
-/// One persistence point: the write-log length when it returned, what it promised, and the
-/// live tree at that moment.
-pub(crate) type Point = (usize, Promise, Tree);
-
-/// The live state and promise of persistence operation `op`, which just returned.
-pub(crate) fn persistence_point<F: Live>(fs: &mut F, op: &Op, at: usize) -> Result<Point, String> {
-    let live = snapshot(fs).map_err(|e| format!("snapshot after {op:?}: {e}"))?;
+/// The live state and promise of persistence operation `op`, which started at `started_at`
+/// and is acknowledged at `at`; the live tree is what it persists.
+pub(crate) fn persistence_point<F: Live>(
+    fs: &mut F,
+    op: &Op,
+    started_at: usize,
+    at: usize,
+) -> Result<Point, String> {
+    let tree = snapshot(fs).map_err(|e| format!("snapshot after {op:?}: {e}"))?;
     let promise = match op {
-        Op::Sync => Promise::All(live.clone()),
-        Op::Fsync(p) => Promise::Whole(p.to_string(), live.get(*p).cloned()),
-        Op::Fdatasync(p) => Promise::Data(p.to_string(), data_of(live.get(*p))),
+        Op::Sync => Promise::All(tree.clone()),
+        Op::Fsync(p) => Promise::Whole(p.to_string(), tree.get(*p).cloned()),
+        Op::Fdatasync(p) => Promise::Data(p.to_string(), data_of(tree.get(*p))),
         _ => unreachable!("persistence op"),
     };
-    Ok((at, promise, live))
+    Ok(Point {
+        at,
+        started_at,
+        promise,
+        tree,
+    })
 }
 
-/// Checks every crash state the write log allows against the persistence points.
+/// When a started fsync counts as durable.
+enum Ack {
+    /// At once (nothing new, nothing in flight).
+    Now,
+    /// When the engine reports this ticket durable.
+    Ticket(u64),
+    /// When this generation is SuperCommitted.
+    Generation(u64),
+}
+
+/// Drives the engine as a reactor does: fsyncs started without waiting
+/// ([`Filesystem::fsync_group_start`]), acknowledged in start order as
+/// [`Filesystem::log_progress`] reports them durable. Nothing is polled until
+/// [`Pipeline::finish`] (or a sync), so every record started stays in flight until then: a
+/// record written and not yet flushed beside a later FUA one, a commit's blocks and
+/// superblock beside a record logged for the next generation.
+#[derive(Default)]
+struct Pipeline {
+    waiting: std::collections::VecDeque<(Ack, Point)>,
+    /// Records started while an earlier one was waiting, and records started while a commit
+    /// was in flight.
+    pipelined: u64,
+    during_commit: u64,
+}
+
+impl Pipeline {
+    fn run(
+        &mut self,
+        fs: &mut Filesystem,
+        ops: &[Op],
+        log: &nvme::wrap::WriteLog,
+        points: &mut Vec<Point>,
+    ) -> Result<(), String> {
+        for op in ops {
+            match op {
+                Op::Fsync(_) | Op::Fdatasync(_) => self.start(fs, op, log)?,
+                _ => self.apply(fs, op, log, points)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// A core operation or a sync (which commits: everything started before it is durable
+    /// when it returns).
+    fn apply(
+        &mut self,
+        fs: &mut Filesystem,
+        op: &Op,
+        log: &nvme::wrap::WriteLog,
+        points: &mut Vec<Point>,
+    ) -> Result<(), String> {
+        let started_at = log.len();
+        let result = apply(fs, op);
+        check_result(op, &result)?;
+        if *op == Op::Sync {
+            self.progress(fs, false, log, points)?;
+            if !self.waiting.is_empty() {
+                return Err("a sync returned before the fsyncs started ahead of it".into());
+            }
+            points.push(persistence_point(fs, op, started_at, log.len())?);
+        }
+        Ok(())
+    }
+
+    /// Starts an fsync or fdatasync; its point is taken now (what it persists) and
+    /// acknowledged later.
+    fn start(
+        &mut self,
+        fs: &mut Filesystem,
+        op: &Op,
+        log: &nvme::wrap::WriteLog,
+    ) -> Result<(), String> {
+        let (path, datasync) = match op {
+            Op::Fsync(p) => (*p, false),
+            Op::Fdatasync(p) => (*p, true),
+            _ => unreachable!("an fsync"),
+        };
+        let started_at = log.len();
+        let ino = fs
+            .resolve(path)
+            .map_err(|e| format!("{op:?} failed: {e}"))?;
+        let point = persistence_point(fs, op, started_at, 0)?;
+        fs.check_exists(ino)
+            .map_err(|e| format!("{op:?} failed: {e}"))?;
+        let writes = fs.log_stats().log_writes;
+        let start = fs
+            .fsync_group_start(&[(ino, datasync)])
+            .map_err(|e| format!("{op:?} failed: {e}"))?;
+        let logged = fs.log_stats().log_writes > writes;
+        if logged && !self.waiting.is_empty() {
+            self.pipelined += 1;
+        }
+        let ack = match start {
+            FsyncStart::Durable => Ack::Now,
+            FsyncStart::Pending(ticket) => Ack::Ticket(ticket),
+            FsyncStart::AfterCommit { ticket, generation } => {
+                self.during_commit += logged as u64;
+                match ticket {
+                    Some(ticket) => Ack::Ticket(ticket),
+                    None => Ack::Generation(generation),
+                }
+            }
+            FsyncStart::NeedsCommit => return Err("a whole mount was asked for a commit".into()),
+        };
+        self.waiting.push_back((ack, point));
+        Ok(())
+    }
+
+    /// Polls the engine and acknowledges what it reports durable, in start order: after the
+    /// log's progress, and again after the commit's (which polls the log too), before
+    /// anything else is polled, so an acknowledgement is noted as early as a reactor would
+    /// release its waiter.
+    fn progress(
+        &mut self,
+        fs: &mut Filesystem,
+        wait: bool,
+        log: &nvme::wrap::WriteLog,
+        points: &mut Vec<Point>,
+    ) -> Result<(), String> {
+        let wait = wait.then_some(std::time::Duration::from_millis(1));
+        let durable_below = fs
+            .log_progress(wait)
+            .map_err(|e| format!("log progress: {e}"))?;
+        self.release(fs, durable_below, log, points);
+        fs.commit_progress(None)
+            .map_err(|e| format!("commit progress: {e}"))?;
+        self.release(fs, fs.log_durable_below(), log, points);
+        Ok(())
+    }
+
+    fn release(
+        &mut self,
+        fs: &Filesystem,
+        durable_below: u64,
+        log: &nvme::wrap::WriteLog,
+        points: &mut Vec<Point>,
+    ) {
+        while let Some((ack, _)) = self.waiting.front() {
+            let done = match *ack {
+                Ack::Now => true,
+                Ack::Ticket(ticket) => ticket < durable_below,
+                Ack::Generation(generation) => fs.durable_generation() >= generation,
+            };
+            if !done {
+                break;
+            }
+            let (_, mut point) = self.waiting.pop_front().expect("front");
+            point.at = log.len();
+            points.push(point);
+        }
+    }
+
+    /// Carries everything started to durable.
+    fn finish(
+        &mut self,
+        fs: &mut Filesystem,
+        log: &nvme::wrap::WriteLog,
+        points: &mut Vec<Point>,
+    ) -> Result<(), String> {
+        for _ in 0..100_000 {
+            if self.waiting.is_empty() && fs.commit_in_flight().is_none() {
+                return Ok(());
+            }
+            self.progress(fs, true, log, points)?;
+        }
+        Err("records in flight never became durable".into())
+    }
+}
+
+/// Checks every crash state the write log allows against the persistence points, at cuts
+/// outside `skip` (the prelude, the same for every workload; the fallback schedule's fillings).
 pub(crate) fn check_points(
     base: &[u8],
     records: &[Record],
+    submissions: &[nvme::wrap::Submission],
     points: &[Point],
+    skip: &[std::ops::Range<usize>],
     seed: u64,
     mut outcome: Outcome,
 ) -> Result<Outcome, String> {
-    // Crash points: every persistence point, and every flush both before it completes (the
-    // epoch's writes in flight: in the torn mode a random subset lands, sectors torn) and after.
-    let mut cuts: Vec<usize> = points.iter().map(|(cut, _, _)| *cut).collect();
+    let mut points: Vec<&Point> = points.iter().collect();
+    points.sort_by_key(|p| p.at);
+    // Crash points: every persistence point; every flush, both before it completes (the
+    // epoch's writes uncovered, later ones in flight) and after; every FUA write before it
+    // completes (in flight: torn, or its batch's other writes missing) and after.
+    let mut cuts: Vec<usize> = points.iter().map(|p| p.at).collect();
+    cuts.push(records.len());
     for (i, record) in records.iter().enumerate() {
-        if matches!(record, Record::Flush { .. }) {
+        if matches!(
+            record,
+            Record::Flush { .. } | Record::Write { fua: true, .. }
+        ) {
             cuts.push(i);
             cuts.push(i + 1);
         }
     }
+    cuts.retain(|cut| !skip.iter().any(|r| r.contains(cut)));
     cuts.sort_unstable();
     cuts.dedup();
-    for cut in cuts {
-        let promised: Vec<&(usize, Promise, Tree)> =
-            points.iter().filter(|(at, _, _)| *at <= cut).collect();
-        // A cut before a flush completes falls inside the persistence operation that returns
-        // next: what it was writing may have landed, so each path may also show the state that
-        // operation persisted.
-        let in_flight = points
-            .iter()
-            .find(|(at, _, _)| *at > cut)
-            .map(|(_, _, tree)| tree);
-        for mode in [
-            CrashMode::DurableOnly,
-            CrashMode::Torn {
-                seed: seed ^ cut as u64,
-            },
-        ] {
-            IMAGE.with_borrow_mut(|image| crash_image_into(base, 512, records, cut, mode, image));
-            let context = format!("crash after record {cut} of {} ({mode:?})", records.len());
-            IMAGE.with_borrow(|image| check_state(image, &promised, in_flight, &context))?;
-            outcome.crash_states += 1;
+    outcome.persistence_points += points.len() as u64;
+    CHECKER.with_borrow_mut(|slot| {
+        let checker = Checker::for_base(slot, base)?;
+        for cut in cuts {
+            let promised: Vec<&Point> = points.iter().copied().filter(|p| p.at <= cut).collect();
+            // A cut inside persistence operations (started, not acknowledged) may show what
+            // each was persisting; a cut between two also what the next one persists (it may
+            // have been under way already).
+            let mut in_flight: Vec<&Tree> = points
+                .iter()
+                .filter(|p| p.started_at <= cut && p.at > cut)
+                .map(|p| &p.tree)
+                .collect();
+            if let Some(next) = points.iter().find(|p| p.at > cut) {
+                in_flight.push(&next.tree);
+            }
+            let writes_in_flight = submissions.iter().any(|s| s.in_flight_at(cut));
+            let modes: &[CrashMode] = if cut_has_choices(records, submissions, cut) {
+                let seed = seed ^ (cut as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                &[
+                    CrashMode::DurableOnly,
+                    CrashMode::AllLanded,
+                    CrashMode::RandomSubset { seed },
+                    CrashMode::Torn { seed },
+                    CrashMode::CorruptSector { seed },
+                ]
+            } else {
+                &[CrashMode::DurableOnly]
+            };
+            // Modes that give the same image at this cut are checked once.
+            let mut seen = std::collections::HashSet::new();
+            for &mode in modes {
+                if !checker.build(base, records, submissions, cut, mode, &mut seen)? {
+                    continue;
+                }
+                let context = format!(
+                    "crash after record {cut} of {}{} ({mode:?})",
+                    records.len(),
+                    if writes_in_flight {
+                        ", writes in flight"
+                    } else {
+                        ""
+                    }
+                );
+                checker.check(base, &promised, &in_flight, &context)?;
+                outcome.crash_states += 1;
+                outcome.in_flight_states += writes_in_flight as u64;
+            }
         }
-    }
-    Ok(outcome)
+        Ok(outcome)
+    })
 }
 
-fn check_state(
-    image: &[u8],
-    promised: &[&(usize, Promise, Tree)],
-    in_flight: Option<&Tree>,
-    context: &str,
-) -> Result<(), String> {
-    // One memory device per thread, refilled for each crash state: mapping a fresh device for
-    // each of millions of states would spend most of the time in the kernel.
-    let mut dev = match DEVICE.take() {
-        Some(dev) => dev,
-        None => Box::new(MemDevice::new(config()).map_err(|e| e.to_string())?)
-            as Box<dyn nvme::BlockDevice>,
-    };
-    dev.sim_access()
-        .expect("a memory device")
-        .sim_write(0, image);
-    let mut fs = Filesystem::mount(dev, MountOptions::default())
-        .map_err(|e| format!("{context}: mount failed: {e}"))?;
-    let result = check_mounted(&mut fs, promised, in_flight, context);
-    DEVICE.set(Some(fs.into_device()));
-    result
+/// What checks crash states on one thread: a memory device and an image buffer that hold the
+/// base image between states. A state changes only the LBAs its writes touch, and those (and
+/// whatever mounting and checking it wrote) are put back from the base afterwards: copying
+/// two whole images for each state spent half the run in memmove.
+struct Checker {
+    base_crc: u32,
+    image: Vec<u8>,
+    /// None after a failed mount (which keeps the device): rebuilt for the next state.
+    device: Option<Box<dyn nvme::BlockDevice>>,
+    /// The device's own write log (what mount and the checks wrote, to undo).
+    writes: std::sync::Arc<nvme::wrap::WriteLog>,
+    touched: Vec<std::ops::Range<u64>>,
+}
+
+thread_local! {
+    static CHECKER: RefCell<Option<Checker>> = const { RefCell::new(None) };
+}
+
+impl Checker {
+    /// The thread's checker, (re)built when `base` is not the image it holds.
+    fn for_base<'a>(slot: &'a mut Option<Checker>, base: &[u8]) -> Result<&'a mut Checker, String> {
+        let base_crc = crc32c::crc32c(base);
+        let fresh = match slot {
+            Some(c) => c.base_crc != base_crc || c.image.len() != base.len() || c.device.is_none(),
+            None => true,
+        };
+        if fresh {
+            let recording = RecordingDevice::new(
+                MemDevice::from_image(base, config()).map_err(|e| e.to_string())?,
+            );
+            *slot = Some(Checker {
+                base_crc,
+                image: base.to_vec(),
+                writes: recording.log(),
+                device: Some(Box::new(recording)),
+                touched: Vec::new(),
+            });
+        }
+        Ok(slot.as_mut().expect("just set"))
+    }
+
+    /// Builds the crash state of (`cut`, `mode`) onto the device; false (and nothing changed)
+    /// when an earlier mode at this cut gave the same image (`seen` holds their digests).
+    fn build(
+        &mut self,
+        base: &[u8],
+        records: &[Record],
+        submissions: &[nvme::wrap::Submission],
+        cut: usize,
+        mode: CrashMode,
+        seen: &mut std::collections::HashSet<(u32, u64)>,
+    ) -> Result<bool, String> {
+        if self.device.is_none() {
+            let recording = RecordingDevice::new(
+                MemDevice::from_image(base, config()).map_err(|e| e.to_string())?,
+            );
+            self.writes = recording.log();
+            self.device = Some(Box::new(recording));
+        }
+        self.touched.clear();
+        crash_state_onto(
+            512,
+            records,
+            submissions,
+            cut,
+            mode,
+            &mut self.image,
+            &mut self.touched,
+        );
+        self.touched.sort_by_key(|r| (r.start, r.end));
+        // The digest of every changed sector with its address.
+        let mut crc = 0u32;
+        let mut lbas = 0u64;
+        for r in &self.touched {
+            let bytes = &self.image[r.start as usize * 512..r.end as usize * 512];
+            crc = crc32c::crc32c_append(crc, &r.start.to_le_bytes());
+            crc = crc32c::crc32c_append(crc, bytes);
+            lbas = lbas.wrapping_mul(31).wrapping_add(r.end - r.start);
+        }
+        let new = seen.insert((crc, lbas));
+        if new {
+            let sim = self
+                .device
+                .as_mut()
+                .expect("a device")
+                .sim_access()
+                .expect("a memory device");
+            for r in &self.touched {
+                sim.sim_write(
+                    r.start,
+                    &self.image[r.start as usize * 512..r.end as usize * 512],
+                );
+            }
+        }
+        for r in &self.touched {
+            let (from, to) = (r.start as usize * 512, r.end as usize * 512);
+            self.image[from..to].copy_from_slice(&base[from..to]);
+        }
+        if !new {
+            self.touched.clear();
+        }
+        Ok(new)
+    }
+
+    /// Mounts the state built, checks it, and puts the base back on the device.
+    fn check(
+        &mut self,
+        base: &[u8],
+        promised: &[&Point],
+        in_flight: &[&Tree],
+        context: &str,
+    ) -> Result<(), String> {
+        let dev = self.device.take().expect("a device");
+        let mut fs = Filesystem::mount(dev, MountOptions::default())
+            .map_err(|e| format!("{context}: mount failed: {e}"))?;
+        let result = check_mounted(&mut fs, promised, in_flight, context);
+        let mut dev = fs.into_device();
+        let (_, written) = self.writes.take();
+        let sim = dev.sim_access().expect("a memory device");
+        let lbas = written.iter().filter_map(|s| lbas_of(&s.record));
+        for r in self.touched.drain(..).chain(lbas) {
+            let (from, to) = (r.start as usize * 512, r.end as usize * 512);
+            sim.sim_write(r.start, &base[from..to]);
+        }
+        self.device = Some(dev);
+        result
+    }
 }
 
 fn check_mounted(
     fs: &mut Filesystem,
-    promised: &[&(usize, Promise, Tree)],
-    in_flight: Option<&Tree>,
+    promised: &[&Point],
+    in_flight: &[&Tree],
     context: &str,
 ) -> Result<(), String> {
     let now = snapshot(fs).map_err(|e| format!("{context}: walking the tree: {e}"))?;
-    let latest = promised.last().map(|(_, _, tree)| tree);
-    // The path shows what the in-flight persistence operation was making durable.
-    let as_in_flight = |path: &str| in_flight.is_some_and(|t| t.get(path) == now.get(path));
-    for (_, promise, at_point) in promised.iter() {
+    let latest = promised.last().map(|p| &p.tree);
+    // The path shows what a persistence operation in flight was making durable.
+    let as_in_flight = |path: &str| in_flight.iter().any(|t| t.get(path) == now.get(path));
+    // The path names, as an operation in flight names it, the same file (or a directory, a
+    // symlink): a rename of an ancestor in flight brings a subtree's names, whose content that
+    // operation does not persist (a child's unsynced data stays behind).
+    let named_in_flight = |path: &str| {
+        let same = |t: &Tree| match (now.get(path), t.get(path)) {
+            (Some(Entry::File { ino, .. }), Some(Entry::File { ino: other, .. })) => ino == other,
+            (Some(Entry::Dir { .. }), Some(Entry::Dir { .. }))
+            | (Some(Entry::Symlink { .. }), Some(Entry::Symlink { .. })) => true,
+            _ => false,
+        };
+        in_flight.iter().any(|t| same(t))
+    };
+    for point in promised.iter() {
+        let at_point = &point.tree;
         // A promise binds while what it promised is still what the live filesystem held at
         // the latest persistence point before the crash (later changes may supersede it).
         let unchanged = |path: &str| latest.is_some_and(|l| l.get(path) == at_point.get(path));
-        match promise {
+        match &point.promise {
             // After a sync every path is promised: each one that has not changed since must be
             // exactly as synced (present or absent).
             Promise::All(tree) => {
                 for path in tree.keys().chain(now.keys()) {
-                    if unchanged(path) && tree.get(path) != now.get(path) && !as_in_flight(path) {
+                    if unchanged(path)
+                        && tree.get(path) != now.get(path)
+                        && !as_in_flight(path)
+                        && !(tree.get(path).is_none() && named_in_flight(path))
+                    {
                         return Err(format!(
                             "{context}: after sync /{path} should be {}, found {}",
                             summarize(tree.get(path)),
@@ -684,7 +1396,9 @@ fn check_mounted(
                     let promised_names = names_of(at_point, *ino);
                     if latest.is_some_and(|l| names_of(l, *ino) == promised_names)
                         && names_of(&now, *ino) != promised_names
-                        && in_flight.is_none_or(|t| names_of(t, *ino) != names_of(&now, *ino))
+                        && !in_flight
+                            .iter()
+                            .any(|t| names_of(t, *ino) == names_of(&now, *ino))
                     {
                         return Err(format!(
                             "{context}: fsync({path}) promised the names {promised_names:?}, found {:?}",

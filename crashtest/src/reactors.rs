@@ -4,7 +4,10 @@
 //! their separate log streams, spans and coordinated commits.
 
 use crate::workload::Op;
-use crate::{check_points, config, run_ops_committing, Live, Outcome};
+use crate::{
+    check_points, config, run_ops, run_ops_committing, snapshot, Live, Outcome, Point, Promise,
+    PRELUDE,
+};
 use engine::{DirEntry, EngineError, FallocateMode, RenameFlags, Stat, XattrFlags};
 use nvme::backend::mem::MemDevice;
 use nvme::wrap::RecordingDevice;
@@ -210,9 +213,18 @@ pub fn run_on_reactors(
     )
     .map_err(|e| format!("starting {reactors} reactors: {e}"))?;
     let mut live = Clients(runtime.client(4));
+    let tree = snapshot(&mut live).map_err(|e| format!("snapshot of the base: {e}"))?;
+    let mut points = vec![Point {
+        at: 0,
+        started_at: 0,
+        promise: Promise::All(tree.clone()),
+        tree,
+    }];
+    points.extend(run_ops(&mut live, &PRELUDE, &log)?);
+    let from = log.len();
     // With several reactors a directory rename commits before it returns (docs/reactors.md):
     // a promise of the whole tree, like a sync.
-    let points = run_ops_committing(&mut live, ops, &log, |fs, op| {
+    points.extend(run_ops_committing(&mut live, ops, &log, |fs, op| {
         reactors > 1
             && match op {
                 Op::Rename(_, to) => fs
@@ -221,16 +233,23 @@ pub fn run_on_reactors(
                     .is_ok_and(|s| s.is_dir()),
                 _ => false,
             }
-    })?;
+    })?);
     drop(live);
     let stats = runtime.shutdown().map_err(|e| format!("shutdown: {e}"))?;
-    let records = log.snapshot();
     let outcome = Outcome {
-        persistence_points: points.len() as u64,
-        log_writes: stats.log.log_writes,
-        already_logged: stats.log.already_logged,
-        fallback_commits: stats.log.fallback_commits(),
+        runs: 1,
         ..Default::default()
-    };
-    check_points(base, &records, &points, seed, outcome)
+    }
+    .with_log(&stats.log);
+    // The prelude's cuts are the same for every workload: not checked.
+    let prelude = 0..from;
+    check_points(
+        base,
+        &log.snapshot(),
+        &log.submissions(),
+        &points,
+        std::slice::from_ref(&prelude),
+        seed,
+        outcome,
+    )
 }

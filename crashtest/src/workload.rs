@@ -152,8 +152,8 @@ pub fn core_ops() -> Vec<Op> {
 }
 
 /// Persistence choices after `op`: fsync and fdatasync of what it touched, fsync of their
-/// parents, and sync.
-fn persistence_after(op: &Op) -> Vec<Op> {
+/// parents, and sync. Each names a path that exists after `op` ([`Namespace::existing`]).
+fn persistence_after(op: &Op, names: &Namespace) -> Vec<Op> {
     let mut out = vec![Op::Sync];
     for p in op.touched() {
         out.push(Op::Fsync(p));
@@ -161,7 +161,197 @@ fn persistence_after(op: &Op) -> Vec<Op> {
         out.push(Op::Fsync(parent(p)));
     }
     out.dedup();
+    // Retargeted after the dedup, so every operation has as many choices whatever it did
+    // (578 workloads of length one, 578² of length two).
+    for persist in &mut out {
+        *persist = match *persist {
+            Op::Fsync(p) => Op::Fsync(names.existing(p)),
+            Op::Fdatasync(p) => Op::Fdatasync(names.existing(p)),
+            Op::Sync => Op::Sync,
+            _ => unreachable!("a persistence op"),
+        };
+    }
     out
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    File,
+    Dir,
+    Symlink,
+}
+
+/// Which of the workload paths exist, and as what, after some core operations from the setup:
+/// a model of the operations' effect on names, so that every fsync a workload holds names a
+/// path that exists when it runs (one that does not would check nothing: it fails with
+/// NotFound). Inode identities are kept so a rename between two names of one file is the
+/// no-op POSIX says it is.
+#[derive(Debug, Clone)]
+pub struct Namespace {
+    paths: std::collections::BTreeMap<&'static str, (Kind, u32)>,
+    next_ino: u32,
+}
+
+impl Default for Namespace {
+    fn default() -> Self {
+        Namespace::setup()
+    }
+}
+
+/// Every path a workload can name (the files, the directories, their renamed places).
+fn all_paths() -> impl Iterator<Item = &'static str> {
+    FILES.into_iter().chain(DIRS).chain([
+        "B/C",
+        "B/D/foo",
+        "B/D/bar",
+        "B/D/C",
+        "B/D/C/foo",
+        "B/D/C/bar",
+        "B/C/foo",
+        "B/C/bar",
+    ])
+}
+
+/// The `&'static str` for a path that is one of [`all_paths`].
+fn interned(path: &str) -> Option<&'static str> {
+    all_paths().find(|p| *p == path)
+}
+
+impl Namespace {
+    /// The setup every workload starts from: `A`, `B`, `A/C`, `foo`, `A/foo`.
+    pub fn setup() -> Namespace {
+        let mut names = Namespace {
+            paths: Default::default(),
+            next_ino: 0,
+        };
+        for (path, kind) in [
+            ("", Kind::Dir),
+            ("A", Kind::Dir),
+            ("B", Kind::Dir),
+            ("A/C", Kind::Dir),
+            ("foo", Kind::File),
+            ("A/foo", Kind::File),
+        ] {
+            names.add(path, kind);
+        }
+        names
+    }
+
+    /// The namespace after `ops` (persistence operations change nothing).
+    pub fn after(ops: &[Op]) -> Namespace {
+        let mut names = Namespace::setup();
+        for op in ops {
+            names.apply(op);
+        }
+        names
+    }
+
+    fn add(&mut self, path: &'static str, kind: Kind) {
+        self.next_ino += 1;
+        self.paths.insert(path, (kind, self.next_ino));
+    }
+
+    fn kind(&self, path: &str) -> Option<Kind> {
+        self.paths.get(path).map(|(k, _)| *k)
+    }
+
+    pub fn exists(&self, path: &str) -> bool {
+        self.paths.contains_key(path)
+    }
+
+    /// `path` if it exists, else its nearest existing ancestor (the root always does).
+    pub fn existing(&self, path: &'static str) -> &'static str {
+        let mut p = path;
+        while !self.exists(p) {
+            p = parent(p);
+        }
+        p
+    }
+
+    fn is_empty_dir(&self, path: &str) -> bool {
+        self.kind(path) == Some(Kind::Dir)
+            && !self
+                .paths
+                .keys()
+                .any(|p| !p.is_empty() && parent(p) == path)
+    }
+
+    /// A new name can go at `path`: its parent is a directory and the name is free.
+    fn can_create(&self, path: &str) -> bool {
+        !self.exists(path) && self.kind(parent_str(path)) == Some(Kind::Dir)
+    }
+
+    /// Every existing path, sorted.
+    pub fn paths(&self) -> Vec<String> {
+        self.paths.keys().map(|p| p.to_string()).collect()
+    }
+
+    /// Applies a core operation's effect on names (persistence operations have none).
+    pub fn apply(&mut self, op: &Op) {
+        match *op {
+            Op::Creat(p) if self.can_create(p) => self.add(p, Kind::File),
+            Op::Mkdir(p) if self.can_create(p) => self.add(p, Kind::Dir),
+            Op::Symlink(p) if self.can_create(p) => self.add(p, Kind::Symlink),
+            Op::Link(a, b) => {
+                if let Some(&(kind, ino)) = self.paths.get(a) {
+                    if kind != Kind::Dir && self.can_create(b) {
+                        self.paths.insert(b, (kind, ino));
+                    }
+                }
+            }
+            Op::Unlink(p) if matches!(self.kind(p), Some(Kind::File | Kind::Symlink)) => {
+                self.paths.remove(p);
+            }
+            Op::Remove(p)
+                if matches!(self.kind(p), Some(Kind::File | Kind::Symlink))
+                    || (!p.is_empty() && self.is_empty_dir(p)) =>
+            {
+                self.paths.remove(p);
+            }
+            Op::Rename(a, b) => self.rename(a, b),
+            _ => {}
+        }
+    }
+
+    fn rename(&mut self, a: &'static str, b: &'static str) {
+        let Some(&(kind, ino)) = self.paths.get(a) else {
+            return;
+        };
+        if a == b || self.kind(parent_str(b)) != Some(Kind::Dir) {
+            return;
+        }
+        // Into its own subtree: EINVAL.
+        if b.starts_with(&format!("{a}/")) {
+            return;
+        }
+        match self.paths.get(b) {
+            // Two names of one file: nothing happens.
+            Some(&(_, other)) if other == ino => return,
+            Some(&(Kind::Dir, _)) if kind != Kind::Dir || !self.is_empty_dir(b) => return,
+            Some(_) if kind == Kind::Dir => return,
+            _ => {}
+        }
+        self.paths.remove(b);
+        let moved: Vec<(&'static str, (Kind, u32))> = self
+            .paths
+            .iter()
+            .filter(|(p, _)| **p == a || p.starts_with(&format!("{a}/")))
+            .map(|(p, v)| (*p, *v))
+            .collect();
+        for (p, _) in &moved {
+            self.paths.remove(p);
+        }
+        for (p, v) in moved {
+            let to = format!("{b}{}", &p[a.len()..]);
+            let to = interned(&to)
+                .unwrap_or_else(|| panic!("rename {a} -> {b}: {to} is not a workload path"));
+            self.paths.insert(to, v);
+        }
+    }
+}
+
+fn parent_str(path: &str) -> &str {
+    path.rfind('/').map(|i| &path[..i]).unwrap_or("")
 }
 
 /// Every workload of `length` core operations (1 or 2), each followed by a persistence op.
@@ -171,8 +361,11 @@ pub fn exhaustive(length: usize) -> Vec<Vec<Op>> {
     for _ in 0..length {
         let mut next = Vec::new();
         for prefix in &out {
+            let before = Namespace::after(prefix);
             for op in &core {
-                for persist in persistence_after(op) {
+                let mut names = before.clone();
+                names.apply(op);
+                for persist in persistence_after(op, &names) {
                     let mut w = prefix.clone();
                     w.push(op.clone());
                     w.push(persist);
@@ -193,9 +386,11 @@ pub fn sample(count: usize, seed: u64) -> Vec<Vec<Op>> {
         .map(|_| {
             let length = rng.random_range(1..=2);
             let mut w = Vec::new();
+            let mut names = Namespace::setup();
             for _ in 0..length {
                 let op = core[rng.random_range(0..core.len())].clone();
-                let persist = persistence_after(&op);
+                names.apply(&op);
+                let persist = persistence_after(&op, &names);
                 let p = persist[rng.random_range(0..persist.len())].clone();
                 w.push(op);
                 w.push(p);

@@ -1,6 +1,10 @@
 //! A seeded sample of the ACE length-one and length-two workload space (the whole space runs
-//! with `corefs crashtest`). Every crash state at every persistence point and flush is mounted
-//! and checked. `COREFS_SEED` replays a sample; `COREFS_CRASH_SAMPLE` sets its size.
+//! with `corefs crashtest`), each workload under one schedule in turn (plain, pipelined, a
+//! commit in flight, full logs, write-back, two reactors). Every crash state at every
+//! persistence point, flush and FUA write is mounted and checked. `COREFS_SEED` replays a
+//! sample; `COREFS_CRASH_SAMPLE` sets its size.
+
+use crashtest::Schedule;
 
 #[test]
 fn ace_sample_every_crash_state_passes() {
@@ -11,23 +15,92 @@ fn ace_sample_every_crash_state_passes() {
         .unwrap_or(2000);
     eprintln!("{count} workloads");
     let base = crashtest::base_image();
-    let mut states = 0;
-    let mut points = 0;
+    let mut total = crashtest::Outcome::default();
     for (i, workload) in crashtest::workload::sample(count, seed).iter().enumerate() {
-        let outcome = crashtest::run(&base, workload, seed ^ i as u64)
-            .unwrap_or_else(|why| panic!("seed {seed} workload {i} {workload:?}: {why}"));
-        states += outcome.crash_states;
-        points += outcome.persistence_points;
+        let schedule = Schedule::ALL[i % Schedule::ALL.len()];
+        let outcome = crashtest::run_schedule(&base, workload, seed ^ i as u64, schedule)
+            .unwrap_or_else(|why| {
+                panic!(
+                    "seed {seed} workload {i} {workload:?} [{}]: {why}",
+                    schedule.name()
+                )
+            });
+        total.add(&outcome);
     }
-    eprintln!("{count} workloads, {points} persistence points, {states} crash states checked");
-    assert!(states > count as u64, "too few crash states were checked");
+    eprintln!(
+        "{count} workloads: {} persistence points, {} crash states checked ({} with writes in \
+         flight), {} records pipelined, {} during a commit, {} fallback commits",
+        total.persistence_points,
+        total.crash_states,
+        total.in_flight_states,
+        total.pipelined_records,
+        total.records_during_commit,
+        total.fallback_commits
+    );
+    assert!(
+        total.crash_states > count as u64,
+        "too few crash states were checked"
+    );
+    assert!(
+        total.in_flight_states > 0
+            && total.pipelined_records > 0
+            && total.records_during_commit > 0
+            && total.fallback_commits > 0,
+        "a schedule never did what it is for"
+    );
 }
 
 #[test]
 fn the_exhaustive_spaces_have_the_expected_size() {
     let one = crashtest::workload::exhaustive(1);
-    assert!(one.len() > 400, "{} length-one workloads", one.len());
+    assert_eq!(one.len(), 578, "length-one workloads");
     assert!(one.iter().all(|w| w.len() == 2 && w[1].is_persistence()));
     let core = crashtest::workload::core_ops().len();
-    assert!(core > 100, "{core} core operations");
+    assert_eq!(core, 134, "core operations");
+    let two = crashtest::workload::exhaustive(2);
+    assert_eq!(two.len(), 334_084, "length-two workloads");
+    assert!(two.iter().all(|w| w.len() == 4 && w[3].is_persistence()));
+}
+
+/// The workload generator's model of names agrees with the engine: after every core operation,
+/// and after a seeded sample of pairs, exactly the paths it says exist do; so every fsync a
+/// workload holds names an existing path (one that did not would check nothing).
+#[test]
+fn every_fsync_of_a_workload_names_an_existing_path() {
+    use crashtest::workload::{core_ops, Namespace, Op};
+    use rand::{Rng, SeedableRng};
+    let seed = nvme::wrap::seed_from_env();
+    let base = crashtest::base_image();
+    let core = core_ops();
+    let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(seed);
+    let mut sequences: Vec<Vec<Op>> = core.iter().map(|op| vec![op.clone()]).collect();
+    for _ in 0..600 {
+        let a = core[rng.random_range(0..core.len())].clone();
+        let b = core[rng.random_range(0..core.len())].clone();
+        sequences.push(vec![a, b]);
+    }
+    for ops in sequences {
+        let names = Namespace::after(&ops);
+        let live = crashtest::live_paths_after(&base, &ops)
+            .unwrap_or_else(|e| panic!("seed {seed}: {ops:?}: {e}"));
+        assert_eq!(
+            names.paths(),
+            live,
+            "seed {seed}: after {ops:?} the model's paths (left) are not the engine's"
+        );
+    }
+    for w in crashtest::workload::exhaustive(1)
+        .iter()
+        .chain(&crashtest::workload::sample(2000, seed))
+    {
+        let mut names = Namespace::setup();
+        for op in w {
+            match op {
+                Op::Fsync(p) | Op::Fdatasync(p) => {
+                    assert!(names.exists(p), "seed {seed}: {w:?}: {p} does not exist")
+                }
+                op => names.apply(op),
+            }
+        }
+    }
 }

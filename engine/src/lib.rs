@@ -12,6 +12,19 @@
 //! - [`check`]: the checker behind `corefs fsck` and every test.
 
 mod bucket;
+
+/// True when the named [`mutation::Mutation`] is in force; always false (and nothing of the
+/// mutations compiled) without the `mutations` feature.
+macro_rules! mutated {
+    ($name:ident) => {{
+        #[cfg(feature = "mutations")]
+        let on = $crate::mutation::active($crate::mutation::Mutation::$name);
+        #[cfg(not(feature = "mutations"))]
+        let on = false;
+        on
+    }};
+}
+
 pub mod check;
 pub mod commit;
 pub mod delayed;
@@ -25,6 +38,10 @@ pub mod fuzz_harness;
 pub mod inode;
 pub mod inspect;
 pub mod log;
+/// Deliberate breakages for the crash tests' mutation checks (feature `mutations` only).
+#[cfg(feature = "mutations")]
+#[doc(hidden)]
+pub mod mutation;
 pub mod partition;
 pub mod refs;
 pub mod space;

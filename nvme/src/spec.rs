@@ -9,8 +9,10 @@
 //! file and mem), `qd=` (queue depth, 1..4096), `buf=` (DMA buffer size = largest I/O; a
 //! multiple of 4KiB up to 16MiB), `bufs=` (buffers in the pool, 1..16384; buf x bufs at most
 //! 1GiB), `sqpoll[=MS]` (1..60000), `iopoll=auto|on|off` (nvme), `hugepages=on|off`,
-//! `cache=volatile` (simulated volatile write cache: a killed process is a power cut). Sizes
-//! take K, M, G, T suffixes with optional `iB`/`B`, all binary (1K = 1024).
+//! `cache=volatile` (simulated volatile write cache: a killed process is a power cut),
+//! `flushdelay=US` (with it: flushes and FUA writes take effect that many microseconds after
+//! submission, at their completion; at most 1000000). Sizes take K, M, G, T suffixes with
+//! optional `iB`/`B`, all binary (1K = 1024).
 //!
 //! # Invariants
 //! - Every value is range-checked when the string is parsed ([`OpenOptions::check`]) and read
@@ -54,6 +56,10 @@ pub struct OpenOptions {
     /// or another queue of a device this process holds ([`crate::lock`]). `mem:` devices
     /// ignore it: no other process can open them.
     pub access: Access,
+    /// `flushdelay=MICROSECONDS` (with `cache=volatile`): a flush or FUA write takes effect
+    /// (and completes) no earlier than this after it was submitted, widening the window in
+    /// which a kill -9 catches an fsync acknowledged before its flush completed.
+    pub flush_delay_us: u64,
 }
 
 impl Default for OpenOptions {
@@ -69,6 +75,7 @@ impl Default for OpenOptions {
             hugepages: HugepagePolicy::Prefer,
             volatile_cache: false,
             access: Access::Exclusive,
+            flush_delay_us: 0,
         }
     }
 }
@@ -216,6 +223,16 @@ impl DeviceSpec {
                         _ => return Err(bad(format!("cache={value}: use volatile or none"))),
                     }
                 }
+                "flushdelay" => {
+                    let us: u64 = value
+                        .parse()
+                        .ok()
+                        .filter(|&us| us <= 1_000_000)
+                        .ok_or_else(|| {
+                            bad(format!("flushdelay={value}: microseconds, at most 1000000"))
+                        })?;
+                    options.flush_delay_us = us;
+                }
                 _ => return Err(bad(format!("unknown option {key:?}"))),
             }
         }
@@ -293,7 +310,10 @@ pub fn open_device(spec: &str, defaults: &OpenOptions) -> Result<Box<dyn BlockDe
         })?),
     };
     Ok(if o.volatile_cache {
-        Box::new(crate::wrap::VolatileCacheDevice::new(dev))
+        Box::new(crate::wrap::VolatileCacheDevice::with_flush_delay(
+            dev,
+            std::time::Duration::from_micros(o.flush_delay_us),
+        ))
     } else {
         dev
     })

@@ -429,13 +429,20 @@ impl Filesystem {
             if let Err(e) = c.result {
                 return self.fail_background(e);
             }
-            let entry = self
+            let Some(entry) = self
                 .log
                 .pipeline
                 .in_flight
                 .iter_mut()
                 .find(|f| f.ticket == ticket)
-                .expect("a completion belongs to a record in flight");
+            else {
+                // Mutation check: the record went at its flush's submission.
+                assert!(
+                    mutated!(AckAtFlushSubmit) && is_flush,
+                    "a completion belongs to a record in flight"
+                );
+                continue;
+            };
             if is_flush {
                 entry.flushed = true;
             } else {
@@ -468,7 +475,12 @@ impl Filesystem {
                 op: Op::Flush,
             };
             match self.dev.submit_background(request) {
-                Ok(()) => self.log.pipeline.in_flight[i].flush_submitted = true,
+                Ok(()) => {
+                    let entry = &mut self.log.pipeline.in_flight[i];
+                    entry.flush_submitted = true;
+                    // Mutation check: durable before the flush completed.
+                    entry.flushed |= mutated!(AckAtFlushSubmit);
+                }
                 Err(Rejected {
                     reason: DevError::QueueFull,
                     ..
@@ -478,11 +490,11 @@ impl Filesystem {
         }
         let durable_generation = self.sb.generation;
         let pipeline = &mut self.log.pipeline;
-        while pipeline
-            .in_flight
-            .front()
-            .is_some_and(|f| f.flushed && f.after.is_none_or(|g| durable_generation >= g))
-        {
+        // Mutation check: release a record logged during commit N before N is durable.
+        let early = mutated!(AckBeforeCommit);
+        while pipeline.in_flight.front().is_some_and(|f| {
+            f.flushed && (early || f.after.is_none_or(|g| durable_generation >= g))
+        }) {
             let done = pipeline.in_flight.pop_front().expect("front");
             pipeline.durable_below = done.ticket + 1;
         }
@@ -490,6 +502,12 @@ impl Filesystem {
             pipeline.durable_below = pipeline.next_ticket;
         }
         Ok(pipeline.durable_below)
+    }
+
+    /// The ticket below which every record is durable, as the last
+    /// [`Filesystem::log_progress`] found it (nothing is polled).
+    pub fn log_durable_below(&self) -> u64 {
+        self.log.pipeline.durable_below
     }
 
     /// True when `ticket`'s own writes (and flush) are done, whatever is ahead of it.

@@ -192,6 +192,9 @@ pub(crate) struct LogState {
     pub stats: LogStats,
     /// Records whose writes or flush are still in flight.
     pub pipeline: inflight::Pipeline,
+    /// Inodes logged in this generation (what the `NoRelog` mutation check skips).
+    #[cfg(feature = "mutations")]
+    logged_this_generation: HashSet<u64>,
 }
 
 impl LogState {
@@ -250,6 +253,8 @@ impl LogState {
         self.inodes.clear();
         self.cross.clear();
         self.tracked_keys = 0;
+        #[cfg(feature = "mutations")]
+        self.logged_this_generation.clear();
     }
 
     /// A super-commit made everything logged durable: the logs start over at their heads.
@@ -257,6 +262,16 @@ impl LogState {
         self.heads.iter_mut().for_each(|h| *h = 0);
         self.shard_seqs.iter_mut().for_each(|s| *s = 0);
         self.next_seq = 0;
+    }
+
+    /// Mutation check `NoRelog`: an inode logged once this generation counts as having
+    /// nothing new.
+    fn relog_suppressed(&self, _ino: u64) -> bool {
+        #[cfg(feature = "mutations")]
+        let suppressed = mutated!(NoRelog) && self.logged_this_generation.contains(&_ino);
+        #[cfg(not(feature = "mutations"))]
+        let suppressed = false;
+        suppressed
     }
 
     fn own_name_changed(&self, ino: u64) -> bool {
@@ -346,7 +361,9 @@ impl Filesystem {
                 .inodes
                 .get(&ino)
                 .is_some_and(|t| !datasync || t.data || !t.links.is_empty());
-            if pending || self.ancestor_pending(ino)? {
+            if self.log.relog_suppressed(ino) {
+                self.log.stats.already_logged += 1;
+            } else if pending || self.ancestor_pending(ino)? {
                 wanted.push(ino);
             } else {
                 self.log.stats.already_logged += 1;
@@ -442,6 +459,8 @@ impl Filesystem {
             if let Some(t) = self.log.inodes.remove(ino) {
                 self.log.tracked_keys -= t.keys.len();
             }
+            #[cfg(feature = "mutations")]
+            self.log.logged_this_generation.insert(*ino);
         }
         self.log.heads[shard as usize] += blocks;
         self.log.shard_seqs[shard as usize] += 1;
@@ -460,6 +479,13 @@ impl Filesystem {
 
     pub fn log_stats(&self) -> LogStats {
         self.log.stats
+    }
+
+    /// Blocks left in the emptiest log half this mount holds: a record larger than this falls
+    /// back to a commit (`fallback_log_full`).
+    pub fn log_room_blocks(&self) -> u64 {
+        let head = self.log.heads[self.emptiest_log() as usize];
+        self.sb.log_half_blocks().saturating_sub(head)
     }
 
     /// The held shard whose log half has the most room.
@@ -561,7 +587,7 @@ impl Filesystem {
                 up.extend(self.parents_of(dir)?);
             }
         }
-        members.retain(|ino| self.log.inodes.contains_key(ino));
+        members.retain(|ino| self.log.inodes.contains_key(ino) && !self.log.relog_suppressed(*ino));
         Ok(Some(members))
     }
 

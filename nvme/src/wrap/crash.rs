@@ -2,15 +2,20 @@
 //!
 //! Model (the storage fault model in docs/durability.md): a power cut after the first `cut`
 //! records of the log leaves on the media
-//! - every record a completed flush covers, and every FUA write, exactly;
+//! - every record a completed flush covers, and every FUA write that completed, exactly;
 //! - for each other write completed before the cut, independently: all of it, none of it, or
 //!   (torn) some of its LBAs — writes are atomic per LBA, not per request;
-//! - optionally one LBA of one uncovered write holding garbage (a crash corrupting a sector).
+//! - for each write *in flight* at the cut (submitted, not completed: [`Submission`]), FUA or
+//!   not, the same choice: a FUA record torn at sector granularity, or a FUA batch whose record
+//!   landed and whose in-place data did not;
+//! - optionally one LBA of one uncovered or in-flight write damaged: garbage, or one flipped
+//!   bit (what only a checksum can tell).
 //!
-//! Writes are applied in completion order, so "a later write lost, an earlier one kept" is how
-//! reordering in a volatile cache shows up. The same (`log`, `cut`, `mode`, seed) always gives
-//! the same image.
+//! Completed writes are applied in completion order, then the writes in flight, so "a later
+//! write lost, an earlier one kept" is how reordering in a volatile cache shows up. The same
+//! (`log`, submissions, `cut`, `mode`, seed) always gives the same image.
 
+use super::recording::Submission;
 use super::Record;
 use rand::{Rng, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
@@ -64,14 +69,79 @@ pub fn crash_image_into(
     mode: CrashMode,
     image: &mut Vec<u8>,
 ) {
+    crash_image_in_flight_into(base, lba_size_bytes, log, &[], cut, mode, image)
+}
+
+/// True when a crash state at `cut` can differ between modes: some write is neither durable
+/// nor absent for certain (uncovered, or in flight). When false every mode gives the
+/// [`CrashMode::DurableOnly`] image.
+pub fn cut_has_choices(log: &[Record], submissions: &[Submission], cut: usize) -> bool {
+    let durable = durable_prefix(log, cut);
+    (durable..cut).any(|i| uncovered(&log[i])) || submissions.iter().any(|s| s.in_flight_at(cut))
+}
+
+fn uncovered(record: &Record) -> bool {
+    matches!(
+        record,
+        Record::Write { fua: false, .. } | Record::WriteZeroes { .. } | Record::Deallocate { .. }
+    )
+}
+
+/// The LBAs a write covers and its bytes (None: zeroes).
+fn extent(record: &Record, lba_size: usize) -> Option<(u64, usize, Option<&[u8]>)> {
+    match record {
+        Record::Flush { .. } => None,
+        Record::Write { lba, data, .. } => Some((*lba, data.len() / lba_size, Some(data))),
+        Record::WriteZeroes { lba, lbas } | Record::Deallocate { lba, lbas } => {
+            Some((*lba, *lbas as usize, None))
+        }
+    }
+}
+
+/// [`crash_image_into`] with the writes in flight at `cut` (from
+/// [`super::WriteLog::submissions`]) landing as `mode` says.
+pub fn crash_image_in_flight_into(
+    base: &[u8],
+    lba_size_bytes: u32,
+    log: &[Record],
+    submissions: &[Submission],
+    cut: usize,
+    mode: CrashMode,
+    image: &mut Vec<u8>,
+) {
+    image.clear();
+    image.extend_from_slice(base);
+    let mut touched = Vec::new();
+    crash_state_onto(
+        lba_size_bytes,
+        log,
+        submissions,
+        cut,
+        mode,
+        image,
+        &mut touched,
+    );
+}
+
+/// The crash state of [`crash_image_in_flight_into`] built onto `image`, which holds the base
+/// image: only the LBAs written are changed, and their ranges are appended to `touched`, so a
+/// caller building millions of states can undo them from the base instead of copying whole
+/// images.
+pub fn crash_state_onto(
+    lba_size_bytes: u32,
+    log: &[Record],
+    submissions: &[Submission],
+    cut: usize,
+    mode: CrashMode,
+    image: &mut [u8],
+    touched: &mut Vec<std::ops::Range<u64>>,
+) {
     assert!(
         cut <= log.len(),
         "cut {cut} past the {} records logged",
         log.len()
     );
     let lba_size = lba_size_bytes as usize;
-    image.clear();
-    image.extend_from_slice(base);
     let durable = durable_prefix(log, cut);
     let seed = match mode {
         CrashMode::RandomSubset { seed }
@@ -80,46 +150,49 @@ pub fn crash_image_into(
         _ => 0,
     };
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
-    let uncovered_writes: Vec<usize> = (durable..cut)
-        .filter(|&i| {
-            matches!(
-                log[i],
-                Record::Write { fua: false, .. }
-                    | Record::WriteZeroes { .. }
-                    | Record::Deallocate { .. }
-            )
-        })
+    // Completed-and-uncovered writes by record index, then writes in flight (after them, in
+    // the same numbering: log.len() + their index among those in flight).
+    let in_flight: Vec<&Record> = submissions
+        .iter()
+        .filter(|s| s.in_flight_at(cut))
+        .map(|s| &s.record)
+        .collect();
+    let candidates: Vec<usize> = (durable..cut)
+        .filter(|&i| uncovered(&log[i]))
+        .chain((0..in_flight.len()).map(|i| log.len() + i))
         .collect();
     let corrupt = match mode {
-        CrashMode::CorruptSector { .. } if !uncovered_writes.is_empty() => {
-            Some(uncovered_writes[rng.random_range(0..uncovered_writes.len())])
+        CrashMode::CorruptSector { .. } if !candidates.is_empty() => {
+            Some(candidates[rng.random_range(0..candidates.len())])
         }
         _ => None,
     };
-
-    for (index, record) in log[..cut].iter().enumerate() {
-        let covered = index < durable || matches!(record, Record::Write { fua: true, .. });
-        let (lba, lbas, data): (u64, usize, Option<&[u8]>) = match record {
-            Record::Flush { .. } => continue,
-            Record::Write { lba, data, .. } => (*lba, data.len() / lba_size, Some(data)),
-            Record::WriteZeroes { lba, lbas } | Record::Deallocate { lba, lbas } => {
-                (*lba, *lbas as usize, None)
-            }
+    let torn_mode = matches!(
+        mode,
+        CrashMode::Torn { .. } | CrashMode::CorruptSector { .. }
+    );
+    let completed = log[..cut].iter().enumerate().map(|(i, r)| {
+        let covered = i < durable || matches!(r, Record::Write { fua: true, .. });
+        (i, r, covered)
+    });
+    let pending = in_flight
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (log.len() + i, *r, false));
+    for (index, record, covered) in completed.chain(pending) {
+        let Some((lba, lbas, data)) = extent(record, lba_size) else {
+            continue;
         };
-        let lands = |rng: &mut Xoshiro256PlusPlus| -> bool {
-            match mode {
+        let whole = covered
+            || match mode {
                 CrashMode::DurableOnly => false,
                 CrashMode::AllLanded => true,
                 _ => rng.random_bool(0.5),
-            }
-        };
-        let whole = covered || lands(&mut rng);
-        let torn = !covered
-            && matches!(
-                mode,
-                CrashMode::Torn { .. } | CrashMode::CorruptSector { .. }
-            )
-            && !whole;
+            };
+        let torn = !whole && torn_mode;
+        if whole || torn {
+            touched.push(lba..lba + lbas as u64);
+        }
         for block in 0..lbas {
             let keep = whole || (torn && rng.random_bool(0.5));
             if !keep {
@@ -136,8 +209,16 @@ pub fn crash_image_into(
         }
         if corrupt == Some(index) {
             let block = rng.random_range(0..lbas.max(1));
+            touched.push(lba + block as u64..lba + block as u64 + 1);
             let at = (lba as usize + block) * lba_size;
-            rng.fill(&mut image[at..at + lba_size]);
+            let sector = &mut image[at..at + lba_size];
+            if rng.random_bool(0.5) {
+                rng.fill(sector);
+            } else {
+                // One flipped bit: the damage only a checksum can tell.
+                let bit = rng.random_range(0..lba_size * 8);
+                sector[bit / 8] ^= 1 << (bit % 8);
+            }
         }
     }
 }

@@ -1,5 +1,6 @@
 //! Device wrappers for testing what corefs does when the device misbehaves or the power fails:
-//! - [`recording`]: logs every completed write and flush, in completion order, so any crash
+//! - [`recording`]: logs every completed write and flush, in completion order, and every
+//!   write's submission (so writes in flight at a cut are known), so any crash
 //!   state can be rebuilt afterwards ([`crash`]);
 //! - [`fault`]: seeded fault injection — EIO, bit rot, misdirected and lost writes, ignored
 //!   flushes, latency spikes, and a simulated power cut that drops or tears unflushed writes;
@@ -16,10 +17,13 @@ pub mod overlay;
 pub mod recording;
 pub mod volatile;
 
-pub use crash::{crash_image, crash_image_into, CrashMode};
+pub use crash::{
+    crash_image, crash_image_in_flight_into, crash_image_into, crash_state_onto, cut_has_choices,
+    CrashMode,
+};
 pub use fault::{FaultConfig, FaultDevice, FaultHandle, FaultStats};
 pub use overlay::OverlayDevice;
-pub use recording::{Record, RecordingDevice, WriteLog};
+pub use recording::{Record, RecordingDevice, Submission, WriteLog};
 pub use volatile::VolatileCacheDevice;
 
 /// The seed for a seeded test or simulation: `COREFS_SEED` when set (to replay a failure),

@@ -6,6 +6,12 @@
 //! Invariant: a `Flush` record carries `covers`, the number of records completed when the flush
 //! was *submitted*; exactly those are made durable by it. Writes completing while the flush was
 //! in flight are not covered, as on real hardware.
+//!
+//! Beside the completion-ordered records the log keeps every write's *submission*
+//! ([`Submission`]): when it was submitted (the record count then) and which record its
+//! completion became. A power cut between the two leaves the write in flight: any of its LBAs
+//! may have landed, FUA or not, which is how a crash tears a FUA record or keeps a batch's
+//! record and loses its in-place data ([`super::crash`]).
 
 use super::TokenTable;
 use crate::{
@@ -35,15 +41,39 @@ pub enum Record {
     },
 }
 
+/// A write (or write-zeroes, or deallocate) as it was submitted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Submission {
+    /// Records completed when it was submitted: in flight at every cut from here...
+    pub submitted_at: usize,
+    /// ...up to its own completion record (None: it never completed, or failed).
+    pub completed_at: Option<usize>,
+    /// The write (a `Record::Write`, `WriteZeroes` or `Deallocate`).
+    pub record: Record,
+}
+
+impl Submission {
+    /// True when a power cut after the first `cut` records finds it in flight.
+    pub fn in_flight_at(&self, cut: usize) -> bool {
+        self.submitted_at <= cut && self.completed_at.is_none_or(|done| done >= cut)
+    }
+}
+
 /// The shared, append-only log. Tests keep a handle while the device is owned elsewhere.
 #[derive(Debug, Default)]
 pub struct WriteLog {
     records: Mutex<Vec<Record>>,
+    submissions: Mutex<Vec<Submission>>,
 }
 
 impl WriteLog {
     pub fn snapshot(&self) -> Vec<Record> {
         self.records.lock().expect("write log lock").clone()
+    }
+    /// Every write submitted so far, in submission order (the completed ones name their
+    /// record).
+    pub fn submissions(&self) -> Vec<Submission> {
+        self.submissions.lock().expect("write log lock").clone()
     }
     pub fn len(&self) -> usize {
         self.records.lock().expect("write log lock").len()
@@ -51,8 +81,40 @@ impl WriteLog {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    fn push(&self, record: Record) {
-        self.records.lock().expect("write log lock").push(record);
+    /// Takes every record and submission logged so far, leaving the log empty (a tester that
+    /// reuses one device for many runs).
+    pub fn take(&self) -> (Vec<Record>, Vec<Submission>) {
+        let mut records = self.records.lock().expect("write log lock");
+        let mut submissions = self.submissions.lock().expect("write log lock");
+        (
+            std::mem::take(&mut *records),
+            std::mem::take(&mut *submissions),
+        )
+    }
+    /// Appends a completed op; returns its index.
+    fn push(&self, record: Record) -> usize {
+        let mut records = self.records.lock().expect("write log lock");
+        records.push(record);
+        records.len() - 1
+    }
+    /// Notes a write being submitted; returns its submission index.
+    fn submit(&self, record: Record) -> usize {
+        let submitted_at = self.len();
+        let mut submissions = self.submissions.lock().expect("write log lock");
+        submissions.push(Submission {
+            submitted_at,
+            completed_at: None,
+            record,
+        });
+        submissions.len() - 1
+    }
+    fn completed(&self, submission: usize, record: usize) {
+        self.submissions.lock().expect("write log lock")[submission].completed_at = Some(record);
+    }
+    /// A failed write is taken as never having reached the device.
+    fn failed(&self, submission: usize) {
+        let mut submissions = self.submissions.lock().expect("write log lock");
+        submissions[submission].submitted_at = usize::MAX;
     }
 }
 
@@ -60,6 +122,8 @@ struct Pending {
     caller_token: u64,
     /// What to log if the op succeeds; a flush's `covers` is fixed at submission.
     record: Option<Record>,
+    /// The write's submission entry, for a write.
+    submission: Option<usize>,
 }
 
 pub struct RecordingDevice<D: BlockDevice> {
@@ -96,8 +160,13 @@ impl<D: BlockDevice> RecordingDevice<D> {
             completion.token = pending.caller_token;
             if completion.result.is_ok() {
                 if let Some(record) = pending.record {
-                    self.log.push(record);
+                    let index = self.log.push(record);
+                    if let Some(submission) = pending.submission {
+                        self.log.completed(submission, index);
+                    }
                 }
+            } else if let Some(submission) = pending.submission {
+                self.log.failed(submission);
             }
         }
     }
@@ -145,10 +214,18 @@ impl<D: BlockDevice> BlockDevice for RecordingDevice<D> {
             Op::Read { .. } => None,
         };
         let caller_token = request.token;
+        let submission = match &record {
+            Some(Record::Flush { .. }) | None => None,
+            Some(write) => Some(self.log.submit(write.clone())),
+        };
         let Some(token) = self.pending.insert(Pending {
             caller_token,
             record,
+            submission,
         }) else {
+            if let Some(submission) = submission {
+                self.log.failed(submission);
+            }
             return Err(Rejected {
                 request,
                 reason: DevError::QueueFull,
@@ -160,7 +237,9 @@ impl<D: BlockDevice> BlockDevice for RecordingDevice<D> {
                 op: request.op,
             })
             .map_err(|mut rejected| {
-                self.pending.remove(token);
+                if let Some(submission) = self.pending.remove(token).submission {
+                    self.log.failed(submission);
+                }
                 rejected.request.token = caller_token;
                 rejected
             })

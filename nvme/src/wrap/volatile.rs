@@ -5,35 +5,64 @@
 //! the VFS, say) against a file image and `kill -9` them.
 //!
 //! # Invariants
-//! - A read returns the newest data: the inner device's, overlaid with cached LBAs.
-//! - A flush writes every cached LBA to the inner device, then flushes it; a FUA write goes
-//!   through at once (and drops any cached copy of its LBAs). Write-zeroes and deallocate drop
-//!   the cached LBAs they cover and go through.
+//! - A read returns the newest data: the inner device's, overlaid with cached LBAs (a FUA
+//!   write not yet completed included).
+//! - A flush, and a FUA write, make anything durable only when their *completion* is
+//!   delivered by `poll`/`wait` — never at submit — and not before `flush_delay` has passed
+//!   since they were submitted (`cache=volatile,flushdelay=MICROSECONDS`; 0 by default). So a
+//!   process killed between issuing a flush and seeing it complete loses what the flush was
+//!   for, as on a real drive: a caller that acknowledges an fsync before its flush completes
+//!   is caught by a kill -9 landing in that window (the wider the delay, the likelier).
+//! - Completions of flushes and FUA writes are delivered in submission order; a flush writes
+//!   every cached LBA to the inner device, then flushes it; a FUA write goes through to the
+//!   inner device at its completion (and drops a cached copy holding the same bytes).
+//!   Write-zeroes and deallocate drop the cached LBAs they cover and go through at once.
 //! - The cache is bounded ([`CACHE_LIMIT_BYTES`]): past it, cached writes are written back
 //!   without a flush, as a drive evicts (unflushed data may reach media early; never late).
 //!
-//! Every operation completes inside `submit` (synchronously against the inner device); the
-//! completion is returned by the next poll.
+//! Plain writes, reads, write-zeroes and deallocates complete inside `submit` (synchronously
+//! against the inner device); their completion is returned by the next poll.
 
 use crate::{
     flush_sync, read_sync, validate, write_sync, BlockDevice, Completion, DevError, DeviceInfo,
     DmaPool, Op, OpKind, Rejected, Request,
 };
 use std::collections::{BTreeMap, VecDeque};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Cached bytes past which writes are written back early.
 pub const CACHE_LIMIT_BYTES: usize = 256 << 20;
+
+/// A flush or FUA write waiting for its completion (when it takes effect).
+struct Deferred {
+    due: Instant,
+    token: u64,
+    kind: OpKind,
+    /// For a FUA write: where, and what (the caller's buffer goes back with the completion).
+    fua: Option<(u64, Vec<u8>)>,
+    buf: Option<crate::DmaBuf>,
+}
 
 pub struct VolatileCacheDevice {
     inner: Box<dyn BlockDevice>,
     info: DeviceInfo,
     cache: BTreeMap<u64, Box<[u8]>>,
     done: VecDeque<Completion>,
+    deferred: VecDeque<Deferred>,
+    flush_delay: Duration,
 }
 
 impl VolatileCacheDevice {
     pub fn new(inner: Box<dyn BlockDevice>) -> VolatileCacheDevice {
+        VolatileCacheDevice::with_flush_delay(inner, Duration::ZERO)
+    }
+
+    /// A cache whose flushes and FUA writes take effect (and complete) no earlier than
+    /// `flush_delay` after they were submitted.
+    pub fn with_flush_delay(
+        inner: Box<dyn BlockDevice>,
+        flush_delay: Duration,
+    ) -> VolatileCacheDevice {
         let mut info = inner.info().clone();
         info.name = format!("{} (volatile cache)", info.name);
         info.completion_mode = crate::CompletionMode::Immediate;
@@ -42,6 +71,8 @@ impl VolatileCacheDevice {
             info,
             cache: BTreeMap::new(),
             done: VecDeque::new(),
+            deferred: VecDeque::new(),
+            flush_delay,
         }
     }
 
@@ -83,29 +114,24 @@ impl VolatileCacheDevice {
         }
     }
 
+    fn cache_write(&mut self, lba: u64, data: &[u8]) -> Result<(), DevError> {
+        let lba_bytes = self.lba_bytes();
+        for (i, chunk) in data.chunks(lba_bytes).enumerate() {
+            self.cache.insert(lba + i as u64, chunk.into());
+        }
+        if self.cache.len() * lba_bytes > CACHE_LIMIT_BYTES {
+            self.write_back()?;
+        }
+        Ok(())
+    }
+
+    /// Runs an op that completes at once (everything but flushes and FUA writes).
     fn run(&mut self, op: &mut Op) -> Result<(), DevError> {
         let lba_bytes = self.lba_bytes();
         match op {
-            Op::Write {
-                lba,
-                buf,
-                fua: false,
-            } => {
-                for (i, chunk) in buf.as_slice().chunks(lba_bytes).enumerate() {
-                    self.cache.insert(*lba + i as u64, chunk.into());
-                }
-                if self.cache.len() * lba_bytes > CACHE_LIMIT_BYTES {
-                    self.write_back()?;
-                }
-                Ok(())
-            }
-            Op::Write {
-                lba,
-                buf,
-                fua: true,
-            } => {
-                self.drop_cached(*lba, (buf.len() / lba_bytes) as u64);
-                write_sync(&mut *self.inner, *lba, buf.as_slice(), true)
+            Op::Write { lba, buf, .. } => {
+                let (lba, data) = (*lba, buf.as_slice().to_vec());
+                self.cache_write(lba, &data)
             }
             Op::Read { lba, buf } => {
                 let out = buf.as_mut_slice();
@@ -117,10 +143,7 @@ impl VolatileCacheDevice {
                 }
                 Ok(())
             }
-            Op::Flush => {
-                self.write_back()?;
-                flush_sync(&mut *self.inner)
-            }
+            Op::Flush => unreachable!("flushes are deferred"),
             Op::WriteZeroes { lba, lbas } | Op::Deallocate { lba, lbas } => {
                 let (lba, lbas) = (*lba, *lbas as u64);
                 self.drop_cached(lba, lbas);
@@ -137,6 +160,36 @@ impl VolatileCacheDevice {
                 let mut others = Vec::new();
                 crate::run_sync(&mut *self.inner, forwarded, &mut others)?.result
             }
+        }
+    }
+
+    /// Gives effect to the flushes and FUA writes that are due, in submission order, and
+    /// queues their completions.
+    fn complete_due(&mut self, now: Instant) {
+        while self.deferred.front().is_some_and(|d| d.due <= now) {
+            let d = self.deferred.pop_front().expect("front");
+            let result = match &d.fua {
+                None => self
+                    .write_back()
+                    .and_then(|()| flush_sync(&mut *self.inner)),
+                Some((lba, data)) => {
+                    let lba_bytes = self.lba_bytes();
+                    // A cached copy with these bytes is now on the media; a newer one stays.
+                    for (i, chunk) in data.chunks(lba_bytes).enumerate() {
+                        let key = lba + i as u64;
+                        if self.cache.get(&key).is_some_and(|c| **c == *chunk) {
+                            self.cache.remove(&key);
+                        }
+                    }
+                    write_sync(&mut *self.inner, *lba, data, true)
+                }
+            };
+            self.done.push_back(Completion {
+                token: d.token,
+                kind: d.kind,
+                result,
+                buf: d.buf,
+            });
         }
     }
 }
@@ -156,6 +209,46 @@ impl BlockDevice for VolatileCacheDevice {
         }
         let Request { token, mut op } = request;
         let kind: OpKind = op.kind();
+        let due = Instant::now() + self.flush_delay;
+        match &op {
+            Op::Flush => {
+                self.deferred.push_back(Deferred {
+                    due,
+                    token,
+                    kind,
+                    fua: None,
+                    buf: op.into_buf(),
+                });
+                return Ok(());
+            }
+            Op::Write {
+                lba,
+                buf,
+                fua: true,
+            } => {
+                // Readable at once (from the cache), durable only at its completion.
+                let (lba, data) = (*lba, buf.as_slice().to_vec());
+                let cached = self.cache_write(lba, &data);
+                if cached.is_ok() {
+                    self.deferred.push_back(Deferred {
+                        due,
+                        token,
+                        kind,
+                        fua: Some((lba, data)),
+                        buf: op.into_buf(),
+                    });
+                    return Ok(());
+                }
+                self.done.push_back(Completion {
+                    token,
+                    kind,
+                    result: cached,
+                    buf: op.into_buf(),
+                });
+                return Ok(());
+            }
+            _ => {}
+        }
         let result = self.run(&mut op);
         self.done.push_back(Completion {
             token,
@@ -167,17 +260,26 @@ impl BlockDevice for VolatileCacheDevice {
     }
 
     fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize, DevError> {
+        self.complete_due(Instant::now());
         let n = self.done.len();
         out.extend(self.done.drain(..));
         Ok(n)
     }
 
-    fn wait(&mut self, out: &mut Vec<Completion>, _timeout: Duration) -> Result<usize, DevError> {
+    fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> Result<usize, DevError> {
+        if self.done.is_empty() {
+            if let Some(first) = self.deferred.front() {
+                // Sleep until the first deferred op is due (or the timeout).
+                let now = Instant::now();
+                let until = first.due.min(now + timeout);
+                std::thread::sleep(until.saturating_duration_since(now));
+            }
+        }
         self.poll(out)
     }
 
     fn in_flight(&self) -> u32 {
-        self.done.len() as u32
+        (self.done.len() + self.deferred.len()) as u32
     }
 }
 
@@ -220,5 +322,76 @@ mod tests {
         let sim = dev.inner.sim_access().unwrap();
         sim.sim_read(8, &mut inner);
         assert_eq!(inner, vec![7u8; 1024], "flushed");
+    }
+
+    /// A flush or FUA write takes effect only when its completion is delivered, never at
+    /// submit: a process killed in between loses the data (what lets a kill -9 test see an
+    /// acknowledgement given before the flush completed).
+    #[test]
+    fn flushes_and_fua_writes_take_effect_only_when_their_completion_is_delivered() {
+        let mut dev = VolatileCacheDevice::new(Box::new(MemDevice::new(config()).unwrap()));
+        write_sync(&mut dev, 8, &[7u8; 512], false).unwrap();
+        let mut buf = dev.pool().alloc(512).unwrap();
+        buf.as_mut_slice().fill(9);
+        let submitted = std::time::Instant::now();
+        dev.submit(Request {
+            token: 1,
+            op: Op::Flush,
+        })
+        .unwrap();
+        dev.submit(Request {
+            token: 2,
+            op: Op::Write {
+                lba: 100,
+                buf,
+                fua: true,
+            },
+        })
+        .unwrap();
+        let on_media = |dev: &mut VolatileCacheDevice, lba: u64| {
+            let mut b = vec![0u8; 512];
+            dev.inner.sim_access().unwrap().sim_read(lba, &mut b);
+            b[0]
+        };
+        // Submitted, not completed: nothing on the media (a kill now loses both).
+        assert_eq!((on_media(&mut dev, 8), on_media(&mut dev, 100)), (0, 0));
+        assert_eq!(dev.in_flight(), 2);
+        let mut out = Vec::new();
+        while out.len() < 2 {
+            dev.wait(&mut out, Duration::from_secs(1)).unwrap();
+        }
+        assert_eq!(out.iter().map(|c| c.token).collect::<Vec<_>>(), vec![1, 2]);
+        assert_eq!((on_media(&mut dev, 8), on_media(&mut dev, 100)), (7, 9));
+        assert_eq!(dev.in_flight(), 0);
+        let _ = submitted;
+
+        // With a delay, a flush completes (and takes effect) no earlier than that after its
+        // submission; a FUA write in flight is readable meanwhile.
+        let delay = Duration::from_millis(20);
+        let mut dev = VolatileCacheDevice::with_flush_delay(
+            Box::new(MemDevice::new(config()).unwrap()),
+            delay,
+        );
+        let mut buf = dev.pool().alloc(512).unwrap();
+        buf.as_mut_slice().fill(5);
+        let submitted = std::time::Instant::now();
+        dev.submit(Request {
+            token: 3,
+            op: Op::Write {
+                lba: 50,
+                buf,
+                fua: true,
+            },
+        })
+        .unwrap();
+        let mut back = vec![0u8; 512];
+        read_sync(&mut dev, 50, &mut back).unwrap();
+        assert_eq!(back, vec![5u8; 512], "a FUA write in flight is readable");
+        let mut out = Vec::new();
+        while out.is_empty() {
+            dev.wait(&mut out, Duration::from_secs(1)).unwrap();
+        }
+        assert!(submitted.elapsed() >= delay, "completed before its delay");
+        assert_eq!(on_media(&mut dev, 50), 5);
     }
 }
