@@ -128,6 +128,9 @@ impl Filesystem {
         // Symlink target pieces, per inode: (piece, bytes).
         let mut symlink_pieces: BTreeMap<u64, Vec<(u64, usize)>> = BTreeMap::new();
         let mut inodes_per_shard: BTreeMap<u32, u64> = BTreeMap::new();
+        // What each shard's count says (compared last: a wrong count follows from the more
+        // specific faults the walk names first).
+        let mut counted_inodes: BTreeMap<u32, u64> = BTreeMap::new();
         // Out-of-line xattr values: (ino, hash, slot) → length the entry says, and the pieces
         // found (piece, bytes).
         let mut xattr_values: BTreeMap<(u64, u32, u16), u32> = BTreeMap::new();
@@ -322,17 +325,7 @@ impl Filesystem {
                     }
                 }
             }
-            let counted = *io_inodes;
-            if counted != inodes_per_shard.get(&shard).copied().unwrap_or(0) {
-                return Err(bad(
-                    "inode count",
-                    shard as u64,
-                    format!(
-                        "shard {shard} counts {counted} inodes, its tree holds {}",
-                        inodes_per_shard.get(&shard).copied().unwrap_or(0)
-                    ),
-                ));
-            }
+            counted_inodes.insert(shard, *io_inodes);
             report.tree_blocks += blocks.len() as u64;
             report.data_blocks += data_blocks.len() as u64;
             blocks.extend(data_blocks);
@@ -593,6 +586,16 @@ impl Filesystem {
         let referenced: BTreeSet<u64> = dir_items.values().map(|(c, _)| *c).collect();
         if let Some(missing) = referenced.iter().find(|c| !inodes.contains_key(c)) {
             return Err(bad("directory item", *missing, "names a missing inode"));
+        }
+        for (&shard, &counted) in &counted_inodes {
+            let held = inodes_per_shard.get(&shard).copied().unwrap_or(0);
+            if counted != held {
+                return Err(bad(
+                    "inode count",
+                    shard as u64,
+                    format!("shard {shard} counts {counted} inodes, its tree holds {held}"),
+                ));
+            }
         }
         Ok(report)
     }

@@ -173,18 +173,19 @@ impl Filesystem {
         self.need_ops(needs, self.shard_of(child), 1);
     }
 
-    /// What dropping one link of `child` may allocate: its inode item, or, for its last link,
-    /// removing every item it has (or, when it is held, its orphan mark and index item).
+    /// What dropping one link of `child` may allocate: its inode item; for its last link,
+    /// removing every item it has (its back-reference among them), or, when it is held, its
+    /// orphan mark and index item.
     fn need_drop_link(&mut self, needs: &mut Needs, child: u64, item: &InodeItem) -> Result<()> {
         let shard = self.shard_of(child);
         if item.mode & S_IFMT == S_IFDIR || item.nlink <= 1 {
-            self.need_ops(needs, shard, 3);
             let blocks = self.item_range_blocks(
                 shard,
                 Key::new(child, ItemKind::InodeItem, 0),
                 Key::new(child + 1, ItemKind::InodeItem, 0),
             )?;
-            needs.meta(shard, blocks);
+            // The orphan index item (kept, or removed with the inode) is in another leaf.
+            needs.meta(shard, blocks + self.tree_op_blocks(shard));
         } else {
             self.need_ops(needs, shard, 1);
         }

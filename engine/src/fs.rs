@@ -630,23 +630,24 @@ impl Filesystem {
     }
 
     /// Metadata blocks one tree change (an insert or a removal) in shard `shard` may
-    /// allocate: a copy and a split per level and a new root, with one level of growth to
-    /// spare (an operation's earlier changes may deepen the tree).
+    /// allocate: a copy and a split per level, a new root and one spare (the tree's own
+    /// bound). A root split during an operation does not raise the cost of its later
+    /// changes: the new root and both halves are already copied in the transaction.
     pub(crate) fn tree_op_blocks(&self, shard: u32) -> u64 {
         let level = self.shards[shard as usize]
             .as_ref()
             .map_or(crate::format::node::MAX_LEVEL, |s| s.tree.level());
-        2 * (level as u64 + 2) + 2
+        2 * (level as u64 + 1) + 2
     }
 
     /// Metadata blocks changing or removing every item of shard `shard` with a key in
     /// `start..end` may allocate: each leaf holding them is copied once in a transaction and
     /// may merge into a neighbour (a second copy), internal nodes add a sixteenth, and the
-    /// paths to both ends.
+    /// path to them one tree change's worth.
     pub(crate) fn item_range_blocks(&mut self, shard: u32, start: Key, end: Key) -> Result<u64> {
         let leaves =
             self.with_tree(shard, false, |tree, io| tree.leaves_holding(io, start, end))?;
-        Ok(2 * leaves + leaves.div_ceil(16) + 2 * self.tree_op_blocks(shard))
+        Ok(2 * leaves + leaves.div_ceil(16) + self.tree_op_blocks(shard))
     }
 
     /// What the next commit may allocate in shard `shard`, which every other allocation

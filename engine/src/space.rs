@@ -31,6 +31,11 @@ use std::collections::{BTreeSet, VecDeque};
 pub const BLOCKS_PER_CHUNK: u64 = 4096;
 pub const CHUNK_BYTES: usize = (BLOCKS_PER_CHUNK / 8) as usize;
 
+/// The reserve of a shard is 2% of its region, at least this (or a quarter of a small
+/// region): removals need room to copy nodes before they free anything, and the half of the
+/// reserve that growing changes leave them must hold an unlink's worst case.
+pub const RESERVE_BLOCKS_MIN: u64 = 128;
+
 /// Why blocks are wanted; decides how much of the reserve may be used.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MetaNeed {
@@ -86,7 +91,8 @@ impl Space {
             busy_count: 0,
             hint: 0,
             dirty_chunks: BTreeSet::new(),
-            reserve_blocks: (region_blocks / 50).clamp(64.min(region_blocks / 4), 4096),
+            reserve_blocks: (region_blocks / 50)
+                .clamp(RESERVE_BLOCKS_MIN.min(region_blocks / 4), 4096),
             op_meta_blocks: 0,
             op_data_blocks: 0,
             op_active: false,

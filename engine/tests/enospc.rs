@@ -586,4 +586,27 @@ fn a_full_filesystem_keeps_committing_and_unmounts() {
     assert_eq!(fs.reservation_overrun_blocks(), 0);
     let mut fs = Filesystem::mount(fs.unmount().unwrap(), MountOptions::default()).unwrap();
     fs.check().unwrap();
+    // Full as it is, every file can be deleted: removals may use the reserve.
+    for (i, &dir) in dirs.iter().enumerate() {
+        let names: Vec<Vec<u8>> = {
+            let mut out = Vec::new();
+            let mut cookie = 0;
+            loop {
+                let batch = fs.readdir(dir, cookie, 256).unwrap();
+                let Some(last) = batch.last() else { break };
+                cookie = last.cookie;
+                out.extend(batch.into_iter().map(|e| e.name));
+            }
+            out
+        };
+        for name in names {
+            fs.unlink(dir, &name)
+                .unwrap_or_else(|e| panic!("unlink in d{i} of a full filesystem: {e}"));
+        }
+        let root = fs.root();
+        fs.rmdir(root, format!("d{i}").as_bytes()).unwrap();
+    }
+    assert_eq!(fs.statfs().inodes, 1);
+    fs.commit().unwrap();
+    fs.check().unwrap();
 }
