@@ -8,10 +8,14 @@
 //! synchronous I/O, which never sees a background completion.
 //!
 //! # Invariants
-//! - Foreground I/O never overlaps background I/O: before a foreground request is submitted,
-//!   every background request in flight completes (and is accounted). So a read never races
-//!   an in-place data write of a record, and a commit (which also drains explicitly) never
-//!   reorders with a record.
+//! - Ordering is by block, not by a global drain: a background write's bytes stay in memory
+//!   ([`DeviceMux::writing`]) from when it is queued until the device completes it, and a
+//!   foreground read of those blocks is answered from them, never from the device; a
+//!   foreground read or write of other blocks goes to the device at once, beside the
+//!   background I/O. A foreground write never overlaps a background write in flight (the
+//!   allocator never reuses a block a pending write targets: data frees are pinned until a
+//!   commit, and a commit drains), checked; a foreground flush still waits for every
+//!   background write (it must cover them). A commit drains the records explicitly.
 //! - A record's flush is submitted only after all of its writes completed, and those of every
 //!   write-back started before it, so the flush covers them (a write-back has no flush of its
 //!   own: its data is durable at the next one, which a record or commit referencing it waits
@@ -51,10 +55,19 @@ pub struct DeviceMux {
     inner: Box<dyn BlockDevice>,
     background: Vec<Completion>,
     background_in_flight: u32,
-    /// Background writes not submitted yet (the queue or the DMA pool was full): submitted
-    /// as room frees, and all of them before any foreground request. Bounded by what the
-    /// engine hands over at once (a record, or one commit's blocks).
-    backlog: VecDeque<(u64, u64, Run, bool)>,
+    /// The bytes of every background write queued or in flight, by first block: (blocks,
+    /// ticket token, the run's pieces). A foreground read of them is answered from here;
+    /// the backlog copies from here into DMA buffers as room frees.
+    writing: std::collections::BTreeMap<u64, (u64, u64, Vec<Vec<u8>>)>,
+    /// Background writes not yet completed, per ticket token (its blocks leave `writing`
+    /// when the count reaches 0).
+    writes_outstanding: std::collections::HashMap<u64, (u32, Vec<u64>)>,
+    /// Foreground reads answered from `writing`, handed out by the next poll or wait.
+    answered: Vec<Completion>,
+    /// Background writes not submitted yet (the queue or the DMA pool was full): (token,
+    /// lba, first block, fua), their bytes in `writing`; submitted in order as room frees.
+    /// Bounded by what the engine hands over at once (a record, or one commit's blocks).
+    backlog: VecDeque<(u64, u64, u64, bool)>,
     scratch: Vec<Completion>,
     /// Block buffers whose contents went to the device, for the next commit's nodes (at most
     /// [`SPARE_BLOCKS_MAX`]). Allocating them afresh each commit cost its pause a page fault
@@ -71,6 +84,9 @@ impl DeviceMux {
             inner,
             background: Vec::new(),
             background_in_flight: 0,
+            writing: Default::default(),
+            writes_outstanding: Default::default(),
+            answered: Vec::new(),
             backlog: VecDeque::new(),
             scratch: Vec::new(),
             spare_blocks: Vec::new(),
@@ -85,9 +101,13 @@ impl DeviceMux {
     /// Moves completions from the device, keeping background ones aside.
     fn route(&mut self, out: &mut Vec<Completion>) -> usize {
         let mut foreground = 0;
-        for mut c in self.scratch.drain(..) {
+        let mut scratch = std::mem::take(&mut self.scratch);
+        for mut c in scratch.drain(..) {
             if is_background(c.token) {
                 self.background_in_flight -= 1;
+                if c.token & 1 == 0 {
+                    self.write_done(c.token);
+                }
                 // Only the token and result matter from here: the buffer goes back to the
                 // pool now, for the backlog. Kept until the pipeline looked at the completion,
                 // a commit larger than the pool left a synchronous read draining the backlog
@@ -99,27 +119,145 @@ impl DeviceMux {
                 foreground += 1;
             }
         }
+        self.scratch = scratch;
         foreground
+    }
+
+    /// One write of `token`'s ticket completed: when it was the last, its bytes leave
+    /// [`DeviceMux::writing`] (their block buffers go to the spares).
+    fn write_done(&mut self, token: u64) {
+        let Some((left, _)) = self.writes_outstanding.get_mut(&token) else {
+            return;
+        };
+        *left -= 1;
+        if *left > 0 {
+            return;
+        }
+        let (_, blocks) = self
+            .writes_outstanding
+            .remove(&token)
+            .expect("looked up above");
+        for first in blocks {
+            if let Some((_, _, pieces)) = self.writing.remove(&first) {
+                for piece in pieces {
+                    if piece.len() == crate::format::BLOCK_BYTES
+                        && self.spare_blocks.len() < SPARE_BLOCKS_MAX
+                    {
+                        self.spare_blocks.push(piece);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The bytes of filesystem block `block` if a background write of it is queued or in
+    /// flight.
+    pub(crate) fn writing_block(&self, block: u64) -> Option<&[u8]> {
+        let (&first, (count, _, pieces)) = self.writing.range(..=block).next_back()?;
+        if block >= first + count {
+            return None;
+        }
+        let mut at = ((block - first) as usize) * crate::format::BLOCK_BYTES;
+        for piece in pieces {
+            if at < piece.len() {
+                return Some(&piece[at..at + crate::format::BLOCK_BYTES]);
+            }
+            at -= piece.len();
+        }
+        unreachable!("a run's pieces hold its blocks")
+    }
+
+    /// Tickets of the background writes (queued or in flight) overlapping blocks
+    /// `first..first + count`. Runs never overlap each other, and none is longer than the
+    /// largest I/O, so the runs starting within that much before `first` are all there is
+    /// to look at.
+    fn overlapping_writes(&self, first: u64, count: u64) -> Vec<u64> {
+        let end = first + count;
+        let reach =
+            (self.inner.info().max_io_bytes as u64 / crate::format::BLOCK_BYTES as u64).max(1);
+        let mut tokens: Vec<u64> = self
+            .writing
+            .range(first.saturating_sub(reach)..end)
+            .filter(|(&start, (n, _, _))| start + n > first)
+            .map(|(_, (_, token, _))| *token)
+            .collect();
+        tokens.sort_unstable();
+        tokens.dedup();
+        tokens
     }
 
     /// Waits until every background write is submitted and no background request is in
     /// flight (their completions are kept).
     fn drain_background(&mut self) -> std::result::Result<(), DevError> {
-        let mut none = Vec::new();
-        loop {
-            self.pump()?;
+        let mut foreground = Vec::new();
+        let result = loop {
+            if let Err(e) = self.pump() {
+                break Err(e);
+            }
             if self.background_in_flight == 0 {
                 if self.backlog.is_empty() {
-                    return Ok(());
+                    break Ok(());
                 }
                 // Nothing in flight to free a buffer or a slot, and still not submitted.
+                break Err(DevError::PoolExhausted);
+            }
+            if let Err(e) = self
+                .inner
+                .wait(&mut self.scratch, Duration::from_millis(100))
+            {
+                break Err(e);
+            }
+            self.route(&mut foreground);
+        };
+        self.answered.append(&mut foreground);
+        result
+    }
+
+    /// Submits a foreground request; when background I/O fills the queue, waits for some of
+    /// it to complete first (its completions are kept for the pipeline).
+    fn submit_foreground(&mut self, mut request: Request) -> std::result::Result<(), Rejected> {
+        loop {
+            match self.inner.submit(request) {
+                Err(Rejected {
+                    request: back,
+                    reason: DevError::QueueFull,
+                }) if self.background_in_flight > 0 => {
+                    request = back;
+                    let mut foreground = Vec::new();
+                    let waited = self
+                        .inner
+                        .wait(&mut self.scratch, Duration::from_millis(100));
+                    self.route(&mut foreground);
+                    self.answered.append(&mut foreground);
+                    if let Err(reason) = waited {
+                        return Err(Rejected { request, reason });
+                    }
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// Waits until the background writes of tickets `tokens` have all completed (their
+    /// completions are kept for the pipeline).
+    fn wait_for_writes(&mut self, tokens: &[u64]) -> std::result::Result<(), DevError> {
+        // Foreground requests submitted before this one may complete meanwhile: their
+        // completions wait in `answered` for their caller's next poll.
+        let mut foreground = Vec::new();
+        while tokens
+            .iter()
+            .any(|t| self.writes_outstanding.contains_key(t))
+        {
+            self.pump()?;
+            if self.background_in_flight == 0 {
                 return Err(DevError::PoolExhausted);
             }
             self.inner
                 .wait(&mut self.scratch, Duration::from_millis(100))?;
-            self.route(&mut none);
-            assert!(none.is_empty(), "no foreground request was in flight");
+            self.route(&mut foreground);
         }
+        self.answered.append(&mut foreground);
+        Ok(())
     }
 
     /// Queues a background write of `data` at `lba` and submits what fits now.
@@ -131,38 +269,62 @@ impl DeviceMux {
         fua: bool,
     ) -> std::result::Result<(), DevError> {
         assert!(is_background(token));
-        self.backlog.push_back((token, lba, run, fua));
+        let entry = self.writes_outstanding.entry(token).or_default();
+        entry.0 += 1;
+        entry.1.push(run.addr);
+        let (addr, blocks) = (
+            run.addr,
+            (run.len_bytes() / crate::format::BLOCK_BYTES) as u64,
+        );
+        let previous = self
+            .writing
+            .insert(addr, (blocks, token, run.into_pieces()));
+        assert!(
+            previous.is_none(),
+            "two background writes of block {addr} at once"
+        );
+        self.backlog.push_back((token, lba, addr, fua));
         self.pump()
     }
 
-    /// Submits queued background writes while the queue and the DMA pool have room.
+    /// Submits queued background writes while the queue and the DMA pool have room, leaving
+    /// a quarter of each to foreground I/O: a read that runs beside a commit's writes finds a
+    /// buffer and a slot instead of waiting for them.
     fn pump(&mut self) -> std::result::Result<(), DevError> {
-        while let Some((token, lba, run, fua)) = self.backlog.pop_front() {
-            let Some(mut buf) = self.inner.pool().alloc(run.len_bytes()) else {
-                self.backlog.push_front((token, lba, run, fua));
+        let pool_keep = self.inner.pool().buf_count() as usize / 4;
+        let slots = self.inner.info().queue_depth;
+        let slots_keep = slots / 4;
+        while let Some((token, lba, addr, fua)) = self.backlog.pop_front() {
+            if self.inner.pool().free_count() <= pool_keep
+                || self.background_in_flight >= slots - slots_keep
+            {
+                self.backlog.push_front((token, lba, addr, fua));
+                return Ok(());
+            }
+            let (blocks, _, pieces) = &self.writing[&addr];
+            let len = *blocks as usize * crate::format::BLOCK_BYTES;
+            let Some(mut buf) = self.inner.pool().alloc(len) else {
+                self.backlog.push_front((token, lba, addr, fua));
                 return Ok(());
             };
-            run.copy_to(buf.as_mut_slice());
+            let dst = buf.as_mut_slice();
+            let mut at = 0;
+            for piece in pieces {
+                dst[at..at + piece.len()].copy_from_slice(piece);
+                at += piece.len();
+            }
+            assert_eq!(at, len, "a run's pieces fill its buffer");
             let request = Request {
                 token,
                 op: Op::Write { lba, buf, fua },
             };
             match self.inner.submit(request) {
-                Ok(()) => {
-                    self.background_in_flight += 1;
-                    for piece in run.into_pieces() {
-                        if piece.len() == crate::format::BLOCK_BYTES
-                            && self.spare_blocks.len() < SPARE_BLOCKS_MAX
-                        {
-                            self.spare_blocks.push(piece);
-                        }
-                    }
-                }
+                Ok(()) => self.background_in_flight += 1,
                 Err(Rejected {
                     reason: DevError::QueueFull,
                     ..
                 }) => {
-                    self.backlog.push_front((token, lba, run, fua));
+                    self.backlog.push_front((token, lba, addr, fua));
                     return Ok(());
                 }
                 Err(rejected) => return Err(rejected.reason),
@@ -185,22 +347,23 @@ impl DeviceMux {
         &mut self,
         wait: Option<Duration>,
     ) -> std::result::Result<Vec<Completion>, DevError> {
-        let mut none = Vec::new();
+        // Foreground completions met here wait in `answered` for their caller's next poll.
+        let mut foreground = Vec::new();
         self.pump()?;
         if self.background_in_flight > 0 {
             self.inner.poll(&mut self.scratch)?;
-            self.route(&mut none);
+            self.route(&mut foreground);
             if let Some(timeout) = wait {
                 if self.background.is_empty() {
                     self.inner.wait(&mut self.scratch, timeout)?;
-                    self.route(&mut none);
+                    self.route(&mut foreground);
                 }
             }
             self.pump()?;
         } else if !self.backlog.is_empty() {
             return Err(DevError::PoolExhausted);
         }
-        assert!(none.is_empty(), "no foreground request was in flight");
+        self.answered.append(&mut foreground);
         Ok(std::mem::take(&mut self.background))
     }
 }
@@ -222,15 +385,74 @@ impl BlockDevice for DeviceMux {
             !is_background(request.token),
             "foreground tokens must not carry the background tag"
         );
-        if let Err(reason) = self.drain_background() {
-            return Err(Rejected { request, reason });
+        let lba_bytes = self.inner.info().lba_size_bytes as u64;
+        let block_bytes = crate::format::BLOCK_BYTES as u64;
+        let range = match &request.op {
+            Op::Read { lba, buf } | Op::Write { lba, buf, .. } => {
+                Some((lba * lba_bytes, buf.as_slice().len() as u64))
+            }
+            Op::WriteZeroes { lba, lbas } | Op::Deallocate { lba, lbas } => {
+                Some((lba * lba_bytes, *lbas as u64 * lba_bytes))
+            }
+            Op::Flush => None,
+        };
+        let Some((byte, bytes)) = range else {
+            // A flush covers every write completed before it: the background ones too.
+            if let Err(reason) = self.drain_background() {
+                return Err(Rejected { request, reason });
+            }
+            return self.inner.submit(request);
+        };
+        let (first, end) = (byte / block_bytes, (byte + bytes).div_ceil(block_bytes));
+        let overlapping = self.overlapping_writes(first, end - first);
+        if overlapping.is_empty() {
+            return self.submit_foreground(request);
         }
-        self.inner.submit(request)
+        let Request { token, op } = request;
+        match op {
+            // A read of blocks being written is answered with their bytes.
+            Op::Read { lba, mut buf }
+                if byte % block_bytes == 0
+                    && bytes % block_bytes == 0
+                    && (first..end).all(|b| self.writing_block(b).is_some()) =>
+            {
+                let dst = buf.as_mut_slice();
+                for (i, b) in (first..end).enumerate() {
+                    let at = i * crate::format::BLOCK_BYTES;
+                    dst[at..at + crate::format::BLOCK_BYTES]
+                        .copy_from_slice(self.writing_block(b).expect("checked"));
+                }
+                let _ = lba;
+                self.answered.push(Completion {
+                    token,
+                    kind: nvme::OpKind::Read,
+                    result: Ok(()),
+                    buf: Some(buf),
+                });
+                Ok(())
+            }
+            op => {
+                // Part of a read, or a write, over blocks a background write still holds:
+                // that write goes first (never expected for writes: the allocator does not
+                // reuse a block with a write pending).
+                debug_assert!(
+                    matches!(op, Op::Read { .. }),
+                    "a foreground write overlaps a background write in flight"
+                );
+                let request = Request { token, op };
+                if let Err(reason) = self.wait_for_writes(&overlapping) {
+                    return Err(Rejected { request, reason });
+                }
+                self.submit_foreground(request)
+            }
+        }
     }
 
     fn poll(&mut self, out: &mut Vec<Completion>) -> std::result::Result<usize, DevError> {
+        let answered = self.answered.len();
+        out.append(&mut self.answered);
         self.inner.poll(&mut self.scratch)?;
-        Ok(self.route(out))
+        Ok(answered + self.route(out))
     }
 
     fn wait(
@@ -238,6 +460,9 @@ impl BlockDevice for DeviceMux {
         out: &mut Vec<Completion>,
         timeout: Duration,
     ) -> std::result::Result<usize, DevError> {
+        if !self.answered.is_empty() {
+            return self.poll(out);
+        }
         let deadline = Instant::now() + timeout;
         loop {
             let now = Instant::now();
@@ -251,7 +476,7 @@ impl BlockDevice for DeviceMux {
     }
 
     fn in_flight(&self) -> u32 {
-        self.inner.in_flight() - self.background_in_flight
+        self.inner.in_flight() - self.background_in_flight + self.answered.len() as u32
     }
 
     fn signal_completions_to(&mut self, eventfd: std::os::fd::RawFd) -> bool {
@@ -562,5 +787,141 @@ impl Filesystem {
     /// Records in flight.
     pub fn log_in_flight(&self) -> usize {
         self.log.pipeline.in_flight.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The mux's ordering by block, against a device that holds background writes back until
+    //! released: nothing here depends on timing.
+    use super::*;
+    use crate::format::BLOCK_BYTES;
+    use nvme::backend::mem::{MemConfig, MemDevice};
+    use nvme::OpKind;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    /// Passes everything to a memory device except writes, which it keeps (unsubmitted, so
+    /// the device still holds the old bytes) until `released` is set.
+    struct HoldWrites {
+        inner: MemDevice,
+        held: Vec<Request>,
+        released: Arc<AtomicBool>,
+        waits: u32,
+    }
+
+    impl HoldWrites {
+        fn release_if_told(&mut self) {
+            if self.released.load(Ordering::Relaxed) {
+                for request in self.held.drain(..) {
+                    self.inner
+                        .submit(request)
+                        .expect("room for a released write");
+                }
+            }
+        }
+    }
+
+    impl BlockDevice for HoldWrites {
+        fn info(&self) -> &DeviceInfo {
+            self.inner.info()
+        }
+        fn pool(&self) -> &DmaPool {
+            self.inner.pool()
+        }
+        fn submit(&mut self, request: Request) -> std::result::Result<(), Rejected> {
+            if matches!(request.op, Op::Write { .. }) {
+                self.held.push(request);
+                return Ok(());
+            }
+            self.inner.submit(request)
+        }
+        fn poll(&mut self, out: &mut Vec<Completion>) -> std::result::Result<usize, DevError> {
+            self.release_if_told();
+            self.inner.poll(out)
+        }
+        fn wait(
+            &mut self,
+            out: &mut Vec<Completion>,
+            _timeout: Duration,
+        ) -> std::result::Result<usize, DevError> {
+            // A wait is what a drain does: held writes stay held (the wait returns what the
+            // device has), and a mux that keeps waiting for them is the failure under test.
+            self.waits += 1;
+            assert!(
+                self.waits < 100 || self.released.load(Ordering::Relaxed),
+                "the mux waits for a held background write"
+            );
+            self.poll(out)
+        }
+        fn in_flight(&self) -> u32 {
+            self.inner.in_flight() + self.held.len() as u32
+        }
+    }
+
+    fn mux() -> (DeviceMux, Arc<AtomicBool>) {
+        let inner = MemDevice::new(MemConfig {
+            capacity_bytes: 16 << 20,
+            ..MemConfig::default()
+        })
+        .expect("memory device");
+        let released = Arc::new(AtomicBool::new(false));
+        let dev = HoldWrites {
+            inner,
+            held: Vec::new(),
+            released: released.clone(),
+            waits: 0,
+        };
+        (DeviceMux::new(Box::new(dev)), released)
+    }
+
+    fn read(mux: &mut DeviceMux, token: u64, block: u64) -> Vec<u8> {
+        let buf = mux.pool().alloc(BLOCK_BYTES).expect("a buffer");
+        let lba = block_lba(mux, block);
+        mux.submit(Request {
+            token,
+            op: Op::Read { lba, buf },
+        })
+        .expect("read submitted");
+        let mut out = Vec::new();
+        mux.poll(&mut out).expect("poll");
+        assert_eq!(out.len(), 1, "the read completed without the held write");
+        let c = out.pop().expect("one");
+        assert_eq!((c.token, c.kind), (token, OpKind::Read));
+        c.result.expect("read ok");
+        c.buf.expect("read buffer").as_slice().to_vec()
+    }
+
+    #[test]
+    fn reads_beside_a_background_write_never_wait_for_it_and_see_its_bytes() {
+        let (mut mux, released) = mux();
+        let token = BACKGROUND | 7 << 1;
+        let blocks = vec![(10, vec![0xAB; BLOCK_BYTES]), (11, vec![0xCD; BLOCK_BYTES])];
+        let mut runs = crate::commit::coalesce(&mux, blocks);
+        assert_eq!(runs.len(), 1, "neighbours make one run");
+        let run = runs.pop().expect("one run");
+        let lba = block_lba(&mux, 10);
+        mux.queue_background_write(token, lba, run, false)
+            .expect("queued");
+        assert!(mux.writes_outstanding.contains_key(&token));
+
+        // Another block: the device answers while the write is held.
+        assert_eq!(read(&mut mux, 1, 20), vec![0; BLOCK_BYTES]);
+        assert!(
+            mux.writes_outstanding.contains_key(&token),
+            "a read of another block drained the background write"
+        );
+        // The blocks being written: their new bytes, not the device's old ones.
+        assert_eq!(read(&mut mux, 2, 10), vec![0xAB; BLOCK_BYTES]);
+        assert_eq!(read(&mut mux, 3, 11), vec![0xCD; BLOCK_BYTES]);
+        assert!(mux.writes_outstanding.contains_key(&token));
+
+        // Once the device completes the write, its bytes leave memory and reads go to the
+        // device, which now has them.
+        released.store(true, Ordering::Relaxed);
+        let done = mux.poll_background(None).expect("background poll");
+        assert!(done.iter().any(|c| c.token == token && c.result.is_ok()));
+        assert!(mux.writing.is_empty() && mux.writes_outstanding.is_empty());
+        assert_eq!(read(&mut mux, 4, 11), vec![0xCD; BLOCK_BYTES]);
     }
 }
