@@ -670,7 +670,7 @@ fn main() -> ExitCode {
                 println!(
                     "sim: {seeds} seeds, 0 violations: {} batches, {} fsyncs acknowledged, {} failed under \
                      {} injected device errors ({} runs failed stop), {} reads verified, {} reads \
-                     failed (detected), {} crash states checked, {:.1} s",
+                     failed (detected), {} rewrites acknowledged, {} crash states checked, {:.1} s",
                     total.batches,
                     total.fsyncs_acknowledged,
                     total.fsyncs_failed,
@@ -678,6 +678,7 @@ fn main() -> ExitCode {
                     total.runs_failed_stop,
                     total.reads_verified,
                     total.reads_failed,
+                    total.rewrites_acknowledged,
                     total.crash_states,
                     started.elapsed().as_secs_f64()
                 );

@@ -482,9 +482,12 @@ impl Filesystem {
     /// (they may be reused from now on) and trims the metadata cache. Returns the blocks
     /// unpinned; a no-op when nothing is pending.
     pub fn complete_commit(&mut self) -> u64 {
-        let Some(generation) = self.unpin_pending.take() else {
+        let Some(generation) = self.unpin_pending else {
             return 0;
         };
+        // A read in flight may have been planned against a block this generation freed.
+        self.finish_reads_through(generation);
+        self.unpin_pending = None;
         let started = Instant::now();
         let mut unpinned = 0;
         for shard in self.shards.iter_mut().flatten() {

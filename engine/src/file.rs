@@ -49,16 +49,17 @@ pub fn rw_len(offset: u64, len: usize) -> Result<usize> {
     Ok(len.min(MAX_RW_BYTES))
 }
 
-/// A device read one request of [`Filesystem::read_many`] waits for: `count` blocks at `disk`
-/// (verified against `crcs`), whose bytes `src` go to the request's output bytes `dst`.
-struct ReadPiece {
-    request: usize,
-    ino: u64,
-    disk: u64,
-    count: u64,
-    crcs: Vec<u32>,
-    src: std::ops::Range<usize>,
-    dst: std::ops::Range<usize>,
+/// A device read one request of a read set ([`crate::reads`]) waits for: `count` blocks at
+/// `disk` (verified against `crcs`), whose bytes `src` go to the request's output bytes
+/// `dst`.
+pub(crate) struct ReadPiece {
+    pub request: usize,
+    pub ino: u64,
+    pub disk: u64,
+    pub count: u64,
+    pub crcs: Vec<u32>,
+    pub src: std::ops::Range<usize>,
+    pub dst: std::ops::Range<usize>,
 }
 
 /// fallocate(2) modes.
@@ -221,80 +222,10 @@ impl Filesystem {
             .expect("one result per request")
     }
 
-    /// Several reads at once, each as [`Filesystem::read`] would return it: every request's
-    /// extents are mapped first (metadata comes from the node cache or a synchronous read),
-    /// blocks held in memory are copied, and the data blocks left to fetch are read from the
-    /// device with all of them in flight together ([`crate::commit::read_runs`]), so a reactor
-    /// draining 32 queued reads waits for about one device read instead of 32 in a row. Each
-    /// fetched block is verified against its extent's crc before it is returned or cached;
-    /// a request that fails (bad inode, corrupt block) fails alone, a device error fails
-    /// every request still waiting for the device and makes the filesystem fail-stop.
-    pub fn read_many(&mut self, requests: &[(u64, u64, usize)]) -> Vec<Result<Vec<u8>>> {
-        let mut pieces: Vec<ReadPiece> = Vec::new();
-        let mut outs: Vec<Result<Vec<u8>>> = Vec::with_capacity(requests.len());
-        for (index, &(ino, offset, len)) in requests.iter().enumerate() {
-            let mut mine = Vec::new();
-            let planned = self.plan_read(index, ino, offset, len, &mut mine);
-            if planned.is_ok() {
-                pieces.append(&mut mine);
-            }
-            outs.push(planned);
-        }
-        if pieces.is_empty() {
-            return outs;
-        }
-        let runs: Vec<(u64, u64)> = pieces.iter().map(|p| (p.disk, p.count)).collect();
-        let fetched = match crate::commit::read_runs(&mut *self.dev, &runs) {
-            Ok(fetched) => fetched,
-            Err(e) => {
-                if let EngineError::Device(d) = &e {
-                    self.failed.get_or_insert(EngineError::Device(d.clone()));
-                }
-                for piece in &pieces {
-                    outs[piece.request] = Err(e.clone());
-                }
-                return outs;
-            }
-        };
-        for (piece, data) in pieces.into_iter().zip(fetched) {
-            assert_eq!(
-                data.len() as u64,
-                piece.count * BLOCK,
-                "read_runs returns whole runs"
-            );
-            if outs[piece.request].is_err() {
-                continue;
-            }
-            let mut bad = None;
-            for (i, block) in data.chunks(BLOCK_BYTES).enumerate() {
-                let crc = crc32c::crc32c(block);
-                if crc == piece.crcs[i] {
-                    self.block_cache.insert(piece.disk + i as u64, block);
-                } else {
-                    bad = Some(EngineError::corrupt(
-                        "data block",
-                        piece.disk + i as u64,
-                        format!(
-                            "checksum mismatch in inode {} (stored {:#010x}, computed {crc:#010x})",
-                            piece.ino, piece.crcs[i]
-                        ),
-                    ));
-                    break;
-                }
-            }
-            match (bad, &mut outs[piece.request]) {
-                (Some(e), out) => *out = Err(e),
-                (None, Ok(out)) => out[piece.dst].copy_from_slice(&data[piece.src]),
-                (None, Err(_)) => unreachable!("checked above"),
-            }
-        }
-        outs
-    }
-
-    /// The first half of [`Filesystem::read_many`] for one request: its output buffer with
+    /// The first half of a read ([`crate::reads`]) for one request: its output buffer with
     /// holes, preallocated ranges and in-memory blocks filled in, and the device reads it
     /// still needs pushed to `pieces`.
-    fn plan_read(
+    pub(crate) fn plan_read(
         &mut self,
         request: usize,
         ino: u64,

@@ -154,6 +154,8 @@ pub struct Filesystem {
     pub(crate) op: OpState,
     /// Holds per inode ([`Filesystem::hold`]): open files, kernel references.
     pub(crate) inode_holds: std::collections::HashMap<u64, u32>,
+    /// Data reads whose device I/O is in flight ([`crate::reads`]).
+    pub(crate) reads: crate::reads::Reads,
 }
 
 /// What [`Filesystem::run_op`] keeps about the operation in progress.
@@ -472,6 +474,7 @@ impl Filesystem {
             commit_in_flight: None,
             op: OpState::default(),
             inode_holds: Default::default(),
+            reads: Default::default(),
         };
         // Records written after the last super-commit are applied and committed here: the only
         // time mount writes. Replay may use every free block, as a commit does: it redoes
@@ -925,6 +928,7 @@ impl Filesystem {
         }
         // A failed filesystem may still have log I/O in flight: let it finish, errors and all.
         let _ = self.drain_log();
+        self.finish_reads_through(u64::MAX);
         Ok(self.dev.into_inner())
     }
 }

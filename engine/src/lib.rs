@@ -43,6 +43,7 @@ pub mod log;
 #[doc(hidden)]
 pub mod mutation;
 pub mod partition;
+pub mod reads;
 pub mod refs;
 pub mod space;
 pub mod tree;
@@ -57,5 +58,7 @@ pub use error::{EngineError, Result};
 pub use file::FallocateMode;
 pub use fs::{Filesystem, MkfsOptions, MountOptions};
 pub use inode::{SetAttr, Stat};
+pub use log::inflight::DeviceWaitStats;
 pub use log::LogStats;
+pub use reads::{ReadResult, ReadStart, ReadStats};
 pub use xattr::XattrFlags;

@@ -90,6 +90,9 @@ impl Filesystem {
     /// Shards not held here are skipped.
     pub fn take_shards(&mut self, ids: &[u32]) -> Result<Lent> {
         self.drain_log()?;
+        // Reads in flight finish here: the engine that takes the shards may free and reuse
+        // the blocks they read (their results wait for this engine's caller).
+        self.finish_reads_through(u64::MAX);
         // Unpinning is per engine and in generation order: the last commit's frees are
         // unpinned before a shard leaves, so none is left pinned for an engine that never
         // unpins that generation.
@@ -228,6 +231,7 @@ impl Filesystem {
             commit_in_flight: None,
             op: Default::default(),
             inode_holds: Default::default(),
+            reads: Default::default(),
         };
         fs.put_shards(lent);
         // The mount's metadata cache budget is shared out by shards held.

@@ -780,6 +780,12 @@ pub(crate) struct Reactor {
     /// Every request taken into a batch and not yet answered or handed on: what a failed
     /// reactor answers ([`crate::owed`]).
     owed: Owed,
+    /// Reads whose device I/O is in flight, by the engine's read set: answered from
+    /// [`Filesystem::read_progress`] while the reactor serves other requests. Bounded by the
+    /// requests owed.
+    parked_reads: std::collections::HashMap<u64, Vec<Request>>,
+    /// When the loop last looked at its queues, and the longest it went without looking.
+    last_look: Option<Instant>,
     /// Test hook: panic when the next request runs ([`Runtime::panic_on_next_request`]).
     #[cfg(any(test, feature = "test-hooks"))]
     panic_next: Arc<AtomicBool>,
@@ -830,6 +836,7 @@ fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, config: &Config)
     tracing::debug!(device_rings, "reactor doorbell");
     reactor.stats.device_ring_reactors = device_rings as u64;
     loop {
+        reactor.looked();
         if router.failure().is_some() {
             return Ran::Failed;
         }
@@ -958,8 +965,8 @@ fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, config: &Config)
             }
         }
     }
-    // Every fsync waiter goes before the reactor does.
-    while !reactor.pending.is_empty() {
+    // Every fsync waiter and every read goes before the reactor does.
+    while !reactor.pending.is_empty() || !reactor.parked_reads.is_empty() {
         if router.failure().is_some() {
             return Ran::Failed;
         }
@@ -1021,6 +1028,8 @@ impl Reactor {
             multi: None,
             commit_waiters: Vec::new(),
             owed: Owed::default(),
+            parked_reads: Default::default(),
+            last_look: None,
             #[cfg(any(test, feature = "test-hooks"))]
             panic_next: Arc::new(AtomicBool::new(false)),
         }
@@ -1058,7 +1067,43 @@ impl Reactor {
     /// Something waits for the device: background writes or flushes in flight (records,
     /// this reactor's commit).
     fn waiting_on_device(&self) -> bool {
-        self.fs.device_busy()
+        self.fs.device_busy() || !self.parked_reads.is_empty()
+    }
+
+    /// Notes that the loop looks at its queues now: the longest gap between two looks is the
+    /// longest any request waited for the reactor's attention.
+    fn looked(&mut self) {
+        let now = Instant::now();
+        if let Some(last) = self.last_look {
+            let gap = now.duration_since(last).as_nanos() as u64;
+            self.stats.loop_gap_ns_max = self.stats.loop_gap_ns_max.max(gap);
+        }
+        self.last_look = Some(now);
+    }
+
+    /// Answers the parked reads whose device I/O finished; with `wait`, sleeps up to that
+    /// long for the device when none has.
+    fn collect_reads(&mut self, wait: Option<Duration>) {
+        if self.parked_reads.is_empty() {
+            return;
+        }
+        let mut done = Vec::new();
+        for (set, results) in self.fs.read_progress(wait) {
+            let Some(requests) = self.parked_reads.remove(&set) else {
+                // A set the engine finished for someone else (a synchronous read).
+                continue;
+            };
+            for (request, result) in requests.into_iter().zip(results) {
+                done.push((
+                    request.reply,
+                    Completion {
+                        token: request.token,
+                        result: result.map(Reply::Data),
+                    },
+                ));
+            }
+        }
+        self.deliver(done);
     }
 
     /// Unmounts (commits unless the filesystem failed) and gives the device back.
@@ -1069,7 +1114,9 @@ impl Reactor {
     pub(crate) fn tick(&mut self) {
         // Unpin the last commit's frees (after its waiters went), then start or ask for the
         // next commit when one is due or waited for.
-        if self.fs.commit_in_flight().is_none() {
+        // A read in flight may still need blocks the commit freed: the unpin waits for it
+        // rather than the reactor.
+        if self.fs.commit_in_flight().is_none() && !self.fs.unpin_waits_for_reads() {
             self.fs.complete_commit();
         }
         self.drive_commits();
@@ -1183,6 +1230,8 @@ impl Reactor {
         s.commit = self.fs.commit_stats();
         s.log = self.fs.log_stats();
         s.unpinned_blocks_last = s.commit.last_unpinned_blocks;
+        s.reads = self.fs.read_stats();
+        s.device_waits = self.fs.device_wait_stats();
         s
     }
 
@@ -1553,6 +1602,13 @@ impl Reactor {
 
     /// Waits for records in flight (up to `wait`) and delivers the waiters they release.
     pub(crate) fn poll_durable(&mut self, wait: Option<Duration>) {
+        // Reads are what the reactor sleeps on when nothing else is on the device.
+        let read_wait = if self.pending.is_empty() && !self.fs.device_busy() {
+            wait
+        } else {
+            None
+        };
+        self.collect_reads(read_wait);
         let mut done = Vec::new();
         // The commit's I/O shares the device pipeline with the records: one wait serves both.
         let commit_wait = if self.pending.is_empty() { wait } else { None };
@@ -1568,25 +1624,13 @@ impl Reactor {
         }
     }
 
-    /// Runs the queued reads: one alone as any operation, several through
-    /// [`Filesystem::read_many`].
+    /// Starts the queued reads together ([`Filesystem::read_start`]): answered now when
+    /// memory held everything, parked until their device reads complete otherwise.
     fn run_reads(
         &mut self,
         reads: &mut Vec<Request>,
         done: &mut Vec<(Arc<ReplyQueue>, Completion)>,
     ) {
-        if reads.len() == 1 {
-            let request = reads.pop().expect("one read");
-            let result = self.execute(request.op);
-            done.push((
-                request.reply,
-                Completion {
-                    token: request.token,
-                    result,
-                },
-            ));
-            return;
-        }
         if reads.is_empty() {
             return;
         }
@@ -1598,7 +1642,13 @@ impl Reactor {
             })
             .collect();
         self.stats.read_groups += 1;
-        let results = self.fs.read_many(&wanted);
+        let results = match self.fs.read_start(&wanted) {
+            engine::ReadStart::Done(results) => results,
+            engine::ReadStart::Pending(set) => {
+                self.parked_reads.insert(set, std::mem::take(reads));
+                return;
+            }
+        };
         for (request, result) in reads.drain(..).zip(results) {
             done.push((
                 request.reply,

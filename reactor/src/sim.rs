@@ -63,6 +63,8 @@ pub struct SimOutcome {
     /// failed with an error (a detected fault); a read returning other bytes is a violation.
     pub reads_verified: u64,
     pub reads_failed: u64,
+    /// Rewrites of acknowledged blocks (same bytes, new blocks) whose fsync was acknowledged.
+    pub rewrites_acknowledged: u64,
     /// One-shot device errors armed (each fails the next read, write or flush).
     pub faults_armed: u64,
     pub failed_stop: bool,
@@ -79,6 +81,7 @@ impl SimOutcome {
         self.fsyncs_failed += run.fsyncs_failed;
         self.reads_verified += run.reads_verified;
         self.reads_failed += run.reads_failed;
+        self.rewrites_acknowledged += run.rewrites_acknowledged;
         self.faults_armed += run.faults_armed;
         self.failed_stop |= run.failed_stop;
         self.crash_states += run.crash_states;
@@ -126,7 +129,10 @@ struct SimClient {
 /// (recorded I/O length when observed, client, file, blocks durable)
 type Ack = (usize, usize, usize, u64);
 
-fn step_reactor(reactor: &mut Reactor, shared: &Shared, batch_max: usize) -> bool {
+/// One scheduler step of the reactor: a batch, then (with `tick`) its timers and the device
+/// (reads parked on it are answered there); without, parked reads stay parked across steps
+/// and resume at a later one, in whatever order the scheduler reaches them.
+fn step_reactor(reactor: &mut Reactor, shared: &Shared, batch_max: usize, tick: bool) -> bool {
     let mut batch: Vec<Request> = Vec::new();
     while batch.len() < batch_max {
         match shared.requests.pop() {
@@ -140,7 +146,9 @@ fn step_reactor(reactor: &mut Reactor, shared: &Shared, batch_max: usize) -> boo
         return had;
     }
     reactor.run_batch(&mut batch);
-    reactor.tick();
+    if tick {
+        reactor.tick();
+    }
     true
 }
 
@@ -212,7 +220,7 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
     for sc in clients.iter_mut() {
         let mut done = Vec::new();
         while done.len() < FILES {
-            step_reactor(&mut reactor, &shared, 64);
+            step_reactor(&mut reactor, &shared, 64, true);
             sc.client.poll(&mut done);
         }
         done.sort_by_key(|c| c.token);
@@ -256,6 +264,25 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
                     sc.in_flight = Some((f, index));
                     continue;
                 }
+                if sc.written[f] > 0 && rng.random_range(0..4) == 0 {
+                    // Rewrite an acknowledged block with its own bytes and fsync: the copy
+                    // frees its old block (pinned) while other clients' reads may be in
+                    // flight on theirs; the commit that follows unpins.
+                    let index = rng.random_range(0..sc.written[f]);
+                    let ino = sc.inos[f];
+                    let write = Op::Write {
+                        ino,
+                        offset: index * BLOCK as u64,
+                        data: block(c, f, index),
+                    };
+                    sc.client
+                        .submit(write, 4)
+                        .and_then(|()| sc.client.submit(Op::Fsync { ino }, 5))
+                        .map_err(|e| fail(format!("submit: {e:?}")))?;
+                    sc.in_flight = Some((f, index));
+                    sc.write_ok = false;
+                    continue;
+                }
                 let index = sc.written[f];
                 let ino = sc.inos[f];
                 let write = Op::Write {
@@ -278,7 +305,8 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
             // The reactor runs a batch (or polls its records in flight).
             45..=84 => {
                 let batch_max = rng.random_range(1..=16);
-                if step_reactor(&mut reactor, &shared, batch_max) {
+                let tick = rng.random_bool(0.7);
+                if step_reactor(&mut reactor, &shared, batch_max, tick) {
                     outcome.batches += 1;
                 }
             }
@@ -301,7 +329,7 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
         if clients.iter().all(|sc| sc.in_flight.is_none()) {
             break;
         }
-        step_reactor(&mut reactor, &shared, 64);
+        step_reactor(&mut reactor, &shared, 64, true);
         for (c, sc) in clients.iter_mut().enumerate() {
             collect(c, sc, &mut completions, &log, &mut acks, &mut outcome)?;
         }
@@ -324,7 +352,7 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
         r.map_err(|e| fail(format!("submit: {e:?}")))?;
         let mut done = Vec::new();
         while done.is_empty() {
-            step_reactor(&mut reactor, &shared, 64);
+            step_reactor(&mut reactor, &shared, 64, true);
             sc.client.poll(&mut done);
         }
         if done[0].result.is_ok() {
@@ -415,6 +443,21 @@ fn collect(
             }
             (3, Err(_)) => {
                 outcome.reads_failed += 1;
+                sc.in_flight = None;
+            }
+            (4, result) => sc.write_ok = result.is_ok(),
+            (5, Ok(_)) if sc.write_ok => {
+                outcome.rewrites_acknowledged += 1;
+                sc.in_flight = None;
+            }
+            (5, Ok(_)) => {
+                return Err(format!(
+                    "client {c}: an fsync succeeded after its rewrite failed"
+                ))
+            }
+            (5, Err(_)) => {
+                outcome.fsyncs_failed += 1;
+                sc.stopped = true;
                 sc.in_flight = None;
             }
             (token, result) => {

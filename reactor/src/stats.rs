@@ -56,6 +56,13 @@ pub struct ReactorStats {
     pub log: LogStats,
     /// Blocks the last commit unpinned after SuperCommitted.
     pub unpinned_blocks_last: u64,
+    /// Reads whose device I/O ran while the reactor served other requests.
+    pub reads: engine::ReadStats,
+    /// Time operations spent waiting for the device synchronously (metadata cache misses,
+    /// drains before a flush): the reactor served no one meanwhile.
+    pub device_waits: engine::DeviceWaitStats,
+    /// The longest the loop went without looking at its request queue.
+    pub loop_gap_ns_max: u64,
 }
 
 impl ReactorStats {

@@ -41,10 +41,29 @@ use std::time::{Duration, Instant};
 /// The top 16 bits of a background request's token; the rest is `ticket << 1 | is_flush`.
 /// Foreground tokens (block addresses, indices, `run_sync`'s `u64::MAX`) never have them.
 const BACKGROUND: u64 = 0xB10C << 48;
-const TAG_MASK: u64 = 0xFFFF << 48;
+pub(crate) const TAG_MASK: u64 = 0xFFFF << 48;
 
 fn is_background(token: u64) -> bool {
     token & TAG_MASK == BACKGROUND
+}
+
+/// The top 16 bits of an asynchronous data read's token ([`crate::reads`]); the rest is the
+/// read's own number. Their completions go to [`DeviceMux::poll_reads`] only, so no
+/// synchronous path ever meets one.
+pub(crate) const READ: u64 = 0xAEAD << 48;
+
+pub(crate) fn is_read(token: u64) -> bool {
+    token & TAG_MASK == READ
+}
+
+/// Time spent waiting for the device inside an operation: every synchronous wait of the
+/// engine's (a metadata read that missed the cache, a drain before a flush, room in a full
+/// queue). An asynchronous engine keeps these at zero on its hot paths.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceWaitStats {
+    pub waits: u64,
+    pub wait_ns_total: u64,
+    pub wait_ns_max: u64,
 }
 
 /// Records in flight at once.
@@ -64,6 +83,12 @@ pub struct DeviceMux {
     writes_outstanding: std::collections::HashMap<u64, (u32, Vec<u64>)>,
     /// Foreground reads answered from `writing`, handed out by the next poll or wait.
     answered: Vec<Completion>,
+    /// Asynchronous data reads ([`READ`] tokens) submitted and not completed, and the
+    /// completed ones (from the device or answered from `writing`) not handed out yet.
+    reads_in_flight: u32,
+    reads_done: Vec<Completion>,
+    /// Synchronous waits for the device.
+    pub(crate) waits: DeviceWaitStats,
     /// Background writes not submitted yet (the queue or the DMA pool was full): (token,
     /// lba, first block, fua), their bytes in `writing`; submitted in order as room frees.
     /// Bounded by what the engine hands over at once (a record, or one commit's blocks).
@@ -87,6 +112,9 @@ impl DeviceMux {
             writing: Default::default(),
             writes_outstanding: Default::default(),
             answered: Vec::new(),
+            reads_in_flight: 0,
+            reads_done: Vec::new(),
+            waits: DeviceWaitStats::default(),
             backlog: VecDeque::new(),
             scratch: Vec::new(),
             spare_blocks: Vec::new(),
@@ -114,6 +142,9 @@ impl DeviceMux {
                 // with every buffer held by finished writes: PoolExhausted, fail-stop.
                 c.buf = None;
                 self.background.push(c);
+            } else if is_read(c.token) {
+                self.reads_in_flight -= 1;
+                self.reads_done.push(c);
             } else {
                 out.push(c);
                 foreground += 1;
@@ -186,6 +217,17 @@ impl DeviceMux {
         tokens
     }
 
+    /// A synchronous wait for the device, counted in [`DeviceMux::waits`].
+    fn wait_inner(&mut self, timeout: Duration) -> std::result::Result<usize, DevError> {
+        let started = Instant::now();
+        let result = self.inner.wait(&mut self.scratch, timeout);
+        let ns = started.elapsed().as_nanos() as u64;
+        self.waits.waits += 1;
+        self.waits.wait_ns_total += ns;
+        self.waits.wait_ns_max = self.waits.wait_ns_max.max(ns);
+        result
+    }
+
     /// Waits until every background write is submitted and no background request is in
     /// flight (their completions are kept).
     fn drain_background(&mut self) -> std::result::Result<(), DevError> {
@@ -201,10 +243,7 @@ impl DeviceMux {
                 // Nothing in flight to free a buffer or a slot, and still not submitted.
                 break Err(DevError::PoolExhausted);
             }
-            if let Err(e) = self
-                .inner
-                .wait(&mut self.scratch, Duration::from_millis(100))
-            {
+            if let Err(e) = self.wait_inner(Duration::from_millis(100)) {
                 break Err(e);
             }
             self.route(&mut foreground);
@@ -221,12 +260,10 @@ impl DeviceMux {
                 Err(Rejected {
                     request: back,
                     reason: DevError::QueueFull,
-                }) if self.background_in_flight > 0 => {
+                }) if self.background_in_flight + self.reads_in_flight > 0 => {
                     request = back;
                     let mut foreground = Vec::new();
-                    let waited = self
-                        .inner
-                        .wait(&mut self.scratch, Duration::from_millis(100));
+                    let waited = self.wait_inner(Duration::from_millis(100));
                     self.route(&mut foreground);
                     self.answered.append(&mut foreground);
                     if let Err(reason) = waited {
@@ -252,12 +289,134 @@ impl DeviceMux {
             if self.background_in_flight == 0 {
                 return Err(DevError::PoolExhausted);
             }
-            self.inner
-                .wait(&mut self.scratch, Duration::from_millis(100))?;
+            self.wait_inner(Duration::from_millis(100))?;
             self.route(&mut foreground);
         }
         self.answered.append(&mut foreground);
         Ok(())
+    }
+
+    /// Submits a foreground or asynchronous-read request in block order with the background
+    /// writes: a read of blocks being written is answered with their bytes, a request
+    /// overlapping one waits for it, anything else goes to the device at once.
+    fn submit_ordered(&mut self, request: Request) -> std::result::Result<(), Rejected> {
+        let lba_bytes = self.inner.info().lba_size_bytes as u64;
+        let block_bytes = crate::format::BLOCK_BYTES as u64;
+        let range = match &request.op {
+            Op::Read { lba, buf } | Op::Write { lba, buf, .. } => {
+                Some((lba * lba_bytes, buf.as_slice().len() as u64))
+            }
+            Op::WriteZeroes { lba, lbas } | Op::Deallocate { lba, lbas } => {
+                Some((lba * lba_bytes, *lbas as u64 * lba_bytes))
+            }
+            Op::Flush => None,
+        };
+        let Some((byte, bytes)) = range else {
+            // A flush covers every write completed before it: the background ones too.
+            if let Err(reason) = self.drain_background() {
+                return Err(Rejected { request, reason });
+            }
+            return self.inner.submit(request);
+        };
+        let (first, end) = (byte / block_bytes, (byte + bytes).div_ceil(block_bytes));
+        let overlapping = self.overlapping_writes(first, end - first);
+        if overlapping.is_empty() {
+            return self.submit_to_device(request);
+        }
+        let Request { token, op } = request;
+        match op {
+            // A read of blocks being written is answered with their bytes.
+            Op::Read { lba, mut buf }
+                if byte % block_bytes == 0
+                    && bytes % block_bytes == 0
+                    && (first..end).all(|b| self.writing_block(b).is_some()) =>
+            {
+                let dst = buf.as_mut_slice();
+                for (i, b) in (first..end).enumerate() {
+                    let at = i * crate::format::BLOCK_BYTES;
+                    dst[at..at + crate::format::BLOCK_BYTES]
+                        .copy_from_slice(self.writing_block(b).expect("checked"));
+                }
+                let _ = lba;
+                let completion = Completion {
+                    token,
+                    kind: nvme::OpKind::Read,
+                    result: Ok(()),
+                    buf: Some(buf),
+                };
+                if is_read(token) {
+                    self.reads_done.push(completion);
+                } else {
+                    self.answered.push(completion);
+                }
+                Ok(())
+            }
+            op => {
+                // Part of a read, or a write, over blocks a background write still holds:
+                // that write goes first (never expected for writes: the allocator does not
+                // reuse a block with a write pending).
+                debug_assert!(
+                    matches!(op, Op::Read { .. }),
+                    "a foreground write overlaps a background write in flight"
+                );
+                let request = Request { token, op };
+                if let Err(reason) = self.wait_for_writes(&overlapping) {
+                    return Err(Rejected { request, reason });
+                }
+                self.submit_to_device(request)
+            }
+        }
+    }
+
+    /// Hands a request to the device: a synchronous one waits for room when background I/O
+    /// fills the queue; an asynchronous read is handed back instead (its owner retries once
+    /// completions free room).
+    fn submit_to_device(&mut self, request: Request) -> std::result::Result<(), Rejected> {
+        if !is_read(request.token) {
+            return self.submit_foreground(request);
+        }
+        self.inner.submit(request)?;
+        self.reads_in_flight += 1;
+        Ok(())
+    }
+
+    /// Submits an asynchronous data read ([`READ`] token); its completion comes from
+    /// [`DeviceMux::poll_reads`].
+    pub(crate) fn submit_read(&mut self, request: Request) -> std::result::Result<(), Rejected> {
+        assert!(
+            is_read(request.token),
+            "an asynchronous read carries the read tag"
+        );
+        self.submit_ordered(request)
+    }
+
+    /// Asynchronous reads submitted and not completed.
+    pub(crate) fn reads_in_flight(&self) -> u32 {
+        self.reads_in_flight
+    }
+
+    /// Completed asynchronous reads; with `wait`, sleeps up to that long for one when none
+    /// is ready. Background completions met are kept for the pipeline, synchronous ones for
+    /// their caller.
+    pub(crate) fn poll_reads(
+        &mut self,
+        wait: Option<Duration>,
+    ) -> std::result::Result<Vec<Completion>, DevError> {
+        let mut foreground = Vec::new();
+        self.pump()?;
+        if self.reads_done.is_empty() && (self.reads_in_flight > 0 || self.background_in_flight > 0)
+        {
+            self.inner.poll(&mut self.scratch)?;
+            self.route(&mut foreground);
+            if let (Some(timeout), true) = (wait, self.reads_done.is_empty()) {
+                if self.reads_in_flight > 0 {
+                    self.inner.wait(&mut self.scratch, timeout)?;
+                    self.route(&mut foreground);
+                }
+            }
+        }
+        self.answered.append(&mut foreground);
+        Ok(std::mem::take(&mut self.reads_done))
     }
 
     /// Queues a background write of `data` at `lba` and submits what fits now.
@@ -382,70 +541,10 @@ impl BlockDevice for DeviceMux {
 
     fn submit(&mut self, request: Request) -> std::result::Result<(), Rejected> {
         assert!(
-            !is_background(request.token),
-            "foreground tokens must not carry the background tag"
+            !is_background(request.token) && !is_read(request.token),
+            "foreground tokens must not carry the background or read tag"
         );
-        let lba_bytes = self.inner.info().lba_size_bytes as u64;
-        let block_bytes = crate::format::BLOCK_BYTES as u64;
-        let range = match &request.op {
-            Op::Read { lba, buf } | Op::Write { lba, buf, .. } => {
-                Some((lba * lba_bytes, buf.as_slice().len() as u64))
-            }
-            Op::WriteZeroes { lba, lbas } | Op::Deallocate { lba, lbas } => {
-                Some((lba * lba_bytes, *lbas as u64 * lba_bytes))
-            }
-            Op::Flush => None,
-        };
-        let Some((byte, bytes)) = range else {
-            // A flush covers every write completed before it: the background ones too.
-            if let Err(reason) = self.drain_background() {
-                return Err(Rejected { request, reason });
-            }
-            return self.inner.submit(request);
-        };
-        let (first, end) = (byte / block_bytes, (byte + bytes).div_ceil(block_bytes));
-        let overlapping = self.overlapping_writes(first, end - first);
-        if overlapping.is_empty() {
-            return self.submit_foreground(request);
-        }
-        let Request { token, op } = request;
-        match op {
-            // A read of blocks being written is answered with their bytes.
-            Op::Read { lba, mut buf }
-                if byte % block_bytes == 0
-                    && bytes % block_bytes == 0
-                    && (first..end).all(|b| self.writing_block(b).is_some()) =>
-            {
-                let dst = buf.as_mut_slice();
-                for (i, b) in (first..end).enumerate() {
-                    let at = i * crate::format::BLOCK_BYTES;
-                    dst[at..at + crate::format::BLOCK_BYTES]
-                        .copy_from_slice(self.writing_block(b).expect("checked"));
-                }
-                let _ = lba;
-                self.answered.push(Completion {
-                    token,
-                    kind: nvme::OpKind::Read,
-                    result: Ok(()),
-                    buf: Some(buf),
-                });
-                Ok(())
-            }
-            op => {
-                // Part of a read, or a write, over blocks a background write still holds:
-                // that write goes first (never expected for writes: the allocator does not
-                // reuse a block with a write pending).
-                debug_assert!(
-                    matches!(op, Op::Read { .. }),
-                    "a foreground write overlaps a background write in flight"
-                );
-                let request = Request { token, op };
-                if let Err(reason) = self.wait_for_writes(&overlapping) {
-                    return Err(Rejected { request, reason });
-                }
-                self.submit_foreground(request)
-            }
-        }
+        self.submit_ordered(request)
     }
 
     fn poll(&mut self, out: &mut Vec<Completion>) -> std::result::Result<usize, DevError> {
@@ -466,8 +565,7 @@ impl BlockDevice for DeviceMux {
         let deadline = Instant::now() + timeout;
         loop {
             let now = Instant::now();
-            self.inner
-                .wait(&mut self.scratch, deadline.saturating_duration_since(now))?;
+            self.wait_inner(deadline.saturating_duration_since(now))?;
             let found = self.route(out);
             if found > 0 || Instant::now() >= deadline || self.in_flight() == 0 {
                 return Ok(found);
@@ -476,7 +574,8 @@ impl BlockDevice for DeviceMux {
     }
 
     fn in_flight(&self) -> u32 {
-        self.inner.in_flight() - self.background_in_flight + self.answered.len() as u32
+        self.inner.in_flight() - self.background_in_flight - self.reads_in_flight
+            + self.answered.len() as u32
     }
 
     fn signal_completions_to(&mut self, eventfd: std::os::fd::RawFd) -> bool {

@@ -86,12 +86,18 @@ pub struct FaultDevice<D: BlockDevice> {
     /// One-shot failures requested by a test, by op kind: the next N ops of that kind fail.
     /// Shared with [`FaultHandle`]s so a test can arm them while the device is owned elsewhere.
     fail_next: Arc<Mutex<HashMap<OpKind, u32>>>,
+    /// One-shot latency spikes requested by a test, by op kind: (count, how long).
+    delay_next: DelayNext,
 }
+
+type DelayNext = Arc<Mutex<HashMap<OpKind, (u32, Duration)>>>;
 
 /// Arms one-shot faults on a [`FaultDevice`] that something else owns (a mounted filesystem).
 #[derive(Clone)]
 pub struct FaultHandle {
     fail_next: Arc<Mutex<HashMap<OpKind, u32>>>,
+    /// One-shot latency spikes requested by a test, by op kind: (count, how long).
+    delay_next: DelayNext,
 }
 
 impl FaultHandle {
@@ -103,6 +109,15 @@ impl FaultHandle {
             .expect("fault handle lock")
             .entry(kind)
             .or_default() += count;
+    }
+
+    /// Holds back the completions of the next `count` operations of `kind` by `delay` each
+    /// (a latency spike on demand; the operation itself succeeds).
+    pub fn delay_next(&self, kind: OpKind, count: u32, delay: Duration) {
+        self.delay_next
+            .lock()
+            .expect("fault handle lock")
+            .insert(kind, (count, delay));
     }
 }
 
@@ -124,6 +139,7 @@ impl<D: BlockDevice> FaultDevice<D> {
             unflushed: Vec::new(),
             stats: FaultStats::default(),
             fail_next: Arc::new(Mutex::new(HashMap::new())),
+            delay_next: Arc::new(Mutex::new(HashMap::new())),
         }
     }
 
@@ -131,6 +147,7 @@ impl<D: BlockDevice> FaultDevice<D> {
     pub fn handle(&self) -> FaultHandle {
         FaultHandle {
             fail_next: Arc::clone(&self.fail_next),
+            delay_next: Arc::clone(&self.delay_next),
         }
     }
 
@@ -316,7 +333,22 @@ impl<D: BlockDevice> FaultDevice<D> {
                 _ => {}
             }
         }
-        let at = if self.chance(self.config.latency_spike) {
+        let armed = match self
+            .delay_next
+            .lock()
+            .expect("fault handle lock")
+            .get_mut(&pending.kind)
+        {
+            Some((n, delay)) if *n > 0 => {
+                *n -= 1;
+                Some(*delay)
+            }
+            _ => None,
+        };
+        let at = if let Some(delay) = armed {
+            self.stats.delayed += 1;
+            now + delay
+        } else if self.chance(self.config.latency_spike) {
             self.stats.delayed += 1;
             now + self.config.latency_spike_duration
         } else {

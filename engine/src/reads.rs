@@ -1,0 +1,374 @@
+//! Asynchronous data reads: the device half of a read runs while its caller (a reactor)
+//! serves other requests.
+//!
+//! [`Filesystem::read_start`] plans a set of reads — maps their extents, copies what memory
+//! holds (staged data, the block cache, blocks being written back) — and submits the data
+//! blocks left to fetch as device reads of the mux's read class
+//! ([`crate::log::inflight::READ`]), whose completions no synchronous path ever sees.
+//! [`Filesystem::read_progress`] reaps completions, verifies every block against its
+//! extent's crc, and hands back each set that finished. [`Filesystem::read_many`] is the
+//! synchronous form (tools, tests, the commit coordinator): start, then wait for that set.
+//!
+//! # Invariants
+//! - A block a read in flight was planned against is never reused under it. Reads copy
+//!   nothing from the device that the plan did not name, and the blocks named are live at
+//!   plan time; a later overwrite, punch or unlink frees them pinned. Blocks freed in
+//!   generation G are unpinned only when no read planned in G or before is in flight:
+//!   [`Filesystem::unpin_waits_for_reads`] lets a reactor defer its unpin, and every forced
+//!   unpin (the next commit's start, lending shards, unmount) first finishes those reads.
+//! - Ordering with writes is by block, in the mux: a read of a block being written back is
+//!   answered with the bytes being written, never with the device's older ones.
+//! - Bounded: asynchronous reads use at most half of the queue and leave an eighth of the
+//!   DMA buffers to synchronous I/O; the device reads beyond that wait in `queued`, and are
+//!   submitted in order as completions free room. The sets in flight are bounded by the
+//!   caller (a reactor's requests owed).
+//! - Results leave in completion order, each set once, with one result per request in the
+//!   order asked.
+//!
+//! Fault model: a device error (at submit or completion) fails every request of the set
+//! that waited for it and makes the filesystem fail-stop; a block whose crc mismatches
+//! fails its own request alone. Nothing is retried.
+
+use crate::error::{EngineError, Result};
+use crate::file::ReadPiece;
+use crate::format::BLOCK_BYTES;
+use crate::fs::{block_lba, Filesystem};
+use nvme::{BlockDevice, Op, Request};
+use std::collections::{HashMap, VecDeque};
+use std::time::Duration;
+
+const BLOCK: u64 = BLOCK_BYTES as u64;
+
+/// One request's result: its bytes, or why it failed.
+pub type ReadResult = Result<Vec<u8>>;
+
+/// What [`Filesystem::read_start`] did with a set of reads.
+#[derive(Debug)]
+pub enum ReadStart {
+    /// Everything came from memory (or failed before the device): the results, in order.
+    Done(Vec<ReadResult>),
+    /// Device reads are in flight: the set's number, which [`Filesystem::read_progress`]
+    /// hands back with the results.
+    Pending(u64),
+}
+
+/// Asynchronous read counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReadStats {
+    /// Sets that needed the device, and the device reads they made.
+    pub sets_async: u64,
+    pub device_reads: u64,
+    /// Device reads that waited in the queue for room before their submit.
+    pub device_reads_queued: u64,
+    /// Most sets in flight at once.
+    pub sets_in_flight_max: u64,
+}
+
+/// A set of reads waiting for the device.
+struct ReadSet {
+    outs: Vec<ReadResult>,
+    pieces: Vec<ReadPiece>,
+    /// Each piece's bytes as they arrive.
+    data: Vec<Vec<u8>>,
+    /// Device reads of the set not completed yet.
+    ios_left: usize,
+    /// The generation running when the set was planned: its blocks stay pinned while it is
+    /// in flight.
+    generation: u64,
+    /// The first device error met.
+    failed: Option<EngineError>,
+}
+
+/// One device read of a set: `blocks` blocks at `block` into piece `piece` at byte `at`.
+#[derive(Debug, Clone, Copy)]
+struct ReadIo {
+    set: u64,
+    piece: usize,
+    at: usize,
+    block: u64,
+    blocks: u64,
+}
+
+/// The engine's asynchronous reads.
+#[derive(Default)]
+pub(crate) struct Reads {
+    next_set: u64,
+    next_io: u64,
+    sets: HashMap<u64, ReadSet>,
+    /// Device reads not submitted yet (no room), in order.
+    queued: VecDeque<ReadIo>,
+    /// Device reads submitted, by token (without the tag).
+    in_flight: HashMap<u64, ReadIo>,
+    /// Sets finished and not handed out yet.
+    ready: VecDeque<(u64, Vec<ReadResult>)>,
+    pub(crate) stats: ReadStats,
+}
+
+impl Filesystem {
+    /// Starts a set of reads `(ino, offset, len)`, each as [`Filesystem::read`] would return
+    /// it. Metadata comes from the node cache or a synchronous read; data blocks not in
+    /// memory are read from the device in the background.
+    pub fn read_start(&mut self, requests: &[(u64, u64, usize)]) -> ReadStart {
+        let mut pieces: Vec<ReadPiece> = Vec::new();
+        let mut outs: Vec<ReadResult> = Vec::with_capacity(requests.len());
+        for (index, &(ino, offset, len)) in requests.iter().enumerate() {
+            let mut mine = Vec::new();
+            let planned = self.plan_read(index, ino, offset, len, &mut mine);
+            if planned.is_ok() {
+                pieces.append(&mut mine);
+            }
+            outs.push(planned);
+        }
+        if pieces.is_empty() {
+            return ReadStart::Done(outs);
+        }
+        if let Some(e) = self.failed.clone() {
+            // A failed filesystem reads no more from its device.
+            for piece in &pieces {
+                outs[piece.request] = Err(e.clone());
+            }
+            return ReadStart::Done(outs);
+        }
+        let max_blocks = (self.dev.info().max_io_bytes as usize / BLOCK_BYTES).max(1) as u64;
+        let id = self.reads.next_set;
+        self.reads.next_set += 1;
+        let mut ios = 0;
+        for (index, piece) in pieces.iter().enumerate() {
+            let mut at = 0;
+            while at < piece.count {
+                let blocks = (piece.count - at).min(max_blocks);
+                self.reads.queued.push_back(ReadIo {
+                    set: id,
+                    piece: index,
+                    at: at as usize * BLOCK_BYTES,
+                    block: piece.disk + at,
+                    blocks,
+                });
+                ios += 1;
+                at += blocks;
+            }
+        }
+        let data = pieces
+            .iter()
+            .map(|p| vec![0u8; p.count as usize * BLOCK_BYTES])
+            .collect();
+        self.reads.sets.insert(
+            id,
+            ReadSet {
+                outs,
+                pieces,
+                data,
+                ios_left: ios,
+                generation: self.generation,
+                failed: None,
+            },
+        );
+        let stats = &mut self.reads.stats;
+        stats.sets_async += 1;
+        stats.device_reads += ios as u64;
+        stats.sets_in_flight_max = stats.sets_in_flight_max.max(self.reads.sets.len() as u64);
+        self.submit_reads();
+        ReadStart::Pending(id)
+    }
+
+    /// Sets of reads started and not handed out yet.
+    pub fn reads_in_flight(&self) -> usize {
+        self.reads.sets.len() + self.reads.ready.len()
+    }
+
+    /// The sets of reads finished since the last call, each with its results in order;
+    /// with `wait`, sleeps up to that long for the device when none is.
+    pub fn read_progress(&mut self, wait: Option<Duration>) -> Vec<(u64, Vec<ReadResult>)> {
+        self.reap_reads(wait);
+        self.reads.ready.drain(..).collect()
+    }
+
+    /// Asynchronous read counters.
+    pub fn read_stats(&self) -> ReadStats {
+        self.reads.stats
+    }
+
+    /// Synchronous waits for the device so far ([`crate::log::inflight::DeviceWaitStats`]).
+    pub fn device_wait_stats(&self) -> crate::log::inflight::DeviceWaitStats {
+        self.dev.waits
+    }
+
+    /// Reads the device for `requests` and waits: [`Filesystem::read_start`], then
+    /// [`Filesystem::read_progress`] until this set is back (others finishing meanwhile stay
+    /// for their caller).
+    pub fn read_many(&mut self, requests: &[(u64, u64, usize)]) -> Vec<ReadResult> {
+        let id = match self.read_start(requests) {
+            ReadStart::Done(outs) => return outs,
+            ReadStart::Pending(id) => id,
+        };
+        loop {
+            if let Some(at) = self.reads.ready.iter().position(|(set, _)| *set == id) {
+                return self.reads.ready.remove(at).expect("found").1;
+            }
+            self.reap_reads(Some(Duration::from_millis(100)));
+        }
+    }
+
+    /// True while a read planned in generation `generation` or before is in flight: blocks
+    /// that generation freed must stay pinned until it finishes.
+    pub fn unpin_waits_for_reads(&self) -> bool {
+        self.unpin_pending
+            .is_some_and(|g| self.reads.sets.values().any(|s| s.generation <= g))
+    }
+
+    /// Waits for every read planned in generation `generation` or before (their results
+    /// stay for their caller): what a forced unpin of that generation does first.
+    pub(crate) fn finish_reads_through(&mut self, generation: u64) {
+        while self.reads.sets.values().any(|s| s.generation <= generation) {
+            self.reap_reads(Some(Duration::from_millis(100)));
+        }
+    }
+
+    /// Submits queued device reads while there is room: at most half the queue in
+    /// asynchronous reads, and an eighth of the DMA buffers left for synchronous I/O.
+    fn submit_reads(&mut self) {
+        let depth = self.dev.info().queue_depth / 2;
+        let keep = (self.dev.pool().buf_count() as usize / 8).max(1);
+        while let Some(io) = self.reads.queued.front().copied() {
+            if self.dev.reads_in_flight() >= depth.max(1) || self.dev.pool().free_count() <= keep {
+                self.reads.stats.device_reads_queued += 1;
+                return;
+            }
+            let Some(buf) = self.dev.pool().alloc(io.blocks as usize * BLOCK_BYTES) else {
+                return;
+            };
+            self.reads.queued.pop_front();
+            let number = self.reads.next_io;
+            self.reads.next_io = (self.reads.next_io + 1) & !crate::log::inflight::TAG_MASK;
+            let lba = block_lba(&*self.dev, io.block);
+            let request = Request {
+                token: crate::log::inflight::READ | number,
+                op: Op::Read { lba, buf },
+            };
+            match self.dev.submit_read(request) {
+                Ok(()) => {
+                    self.reads.in_flight.insert(number, io);
+                }
+                Err(rejected) if rejected.reason == nvme::DevError::QueueFull => {
+                    self.reads.queued.push_front(io);
+                    self.reads.stats.device_reads_queued += 1;
+                    return;
+                }
+                Err(rejected) => self.read_io_done(io, Err(rejected.reason), None),
+            }
+        }
+    }
+
+    /// Takes the device's completed reads, finishes the sets they complete, and submits
+    /// what waited for room.
+    fn reap_reads(&mut self, wait: Option<Duration>) {
+        let completions = match self.dev.poll_reads(wait) {
+            Ok(c) => c,
+            Err(e) => {
+                // The queue itself failed: every read in flight is lost with it.
+                self.failed.get_or_insert(EngineError::Device(e.clone()));
+                let ios: Vec<ReadIo> = self
+                    .reads
+                    .in_flight
+                    .drain()
+                    .map(|(_, io)| io)
+                    .chain(self.reads.queued.drain(..))
+                    .collect();
+                for io in ios {
+                    self.read_io_done(io, Err(e.clone()), None);
+                }
+                return;
+            }
+        };
+        for c in completions {
+            let number = c.token & !crate::log::inflight::TAG_MASK;
+            let io = self
+                .reads
+                .in_flight
+                .remove(&number)
+                .expect("a read completion belongs to a read in flight");
+            self.read_io_done(io, c.result, c.buf);
+        }
+        self.submit_reads();
+    }
+
+    /// One device read completed (or failed to submit).
+    fn read_io_done(
+        &mut self,
+        io: ReadIo,
+        result: std::result::Result<(), nvme::DevError>,
+        buf: Option<nvme::DmaBuf>,
+    ) {
+        let set = self
+            .reads
+            .sets
+            .get_mut(&io.set)
+            .expect("a device read belongs to a set in flight");
+        match result {
+            Ok(()) => {
+                let buf = buf.expect("a read completion returns its buffer");
+                let len = io.blocks as usize * BLOCK_BYTES;
+                assert_eq!(buf.as_slice().len(), len, "device read length");
+                set.data[io.piece][io.at..io.at + len].copy_from_slice(buf.as_slice());
+            }
+            Err(e) => {
+                set.failed.get_or_insert(EngineError::Device(e.clone()));
+                self.failed.get_or_insert(EngineError::Device(e));
+            }
+        }
+        set.ios_left -= 1;
+        if set.ios_left == 0 {
+            let set = self.reads.sets.remove(&io.set).expect("looked up above");
+            let outs = self.finish_set(set);
+            self.reads.ready.push_back((io.set, outs));
+        }
+    }
+
+    /// A set whose device reads all completed: verifies each block and fills the outputs.
+    fn finish_set(&mut self, set: ReadSet) -> Vec<ReadResult> {
+        let ReadSet {
+            mut outs,
+            pieces,
+            data,
+            failed,
+            ..
+        } = set;
+        for (piece, data) in pieces.into_iter().zip(data) {
+            if let Some(e) = &failed {
+                outs[piece.request] = Err(e.clone());
+                continue;
+            }
+            assert_eq!(
+                data.len() as u64,
+                piece.count * BLOCK,
+                "a piece's reads cover it"
+            );
+            if outs[piece.request].is_err() {
+                continue;
+            }
+            let mut bad = None;
+            for (i, block) in data.chunks(BLOCK_BYTES).enumerate() {
+                let crc = crc32c::crc32c(block);
+                if crc == piece.crcs[i] {
+                    self.block_cache.insert(piece.disk + i as u64, block);
+                } else {
+                    bad = Some(EngineError::corrupt(
+                        "data block",
+                        piece.disk + i as u64,
+                        format!(
+                            "checksum mismatch in inode {} (stored {:#010x}, computed {crc:#010x})",
+                            piece.ino, piece.crcs[i]
+                        ),
+                    ));
+                    break;
+                }
+            }
+            match (bad, &mut outs[piece.request]) {
+                (Some(e), out) => *out = Err(e),
+                (None, Ok(out)) => out[piece.dst.clone()].copy_from_slice(&data[piece.src.clone()]),
+                (None, Err(_)) => unreachable!("checked above"),
+            }
+        }
+        outs
+    }
+}

@@ -1,0 +1,264 @@
+//! Asynchronous data reads ([`engine::reads`]) against a device that holds reads back until
+//! told: a read's device I/O outlives the requests served meanwhile, its blocks stay pinned
+//! until it finishes, and its results are the bytes the file had when it was planned.
+//! Nothing here depends on timing.
+
+use engine::{Filesystem, MkfsOptions, MountOptions, ReadStart};
+use nvme::backend::mem::{MemConfig, MemDevice};
+use nvme::{BlockDevice, Completion, DevError, DeviceInfo, DmaPool, Op, Rejected, Request};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Passes everything to a memory device but reads, which it keeps unsubmitted (so they see
+/// the device as it is when released) while `hold` is set. A wait releases them: whoever
+/// waits blocks on the device, and a device makes progress.
+struct HoldReads {
+    inner: MemDevice,
+    held: Vec<Request>,
+    hold: Arc<AtomicBool>,
+    /// Reads held so far.
+    held_total: Arc<AtomicU64>,
+}
+
+impl HoldReads {
+    fn release(&mut self) {
+        for request in self.held.drain(..) {
+            self.inner
+                .submit(request)
+                .expect("room for a released read");
+        }
+    }
+}
+
+impl BlockDevice for HoldReads {
+    fn info(&self) -> &DeviceInfo {
+        self.inner.info()
+    }
+    fn pool(&self) -> &DmaPool {
+        self.inner.pool()
+    }
+    fn submit(&mut self, request: Request) -> Result<(), Rejected> {
+        if matches!(request.op, Op::Read { .. }) && self.hold.load(Ordering::SeqCst) {
+            self.held_total.fetch_add(1, Ordering::SeqCst);
+            self.held.push(request);
+            return Ok(());
+        }
+        self.inner.submit(request)
+    }
+    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize, DevError> {
+        if !self.hold.load(Ordering::SeqCst) {
+            self.release();
+        }
+        self.inner.poll(out)
+    }
+    fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> Result<usize, DevError> {
+        self.release();
+        self.inner.wait(out, timeout)
+    }
+    fn in_flight(&self) -> u32 {
+        self.inner.in_flight() + self.held.len() as u32
+    }
+}
+
+fn config() -> MemConfig {
+    MemConfig {
+        capacity_bytes: 64 << 20,
+        lba_size_bytes: 4096,
+        queue_depth: 32,
+        buf_bytes: 128 << 10,
+        buf_count: 64,
+    }
+}
+
+struct Held {
+    fs: Filesystem,
+    hold: Arc<AtomicBool>,
+    held_total: Arc<AtomicU64>,
+}
+
+/// A filesystem with file `a` (64 KiB of 0x11) committed, remounted so nothing is cached.
+fn with_file_a() -> (Held, u64) {
+    let hold = Arc::new(AtomicBool::new(false));
+    let held_total = Arc::new(AtomicU64::new(0));
+    let dev = HoldReads {
+        inner: MemDevice::new(config()).unwrap(),
+        held: Vec::new(),
+        hold: hold.clone(),
+        held_total: held_total.clone(),
+    };
+    let options = MkfsOptions {
+        shards: 2,
+        label: "reads".into(),
+    };
+    let dev = Filesystem::mkfs(Box::new(dev), &options).unwrap();
+    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    let root = fs.root();
+    let a = fs.create(root, b"a", 0o644, 0, 0).unwrap().ino;
+    fs.write(a, 0, &[0x11; 65536]).unwrap();
+    let dev = fs.unmount().unwrap();
+    let fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    (
+        Held {
+            fs,
+            hold,
+            held_total,
+        },
+        a,
+    )
+}
+
+/// Runs a commit to SuperCommitted without unpinning (what a reactor does before it
+/// releases the commit's waiters).
+fn commit_to_super(fs: &mut Filesystem) {
+    assert!(fs.commit_start().unwrap(), "something to commit");
+    loop {
+        match fs
+            .commit_progress(Some(Duration::from_millis(100)))
+            .unwrap()
+        {
+            engine::commit::CommitProgress::SuperCommitted(_) => return,
+            engine::commit::CommitProgress::Idle => panic!("the commit vanished"),
+            _ => {}
+        }
+    }
+}
+
+#[test]
+fn a_read_in_flight_keeps_its_blocks_pinned_and_returns_the_bytes_it_was_planned_on() {
+    let (mut h, a) = with_file_a();
+    let fs = &mut h.fs;
+    // Metadata first, so the read below plans from the node cache.
+    assert_eq!(fs.stat(a).unwrap().size, 65536);
+    h.hold.store(true, Ordering::SeqCst);
+    let set = match fs.read_start(&[(a, 0, 65536)]) {
+        ReadStart::Pending(set) => set,
+        ReadStart::Done(_) => panic!("a cold read needs the device"),
+    };
+    assert!(
+        h.held_total.load(Ordering::SeqCst) > 0,
+        "the read reached the device"
+    );
+    assert_eq!(fs.reads_in_flight(), 1);
+    assert!(fs.read_progress(None).is_empty(), "held: nothing finished");
+
+    // Meanwhile the file is overwritten (copy-on-write: the read's blocks are freed,
+    // pinned) and the change commits.
+    fs.write(a, 0, &[0x22; 65536]).unwrap();
+    assert_eq!(
+        fs.read(a, 0, 4).unwrap(),
+        vec![0x22; 4],
+        "served from memory"
+    );
+    commit_to_super(fs);
+    assert!(
+        fs.unpin_waits_for_reads(),
+        "the commit freed blocks a read in flight was planned on"
+    );
+    // The forced unpin finishes the read first (the wait releases it).
+    fs.complete_commit();
+    assert!(!fs.unpin_waits_for_reads());
+    let done = fs.read_progress(None);
+    assert_eq!(
+        done.len(),
+        1,
+        "the unpin finished the read before it returned"
+    );
+    assert_eq!(done[0].0, set);
+    assert_eq!(done[0].1.len(), 1);
+    let bytes = done[0].1[0].as_ref().expect("the read succeeded");
+    assert_eq!(
+        bytes,
+        &vec![0x11; 65536],
+        "the bytes the file had when planned"
+    );
+    assert_eq!(fs.reads_in_flight(), 0);
+    assert!(fs.read_stats().sets_async >= 1);
+    h.hold.store(false, Ordering::SeqCst);
+    fs.check().unwrap();
+}
+
+#[test]
+fn many_sets_in_flight_finish_in_any_order_each_with_its_own_results() {
+    let (mut h, a) = with_file_a();
+    let fs = &mut h.fs;
+    assert_eq!(fs.stat(a).unwrap().size, 65536);
+    let root = fs.root();
+    let b = fs.create(root, b"b", 0o644, 0, 0).unwrap().ino;
+    fs.write(b, 0, b"in memory").unwrap();
+    h.hold.store(true, Ordering::SeqCst);
+    // 16 one-block sets, each pending on the device, and one served from memory at once.
+    let mut sets = Vec::new();
+    for i in 0..16u64 {
+        match fs.read_start(&[(a, i * 4096, 4096), (b, 0, 9)]) {
+            ReadStart::Pending(set) => sets.push(set),
+            ReadStart::Done(_) => panic!("block {i} is not cached"),
+        }
+    }
+    match fs.read_start(&[(b, 3, 6)]) {
+        ReadStart::Done(r) => assert_eq!(r[0].as_ref().unwrap(), b"memory"),
+        ReadStart::Pending(_) => panic!("staged data needs no device"),
+    }
+    // A synchronous read meanwhile waits for its own set only; the others stay pending
+    // for their owner.
+    h.hold.store(false, Ordering::SeqCst);
+    assert_eq!(fs.read(a, 4096 * 20, 3).unwrap().len(), 0, "past the end");
+    let mut seen = std::collections::HashSet::new();
+    while seen.len() < sets.len() {
+        for (set, results) in fs.read_progress(Some(Duration::from_millis(100))) {
+            assert!(sets.contains(&set) && seen.insert(set), "set {set} once");
+            assert_eq!(results.len(), 2);
+            assert_eq!(results[0].as_ref().unwrap(), &vec![0x11; 4096]);
+            assert_eq!(results[1].as_ref().unwrap(), b"in memory");
+        }
+    }
+    assert_eq!(fs.reads_in_flight(), 0);
+}
+
+#[test]
+fn a_device_error_fails_the_sets_waiting_for_it_and_stops_the_filesystem() {
+    use nvme::wrap::{FaultConfig, FaultDevice};
+    let dev = Filesystem::mkfs(
+        Box::new(MemDevice::new(config()).unwrap()),
+        &MkfsOptions {
+            shards: 2,
+            label: "reads".into(),
+        },
+    )
+    .unwrap();
+    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    let root = fs.root();
+    let a = fs.create(root, b"a", 0o644, 0, 0).unwrap().ino;
+    fs.write(a, 0, &[0x33; 8192]).unwrap();
+    let dev = fs.unmount().unwrap();
+    let mut image = vec![0u8; 64 << 20];
+    let mut dev = dev;
+    nvme::read_sync(&mut *dev, 0, &mut image).unwrap();
+    let faulty = FaultDevice::new(
+        MemDevice::from_image(&image, config()).unwrap(),
+        FaultConfig::default(),
+    );
+    let faults = faulty.handle();
+    let mut fs = Filesystem::mount(Box::new(faulty), MountOptions::default()).unwrap();
+    assert_eq!(fs.stat(a).unwrap().size, 8192);
+    faults.fail_next(nvme::OpKind::Read, 1);
+    let set = match fs.read_start(&[(a, 0, 8192)]) {
+        ReadStart::Pending(set) => set,
+        ReadStart::Done(_) => panic!("a cold read needs the device"),
+    };
+    let mut done = Vec::new();
+    while done.is_empty() {
+        done = fs.read_progress(Some(Duration::from_millis(100)));
+    }
+    assert_eq!(done[0].0, set);
+    assert!(
+        matches!(done[0].1[0], Err(engine::EngineError::Device(_))),
+        "{:?}",
+        done[0].1[0]
+    );
+    assert!(
+        fs.failure().is_some(),
+        "a device error makes the filesystem fail-stop"
+    );
+    assert!(fs.write(a, 0, b"x").is_err(), "no change after the failure");
+}
