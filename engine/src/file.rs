@@ -262,6 +262,7 @@ impl Filesystem {
                 piece.count * BLOCK,
                 "read_runs returns whole runs"
             );
+            self.block_cache.device_blocks += piece.count;
             if outs[piece.request].is_err() {
                 continue;
             }

@@ -1183,6 +1183,7 @@ impl Reactor {
         s.commit = self.fs.commit_stats();
         s.log = self.fs.log_stats();
         s.unpinned_blocks_last = s.commit.last_unpinned_blocks;
+        (s.data_cache_hits, s.data_blocks_read) = self.fs.data_cache_hits();
         s
     }
 

@@ -56,6 +56,9 @@ pub struct ReactorStats {
     pub log: LogStats,
     /// Blocks the last commit unpinned after SuperCommitted.
     pub unpinned_blocks_last: u64,
+    /// File data blocks reads took from the engine's block cache, and from the device.
+    pub data_cache_hits: u64,
+    pub data_blocks_read: u64,
 }
 
 impl ReactorStats {
@@ -93,6 +96,8 @@ impl ReactorStats {
         self.fsync_groups += other.fsync_groups;
         self.fsync_group_max = self.fsync_group_max.max(other.fsync_group_max);
         self.read_groups += other.read_groups;
+        self.data_cache_hits += other.data_cache_hits;
+        self.data_blocks_read += other.data_blocks_read;
         self.commit.pause_ns_max = self.commit.pause_ns_max.max(other.commit.pause_ns_max);
         let (a, b) = (&mut self.log, &other.log);
         a.fsyncs += b.fsyncs;
