@@ -447,3 +447,42 @@ fn results_record_the_machine_and_compare_warns_when_it_differs() {
     );
 }
 
+/// `bench fsync` runs corefs on the device it is given, calls fdatasync as the kernel side
+/// does, and times corefs's commits inside the operations that paid for them (as ext4's
+/// journal commits land inside its fdatasync): an operation that ran a commit took at least
+/// the commit's time.
+#[test]
+fn the_fsync_benchmark_runs_on_a_given_device_with_commits_inside_the_timer() {
+    let dir = scratch();
+    let config = corefs_bench::fsync::FsyncBenchConfig {
+        dir: dir.path().to_path_buf(),
+        kernel_dir: None,
+        device: Some("mem:1GiB".into()),
+        image_bytes: 256 << 20,
+        seconds_per_round: 1.0,
+        rounds: 1,
+    };
+    let report = corefs_bench::fsync::run(&config).expect("fsync bench runs");
+    let corefs = &report.targets[0];
+    assert_eq!(corefs.target, "corefs (mem backend)", "{report:?}");
+    // Nothing of the image is left behind, and no image was made for a given device.
+    let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+    assert!(left.is_empty(), "{left:?}");
+    let c = &report.corefs;
+    assert!(c.fsyncs >= corefs.latency.ops, "{c:?} for {corefs:?}");
+    assert!(
+        c.tick_commits > 0,
+        "no commit in the run, nothing checked: {c:?}"
+    );
+    // The operations that ran a commit took the commit's time and their own.
+    assert!(
+        c.commit_op_ns_mean >= c.tick_commit_ns_mean,
+        "commits of {} ns on average outside the time of the operations that ran them ({} ns)",
+        c.tick_commit_ns_mean,
+        c.commit_op_ns_mean
+    );
+    assert!(
+        corefs.latency.max_ns >= c.tick_commit_ns_max,
+        "{c:?} {corefs:?}"
+    );
+}
