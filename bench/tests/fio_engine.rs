@@ -75,7 +75,10 @@ fn engine() -> &'static Path {
             String::from_utf8_lossy(&out.stderr)
         );
         let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim().to_string());
-        assert!(path.is_file(), "the script printed {path:?}, not the engine");
+        assert!(
+            path.is_file(),
+            "the script printed {path:?}, not the engine"
+        );
         path
     })
 }
@@ -94,11 +97,14 @@ struct Run {
     stderr: String,
 }
 
-/// Runs fio with the corefs engine on `device` and JSON output.
-fn fio(device: &str, args: &[&str]) -> Run {
+/// Runs fio with the corefs engine on the image in `dir` and JSON output, in `dir`: fio
+/// writes the files it keeps beside a job (a verify job's `<job>-verify.state`) into its
+/// working directory, which must not be the source tree.
+fn fio(dir: &Path, args: &[&str]) -> Run {
     let out = Command::new("fio")
+        .current_dir(dir)
         .arg(format!("--ioengine=external:{}", engine().display()))
-        .arg(format!("--corefs_dev={device}"))
+        .arg(format!("--corefs_dev={}", device(dir)))
         .args(args)
         .arg("--output-format=json")
         .env("COREFS_LOG", "error")
@@ -132,7 +138,7 @@ fn device(dir: &Path) -> String {
 fn randread_keeps_the_queue_depth_in_flight() {
     let dir = scratch();
     let run = fio(
-        &device(dir.path()),
+        dir.path(),
         &[
             "--name=randread",
             "--corefs_format=1",
@@ -167,7 +173,7 @@ fn randread_keeps_the_queue_depth_in_flight() {
 fn randwrite_with_an_fsync_after_each_write() {
     let dir = scratch();
     let run = fio(
-        &device(dir.path()),
+        dir.path(),
         &[
             "--name=randwrite",
             "--corefs_format=1",
@@ -196,7 +202,6 @@ fn randwrite_with_an_fsync_after_each_write() {
 #[test]
 fn a_sequential_write_verifies_in_the_run_and_after_a_remount() {
     let dir = scratch();
-    let dev = device(dir.path());
     let size = 16u64 << 20;
     let write = [
         "--name=verify",
@@ -209,22 +214,39 @@ fn a_sequential_write_verifies_in_the_run_and_after_a_remount() {
     ];
     let mut args = vec!["--corefs_format=1"];
     args.extend(write);
-    let run = fio(&dev, &args);
+    let run = fio(dir.path(), &args);
     let job = checked(&run);
     assert_eq!(job["write"]["io_bytes"].as_u64(), Some(size));
     // The verify pass reads everything written back and checks each block's crc32c.
-    assert_eq!(job["read"]["io_bytes"].as_u64(), Some(size), "{}", run.stderr);
+    assert_eq!(
+        job["read"]["io_bytes"].as_u64(),
+        Some(size),
+        "{}",
+        run.stderr
+    );
+    // fio saved the verify state in the scratch directory, not where cargo runs tests.
+    let state = "local-verify-0-verify.state";
+    assert!(
+        dir.path().join(state).is_file(),
+        "no {state} in the scratch dir"
+    );
+    assert!(!Path::new(env!("CARGO_MANIFEST_DIR")).join(state).exists());
 
     // A new process mounts again (replaying what the first unmount committed) and verifies.
     let mut args = write.to_vec();
     args.push("--verify_only=1");
-    let run = fio(&dev, &args);
+    let run = fio(dir.path(), &args);
     let job = checked(&run);
-    assert_eq!(job["read"]["io_bytes"].as_u64(), Some(size), "{}", run.stderr);
+    assert_eq!(
+        job["read"]["io_bytes"].as_u64(),
+        Some(size),
+        "{}",
+        run.stderr
+    );
 
     // And the verify can fail: a file laid out with plain data has no verify headers.
     let run = fio(
-        &dev,
+        dir.path(),
         &[
             "--name=plain",
             "--filename=/bench/plain",
@@ -254,10 +276,7 @@ fn the_readme_job_file_runs_on_corefs() {
         .replace("size=1g", "size=64m");
     let file = dir.path().join("randread.fio");
     std::fs::write(&file, short).unwrap();
-    let run = fio(
-        &device(dir.path()),
-        &["--corefs_format=1", file.to_str().unwrap()],
-    );
+    let run = fio(dir.path(), &["--corefs_format=1", file.to_str().unwrap()]);
     let job = checked(&run);
     assert_eq!(job["jobname"].as_str(), Some("randread"));
     assert!(job["read"]["total_ios"].as_u64().unwrap() > 100);
