@@ -415,6 +415,11 @@ fn results_record_the_machine_and_compare_warns_when_it_differs() {
     ] {
         assert!(!value.is_empty(), "{what} not recorded: {meta:?}");
     }
+    assert!(meta.load_avg_start.is_some(), "load not recorded: {meta:?}");
+    // As if the run started on an idle machine (other builds may have loaded this one); the
+    // busy case is checked below.
+    let mut results = results.clone();
+    results.meta.load_avg_start = Some(0.1);
     assert!(
         corefs_bench::suite::compare::differences(&results, &results).is_empty(),
         "a run differs from itself"
@@ -429,6 +434,14 @@ fn results_record_the_machine_and_compare_warns_when_it_differs() {
     );
     assert!(report.contains("note: corefs commit"), "{report}");
     assert!(!report.contains("differ in kernel"), "{report}");
+    // A run that started on a busy machine is said.
+    let mut busy = results.clone();
+    busy.meta.load_avg_start = Some(2.4);
+    let report = corefs_bench::suite::compare::report(&results, &busy);
+    assert!(
+        report.contains("warning: the current run started on a busy machine (load average 2.40"),
+        "{report}"
+    );
     // Settings that change the figures are said too.
     let mut longer = results.clone();
     longer.meta.seconds_per_run *= 2.0;

@@ -93,8 +93,8 @@ fn fmt_value(metric: &str, v: f64) -> String {
 
 /// Where the two runs' machines, settings or code differ: one line each, "warning: ..." for
 /// what makes the figures incomparable (kernel, CPU, cores, disk, the filesystem under the
-/// suite directory, placement, seconds per run, image size, or a machine field one file
-/// lacks) and a note for the corefs commit (comparing two commits is what compare is for, but
+/// suite directory, placement, seconds per run, image size, a machine field one file lacks,
+/// or a run that started on a busy machine) and a note for the corefs commit (comparing two commits is what compare is for, but
 /// it is said).
 pub fn differences(base: &SuiteResults, current: &SuiteResults) -> Vec<String> {
     let (b, c) = (&base.meta, &current.meta);
@@ -144,6 +144,17 @@ pub fn differences(base: &SuiteResults, current: &SuiteResults) -> Vec<String> {
         if !x.is_empty() && !y.is_empty() && x != y {
             out.push(format!(
                 "warning: the runs differ in {what}: baseline {x:?}, current {y:?}"
+            ));
+        }
+    }
+    for (which, meta) in [("baseline", b), ("current", c)] {
+        if let Some(load) = meta
+            .load_avg_start
+            .filter(|l| *l >= super::machine::BUSY_LOAD_AVG)
+        {
+            out.push(format!(
+                "warning: the {which} run started on a busy machine (load average {load:.2} on {} CPUs)",
+                meta.cpus
             ));
         }
     }

@@ -1,7 +1,8 @@
 //! What a suite run records about the machine and the code, so that `corefs bench compare`
-//! can say when two runs were not taken on the same kernel, CPU, disk or code: the CPU model,
-//! the model of the disk holding a path (or of an NVMe namespace), and the commit of the corefs
-//! source tree. Each is best effort: a figure that cannot be read is "unknown", never an error.
+//! can say when two runs were not taken on the same kernel, CPU, disk or code, or on a busy
+//! machine: the CPU model, the model of the disk holding a path (or of an NVMe namespace), the
+//! commit of the corefs source tree, and the load average when the run started. Each is best
+//! effort: a figure that cannot be read is "unknown" (or none), never an error.
 
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
@@ -69,6 +70,18 @@ pub fn device_path(spec: &str) -> Option<PathBuf> {
     let (kind, rest) = spec.split_once(':')?;
     (kind != "mem").then(|| PathBuf::from(rest.split(',').next().unwrap_or(rest)))
 }
+
+/// Load average over the last minute (/proc/loadavg's first field): runnable work already on
+/// the machine when read before a run starts.
+pub fn load_avg_1min() -> Option<f64> {
+    let text = std::fs::read_to_string("/proc/loadavg").ok()?;
+    text.split_whitespace().next()?.parse().ok()
+}
+
+/// Load average past which other work competes with a benchmark: a whole core's worth of
+/// runnable threads (on this 2-core VM a concurrent build made corefs's fsync figures 20x
+/// worse at a load of 2.4).
+pub const BUSY_LOAD_AVG: f64 = 1.0;
 
 /// The commit of the corefs source tree this binary was built from, `+dirty` with uncommitted
 /// changes ("unknown" without git or outside the tree). Read at run time: scripts/bench.sh

@@ -393,10 +393,19 @@ pub fn run(config: &SuiteConfig, progress: &(dyn Fn(&str) + Sync)) -> R<SuiteRes
             cpu_model: machine::cpu_model(),
             device_model: devices_described(config),
             corefs_commit: machine::corefs_commit(),
+            load_avg_start: machine::load_avg_1min(),
         },
         runs: Vec::new(),
     };
     progress(&results.meta.placement);
+    if let Some(load) = results.meta.load_avg_start {
+        if load >= machine::BUSY_LOAD_AVG {
+            progress(&format!(
+                "warning: load average {load:.2} on {} CPUs before the run: other work competes with the benchmark",
+                results.meta.cpus
+            ));
+        }
+    }
     let total = workloads.len() * targets.len() * config.repeats as usize;
     let suite_started = Instant::now();
     let mut step = 0;

@@ -159,6 +159,9 @@ pub struct Meta {
     pub device_model: String,
     #[serde(default)]
     pub corefs_commit: String,
+    /// The machine's 1-minute load average when the run started (none: not recorded).
+    #[serde(default)]
+    pub load_avg_start: Option<f64>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
