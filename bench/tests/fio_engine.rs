@@ -271,6 +271,13 @@ fn the_readme_job_file_runs_on_corefs() {
     let text = std::fs::read_to_string(workspace().join("bindings/fio/examples/randread.fio"))
         .expect("the README's job file");
     assert!(text.contains("runtime=10") && text.contains("size=1g"));
+    // The README shows the job as the file holds it.
+    let job = &text[text.find("[randread]").expect("the job's section")..];
+    let readme = std::fs::read_to_string(workspace().join("README.md")).unwrap();
+    assert!(
+        readme.contains(job.trim_end()),
+        "README.md does not show bindings/fio/examples/randread.fio's job"
+    );
     let short = text
         .replace("runtime=10", "runtime=1")
         .replace("size=1g", "size=64m");
