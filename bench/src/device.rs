@@ -5,8 +5,11 @@
 //!    software cost corefs adds on top of any device.
 //! 2. Latency on real backends (the file image, and NVMe when given): 4 KiB random writes and
 //!    reads at queue depth 1, random reads at queue depth 32, with HDR percentiles.
-//! 3. The same workloads through `fio` on the same file in the same run (psync at depth 1,
-//!    io_uring at depth 32), so the ratio is meaningful on whatever disk this runs on.
+//! 3. The same workloads through `fio` on the same file in the same run (io_uring with fixed
+//!    buffers and no ramp at every depth, as corefs's side runs: see [`crate::fio`]), and on a
+//!    device given with `--device` (`nvme:/dev/ngXnY` through fio's `io_uring_cmd` passthrough,
+//!    `file:/dev/sdX` through io_uring), so the ratio is meaningful on whatever disk this runs
+//!    on.
 
 use crate::fio::{self, FioJob, FioResult};
 use crate::stats::{fmt_ns, latency_histogram, thread_cpu_ns, LatencySummary};
@@ -64,6 +67,8 @@ pub struct LatencyResult {
 #[derive(Debug, Clone, Serialize)]
 pub struct FioComparison {
     pub workload: String,
+    /// The device both sides ran on (corefs's name for it).
+    pub device: String,
     pub fio_command: String,
     pub fio: FioResult,
     pub corefs: LatencySummary,
@@ -233,10 +238,10 @@ fn prefill(dev: &mut dyn BlockDevice) -> Result<(), DevError> {
 }
 
 /// The workloads measured on every device: (name, write?, queue depth, fio engine, figure).
-const WORKLOADS: [(&str, bool, u32, &str, &str); 3] = [
-    ("randwrite", true, 1, "psync", "p50 latency"),
-    ("randread", false, 1, "psync", "p50 latency"),
-    ("randread", false, 32, "io_uring", "IOPS"),
+const WORKLOADS: [(&str, bool, u32, &str); 3] = [
+    ("randwrite", true, 1, "p50 latency"),
+    ("randread", false, 1, "p50 latency"),
+    ("randread", false, 32, "IOPS"),
 ];
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -287,7 +292,24 @@ pub fn run(config: &DeviceBenchConfig) -> Result<DeviceBenchReport, String> {
         if is_image {
             prefill(&mut *dev).map_err(|e| e.to_string())?;
         }
-        for (workload, write, depth, engine, figure) in WORKLOADS {
+        // fio on the same device, reached as corefs reaches it: a file or block device
+        // (`file:`) through io_uring with O_DIRECT, an NVMe namespace (`nvme:`) through
+        // passthrough. `mem:` has no fio peer.
+        let fio_target: Option<(PathBuf, u64, &str)> = if !fio_ok {
+            None
+        } else if is_image {
+            Some((image_path.clone(), config.image_bytes, "io_uring"))
+        } else {
+            let engine = match spec.split_once(':').map(|(kind, _)| kind) {
+                Some("nvme") => Some("io_uring_cmd"),
+                Some("file") => Some("io_uring"),
+                _ => None,
+            };
+            engine
+                .zip(crate::suite::machine::device_path(spec))
+                .map(|(engine, path)| (path, dev.info().capacity_bytes(), engine))
+        };
+        for (workload, write, depth, figure) in WORKLOADS {
             let mut ours = Vec::new();
             let mut theirs = Vec::new();
             for round in 1..=rounds {
@@ -297,12 +319,12 @@ pub fn run(config: &DeviceBenchConfig) -> Result<DeviceBenchReport, String> {
                     latency_run(&mut *dev, write, depth, config.seconds_per_test, seed)
                         .map_err(|e| format!("{name}: {e}"))?,
                 );
-                if is_image && fio_ok {
+                if let Some((path, bytes, engine)) = &fio_target {
                     eprintln!("fio --ioengine={engine}: 4KiB {workload} QD{depth}, round {round}/{rounds}...");
                     let seconds = config.seconds_per_test.ceil() as u32;
                     let job = FioJob {
-                        file: &image_path,
-                        size_bytes: config.image_bytes,
+                        file: path,
+                        size_bytes: *bytes,
                         ioengine: engine,
                         rw: workload,
                         iodepth: depth,
@@ -340,11 +362,19 @@ pub fn run(config: &DeviceBenchConfig) -> Result<DeviceBenchReport, String> {
                 let mut corefs = latency;
                 corefs.ops_per_sec = ours_iops;
                 corefs.p50_ns = ours_p50 as u64;
+                let (path, bytes, engine) = fio_target.as_ref().expect("fio ran");
+                let job = FioJob {
+                    file: path,
+                    size_bytes: *bytes,
+                    ioengine: engine,
+                    rw: workload,
+                    iodepth: depth,
+                    seconds: config.seconds_per_test.ceil() as u32,
+                };
                 report.fio.push(FioComparison {
                     workload: format!("4KiB {workload} QD{depth}"),
-                    fio_command: format!(
-                        "fio --ioengine={engine} --direct=1 --rw={workload} --bs=4k --iodepth={depth}"
-                    ),
+                    device: name.clone(),
+                    fio_command: format!("fio {}", fio::args(&job).join(" ")),
                     fio: fio_median,
                     corefs,
                     ratio,
@@ -401,18 +431,23 @@ impl std::fmt::Display for DeviceBenchReport {
         if !self.fio.is_empty() {
             writeln!(
                 f,
-                "\ncorefs file backend vs fio on the same file, same run (medians of alternating rounds):"
+                "\ncorefs's device layer vs fio on the same device, same run (medians of alternating rounds;\n\
+                 fio with io_uring, fixed buffers and no ramp, as corefs runs):"
             )?;
             writeln!(
                 f,
-                "  {:<20} {:>12} {:>12} {:>10} {:>10} {:>14}",
-                "workload", "fio IOPS", "corefs IOPS", "fio p50", "corefs p50", "ratio"
+                "  {:<20} {:<24} {:>12} {:>12} {:>10} {:>10} {:>14}",
+                "workload", "device", "fio IOPS", "corefs IOPS", "fio p50", "corefs p50", "ratio"
             )?;
             for c in &self.fio {
+                // The device's name ends with what tells it apart (a path, a model).
+                let skip = c.device.chars().count().saturating_sub(24);
+                let device: String = c.device.chars().skip(skip).collect();
                 writeln!(
                     f,
-                    "  {:<20} {:>12.0} {:>12.0} {:>10} {:>10} {:>8.3} ({})",
+                    "  {:<20} {:<24} {:>12.0} {:>12.0} {:>10} {:>10} {:>8.3} ({})",
                     c.workload,
+                    device,
                     c.fio.iops,
                     c.corefs.ops_per_sec,
                     fmt_ns(c.fio.clat_p50_ns as f64),

@@ -1,5 +1,11 @@
-//! Runs `fio` on the same file corefs's device benchmark used, so both are measured in one run
-//! on the same disk, and reads its JSON output.
+//! Runs `fio` on the same file (or NVMe namespace) corefs's device benchmark used, so both are
+//! measured in one run on the same disk, and reads its JSON output.
+//!
+//! The job matches what corefs's device layer does, so the ratio compares implementations, not
+//! settings: io_uring at every queue depth (corefs submits through io_uring at depth 1 too),
+//! with fixed buffers (`fixedbufs`: corefs registers its DMA pool), without registered files
+//! (corefs does not register its descriptor), and without a ramp (corefs's side has none; the
+//! rounds alternate, so neither side starts cold more than the other).
 
 use serde_json::Value;
 use std::path::Path;
@@ -18,6 +24,7 @@ pub struct FioResult {
 pub struct FioJob<'a> {
     pub file: &'a Path,
     pub size_bytes: u64,
+    /// `io_uring` for a file, `io_uring_cmd` (NVMe passthrough) for a `/dev/ngXnY`.
     pub ioengine: &'a str,
     pub rw: &'a str,
     pub iodepth: u32,
@@ -32,24 +39,35 @@ pub fn available() -> bool {
         .unwrap_or(false)
 }
 
+/// The fio arguments of `job` (JSON output).
+pub fn args(job: &FioJob) -> Vec<String> {
+    let mut args = vec![
+        "--name=corefs-compare".to_string(),
+        format!("--filename={}", job.file.display()),
+        format!("--size={}", job.size_bytes),
+        format!("--ioengine={}", job.ioengine),
+    ];
+    if job.ioengine == "io_uring_cmd" {
+        args.push("--cmd_type=nvme".into());
+    }
+    args.extend([
+        "--fixedbufs".to_string(),
+        format!("--rw={}", job.rw),
+        "--bs=4k".into(),
+        "--direct=1".into(),
+        format!("--iodepth={}", job.iodepth),
+        "--time_based".into(),
+        format!("--runtime={}", job.seconds),
+        "--norandommap".into(),
+        "--randrepeat=0".into(),
+        "--output-format=json".into(),
+    ]);
+    args
+}
+
 pub fn run(job: &FioJob) -> Result<FioResult, String> {
     let output = Command::new("fio")
-        .args([
-            "--name=corefs-compare",
-            &format!("--filename={}", job.file.display()),
-            &format!("--size={}", job.size_bytes),
-            &format!("--ioengine={}", job.ioengine),
-            &format!("--rw={}", job.rw),
-            "--bs=4k",
-            "--direct=1",
-            &format!("--iodepth={}", job.iodepth),
-            "--time_based",
-            &format!("--runtime={}", job.seconds),
-            "--ramp_time=1",
-            "--norandommap",
-            "--randrepeat=0",
-            "--output-format=json",
-        ])
+        .args(args(job))
         .output()
         .map_err(|e| format!("running fio: {e}"))?;
     if !output.status.success() {
@@ -80,6 +98,29 @@ pub fn parse(json: &str, rw: &str) -> Result<FioResult, String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_job_matches_corefs_settings() {
+        let job = super::FioJob {
+            file: std::path::Path::new("/dev/ng0n1"),
+            size_bytes: 1 << 30,
+            ioengine: "io_uring_cmd",
+            rw: "randread",
+            iodepth: 1,
+            seconds: 2,
+        };
+        let args = super::args(&job);
+        assert!(args.contains(&"--fixedbufs".to_string()), "{args:?}");
+        assert!(args.contains(&"--cmd_type=nvme".to_string()), "{args:?}");
+        assert!(
+            !args.iter().any(|a| a.starts_with("--ramp_time")),
+            "{args:?}"
+        );
+        assert!(
+            !args.iter().any(|a| a.starts_with("--registerfiles")),
+            "{args:?}"
+        );
+    }
+
     #[test]
     fn parses_fio_json() {
         let json = r#"note: a warning first

@@ -352,3 +352,150 @@ fn the_clients_benchmark_runs_dedicated_and_shared_and_counts_real_fsyncs() {
         assert!(report.idle_core_share[0].1.is_finite());
     }
 }
+
+/// corefs's random reads measure the device path, as the kernel's O_DIRECT reads do: the
+/// data-block cache is off for them (no hits, every block from the device) and on for the
+/// other workloads, and each corefs run reports its hits.
+#[test]
+fn randread_runs_with_the_data_cache_off_and_hits_are_reported() {
+    let dir = scratch();
+    let mut config = tiny_config(dir.path(), vec![TargetSpec::CorefsMem]);
+    config.only = vec!["randread-qd1".into(), "dbench".into()];
+    let results = suite::run(&config, &|line| eprintln!("{line}")).expect("suite runs");
+    let engine_of = |workload: &str| {
+        results
+            .runs
+            .iter()
+            .find(|r| r.workload == workload)
+            .and_then(|r| r.engine.clone())
+            .unwrap_or_else(|| panic!("{workload} ran with engine figures"))
+    };
+    let reads = engine_of("randread-qd1");
+    assert_eq!(reads.data_cache_blocks, Some(0), "{reads:?}");
+    assert_eq!(reads.data_cache_hits, 0, "{reads:?}");
+    assert!(reads.data_blocks_read > 0, "{reads:?}");
+    let dbench = engine_of("dbench");
+    assert_eq!(
+        dbench.data_cache_blocks,
+        Some(engine::writeback::CACHE_BLOCKS as u64)
+    );
+    // dbench reads back files it just wrote: the cache serves them.
+    assert!(dbench.data_cache_hits > 0, "{dbench:?}");
+    let details = suite::details(&results);
+    assert!(details.contains("off"), "{details}");
+    assert!(details.contains(" hits ("), "{details}");
+}
+
+/// The table's "max" is the largest latency of any repeat, not the mean of their maxima.
+#[test]
+fn the_max_column_is_the_maximum_over_repeats() {
+    let mut a = run_with("corefs-x", 100.0, 1000);
+    a.latency.max_ns = 1_000_000;
+    let mut b = run_with("corefs-x", 100.0, 1000);
+    b.latency.max_ns = 9_000_000;
+    b.repeat = 1;
+    let table = suite::side_by_side(&results_of(vec![a, b]));
+    assert!(table.contains("9.00ms"), "{table}");
+    assert!(!table.contains("5.00ms"), "{table}");
+}
+
+/// A run records the machine and the code it ran on, and compare warns when two differ.
+#[test]
+fn results_record_the_machine_and_compare_warns_when_it_differs() {
+    let dir = scratch();
+    let mut config = tiny_config(dir.path(), vec![TargetSpec::CorefsMem]);
+    config.only = vec!["creates".into()];
+    let results = suite::run(&config, &|line| eprintln!("{line}")).expect("suite runs");
+    let meta = &results.meta;
+    for (what, value) in [
+        ("kernel", &meta.kernel),
+        ("cpu_model", &meta.cpu_model),
+        ("device_model", &meta.device_model),
+        ("corefs_commit", &meta.corefs_commit),
+    ] {
+        assert!(!value.is_empty(), "{what} not recorded: {meta:?}");
+    }
+    assert!(meta.load_avg_start.is_some(), "load not recorded: {meta:?}");
+    // As if the run started on an idle machine (other builds may have loaded this one); the
+    // busy case is checked below.
+    let mut results = results.clone();
+    results.meta.load_avg_start = Some(0.1);
+    assert!(
+        corefs_bench::suite::compare::differences(&results, &results).is_empty(),
+        "a run differs from itself"
+    );
+    let mut other = results.clone();
+    other.meta.cpu_model = "another CPU".into();
+    other.meta.corefs_commit = "0123456789ab".into();
+    let report = corefs_bench::suite::compare::report(&results, &other);
+    assert!(
+        report.contains("warning: the runs differ in CPU model"),
+        "{report}"
+    );
+    assert!(report.contains("note: corefs commit"), "{report}");
+    assert!(!report.contains("differ in kernel"), "{report}");
+    // A run that started on a busy machine is said.
+    let mut busy = results.clone();
+    busy.meta.load_avg_start = Some(2.4);
+    let report = corefs_bench::suite::compare::report(&results, &busy);
+    assert!(
+        report.contains("warning: the current run started on a busy machine (load average 2.40"),
+        "{report}"
+    );
+    // Settings that change the figures are said too.
+    let mut longer = results.clone();
+    longer.meta.seconds_per_run *= 2.0;
+    let report = corefs_bench::suite::compare::report(&results, &longer);
+    assert!(
+        report.contains("warning: the runs differ in seconds per run"),
+        "{report}"
+    );
+    // Results from before these were recorded: said, not silently compared.
+    let mut old = results.clone();
+    old.meta.device_model.clear();
+    let report = corefs_bench::suite::compare::report(&old, &results);
+    assert!(
+        report.contains("device model is not recorded in the baseline"),
+        "{report}"
+    );
+}
+
+/// `bench fsync` runs corefs on the device it is given, calls fdatasync as the kernel side
+/// does, and times corefs's commits inside the operations that paid for them (as ext4's
+/// journal commits land inside its fdatasync): an operation that ran a commit took at least
+/// the commit's time.
+#[test]
+fn the_fsync_benchmark_runs_on_a_given_device_with_commits_inside_the_timer() {
+    let dir = scratch();
+    let config = corefs_bench::fsync::FsyncBenchConfig {
+        dir: dir.path().to_path_buf(),
+        kernel_dir: None,
+        device: Some("mem:1GiB".into()),
+        image_bytes: 256 << 20,
+        seconds_per_round: 1.0,
+        rounds: 1,
+    };
+    let report = corefs_bench::fsync::run(&config).expect("fsync bench runs");
+    let corefs = &report.targets[0];
+    assert_eq!(corefs.target, "corefs (mem backend)", "{report:?}");
+    // Nothing of the image is left behind, and no image was made for a given device.
+    let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+    assert!(left.is_empty(), "{left:?}");
+    let c = &report.corefs;
+    assert!(c.fsyncs >= corefs.latency.ops, "{c:?} for {corefs:?}");
+    assert!(
+        c.tick_commits > 0,
+        "no commit in the run, nothing checked: {c:?}"
+    );
+    // The operations that ran a commit took the commit's time and their own.
+    assert!(
+        c.commit_op_ns_mean >= c.tick_commit_ns_mean,
+        "commits of {} ns on average outside the time of the operations that ran them ({} ns)",
+        c.tick_commit_ns_mean,
+        c.commit_op_ns_mean
+    );
+    assert!(
+        corefs.latency.max_ns >= c.tick_commit_ns_max,
+        "{c:?} {corefs:?}"
+    );
+}

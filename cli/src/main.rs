@@ -286,12 +286,17 @@ enum Bench {
         #[arg(long)]
         json: Option<PathBuf>,
     },
-    /// 4 KiB append + fsync at queue depth 1: corefs on a file image, the raw device's write +
-    /// flush, and the kernel filesystem holding the image, in alternating rounds.
+    /// 4 KiB append + fdatasync at queue depth 1: corefs on a file image (or --device), the raw
+    /// device's write + flush, and the kernel filesystem holding the image, in alternating
+    /// rounds; corefs's commits count inside the operations, as ext4's journal commits do.
     Fsync {
         /// Directory for the image and the raw file (not tmpfs).
         #[arg(long, default_value = "/var/tmp")]
         dir: PathBuf,
+        /// Run corefs on this device instead of an image in --dir, e.g. nvme:/dev/ng0n1. Its
+        /// content is destroyed.
+        #[arg(long)]
+        device: Option<String>,
         /// Directory on the kernel filesystem to compare with (default: --dir), e.g. an ext4
         /// mounted on a loop device.
         #[arg(long)]
@@ -796,6 +801,7 @@ fn main() -> ExitCode {
         }
         Command::Bench(Bench::Fsync {
             dir,
+            device,
             kernel_dir,
             image_size,
             seconds,
@@ -808,6 +814,7 @@ fn main() -> ExitCode {
                 image_bytes: image_size,
                 seconds_per_round: seconds,
                 rounds,
+                device,
             };
             corefs_bench::fsync::run(&config).and_then(|report| {
                 print!("{report}");

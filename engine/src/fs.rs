@@ -62,6 +62,10 @@ pub struct MountOptions {
     /// (a temporary file) is never written when it stays under this; 8 MiB keeps half of
     /// the hard bound, [`crate::writeback::MAX_STAGED_BYTES`], as headroom.
     pub writeback_start_bytes: usize,
+    /// Data blocks kept in memory after a read or write ([`crate::writeback`]'s block cache);
+    /// 0 turns the cache off, so reads measure the device path (a kernel filesystem read
+    /// with O_DIRECT keeps no data either).
+    pub data_cache_blocks: usize,
 }
 
 impl Default for MountOptions {
@@ -71,6 +75,7 @@ impl Default for MountOptions {
             commit_interval: std::time::Duration::from_secs(5),
             dirty_limit_nodes: 4096,
             writeback_start_bytes: 8 << 20,
+            data_cache_blocks: crate::writeback::CACHE_BLOCKS,
         }
     }
 }
@@ -448,6 +453,7 @@ impl Filesystem {
                 inodes: root.inodes,
             }));
         }
+        let data_cache_blocks = options.data_cache_blocks;
         let mut fs = Filesystem {
             generation: sb.generation + 1,
             dev: Box::new(crate::log::inflight::DeviceMux::new(dev)),
@@ -469,7 +475,7 @@ impl Filesystem {
             ino_counters_dirty: vec![false; shard_count],
             log: crate::log::LogState::new(shard_count),
             staged: Default::default(),
-            block_cache: Default::default(),
+            block_cache: crate::writeback::BlockCache::new(data_cache_blocks),
             unpin_pending: None,
             commit_in_flight: None,
             op: OpState::default(),

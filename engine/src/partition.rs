@@ -226,7 +226,7 @@ impl Filesystem {
             ino_counters_dirty: vec![false; count],
             log,
             staged: Default::default(),
-            block_cache: Default::default(),
+            block_cache: crate::writeback::BlockCache::new(like.options.data_cache_blocks),
             unpin_pending: None,
             commit_in_flight: None,
             op: Default::default(),

@@ -343,6 +343,7 @@ impl Filesystem {
                 piece.count * BLOCK,
                 "a piece's reads cover it"
             );
+            self.block_cache.device_blocks += piece.count;
             if outs[piece.request].is_err() {
                 continue;
             }

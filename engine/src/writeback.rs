@@ -20,8 +20,10 @@
 //! the reactor, and every client's operation, for 30 ms on a file image.
 //!
 //! Recently written and read data blocks are also kept, by disk block, in a bounded cache
-//! ([`CACHE_BLOCKS`]): a read, or the read-modify-write of a write that covers part of a block
-//! (SQLite's 4120-byte WAL frames), is served from memory instead of the device. Blocks are
+//! ([`crate::MountOptions::data_cache_blocks`], [`CACHE_BLOCKS`] by default; 0 turns it off,
+//! so every read of data not staged goes to the device, as a benchmark of the device path
+//! needs): a read, or the read-modify-write of a write that covers part of a block (SQLite's
+//! 4120-byte WAL frames), is served from memory instead of the device. Blocks are
 //! copy-on-write, so a disk block's content only changes when it is freed and written anew,
 //! which replaces the cached copy; and a cached block is used only if it matches the crc32c of
 //! the extent that references it.
@@ -51,26 +53,45 @@ pub const WRITEBACK_CHUNK_BYTES: usize = 1 << 20;
 pub const WRITEBACK_IN_FLIGHT_MAX_BYTES: usize = 2 << 20;
 /// Staged data bytes past which write-back starts while a commit is near.
 pub const PRECOMMIT_STAGED_BYTES: usize = 256 << 10;
-/// Data blocks the cache keeps (16 MiB).
+/// Data blocks the cache keeps by default (16 MiB).
 pub const CACHE_BLOCKS: usize = 4096;
 
 /// Recently written or read data blocks by disk block, evicted oldest first.
-#[derive(Default)]
 pub(crate) struct BlockCache {
     blocks: HashMap<u64, (Box<[u8]>, u64)>,
     /// (disk block, insertion stamp); an entry re-inserted since is skipped at eviction.
     order: VecDeque<(u64, u64)>,
     stamp: u64,
+    /// Most blocks kept; 0: none (the cache is off).
+    capacity_blocks: usize,
+    /// Data blocks reads took from the cache, and from the device.
     pub hits: u64,
+    pub device_blocks: u64,
 }
 
 impl BlockCache {
+    pub fn new(capacity_blocks: usize) -> BlockCache {
+        BlockCache {
+            blocks: HashMap::new(),
+            order: VecDeque::new(),
+            stamp: 0,
+            capacity_blocks,
+            hits: 0,
+            device_blocks: 0,
+        }
+    }
+
     pub fn insert(&mut self, disk: u64, data: &[u8]) {
         debug_assert_eq!(data.len(), BLOCK_BYTES);
+        if self.capacity_blocks == 0 {
+            return;
+        }
         self.stamp += 1;
         self.blocks.insert(disk, (data.into(), self.stamp));
         self.order.push_back((disk, self.stamp));
-        while self.blocks.len() > CACHE_BLOCKS || self.order.len() > 4 * CACHE_BLOCKS {
+        while self.blocks.len() > self.capacity_blocks
+            || self.order.len() > self.capacity_blocks.saturating_mul(4)
+        {
             let Some((old, stamp)) = self.order.pop_front() else {
                 break;
             };
@@ -245,6 +266,11 @@ impl Filesystem {
         }
         self.block_cache.hits += count;
         Some(out)
+    }
+
+    /// Data blocks reads took from the block cache, and from the device, since mount.
+    pub fn data_cache_hits(&self) -> (u64, u64) {
+        (self.block_cache.hits, self.block_cache.device_blocks)
     }
 
     /// Bytes of file data staged and not yet written.

@@ -1232,6 +1232,7 @@ impl Reactor {
         s.unpinned_blocks_last = s.commit.last_unpinned_blocks;
         s.reads = self.fs.read_stats();
         s.device_waits = self.fs.device_wait_stats();
+        (s.data_cache_hits, s.data_blocks_read) = self.fs.data_cache_hits();
         s
     }
 

@@ -63,6 +63,9 @@ pub struct ReactorStats {
     pub device_waits: engine::DeviceWaitStats,
     /// The longest the loop went without looking at its request queue.
     pub loop_gap_ns_max: u64,
+    /// File data blocks reads took from the engine's block cache, and from the device.
+    pub data_cache_hits: u64,
+    pub data_blocks_read: u64,
 }
 
 impl ReactorStats {
@@ -100,6 +103,18 @@ impl ReactorStats {
         self.fsync_groups += other.fsync_groups;
         self.fsync_group_max = self.fsync_group_max.max(other.fsync_group_max);
         self.read_groups += other.read_groups;
+        self.data_cache_hits += other.data_cache_hits;
+        self.data_blocks_read += other.data_blocks_read;
+        let (r, o) = (&mut self.reads, &other.reads);
+        r.sets_async += o.sets_async;
+        r.device_reads += o.device_reads;
+        r.device_reads_queued += o.device_reads_queued;
+        r.sets_in_flight_max = r.sets_in_flight_max.max(o.sets_in_flight_max);
+        let (w, o) = (&mut self.device_waits, &other.device_waits);
+        w.waits += o.waits;
+        w.wait_ns_total += o.wait_ns_total;
+        w.wait_ns_max = w.wait_ns_max.max(o.wait_ns_max);
+        self.loop_gap_ns_max = self.loop_gap_ns_max.max(other.loop_gap_ns_max);
         self.commit.pause_ns_max = self.commit.pause_ns_max.max(other.commit.pause_ns_max);
         let (a, b) = (&mut self.log, &other.log);
         a.fsyncs += b.fsyncs;

@@ -91,13 +91,101 @@ fn fmt_value(metric: &str, v: f64) -> String {
     }
 }
 
-/// The comparison as a table.
+/// Where the two runs' machines, settings or code differ: one line each, "warning: ..." for
+/// what makes the figures incomparable (kernel, CPU, cores, disk, the filesystem under the
+/// suite directory, placement, seconds per run, image size, a machine field one file lacks,
+/// or a run that started on a busy machine) and a note for the corefs commit (comparing two commits is what compare is for, but
+/// it is said).
+pub fn differences(base: &SuiteResults, current: &SuiteResults) -> Vec<String> {
+    let (b, c) = (&base.meta, &current.meta);
+    let mut out = Vec::new();
+    for (what, x, y) in [
+        ("kernel", &b.kernel, &c.kernel),
+        ("CPU model", &b.cpu_model, &c.cpu_model),
+        ("device model", &b.device_model, &c.device_model),
+    ] {
+        if x.is_empty() || y.is_empty() {
+            let which = match (x.is_empty(), y.is_empty()) {
+                (true, true) => "either",
+                (true, false) => "the baseline",
+                _ => "the current",
+            };
+            out.push(format!(
+                "warning: the {what} is not recorded in {which} result set: the runs may not be comparable"
+            ));
+        } else if x != y {
+            out.push(format!(
+                "warning: the runs differ in {what}: baseline {x:?}, current {y:?}"
+            ));
+        }
+    }
+    // Settings every result file records (placement: since it was added; an empty one is
+    // not a difference).
+    let settings = [
+        ("CPU count", b.cpus.to_string(), c.cpus.to_string()),
+        (
+            "suite directory's filesystem",
+            b.dir_fs.clone(),
+            c.dir_fs.clone(),
+        ),
+        ("placement", b.placement.clone(), c.placement.clone()),
+        (
+            "seconds per run",
+            b.seconds_per_run.to_string(),
+            c.seconds_per_run.to_string(),
+        ),
+        (
+            "image size",
+            b.image_bytes.to_string(),
+            c.image_bytes.to_string(),
+        ),
+    ];
+    for (what, x, y) in settings {
+        if !x.is_empty() && !y.is_empty() && x != y {
+            out.push(format!(
+                "warning: the runs differ in {what}: baseline {x:?}, current {y:?}"
+            ));
+        }
+    }
+    for (which, meta) in [("baseline", b), ("current", c)] {
+        if let Some(load) = meta
+            .load_avg_start
+            .filter(|l| *l >= super::machine::BUSY_LOAD_AVG)
+        {
+            out.push(format!(
+                "warning: the {which} run started on a busy machine (load average {load:.2} on {} CPUs)",
+                meta.cpus
+            ));
+        }
+    }
+    if b.corefs_commit != c.corefs_commit {
+        let name = |s: &str| {
+            if s.is_empty() {
+                "not recorded".to_string()
+            } else {
+                s.to_string()
+            }
+        };
+        out.push(format!(
+            "note: corefs commit {} (baseline) vs {} (current)",
+            name(&b.corefs_commit),
+            name(&c.corefs_commit)
+        ));
+    }
+    out
+}
+
+/// The comparison as a table, after [`differences`].
 pub fn report(base: &SuiteResults, current: &SuiteResults) -> String {
     use std::fmt::Write;
     let lines = compare(base, current);
     let mut out = String::new();
+    for line in differences(base, current) {
+        let _ = writeln!(out, "{line}");
+    }
     if lines.is_empty() {
-        return "no workload and target appear in both result sets\n".into();
+        out.push_str("no workload and target appear in both result sets\n");
+        return out;
     }
     let _ = writeln!(
         out,

@@ -13,6 +13,7 @@
 pub mod compare;
 pub mod direct;
 pub mod loopdev;
+pub mod machine;
 pub mod plot;
 pub mod results;
 pub mod target;
@@ -246,6 +247,7 @@ fn run_one(
     seed: u64,
     progress: &(dyn Fn(&str) + Sync),
 ) -> R<RunResult> {
+    target.set_data_cache(!workload.measures_device_path());
     target.prepare()?;
     {
         let mut session = target.session()?;
@@ -342,6 +344,20 @@ fn run_one(
     })
 }
 
+/// The disk under the suite directory, and each corefs device target's.
+fn devices_described(config: &SuiteConfig) -> String {
+    let mut out = vec![machine::device_model(&config.dir)];
+    for spec in &config.targets {
+        if let TargetSpec::CorefsDevice(device) = spec {
+            if let Some(path) = machine::device_path(device) {
+                out.push(machine::device_model(&path));
+            }
+        }
+    }
+    out.dedup();
+    out.join("; ")
+}
+
 fn kernel_release() -> String {
     std::fs::read_to_string("/proc/sys/kernel/osrelease")
         .map(|s| s.trim().to_string())
@@ -374,10 +390,22 @@ pub fn run(config: &SuiteConfig, progress: &(dyn Fn(&str) + Sync)) -> R<SuiteRes
             dir: config.dir.display().to_string(),
             dir_fs: crate::fsync::fs_type_of(&config.dir),
             placement: config.placement.describe(),
+            cpu_model: machine::cpu_model(),
+            device_model: devices_described(config),
+            corefs_commit: machine::corefs_commit(),
+            load_avg_start: machine::load_avg_1min(),
         },
         runs: Vec::new(),
     };
     progress(&results.meta.placement);
+    if let Some(load) = results.meta.load_avg_start {
+        if load >= machine::BUSY_LOAD_AVG {
+            progress(&format!(
+                "warning: load average {load:.2} on {} CPUs before the run: other work competes with the benchmark",
+                results.meta.cpus
+            ));
+        }
+    }
     let total = workloads.len() * targets.len() * config.repeats as usize;
     let suite_started = Instant::now();
     let mut step = 0;
@@ -408,12 +436,16 @@ pub fn run(config: &SuiteConfig, progress: &(dyn Fn(&str) + Sync)) -> R<SuiteRes
                 )
                 .map_err(|e| format!("{} on {}: {e}", workload.name, target.name()))?;
                 progress(&format!(
-                    "        {:.0} ops/s, {:.1} MiB/s, p50 {}, p99 {}, max {}",
+                    "        {:.0} ops/s, {:.1} MiB/s, p50 {}, p99 {}, max {}{}",
                     run.ops_per_sec,
                     run.mib_per_sec,
                     fmt_ns(run.latency.p50_ns as f64),
                     fmt_ns(run.latency.p99_ns as f64),
-                    fmt_ns(run.latency.max_ns as f64)
+                    fmt_ns(run.latency.max_ns as f64),
+                    run.engine
+                        .as_ref()
+                        .map(|e| format!(", data cache {}", data_cache_summary(e)))
+                        .unwrap_or_default()
                 ));
                 results.runs.push(run);
             }
@@ -426,6 +458,34 @@ pub fn run(config: &SuiteConfig, progress: &(dyn Fn(&str) + Sync)) -> R<SuiteRes
     drop(targets);
     drop(images);
     Ok(results)
+}
+
+/// The data-block cache over a run: "off", or its hits and their share of the data blocks
+/// read ("1234 hits (8.1%)").
+pub fn data_cache_summary(e: &results::EngineFigures) -> String {
+    match e.data_cache_blocks {
+        None => return "-".into(),
+        Some(0) => return "off".into(),
+        Some(_) => {}
+    }
+    let total = e.data_cache_hits + e.data_blocks_read;
+    let share = if total > 0 {
+        e.data_cache_hits as f64 * 100.0 / total as f64
+    } else {
+        0.0
+    };
+    format!("{} hits ({share:.1}%)", e.data_cache_hits)
+}
+
+/// Largest of a metric over a workload/target's repeats (the "max" column: the worst
+/// operation of any repeat, not a mean of each repeat's worst).
+fn max_of(
+    results: &SuiteResults,
+    workload: &str,
+    target: &str,
+    f: impl Fn(&RunResult) -> f64,
+) -> Option<f64> {
+    results.runs_of(workload, target).map(f).reduce(f64::max)
 }
 
 /// Mean of a metric over a workload/target's repeats.
@@ -441,6 +501,7 @@ fn mean_of(
 
 /// The side-by-side table: every target per workload, then each other target's ratio to the
 /// first corefs target (throughput: higher is better for corefs; p99 and max: lower is).
+/// Every column is the mean over repeats except "max", the largest latency of any repeat.
 pub fn side_by_side(results: &SuiteResults) -> String {
     use std::fmt::Write;
     let mut out = String::new();
@@ -485,7 +546,9 @@ pub fn side_by_side(results: &SuiteResults) -> String {
                 fmt_ns(avg(&|r| r.latency.p90_ns as f64)),
                 fmt_ns(avg(&|r| r.latency.p99_ns as f64)),
                 fmt_ns(avg(&|r| r.latency.p999_ns as f64)),
-                fmt_ns(avg(&|r| r.latency.max_ns as f64)),
+                fmt_ns(
+                    max_of(results, &workload, target, |r| r.latency.max_ns as f64).unwrap_or(0.0)
+                ),
                 fmt_ns(avg(&|r| r.cpu_ns_per_op)),
                 first
                     .mount_ms
@@ -494,14 +557,23 @@ pub fn side_by_side(results: &SuiteResults) -> String {
             );
         }
         for target in targets.iter().filter(|t| **t != reference) {
-            let ratio = |f: &dyn Fn(&RunResult) -> f64| -> String {
-                match (
-                    mean_of(results, &workload, &reference, f),
-                    mean_of(results, &workload, target, f),
-                ) {
+            let show = |a: Option<f64>, b: Option<f64>| -> String {
+                match (a, b) {
                     (Some(a), Some(b)) if b > 0.0 => format!("{:.2}x", a / b),
                     _ => "-".into(),
                 }
+            };
+            let ratio = |f: &dyn Fn(&RunResult) -> f64| -> String {
+                show(
+                    mean_of(results, &workload, &reference, f),
+                    mean_of(results, &workload, target, f),
+                )
+            };
+            let max = |f: fn(&RunResult) -> f64| -> String {
+                show(
+                    max_of(results, &workload, &reference, f),
+                    max_of(results, &workload, target, f),
+                )
             };
             let _ = writeln!(
                 out,
@@ -517,7 +589,7 @@ pub fn side_by_side(results: &SuiteResults) -> String {
                 ratio(&|r| r.latency.p90_ns as f64),
                 ratio(&|r| r.latency.p99_ns as f64),
                 ratio(&|r| r.latency.p999_ns as f64),
-                ratio(&|r| r.latency.max_ns as f64),
+                max(|r| r.latency.max_ns as f64),
                 ratio(&|r| r.cpu_ns_per_op),
             );
         }
@@ -565,14 +637,14 @@ pub fn details(results: &SuiteResults) -> String {
     if !engine_runs.is_empty() {
         let _ = writeln!(
             out,
-            "\nengine figures (corefs runs; a commit's pause is the part that holds the reactor)\n {:<22} {:<12} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9}",
+            "\nengine figures (corefs runs; a commit's pause is the part that holds the reactor; data cache: the engine's data-block cache, off where a workload measures the device path)\n {:<22} {:<12} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9}  data cache",
             "workload", "target", "commits", "avg ms", "max ms", "pause ms", "log wr", "fallback", "groupmax", "unpin ms", "mount ms"
         );
         for run in engine_runs {
             let e = run.engine.as_ref().expect("filtered");
             let _ = writeln!(
                 out,
-                " {:<22} {:<12} {:>7} {:>9.2} {:>9.2} {:>9.2} {:>9} {:>9} {:>9} {:>10.3} {:>9}",
+                " {:<22} {:<12} {:>7} {:>9.2} {:>9.2} {:>9.2} {:>9} {:>9} {:>9} {:>10.3} {:>9}  {}",
                 run.workload,
                 run.target,
                 e.commits,
@@ -585,7 +657,8 @@ pub fn details(results: &SuiteResults) -> String {
                 e.unpin_ms_last,
                 run.mount_ms
                     .map(|m| format!("{m:.1}"))
-                    .unwrap_or_else(|| "-".into())
+                    .unwrap_or_else(|| "-".into()),
+                data_cache_summary(e)
             );
         }
     }

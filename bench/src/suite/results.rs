@@ -60,6 +60,15 @@ pub struct EngineFigures {
     pub unpin_ms_last: f64,
     /// CPU time of the reactor thread per operation it ran.
     pub reactor_cpu_ns_per_op: f64,
+    /// File data blocks reads took from the engine's block cache and from the device, and
+    /// the cache's size for the run (0: off, as for the random-read workloads). Absent from
+    /// results written before they were recorded.
+    #[serde(default)]
+    pub data_cache_hits: u64,
+    #[serde(default)]
+    pub data_blocks_read: u64,
+    #[serde(default)]
+    pub data_cache_blocks: Option<u64>,
 }
 
 /// (percentile, latency ns) points.
@@ -140,6 +149,19 @@ pub struct Meta {
     /// recorded).
     #[serde(default)]
     pub placement: String,
+    /// What a comparison of two runs must hold equal (`corefs bench compare` warns when they
+    /// differ; empty in results written before they were recorded): the CPU (/proc/cpuinfo's
+    /// model name), the disk under `dir` and any corefs device target (sysfs model, or vendor
+    /// id where a virtual disk has no model), and the corefs source tree's commit.
+    #[serde(default)]
+    pub cpu_model: String,
+    #[serde(default)]
+    pub device_model: String,
+    #[serde(default)]
+    pub corefs_commit: String,
+    /// The machine's 1-minute load average when the run started (none: not recorded).
+    #[serde(default)]
+    pub load_avg_start: Option<f64>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]

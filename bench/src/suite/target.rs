@@ -12,7 +12,7 @@
 use super::loopdev::LoopFs;
 use super::results::EngineFigures;
 use super::Placement;
-use engine::{MkfsOptions, RenameFlags};
+use engine::{MkfsOptions, MountOptions, RenameFlags};
 use reactor::{Config, IdlePolicy, Op, Reply, Runtime};
 use std::collections::HashMap;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -44,8 +44,9 @@ pub trait Session: Send {
     /// Names in a directory, with whether each is a directory.
     fn readdir(&mut self, path: &str) -> R<Vec<(String, bool)>>;
     /// Random 4 KiB reads of an open file with `qd` in flight until `until`; each completion's
-    /// latency goes to `record`. Bypasses any page cache (corefs has none; kernel targets use
-    /// O_DIRECT). Returns the reads done.
+    /// latency goes to `record`. Bypasses every data cache (kernel targets read with O_DIRECT;
+    /// the suite mounts corefs with its data-block cache off for these workloads). Returns the
+    /// reads done.
     fn random_reads(
         &mut self,
         fh: Fh,
@@ -74,6 +75,10 @@ pub trait Target {
     fn client_cores(&self) -> Vec<usize> {
         Vec::new()
     }
+    /// Whether the next mounts keep file data in memory after reading it (corefs's block
+    /// cache). Off for workloads that measure the device path, which a kernel target reads
+    /// with O_DIRECT; a kernel target has nothing to turn off.
+    fn set_data_cache(&mut self, _on: bool) {}
 }
 
 /// A session's open files: a handle is an index, never reused while the table holds any open
@@ -129,6 +134,8 @@ pub struct CorefsTarget {
     runtime: Option<Runtime>,
     /// A memory device lives only as long as its handle: it is kept across remounts.
     kept_device: Option<Box<dyn nvme::BlockDevice>>,
+    /// The engine's data-block cache for the next mounts, in blocks (0: off).
+    data_cache_blocks: usize,
 }
 
 impl CorefsTarget {
@@ -147,6 +154,7 @@ impl CorefsTarget {
             reactors,
             runtime: None,
             kept_device: None,
+            data_cache_blocks: engine::writeback::CACHE_BLOCKS,
         }
     }
 
@@ -167,6 +175,10 @@ impl CorefsTarget {
                 Placement::Shared => Vec::new(),
             },
             reactors: self.reactors,
+            mount: MountOptions {
+                data_cache_blocks: self.data_cache_blocks,
+                ..MountOptions::default()
+            },
             ..Config::default()
         };
         let runtime = match self.kept_device.take() {
@@ -202,6 +214,14 @@ impl Target for CorefsTarget {
             Placement::Dedicated { client_cores, .. } => client_cores.clone(),
             Placement::Shared => Vec::new(),
         }
+    }
+
+    fn set_data_cache(&mut self, on: bool) {
+        self.data_cache_blocks = if on {
+            engine::writeback::CACHE_BLOCKS
+        } else {
+            0
+        };
     }
 
     fn prepare(&mut self) -> R<()> {
@@ -242,6 +262,9 @@ impl Target for CorefsTarget {
             unpinned_blocks_last: c.last_unpinned_blocks,
             unpin_ms_last: c.last_unpin_ns as f64 / 1e6,
             reactor_cpu_ns_per_op: stats.cpu_ns_per_op(),
+            data_cache_hits: stats.data_cache_hits,
+            data_blocks_read: stats.data_blocks_read,
+            data_cache_blocks: Some(self.data_cache_blocks as u64),
         }))
     }
 

@@ -1,0 +1,291 @@
+//! The fio ioengine for corefs (`bindings/fio/corefs_fio.c`, built by `scripts/fio-plugin.sh`
+//! against the installed fio's headers) runs real fio jobs: random reads that keep the job's
+//! queue depth in flight, random writes with an fsync after each, a sequential write that fio
+//! verifies (crc32c) in the same run and again in a new process after a remount, and the
+//! README's job file. Each checks fio's JSON output.
+//!
+//! fio and a C compiler are required (the test command installs them); a missing one fails
+//! the test, never skips it. The engine links the libcorefs.so of this test run's profile:
+//! build it first (`cargo build -p corefs-bindings`; the test command does). The first build
+//! fetches fio's source once (cached in ~/.cache/corefs-fio).
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+/// target/<profile>/, where cargo put libcorefs.so for this test run.
+fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable");
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps/<test>")
+        .to_path_buf()
+}
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace")
+        .to_path_buf()
+}
+
+fn newest_mtime(dir: &Path) -> std::time::SystemTime {
+    let mut newest = std::time::SystemTime::UNIX_EPOCH;
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        let path = entry.path();
+        let t = if path.is_dir() {
+            newest_mtime(&path)
+        } else {
+            entry.metadata().and_then(|m| m.modified()).unwrap()
+        };
+        newest = newest.max(t);
+    }
+    newest
+}
+
+/// Builds the engine once for all the tests; its path.
+fn engine() -> &'static Path {
+    static ENGINE: OnceLock<PathBuf> = OnceLock::new();
+    ENGINE.get_or_init(|| {
+        let lib_dir = target_dir();
+        let lib = lib_dir.join("libcorefs.so");
+        let built = std::fs::metadata(&lib)
+            .and_then(|m| m.modified())
+            .unwrap_or_else(|_| {
+                panic!(
+                    "{} is missing: run `cargo build -p corefs-bindings` first",
+                    lib.display()
+                )
+            });
+        for source in ["bindings/src", "reactor/src", "engine/src", "nvme/src"] {
+            assert!(
+                newest_mtime(&workspace().join(source)) <= built,
+                "{} is older than {source}: run `cargo build -p corefs-bindings` first",
+                lib.display()
+            );
+        }
+        let out = Command::new(workspace().join("scripts/fio-plugin.sh"))
+            .env("COREFS_LIB_DIR", &lib_dir)
+            .output()
+            .expect("running scripts/fio-plugin.sh");
+        assert!(
+            out.status.success(),
+            "scripts/fio-plugin.sh failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim().to_string());
+        assert!(
+            path.is_file(),
+            "the script printed {path:?}, not the engine"
+        );
+        path
+    })
+}
+
+/// A scratch directory on a filesystem with O_DIRECT (the `file:` backend needs it).
+fn scratch() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("corefs-fio-test-")
+        .tempdir_in("/var/tmp")
+        .expect("a scratch directory in /var/tmp")
+}
+
+struct Run {
+    ok: bool,
+    json: Value,
+    stderr: String,
+}
+
+/// Runs fio with the corefs engine on the image in `dir` and JSON output, in `dir`: fio
+/// writes the files it keeps beside a job (a verify job's `<job>-verify.state`) into its
+/// working directory, which must not be the source tree.
+fn fio(dir: &Path, args: &[&str]) -> Run {
+    let out = Command::new("fio")
+        .current_dir(dir)
+        .arg(format!("--ioengine=external:{}", engine().display()))
+        .arg(format!("--corefs_dev={}", device(dir)))
+        .args(args)
+        .arg("--output-format=json")
+        .env("COREFS_LOG", "error")
+        .output()
+        .expect("running fio (apt-get install fio)");
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    let json = stdout
+        .find('{')
+        .and_then(|at| serde_json::from_str(&stdout[at..]).ok())
+        .unwrap_or(Value::Null);
+    Run {
+        ok: out.status.success(),
+        json,
+        stderr: format!("{stderr}\n{stdout}"),
+    }
+}
+
+fn checked(run: &Run) -> &Value {
+    assert!(run.ok, "fio failed:\n{}", run.stderr);
+    let job = &run.json["jobs"][0];
+    assert_eq!(job["error"].as_i64(), Some(0), "{}", run.stderr);
+    job
+}
+
+fn device(dir: &Path) -> String {
+    format!("file:{}/fs.img,size=512MiB", dir.display())
+}
+
+#[test]
+fn randread_keeps_the_queue_depth_in_flight() {
+    let dir = scratch();
+    let run = fio(
+        dir.path(),
+        &[
+            "--name=randread",
+            "--corefs_format=1",
+            "--filename=/bench/randread",
+            "--size=32m",
+            "--rw=randread",
+            "--bs=4k",
+            "--iodepth=8",
+            "--time_based",
+            "--runtime=1",
+        ],
+    );
+    let job = checked(&run);
+    let read = &job["read"];
+    let ios = read["total_ios"].as_u64().unwrap();
+    assert!(ios > 100, "{ios} reads in a second");
+    assert!(read["iops"].as_f64().unwrap() > 0.0);
+    assert!(read["clat_ns"]["percentile"]["50.000000"].as_u64().unwrap() > 0);
+    assert_eq!(read["short_ios"].as_u64(), Some(0));
+    assert_eq!(job["write"]["total_ios"].as_u64(), Some(0));
+    // fio records the depth at each submission: an engine that completed each read inside
+    // queue() would show depth 1 throughout.
+    let at_8 = job["iodepth_level"]["8"].as_f64().unwrap();
+    assert!(
+        at_8 > 90.0,
+        "only {at_8}% of submissions at depth 8: {}",
+        job["iodepth_level"]
+    );
+}
+
+#[test]
+fn randwrite_with_an_fsync_after_each_write() {
+    let dir = scratch();
+    let run = fio(
+        dir.path(),
+        &[
+            "--name=randwrite",
+            "--corefs_format=1",
+            "--filename=/bench/randwrite",
+            "--size=16m",
+            "--rw=randwrite",
+            "--bs=4k",
+            "--fsync=1",
+            "--time_based",
+            "--runtime=1",
+        ],
+    );
+    let job = checked(&run);
+    let writes = job["write"]["total_ios"].as_u64().unwrap();
+    let syncs = job["sync"]["total_ios"].as_u64().unwrap();
+    assert!(writes > 10, "{writes} writes in a second");
+    assert!(job["write"]["iops"].as_f64().unwrap() > 0.0);
+    // fsync=1: one fsync per write (the last write may be cut off by the runtime).
+    assert!(
+        syncs + 1 >= writes && syncs <= writes,
+        "{syncs} fsyncs for {writes} writes"
+    );
+    assert!(job["sync"]["lat_ns"]["mean"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn a_sequential_write_verifies_in_the_run_and_after_a_remount() {
+    let dir = scratch();
+    let size = 16u64 << 20;
+    let write = [
+        "--name=verify",
+        "--filename=/bench/verify",
+        "--size=16m",
+        "--rw=write",
+        "--bs=64k",
+        "--iodepth=4",
+        "--verify=crc32c",
+    ];
+    let mut args = vec!["--corefs_format=1"];
+    args.extend(write);
+    let run = fio(dir.path(), &args);
+    let job = checked(&run);
+    assert_eq!(job["write"]["io_bytes"].as_u64(), Some(size));
+    // The verify pass reads everything written back and checks each block's crc32c.
+    assert_eq!(
+        job["read"]["io_bytes"].as_u64(),
+        Some(size),
+        "{}",
+        run.stderr
+    );
+    // fio saved the verify state in the scratch directory, not where cargo runs tests.
+    let state = "local-verify-0-verify.state";
+    assert!(
+        dir.path().join(state).is_file(),
+        "no {state} in the scratch dir"
+    );
+    assert!(!Path::new(env!("CARGO_MANIFEST_DIR")).join(state).exists());
+
+    // A new process mounts again (replaying what the first unmount committed) and verifies.
+    let mut args = write.to_vec();
+    args.push("--verify_only=1");
+    let run = fio(dir.path(), &args);
+    let job = checked(&run);
+    assert_eq!(
+        job["read"]["io_bytes"].as_u64(),
+        Some(size),
+        "{}",
+        run.stderr
+    );
+
+    // And the verify can fail: a file laid out with plain data has no verify headers.
+    let run = fio(
+        dir.path(),
+        &[
+            "--name=plain",
+            "--filename=/bench/plain",
+            "--size=1m",
+            "--rw=read",
+            "--bs=64k",
+            "--verify=crc32c",
+            "--verify_only=1",
+        ],
+    );
+    assert!(
+        !run.ok || run.json["jobs"][0]["error"].as_i64() != Some(0),
+        "verify passed on data fio never wrote:\n{}",
+        run.stderr
+    );
+}
+
+#[test]
+fn the_readme_job_file_runs_on_corefs() {
+    let dir = scratch();
+    // The README's job, shortened: 1 s on a 64 MiB file instead of 10 s on 1 GiB.
+    let text = std::fs::read_to_string(workspace().join("bindings/fio/examples/randread.fio"))
+        .expect("the README's job file");
+    assert!(text.contains("runtime=10") && text.contains("size=1g"));
+    // The README shows the job as the file holds it.
+    let job = &text[text.find("[randread]").expect("the job's section")..];
+    let readme = std::fs::read_to_string(workspace().join("README.md")).unwrap();
+    assert!(
+        readme.contains(job.trim_end()),
+        "README.md does not show bindings/fio/examples/randread.fio's job"
+    );
+    let short = text
+        .replace("runtime=10", "runtime=1")
+        .replace("size=1g", "size=64m");
+    let file = dir.path().join("randread.fio");
+    std::fs::write(&file, short).unwrap();
+    let run = fio(dir.path(), &["--corefs_format=1", file.to_str().unwrap()]);
+    let job = checked(&run);
+    assert_eq!(job["jobname"].as_str(), Some("randread"));
+    assert!(job["read"]["total_ios"].as_u64().unwrap() > 100);
+    assert!(job["iodepth_level"]["32"].as_f64().unwrap() > 90.0);
+}
