@@ -790,9 +790,7 @@ impl Filesystem for CorefsFuse {
         _position: u32,
         reply: ReplyEmpty,
     ) {
-        // POSIX ACLs are not supported: refusing them makes cp -a, tar and rsync fall back
-        // to chmod, instead of storing an ACL whose mode bits nothing would apply.
-        if name.as_bytes().starts_with(b"system.posix_acl_") {
+        if !xattr_namespace_stored(name) {
             return reply.error(Errno::EOPNOTSUPP);
         }
         let flags = match flags {
@@ -811,6 +809,9 @@ impl Filesystem for CorefsFuse {
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        if !xattr_namespace_stored(name) {
+            return reply.error(Errno::EOPNOTSUPP);
+        }
         let op = Op::GetXattr {
             ino: to_engine(ino),
             name: name.as_bytes().to_vec(),
@@ -841,6 +842,9 @@ impl Filesystem for CorefsFuse {
     }
 
     fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        if !xattr_namespace_stored(name) {
+            return reply.error(Errno::EOPNOTSUPP);
+        }
         let op = Op::RemoveXattr {
             ino: to_engine(ino),
             name: name.as_bytes().to_vec(),
@@ -996,6 +1000,19 @@ impl Filesystem for CorefsFuse {
     ) {
         reply.error(Errno::ENOSYS);
     }
+}
+
+/// Whether an extended attribute's name is in a namespace corefs stores: `user.`,
+/// `trusted.` and `security.`, as ext4. The kernel hands a FUSE filesystem every name, where
+/// a kernel filesystem's handlers answer EOPNOTSUPP to a namespace they do not know, so that
+/// is done here. `system.` is refused whole: its names mean something to the kernel (POSIX
+/// ACLs above all, which corefs does not support; refusing them makes cp -a, tar and rsync
+/// fall back to chmod, instead of storing an ACL whose mode bits nothing would apply).
+fn xattr_namespace_stored(name: &OsStr) -> bool {
+    let name = name.as_bytes();
+    [&b"user."[..], b"trusted.", b"security."]
+        .iter()
+        .any(|prefix| name.starts_with(prefix))
 }
 
 /// getxattr/listxattr's two-step protocol: size 0 asks for the length.

@@ -808,6 +808,49 @@ fn owners_special_files_statfs_and_times_through_the_mount() {
         assert_eq!((rc, last_errno()), (-1, libc::ENOTTY));
     }
     drop(file);
+
+    // Extended attributes in the namespaces ext4 stores (user, trusted, security); any
+    // other is EOPNOTSUPP, as a kernel filesystem answers, where every name used to be
+    // stored. (The kernel parses a POSIX ACL before passing it on: a one-byte one is EINVAL.)
+    let rootfile = c_path(&mnt.join("rootfile"));
+    let setxattr = |name: &str| {
+        let name = std::ffi::CString::new(name).unwrap();
+        // SAFETY: NUL-terminated path and name; a one-byte value.
+        let rc =
+            unsafe { libc::setxattr(rootfile.as_ptr(), name.as_ptr(), b"v".as_ptr().cast(), 1, 0) };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(last_errno())
+        }
+    };
+    let getxattr = |name: &str| {
+        let name = std::ffi::CString::new(name).unwrap();
+        let mut value = [0u8; 8];
+        // SAFETY: NUL-terminated path and name; `value` is 8 writable bytes.
+        let rc = unsafe {
+            libc::getxattr(
+                rootfile.as_ptr(),
+                name.as_ptr(),
+                value.as_mut_ptr().cast(),
+                8,
+            )
+        };
+        if rc >= 0 {
+            Ok(value[..rc as usize].to_vec())
+        } else {
+            Err(last_errno())
+        }
+    };
+    for name in ["user.a", "trusted.a", "security.a"] {
+        assert_eq!(setxattr(name), Ok(()), "{name}");
+        assert_eq!(getxattr(name), Ok(b"v".to_vec()), "{name}");
+    }
+    for name in ["bogus.a", "system.a", "user"] {
+        assert_eq!(setxattr(name), Err(libc::EOPNOTSUPP), "{name}");
+        assert_eq!(getxattr(name), Err(libc::EOPNOTSUPP), "{name}");
+    }
+
     let log = mounted.unmount();
     let ioctl_lines = log.lines().filter(|l| l.contains("ioctl")).count();
     assert_eq!(ioctl_lines, 1, "{log}");
