@@ -9,6 +9,22 @@
 //! `fusermount3 -u`) ends the session; the reactor then commits and unmounts, so everything
 //! written is durable after a clean unmount.
 //!
+//! Who: creates (create, mkdir, mknod, symlink) are owned by the requesting process's uid
+//! and gid as the kernel passes them (a set-group-ID directory gives its group instead, in the
+//! engine). The kernel checks permissions against modes and owners (`default_permissions`),
+//! as for a kernel filesystem, and turns the set-user-ID and set-group-ID clearing that
+//! chown, truncate and write imply into a mode change it sends here (corefs does not ask for
+//! FUSE's `handle_killpriv`). Without `--allow-other` only the mounter may use the mount.
+//!
+//! Kernel references: every reply that hands the kernel an inode (lookup, create, mkdir,
+//! mknod, symlink, link) adds one to the kernel's lookup count of it, and `forget` takes
+//! counts back ([`KernelRefs`]). An inode's first reference takes an engine hold before the
+//! reply leaves, and its count reaching 0 releases the hold; so an inode the kernel still
+//! knows (an open file above all) outlives its last name as an orphan with nlink 0: reads,
+//! writes and fstat through a descriptor go on working after unlink or a rename over it, and
+//! the inode goes when the kernel forgets it. What is still held at unmount is released then;
+//! after a crash the next mount deletes the orphans.
+//!
 //! Invariants: the kernel caches attributes and entries for [`TTL`] only (1 s), because the
 //! filesystem may be changed through no other path while mounted, but the kernel's own
 //! caches must not outlive an operation's effect by much. The session thread decodes each
@@ -16,19 +32,27 @@
 //! each with its own reactor client, which makes the reactor call and replies; so requests of
 //! different callers are at the reactor together (their fsyncs share records) and one slow
 //! request does not stall the others. Requests one caller makes in sequence stay in sequence,
-//! since the caller waits for each reply.
+//! since the caller waits for each reply. A reference is counted before the reply that hands
+//! it over, so a forget (which the kernel sends only for references it received) never finds
+//! a count lower than the kernel's.
 
+use engine::format::items::Timespec;
 use engine::inode::ROOT_INO;
 use engine::{EngineError, FallocateMode, RenameFlags, SetAttr, Stat, XattrFlags};
 use fuser::{
-    FileAttr, FileType, Filesystem, KernelConfig, ReplyAttr, ReplyCreate, ReplyData,
-    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr,
-    Request, TimeOrNow, FUSE_ROOT_ID,
+    BsdFileFlags, CopyFileRangeFlags, Errno, FileAttr, FileHandle, FileType, Filesystem,
+    FopenFlags, Generation, INodeNo, IoctlFlags, KernelConfig, LockOwner, OpenFlags, PollEvents,
+    PollFlags, PollNotifier, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty,
+    ReplyEntry, ReplyIoctl, ReplyLseek, ReplyOpen, ReplyPoll, ReplyStatfs, ReplyWrite, ReplyXattr,
+    Request, SessionACL, TimeOrNow, WriteFlags,
 };
 use reactor::{Client, Op, Reply, Runtime};
+use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// How long the kernel may cache attributes and names.
@@ -52,7 +76,7 @@ struct Pool {
 impl Pool {
     fn new(runtime: &Runtime) -> Pool {
         let (tx, rx) = std::sync::mpsc::sync_channel::<Job>(QUEUE_DEPTH);
-        let rx = std::sync::Arc::new(std::sync::Mutex::new(rx));
+        let rx = Arc::new(Mutex::new(rx));
         let workers = (0..WORKERS)
             .map(|i| {
                 let rx = rx.clone();
@@ -107,9 +131,90 @@ impl Pool {
     }
 }
 
+/// Stripes of [`KernelRefs`]: an inode's first reference holds its stripe's lock across a
+/// reactor call, which then delays only the inodes of that stripe.
+const REF_STRIPES: usize = 64;
+
+/// The kernel's references to inodes: its lookup count of each inode it was handed (FUSE's
+/// `nlookup`), the first of which holds the inode in the engine (module doc). The root is
+/// never counted: the kernel holds it for the whole mount, and the engine never deletes it.
+struct KernelRefs {
+    stripes: [Mutex<HashMap<u64, u64>>; REF_STRIPES],
+}
+
+impl Default for KernelRefs {
+    fn default() -> KernelRefs {
+        KernelRefs {
+            stripes: std::array::from_fn(|_| Mutex::default()),
+        }
+    }
+}
+
+impl KernelRefs {
+    fn lock(&self, ino: u64) -> MutexGuard<'_, HashMap<u64, u64>> {
+        self.stripes[(ino % REF_STRIPES as u64) as usize]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Counts one reference to `ino` that is about to be handed to the kernel. The first one
+    /// takes the engine hold, with the stripe's lock held so that no forget can release it
+    /// before it exists.
+    fn add(&self, client: &mut Client, ino: u64) -> Result<(), i32> {
+        if ino == ROOT_INO {
+            return Ok(());
+        }
+        let mut counts = self.lock(ino);
+        match counts.get_mut(&ino) {
+            Some(count) => *count = count.saturating_add(1),
+            None => {
+                call(client, Op::Hold { ino })?;
+                counts.insert(ino, 1);
+            }
+        }
+        Ok(())
+    }
+
+    /// The kernel forgot `nlookup` references to `ino`; the last one releases the hold (which
+    /// deletes an orphan). An inode never counted (the root) is ignored.
+    fn forget(&self, client: &mut Client, ino: u64, nlookup: u64) {
+        let mut counts = self.lock(ino);
+        let Some(count) = counts.get_mut(&ino) else {
+            return;
+        };
+        *count = count.saturating_sub(nlookup);
+        if *count > 0 {
+            return;
+        }
+        counts.remove(&ino);
+        if let Err(e) = call(client, Op::Release { ino }) {
+            tracing::warn!("releasing inode {ino} after the kernel forgot it: errno {e}");
+        }
+    }
+
+    /// Releases every hold left (at unmount, when the kernel forgets nothing more): orphans
+    /// are deleted now rather than by the next mount. Returns the holds released.
+    fn release_all(&self, client: &mut Client) -> usize {
+        let mut released = 0;
+        for stripe in &self.stripes {
+            let mut counts = stripe.lock().unwrap_or_else(|p| p.into_inner());
+            for (ino, _) in counts.drain() {
+                released += 1;
+                if let Err(e) = call(client, Op::Release { ino }) {
+                    tracing::warn!("releasing inode {ino} at unmount: errno {e}");
+                }
+            }
+        }
+        released
+    }
+}
+
 pub struct CorefsFuse {
     runtime: Option<Runtime>,
     pool: Pool,
+    refs: Arc<KernelRefs>,
+    /// Set at the first ioctl, which alone is logged (programs probe ioctls by the thousand).
+    ioctl_logged: AtomicBool,
 }
 
 impl CorefsFuse {
@@ -118,6 +223,8 @@ impl CorefsFuse {
         CorefsFuse {
             runtime: Some(runtime),
             pool,
+            refs: Arc::default(),
+            ioctl_logged: AtomicBool::new(false),
         }
     }
 }
@@ -133,11 +240,18 @@ fn stat_reply(client: &mut Client, op: Op) -> Result<Stat, i32> {
     }
 }
 
-/// Replies with the inode an operation returns (lookup, mkdir, symlink, link).
-fn reply_entry(client: &mut Client, op: Op, reply: ReplyEntry) {
-    match stat_reply(client, op) {
-        Ok(s) => reply.entry(&TTL, &attr(&s), 0),
-        Err(e) => reply.error(e),
+/// An errno as fuser takes it (`e` is never 0: [`errno`] maps 0 to EIO).
+fn fuse_errno(e: i32) -> Errno {
+    Errno::from_i32(e)
+}
+
+/// Replies with the inode an operation returns (lookup, mkdir, mknod, symlink, link), which
+/// the kernel then references.
+fn reply_entry(client: &mut Client, refs: &KernelRefs, op: Op, reply: ReplyEntry) {
+    let entry = stat_reply(client, op).and_then(|s| refs.add(client, s.ino).map(|()| s));
+    match entry {
+        Ok(s) => reply.entry(&TTL, &attr(&s), Generation(0)),
+        Err(e) => reply.error(fuse_errno(e)),
     }
 }
 
@@ -145,7 +259,7 @@ fn reply_entry(client: &mut Client, op: Op, reply: ReplyEntry) {
 fn reply_attr(client: &mut Client, op: Op, reply: ReplyAttr) {
     match stat_reply(client, op) {
         Ok(s) => reply.attr(&TTL, &attr(&s)),
-        Err(e) => reply.error(e),
+        Err(e) => reply.error(fuse_errno(e)),
     }
 }
 
@@ -153,7 +267,7 @@ fn reply_attr(client: &mut Client, op: Op, reply: ReplyAttr) {
 fn reply_empty(client: &mut Client, op: Op, reply: ReplyEmpty) {
     match call(client, op) {
         Ok(_) => reply.ok(),
-        Err(e) => reply.error(e),
+        Err(e) => reply.error(fuse_errno(e)),
     }
 }
 
@@ -166,51 +280,68 @@ fn errno(e: &EngineError) -> i32 {
 
 /// The inode owner a FUSE request creates with: the calling process's user and group, as
 /// the kernel passes them.
-fn owner_of(req: &Request<'_>) -> reactor::Owner {
+fn owner_of(req: &Request) -> reactor::Owner {
     reactor::Owner {
         uid: req.uid(),
         gid: req.gid(),
     }
 }
 
-fn to_engine(ino: u64) -> u64 {
-    if ino == FUSE_ROOT_ID {
+fn to_engine(ino: INodeNo) -> u64 {
+    if ino == INodeNo::ROOT {
         ROOT_INO
     } else {
-        ino
+        ino.0
     }
 }
 
-fn to_fuse(ino: u64) -> u64 {
+fn to_fuse(ino: u64) -> INodeNo {
     if ino == ROOT_INO {
-        FUSE_ROOT_ID
+        INodeNo::ROOT
     } else {
-        ino
+        INodeNo(ino)
     }
 }
 
-fn time_of(sec: i64, nsec: u32) -> SystemTime {
-    if sec >= 0 {
-        UNIX_EPOCH + Duration::new(sec as u64, nsec)
+/// An engine time (whole seconds rounded down, negative before 1970, and nanoseconds after
+/// them) as the `SystemTime` fuser sends the kernel; times past what `SystemTime` holds are
+/// clamped to the epoch rather than panicking.
+fn time_of(t: Timespec) -> SystemTime {
+    let nsec = Duration::from_nanos(u64::from(t.nsec));
+    let time = if t.sec >= 0 {
+        UNIX_EPOCH.checked_add(Duration::from_secs(t.sec.unsigned_abs()))
     } else {
-        UNIX_EPOCH - Duration::from_secs(sec.unsigned_abs()) + Duration::from_nanos(nsec as u64)
-    }
+        UNIX_EPOCH.checked_sub(Duration::from_secs(t.sec.unsigned_abs()))
+    };
+    time.and_then(|t| t.checked_add(nsec)).unwrap_or(UNIX_EPOCH)
 }
 
-fn timespec(t: TimeOrNow) -> engine::format::items::Timespec {
+/// A time the kernel asks setattr to set, as the engine stores it.
+///
+/// fuser 0.18 turns the kernel's (seconds, nanoseconds) for a time before 1970 — seconds
+/// negative, rounded down, nanoseconds after them — into `UNIX_EPOCH - (|seconds| +
+/// nanoseconds)` where `UNIX_EPOCH - |seconds| + nanoseconds` is meant (its
+/// `system_time_from_time`, marked as a to-do there). This takes the two fields back out of
+/// that, so a pre-1970 time keeps its fraction. fuser is pinned (`=0.18.0`) and
+/// cli/tests/mount.rs round-trips a pre-1970 time with nanoseconds through a mount, which
+/// fails if fuser's conversion changes.
+fn timespec_set(t: TimeOrNow) -> Timespec {
     let t = match t {
         TimeOrNow::SpecificTime(t) => t,
-        TimeOrNow::Now => SystemTime::now(),
+        TimeOrNow::Now => return Timespec::now(),
     };
     match t.duration_since(UNIX_EPOCH) {
-        Ok(d) => engine::format::items::Timespec {
-            sec: d.as_secs() as i64,
+        Ok(d) => Timespec {
+            sec: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
             nsec: d.subsec_nanos(),
         },
-        Err(e) => engine::format::items::Timespec {
-            sec: -(e.duration().as_secs() as i64),
-            nsec: 0,
-        },
+        Err(before) => {
+            let d = before.duration();
+            Timespec {
+                sec: i64::try_from(d.as_secs()).map_or(i64::MIN, |s| -s),
+                nsec: d.subsec_nanos(),
+            }
+        }
     }
 }
 
@@ -231,34 +362,37 @@ fn attr(s: &Stat) -> FileAttr {
         ino: to_fuse(s.ino),
         size: s.size,
         blocks: s.blocks_512,
-        atime: time_of(s.atime.sec, s.atime.nsec),
-        mtime: time_of(s.mtime.sec, s.mtime.nsec),
-        ctime: time_of(s.ctime.sec, s.ctime.nsec),
-        crtime: time_of(s.ctime.sec, s.ctime.nsec),
+        atime: time_of(s.atime),
+        mtime: time_of(s.mtime),
+        ctime: time_of(s.ctime),
+        crtime: time_of(s.ctime),
         kind: kind_of(s.mode),
         perm: (s.mode & 0o7777) as u16,
         nlink: s.nlink,
         uid: s.uid,
         gid: s.gid,
-        rdev: s.rdev as u32,
+        // The kernel's encoding of a device number (new_encode_dev), as mknod passed it.
+        rdev: u32::try_from(s.rdev).unwrap_or(0),
         blksize: 4096,
         flags: 0,
     }
 }
 
 impl Filesystem for CorefsFuse {
-    fn init(&mut self, _req: &Request<'_>, _config: &mut KernelConfig) -> Result<(), i32> {
+    fn init(&mut self, _req: &Request, _config: &mut KernelConfig) -> std::io::Result<()> {
         Ok(())
     }
 
     fn destroy(&mut self) {
         self.pool.stop();
         if let Some(runtime) = self.runtime.take() {
+            let released = self.refs.release_all(&mut runtime.client(1));
             match runtime.shutdown() {
                 Ok(stats) => tracing::info!(
                     ops = stats.ops,
                     commits = stats.commit.commits,
                     log_writes = stats.log.log_writes,
+                    kernel_refs_released = released,
                     "unmounted: committed"
                 ),
                 Err(e) => tracing::error!("unmount: {e}"),
@@ -266,15 +400,22 @@ impl Filesystem for CorefsFuse {
         }
     }
 
-    fn lookup(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEntry) {
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let op = Op::Lookup {
             dir: to_engine(parent),
             name: name.as_bytes().to_vec(),
         };
-        self.pool.run(move |c| reply_entry(c, op, reply));
+        let refs = self.refs.clone();
+        self.pool.run(move |c| reply_entry(c, &refs, op, reply));
     }
 
-    fn getattr(&mut self, _req: &Request<'_>, ino: u64, _fh: Option<u64>, reply: ReplyAttr) {
+    fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
+        let ino = to_engine(ino);
+        let refs = self.refs.clone();
+        self.pool.run(move |c| refs.forget(c, ino, nlookup));
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         let op = Op::Stat {
             ino: to_engine(ino),
         };
@@ -282,9 +423,9 @@ impl Filesystem for CorefsFuse {
     }
 
     fn setattr(
-        &mut self,
-        _req: &Request<'_>,
-        ino: u64,
+        &self,
+        _req: &Request,
+        ino: INodeNo,
         mode: Option<u32>,
         uid: Option<u32>,
         gid: Option<u32>,
@@ -292,11 +433,11 @@ impl Filesystem for CorefsFuse {
         atime: Option<TimeOrNow>,
         mtime: Option<TimeOrNow>,
         _ctime: Option<SystemTime>,
-        _fh: Option<u64>,
+        _fh: Option<FileHandle>,
         _crtime: Option<SystemTime>,
         _chgtime: Option<SystemTime>,
         _bkuptime: Option<SystemTime>,
-        _flags: Option<u32>,
+        _flags: Option<BsdFileFlags>,
         reply: ReplyAttr,
     ) {
         let change = SetAttr {
@@ -304,8 +445,8 @@ impl Filesystem for CorefsFuse {
             uid,
             gid,
             size,
-            atime: atime.map(timespec),
-            mtime: mtime.map(timespec),
+            atime: atime.map(timespec_set),
+            mtime: mtime.map(timespec_set),
         };
         let op = Op::SetAttr {
             ino: to_engine(ino),
@@ -314,21 +455,43 @@ impl Filesystem for CorefsFuse {
         self.pool.run(move |c| reply_attr(c, op, reply));
     }
 
-    fn readlink(&mut self, _req: &Request<'_>, ino: u64, reply: ReplyData) {
+    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
         let op = Op::Readlink {
             ino: to_engine(ino),
         };
         self.pool.run(move |c| match call(c, op) {
             Ok(Reply::Data(d)) => reply.data(&d),
-            Ok(_) => reply.error(libc::EIO),
-            Err(e) => reply.error(e),
+            Ok(_) => reply.error(Errno::EIO),
+            Err(e) => reply.error(fuse_errno(e)),
         });
     }
 
+    fn mknod(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        rdev: u32,
+        reply: ReplyEntry,
+    ) {
+        // The file type stays; the engine refuses types mknod cannot make (EINVAL).
+        let op = Op::Mknod {
+            dir: to_engine(parent),
+            name: name.as_bytes().to_vec(),
+            mode: mode & (libc::S_IFMT | (0o7777 & !umask)),
+            rdev: u64::from(rdev),
+            owner: owner_of(req),
+        };
+        let refs = self.refs.clone();
+        self.pool.run(move |c| reply_entry(c, &refs, op, reply));
+    }
+
     fn mkdir(
-        &mut self,
-        req: &Request<'_>,
-        parent: u64,
+        &self,
+        req: &Request,
+        parent: INodeNo,
         name: &OsStr,
         mode: u32,
         umask: u32,
@@ -340,10 +503,11 @@ impl Filesystem for CorefsFuse {
             mode: mode & !umask & 0o7777,
             owner: owner_of(req),
         };
-        self.pool.run(move |c| reply_entry(c, op, reply));
+        let refs = self.refs.clone();
+        self.pool.run(move |c| reply_entry(c, &refs, op, reply));
     }
 
-    fn unlink(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEmpty) {
+    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let op = Op::Unlink {
             dir: to_engine(parent),
             name: name.as_bytes().to_vec(),
@@ -351,7 +515,7 @@ impl Filesystem for CorefsFuse {
         self.pool.run(move |c| reply_empty(c, op, reply));
     }
 
-    fn rmdir(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEmpty) {
+    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let op = Op::Rmdir {
             dir: to_engine(parent),
             name: name.as_bytes().to_vec(),
@@ -360,9 +524,9 @@ impl Filesystem for CorefsFuse {
     }
 
     fn symlink(
-        &mut self,
-        req: &Request<'_>,
-        parent: u64,
+        &self,
+        req: &Request,
+        parent: INodeNo,
         link_name: &OsStr,
         target: &Path,
         reply: ReplyEntry,
@@ -373,22 +537,24 @@ impl Filesystem for CorefsFuse {
             target: target.as_os_str().as_bytes().to_vec(),
             owner: owner_of(req),
         };
-        self.pool.run(move |c| reply_entry(c, op, reply));
+        let refs = self.refs.clone();
+        self.pool.run(move |c| reply_entry(c, &refs, op, reply));
     }
 
     fn rename(
-        &mut self,
-        _req: &Request<'_>,
-        parent: u64,
+        &self,
+        _req: &Request,
+        parent: INodeNo,
         name: &OsStr,
-        newparent: u64,
+        newparent: INodeNo,
         newname: &OsStr,
-        flags: u32,
+        flags: fuser::RenameFlags,
         reply: ReplyEmpty,
     ) {
-        let known = libc::RENAME_NOREPLACE | libc::RENAME_EXCHANGE;
-        if flags & !known != 0 {
-            return reply.error(libc::EINVAL);
+        // RENAME_WHITEOUT (overlayfs) is not supported, as on most filesystems: EINVAL.
+        let known = fuser::RenameFlags::RENAME_NOREPLACE | fuser::RenameFlags::RENAME_EXCHANGE;
+        if !known.contains(flags) {
+            return reply.error(Errno::EINVAL);
         }
         let op = Op::Rename {
             from_dir: to_engine(parent),
@@ -396,18 +562,18 @@ impl Filesystem for CorefsFuse {
             to_dir: to_engine(newparent),
             to: newname.as_bytes().to_vec(),
             flags: RenameFlags {
-                noreplace: flags & libc::RENAME_NOREPLACE != 0,
-                exchange: flags & libc::RENAME_EXCHANGE != 0,
+                noreplace: flags.contains(fuser::RenameFlags::RENAME_NOREPLACE),
+                exchange: flags.contains(fuser::RenameFlags::RENAME_EXCHANGE),
             },
         };
         self.pool.run(move |c| reply_empty(c, op, reply));
     }
 
     fn link(
-        &mut self,
-        _req: &Request<'_>,
-        ino: u64,
-        newparent: u64,
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        newparent: INodeNo,
         newname: &OsStr,
         reply: ReplyEntry,
     ) {
@@ -416,101 +582,105 @@ impl Filesystem for CorefsFuse {
             dir: to_engine(newparent),
             name: newname.as_bytes().to_vec(),
         };
-        self.pool.run(move |c| reply_entry(c, op, reply));
+        let refs = self.refs.clone();
+        self.pool.run(move |c| reply_entry(c, &refs, op, reply));
     }
 
-    fn open(&mut self, _req: &Request<'_>, _ino: u64, _flags: i32, reply: ReplyOpen) {
-        // The engine has no open state: the inode number is the handle.
-        reply.opened(0, 0);
+    fn open(&self, _req: &Request, _ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        // The engine has no open state: the inode number is the handle, and the kernel's
+        // reference (counted at lookup) keeps an open file's inode.
+        reply.opened(FileHandle(0), FopenFlags::empty());
     }
 
     fn read(
-        &mut self,
-        _req: &Request<'_>,
-        ino: u64,
-        _fh: u64,
-        offset: i64,
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
         size: u32,
-        _flags: i32,
-        _lock_owner: Option<u64>,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        if offset < 0 {
-            return reply.error(libc::EINVAL);
-        }
-        // The kernel bounds `size` by max_read, but `offset + size` may still pass i64::MAX.
-        let len = match engine::file::rw_len(offset as u64, size as usize) {
+        // fuser checks that `offset` is a valid off_t; the kernel bounds `size` by max_read,
+        // but `offset + size` may still pass i64::MAX.
+        let len = match engine::file::rw_len(offset, size as usize) {
             Ok(len) => len,
-            Err(e) => return reply.error(errno(&e)),
+            Err(e) => return reply.error(fuse_errno(errno(&e))),
         };
         let op = Op::Read {
             ino: to_engine(ino),
-            offset: offset as u64,
+            offset,
             len,
         };
         self.pool.run(move |c| match call(c, op) {
             Ok(Reply::Data(d)) => reply.data(&d),
-            Ok(_) => reply.error(libc::EIO),
-            Err(e) => reply.error(e),
+            Ok(_) => reply.error(Errno::EIO),
+            Err(e) => reply.error(fuse_errno(e)),
         });
     }
 
     fn write(
-        &mut self,
-        _req: &Request<'_>,
-        ino: u64,
-        _fh: u64,
-        offset: i64,
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
         data: &[u8],
-        _write_flags: u32,
-        _flags: i32,
-        _lock_owner: Option<u64>,
+        _write_flags: WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        if offset < 0 {
-            return reply.error(libc::EINVAL);
-        }
-        let len = match engine::file::rw_len(offset as u64, data.len()) {
+        let len = match engine::file::rw_len(offset, data.len()) {
             Ok(len) => len,
-            Err(e) => return reply.error(errno(&e)),
+            Err(e) => return reply.error(fuse_errno(errno(&e))),
         };
         let op = Op::Write {
             ino: to_engine(ino),
-            offset: offset as u64,
+            offset,
             data: data[..len].to_vec(),
         };
         self.pool.run(move |c| match call(c, op) {
             Ok(Reply::Written(n)) => reply.written(n as u32),
-            Ok(_) => reply.error(libc::EIO),
-            Err(e) => reply.error(e),
+            Ok(_) => reply.error(Errno::EIO),
+            Err(e) => reply.error(fuse_errno(e)),
         });
     }
 
     fn flush(
-        &mut self,
-        _req: &Request<'_>,
-        _ino: u64,
-        _fh: u64,
-        _lock_owner: u64,
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
         reply.ok();
     }
 
     fn release(
-        &mut self,
-        _req: &Request<'_>,
-        _ino: u64,
-        _fh: u64,
-        _flags: i32,
-        _lock_owner: Option<u64>,
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
         _flush: bool,
         reply: ReplyEmpty,
     ) {
         reply.ok();
     }
 
-    fn fsync(&mut self, _req: &Request<'_>, ino: u64, _fh: u64, datasync: bool, reply: ReplyEmpty) {
+    fn fsync(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        datasync: bool,
+        reply: ReplyEmpty,
+    ) {
         let ino = to_engine(ino);
         let op = if datasync {
             Op::Fdatasync { ino }
@@ -520,22 +690,22 @@ impl Filesystem for CorefsFuse {
         self.pool.run(move |c| reply_empty(c, op, reply));
     }
 
-    fn opendir(&mut self, _req: &Request<'_>, _ino: u64, _flags: i32, reply: ReplyOpen) {
-        reply.opened(0, 0);
+    fn opendir(&self, _req: &Request, _ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        reply.opened(FileHandle(0), FopenFlags::empty());
     }
 
     fn readdir(
-        &mut self,
-        _req: &Request<'_>,
-        ino: u64,
-        _fh: u64,
-        offset: i64,
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
         mut reply: ReplyDirectory,
     ) {
         // Offsets: 1 is ".", 2 is "..", and an entry with engine cookie c is c + 2.
         let dir = to_engine(ino);
         self.pool.run(move |c| {
-            let mut offset = offset.max(0) as u64;
+            let mut offset = offset;
             if offset == 0 {
                 if reply.add(ino, 1, FileType::Directory, ".") {
                     return reply.ok();
@@ -543,7 +713,7 @@ impl Filesystem for CorefsFuse {
                 offset = 1;
             }
             if offset == 1 {
-                if reply.add(FUSE_ROOT_ID, 2, FileType::Directory, "..") {
+                if reply.add(INodeNo::ROOT, 2, FileType::Directory, "..") {
                     return reply.ok();
                 }
                 offset = 2;
@@ -559,8 +729,8 @@ impl Filesystem for CorefsFuse {
                     },
                 ) {
                     Ok(Reply::Entries(e)) => e,
-                    Ok(_) => return reply.error(libc::EIO),
-                    Err(e) => return reply.error(e),
+                    Ok(_) => return reply.error(Errno::EIO),
+                    Err(e) => return reply.error(fuse_errno(e)),
                 };
                 if entries.is_empty() {
                     return reply.ok();
@@ -569,7 +739,7 @@ impl Filesystem for CorefsFuse {
                     let kind = kind_of((e.kind as u32) << 12);
                     if reply.add(
                         to_fuse(e.ino),
-                        (e.cookie + 2) as i64,
+                        e.cookie + 2,
                         kind,
                         OsStr::from_bytes(&e.name),
                     ) {
@@ -582,17 +752,17 @@ impl Filesystem for CorefsFuse {
     }
 
     fn fsyncdir(
-        &mut self,
-        req: &Request<'_>,
-        ino: u64,
-        fh: u64,
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
         datasync: bool,
         reply: ReplyEmpty,
     ) {
         self.fsync(req, ino, fh, datasync, reply);
     }
 
-    fn statfs(&mut self, _req: &Request<'_>, _ino: u64, reply: ReplyStatfs) {
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
         let op = Op::Statfs;
         self.pool.run(move |c| match call(c, op) {
             Ok(Reply::Statfs(s)) => reply.statfs(
@@ -605,31 +775,29 @@ impl Filesystem for CorefsFuse {
                 s.name_max,
                 s.block_bytes,
             ),
-            Ok(_) => reply.error(libc::EIO),
-            Err(e) => reply.error(e),
+            Ok(_) => reply.error(Errno::EIO),
+            Err(e) => reply.error(fuse_errno(e)),
         });
     }
 
     fn setxattr(
-        &mut self,
-        _req: &Request<'_>,
-        ino: u64,
+        &self,
+        _req: &Request,
+        ino: INodeNo,
         name: &OsStr,
         value: &[u8],
         flags: i32,
         _position: u32,
         reply: ReplyEmpty,
     ) {
-        // POSIX ACLs are not supported: refusing them makes cp -a, tar and rsync fall back
-        // to chmod, instead of storing an ACL whose mode bits nothing would apply.
-        if name.as_bytes().starts_with(b"system.posix_acl_") {
-            return reply.error(libc::EOPNOTSUPP);
+        if !xattr_namespace_stored(name) {
+            return reply.error(Errno::EOPNOTSUPP);
         }
         let flags = match flags {
             0 => XattrFlags::Any,
             libc::XATTR_CREATE => XattrFlags::Create,
             libc::XATTR_REPLACE => XattrFlags::Replace,
-            _ => return reply.error(libc::EINVAL),
+            _ => return reply.error(Errno::EINVAL),
         };
         let op = Op::SetXattr {
             ino: to_engine(ino),
@@ -640,26 +808,22 @@ impl Filesystem for CorefsFuse {
         self.pool.run(move |c| reply_empty(c, op, reply));
     }
 
-    fn getxattr(
-        &mut self,
-        _req: &Request<'_>,
-        ino: u64,
-        name: &OsStr,
-        size: u32,
-        reply: ReplyXattr,
-    ) {
+    fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        if !xattr_namespace_stored(name) {
+            return reply.error(Errno::EOPNOTSUPP);
+        }
         let op = Op::GetXattr {
             ino: to_engine(ino),
             name: name.as_bytes().to_vec(),
         };
         self.pool.run(move |c| match call(c, op) {
             Ok(Reply::Data(d)) => xattr_reply(reply, &d, size),
-            Ok(_) => reply.error(libc::EIO),
-            Err(e) => reply.error(e),
+            Ok(_) => reply.error(Errno::EIO),
+            Err(e) => reply.error(fuse_errno(e)),
         });
     }
 
-    fn listxattr(&mut self, _req: &Request<'_>, ino: u64, size: u32, reply: ReplyXattr) {
+    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
         let op = Op::ListXattr {
             ino: to_engine(ino),
         };
@@ -672,12 +836,15 @@ impl Filesystem for CorefsFuse {
                 }
                 xattr_reply(reply, &list, size)
             }
-            Ok(_) => reply.error(libc::EIO),
-            Err(e) => reply.error(e),
+            Ok(_) => reply.error(Errno::EIO),
+            Err(e) => reply.error(fuse_errno(e)),
         });
     }
 
-    fn removexattr(&mut self, _req: &Request<'_>, ino: u64, name: &OsStr, reply: ReplyEmpty) {
+    fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        if !xattr_namespace_stored(name) {
+            return reply.error(Errno::EOPNOTSUPP);
+        }
         let op = Op::RemoveXattr {
             ino: to_engine(ino),
             name: name.as_bytes().to_vec(),
@@ -686,9 +853,9 @@ impl Filesystem for CorefsFuse {
     }
 
     fn create(
-        &mut self,
-        req: &Request<'_>,
-        parent: u64,
+        &self,
+        req: &Request,
+        parent: INodeNo,
         name: &OsStr,
         mode: u32,
         umask: u32,
@@ -698,6 +865,7 @@ impl Filesystem for CorefsFuse {
         let dir = to_engine(parent);
         let name = name.as_bytes().to_vec();
         let owner = owner_of(req);
+        let refs = self.refs.clone();
         // The kernel sends O_CREAT without O_EXCL here only when the name did not exist at
         // its lookup; a racing create found in between is opened, as open(2) would.
         self.pool.run(move |c| {
@@ -716,31 +884,39 @@ impl Filesystem for CorefsFuse {
                 }
                 other => other,
             };
-            match stat {
-                Ok(s) => reply.created(&TTL, &attr(&s), 0, 0, 0),
-                Err(e) => reply.error(e),
+            match stat.and_then(|s| refs.add(c, s.ino).map(|()| s)) {
+                Ok(s) => reply.created(
+                    &TTL,
+                    &attr(&s),
+                    Generation(0),
+                    FileHandle(0),
+                    FopenFlags::empty(),
+                ),
+                Err(e) => reply.error(fuse_errno(e)),
             }
         });
     }
 
     fn fallocate(
-        &mut self,
-        _req: &Request<'_>,
-        ino: u64,
-        _fh: u64,
-        offset: i64,
-        length: i64,
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        length: u64,
         mode: i32,
         reply: ReplyEmpty,
     ) {
+        // The modes the engine implements; others (collapse, insert, unshare) are not
+        // supported, which fallocate(2) says with EOPNOTSUPP. The kernel has already refused
+        // a punch without KEEP_SIZE and a punch together with a zero.
         let known =
             libc::FALLOC_FL_KEEP_SIZE | libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_ZERO_RANGE;
-        if offset < 0 || length <= 0 || mode & !known != 0 {
-            return reply.error(if mode & !known != 0 {
-                libc::EOPNOTSUPP
-            } else {
-                libc::EINVAL
-            });
+        if mode & !known != 0 {
+            return reply.error(Errno::EOPNOTSUPP);
+        }
+        if length == 0 {
+            return reply.error(Errno::EINVAL);
         }
         let op = Op::Fallocate {
             ino: to_engine(ino),
@@ -749,11 +925,94 @@ impl Filesystem for CorefsFuse {
                 punch_hole: mode & libc::FALLOC_FL_PUNCH_HOLE != 0,
                 zero_range: mode & libc::FALLOC_FL_ZERO_RANGE != 0,
             },
-            offset: offset as u64,
-            len: length as u64,
+            offset,
+            len: length,
         };
         self.pool.run(move |c| reply_empty(c, op, reply));
     }
+
+    fn ioctl(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        _flags: IoctlFlags,
+        cmd: u32,
+        _in_data: &[u8],
+        _out_size: u32,
+        reply: ReplyIoctl,
+    ) {
+        // No ioctl is supported: ENOTTY, what a kernel filesystem answers to one it does not
+        // know. Tools probe ioctls on every file (fsstress, cp's FICLONE), so only the first
+        // is logged.
+        if !self.ioctl_logged.swap(true, Ordering::Relaxed) {
+            tracing::info!(
+                "ioctl {cmd:#x} on inode {} answered ENOTTY (no ioctl is supported; \
+                 further ones are not logged)",
+                to_engine(ino)
+            );
+        }
+        reply.error(Errno::ENOTTY);
+    }
+
+    // The requests below are not supported; answering ENOSYS here (rather than through
+    // fuser's defaults, which log a warning) tells the kernel so once, and it falls back to
+    // its own generic code: lseek's SEEK_DATA/SEEK_HOLE see the whole file as data,
+    // copy_file_range copies through read and write, poll reports always ready.
+
+    fn lseek(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _offset: i64,
+        _whence: i32,
+        reply: ReplyLseek,
+    ) {
+        reply.error(Errno::ENOSYS);
+    }
+
+    fn copy_file_range(
+        &self,
+        _req: &Request,
+        _ino_in: INodeNo,
+        _fh_in: FileHandle,
+        _offset_in: u64,
+        _ino_out: INodeNo,
+        _fh_out: FileHandle,
+        _offset_out: u64,
+        _len: u64,
+        _flags: CopyFileRangeFlags,
+        reply: ReplyWrite,
+    ) {
+        reply.error(Errno::ENOSYS);
+    }
+
+    fn poll(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _ph: PollNotifier,
+        _events: PollEvents,
+        _flags: PollFlags,
+        reply: ReplyPoll,
+    ) {
+        reply.error(Errno::ENOSYS);
+    }
+}
+
+/// Whether an extended attribute's name is in a namespace corefs stores: `user.`,
+/// `trusted.` and `security.`, as ext4. The kernel hands a FUSE filesystem every name, where
+/// a kernel filesystem's handlers answer EOPNOTSUPP to a namespace they do not know, so that
+/// is done here. `system.` is refused whole: its names mean something to the kernel (POSIX
+/// ACLs above all, which corefs does not support; refusing them makes cp -a, tar and rsync
+/// fall back to chmod, instead of storing an ACL whose mode bits nothing would apply).
+fn xattr_namespace_stored(name: &OsStr) -> bool {
+    let name = name.as_bytes();
+    [&b"user."[..], b"trusted.", b"security."]
+        .iter()
+        .any(|prefix| name.starts_with(prefix))
 }
 
 /// getxattr/listxattr's two-step protocol: size 0 asks for the length.
@@ -761,20 +1020,160 @@ fn xattr_reply(reply: ReplyXattr, data: &[u8], size: u32) {
     if size == 0 {
         reply.size(data.len() as u32);
     } else if (size as usize) < data.len() {
-        reply.error(libc::ERANGE);
+        reply.error(Errno::ERANGE);
     } else {
         reply.data(data);
     }
 }
 
+/// Who may use a mount besides its mounter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// The mounter alone (FUSE's default).
+    Mounter,
+    /// Every user (`allow_other`), the kernel checking each one's permissions. A mounter
+    /// other than root needs `user_allow_other` in /etc/fuse.conf for fusermount3 to allow it.
+    Everyone,
+}
+
 /// Mounts `runtime`'s filesystem at `mountpoint` and serves it until unmounted.
-pub fn serve(runtime: Runtime, mountpoint: &Path) -> std::io::Result<()> {
+pub fn serve(runtime: Runtime, mountpoint: &Path, access: Access) -> std::io::Result<()> {
     // Default permissions: the kernel checks modes against the caller, as for a kernel
     // filesystem (the engine stores modes and owners but does not check them).
-    let options = [
+    let mut config = fuser::Config::default();
+    config.mount_options = vec![
         fuser::MountOption::FSName("corefs".into()),
         fuser::MountOption::Subtype("corefs".into()),
         fuser::MountOption::DefaultPermissions,
     ];
-    fuser::mount2(CorefsFuse::new(runtime), mountpoint, &options)
+    config.acl = match access {
+        Access::Mounter => SessionACL::Owner,
+        Access::Everyone => SessionACL::All,
+    };
+    let mountpoint = std::fs::canonicalize(mountpoint)?;
+    let mut session = fuser::spawn_mount(CorefsFuse::new(runtime), &mountpoint, &config)?;
+    // The session ends when the kernel's connection does (after `destroy` has committed).
+    // The handle is swapped for a finished thread's so `session`, which unmounts when
+    // dropped, stays whole until it is decided below whether it should.
+    let serving = std::mem::replace(&mut session.guard, std::thread::spawn(|| Ok(())));
+    let ended = serving
+        .join()
+        .map_err(|_| std::io::Error::other("the FUSE session thread panicked"))?;
+    // After `umount` or `fusermount3 -u` there is nothing left to unmount, but fuser 0.18
+    // would try again (its check of the connection reads POLLERR, which says the connection
+    // is gone, as "still mounted") and log "Unmount failed: Invalid argument" at every clean
+    // unmount; worse, the second umount could hit a filesystem mounted there since. So the
+    // session is dropped (and fuser unmounts) only while the mount is still there: when the
+    // connection ended some other way (aborted through /sys/fs/fuse/connections).
+    if is_mounted_at(&mountpoint) {
+        drop(session);
+    } else {
+        std::mem::forget(session);
+    }
+    ended
+}
+
+/// What to do about a mount that failed with `e`, if something is known ("" otherwise): a
+/// user other than root mounts through fusermount3, which fuser reaches only after opening
+/// /dev/fuse itself, so the device must be open to them (mode 0666, as fuse3's udev rule
+/// sets it; some containers leave it 0600).
+pub fn mount_hint(e: &std::io::Error) -> &'static str {
+    // SAFETY: geteuid has no preconditions; access reads a NUL-terminated path.
+    let refused = e.kind() == std::io::ErrorKind::PermissionDenied
+        && unsafe { libc::geteuid() } != 0
+        && unsafe { libc::access(c"/dev/fuse".as_ptr(), libc::R_OK | libc::W_OK) } != 0;
+    if refused {
+        " (/dev/fuse is not readable and writable by this user: a user other than root \
+         mounts through fusermount3 once /dev/fuse is mode 0666, as fuse3's udev rule sets it)"
+    } else {
+        ""
+    }
+}
+
+/// Whether a corefs FUSE mount (source "corefs") is at `mountpoint` (canonical), per
+/// /proc/self/mountinfo.
+fn is_mounted_at(mountpoint: &Path) -> bool {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return true; // unknown: let fuser try, as it would
+    };
+    info.lines().any(|line| {
+        // "id parent major:minor root mountpoint options [optional...] - fstype source ..."
+        let mut halves = line.splitn(2, " - ");
+        let (Some(left), Some(right)) = (halves.next(), halves.next()) else {
+            return false;
+        };
+        let at = left.split(' ').nth(4).map(unescape_mountinfo);
+        let mut fs = right.split(' ');
+        // "fuse" when mounted directly (as root), "fuse.corefs" through fusermount3.
+        let fuse = fs.next().is_some_and(|t| t == "fuse" || t == "fuse.corefs");
+        let corefs = fs.next() == Some("corefs");
+        at.as_deref() == Some(mountpoint.as_os_str().as_bytes()) && fuse && corefs
+    })
+}
+
+/// mountinfo writes space, tab, newline and backslash in paths as `\ooo` (octal).
+fn unescape_mountinfo(field: &str) -> Vec<u8> {
+    let bytes = field.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let octal = bytes
+            .get(i + 1..i + 4)
+            .filter(|d| bytes[i] == b'\\' && d.iter().all(|c| (b'0'..=b'7').contains(c)));
+        match octal {
+            Some(d) => {
+                out.push((d[0] - b'0') << 6 | (d[1] - b'0') << 3 | (d[2] - b'0'));
+                i += 4;
+            }
+            None => {
+                out.push(bytes[i]);
+                i += 1;
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A time before 1970 with a fraction keeps it both ways: what fuser 0.18 makes of the
+    /// kernel's (-2 s, 800 ms) for -1.2 s comes back as the same two fields, and the engine's
+    /// fields go out as -1.2 s.
+    #[test]
+    fn times_before_1970_keep_their_fraction() {
+        // fuser's conversion of the kernel's fields (seconds < 0): EPOCH - (|s| + ns).
+        let from_fuser = UNIX_EPOCH - Duration::new(2, 800_000_000);
+        let t = timespec_set(TimeOrNow::SpecificTime(from_fuser));
+        assert_eq!((t.sec, t.nsec), (-2, 800_000_000));
+        let later = UNIX_EPOCH + Duration::new(5, 7);
+        let t = timespec_set(TimeOrNow::SpecificTime(later));
+        assert_eq!((t.sec, t.nsec), (5, 7));
+        assert_eq!(
+            time_of(Timespec {
+                sec: -2,
+                nsec: 800_000_000
+            }),
+            UNIX_EPOCH - Duration::from_millis(1200)
+        );
+        // Past what SystemTime holds: some time, not a panic in a FUSE worker.
+        time_of(Timespec {
+            sec: i64::MIN,
+            nsec: 999_999_999,
+        });
+        time_of(Timespec {
+            sec: i64::MAX,
+            nsec: 999_999_999,
+        });
+    }
+
+    #[test]
+    fn mountinfo_paths_are_unescaped() {
+        assert_eq!(
+            unescape_mountinfo(r"/mnt/a\040b\134c"),
+            b"/mnt/a b\\c".to_vec()
+        );
+        assert_eq!(unescape_mountinfo(r"/x\04"), b"/x\\04".to_vec());
+    }
 }

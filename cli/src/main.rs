@@ -106,6 +106,13 @@ enum Command {
         /// Busy-poll (a dedicated core) instead of spin-then-park.
         #[arg(long)]
         busy_poll: bool,
+        /// Let every user use the mount, not only the mounter (FUSE's allow_other), as a
+        /// storage service run by root serves others: the kernel checks each caller's
+        /// permissions against modes and owners (default_permissions), as on a kernel
+        /// filesystem. A mounter other than root needs `user_allow_other` in /etc/fuse.conf
+        /// (fusermount3 refuses the option otherwise).
+        #[arg(long)]
+        allow_other: bool,
     },
     /// Many clients run a verified mixed workload (create, write, fsync, read back, unlink)
     /// for a long time; prints RSS, open descriptors and operations every interval.
@@ -546,6 +553,7 @@ fn main() -> ExitCode {
             core,
             reactors,
             busy_poll,
+            allow_other,
         } => match core {
             // One core per reactor from `core` on, each one the process may run on (with
             // reactors 0, the number is not known yet: `core` alone).
@@ -574,8 +582,18 @@ fn main() -> ExitCode {
                 mountpoint.display(),
                 mountpoint.display()
             );
-            fuse::serve(runtime, &mountpoint)
-                .map_err(|e| format!("mounting at {}: {e}", mountpoint.display()))
+            let access = if allow_other {
+                fuse::Access::Everyone
+            } else {
+                fuse::Access::Mounter
+            };
+            fuse::serve(runtime, &mountpoint, access).map_err(|e| {
+                format!(
+                    "mounting at {}: {e}{}",
+                    mountpoint.display(),
+                    fuse::mount_hint(&e)
+                )
+            })
         }),
         Command::Soak {
             device,
@@ -895,7 +913,20 @@ fn mkfs(device: &str, size: Option<u64>, shards: u32, label: String) -> Result<(
     let bytes = dev.info().capacity_bytes();
     let options = engine::MkfsOptions { shards, label };
     let dev = engine::Filesystem::mkfs(dev, &options).map_err(|e| e.to_string())?;
-    let fs = engine::Filesystem::mount(dev, Default::default()).map_err(|e| e.to_string())?;
+    let mut fs = engine::Filesystem::mount(dev, Default::default()).map_err(|e| e.to_string())?;
+    // The root directory belongs to whoever makes the filesystem, as mke2fs does: a user who
+    // formats an image and mounts it (through fusermount3) can then write to it.
+    // SAFETY: geteuid and getegid have no preconditions.
+    let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    if (uid, gid) != (0, 0) {
+        let owner = engine::SetAttr {
+            uid: Some(uid),
+            gid: Some(gid),
+            ..Default::default()
+        };
+        fs.setattr(fs.root(), owner).map_err(|e| e.to_string())?;
+        fs.sync().map_err(|e| e.to_string())?;
+    }
     let sb = fs.superblock();
     println!(
         "corefs: {} MiB on {device}: {} shards of {} MiB, generation {}, label {:?}",

@@ -1,9 +1,16 @@
 //! `corefs mount` serving unmodified programs through FUSE: cp -a, tar, find and diff -r
 //! round-trip a directory tree exactly; a seeded exerciser compares every read through the
 //! mount with an in-memory copy over thousands of operations; unmount commits, fsck is clean,
-//! and a second mount shows the same data. Needs root (FUSE mounts, /dev/fuse); otherwise
-//! the mount must fail with a clear error, which is what is checked then. Seeds print;
-//! `COREFS_SEED=N` replays.
+//! and a second mount shows the same data. Owners, set-group-ID directories, special files,
+//! open-unlinked files, fallocate's modes and renameat2's flags are checked through the mount
+//! too, and a user other than root mounts through fusermount3 and owns what it makes.
+//!
+//! Who runs them: root (as CI does) mounts directly and acts as another user (nobody, 65534)
+//! through setpriv; the fusermount3 test mounts as nobody. A user other than root mounts
+//! through fusermount3: the fusermount3 test then mounts as that user (and fails if it
+//! cannot: that is what it checks), the others check that a mount that fails says so
+//! clearly, and the two that need root (a second user to act as, holding an image through
+//! a root mount) say they were not run and pass. Seeds print; `COREFS_SEED=N` replays.
 
 use rand::{Rng, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
@@ -23,33 +30,64 @@ fn is_mounted(mountpoint: &Path) -> bool {
     mounts.lines().any(|l| l.split(' ').nth(1) == Some(&*mp))
 }
 
-/// A mounted corefs; unmounted (and the server reaped) at drop.
+/// A mounted corefs; unmounted (and the server reaped) at drop. The server's stderr goes to
+/// a file beside the mountpoint, read at unmount.
 struct Mounted {
     child: Option<Child>,
     mountpoint: PathBuf,
+    log: PathBuf,
+    /// The mounter, when not root: it unmounts through fusermount3.
+    user: Option<u32>,
+}
+
+/// `program` run as user and group `id` (no supplementary groups), through setpriv; or as
+/// this process's user, when that is `id` (a test run by a user other than root).
+fn as_user(id: u32, program: &str) -> Command {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == id {
+        return Command::new(program);
+    }
+    let mut cmd = Command::new("setpriv");
+    cmd.arg(format!("--reuid={id}"))
+        .arg(format!("--regid={id}"))
+        .arg("--clear-groups")
+        .arg(program);
+    cmd
 }
 
 impl Mounted {
     fn start(device: &str, mountpoint: &Path, reactors: usize) -> Result<Mounted, String> {
-        let mut child = corefs()
+        Mounted::start_with(device, mountpoint, reactors, &[], None)
+    }
+
+    /// Mounts with `args` added, as user `user` (through setpriv) if given.
+    fn start_with(
+        device: &str,
+        mountpoint: &Path,
+        reactors: usize,
+        args: &[&str],
+        user: Option<u32>,
+    ) -> Result<Mounted, String> {
+        let log = mountpoint.with_extension("server.log");
+        let stderr = std::fs::File::create(&log).unwrap();
+        let mut cmd = match user {
+            Some(id) => as_user(id, env!("CARGO_BIN_EXE_corefs")),
+            None => corefs(),
+        };
+        let mut child = cmd
             .args(["mount", device])
             .arg(mountpoint)
             .args(["--reactors", &reactors.to_string()])
+            .args(args)
+            .env("NO_COLOR", "1")
             .stdout(Stdio::null())
-            .stderr(Stdio::piped())
+            .stderr(stderr)
             .spawn()
             .unwrap();
         let deadline = Instant::now() + Duration::from_secs(20);
         while !is_mounted(mountpoint) {
             if let Some(status) = child.try_wait().unwrap() {
-                let mut err = String::new();
-                use std::io::Read;
-                child
-                    .stderr
-                    .take()
-                    .unwrap()
-                    .read_to_string(&mut err)
-                    .unwrap();
+                let err = std::fs::read_to_string(&log).unwrap();
                 return Err(format!("corefs mount exited ({status}): {err}"));
             }
             assert!(Instant::now() < deadline, "the mount did not appear");
@@ -58,24 +96,44 @@ impl Mounted {
         Ok(Mounted {
             child: Some(child),
             mountpoint: mountpoint.to_path_buf(),
+            log,
+            user,
         })
     }
 
-    /// Unmounts and waits for the server, which commits before it exits.
-    fn unmount(mut self) {
+    /// Unmounts and waits for the server, which commits before it exits; returns what the
+    /// server logged, in which a clean unmount has no failed second unmount.
+    fn unmount(mut self) -> String {
         self.stop();
+        let log = std::fs::read_to_string(&self.log).unwrap();
+        for wrong in ["Unmount failed", "Failed to umount", " ERROR "] {
+            assert!(!log.contains(wrong), "the server logged {wrong:?}: {log}");
+        }
+        log
     }
 
     fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
-            let status = Command::new("umount")
-                .arg(&self.mountpoint)
-                .status()
-                .unwrap();
-            assert!(status.success(), "umount failed");
+            let status = match self.user {
+                Some(id) => as_user(id, "fusermount3")
+                    .arg("-u")
+                    .arg(&self.mountpoint)
+                    .status(),
+                None => Command::new("umount").arg(&self.mountpoint).status(),
+            }
+            .unwrap();
+            assert!(status.success(), "unmounting failed");
             let exit = child.wait().unwrap();
             assert!(exit.success(), "corefs mount exited with {exit}");
         }
+    }
+
+    /// Kills the server (a crash: nothing more is committed) and detaches the dead mount.
+    fn kill(mut self) {
+        let mut child = self.child.take().unwrap();
+        child.kill().unwrap();
+        child.wait().unwrap();
+        run(Command::new("umount").arg("-l").arg(&self.mountpoint));
     }
 }
 
@@ -91,6 +149,23 @@ impl Drop for Mounted {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+}
+
+/// A test's first mount: as root it must succeed; a user other than root mounts through
+/// fusermount3 when /dev/fuse is open to them, and otherwise the mount must fail with a clear
+/// error, which is then all the test checks (None).
+fn first_mount(device: &str, mountpoint: &Path, reactors: usize) -> Option<Mounted> {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    match Mounted::start(device, mountpoint, reactors) {
+        Ok(m) => Some(m),
+        Err(e) if !root => {
+            assert!(e.contains("mount"), "unclear error: {e}");
+            eprintln!("not root: checked that mounting fails clearly: {e}");
+            None
+        }
+        Err(e) => panic!("{e}"),
     }
 }
 
@@ -185,17 +260,8 @@ fn through_the_mount(reactors: usize) {
     let mountpoint = work.path().join("mnt");
     std::fs::create_dir(&mountpoint).unwrap();
 
-    // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
-    let mounted = match Mounted::start(&device, &mountpoint, reactors) {
-        Ok(m) => m,
-        Err(e) if !root => {
-            // Without root a FUSE mount needs fusermount3 and access to /dev/fuse.
-            assert!(e.contains("mount"), "unclear error: {e}");
-            eprintln!("not root: checked that mounting fails clearly: {e}");
-            return;
-        }
-        Err(e) => panic!("{e}"),
+    let Some(mounted) = first_mount(&device, &mountpoint, reactors) else {
+        return;
     };
 
     // cp -a, tar and find round-trip a tree exactly.
@@ -474,4 +540,682 @@ fn a_served_image_is_held_by_its_server() {
         "the fsynced file survived"
     );
     again.unmount();
+}
+
+/// The user and group other users' requests come from here (nobody, nogroup on Debian).
+const NOBODY: u32 = 65534;
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// A work directory in /var/tmp others may enter, and a formatted image in it.
+fn work_and_image(prefix: &str, size: &str, shards: u32) -> (tempfile::TempDir, String) {
+    let work = tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(work.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let device = format!("file:{}", work.path().join("fs.img").display());
+    run(corefs().args([
+        "mkfs",
+        &device,
+        "--size",
+        size,
+        "--shards",
+        &shards.to_string(),
+    ]));
+    (work, device)
+}
+
+fn statvfs(path: &Path) -> libc::statvfs {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: statvfs is all integers (zeroes are valid); the path is NUL-terminated.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; `st` outlives the call.
+    assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut st) }, 0, "statvfs");
+    st
+}
+
+/// Inodes in use per statfs (what `df -i` shows as used).
+fn used_inodes(path: &Path) -> u64 {
+    let st = statvfs(path);
+    st.f_files - st.f_ffree
+}
+
+/// Waits (up to 20 s) for `cond`, which the kernel's asynchronous forgets make true.
+fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !cond() {
+        assert!(Instant::now() < deadline, "never happened: {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The inode count fsck reports for a clean image.
+fn fsck_inodes(device: &str) -> u64 {
+    let out = corefs().args(["fsck", device]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "fsck: {text}");
+    let (_, after) = text
+        .split_once(": clean at generation ")
+        .expect("fsck's summary");
+    let counted = after.split(": ").nth(1).and_then(|s| s.split(' ').next());
+    counted
+        .and_then(|n| n.parse().ok())
+        .expect("an inode count")
+}
+
+fn c_path(path: &Path) -> std::ffi::CString {
+    std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap()
+}
+
+fn last_errno() -> i32 {
+    std::io::Error::last_os_error().raw_os_error().unwrap()
+}
+
+fn ids(meta: &std::fs::Metadata) -> (u32, u32) {
+    use std::os::unix::fs::MetadataExt;
+    (meta.uid(), meta.gid())
+}
+
+/// Runs `script` under sh as `id`, with the path `arg` as $1.
+fn sh_as(id: u32, script: &str, arg: &Path) -> std::process::Output {
+    as_user(id, "sh")
+        .args(["-c", script, "sh"])
+        .arg(arg)
+        .output()
+        .unwrap()
+}
+
+/// Owners (of root's and another user's creations, with --allow-other; without it, only the
+/// mounter gets in), set-group-ID directories, set-ID bits cleared by chown and by a write,
+/// special files (devices keep their numbers, a socket, a FIFO that carries data), statfs's
+/// inode counts (df -i), times before 1970 with their nanoseconds (through a remount), and
+/// ioctls answered ENOTTY and logged once. Before this, files were all root's, mknod and
+/// sockets failed (ENOSYS), df -i showed 0 and a pre-1970 time lost its fraction.
+#[test]
+fn owners_special_files_statfs_and_times_through_the_mount() {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+    if !is_root() {
+        eprintln!(
+            "not root: no second user to act as (a_user_mounts_through_fusermount3 checks \
+             this user's owners)"
+        );
+        return;
+    }
+    let (work, device) = work_and_image("corefs-mount-posix-", "256MiB", 4);
+    let mnt = work.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+
+    // Without --allow-other, the mounter alone may use the mount.
+    let mounted = Mounted::start(&device, &mnt, 1).unwrap();
+    let out = sh_as(NOBODY, "stat \"$1\"", &mnt);
+    assert!(
+        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("denied"),
+        "another user reached a mount without --allow-other: {out:?}"
+    );
+    mounted.unmount();
+
+    let mounted = Mounted::start_with(&device, &mnt, 2, &["--allow-other"], None).unwrap();
+    std::fs::write(mnt.join("rootfile"), b"r").unwrap();
+    assert_eq!(
+        ids(&std::fs::metadata(mnt.join("rootfile")).unwrap()),
+        (0, 0)
+    );
+    let shared = mnt.join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let out = sh_as(
+        NOBODY,
+        "cd \"$1\" && echo n > f && mkdir d && ln -s f l && mkfifo p",
+        &shared,
+    );
+    assert!(out.status.success(), "{out:?}");
+    for name in ["f", "d", "l", "p"] {
+        let meta = std::fs::symlink_metadata(shared.join(name)).unwrap();
+        assert_eq!(ids(&meta), (NOBODY, NOBODY), "{name} made by nobody");
+    }
+    // Permissions are the kernel's to check, against the caller: root's file is not nobody's.
+    let out = sh_as(NOBODY, "echo x >> \"$1\"", &mnt.join("rootfile"));
+    assert!(!out.status.success(), "nobody wrote root's 0644 file");
+
+    // A set-group-ID directory gives its group to what is made in it, and its bit to
+    // directories, as on ext4.
+    let sg = mnt.join("sg");
+    std::fs::create_dir(&sg).unwrap();
+    std::os::unix::fs::chown(&sg, Some(0), Some(4321)).unwrap();
+    std::fs::set_permissions(&sg, std::fs::Permissions::from_mode(0o2777)).unwrap();
+    let out = sh_as(NOBODY, "cd \"$1\" && touch f && mkdir d", &sg);
+    assert!(out.status.success(), "{out:?}");
+    let f = std::fs::metadata(sg.join("f")).unwrap();
+    assert_eq!(ids(&f), (NOBODY, 4321));
+    assert_eq!(f.mode() & 0o2000, 0, "a file does not take the bit");
+    let d = std::fs::metadata(sg.join("d")).unwrap();
+    assert_eq!(ids(&d), (NOBODY, 4321));
+    assert_ne!(d.mode() & 0o2000, 0, "a directory takes the bit");
+
+    // chown clears set-user-ID, and set-group-ID with group execute; so does a write by a
+    // user without CAP_FSETID (the kernel asks for it as a mode change).
+    let su = mnt.join("su");
+    std::fs::write(&su, b"x").unwrap();
+    std::fs::set_permissions(&su, std::fs::Permissions::from_mode(0o6755)).unwrap();
+    std::os::unix::fs::chown(&su, Some(NOBODY), Some(NOBODY)).unwrap();
+    assert_eq!(std::fs::metadata(&su).unwrap().mode() & 0o7777, 0o755);
+    let sw = shared.join("sw");
+    let out = sh_as(
+        NOBODY,
+        "echo a > \"$1\" && chmod 4755 \"$1\" && echo b >> \"$1\"",
+        &sw,
+    );
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(std::fs::metadata(&sw).unwrap().mode() & 0o7777, 0o755);
+
+    // Special files.
+    run(Command::new("mknod")
+        .arg(mnt.join("chr"))
+        .args(["c", "1", "3"]));
+    run(Command::new("mknod")
+        .arg(mnt.join("blk"))
+        .args(["b", "259", "70000"]));
+    let chr = std::fs::symlink_metadata(mnt.join("chr")).unwrap();
+    assert!(chr.file_type().is_char_device());
+    assert_eq!(chr.rdev(), libc::makedev(1, 3));
+    let blk = std::fs::symlink_metadata(mnt.join("blk")).unwrap();
+    assert!(blk.file_type().is_block_device());
+    assert_eq!(blk.rdev(), libc::makedev(259, 70000));
+    let listener = std::os::unix::net::UnixListener::bind(mnt.join("sock")).unwrap();
+    assert!(std::fs::symlink_metadata(mnt.join("sock"))
+        .unwrap()
+        .file_type()
+        .is_socket());
+    drop(listener);
+    run(Command::new("mkfifo").arg(mnt.join("fifo")));
+    let fifo = mnt.join("fifo");
+    let writer = std::thread::spawn(move || std::fs::write(fifo, b"through the fifo").unwrap());
+    assert_eq!(
+        std::fs::read(mnt.join("fifo")).unwrap(),
+        b"through the fifo".to_vec()
+    );
+    writer.join().unwrap();
+
+    // statfs counts inodes, and df -i shows them.
+    let before = used_inodes(&mnt);
+    assert!(before > 10 && statvfs(&mnt).f_files > before, "{before}");
+    for i in 0..10 {
+        std::fs::write(mnt.join(format!("count{i}")), b"").unwrap();
+    }
+    assert_eq!(used_inodes(&mnt), before + 10);
+    // df's inode columns (what `df -i` shows; -i and --output do not go together).
+    let out = Command::new("df")
+        .arg("--output=iused,itotal")
+        .arg(&mnt)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let numbers: Vec<u64> = text
+        .lines()
+        .nth(1)
+        .unwrap_or_else(|| panic!("df: {out:?}"))
+        .split_whitespace()
+        .map(|n| n.parse().unwrap())
+        .collect();
+    assert_eq!(numbers[0], before + 10, "df -i: {text}");
+    assert!(numbers[1] > numbers[0], "df -i: {text}");
+
+    // A time before 1970 with nanoseconds, set and read back through the mount.
+    let old = mnt.join("old");
+    std::fs::write(&old, b"o").unwrap();
+    let times = [
+        libc::timespec {
+            tv_sec: -1,
+            tv_nsec: 999_999_999,
+        },
+        libc::timespec {
+            tv_sec: -12_345,
+            tv_nsec: 678_901_234,
+        },
+    ];
+    // SAFETY: a NUL-terminated path and two timespecs.
+    let rc = unsafe { libc::utimensat(libc::AT_FDCWD, c_path(&old).as_ptr(), times.as_ptr(), 0) };
+    assert_eq!(rc, 0, "utimensat: errno {}", last_errno());
+    let check_times = |when: &str| {
+        let meta = std::fs::metadata(&old).unwrap();
+        assert_eq!(
+            (meta.atime(), meta.atime_nsec()),
+            (-1, 999_999_999),
+            "atime {when}"
+        );
+        assert_eq!(
+            (meta.mtime(), meta.mtime_nsec()),
+            (-12_345, 678_901_234),
+            "mtime {when}"
+        );
+    };
+    check_times("through the mount");
+
+    // Unsupported ioctls: ENOTTY every time, one log line.
+    let file = std::fs::File::open(mnt.join("rootfile")).unwrap();
+    use std::os::fd::AsRawFd;
+    // _IOR('x', 0x42, u32): no filesystem's ioctl.
+    const UNKNOWN_IOCTL: libc::c_ulong = 0x8004_7842;
+    for _ in 0..50 {
+        let mut arg = 0u32;
+        // SAFETY: the request reads into one u32 at most, which `arg` is.
+        let rc = unsafe { libc::ioctl(file.as_raw_fd(), UNKNOWN_IOCTL, &mut arg) };
+        assert_eq!((rc, last_errno()), (-1, libc::ENOTTY));
+    }
+    drop(file);
+
+    // Extended attributes in the namespaces ext4 stores (user, trusted, security); any
+    // other is EOPNOTSUPP, as a kernel filesystem answers, where every name used to be
+    // stored. (The kernel parses a POSIX ACL before passing it on: a one-byte one is EINVAL.)
+    let rootfile = c_path(&mnt.join("rootfile"));
+    let setxattr = |name: &str| {
+        let name = std::ffi::CString::new(name).unwrap();
+        // SAFETY: NUL-terminated path and name; a one-byte value.
+        let rc =
+            unsafe { libc::setxattr(rootfile.as_ptr(), name.as_ptr(), b"v".as_ptr().cast(), 1, 0) };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(last_errno())
+        }
+    };
+    let getxattr = |name: &str| {
+        let name = std::ffi::CString::new(name).unwrap();
+        let mut value = [0u8; 8];
+        // SAFETY: NUL-terminated path and name; `value` is 8 writable bytes.
+        let rc = unsafe {
+            libc::getxattr(
+                rootfile.as_ptr(),
+                name.as_ptr(),
+                value.as_mut_ptr().cast(),
+                8,
+            )
+        };
+        if rc >= 0 {
+            Ok(value[..rc as usize].to_vec())
+        } else {
+            Err(last_errno())
+        }
+    };
+    for name in ["user.a", "trusted.a", "security.a"] {
+        assert_eq!(setxattr(name), Ok(()), "{name}");
+        assert_eq!(getxattr(name), Ok(b"v".to_vec()), "{name}");
+    }
+    for name in ["bogus.a", "system.a", "user"] {
+        assert_eq!(setxattr(name), Err(libc::EOPNOTSUPP), "{name}");
+        assert_eq!(getxattr(name), Err(libc::EOPNOTSUPP), "{name}");
+    }
+
+    let log = mounted.unmount();
+    let ioctl_lines = log.lines().filter(|l| l.contains("ioctl")).count();
+    assert_eq!(ioctl_lines, 1, "{log}");
+
+    // All of it is stored: owners, groups, device numbers, times.
+    run(corefs().args(["fsck", &device]));
+    let mounted = Mounted::start(&device, &mnt, 1).unwrap();
+    check_times("after a remount");
+    assert_eq!(
+        ids(&std::fs::metadata(sg.join("d")).unwrap()),
+        (NOBODY, 4321)
+    );
+    assert_eq!(
+        std::fs::symlink_metadata(mnt.join("blk")).unwrap().rdev(),
+        libc::makedev(259, 70000)
+    );
+    assert_eq!(
+        ids(&std::fs::symlink_metadata(shared.join("p")).unwrap()),
+        (NOBODY, NOBODY)
+    );
+    mounted.unmount();
+}
+
+/// A file open when its last name goes (unlink, or a rename over it) lives on: read, write,
+/// truncate and fstat (nlink 0) through the descriptor work, and it is deleted when the
+/// kernel lets go of it after the close. An open file at a lazy unmount is released when the
+/// mount finally goes; one held at a crash is deleted by the next mount. Before this, the
+/// unlink freed the inode at once and reads through the descriptor failed with ENOENT.
+#[test]
+fn open_files_outlive_their_last_name_until_closed() {
+    use std::os::unix::fs::MetadataExt;
+    let (work, device) = work_and_image("corefs-mount-orphans-", "256MiB", 4);
+    let mnt = work.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let Some(mounted) = first_mount(&device, &mnt, 2) else {
+        return;
+    };
+    let base = used_inodes(&mnt);
+
+    let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+    let path = mnt.join("a");
+    std::fs::write(&path, &data).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert!(!path.exists());
+    let meta = f.metadata().unwrap();
+    assert_eq!((meta.nlink(), meta.len()), (0, 100_000));
+    let mut back = vec![0u8; data.len()];
+    f.read_exact_at(&mut back, 0).unwrap();
+    assert!(back == data, "read through the descriptor after unlink");
+    f.write_all_at(b"more", 100_000).unwrap();
+    let mut tail = [0u8; 4];
+    f.read_exact_at(&mut tail, 100_000).unwrap();
+    assert_eq!(&tail, b"more");
+    f.set_len(5000).unwrap();
+    f.sync_all().unwrap();
+    assert_eq!(f.metadata().unwrap().len(), 5000);
+    assert_eq!(
+        used_inodes(&mnt),
+        base + 1,
+        "the orphan is an inode while open"
+    );
+    drop(f);
+    wait_until("the orphan deleted after the close", || {
+        used_inodes(&mnt) == base
+    });
+
+    // A rename over an open file.
+    std::fs::write(mnt.join("b"), b"old").unwrap();
+    std::fs::write(mnt.join("c"), b"new").unwrap();
+    let f = std::fs::File::open(mnt.join("b")).unwrap();
+    std::fs::rename(mnt.join("c"), mnt.join("b")).unwrap();
+    let mut back = [0u8; 3];
+    f.read_exact_at(&mut back, 0).unwrap();
+    assert_eq!(&back, b"old");
+    assert_eq!(f.metadata().unwrap().nlink(), 0);
+    assert_eq!(std::fs::read(mnt.join("b")).unwrap(), b"new");
+    drop(f);
+    wait_until("the renamed-over file deleted after the close", || {
+        used_inodes(&mnt) == base + 1
+    });
+
+    // Open at a lazy unmount: the mount goes at the close, and the release with it.
+    let kept = used_inodes(&mnt);
+    std::fs::write(mnt.join("d"), b"d").unwrap();
+    let f = std::fs::File::open(mnt.join("d")).unwrap();
+    std::fs::remove_file(mnt.join("d")).unwrap();
+    run(Command::new("umount").arg("-l").arg(&mnt));
+    let mut back = [0u8; 1];
+    f.read_exact_at(&mut back, 0).unwrap();
+    assert_eq!(&back, b"d", "read after the lazy unmount");
+    drop(f);
+    let mut mounted = mounted;
+    let exit = mounted.child.take().unwrap().wait().unwrap();
+    assert!(exit.success(), "the server after a lazy unmount: {exit}");
+    // The server let go of what the kernel still held (fsck, which mounts, would delete a
+    // leftover orphan itself, so the count below alone would not tell).
+    let log = std::fs::read_to_string(&mounted.log).unwrap();
+    let released = log
+        .split("kernel_refs_released=")
+        .nth(1)
+        .and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse::<u64>().ok());
+    assert!(released.is_some_and(|n| n >= 1), "{log}");
+    assert_eq!(fsck_inodes(&device), kept, "the orphan went with the mount");
+
+    // Held at a crash: the unlink is durable (fsync of the directory), the release never
+    // comes; the next mount deletes the orphan.
+    let mounted = Mounted::start(&device, &mnt, 2).unwrap();
+    std::fs::write(mnt.join("e"), b"e").unwrap();
+    let f = std::fs::File::open(mnt.join("e")).unwrap();
+    std::fs::remove_file(mnt.join("e")).unwrap();
+    std::fs::File::open(&mnt).unwrap().sync_all().unwrap();
+    assert_eq!(used_inodes(&mnt), kept + 1);
+    mounted.kill();
+    drop(f);
+    let mounted = Mounted::start(&device, &mnt, 2).unwrap();
+    assert!(!mnt.join("e").exists());
+    assert_eq!(used_inodes(&mnt), kept, "the next mount deleted the orphan");
+    mounted.unmount();
+    assert_eq!(fsck_inodes(&device), kept);
+}
+
+/// fallocate's modes through the mount against a model (an fsx in small: writes,
+/// preallocation with and without KEEP_SIZE, punched holes, zeroed ranges, truncates, each
+/// read back), modes the engine lacks refused with EOPNOTSUPP, and renameat2's
+/// RENAME_NOREPLACE and RENAME_EXCHANGE (RENAME_WHITEOUT refused with EINVAL). Before fuser
+/// routed them, every fallocate failed with EOPNOTSUPP and every rename flag with EINVAL.
+#[test]
+fn fallocate_modes_and_rename_flags_through_the_mount() {
+    use std::os::fd::AsRawFd;
+    let seed = nvme::wrap::seed_from_env();
+    eprintln!("seed {seed} (COREFS_SEED={seed} replays)");
+    let (work, device) = work_and_image("corefs-mount-falloc-", "256MiB", 2);
+    let mnt = work.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let Some(mounted) = first_mount(&device, &mnt, 1) else {
+        return;
+    };
+
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(mnt.join("fsx"))
+        .unwrap();
+    let fd = f.as_raw_fd();
+    let mut model: Vec<u8> = Vec::new();
+    let fallocate = |mode: i32, offset: usize, len: usize| {
+        // SAFETY: plain integers on an open descriptor.
+        let rc = unsafe { libc::fallocate(fd, mode, offset as i64, len as i64) };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(last_errno())
+        }
+    };
+    for step in 0..1200 {
+        let offset = rng.random_range(0..400_000usize);
+        let len = rng.random_range(1..40_000usize);
+        let op = rng.random_range(0..8);
+        let ctx = format!("seed {seed} step {step} op {op} offset {offset} len {len}");
+        match op {
+            0 | 1 => {
+                let bytes: Vec<u8> = (0..len).map(|_| rng.random()).collect();
+                f.write_all_at(&bytes, offset as u64).unwrap();
+                if model.len() < offset + len {
+                    model.resize(offset + len, 0);
+                }
+                model[offset..offset + len].copy_from_slice(&bytes);
+            }
+            2 => {
+                fallocate(0, offset, len).unwrap_or_else(|e| panic!("{ctx}: errno {e}"));
+                if model.len() < offset + len {
+                    model.resize(offset + len, 0);
+                }
+            }
+            3 => fallocate(libc::FALLOC_FL_KEEP_SIZE, offset, len)
+                .unwrap_or_else(|e| panic!("{ctx}: errno {e}")),
+            4 => {
+                fallocate(
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    offset,
+                    len,
+                )
+                .unwrap_or_else(|e| panic!("{ctx}: errno {e}"));
+                let end = (offset + len).min(model.len());
+                if offset < end {
+                    model[offset..end].fill(0);
+                }
+            }
+            5 | 6 => {
+                let keep = op == 6;
+                let mode =
+                    libc::FALLOC_FL_ZERO_RANGE | if keep { libc::FALLOC_FL_KEEP_SIZE } else { 0 };
+                fallocate(mode, offset, len).unwrap_or_else(|e| panic!("{ctx}: errno {e}"));
+                if !keep && model.len() < offset + len {
+                    model.resize(offset + len, 0);
+                }
+                let end = (offset + len).min(model.len());
+                if offset < end {
+                    model[offset..end].fill(0);
+                }
+            }
+            _ => {
+                let size = rng.random_range(0..300_000usize);
+                f.set_len(size as u64).unwrap();
+                model.resize(size, 0);
+            }
+        }
+        assert_eq!(f.metadata().unwrap().len(), model.len() as u64, "{ctx}");
+        if step % 8 == 0 || step == 1199 {
+            let mut back = vec![0u8; model.len()];
+            f.read_exact_at(&mut back, 0).unwrap();
+            let first = back.iter().zip(&model).position(|(a, b)| a != b);
+            assert!(first.is_none(), "{ctx}: first difference at byte {first:?}");
+        }
+    }
+    for mode in [libc::FALLOC_FL_COLLAPSE_RANGE, libc::FALLOC_FL_INSERT_RANGE] {
+        assert_eq!(
+            fallocate(mode, 0, 4096),
+            Err(libc::EOPNOTSUPP),
+            "mode {mode:#x}"
+        );
+    }
+    drop(f);
+
+    let rename2 = |from: &str, to: &str, flags: u32| {
+        let (from, to) = (c_path(&mnt.join(from)), c_path(&mnt.join(to)));
+        // SAFETY: NUL-terminated paths.
+        let rc = unsafe {
+            libc::renameat2(
+                libc::AT_FDCWD,
+                from.as_ptr(),
+                libc::AT_FDCWD,
+                to.as_ptr(),
+                flags,
+            )
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(last_errno())
+        }
+    };
+    std::fs::write(mnt.join("x"), b"x").unwrap();
+    std::fs::write(mnt.join("y"), b"y").unwrap();
+    assert_eq!(rename2("x", "y", libc::RENAME_NOREPLACE), Err(libc::EEXIST));
+    assert_eq!(std::fs::read(mnt.join("y")).unwrap(), b"y");
+    assert_eq!(rename2("x", "z", libc::RENAME_NOREPLACE), Ok(()));
+    assert!(!mnt.join("x").exists());
+    assert_eq!(std::fs::read(mnt.join("z")).unwrap(), b"x");
+    std::fs::create_dir(mnt.join("dir")).unwrap();
+    std::fs::write(mnt.join("dir/inside"), b"i").unwrap();
+    assert_eq!(rename2("z", "dir", libc::RENAME_EXCHANGE), Ok(()));
+    assert_eq!(std::fs::read(mnt.join("dir")).unwrap(), b"x");
+    assert_eq!(std::fs::read(mnt.join("z/inside")).unwrap(), b"i");
+    assert_eq!(
+        rename2("dir", "missing", libc::RENAME_EXCHANGE),
+        Err(libc::ENOENT)
+    );
+    assert_eq!(rename2("y", "w", libc::RENAME_WHITEOUT), Err(libc::EINVAL));
+    mounted.unmount();
+    run(corefs().args(["fsck", &device]));
+}
+
+/// Restores /dev/fuse's mode when dropped.
+struct DevFuseMode(u32);
+
+impl Drop for DevFuseMode {
+    fn drop(&mut self) {
+        use std::os::unix::fs::PermissionsExt;
+        let _ = std::fs::set_permissions("/dev/fuse", std::fs::Permissions::from_mode(self.0));
+    }
+}
+
+/// A user other than root formats an image and mounts it through fusermount3: the root
+/// directory is the user's, what it makes is its own, root is kept out (no --allow-other),
+/// --allow-other is refused by fusermount3 unless /etc/fuse.conf has user_allow_other, and
+/// the user unmounts with fusermount3 -u. Run as root, the user is nobody (through setpriv);
+/// run as another user, that user. A mount that cannot be made (no fusermount3, /dev/fuse
+/// closed to the user) fails the test: the point is that such a user can mount.
+#[test]
+fn a_user_mounts_through_fusermount3() {
+    use std::os::unix::fs::PermissionsExt;
+    let root = is_root();
+    let (uid, gid) = if root {
+        (NOBODY, NOBODY)
+    } else {
+        // SAFETY: geteuid and getegid have no preconditions.
+        unsafe { (libc::geteuid(), libc::getegid()) }
+    };
+    // scripts/test.sh installs fuse3; without it this test cannot check anything, which is
+    // a failure, not a skip.
+    assert!(
+        Command::new("fusermount3").arg("-V").output().is_ok(),
+        "fusermount3 is not installed (package fuse3): a user other than root cannot mount"
+    );
+    // fuser opens /dev/fuse itself before it turns to fusermount3, so users need it open
+    // to them: mode 0666, as fuse3's udev rule sets it (a container may leave it 0600).
+    let mode = std::fs::metadata("/dev/fuse").unwrap().permissions().mode() & 0o7777;
+    let _restore = DevFuseMode(mode);
+    if root && mode & 0o666 != 0o666 {
+        std::fs::set_permissions("/dev/fuse", std::fs::Permissions::from_mode(0o666)).unwrap();
+    }
+    let work = tempfile::Builder::new()
+        .prefix("corefs-mount-user-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    if root {
+        std::os::unix::fs::chown(work.path(), Some(uid), Some(gid)).unwrap();
+    }
+    let bin = env!("CARGO_BIN_EXE_corefs");
+    let device = format!("file:{}", work.path().join("fs.img").display());
+    let mkfs = |device: &str| {
+        run(as_user(uid, bin).args(["mkfs", device, "--size", "128MiB", "--shards", "2"]))
+    };
+    mkfs(&device);
+    let mnt = work.path().join("mnt");
+    run(as_user(uid, "mkdir").arg(&mnt));
+    let mounted = Mounted::start_with(&device, &mnt, 1, &[], Some(uid))
+        .unwrap_or_else(|e| panic!("user {uid} could not mount through fusermount3: {e}"));
+    let out = sh_as(
+        uid,
+        "cd \"$1\" && echo a > f && mkdir d && ln -s f l && mkfifo p && \
+         stat -c '%u:%g %n' . f d l p",
+        &mnt,
+    );
+    assert!(out.status.success(), "{out:?}");
+    let listed = String::from_utf8_lossy(&out.stdout);
+    let owners: Vec<&str> = listed.lines().collect();
+    let expected: Vec<String> = [".", "f", "d", "l", "p"]
+        .iter()
+        .map(|name| format!("{uid}:{gid} {name}"))
+        .collect();
+    assert_eq!(owners, expected);
+    if root {
+        let refused = std::fs::metadata(mnt.join("f")).unwrap_err();
+        assert_eq!(
+            refused.kind(),
+            std::io::ErrorKind::PermissionDenied,
+            "root got in"
+        );
+    }
+
+    let conf = std::fs::read_to_string("/etc/fuse.conf").unwrap_or_default();
+    if !conf.lines().any(|l| l.trim() == "user_allow_other") {
+        let second = format!("file:{}", work.path().join("second.img").display());
+        mkfs(&second);
+        let mnt2 = work.path().join("mnt2");
+        run(as_user(uid, "mkdir").arg(&mnt2));
+        match Mounted::start_with(&second, &mnt2, 1, &["--allow-other"], Some(uid)) {
+            Ok(m) => {
+                m.unmount();
+                panic!("--allow-other mounted for a user without user_allow_other");
+            }
+            Err(e) => assert!(e.contains("user_allow_other"), "{e}"),
+        }
+    }
+    mounted.unmount();
+    run(corefs().args(["fsck", &device]));
 }
