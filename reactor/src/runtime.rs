@@ -1652,6 +1652,18 @@ pub(crate) fn execute_on(fs: &mut Filesystem, op: Op) -> Result<Reply, EngineErr
             mode,
             owner,
         } => Reply::Stat(fs.create(dir, &name, mode, owner.uid, owner.gid)?),
+        Op::CreateHeld {
+            dir,
+            name,
+            mode,
+            owner,
+        } => {
+            // A new inode goes to a shard of the reactor holding `dir` (creates run where
+            // their directory is), so its hold is counted where Op::Release will find it.
+            let stat = fs.create(dir, &name, mode, owner.uid, owner.gid)?;
+            fs.hold(stat.ino)?;
+            Reply::Stat(stat)
+        }
         Op::Mkdir {
             dir,
             name,
