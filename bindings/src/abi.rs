@@ -607,11 +607,15 @@ pub unsafe extern "C" fn corefs_open(
         if flags & !known != 0 || flags & 3 == 3 {
             return Err(einval(format!("unsupported open flags {flags:#o}")));
         }
-        // The inode found can lose its last name and go before the hold reaches it (another
+        // An inode found can lose its last name and go before the hold reaches it (another
         // thread's unlink): then the open starts over, as if it had come after that unlink.
+        // One it creates is held by the create itself.
         let mut attempts = 0;
         let stat = loop {
-            let stat = open_target(&fs, path, flags, mode)?;
+            let (stat, held) = open_target(&fs, path, flags, mode)?;
+            if held {
+                break stat;
+            }
             match call(&fs, Op::Hold { ino: stat.ino }) {
                 Ok(_) => break stat,
                 Err(e) if e.errno == libc::ENOENT && attempts < OPEN_ATTEMPTS => attempts += 1,
@@ -632,10 +636,11 @@ pub unsafe extern "C" fn corefs_open(
 /// thread removed the name in between): bounded, so a storm of such races ends in ENOENT.
 const OPEN_ATTEMPTS: u32 = 16;
 
-/// What `corefs_open` opens: the existing inode, or the one it creates.
-fn open_target(fs: &Fs, path: &[u8], flags: c_int, mode: u32) -> Result<Stat, Error> {
+/// What `corefs_open` opens: the existing inode (not held yet: false), or the one it
+/// creates (held: true).
+fn open_target(fs: &Fs, path: &[u8], flags: c_int, mode: u32) -> Result<(Stat, bool), Error> {
     if flags & COREFS_O_CREAT == 0 {
-        return resolve(fs, path);
+        return Ok((resolve(fs, path)?, false));
     }
     let exclusive = flags & COREFS_O_EXCL != 0;
     let e = entry(fs, path)?;
@@ -660,7 +665,7 @@ fn open_target(fs: &Fs, path: &[u8], flags: c_int, mode: u32) -> Result<Stat, Er
                 format!("{} is a directory", show(path)),
             ))
         } else {
-            Ok(s)
+            Ok((s, false))
         }
     };
     for _ in 0..OPEN_ATTEMPTS {
@@ -669,9 +674,11 @@ fn open_target(fs: &Fs, path: &[u8], flags: c_int, mode: u32) -> Result<Stat, Er
                 return existing_ok(s);
             }
         }
+        // Created and held in one request: a separate hold could come after another
+        // thread's unlink of the new name had deleted the file.
         let created = call(
             fs,
-            Op::Create {
+            Op::CreateHeld {
                 dir: e.dir,
                 name: name.to_vec(),
                 mode: mode & 0o7777,
@@ -679,7 +686,7 @@ fn open_target(fs: &Fs, path: &[u8], flags: c_int, mode: u32) -> Result<Stat, Er
             },
         );
         match created {
-            Ok(reply) => return stat_of(reply),
+            Ok(reply) => return Ok((stat_of(reply)?, true)),
             // Another thread created it since the lookup: open that one (without O_EXCL).
             Err(err) if err.errno == libc::EEXIST && !exclusive => continue,
             Err(err) => return Err(err),

@@ -303,6 +303,18 @@ fn unlinked_files_live_while_open(reactors: u8) {
     assert_eq!(unlink(fs, b"left-open"), 0);
     assert_eq!(statfs(fs).inodes_used, base + 2);
     close(fs);
+    // The image holds no orphan: a mount that deleted one would commit (a new generation).
+    let mut dev = nvme::open_device(&device, &nvme::OpenOptions::default()).unwrap();
+    let closed = engine::inspect::current_superblock(&mut *dev)
+        .unwrap()
+        .generation;
+    let engine = engine::Filesystem::mount(dev, engine::MountOptions::default()).unwrap();
+    assert_eq!(
+        engine.durable_generation(),
+        closed,
+        "the mount deleted an orphan"
+    );
+    engine.unmount().unwrap();
     let fs = mount_with(&device, &no_options());
     assert_eq!(statfs(fs).inodes_used, base + 1);
     assert_eq!(names(fs, b"/"), vec![b"old".to_vec()]);
@@ -631,6 +643,49 @@ fn o_creat_racing_another_creator_opens_the_same_file() {
             assert_eq!(a.ino, b.ino, "round {i}: both opened the same file");
         }
         assert_eq!(names(fs, b"/").len(), rounds);
+        close(fs);
+    }
+}
+
+#[test]
+fn o_creat_racing_an_unlink_never_fails() {
+    // The open finds the file, the unlink deletes it before the open holds it: the open
+    // must start over (and create it), not report ENOENT, which O_CREAT never gives.
+    for reactors in [1, 2] {
+        let fs = fresh(reactors);
+        let rounds = 2000;
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let unlinker = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut removed = 0u32;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    removed += (unlink(fs, b"x") == 0) as u32;
+                }
+                removed
+            })
+        };
+        let mut failed = Vec::new();
+        for _ in 0..rounds {
+            let fd = open(fs, b"x", COREFS_O_CREAT | COREFS_O_RDWR);
+            if fd < 0 {
+                failed.push(format!("{fd} {}", last_error()));
+                continue;
+            }
+            if let Err(e) = fstat(fs, fd) {
+                failed.push(format!("fstat: {e}"));
+            }
+            release(fs, fd);
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let removed = unlinker.join().unwrap();
+        assert!(
+            failed.is_empty(),
+            "{reactors} reactors: {} of {rounds} opens failed, the first: {}",
+            failed.len(),
+            failed[0]
+        );
+        assert!(removed > 0, "the unlinker never ran");
         close(fs);
     }
 }
