@@ -116,7 +116,9 @@ struct corefs_stat {
   uint32_t atime_nsec;
   uint32_t mtime_nsec;
   uint32_t ctime_nsec;
-  uint32_t reserved;
+  // The device number of a character or block device (the kernel's 32-bit encoding, as
+  // makedev(3) gives for majors below 4096); 0 otherwise.
+  uint32_t rdev;
 };
 
 // One directory entry.
@@ -318,6 +320,25 @@ int corefs_link(corefs_fs fs, const char *existing, const char *path);
 // # Safety
 // `target` and `path` are NUL-terminated.
 int corefs_symlink(corefs_fs fs, const char *target, const char *path);
+
+// Creates `path` as mknod(2) does: `mode` is a file type (S_IFIFO, S_IFSOCK, S_IFCHR,
+// S_IFBLK, S_IFREG or 0 for a regular file) and permission bits; `rdev` is the device
+// number of a character or block device (makedev(3); ignored for the other types).
+// corefs keeps these as names with a type and number (for a program that stores them, as
+// `corefs mount` does for the kernel); it runs no pipe or device behind them, and reads and
+// writes through a handle of one are -EINVAL. S_IFDIR is -EPERM (use `corefs_mkdir`),
+// another type -EINVAL, as is an `rdev` over 32 bits (as glibc's mknod). The owner is the
+// caller's (see `corefs_set_owner`).
+//
+// # Safety
+// `path` is NUL-terminated.
+int corefs_mknod(corefs_fs fs, const char *path, uint32_t mode, uint64_t rdev);
+
+// Creates the FIFO `path` (mkfifo(3): `corefs_mknod` with S_IFIFO).
+//
+// # Safety
+// `path` is NUL-terminated.
+int corefs_mkfifo(corefs_fs fs, const char *path, uint32_t mode);
 
 // Copies the target of symbolic link `path` into `buf` (not NUL-terminated); returns its
 // length (which may exceed `len`: then only `len` bytes were copied).

@@ -119,7 +119,9 @@ pub struct corefs_stat {
     pub atime_nsec: u32,
     pub mtime_nsec: u32,
     pub ctime_nsec: u32,
-    pub reserved: u32,
+    /// The device number of a character or block device (the kernel's 32-bit encoding, as
+    /// makedev(3) gives for majors below 4096); 0 otherwise.
+    pub rdev: u32,
 }
 
 /// One directory entry.
@@ -171,6 +173,7 @@ const _: () = assert!(std::mem::offset_of!(corefs_options, owner_uid) == 24);
 const _: () = assert!(std::mem::offset_of!(corefs_options, owner_set) == 32);
 const _: () = assert!(std::mem::size_of::<corefs_statfs>() == 48);
 const _: () = assert!(std::mem::size_of::<corefs_stat>() == 80);
+const _: () = assert!(std::mem::offset_of!(corefs_stat, rdev) == 76);
 const _: () = assert!(std::mem::size_of::<corefs_dirent>() == 280);
 const _: () = assert!(std::mem::size_of::<corefs_completion>() == 16);
 const _: () = assert!(std::mem::size_of::<corefs_stats>() == 112);
@@ -410,7 +413,9 @@ fn to_c_stat(s: &Stat) -> corefs_stat {
         atime_nsec: s.atime.nsec,
         mtime_nsec: s.mtime.nsec,
         ctime_nsec: s.ctime.nsec,
-        reserved: 0,
+        // Only corefs_mknod and the FUSE mount set rdev, both to 32-bit numbers; a wider one
+        // (written by some other tool) shows as 0 rather than as a wrong number.
+        rdev: u32::try_from(s.rdev).unwrap_or(0),
     }
 }
 
@@ -1216,6 +1221,78 @@ pub unsafe extern "C" fn corefs_symlink(
         )
         .map(drop)
     })
+}
+
+/// Creates `path` as mknod(2) does: `mode` is a file type (S_IFIFO, S_IFSOCK, S_IFCHR,
+/// S_IFBLK, S_IFREG or 0 for a regular file) and permission bits; `rdev` is the device
+/// number of a character or block device (makedev(3); ignored for the other types).
+/// corefs keeps these as names with a type and number (for a program that stores them, as
+/// `corefs mount` does for the kernel); it runs no pipe or device behind them, and reads and
+/// writes through a handle of one are -EINVAL. S_IFDIR is -EPERM (use `corefs_mkdir`),
+/// another type -EINVAL, as is an `rdev` over 32 bits (as glibc's mknod). The owner is the
+/// caller's (see `corefs_set_owner`).
+///
+/// # Safety
+/// `path` is NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_mknod(
+    fs: corefs_fs,
+    path: *const c_char,
+    mode: u32,
+    rdev: u64,
+) -> c_int {
+    status("corefs_mknod", || {
+        let fs = fs_of(fs)?;
+        // SAFETY: forwarded from this function's contract.
+        let path = unsafe { c_bytes(path, "path") }?;
+        mknod(&fs, path, mode, rdev)
+    })
+}
+
+/// Creates the FIFO `path` (mkfifo(3): `corefs_mknod` with S_IFIFO).
+///
+/// # Safety
+/// `path` is NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_mkfifo(fs: corefs_fs, path: *const c_char, mode: u32) -> c_int {
+    status("corefs_mkfifo", || {
+        let fs = fs_of(fs)?;
+        // SAFETY: forwarded from this function's contract.
+        let path = unsafe { c_bytes(path, "path") }?;
+        mknod(&fs, path, libc::S_IFIFO | (mode & 0o7777), 0)
+    })
+}
+
+fn mknod(fs: &Fs, path: &[u8], mode: u32, rdev: u64) -> Result<(), Error> {
+    // Checked before the path, as Linux checks the type first.
+    match mode & libc::S_IFMT {
+        0 | libc::S_IFREG | libc::S_IFIFO | libc::S_IFSOCK | libc::S_IFCHR | libc::S_IFBLK => {}
+        libc::S_IFDIR => {
+            return Err(Error::new(
+                libc::EPERM,
+                "mknod of a directory (use corefs_mkdir)".into(),
+            ))
+        }
+        kind => return Err(einval(format!("mknod of file type {:#o}", kind))),
+    }
+    // The kernel's device numbers are 32 bits; glibc refuses a dev_t that does not fit.
+    let rdev = u32::try_from(rdev)
+        .map_err(|_| einval(format!("device number {rdev:#x} is over 32 bits")))?;
+    let e = entry(fs, path)?;
+    // mknod(2) of `/`, `.` or `..`: they exist.
+    let name = e.name(special(libc::EEXIST, path))?;
+    no_trailing_slash_for_new(fs, &e, path)?;
+    call(
+        fs,
+        Op::Mknod {
+            dir: e.dir,
+            name: name.to_vec(),
+            mode: mode & (libc::S_IFMT | 0o7777),
+            rdev: rdev as u64,
+            owner: handles::owner(fs),
+        },
+    )
+    .map(drop)
 }
 
 /// Copies the target of symbolic link `path` into `buf` (not NUL-terminated); returns its

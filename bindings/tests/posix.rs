@@ -842,3 +842,117 @@ fn statfs_counts_inodes() {
     assert_eq!(null_out as i64, err(libc::EFAULT));
     close(fs);
 }
+
+// ---- Special files -------------------------------------------------------------------------
+
+fn mknod(fs: corefs_fs, path: &[u8], mode: u32, rdev: u64) -> i64 {
+    let p = c(path);
+    // SAFETY: a NUL-terminated path.
+    unsafe { corefs_mknod(fs, p.as_ptr(), mode, rdev) as i64 }
+}
+
+#[test]
+fn mknod_stores_fifos_sockets_and_devices() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let device = format!("file:{}/mknod.img,size=64MiB", dir.path().display());
+    let fs = fresh_on(&device, 2);
+    release(fs, create(fs, b"f"));
+    // SAFETY: geteuid and getegid cannot fail.
+    let me = unsafe { (libc::geteuid(), libc::getegid()) };
+    // makedev(1, 3) (/dev/null) and makedev(8, 1) (/dev/sda1).
+    let (null_dev, sda1_dev) = (0x103u64, 0x801u64);
+    let p = c(b"fifo");
+    // SAFETY: a NUL-terminated path.
+    let made = unsafe { corefs_mkfifo(fs, p.as_ptr(), 0o640) };
+    assert_eq!(made, 0, "{}", last_error());
+    assert_eq!(
+        mknod(fs, b"chr", libc::S_IFCHR | 0o600, null_dev),
+        0,
+        "{}",
+        last_error()
+    );
+    assert_eq!(mknod(fs, b"blk", libc::S_IFBLK | 0o660, sda1_dev), 0);
+    assert_eq!(mknod(fs, b"sock", libc::S_IFSOCK | 0o755, 99), 0);
+    assert_eq!(mknod(fs, b"reg", 0o604, 0), 0, "type 0 is a regular file");
+    assert_eq!(mknod(fs, b"reg2", libc::S_IFREG | 0o600, 0), 0);
+    let want = [
+        (&b"fifo"[..], libc::S_IFIFO | 0o640, 0u32),
+        (b"chr", libc::S_IFCHR | 0o600, null_dev as u32),
+        (b"blk", libc::S_IFBLK | 0o660, sda1_dev as u32),
+        // A socket or FIFO keeps no device number, whatever was passed.
+        (b"sock", libc::S_IFSOCK | 0o755, 0),
+        (b"reg", libc::S_IFREG | 0o604, 0),
+        (b"reg2", libc::S_IFREG | 0o600, 0),
+    ];
+    let check = |fs: corefs_fs| {
+        for (name, mode, rdev) in want {
+            let st = stat(fs, name).unwrap_or_else(|e| panic!("stat {}: {e}", show(name)));
+            assert_eq!((st.mode, st.rdev), (mode, rdev), "{}", show(name));
+            assert_eq!((st.uid, st.gid), me, "{}: the caller owns it", show(name));
+        }
+    };
+    check(fs);
+    // Refused: a directory (EPERM), a symlink or unknown type, a 33-bit device number, a name
+    // that exists, a file as a directory, a trailing slash, `.`.
+    assert_eq!(mknod(fs, b"d", libc::S_IFDIR | 0o755, 0), err(libc::EPERM));
+    assert_eq!(mknod(fs, b"l", libc::S_IFLNK | 0o777, 0), err(libc::EINVAL));
+    assert_eq!(mknod(fs, b"x", 0o170000 | 0o644, 0), err(libc::EINVAL));
+    assert_eq!(
+        mknod(fs, b"big", libc::S_IFCHR | 0o600, 1 << 32),
+        err(libc::EINVAL)
+    );
+    assert_eq!(
+        mknod(fs, b"fifo", libc::S_IFIFO | 0o600, 0),
+        err(libc::EEXIST)
+    );
+    assert_eq!(
+        mknod(fs, b"f/x", libc::S_IFIFO | 0o600, 0),
+        err(libc::ENOTDIR)
+    );
+    assert_eq!(
+        mknod(fs, b"new/", libc::S_IFIFO | 0o600, 0),
+        err(libc::ENOENT)
+    );
+    assert_eq!(
+        mknod(fs, b"fifo/", libc::S_IFIFO | 0o600, 0),
+        err(libc::EEXIST)
+    );
+    assert_eq!(mknod(fs, b".", libc::S_IFIFO | 0o600, 0), err(libc::EEXIST));
+    // No pipe runs behind a FIFO: it opens (a name with a type), but I/O is EINVAL.
+    let fd = open_ok(fs, b"fifo", COREFS_O_RDONLY);
+    let mut buf = [0u8; 8];
+    // SAFETY: `buf` is valid for 8 bytes.
+    let n = unsafe { corefs_pread(fs, fd, buf.as_mut_ptr(), 8, 0) };
+    assert_eq!(n, err(libc::EINVAL));
+    release(fs, fd);
+    // readdir gives each its DT_* type.
+    let p = c(b"/");
+    // SAFETY: all-zero entries are valid.
+    let mut entries: Vec<corefs_dirent> = (0..16).map(|_| unsafe { std::mem::zeroed() }).collect();
+    // SAFETY: a NUL-terminated path and 16 writable entries.
+    let n = unsafe { corefs_readdir(fs, p.as_ptr(), 0, entries.as_mut_ptr(), 16) };
+    let mut kinds: Vec<(Vec<u8>, u8)> = entries[..n as usize]
+        .iter()
+        .map(|e| (e.name[..e.name_len as usize].to_vec(), e.kind))
+        .collect();
+    kinds.sort();
+    assert_eq!(
+        kinds,
+        vec![
+            (b"blk".to_vec(), libc::DT_BLK),
+            (b"chr".to_vec(), libc::DT_CHR),
+            (b"f".to_vec(), libc::DT_REG),
+            (b"fifo".to_vec(), libc::DT_FIFO),
+            (b"reg".to_vec(), libc::DT_REG),
+            (b"reg2".to_vec(), libc::DT_REG),
+            (b"sock".to_vec(), libc::DT_SOCK),
+        ]
+    );
+    close(fs);
+    // Durable: the types and numbers come back after a remount.
+    let fs = mount_with(&device, &no_options());
+    check(fs);
+    assert_eq!(unlink(fs, b"chr"), 0);
+    assert_eq!(stat(fs, b"chr").unwrap_err(), err(libc::ENOENT));
+    close(fs);
+}

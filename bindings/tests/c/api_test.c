@@ -183,6 +183,15 @@ static void api(const char *device, int reactors) {
   CHECK((st.mode & 0170000) == 0040000, "o/\\xff\\xfe/.. is a directory");
   OK(corefs_rmdir(fs, "o/\xff\xfe/"));
 
+  /* Special files: stored with their type and device number. */
+  OK(corefs_mkfifo(fs, "o/fifo", 0600));
+  OK(corefs_stat(fs, "o/fifo", &st));
+  CHECK((st.mode & 0170000) == 0010000, "fifo mode %o", st.mode);
+  OK(corefs_mknod(fs, "o/null", 0020000 | 0666, 0x103));
+  OK(corefs_stat(fs, "o/null", &st));
+  CHECK((st.mode & 0170000) == 0020000 && st.rdev == 0x103, "chr %o %x", st.mode, st.rdev);
+  ERR(corefs_mknod(fs, "o/dir", 0040000 | 0755, 0), EPERM);
+
   /* An unlinked file lives on through its handle, with nlink 0, and goes at the release. */
   struct corefs_statfs sfs;
   OK(corefs_statfs(fs, &sfs));
