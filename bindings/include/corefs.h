@@ -7,7 +7,18 @@
  * completion queue for the asynchronous calls. corefs_close must not race other calls on the
  * same filesystem.
  * Structs are used with their tag, as POSIX does (`struct corefs_stat` and the function
- * `corefs_stat` coexist): declare `struct corefs_options opts = {0};`. */
+ * `corefs_stat` coexist): declare `struct corefs_options opts = {0};`.
+ *
+ * Paths, as Linux resolves them except that symbolic links are never followed: bytes up to
+ * the NUL (UTF-8 or not), from the root whether or not they start with `/`; `.` and `..`
+ * resolve (`..` of the root is the root); a path ending in `/` names a directory (-ENOTDIR
+ * for a file: open, stat, unlink, rename; mkdir and rmdir take `d/`); every component but the
+ * last must be a directory (-ENOTDIR). An empty path is -ENOENT (the root is "/"), a path
+ * of 4096 bytes or more or a name over 255 bytes -ENAMETOOLONG.
+ * Owners: new files, directories and symbolic links belong to the process's effective uid and
+ * gid, or to the mount's owner (corefs_options), or to the thread's (corefs_set_owner).
+ * Open handles keep their file: one unlinked while open lives, with nlink 0, until its last
+ * handle is released (or, after a crash, until the next mount). */
 
 #ifndef COREFS_H
 #define COREFS_H
@@ -49,10 +60,15 @@
 
 #define COREFS_XATTR_REPLACE 2
 
+// `corefs_set_owner`: this id is the mount's default again.
+#define COREFS_OWNER_DEFAULT UINT32_MAX
+
 // A mounted filesystem (≥ 1).
 typedef int64_t corefs_fs;
 
-// Mount options. Zero-initialise, then set what you need.
+// Mount options. Zero-initialise, then set what you need. Fields are only ever added at the
+// end, where zero keeps the earlier behaviour (a program built with an older header must be
+// rebuilt: the library reads the whole struct).
 struct corefs_options {
   // Non-zero: format the device first (destroys its content).
   uint8_t format;
@@ -71,6 +87,15 @@ struct corefs_options {
   uint32_t commit_interval_ms;
   // Label when formatting (NULL: none); at most 32 bytes.
   const char *label;
+  // The owner and group of the files, directories and symbolic links this mount creates,
+  // when `owner_set` is non-zero. Zero `owner_set`: the process's effective uid and gid
+  // at each call, as the kernel gives a file a process creates. A thread may override
+  // either with `corefs_set_owner`; a set-group-ID directory gives its group regardless.
+  uint32_t owner_uid;
+  uint32_t owner_gid;
+  uint8_t owner_set;
+  // Zero (room for later options).
+  uint8_t reserved[7];
 };
 
 // An open file or directory of one filesystem (≥ 1).
@@ -91,7 +116,9 @@ struct corefs_stat {
   uint32_t atime_nsec;
   uint32_t mtime_nsec;
   uint32_t ctime_nsec;
-  uint32_t reserved;
+  // The device number of a character or block device (the kernel's 32-bit encoding, as
+  // makedev(3) gives for majors below 4096); 0 otherwise.
+  uint32_t rdev;
 };
 
 // One directory entry.
@@ -122,6 +149,21 @@ struct corefs_stats {
   uint64_t fsync_p99_ns;
   uint64_t fsync_max_ns;
   uint64_t replayed_records;
+};
+
+// Filesystem statistics (statvfs(3)'s figures).
+struct corefs_statfs {
+  // Bytes per block (f_bsize and f_frsize).
+  uint64_t block_bytes;
+  uint64_t total_blocks;
+  // Blocks a new file could use (f_bfree and f_bavail).
+  uint64_t free_blocks;
+  // Inodes in use; `inodes_used + inodes_free` is f_files.
+  uint64_t inodes_used;
+  // Inodes that can still be created (f_ffree; an estimate: inodes take no fixed table).
+  uint64_t inodes_free;
+  // The longest name (f_namemax).
+  uint64_t name_max_bytes;
 };
 
 // The outcome of an asynchronous operation.
@@ -157,19 +199,31 @@ corefs_fs corefs_mount(const char *device, const struct corefs_options *options)
 // As `corefs_mount`.
 int corefs_mkfs(const char *device, const struct corefs_options *options);
 
-// Drains the operations in flight, commits, unmounts and stops the reactor. The handle and
-// every file handle of it are invalid afterwards (-EBADF). Do not call it while another
-// thread still uses the filesystem.
+// Drains the operations in flight, closes the file handles still open (an unlinked file
+// goes with its last handle, as at process exit), commits, unmounts and stops the reactor.
+// The handle and every file handle of it are invalid afterwards (-EBADF). Do not call it
+// while another thread still uses the filesystem.
 int corefs_close(corefs_fs fs);
 
-// Opens (and with COREFS_O_CREAT creates) `path`, relative to the root. Returns a file
-// handle or a negative errno.
+// Opens (and with COREFS_O_CREAT creates) `path`, relative to the root (see "Paths" in
+// the header's introduction). Returns a file handle or a negative errno.
+//
+// The handle keeps its file: after the file's last name is gone (unlink, rename over it)
+// reads, writes, fsync and fstat (nlink 0) go on working until `corefs_release`, which
+// deletes it; a crash before that leaves it to the next mount, which deletes it.
+//
+// As open(2): COREFS_O_CREAT without COREFS_O_EXCL opens the file if it exists (also when
+// another thread creates it at the same time); COREFS_O_CREAT on a directory, or on a path
+// ending in `/`, is -EISDIR (-EEXIST with COREFS_O_EXCL on a directory); a path ending in
+// `/` opens only a directory (-ENOTDIR). Writes through a COREFS_O_APPEND handle are
+// atomic appends. The new file's owner is the caller's (see `corefs_set_owner`).
 //
 // # Safety
 // `path` is NULL or NUL-terminated.
 corefs_fd corefs_open(corefs_fs fs, const char *path, int flags, uint32_t mode);
 
-// Closes a file handle (its data stays where it is: fsync first to make it durable).
+// Closes a file handle (its data stays where it is: fsync first to make it durable). The
+// last handle of a file with no name left deletes it.
 int corefs_release(corefs_fs fs, corefs_fd fd);
 
 // Reads up to `len` bytes at `offset`. Returns the bytes read (0 at end of file). As
@@ -179,9 +233,10 @@ int corefs_release(corefs_fs fs, corefs_fd fd);
 // `buf` is valid for writing `len` bytes.
 int64_t corefs_pread(corefs_fs fs, corefs_fd fd, uint8_t *buf, size_t len, uint64_t offset);
 
-// Writes `len` bytes at `offset` (at the end of file with COREFS_O_APPEND). Returns `len`,
-// or as pwrite(2) 0x7ffff000 for a longer write (it writes that much); `offset + len` past
-// INT64_MAX is -EINVAL.
+// Writes `len` bytes at `offset`. Returns `len`, or as pwrite(2) 0x7ffff000 for a longer
+// write (it writes that much); `offset + len` past INT64_MAX is -EINVAL. Through a
+// COREFS_O_APPEND handle the write goes at the end of the file, whatever `offset` says (as
+// Linux's pwrite(2) does), atomically: two appenders never write over each other.
 //
 // # Safety
 // `buf` is valid for reading `len` bytes.
@@ -201,7 +256,8 @@ int corefs_sync(corefs_fs fs);
 int corefs_ftruncate(corefs_fs fs, corefs_fd fd, uint64_t size);
 
 // Allocates (mode 0 or COREFS_FALLOC_KEEP_SIZE), punches (COREFS_FALLOC_PUNCH_HOLE |
-// COREFS_FALLOC_KEEP_SIZE) or zeroes (COREFS_FALLOC_ZERO_RANGE) a range.
+// COREFS_FALLOC_KEEP_SIZE) or zeroes (COREFS_FALLOC_ZERO_RANGE) a range. -EBADF through a
+// handle not open for writing.
 int corefs_fallocate(corefs_fs fs, corefs_fd fd, int mode, uint64_t offset, uint64_t len);
 
 // Attributes of an open file.
@@ -222,25 +278,30 @@ int corefs_stat(corefs_fs fs, const char *path, struct corefs_stat *out);
 // `path` is NUL-terminated.
 int corefs_chmod(corefs_fs fs, const char *path, uint32_t mode);
 
-// Creates directory `path`.
+// Creates directory `path` (`d/` too). The owner is the caller's (see `corefs_set_owner`);
+// in a set-group-ID directory the group is the directory's, and so is the bit.
 //
 // # Safety
 // `path` is NUL-terminated.
 int corefs_mkdir(corefs_fs fs, const char *path, uint32_t mode);
 
-// Removes the empty directory `path`.
+// Removes the empty directory `path` (`d/` too).
 //
 // # Safety
 // `path` is NUL-terminated.
 int corefs_rmdir(corefs_fs fs, const char *path);
 
-// Removes the name `path` (the file goes with its last name).
+// Removes the name `path`. The file goes with its last name unless a handle holds it (see
+// `corefs_open`). -ENOTDIR for `file/`, -EISDIR for a directory.
 //
 // # Safety
 // `path` is NUL-terminated.
 int corefs_unlink(corefs_fs fs, const char *path);
 
-// Renames `from` to `to` (flags: COREFS_RENAME_NOREPLACE, COREFS_RENAME_EXCHANGE).
+// Renames `from` to `to` (flags: COREFS_RENAME_NOREPLACE, COREFS_RENAME_EXCHANGE). A file
+// renamed over stays as long as a handle holds it (see `corefs_open`). As rename(2): a
+// trailing slash on either path needs a directory (-ENOTDIR), and `/`, `.` or `..` as either
+// last component is -EBUSY.
 //
 // # Safety
 // `from` and `to` are NUL-terminated.
@@ -252,11 +313,32 @@ int corefs_rename(corefs_fs fs, const char *from, const char *to, int flags);
 // `existing` and `path` are NUL-terminated.
 int corefs_link(corefs_fs fs, const char *existing, const char *path);
 
-// Creates the symbolic link `path` pointing at `target`.
+// Creates the symbolic link `path` pointing at `target` (1 to 4095 bytes, any but NUL; an
+// empty target is -ENOENT and a longer one -ENAMETOOLONG, as symlink(2)). The owner is the
+// caller's (see `corefs_set_owner`).
 //
 // # Safety
 // `target` and `path` are NUL-terminated.
 int corefs_symlink(corefs_fs fs, const char *target, const char *path);
+
+// Creates `path` as mknod(2) does: `mode` is a file type (S_IFIFO, S_IFSOCK, S_IFCHR,
+// S_IFBLK, S_IFREG or 0 for a regular file) and permission bits; `rdev` is the device
+// number of a character or block device (makedev(3); ignored for the other types).
+// corefs keeps these as names with a type and number (for a program that stores them, as
+// `corefs mount` does for the kernel); it runs no pipe or device behind them, and reads and
+// writes through a handle of one are -EINVAL. S_IFDIR is -EPERM (use `corefs_mkdir`),
+// another type -EINVAL, as is an `rdev` over 32 bits (as glibc's mknod). The owner is the
+// caller's (see `corefs_set_owner`).
+//
+// # Safety
+// `path` is NUL-terminated.
+int corefs_mknod(corefs_fs fs, const char *path, uint32_t mode, uint64_t rdev);
+
+// Creates the FIFO `path` (mkfifo(3): `corefs_mknod` with S_IFIFO).
+//
+// # Safety
+// `path` is NUL-terminated.
+int corefs_mkfifo(corefs_fs fs, const char *path, uint32_t mode);
 
 // Copies the target of symbolic link `path` into `buf` (not NUL-terminated); returns its
 // length (which may exceed `len`: then only `len` bytes were copied).
@@ -276,7 +358,9 @@ int64_t corefs_readdir(corefs_fs fs,
                        struct corefs_dirent *out,
                        size_t max);
 
-// Sets extended attribute `name` of `path` (flags: COREFS_XATTR_CREATE, _REPLACE).
+// Sets extended attribute `name` of `path` (flags: COREFS_XATTR_CREATE, _REPLACE). Values
+// up to 65536 bytes; a longer one is -E2BIG, a name that is empty or over 255 bytes -ERANGE,
+// as setxattr(2).
 //
 // # Safety
 // `path` and `name` are NUL-terminated; `value` is valid for reading `len` bytes.
@@ -287,15 +371,15 @@ int corefs_setxattr(corefs_fs fs,
                     size_t len,
                     int flags);
 
-// Copies the value of attribute `name` into `buf`; returns its size (which may exceed `len`:
-// call with `len` 0 to learn the size).
+// Copies the value of attribute `name` into `buf`; returns its size. With `len` 0 only
+// returns the size; a `len` too small for the value is -ERANGE, as getxattr(2).
 //
 // # Safety
 // `path` and `name` are NUL-terminated; `buf` is valid for writing `len` bytes.
 int64_t corefs_getxattr(corefs_fs fs, const char *path, const char *name, uint8_t *buf, size_t len);
 
 // Copies the attribute names of `path`, each NUL-terminated, into `buf`; returns the bytes
-// they need (call with `len` 0 to learn it).
+// they take. With `len` 0 only returns that; a `len` too small is -ERANGE, as listxattr(2).
 //
 // # Safety
 // `path` is NUL-terminated; `buf` is valid for writing `len` bytes.
@@ -313,6 +397,19 @@ int corefs_removexattr(corefs_fs fs, const char *path, const char *name);
 // `out` is valid for writing one `corefs_stats`.
 int corefs_get_stats(corefs_fs fs, struct corefs_stats *out);
 
+// Filesystem statistics: space and inode counts (what df and df -i show).
+//
+// # Safety
+// `out` is valid for writing one `corefs_statfs`.
+int corefs_statfs(corefs_fs fs, struct corefs_statfs *out);
+
+// Sets who the calling thread creates files, directories and symbolic links as on `fs`
+// from now on: owner `uid` and group `gid` (per thread, as setfsuid(2) and setfsgid(2)).
+// COREFS_OWNER_DEFAULT for either gives it back to the mount's default (`corefs_options`'s
+// owner, else the process's effective id). Nothing else changes: corefs checks no
+// permissions in the C ABI (the calling process has them all). -EBADF for a bad `fs`.
+int corefs_set_owner(corefs_fs fs, uint32_t uid, uint32_t gid);
+
 // Submits a read of up to `len` bytes at `offset` into `buf` (bounded as `corefs_pread`);
 // its completion (on this thread's queue, see `corefs_poll`) carries `token` and the bytes
 // read. -EAGAIN when this thread has 256 operations in flight: poll, then submit again.
@@ -326,8 +423,9 @@ int corefs_submit_pread(corefs_fs fs,
                         uint64_t offset,
                         uint64_t token);
 
-// Submits a write of `len` bytes at `offset` (bounded as `corefs_pwrite`; the data is
-// copied: `buf` may be reused at once). Completion as `corefs_submit_pread`.
+// Submits a write of `len` bytes at `offset` (bounded as `corefs_pwrite`, and an atomic
+// append through a COREFS_O_APPEND handle; the data is copied: `buf` may be reused at
+// once). Completion as `corefs_submit_pread`.
 //
 // # Safety
 // `buf` is valid for reading `len` bytes during the call.

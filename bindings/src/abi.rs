@@ -4,9 +4,15 @@
 //! Conventions: functions return 0, a count or a handle (≥ 1) on success and a negative errno
 //! on failure; `corefs_last_error()` then holds a message for the calling thread. Every call may
 //! be made from any thread, concurrently, unless its comment says otherwise.
+//!
+//! Paths are resolved by [`crate::path`] (bytes, `.` and `..`, trailing slashes, limits);
+//! each path call maps the special cases of its last component (`/`, `.`, `..`, a trailing
+//! slash) to the errno its Linux system call gives, explicitly, in its body.
 #![allow(non_camel_case_types)]
 
 use crate::handles::{self, set_error, with_client, Error, Fs, OpenFile};
+use crate::path::{self, show, Entry, Last, Namespace};
+use engine::format::items::MAX_XATTR_VALUE_BYTES;
 use engine::{FallocateMode, MkfsOptions, MountOptions, RenameFlags, SetAttr, Stat, XattrFlags};
 use reactor::{Config, IdlePolicy, Op, Owner, Reply, Runtime};
 use std::cell::RefCell;
@@ -16,18 +22,6 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
-
-/// Who a C caller creates inodes as: the process's effective user and group, as the kernel
-/// uses for a file the process creates.
-fn caller() -> Owner {
-    // SAFETY: geteuid and getegid cannot fail and touch no memory.
-    unsafe {
-        Owner {
-            uid: libc::geteuid(),
-            gid: libc::getegid(),
-        }
-    }
-}
 
 /// A mounted filesystem (≥ 1).
 pub type corefs_fs = i64;
@@ -54,7 +48,12 @@ pub const COREFS_RENAME_EXCHANGE: c_int = 2;
 pub const COREFS_XATTR_CREATE: c_int = 1;
 pub const COREFS_XATTR_REPLACE: c_int = 2;
 
-/// Mount options. Zero-initialise, then set what you need.
+/// `corefs_set_owner`: this id is the mount's default again.
+pub const COREFS_OWNER_DEFAULT: u32 = u32::MAX;
+
+/// Mount options. Zero-initialise, then set what you need. Fields are only ever added at the
+/// end, where zero keeps the earlier behaviour (a program built with an older header must be
+/// rebuilt: the library reads the whole struct).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct corefs_options {
@@ -75,6 +74,32 @@ pub struct corefs_options {
     pub commit_interval_ms: u32,
     /// Label when formatting (NULL: none); at most 32 bytes.
     pub label: *const c_char,
+    /// The owner and group of the files, directories and symbolic links this mount creates,
+    /// when `owner_set` is non-zero. Zero `owner_set`: the process's effective uid and gid
+    /// at each call, as the kernel gives a file a process creates. A thread may override
+    /// either with `corefs_set_owner`; a set-group-ID directory gives its group regardless.
+    pub owner_uid: u32,
+    pub owner_gid: u32,
+    pub owner_set: u8,
+    /// Zero (room for later options).
+    pub reserved: [u8; 7],
+}
+
+/// Filesystem statistics (statvfs(3)'s figures).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct corefs_statfs {
+    /// Bytes per block (f_bsize and f_frsize).
+    pub block_bytes: u64,
+    pub total_blocks: u64,
+    /// Blocks a new file could use (f_bfree and f_bavail).
+    pub free_blocks: u64,
+    /// Inodes in use; `inodes_used + inodes_free` is f_files.
+    pub inodes_used: u64,
+    /// Inodes that can still be created (f_ffree; an estimate: inodes take no fixed table).
+    pub inodes_free: u64,
+    /// The longest name (f_namemax).
+    pub name_max_bytes: u64,
 }
 
 /// File attributes.
@@ -94,7 +119,9 @@ pub struct corefs_stat {
     pub atime_nsec: u32,
     pub mtime_nsec: u32,
     pub ctime_nsec: u32,
-    pub reserved: u32,
+    /// The device number of a character or block device (the kernel's 32-bit encoding, as
+    /// makedev(3) gives for majors below 4096); 0 otherwise.
+    pub rdev: u32,
 }
 
 /// One directory entry.
@@ -140,8 +167,13 @@ pub struct corefs_stats {
     pub replayed_records: u64,
 }
 
-const _: () = assert!(std::mem::size_of::<corefs_options>() == 24);
+const _: () = assert!(std::mem::size_of::<corefs_options>() == 40);
+const _: () = assert!(std::mem::offset_of!(corefs_options, label) == 16);
+const _: () = assert!(std::mem::offset_of!(corefs_options, owner_uid) == 24);
+const _: () = assert!(std::mem::offset_of!(corefs_options, owner_set) == 32);
+const _: () = assert!(std::mem::size_of::<corefs_statfs>() == 48);
 const _: () = assert!(std::mem::size_of::<corefs_stat>() == 80);
+const _: () = assert!(std::mem::offset_of!(corefs_stat, rdev) == 76);
 const _: () = assert!(std::mem::size_of::<corefs_dirent>() == 280);
 const _: () = assert!(std::mem::size_of::<corefs_completion>() == 16);
 const _: () = assert!(std::mem::size_of::<corefs_stats>() == 112);
@@ -193,6 +225,18 @@ unsafe fn c_str<'a>(p: *const c_char, what: &str) -> Result<&'a str, Error> {
     let text = unsafe { CStr::from_ptr(p) };
     text.to_str()
         .map_err(|_| einval(format!("{what} is not UTF-8")))
+}
+
+/// A path or name: its bytes, any but NUL (UTF-8 or not, as the kernel takes them).
+///
+/// # Safety
+/// `p` is NULL or a NUL-terminated string valid for the call.
+unsafe fn c_bytes<'a>(p: *const c_char, what: &str) -> Result<&'a [u8], Error> {
+    if p.is_null() {
+        return Err(efault(what));
+    }
+    // SAFETY: the caller passes a NUL-terminated string (checked non-NULL above).
+    Ok(unsafe { CStr::from_ptr(p) }.to_bytes())
 }
 
 /// # Safety
@@ -249,27 +293,80 @@ fn stat_of(reply: Reply) -> Result<Stat, Error> {
     }
 }
 
-fn resolve(fs: &Fs, path: &str) -> Result<Stat, Error> {
-    stat_of(call(
-        fs,
-        Op::Resolve {
-            path: path.to_string(),
-        },
-    )?)
+/// The reactor as [`path`] resolution sees it.
+struct Names<'f>(&'f Fs);
+
+impl Namespace for Names<'_> {
+    fn lookup(&mut self, dir: u64, name: &[u8]) -> Result<Stat, Error> {
+        stat_of(call(
+            self.0,
+            Op::Lookup {
+                dir,
+                name: name.to_vec(),
+            },
+        )?)
+    }
+    fn stat(&mut self, ino: u64) -> Result<Stat, Error> {
+        stat_of(call(self.0, Op::Stat { ino })?)
+    }
+    fn resolve(&mut self, path: &str) -> Result<Stat, Error> {
+        stat_of(call(
+            self.0,
+            Op::Resolve {
+                path: path.to_string(),
+            },
+        )?)
+    }
 }
 
-/// Splits `a/b/c` into the parent's inode and `c`.
-fn parent_and_name<'p>(fs: &Fs, path: &'p str) -> Result<(u64, &'p str), Error> {
-    let trimmed = path.trim_end_matches('/');
-    let (parent, name) = match trimmed.rfind('/') {
-        Some(at) => (&trimmed[..at], &trimmed[at + 1..]),
-        None => ("", trimmed),
-    };
-    if name.is_empty() {
-        return Err(einval(format!("{path:?} names no entry")));
+/// What `path` names (a trailing slash requires a directory).
+fn resolve(fs: &Fs, path: &[u8]) -> Result<Stat, Error> {
+    path::lookup(&mut Names(fs), path)
+}
+
+/// The directory and last component of the entry `path` names.
+fn entry<'p>(fs: &Fs, path: &'p [u8]) -> Result<Entry<'p>, Error> {
+    path::entry(&mut Names(fs), path)
+}
+
+/// The error a name op gives when the path ends in `/`, `.` or `..`.
+fn special(errno: i32, path: &[u8]) -> impl FnOnce(Last<'_>) -> Error + '_ {
+    move |last| {
+        let what = match last {
+            Last::Root => "the root",
+            Last::Dot => "\".\"",
+            Last::DotDot => "\"..\"",
+            Last::Name(_) => "a name",
+        };
+        Error::new(errno, format!("{} ends in {what}", show(path)))
     }
-    let dir = resolve(fs, parent)?;
-    Ok((dir.ino, name))
+}
+
+/// The entry `name` in `dir`, if there is one.
+fn lookup_entry(fs: &Fs, dir: u64, name: &[u8]) -> Result<Option<Stat>, Error> {
+    match Names(fs).lookup(dir, name) {
+        Ok(s) => Ok(Some(s)),
+        Err(e) if e.errno == libc::ENOENT => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// For link(2) and symlink(2)'s new name with a trailing slash (Linux's rule: the name
+/// would have to be a directory these calls cannot make): EEXIST if it exists, else ENOENT.
+fn no_trailing_slash_for_new(fs: &Fs, e: &Entry<'_>, path: &[u8]) -> Result<(), Error> {
+    let Last::Name(name) = e.last else {
+        return Ok(());
+    };
+    if !e.trailing_slash {
+        return Ok(());
+    }
+    Err(match lookup_entry(fs, e.dir, name)? {
+        Some(_) => Error::new(libc::EEXIST, format!("{} exists", show(path))),
+        None => Error::new(
+            libc::ENOENT,
+            format!("{}: a trailing slash names a directory", show(path)),
+        ),
+    })
 }
 
 fn file(fs: &Fs, fd: corefs_fd) -> Result<OpenFile, Error> {
@@ -316,7 +413,9 @@ fn to_c_stat(s: &Stat) -> corefs_stat {
         atime_nsec: s.atime.nsec,
         mtime_nsec: s.mtime.nsec,
         ctime_nsec: s.ctime.nsec,
-        reserved: 0,
+        // Only corefs_mknod and the FUSE mount set rdev, both to 32-bit numbers; a wider one
+        // (written by some other tool) shows as 0 rather than as a wrong number.
+        rdev: u32::try_from(s.rdev).unwrap_or(0),
     }
 }
 
@@ -356,7 +455,14 @@ pub unsafe extern "C" fn corefs_mount(
             ..Default::default()
         };
         let mut mount = MountOptions::default();
+        let mut owner = None;
         if let Some(o) = options {
+            if o.owner_set != 0 {
+                owner = Some(Owner {
+                    uid: o.owner_uid,
+                    gid: o.owner_gid,
+                });
+            }
             if o.format != 0 {
                 let label = if o.label.is_null() {
                     String::new()
@@ -390,7 +496,7 @@ pub unsafe extern "C" fn corefs_mount(
         }
         config.mount = mount;
         let runtime = Runtime::start(config)?;
-        Ok(handles::register(runtime))
+        Ok(handles::register(runtime, owner))
     })
 }
 
@@ -422,6 +528,10 @@ unsafe fn mkfs(device: *const c_char, options: *const corefs_options) -> c_int {
             core: 0,
             commit_interval_ms: 0,
             label: std::ptr::null(),
+            owner_uid: 0,
+            owner_gid: 0,
+            owner_set: 0,
+            reserved: [0; 7],
         }
     } else {
         // SAFETY: non-NULL and points to a corefs_options by contract.
@@ -436,13 +546,27 @@ unsafe fn mkfs(device: *const c_char, options: *const corefs_options) -> c_int {
     corefs_close(fs)
 }
 
-/// Drains the operations in flight, commits, unmounts and stops the reactor. The handle and
-/// every file handle of it are invalid afterwards (-EBADF). Do not call it while another
-/// thread still uses the filesystem.
+/// Drains the operations in flight, closes the file handles still open (an unlinked file
+/// goes with its last handle, as at process exit), commits, unmounts and stops the reactor.
+/// The handle and every file handle of it are invalid afterwards (-EBADF). Do not call it
+/// while another thread still uses the filesystem.
 #[no_mangle]
 pub extern "C" fn corefs_close(fs: corefs_fs) -> c_int {
     status("corefs_close", || {
         let fs = handles::unregister(fs)?;
+        // Released here rather than left to the next mount (which deletes the orphans a
+        // crash leaves): a closed image then holds no orphan, and their space is free now.
+        // A failure is the runtime's, which the shutdown below reports.
+        let open: Vec<OpenFile> = fs
+            .files
+            .lock()
+            .expect("file table")
+            .drain()
+            .map(|(_, f)| f)
+            .collect();
+        for f in open {
+            let _ = call(&fs, Op::Release { ino: f.ino });
+        }
         handles::forget_client(fs.id);
         let runtime = fs.runtime.lock().expect("runtime").take();
         match runtime {
@@ -452,8 +576,18 @@ pub extern "C" fn corefs_close(fs: corefs_fs) -> c_int {
     })
 }
 
-/// Opens (and with COREFS_O_CREAT creates) `path`, relative to the root. Returns a file
-/// handle or a negative errno.
+/// Opens (and with COREFS_O_CREAT creates) `path`, relative to the root (see "Paths" in
+/// the header's introduction). Returns a file handle or a negative errno.
+///
+/// The handle keeps its file: after the file's last name is gone (unlink, rename over it)
+/// reads, writes, fsync and fstat (nlink 0) go on working until `corefs_release`, which
+/// deletes it; a crash before that leaves it to the next mount, which deletes it.
+///
+/// As open(2): COREFS_O_CREAT without COREFS_O_EXCL opens the file if it exists (also when
+/// another thread creates it at the same time); COREFS_O_CREAT on a directory, or on a path
+/// ending in `/`, is -EISDIR (-EEXIST with COREFS_O_EXCL on a directory); a path ending in
+/// `/` opens only a directory (-ENOTDIR). Writes through a COREFS_O_APPEND handle are
+/// atomic appends. The new file's owner is the caller's (see `corefs_set_owner`).
 ///
 /// # Safety
 /// `path` is NULL or NUL-terminated.
@@ -467,7 +601,7 @@ pub unsafe extern "C" fn corefs_open(
     guard("corefs_open", || {
         let fs = fs_of(fs)?;
         // SAFETY: forwarded from this function's contract.
-        let path = unsafe { c_str(path, "path") }?;
+        let path = unsafe { c_bytes(path, "path") }?;
         let known = COREFS_O_WRONLY
             | COREFS_O_RDWR
             | COREFS_O_CREAT
@@ -478,74 +612,150 @@ pub unsafe extern "C" fn corefs_open(
         if flags & !known != 0 || flags & 3 == 3 {
             return Err(einval(format!("unsupported open flags {flags:#o}")));
         }
-        let existing = match resolve(&fs, path) {
-            Ok(s) => Some(s),
-            Err(e) if e.errno == libc::ENOENT => None,
-            Err(e) => return Err(e),
-        };
-        let stat = match existing {
-            Some(_) if flags & COREFS_O_CREAT != 0 && flags & COREFS_O_EXCL != 0 => {
-                return Err(Error::new(libc::EEXIST, format!("{path} exists")))
+        // An inode found can lose its last name and go before the hold reaches it (another
+        // thread's unlink): then the open starts over, as if it had come after that unlink.
+        // One it creates is held by the create itself.
+        let mut attempts = 0;
+        let stat = loop {
+            let (stat, held) = open_target(&fs, path, flags, mode)?;
+            if held {
+                break stat;
             }
-            Some(s) => s,
-            None if flags & COREFS_O_CREAT != 0 => {
-                let (dir, name) = parent_and_name(&fs, path)?;
-                stat_of(call(
-                    &fs,
-                    Op::Create {
-                        dir,
-                        name: name.as_bytes().to_vec(),
-                        mode: mode & 0o7777,
-                        owner: caller(),
-                    },
-                )?)?
+            match call(&fs, Op::Hold { ino: stat.ino }) {
+                Ok(_) => break stat,
+                Err(e) if e.errno == libc::ENOENT && attempts < OPEN_ATTEMPTS => attempts += 1,
+                Err(e) => return Err(e),
             }
-            None => return Err(Error::new(libc::ENOENT, format!("{path} does not exist"))),
         };
-        let dir = stat.mode & 0o170000 == 0o040000;
-        if flags & COREFS_O_DIRECTORY != 0 && !dir {
-            return Err(Error::new(
-                libc::ENOTDIR,
-                format!("{path} is not a directory"),
-            ));
+        let opened = open_held(&fs, path, flags, &stat);
+        if opened.is_err() {
+            // No handle took the hold: give it back (its error, if any, is the runtime's,
+            // and the open's own error says more).
+            let _ = call(&fs, Op::Release { ino: stat.ino });
         }
-        let writable = flags & 3 != COREFS_O_RDONLY;
-        if dir && writable {
-            return Err(Error::new(libc::EISDIR, format!("{path} is a directory")));
-        }
-        if flags & COREFS_O_TRUNC != 0 && writable && !dir {
-            call(
-                &fs,
-                Op::Truncate {
-                    ino: stat.ino,
-                    size: 0,
-                },
-            )?;
-        }
-        let fd = fs.next_fd.fetch_add(1, Ordering::Relaxed);
-        fs.files.lock().expect("file table").insert(
-            fd,
-            OpenFile {
-                ino: stat.ino,
-                dir,
-                readable: flags & 3 != COREFS_O_WRONLY,
-                writable,
-                append: flags & COREFS_O_APPEND != 0,
-            },
-        );
-        Ok(fd)
+        opened
     })
 }
 
-/// Closes a file handle (its data stays where it is: fsync first to make it durable).
+/// Times an open starts over when what it found vanishes under it (each time another
+/// thread removed the name in between): bounded, so a storm of such races ends in ENOENT.
+const OPEN_ATTEMPTS: u32 = 16;
+
+/// What `corefs_open` opens: the existing inode (not held yet: false), or the one it
+/// creates (held: true).
+fn open_target(fs: &Fs, path: &[u8], flags: c_int, mode: u32) -> Result<(Stat, bool), Error> {
+    if flags & COREFS_O_CREAT == 0 {
+        return Ok((resolve(fs, path)?, false));
+    }
+    let exclusive = flags & COREFS_O_EXCL != 0;
+    let e = entry(fs, path)?;
+    let name = e.name(|_| {
+        // `/`, `.` and `..` are directories, which exist.
+        if exclusive {
+            Error::new(libc::EEXIST, format!("{} exists", show(path)))
+        } else {
+            Error::new(libc::EISDIR, format!("{} is a directory", show(path)))
+        }
+    })?;
+    if e.trailing_slash {
+        return Err(Error::new(
+            libc::EISDIR,
+            format!("{}: O_CREAT with a trailing slash", show(path)),
+        ));
+    }
+    let existing_ok = |s: Stat| {
+        if s.is_dir() {
+            Err(Error::new(
+                libc::EISDIR,
+                format!("{} is a directory", show(path)),
+            ))
+        } else {
+            Ok((s, false))
+        }
+    };
+    for _ in 0..OPEN_ATTEMPTS {
+        if !exclusive {
+            if let Some(s) = lookup_entry(fs, e.dir, name)? {
+                return existing_ok(s);
+            }
+        }
+        // Created and held in one request: a separate hold could come after another
+        // thread's unlink of the new name had deleted the file.
+        let created = call(
+            fs,
+            Op::CreateHeld {
+                dir: e.dir,
+                name: name.to_vec(),
+                mode: mode & 0o7777,
+                owner: handles::owner(fs),
+            },
+        );
+        match created {
+            Ok(reply) => return Ok((stat_of(reply)?, true)),
+            // Another thread created it since the lookup: open that one (without O_EXCL).
+            Err(err) if err.errno == libc::EEXIST && !exclusive => continue,
+            Err(err) => return Err(err),
+        }
+    }
+    Err(Error::new(
+        libc::EEXIST,
+        format!(
+            "{}: created and removed by others {OPEN_ATTEMPTS} times while opening",
+            show(path)
+        ),
+    ))
+}
+
+/// Checks the open's flags against what it found (held) and enters the handle.
+fn open_held(fs: &Fs, path: &[u8], flags: c_int, stat: &Stat) -> Result<corefs_fd, Error> {
+    let dir = stat.is_dir();
+    if flags & COREFS_O_DIRECTORY != 0 && !dir {
+        return Err(Error::new(
+            libc::ENOTDIR,
+            format!("{} is not a directory", show(path)),
+        ));
+    }
+    let writable = flags & 3 != COREFS_O_RDONLY;
+    if dir && writable {
+        return Err(Error::new(
+            libc::EISDIR,
+            format!("{} is a directory", show(path)),
+        ));
+    }
+    if flags & COREFS_O_TRUNC != 0 && writable && !dir {
+        call(
+            fs,
+            Op::Truncate {
+                ino: stat.ino,
+                size: 0,
+            },
+        )?;
+    }
+    let fd = fs.next_fd.fetch_add(1, Ordering::Relaxed);
+    fs.files.lock().expect("file table").insert(
+        fd,
+        OpenFile {
+            ino: stat.ino,
+            dir,
+            readable: flags & 3 != COREFS_O_WRONLY,
+            writable,
+            append: flags & COREFS_O_APPEND != 0,
+        },
+    );
+    Ok(fd)
+}
+
+/// Closes a file handle (its data stays where it is: fsync first to make it durable). The
+/// last handle of a file with no name left deletes it.
 #[no_mangle]
 pub extern "C" fn corefs_release(fs: corefs_fs, fd: corefs_fd) -> c_int {
     status("corefs_release", || {
         let fs = fs_of(fs)?;
         let removed = fs.files.lock().expect("file table").remove(&fd);
-        removed
-            .map(drop)
-            .ok_or_else(|| Error::new(libc::EBADF, format!("{fd} is not an open file")))
+        let f =
+            removed.ok_or_else(|| Error::new(libc::EBADF, format!("{fd} is not an open file")))?;
+        // The handle is gone whatever this says, as after close(2).
+        call(&fs, Op::Release { ino: f.ino }).map(drop)
     })
 }
 
@@ -590,9 +800,10 @@ pub unsafe extern "C" fn corefs_pread(
     })
 }
 
-/// Writes `len` bytes at `offset` (at the end of file with COREFS_O_APPEND). Returns `len`,
-/// or as pwrite(2) 0x7ffff000 for a longer write (it writes that much); `offset + len` past
-/// INT64_MAX is -EINVAL.
+/// Writes `len` bytes at `offset`. Returns `len`, or as pwrite(2) 0x7ffff000 for a longer
+/// write (it writes that much); `offset + len` past INT64_MAX is -EINVAL. Through a
+/// COREFS_O_APPEND handle the write goes at the end of the file, whatever `offset` says (as
+/// Linux's pwrite(2) does), atomically: two appenders never write over each other.
 ///
 /// # Safety
 /// `buf` is valid for reading `len` bytes.
@@ -606,33 +817,42 @@ pub unsafe extern "C" fn corefs_pwrite(
 ) -> i64 {
     guard("corefs_pwrite", || {
         let fs = fs_of(fs)?;
-        let f = regular(&fs, fd)?;
-        if !f.writable {
-            return Err(Error::new(
-                libc::EBADF,
-                format!("{fd} is not open for writing"),
-            ));
-        }
-        let len = io_len(offset, len)?;
+        let f = writable(&fs, fd)?;
+        // An append's offset is the end of file, which the engine bounds.
+        let len = io_len(if f.append { 0 } else { offset }, len)?;
         // SAFETY: forwarded from this function's contract (`len` only shrank).
-        let data = unsafe { bytes(buf, len, "buf") }?;
-        let offset = if f.append {
-            stat_of(call(&fs, Op::Stat { ino: f.ino })?)?.size
-        } else {
-            offset
-        };
-        match call(
-            &fs,
-            Op::Write {
-                ino: f.ino,
-                offset,
-                data: data.to_vec(),
-            },
-        )? {
-            Reply::Written(n) => Ok(n as i64),
+        let data = unsafe { bytes(buf, len, "buf") }?.to_vec();
+        match call(&fs, write_op(&f, offset, data))? {
+            Reply::Written(n) | Reply::Appended { written: n, .. } => Ok(n as i64),
             other => Err(unexpected(other)),
         }
     })
+}
+
+/// The write of `data` through handle `f`: at `offset`, or an atomic append.
+fn write_op(f: &OpenFile, offset: u64, data: Vec<u8>) -> Op {
+    if f.append {
+        Op::Append { ino: f.ino, data }
+    } else {
+        Op::Write {
+            ino: f.ino,
+            offset,
+            data,
+        }
+    }
+}
+
+/// The handle `fd` if it is a regular file open for writing (ftruncate(2) and fallocate(2)
+/// on a read-only descriptor are EBADF).
+fn writable(fs: &Fs, fd: corefs_fd) -> Result<OpenFile, Error> {
+    let f = regular(fs, fd)?;
+    if !f.writable {
+        return Err(Error::new(
+            libc::EBADF,
+            format!("{fd} is not open for writing"),
+        ));
+    }
+    Ok(f)
 }
 
 fn sync_fd(name: &str, fs: corefs_fs, fd: corefs_fd, datasync: bool) -> c_int {
@@ -672,19 +892,14 @@ pub extern "C" fn corefs_sync(fs: corefs_fs) -> c_int {
 pub extern "C" fn corefs_ftruncate(fs: corefs_fs, fd: corefs_fd, size: u64) -> c_int {
     status("corefs_ftruncate", || {
         let fs = fs_of(fs)?;
-        let f = regular(&fs, fd)?;
-        if !f.writable {
-            return Err(Error::new(
-                libc::EBADF,
-                format!("{fd} is not open for writing"),
-            ));
-        }
+        let f = writable(&fs, fd)?;
         call(&fs, Op::Truncate { ino: f.ino, size }).map(drop)
     })
 }
 
 /// Allocates (mode 0 or COREFS_FALLOC_KEEP_SIZE), punches (COREFS_FALLOC_PUNCH_HOLE |
-/// COREFS_FALLOC_KEEP_SIZE) or zeroes (COREFS_FALLOC_ZERO_RANGE) a range.
+/// COREFS_FALLOC_KEEP_SIZE) or zeroes (COREFS_FALLOC_ZERO_RANGE) a range. -EBADF through a
+/// handle not open for writing.
 #[no_mangle]
 pub extern "C" fn corefs_fallocate(
     fs: corefs_fs,
@@ -695,7 +910,7 @@ pub extern "C" fn corefs_fallocate(
 ) -> c_int {
     status("corefs_fallocate", || {
         let fs = fs_of(fs)?;
-        let f = regular(&fs, fd)?;
+        let f = writable(&fs, fd)?;
         let known = COREFS_FALLOC_KEEP_SIZE | COREFS_FALLOC_PUNCH_HOLE | COREFS_FALLOC_ZERO_RANGE;
         if mode & !known != 0 {
             return Err(einval(format!("unsupported fallocate mode {mode:#x}")));
@@ -757,7 +972,7 @@ pub unsafe extern "C" fn corefs_stat(
         }
         let fs = fs_of(fs)?;
         // SAFETY: forwarded from this function's contract.
-        let path = unsafe { c_str(path, "path") }?;
+        let path = unsafe { c_bytes(path, "path") }?;
         let s = resolve(&fs, path)?;
         // SAFETY: non-NULL and writable by contract.
         unsafe { out.write(to_c_stat(&s)) };
@@ -774,7 +989,7 @@ pub unsafe extern "C" fn corefs_chmod(fs: corefs_fs, path: *const c_char, mode: 
     status("corefs_chmod", || {
         let fs = fs_of(fs)?;
         // SAFETY: forwarded from this function's contract.
-        let path = unsafe { c_str(path, "path") }?;
+        let path = unsafe { c_bytes(path, "path") }?;
         let ino = resolve(&fs, path)?.ino;
         let change = SetAttr {
             mode: Some(mode & 0o7777),
@@ -784,64 +999,99 @@ pub unsafe extern "C" fn corefs_chmod(fs: corefs_fs, path: *const c_char, mode: 
     })
 }
 
-/// # Safety
-/// `path` is NUL-terminated.
-unsafe fn name_op(
-    fs: corefs_fs,
-    path: *const c_char,
-    make: impl FnOnce(u64, Vec<u8>) -> Op,
-) -> Result<(), Error> {
-    let fs = fs_of(fs)?;
-    // SAFETY: forwarded from the caller's contract.
-    let path = unsafe { c_str(path, "path") }?;
-    let (dir, name) = parent_and_name(&fs, path)?;
-    call(&fs, make(dir, name.as_bytes().to_vec())).map(drop)
-}
-
-/// Creates directory `path`.
+/// Creates directory `path` (`d/` too). The owner is the caller's (see `corefs_set_owner`);
+/// in a set-group-ID directory the group is the directory's, and so is the bit.
 ///
 /// # Safety
 /// `path` is NUL-terminated.
 #[no_mangle]
 pub unsafe extern "C" fn corefs_mkdir(fs: corefs_fs, path: *const c_char, mode: u32) -> c_int {
     status("corefs_mkdir", || {
+        let fs = fs_of(fs)?;
         // SAFETY: forwarded from this function's contract.
-        unsafe {
-            name_op(fs, path, |dir, name| Op::Mkdir {
-                dir,
-                name,
+        let path = unsafe { c_bytes(path, "path") }?;
+        let e = entry(&fs, path)?;
+        // mkdir(2) of `/`, `.` or `..`: they exist.
+        let name = e.name(special(libc::EEXIST, path))?;
+        call(
+            &fs,
+            Op::Mkdir {
+                dir: e.dir,
+                name: name.to_vec(),
                 mode: mode & 0o7777,
-                owner: caller(),
-            })
-        }
+                owner: handles::owner(&fs),
+            },
+        )
+        .map(drop)
     })
 }
 
-/// Removes the empty directory `path`.
+/// Removes the empty directory `path` (`d/` too).
 ///
 /// # Safety
 /// `path` is NUL-terminated.
 #[no_mangle]
 pub unsafe extern "C" fn corefs_rmdir(fs: corefs_fs, path: *const c_char) -> c_int {
     status("corefs_rmdir", || {
+        let fs = fs_of(fs)?;
         // SAFETY: forwarded from this function's contract.
-        unsafe { name_op(fs, path, |dir, name| Op::Rmdir { dir, name }) }
+        let path = unsafe { c_bytes(path, "path") }?;
+        let e = entry(&fs, path)?;
+        // rmdir(2): the root is busy, `.` is invalid, and `..` is not empty (it holds `.`).
+        let name = e.name(|last| match last {
+            Last::Root => special(libc::EBUSY, path)(last),
+            Last::Dot => special(libc::EINVAL, path)(last),
+            _ => special(libc::ENOTEMPTY, path)(last),
+        })?;
+        call(
+            &fs,
+            Op::Rmdir {
+                dir: e.dir,
+                name: name.to_vec(),
+            },
+        )
+        .map(drop)
     })
 }
 
-/// Removes the name `path` (the file goes with its last name).
+/// Removes the name `path`. The file goes with its last name unless a handle holds it (see
+/// `corefs_open`). -ENOTDIR for `file/`, -EISDIR for a directory.
 ///
 /// # Safety
 /// `path` is NUL-terminated.
 #[no_mangle]
 pub unsafe extern "C" fn corefs_unlink(fs: corefs_fs, path: *const c_char) -> c_int {
     status("corefs_unlink", || {
+        let fs = fs_of(fs)?;
         // SAFETY: forwarded from this function's contract.
-        unsafe { name_op(fs, path, |dir, name| Op::Unlink { dir, name }) }
+        let path = unsafe { c_bytes(path, "path") }?;
+        let e = entry(&fs, path)?;
+        let name = e.name(special(libc::EISDIR, path))?;
+        if e.trailing_slash {
+            // unlink(2) of `x/`: never removes anything; the error says what `x` is.
+            return Err(match lookup_entry(&fs, e.dir, name)? {
+                None => Error::new(libc::ENOENT, format!("{} does not exist", show(path))),
+                Some(s) if s.is_dir() => {
+                    Error::new(libc::EISDIR, format!("{} is a directory", show(path)))
+                }
+                Some(_) => Error::new(libc::ENOTDIR, format!("{} is not a directory", show(path))),
+            });
+        }
+        call(
+            &fs,
+            Op::Unlink {
+                dir: e.dir,
+                name: name.to_vec(),
+            },
+        )
+        .map(drop)
     })
 }
 
-/// Renames `from` to `to` (flags: COREFS_RENAME_NOREPLACE, COREFS_RENAME_EXCHANGE).
+/// Renames `from` to `to` (flags: COREFS_RENAME_NOREPLACE, COREFS_RENAME_EXCHANGE). A file
+/// renamed over stays as long as a handle holds it (see `corefs_open`). As rename(2): a
+/// trailing slash on either path needs a directory (-ENOTDIR), and `/`, `.` or `..` as either
+/// last component is -EBUSY.
 ///
 /// # Safety
 /// `from` and `to` are NUL-terminated.
@@ -855,22 +1105,41 @@ pub unsafe extern "C" fn corefs_rename(
     status("corefs_rename", || {
         let fs = fs_of(fs)?;
         // SAFETY: forwarded from this function's contract.
-        let (from, to) = unsafe { (c_str(from, "from")?, c_str(to, "to")?) };
+        let (from, to) = unsafe { (c_bytes(from, "from")?, c_bytes(to, "to")?) };
         if flags & !(COREFS_RENAME_NOREPLACE | COREFS_RENAME_EXCHANGE) != 0 {
             return Err(einval(format!("unsupported rename flags {flags:#x}")));
         }
-        let (from_dir, from_name) = parent_and_name(&fs, from)?;
-        let (to_dir, to_name) = parent_and_name(&fs, to)?;
+        let exchange = flags & COREFS_RENAME_EXCHANGE != 0;
+        let src = entry(&fs, from)?;
+        let dst = entry(&fs, to)?;
+        let from_name = src.name(special(libc::EBUSY, from))?;
+        let to_name = dst.name(special(libc::EBUSY, to))?;
+        if src.trailing_slash || dst.trailing_slash {
+            // What moves must be a directory; in an exchange, what comes back too.
+            let source = Names(&fs).lookup(src.dir, from_name)?;
+            let not_dir = |path: &[u8]| {
+                Error::new(libc::ENOTDIR, format!("{} is not a directory", show(path)))
+            };
+            if !source.is_dir() {
+                return Err(not_dir(if src.trailing_slash { from } else { to }));
+            }
+            if exchange && dst.trailing_slash {
+                let target = Names(&fs).lookup(dst.dir, to_name)?;
+                if !target.is_dir() {
+                    return Err(not_dir(to));
+                }
+            }
+        }
         call(
             &fs,
             Op::Rename {
-                from_dir,
-                from: from_name.as_bytes().to_vec(),
-                to_dir,
-                to: to_name.as_bytes().to_vec(),
+                from_dir: src.dir,
+                from: from_name.to_vec(),
+                to_dir: dst.dir,
+                to: to_name.to_vec(),
                 flags: RenameFlags {
                     noreplace: flags & COREFS_RENAME_NOREPLACE != 0,
-                    exchange: flags & COREFS_RENAME_EXCHANGE != 0,
+                    exchange,
                 },
             },
         )
@@ -891,22 +1160,27 @@ pub unsafe extern "C" fn corefs_link(
     status("corefs_link", || {
         let fs = fs_of(fs)?;
         // SAFETY: forwarded from this function's contract.
-        let (existing, path) = unsafe { (c_str(existing, "existing")?, c_str(path, "path")?) };
+        let (existing, path) = unsafe { (c_bytes(existing, "existing")?, c_bytes(path, "path")?) };
         let ino = resolve(&fs, existing)?.ino;
-        let (dir, name) = parent_and_name(&fs, path)?;
+        let e = entry(&fs, path)?;
+        // link(2) to `/`, `.` or `..`: they exist.
+        let name = e.name(special(libc::EEXIST, path))?;
+        no_trailing_slash_for_new(&fs, &e, path)?;
         call(
             &fs,
             Op::Link {
                 ino,
-                dir,
-                name: name.as_bytes().to_vec(),
+                dir: e.dir,
+                name: name.to_vec(),
             },
         )
         .map(drop)
     })
 }
 
-/// Creates the symbolic link `path` pointing at `target`.
+/// Creates the symbolic link `path` pointing at `target` (1 to 4095 bytes, any but NUL; an
+/// empty target is -ENOENT and a longer one -ENAMETOOLONG, as symlink(2)). The owner is the
+/// caller's (see `corefs_set_owner`).
 ///
 /// # Safety
 /// `target` and `path` are NUL-terminated.
@@ -917,18 +1191,108 @@ pub unsafe extern "C" fn corefs_symlink(
     path: *const c_char,
 ) -> c_int {
     status("corefs_symlink", || {
+        let fs = fs_of(fs)?;
         // SAFETY: forwarded from this function's contract.
-        let target = unsafe { c_str(target, "target") }?.as_bytes().to_vec();
-        // SAFETY: forwarded from this function's contract.
-        unsafe {
-            name_op(fs, path, |dir, name| Op::Symlink {
-                dir,
-                name,
-                target,
-                owner: caller(),
-            })
+        let (target, path) = unsafe { (c_bytes(target, "target")?, c_bytes(path, "path")?) };
+        if target.is_empty() {
+            return Err(Error::new(libc::ENOENT, "empty symlink target".into()));
         }
+        if target.len() >= path::PATH_MAX_BYTES {
+            return Err(Error::new(
+                libc::ENAMETOOLONG,
+                format!(
+                    "symlink target of {} bytes (at most {})",
+                    target.len(),
+                    path::PATH_MAX_BYTES - 1
+                ),
+            ));
+        }
+        let e = entry(&fs, path)?;
+        let name = e.name(special(libc::EEXIST, path))?;
+        no_trailing_slash_for_new(&fs, &e, path)?;
+        call(
+            &fs,
+            Op::Symlink {
+                dir: e.dir,
+                name: name.to_vec(),
+                target: target.to_vec(),
+                owner: handles::owner(&fs),
+            },
+        )
+        .map(drop)
     })
+}
+
+/// Creates `path` as mknod(2) does: `mode` is a file type (S_IFIFO, S_IFSOCK, S_IFCHR,
+/// S_IFBLK, S_IFREG or 0 for a regular file) and permission bits; `rdev` is the device
+/// number of a character or block device (makedev(3); ignored for the other types).
+/// corefs keeps these as names with a type and number (for a program that stores them, as
+/// `corefs mount` does for the kernel); it runs no pipe or device behind them, and reads and
+/// writes through a handle of one are -EINVAL. S_IFDIR is -EPERM (use `corefs_mkdir`),
+/// another type -EINVAL, as is an `rdev` over 32 bits (as glibc's mknod). The owner is the
+/// caller's (see `corefs_set_owner`).
+///
+/// # Safety
+/// `path` is NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_mknod(
+    fs: corefs_fs,
+    path: *const c_char,
+    mode: u32,
+    rdev: u64,
+) -> c_int {
+    status("corefs_mknod", || {
+        let fs = fs_of(fs)?;
+        // SAFETY: forwarded from this function's contract.
+        let path = unsafe { c_bytes(path, "path") }?;
+        mknod(&fs, path, mode, rdev)
+    })
+}
+
+/// Creates the FIFO `path` (mkfifo(3): `corefs_mknod` with S_IFIFO).
+///
+/// # Safety
+/// `path` is NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_mkfifo(fs: corefs_fs, path: *const c_char, mode: u32) -> c_int {
+    status("corefs_mkfifo", || {
+        let fs = fs_of(fs)?;
+        // SAFETY: forwarded from this function's contract.
+        let path = unsafe { c_bytes(path, "path") }?;
+        mknod(&fs, path, libc::S_IFIFO | (mode & 0o7777), 0)
+    })
+}
+
+fn mknod(fs: &Fs, path: &[u8], mode: u32, rdev: u64) -> Result<(), Error> {
+    // Checked before the path, as Linux checks the type first.
+    match mode & libc::S_IFMT {
+        0 | libc::S_IFREG | libc::S_IFIFO | libc::S_IFSOCK | libc::S_IFCHR | libc::S_IFBLK => {}
+        libc::S_IFDIR => {
+            return Err(Error::new(
+                libc::EPERM,
+                "mknod of a directory (use corefs_mkdir)".into(),
+            ))
+        }
+        kind => return Err(einval(format!("mknod of file type {:#o}", kind))),
+    }
+    // The kernel's device numbers are 32 bits; glibc refuses a dev_t that does not fit.
+    let rdev = u32::try_from(rdev)
+        .map_err(|_| einval(format!("device number {rdev:#x} is over 32 bits")))?;
+    let e = entry(fs, path)?;
+    // mknod(2) of `/`, `.` or `..`: they exist.
+    let name = e.name(special(libc::EEXIST, path))?;
+    no_trailing_slash_for_new(fs, &e, path)?;
+    call(
+        fs,
+        Op::Mknod {
+            dir: e.dir,
+            name: name.to_vec(),
+            mode: mode & (libc::S_IFMT | 0o7777),
+            rdev: rdev as u64,
+            owner: handles::owner(fs),
+        },
+    )
+    .map(drop)
 }
 
 /// Copies the target of symbolic link `path` into `buf` (not NUL-terminated); returns its
@@ -946,7 +1310,7 @@ pub unsafe extern "C" fn corefs_readlink(
     guard("corefs_readlink", || {
         let fs = fs_of(fs)?;
         // SAFETY: forwarded from this function's contract.
-        let (path, out) = unsafe { (c_str(path, "path")?, bytes_mut(buf, len, "buf")?) };
+        let (path, out) = unsafe { (c_bytes(path, "path")?, bytes_mut(buf, len, "buf")?) };
         let ino = resolve(&fs, path)?.ino;
         match call(&fs, Op::Readlink { ino })? {
             Reply::Data(target) => Ok(copy_out(out, &target)),
@@ -971,7 +1335,7 @@ pub unsafe extern "C" fn corefs_readdir(
     guard("corefs_readdir", || {
         let fs = fs_of(fs)?;
         // SAFETY: forwarded from this function's contract.
-        let path = unsafe { c_str(path, "path") }?;
+        let path = unsafe { c_bytes(path, "path") }?;
         if max == 0 {
             return Ok(0);
         }
@@ -1006,7 +1370,40 @@ pub unsafe extern "C" fn corefs_readdir(
     })
 }
 
-/// Sets extended attribute `name` of `path` (flags: COREFS_XATTR_CREATE, _REPLACE).
+/// An attribute name as setxattr(2) checks it: 1 to 255 bytes, else -ERANGE.
+fn xattr_name(name: &[u8]) -> Result<Vec<u8>, Error> {
+    if name.is_empty() || name.len() > path::NAME_MAX_BYTES {
+        return Err(Error::new(
+            libc::ERANGE,
+            format!(
+                "attribute name of {} bytes (1 to {})",
+                name.len(),
+                path::NAME_MAX_BYTES
+            ),
+        ));
+    }
+    Ok(name.to_vec())
+}
+
+/// Copies `value` into `out` as getxattr(2) and listxattr(2) do: an empty `out` learns the
+/// size; one too small is -ERANGE (nothing copied).
+fn sized_out(out: &mut [u8], value: &[u8], what: &str) -> Result<i64, Error> {
+    if !out.is_empty() && out.len() < value.len() {
+        return Err(Error::new(
+            libc::ERANGE,
+            format!(
+                "{what} needs {} bytes, the buffer holds {}",
+                value.len(),
+                out.len()
+            ),
+        ));
+    }
+    Ok(copy_out(out, value))
+}
+
+/// Sets extended attribute `name` of `path` (flags: COREFS_XATTR_CREATE, _REPLACE). Values
+/// up to 65536 bytes; a longer one is -E2BIG, a name that is empty or over 255 bytes -ERANGE,
+/// as setxattr(2).
 ///
 /// # Safety
 /// `path` and `name` are NUL-terminated; `value` is valid for reading `len` bytes.
@@ -1021,23 +1418,30 @@ pub unsafe extern "C" fn corefs_setxattr(
 ) -> c_int {
     status("corefs_setxattr", || {
         let fs = fs_of(fs)?;
+        if len > MAX_XATTR_VALUE_BYTES {
+            return Err(Error::new(
+                libc::E2BIG,
+                format!("attribute value of {len} bytes (at most {MAX_XATTR_VALUE_BYTES})"),
+            ));
+        }
         // SAFETY: forwarded from this function's contract.
         let (path, name, value) = unsafe {
             (
-                c_str(path, "path")?,
-                c_str(name, "name")?,
+                c_bytes(path, "path")?,
+                c_bytes(name, "name")?,
                 bytes(value, len, "value")?,
             )
         };
         if flags & !(COREFS_XATTR_CREATE | COREFS_XATTR_REPLACE) != 0 {
             return Err(einval(format!("unsupported xattr flags {flags:#x}")));
         }
+        let name = xattr_name(name)?;
         let ino = resolve(&fs, path)?.ino;
         call(
             &fs,
             Op::SetXattr {
                 ino,
-                name: name.as_bytes().to_vec(),
+                name,
                 value: value.to_vec(),
                 flags: match flags {
                     0 => XattrFlags::Any,
@@ -1051,8 +1455,8 @@ pub unsafe extern "C" fn corefs_setxattr(
     })
 }
 
-/// Copies the value of attribute `name` into `buf`; returns its size (which may exceed `len`:
-/// call with `len` 0 to learn the size).
+/// Copies the value of attribute `name` into `buf`; returns its size. With `len` 0 only
+/// returns the size; a `len` too small for the value is -ERANGE, as getxattr(2).
 ///
 /// # Safety
 /// `path` and `name` are NUL-terminated; `buf` is valid for writing `len` bytes.
@@ -1069,27 +1473,22 @@ pub unsafe extern "C" fn corefs_getxattr(
         // SAFETY: forwarded from this function's contract.
         let (path, name, out) = unsafe {
             (
-                c_str(path, "path")?,
-                c_str(name, "name")?,
+                c_bytes(path, "path")?,
+                c_bytes(name, "name")?,
                 bytes_mut(buf, len, "buf")?,
             )
         };
+        let name = xattr_name(name)?;
         let ino = resolve(&fs, path)?.ino;
-        match call(
-            &fs,
-            Op::GetXattr {
-                ino,
-                name: name.as_bytes().to_vec(),
-            },
-        )? {
-            Reply::Data(v) => Ok(copy_out(out, &v)),
+        match call(&fs, Op::GetXattr { ino, name })? {
+            Reply::Data(v) => sized_out(out, &v, "the value"),
             other => Err(unexpected(other)),
         }
     })
 }
 
 /// Copies the attribute names of `path`, each NUL-terminated, into `buf`; returns the bytes
-/// they need (call with `len` 0 to learn it).
+/// they take. With `len` 0 only returns that; a `len` too small is -ERANGE, as listxattr(2).
 ///
 /// # Safety
 /// `path` is NUL-terminated; `buf` is valid for writing `len` bytes.
@@ -1103,7 +1502,7 @@ pub unsafe extern "C" fn corefs_listxattr(
     guard("corefs_listxattr", || {
         let fs = fs_of(fs)?;
         // SAFETY: forwarded from this function's contract.
-        let (path, out) = unsafe { (c_str(path, "path")?, bytes_mut(buf, len, "buf")?) };
+        let (path, out) = unsafe { (c_bytes(path, "path")?, bytes_mut(buf, len, "buf")?) };
         let ino = resolve(&fs, path)?.ino;
         let names = match call(&fs, Op::ListXattr { ino })? {
             Reply::Names(n) => n,
@@ -1114,7 +1513,7 @@ pub unsafe extern "C" fn corefs_listxattr(
             all.extend_from_slice(&n);
             all.push(0);
         }
-        Ok(copy_out(out, &all))
+        sized_out(out, &all, "the names")
     })
 }
 
@@ -1131,16 +1530,10 @@ pub unsafe extern "C" fn corefs_removexattr(
     status("corefs_removexattr", || {
         let fs = fs_of(fs)?;
         // SAFETY: forwarded from this function's contract.
-        let (path, name) = unsafe { (c_str(path, "path")?, c_str(name, "name")?) };
+        let (path, name) = unsafe { (c_bytes(path, "path")?, c_bytes(name, "name")?) };
+        let name = xattr_name(name)?;
         let ino = resolve(&fs, path)?.ino;
-        call(
-            &fs,
-            Op::RemoveXattr {
-                ino,
-                name: name.as_bytes().to_vec(),
-            },
-        )
-        .map(drop)
+        call(&fs, Op::RemoveXattr { ino, name }).map(drop)
     })
 }
 
@@ -1178,6 +1571,49 @@ pub unsafe extern "C" fn corefs_get_stats(fs: corefs_fs, out: *mut corefs_stats)
         // SAFETY: non-NULL and writable by contract.
         unsafe { out.write(stats) };
         Ok(())
+    })
+}
+
+/// Filesystem statistics: space and inode counts (what df and df -i show).
+///
+/// # Safety
+/// `out` is valid for writing one `corefs_statfs`.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_statfs(fs: corefs_fs, out: *mut corefs_statfs) -> c_int {
+    status("corefs_statfs", || {
+        if out.is_null() {
+            return Err(efault("out"));
+        }
+        let fs = fs_of(fs)?;
+        let s = match call(&fs, Op::Statfs)? {
+            Reply::Statfs(s) => s,
+            other => return Err(unexpected(other)),
+        };
+        let figures = corefs_statfs {
+            block_bytes: s.block_bytes as u64,
+            total_blocks: s.total_blocks,
+            free_blocks: s.free_blocks,
+            inodes_used: s.inodes,
+            inodes_free: s.free_inodes,
+            name_max_bytes: s.name_max as u64,
+        };
+        // SAFETY: non-NULL and writable by contract.
+        unsafe { out.write(figures) };
+        Ok(())
+    })
+}
+
+/// Sets who the calling thread creates files, directories and symbolic links as on `fs`
+/// from now on: owner `uid` and group `gid` (per thread, as setfsuid(2) and setfsgid(2)).
+/// COREFS_OWNER_DEFAULT for either gives it back to the mount's default (`corefs_options`'s
+/// owner, else the process's effective id). Nothing else changes: corefs checks no
+/// permissions in the C ABI (the calling process has them all). -EBADF for a bad `fs`.
+#[no_mangle]
+pub extern "C" fn corefs_set_owner(fs: corefs_fs, uid: u32, gid: u32) -> c_int {
+    status("corefs_set_owner", || {
+        let fs = fs_of(fs)?;
+        let id = |v: u32| (v != COREFS_OWNER_DEFAULT).then_some(v);
+        handles::set_thread_owner(fs.id, (id(uid), id(gid)))
     })
 }
 
@@ -1268,8 +1704,9 @@ pub unsafe extern "C" fn corefs_submit_pread(
     })
 }
 
-/// Submits a write of `len` bytes at `offset` (bounded as `corefs_pwrite`; the data is
-/// copied: `buf` may be reused at once). Completion as `corefs_submit_pread`.
+/// Submits a write of `len` bytes at `offset` (bounded as `corefs_pwrite`, and an atomic
+/// append through a COREFS_O_APPEND handle; the data is copied: `buf` may be reused at
+/// once). Completion as `corefs_submit_pread`.
 ///
 /// # Safety
 /// `buf` is valid for reading `len` bytes during the call.
@@ -1283,27 +1720,12 @@ pub unsafe extern "C" fn corefs_submit_pwrite(
     token: u64,
 ) -> c_int {
     status("corefs_submit_pwrite", || {
-        let f = regular(&*fs_of(fs)?, fd)?;
-        if !f.writable {
-            return Err(Error::new(
-                libc::EBADF,
-                format!("{fd} is not open for writing"),
-            ));
-        }
+        let f = writable(&*fs_of(fs)?, fd)?;
         // Bounded before the copy: a huge `len` never sizes an allocation.
-        let len = io_len(offset, len)?;
+        let len = io_len(if f.append { 0 } else { offset }, len)?;
         // SAFETY: forwarded from this function's contract (`len` only shrank).
         let data = unsafe { bytes(buf, len, "buf") }?.to_vec();
-        submit(
-            fs,
-            Op::Write {
-                ino: f.ino,
-                offset,
-                data,
-            },
-            token,
-            None,
-        )
+        submit(fs, write_op(&f, offset, data), token, None)
     })
 }
 
@@ -1380,7 +1802,7 @@ pub unsafe extern "C" fn corefs_poll(
                         }
                         n as i64
                     }
-                    Ok(Reply::Written(n)) => n as i64,
+                    Ok(Reply::Written(n) | Reply::Appended { written: n, .. }) => n as i64,
                     Ok(_) => 0,
                     Err(e) => -(e.errno() as i64),
                 };

@@ -50,8 +50,23 @@ pub fn abi_calls(bytes: &[u8]) {
     assert!(fs > 0, "mounting a memory device failed: {fs}");
 
     let long = "n".repeat(300);
-    let path_texts = [
-        "a", "b", "d", "d/x", "d/y", "", "/", "a/b", "..", ".", "d/../a", &long, "/d//x/",
+    let path_texts: [&[u8]; 16] = [
+        b"a",
+        b"b",
+        b"d",
+        b"d/x",
+        b"d/y",
+        b"",
+        b"/",
+        b"a/b",
+        b"..",
+        b".",
+        b"d/../a",
+        long.as_bytes(),
+        b"/d//x/",
+        b"a/",
+        b"d/\xff\xfe",
+        b"d/./x/..",
     ];
     let paths: Vec<CString> = path_texts
         .iter()
@@ -67,6 +82,7 @@ pub fn abi_calls(bytes: &[u8]) {
     let mut st: corefs_stat = unsafe { std::mem::zeroed() };
     // SAFETY: as above.
     let mut stats: corefs_stats = unsafe { std::mem::zeroed() };
+    let mut statfs = corefs_statfs::default();
     let mut dirents: Vec<corefs_dirent> = (0..DIRENTS)
         // SAFETY: as above.
         .map(|_| unsafe { std::mem::zeroed() })
@@ -128,7 +144,7 @@ pub fn abi_calls(bytes: &[u8]) {
         // SAFETY: every call below gets pointers that are NULL or valid for the lengths given
         // with them, NUL-terminated strings, and async buffers that live until drained.
         unsafe {
-            match op % 28 {
+            match op % 32 {
                 0 | 1 => {
                     let r = corefs_open(h, p, flags, mode);
                     if r > 0 {
@@ -240,6 +256,30 @@ pub fn abi_calls(bytes: &[u8]) {
                     if n > 0 && h == fs {
                         pending -= n;
                     }
+                }
+                27 => {
+                    let out = if null_buf {
+                        std::ptr::null_mut()
+                    } else {
+                        &mut statfs
+                    };
+                    corefs_statfs(h, out);
+                }
+                28 => {
+                    corefs_mknod(h, p, mode, offset);
+                }
+                29 => {
+                    corefs_mkfifo(h, p, mode);
+                }
+                30 => {
+                    let id = |v: u64| {
+                        if v % 3 == 0 {
+                            COREFS_OWNER_DEFAULT
+                        } else {
+                            v as u32
+                        }
+                    };
+                    corefs_set_owner(h, id(offset), id(offset >> 32));
                 }
                 _ => {
                     let out = if null_buf {

@@ -5,9 +5,12 @@
 //!   invalid forever; file handles likewise, per filesystem.
 //! - The tables are behind mutexes held only to look up or change an entry, never across an
 //!   engine call.
+//! - Every file handle in a table holds its inode ([`reactor::Op::Hold`]), taken before the
+//!   handle is entered and released after it is removed, so an inode stays while a handle to
+//!   it exists, with or without a name.
 
 use engine::EngineError;
-use reactor::{Client, Runtime};
+use reactor::{Client, Owner, Runtime};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::CString;
@@ -29,7 +32,13 @@ pub(crate) struct Fs {
     pub runtime: Mutex<Option<Runtime>>,
     pub files: Mutex<HashMap<i64, OpenFile>>,
     pub next_fd: AtomicI64,
+    /// Who creates inodes unless the calling thread said otherwise ([`set_thread_owner`]):
+    /// the mount's owner, or (`None`) the process's effective ids at each call.
+    pub owner: Option<Owner>,
 }
+
+/// One of a thread's owner ids on one filesystem: its own, or the mount's default.
+pub(crate) type OwnerIds = (Option<u32>, Option<u32>);
 
 static NEXT_FS: AtomicI64 = AtomicI64::new(1);
 static FILESYSTEMS: Mutex<Vec<(i64, Arc<Fs>)>> = Mutex::new(Vec::new());
@@ -38,6 +47,47 @@ thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
     /// This thread's client of each filesystem it used.
     static CLIENTS: RefCell<HashMap<i64, Client>> = RefCell::new(HashMap::new());
+    /// The owner this thread creates inodes as, per filesystem (`corefs_set_owner`).
+    static OWNERS: RefCell<HashMap<i64, OwnerIds>> = RefCell::new(HashMap::new());
+}
+
+/// Sets the calling thread's owner ids on filesystem `id` (`None`: the mount's default).
+/// Without thread-locals (an `atexit` handler) the setting is refused.
+pub(crate) fn set_thread_owner(id: i64, ids: OwnerIds) -> Result<(), Error> {
+    OWNERS
+        .try_with(|o| {
+            let mut owners = o.borrow_mut();
+            if ids == (None, None) {
+                owners.remove(&id);
+            } else {
+                owners.insert(id, ids);
+            }
+        })
+        .map_err(|_| Error::new(libc::EINVAL, "thread-local storage is gone".into()))
+}
+
+/// Who the calling thread creates inodes as on `fs`: its own ids (`corefs_set_owner`), else
+/// the mount's, else the process's effective user and group, read at each call as the
+/// kernel reads a process's credentials at each system call.
+pub(crate) fn owner(fs: &Fs) -> Owner {
+    let (uid, gid) = OWNERS
+        .try_with(|o| o.borrow().get(&fs.id).copied())
+        .ok()
+        .flatten()
+        .unwrap_or((None, None));
+    let default = fs.owner.unwrap_or_else(|| {
+        // SAFETY: geteuid and getegid cannot fail and touch no memory.
+        unsafe {
+            Owner {
+                uid: libc::geteuid(),
+                gid: libc::getegid(),
+            }
+        }
+    });
+    Owner {
+        uid: uid.unwrap_or(default.uid),
+        gid: gid.unwrap_or(default.gid),
+    }
 }
 
 /// Thread-locals may already be gone (a call from an `atexit` handler or a thread-local
@@ -54,13 +104,14 @@ pub(crate) fn last_error_ptr() -> *const libc::c_char {
         .unwrap_or(GONE.as_ptr())
 }
 
-pub(crate) fn register(runtime: Runtime) -> i64 {
+pub(crate) fn register(runtime: Runtime, owner: Option<Owner>) -> i64 {
     let id = NEXT_FS.fetch_add(1, Ordering::Relaxed);
     let fs = Arc::new(Fs {
         id,
         runtime: Mutex::new(Some(runtime)),
         files: Mutex::new(HashMap::new()),
         next_fd: AtomicI64::new(1),
+        owner,
     });
     FILESYSTEMS.lock().expect("registry").push((id, fs));
     id
@@ -124,9 +175,10 @@ pub(crate) fn with_client<T>(fs: &Fs, f: impl FnOnce(&mut Client) -> T) -> Resul
     }
 }
 
-/// Drops this thread's client of a closed filesystem.
+/// Drops this thread's client of a closed filesystem, and its owner setting.
 pub(crate) fn forget_client(id: i64) {
     let _ = CLIENTS.try_with(|c| c.borrow_mut().remove(&id));
+    let _ = OWNERS.try_with(|o| o.borrow_mut().remove(&id));
 }
 
 /// Operations one thread may have in flight on one filesystem (asynchronous calls).

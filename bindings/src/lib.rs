@@ -17,3 +17,4 @@ pub mod abi;
 #[doc(hidden)]
 pub mod fuzz_harness;
 mod handles;
+mod path;

@@ -26,6 +26,10 @@ fn options(shards: u32, reactors: u8) -> corefs_options {
         core: 0,
         commit_interval_ms: 0,
         label: std::ptr::null(),
+        owner_uid: 0,
+        owner_gid: 0,
+        owner_set: 0,
+        reserved: [0; 7],
     }
 }
 

@@ -98,6 +98,7 @@ impl Router {
             Op::ResolveAt { dir: ino, .. }
             | Op::Lookup { dir: ino, .. }
             | Op::Create { dir: ino, .. }
+            | Op::CreateHeld { dir: ino, .. }
             | Op::Mkdir { dir: ino, .. }
             | Op::Symlink { dir: ino, .. }
             | Op::Mknod { dir: ino, .. }

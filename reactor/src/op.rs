@@ -39,6 +39,15 @@ pub enum Op {
         mode: u32,
         owner: Owner,
     },
+    /// [`Op::Create`] and [`Op::Hold`] of the new file in one request, so nothing (an unlink
+    /// of the new name) runs between them: what open(2) with O_CREAT does, atomically.
+    /// Release the hold as after [`Op::Hold`].
+    CreateHeld {
+        dir: u64,
+        name: Vec<u8>,
+        mode: u32,
+        owner: Owner,
+    },
     Mkdir {
         dir: u64,
         name: Vec<u8>,

@@ -150,8 +150,8 @@ pub(crate) struct Shared {
     pub spinners_max: usize,
     /// Control messages sent by the coordinator and not yet taken (a parking reactor checks).
     pub control_pending: std::sync::atomic::AtomicUsize,
-    /// This reactor's shards' size and free space, published after each batch (statfs with
-    /// several reactors sums them).
+    /// This reactor's shards' size, free space and inodes, published when it starts, before
+    /// each batch's replies and at each tick (statfs with several reactors sums them).
     pub total_blocks: std::sync::atomic::AtomicU64,
     pub free_blocks: std::sync::atomic::AtomicU64,
     pub inodes: std::sync::atomic::AtomicU64,
@@ -562,6 +562,8 @@ impl Runtime {
                         }
                     };
                     let fs = Filesystem::from_shards(dev, &template, lent);
+                    // Before the runtime is up: statfs never sums a reactor not yet counted.
+                    publish_statfs(&fs, &shared);
                     let _ = ready_tx.send((index, Ok(())));
                     let mut reactor = Reactor::new(fs, config.mount.commit_interval);
                     let member_router = router.clone();
@@ -1023,6 +1025,19 @@ fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, config: &Config)
     Ran::Stopped(Box::new((stats, reactor.hist.clone())))
 }
 
+/// Publishes this reactor's share of statfs (its shards' size, free space and inodes) for
+/// the statfs that sums them with several reactors.
+fn publish_statfs(fs: &Filesystem, shared: &Shared) {
+    let statfs = fs.statfs();
+    shared
+        .total_blocks
+        .store(statfs.total_blocks, Ordering::Relaxed);
+    shared
+        .free_blocks
+        .store(statfs.free_blocks, Ordering::Relaxed);
+    shared.inodes.store(statfs.inodes, Ordering::Relaxed);
+}
+
 /// Parks up to `timeout` unless a control message or a request is waiting. True when the
 /// doorbell rang.
 fn park_for_control(shared: &Shared, timeout: Duration) -> bool {
@@ -1149,15 +1164,7 @@ impl Reactor {
         }
         self.drive_commits();
         if let Some(m) = self.multi.as_ref() {
-            let statfs = self.fs.statfs();
-            let shared = &m.router.reactors[m.index];
-            shared
-                .total_blocks
-                .store(statfs.total_blocks, Ordering::Relaxed);
-            shared
-                .free_blocks
-                .store(statfs.free_blocks, Ordering::Relaxed);
-            shared.inodes.store(statfs.inodes, Ordering::Relaxed);
+            publish_statfs(&self.fs, &m.router.reactors[m.index]);
         }
         self.poll_durable(None);
     }
@@ -1538,6 +1545,10 @@ impl Reactor {
             });
         }
         self.collect_durable(None, &mut done);
+        // Before the replies: a client that saw its change done sees it in statfs too.
+        if let Some(m) = self.multi.as_ref() {
+            publish_statfs(&self.fs, &m.router.reactors[m.index]);
+        }
         self.deliver(done);
         self.drive_commits();
         if let Some(router) = self.multi.as_ref().map(|m| m.router.clone()) {
@@ -1720,6 +1731,18 @@ pub(crate) fn execute_on(fs: &mut Filesystem, op: Op) -> Result<Reply, EngineErr
             mode,
             owner,
         } => Reply::Stat(fs.create(dir, &name, mode, owner.uid, owner.gid)?),
+        Op::CreateHeld {
+            dir,
+            name,
+            mode,
+            owner,
+        } => {
+            // A new inode goes to a shard of the reactor holding `dir` (creates run where
+            // their directory is), so its hold is counted where Op::Release will find it.
+            let stat = fs.create(dir, &name, mode, owner.uid, owner.gid)?;
+            fs.hold(stat.ino)?;
+            Reply::Stat(stat)
+        }
         Op::Mkdir {
             dir,
             name,

@@ -1249,6 +1249,38 @@ fn owners_special_files_held_inodes_and_concurrent_appends() {
             c.call(Op::Stat { ino: file.ino }).unwrap_err(),
             EngineError::NotFound
         );
+        // Created held (open with O_CREAT): an unlink right after leaves it, with nlink 0,
+        // until the release; in directories on each reactor.
+        for d in 0..4 {
+            let parent = mkdir(&mut c, ROOT, &format!("held-{d}"));
+            let held = match c
+                .call(Op::CreateHeld {
+                    dir: parent,
+                    name: b"f".to_vec(),
+                    mode: 0o600,
+                    owner,
+                })
+                .unwrap()
+            {
+                Reply::Stat(s) => s,
+                other => panic!("{other:?}"),
+            };
+            assert_eq!((held.uid, held.gid, held.nlink), (1000, 50, 1));
+            c.call(Op::Unlink {
+                dir: parent,
+                name: b"f".to_vec(),
+            })
+            .unwrap();
+            match c.call(Op::Stat { ino: held.ino }).unwrap() {
+                Reply::Stat(s) => assert_eq!(s.nlink, 0, "held after the unlink"),
+                other => panic!("{other:?}"),
+            }
+            c.call(Op::Release { ino: held.ino }).unwrap();
+            assert_eq!(
+                c.call(Op::Stat { ino: held.ino }).unwrap_err(),
+                EngineError::NotFound
+            );
+        }
         // Four clients append 200 records each to one file.
         let log = create_files(&mut c, "log", 1)[0];
         let offsets: Vec<Vec<u64>> = std::thread::scope(|scope| {

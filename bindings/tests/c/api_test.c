@@ -129,7 +129,7 @@ static void api(const char *device, int reactors) {
   ERR(corefs_rmdir(fs, "d"), ENOTEMPTY);
   OK(corefs_fsync(fs, dfd));
   struct corefs_dirent entries[8];
-  int64_t n = corefs_readdir(fs, "", 0, entries, 8);
+  int64_t n = corefs_readdir(fs, "/", 0, entries, 8);
   CHECK(n == 3, "root has %lld entries", (long long)n);
   int seen = 0;
   for (int i = 0; i < n; i++) {
@@ -138,8 +138,8 @@ static void api(const char *device, int reactors) {
       seen++;
   }
   CHECK(seen == 3, "root entries");
-  CHECK(corefs_readdir(fs, "", entries[n - 1].cookie, entries, 8) == 0, "readdir continues");
-  ERR(corefs_readdir(fs, "", 0, NULL, 8), EFAULT);
+  CHECK(corefs_readdir(fs, "/", entries[n - 1].cookie, entries, 8) == 0, "readdir continues");
+  ERR(corefs_readdir(fs, "/", 0, NULL, 8), EFAULT);
 
   /* Extended attributes. */
   OK(corefs_setxattr(fs, "c", "user.k", (const uint8_t *)"value", 5, 0));
@@ -153,6 +153,79 @@ static void api(const char *device, int reactors) {
   CHECK(corefs_listxattr(fs, "c", (uint8_t *)names, sizeof names) == 7, "listxattr");
   OK(corefs_removexattr(fs, "c", "user.k"));
   ERR(corefs_getxattr(fs, "c", "user.k", NULL, 0), ENODATA);
+
+  /* getxattr and listxattr: a buffer too small is -ERANGE, as for the system calls. */
+  OK(corefs_setxattr(fs, "c", "user.k", (const uint8_t *)"value", 5, 0));
+  ERR(corefs_getxattr(fs, "c", "user.k", (uint8_t *)value, 2), ERANGE);
+  ERR(corefs_listxattr(fs, "c", (uint8_t *)names, 3), ERANGE);
+  OK(corefs_removexattr(fs, "c", "user.k"));
+
+  /* Owners: the process's effective ids, a thread's own (corefs_set_owner), then back. */
+  OK(corefs_mkdir(fs, "o", 0755));
+  OK(corefs_stat(fs, "o", &st));
+  CHECK(st.uid == geteuid() && st.gid == getegid(), "owner %u:%u", st.uid, st.gid);
+  OK(corefs_set_owner(fs, 1234, 5678));
+  OK(corefs_symlink(fs, "t", "o/s"));
+  OK(corefs_stat(fs, "o/s", &st));
+  CHECK(st.uid == 1234 && st.gid == 5678, "thread owner %u:%u", st.uid, st.gid);
+  OK(corefs_set_owner(fs, COREFS_OWNER_DEFAULT, COREFS_OWNER_DEFAULT));
+  ERR(corefs_set_owner(fs + 1000, 1, 1), EBADF);
+
+  /* Paths: a trailing slash needs a directory; `.` and `..` resolve; names are bytes. */
+  ERR(corefs_open(fs, "c/", COREFS_O_RDONLY, 0), ENOTDIR);
+  ERR(corefs_unlink(fs, "c/"), ENOTDIR);
+  ERR(corefs_stat(fs, "c/.", &st), ENOTDIR);
+  OK(corefs_stat(fs, "./d/../o/./s", &st));
+  CHECK(st.uid == 1234, "o/s through dots");
+  ERR(corefs_stat(fs, "", &st), ENOENT);
+  OK(corefs_mkdir(fs, "o/\xff\xfe", 0700));
+  OK(corefs_stat(fs, "o/\xff\xfe/..", &st));
+  CHECK((st.mode & 0170000) == 0040000, "o/\\xff\\xfe/.. is a directory");
+  OK(corefs_rmdir(fs, "o/\xff\xfe/"));
+
+  /* Special files: stored with their type and device number. */
+  OK(corefs_mkfifo(fs, "o/fifo", 0600));
+  OK(corefs_stat(fs, "o/fifo", &st));
+  CHECK((st.mode & 0170000) == 0010000, "fifo mode %o", st.mode);
+  OK(corefs_mknod(fs, "o/null", 0020000 | 0666, 0x103));
+  OK(corefs_stat(fs, "o/null", &st));
+  CHECK((st.mode & 0170000) == 0020000 && st.rdev == 0x103, "chr %o %x", st.mode, st.rdev);
+  ERR(corefs_mknod(fs, "o/dir", 0040000 | 0755, 0), EPERM);
+
+  /* An unlinked file lives on through its handle, with nlink 0, and goes at the release. */
+  struct corefs_statfs sfs;
+  OK(corefs_statfs(fs, &sfs));
+  uint64_t inodes = sfs.inodes_used;
+  CHECK(sfs.block_bytes == 4096 && sfs.name_max_bytes == 255 && inodes > 5, "statfs");
+  ERR(corefs_statfs(fs, NULL), EFAULT);
+  corefs_fd ufd = corefs_open(fs, "o/tmp", COREFS_O_CREAT | COREFS_O_RDWR, 0600);
+  OK(ufd);
+  CHECK(corefs_pwrite(fs, ufd, data, 5000, 0) == 5000, "pwrite before the unlink");
+  OK(corefs_unlink(fs, "o/tmp"));
+  ERR(corefs_stat(fs, "o/tmp", &st), ENOENT);
+  OK(corefs_fstat(fs, ufd, &st));
+  CHECK(st.nlink == 0 && st.size == 5000, "unlinked: nlink %u size %llu", st.nlink,
+        (unsigned long long)st.size);
+  CHECK(corefs_pread(fs, ufd, back, 5000, 0) == 5000 && memcmp(back, data, 5000) == 0,
+        "read after the unlink");
+  OK(corefs_statfs(fs, &sfs));
+  CHECK(sfs.inodes_used == inodes + 1, "the open orphan counts");
+  OK(corefs_release(fs, ufd));
+  OK(corefs_statfs(fs, &sfs));
+  CHECK(sfs.inodes_used == inodes, "the release deleted it");
+
+  /* O_APPEND writes go at the end, whatever the offset; a read-only handle changes nothing. */
+  corefs_fd lfd = corefs_open(fs, "o/log", COREFS_O_CREAT | COREFS_O_WRONLY | COREFS_O_APPEND,
+                              0600);
+  OK(lfd);
+  CHECK(corefs_pwrite(fs, lfd, (const uint8_t *)"one,", 4, 0) == 4, "append");
+  CHECK(corefs_pwrite(fs, lfd, (const uint8_t *)"two", 3, 0) == 3, "append");
+  OK(corefs_release(fs, lfd));
+  lfd = corefs_open(fs, "o/log", COREFS_O_RDONLY, 0);
+  OK(lfd);
+  CHECK(corefs_pread(fs, lfd, back, 16, 0) == 7 && memcmp(back, "one,two", 7) == 0, "log");
+  ERR(corefs_fallocate(fs, lfd, 0, 0, 4096), EBADF);
+  OK(corefs_release(fs, lfd));
 
   /* Asynchronous I/O: 64 writes and an fsync in flight, then reads back. */
   corefs_fd afd = corefs_open(fs, "async", COREFS_O_CREAT | COREFS_O_RDWR, 0644);
