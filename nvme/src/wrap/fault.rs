@@ -88,6 +88,8 @@ pub struct FaultDevice<D: BlockDevice> {
     fail_next: Arc<Mutex<HashMap<OpKind, u32>>>,
     /// One-shot latency spikes requested by a test, by op kind: (count, how long).
     delay_next: DelayNext,
+    /// Set by a test to end every latency spike held now ([`FaultHandle::end_delays`]).
+    end_delays: Arc<std::sync::atomic::AtomicBool>,
 }
 
 type DelayNext = Arc<Mutex<HashMap<OpKind, (u32, Duration)>>>;
@@ -98,6 +100,8 @@ pub struct FaultHandle {
     fail_next: Arc<Mutex<HashMap<OpKind, u32>>>,
     /// One-shot latency spikes requested by a test, by op kind: (count, how long).
     delay_next: DelayNext,
+    /// Set by a test to end every latency spike held now ([`FaultHandle::end_delays`]).
+    end_delays: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl FaultHandle {
@@ -109,6 +113,14 @@ impl FaultHandle {
             .expect("fault handle lock")
             .entry(kind)
             .or_default() += count;
+    }
+
+    /// Ends every latency spike now: held completions are handed out at the next poll. A
+    /// test holds a request with a long spike and ends it when it has seen what it wanted,
+    /// so no assertion depends on how fast a loaded machine runs.
+    pub fn end_delays(&self) {
+        self.end_delays
+            .store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Holds back the completions of the next `count` operations of `kind` by `delay` each
@@ -140,6 +152,7 @@ impl<D: BlockDevice> FaultDevice<D> {
             stats: FaultStats::default(),
             fail_next: Arc::new(Mutex::new(HashMap::new())),
             delay_next: Arc::new(Mutex::new(HashMap::new())),
+            end_delays: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         }
     }
 
@@ -148,6 +161,7 @@ impl<D: BlockDevice> FaultDevice<D> {
         FaultHandle {
             fail_next: Arc::clone(&self.fail_next),
             delay_next: Arc::clone(&self.delay_next),
+            end_delays: Arc::clone(&self.end_delays),
         }
     }
 
@@ -358,6 +372,14 @@ impl<D: BlockDevice> FaultDevice<D> {
     }
 
     fn release_ready(&mut self, out: &mut Vec<Completion>, now: Instant) -> usize {
+        if self
+            .end_delays
+            .swap(false, std::sync::atomic::Ordering::SeqCst)
+        {
+            for (at, _) in self.ready.iter_mut() {
+                *at = now;
+            }
+        }
         let mut count = 0;
         let mut held = 0;
         while held < self.ready.len() {
