@@ -327,8 +327,12 @@ impl Namespace {
         match self.paths.get(b) {
             // Two names of one file: nothing happens.
             Some(&(_, other)) if other == ino => return,
+            // Onto a directory: only a directory, and only onto an empty one (EISDIR,
+            // ENOTEMPTY); a directory onto anything else is ENOTDIR. A directory onto an
+            // empty one replaces it (a sampled workload found the model calling that a
+            // failure, so it fsynced a path the rename had moved).
             Some(&(Kind::Dir, _)) if kind != Kind::Dir || !self.is_empty_dir(b) => return,
-            Some(_) if kind == Kind::Dir => return,
+            Some(&(other, _)) if kind == Kind::Dir && other != Kind::Dir => return,
             _ => {}
         }
         self.paths.remove(b);
