@@ -691,7 +691,13 @@ impl Filesystem {
         item.blocks += added;
         // The edge writes may have grown the file; KEEP_SIZE puts it back.
         item.size = if mode.keep_size { size } else { size.max(end) };
-        item.ctime = Timespec::now();
+        // As ext4: the data changed (a punch, a zeroed range) or the size grew, so mtime
+        // moves with ctime; a preallocation that keeps the size changes ctime alone.
+        let now = Timespec::now();
+        item.ctime = now;
+        if punching || item.size > size {
+            item.mtime = now;
+        }
         self.store_inode(ino, &item)
     }
 

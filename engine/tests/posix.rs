@@ -1172,3 +1172,81 @@ fn a_directory_holds_any_set_of_names_however_many_share_a_hash() {
     assert_eq!(fs.stat(file).unwrap().nlink, 1 + links);
     fs.check().unwrap();
 }
+
+/// fallocate's times, as ext4 keeps them: a punch or a zeroed range changes the data, and a
+/// preallocation that grows the file its size, so both move mtime; a preallocation inside
+/// the size or with KEEP_SIZE changes ctime alone.
+#[test]
+fn fallocate_moves_mtime_when_data_or_size_change_and_ctime_always() {
+    use engine::format::items::Timespec;
+    let mut fs = fresh(16 << 20, 1);
+    let root = fs.root();
+    let file = fs.create(root, b"f", 0o644, 0, 0).unwrap().ino;
+    fs.write(file, 0, &[7u8; 8192]).unwrap();
+    let old = Timespec { sec: 1000, nsec: 5 };
+    let cases = [
+        (
+            "keep-size preallocation",
+            FallocateMode {
+                keep_size: true,
+                ..Default::default()
+            },
+            8192,
+            4096,
+            false,
+        ),
+        (
+            "preallocation inside the size",
+            FallocateMode::default(),
+            0,
+            4096,
+            false,
+        ),
+        (
+            "preallocation growing the file",
+            FallocateMode::default(),
+            8192,
+            4096,
+            true,
+        ),
+        (
+            "punch hole",
+            FallocateMode {
+                punch_hole: true,
+                keep_size: true,
+                ..Default::default()
+            },
+            0,
+            4096,
+            true,
+        ),
+        (
+            "zero range",
+            FallocateMode {
+                zero_range: true,
+                ..Default::default()
+            },
+            100,
+            200,
+            true,
+        ),
+    ];
+    for (what, mode, offset, len, moves) in cases {
+        let before = fs
+            .setattr(
+                file,
+                engine::SetAttr {
+                    mtime: Some(old),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        fs.fallocate(file, mode, offset, len).unwrap();
+        let after = fs.stat(file).unwrap();
+        assert_eq!(after.mtime != old, moves, "{what}: mtime {:?}", after.mtime);
+        assert!(
+            (after.ctime.sec, after.ctime.nsec) >= (before.ctime.sec, before.ctime.nsec),
+            "{what}: ctime went back"
+        );
+    }
+}
