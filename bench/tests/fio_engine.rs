@@ -14,57 +14,15 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-/// target/<profile>/, where cargo put libcorefs.so for this test run.
-fn target_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable");
-    exe.parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps/<test>")
-        .to_path_buf()
-}
-
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("workspace")
-        .to_path_buf()
-}
-
-fn newest_mtime(dir: &Path) -> std::time::SystemTime {
-    let mut newest = std::time::SystemTime::UNIX_EPOCH;
-    for entry in std::fs::read_dir(dir).unwrap().flatten() {
-        let path = entry.path();
-        let t = if path.is_dir() {
-            newest_mtime(&path)
-        } else {
-            entry.metadata().and_then(|m| m.modified()).unwrap()
-        };
-        newest = newest.max(t);
-    }
-    newest
-}
+#[path = "../../bindings/tests/support/built_lib.rs"]
+mod built_lib;
+use built_lib::workspace;
 
 /// Builds the engine once for all the tests; its path.
 fn engine() -> &'static Path {
     static ENGINE: OnceLock<PathBuf> = OnceLock::new();
     ENGINE.get_or_init(|| {
-        let lib_dir = target_dir();
-        let lib = lib_dir.join("libcorefs.so");
-        let built = std::fs::metadata(&lib)
-            .and_then(|m| m.modified())
-            .unwrap_or_else(|_| {
-                panic!(
-                    "{} is missing: run `cargo build -p corefs-bindings` first",
-                    lib.display()
-                )
-            });
-        for source in ["bindings/src", "reactor/src", "engine/src", "nvme/src"] {
-            assert!(
-                newest_mtime(&workspace().join(source)) <= built,
-                "{} is older than {source}: run `cargo build -p corefs-bindings` first",
-                lib.display()
-            );
-        }
+        let lib_dir = built_lib::fresh_lib_dir();
         let out = Command::new(workspace().join("scripts/fio-plugin.sh"))
             .env("COREFS_LIB_DIR", &lib_dir)
             .output()

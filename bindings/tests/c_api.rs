@@ -7,17 +7,11 @@
 //! build it first (`cargo build -p corefs-bindings`; the test command does). A library older
 //! than any source it is built from fails the test rather than testing stale code.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
-/// target/<profile>/, where cargo put libcorefs.so for this test run.
-fn target_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable");
-    exe.parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps/<test>")
-        .to_path_buf()
-}
+#[path = "support/built_lib.rs"]
+mod built_lib;
 
 fn run(cmd: &mut Command) -> String {
     let out = cmd
@@ -32,42 +26,10 @@ fn run(cmd: &mut Command) -> String {
     text
 }
 
-fn newest_mtime(dir: &Path) -> std::time::SystemTime {
-    let mut newest = std::time::SystemTime::UNIX_EPOCH;
-    for entry in std::fs::read_dir(dir).unwrap().flatten() {
-        let path = entry.path();
-        let t = if path.is_dir() {
-            newest_mtime(&path)
-        } else {
-            entry.metadata().and_then(|m| m.modified()).unwrap()
-        };
-        newest = newest.max(t);
-    }
-    newest
-}
-
 #[test]
 fn the_c_program_exercises_the_whole_api() {
     let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let lib_dir = target_dir();
-    let lib = lib_dir.join("libcorefs.so");
-    let built = std::fs::metadata(&lib)
-        .and_then(|m| m.modified())
-        .unwrap_or_else(|_| {
-            panic!(
-                "{} is missing: run `cargo build -p corefs-bindings` first",
-                lib.display()
-            )
-        });
-    let workspace = crate_dir.parent().expect("workspace");
-    for source in ["bindings/src", "reactor/src", "engine/src", "nvme/src"] {
-        let newest = newest_mtime(&workspace.join(source));
-        assert!(
-            newest <= built,
-            "{} is older than {source}: run `cargo build -p corefs-bindings` first",
-            lib.display()
-        );
-    }
+    let lib_dir = built_lib::fresh_lib_dir();
     let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     // An install tree as scripts/install-libcorefs.sh makes one: lib/, include/, the .pc file.
     let prefix = work.path().join("prefix");
