@@ -1337,7 +1337,6 @@ fn check_mounted(
     context: &str,
 ) -> Result<(), String> {
     let now = snapshot(fs).map_err(|e| format!("{context}: walking the tree: {e}"))?;
-    let latest = promised.last().map(|p| &p.tree);
     // The path shows what a persistence operation in flight was making durable.
     let as_in_flight = |path: &str| in_flight.iter().any(|t| t.get(path) == now.get(path));
     // The path names, as an operation in flight names it, the same file (or a directory, a
@@ -1352,11 +1351,18 @@ fn check_mounted(
         };
         in_flight.iter().any(|t| same(t))
     };
-    for point in promised.iter() {
+    for (i, point) in promised.iter().enumerate() {
         let at_point = &point.tree;
         // A promise binds while what it promised is still what the live filesystem held at
-        // the latest persistence point before the crash (later changes may supersede it).
-        let unchanged = |path: &str| latest.is_some_and(|l| l.get(path) == at_point.get(path));
+        // every later persistence point before the crash. Later changes may supersede it, and
+        // a change undone later (an xattr set, synced, then removed) still does: the sync made
+        // the middle state durable, and a later fsync of another path need not persist the
+        // undo, so the state the earlier promise named is no longer the only one allowed.
+        let unchanged = |path: &str| {
+            promised[i..]
+                .iter()
+                .all(|later| later.tree.get(path) == at_point.get(path))
+        };
         match &point.promise {
             // After a sync every path is promised: each one that has not changed since must be
             // exactly as synced (present or absent).
@@ -1394,7 +1400,9 @@ fn check_mounted(
                 // exactly one place after a rename, and every hard link is there.
                 if let Some(Entry::File { ino, .. }) = entry {
                     let promised_names = names_of(at_point, *ino);
-                    if latest.is_some_and(|l| names_of(l, *ino) == promised_names)
+                    if promised[i..]
+                        .iter()
+                        .all(|later| names_of(&later.tree, *ino) == promised_names)
                         && names_of(&now, *ino) != promised_names
                         && !in_flight
                             .iter()

@@ -201,3 +201,20 @@ fn rename_of_an_ancestor_then_fsync_of_an_old_file_by_its_new_path() {
         );
     }
 }
+
+#[test]
+fn fsync_of_the_parent_after_an_undone_xattr_change() {
+    // A length-two ACE run found it (an oracle gap): the prelude fsyncs foo without the xattr;
+    // the xattr is set and synced, then removed, and the root is fsynced. The removal was
+    // never fsynced, so the synced xattr may be there after a crash; the prelude's promise
+    // no longer binds although foo looks as it did then.
+    check(
+        "undone xattr, parent fsynced",
+        &[
+            Op::SetXattr("foo", 1),
+            Op::Sync,
+            Op::RemoveXattr("foo"),
+            Op::Fsync(""),
+        ],
+    );
+}
