@@ -89,6 +89,11 @@ enum Command {
         /// pipelined, commit-in-flight, fallback, writeback, reactors (two reactors).
         #[arg(long, value_delimiter = ',')]
         schedules: Option<Vec<String>>,
+        /// Run only part K of N (`K/N`, 1-based): the workloads split into N contiguous
+        /// parts, each keeping its index in the whole list (and so its per-workload seed), so
+        /// a long run can be done in pieces whose counts and times add up.
+        #[arg(long, value_parser = parse_part)]
+        part: Option<(usize, usize)>,
     },
     /// Serve a filesystem at a mountpoint through FUSE until it is unmounted (umount or
     /// fusermount3 -u); the unmount commits. The device is held exclusively meanwhile: a
@@ -486,6 +491,7 @@ fn main() -> ExitCode {
             threads,
             reactors,
             schedules,
+            part,
         } => {
             let seed = seed.unwrap_or_else(clock_seed);
             let schedules: Vec<crashtest::Schedule> = match schedules {
@@ -509,13 +515,21 @@ fn main() -> ExitCode {
                 (Some(length), _) => return fail(format!("--length {length}: use 1 or 2")),
                 (None, count) => crashtest::workload::sample(count.unwrap_or(1000), seed),
             };
+            let all = workloads.len();
+            let (first, workloads) = match part {
+                None => (0, workloads),
+                Some((k, n)) => {
+                    let range = part_range(all, k, n);
+                    (range.start, workloads[range].to_vec())
+                }
+            };
             let threads = threads.unwrap_or_else(|| {
                 std::thread::available_parallelism()
                     .map(|n| n.get())
                     .unwrap_or(1)
             });
             eprintln!(
-                "crashtest: {} workloads on {threads} threads, seed {seed}, schedules {}",
+                "crashtest: {} workloads (from index {first} of {all}) on {threads} threads, seed {seed}, schedules {}",
                 workloads.len(),
                 match reactors {
                     Some(n) => format!("{n} reactors"),
@@ -527,7 +541,7 @@ fn main() -> ExitCode {
                 }
             );
             let start = std::time::Instant::now();
-            crashtest(workloads, seed, threads, reactors, &schedules).map(|(count, outcome)| {
+            crashtest(workloads, first, seed, threads, reactors, &schedules).map(|(count, outcome)| {
                 let states = outcome.crash_states;
                 println!(
                     "crashtest: {count} workloads, {} runs, {states} crash states checked ({} with writes in flight), 0 violations, {:.1} s (seed {seed})",
@@ -1125,6 +1139,7 @@ fn announce_mutation() -> Result<(), String> {
 /// summed outcome.
 fn crashtest(
     workloads: Vec<Vec<crashtest::workload::Op>>,
+    first: usize,
     seed: u64,
     threads: usize,
     reactors: Option<usize>,
@@ -1142,14 +1157,20 @@ fn crashtest(
                 if i >= total || failure.lock().expect("lock").is_some() {
                     return;
                 }
+                // The seed follows the index in the whole list, so a part replays as the
+                // whole run would.
+                let index = first + i;
                 let outcome = match reactors {
-                    None => {
-                        crashtest::run_schedules(&base, &workloads[i], seed ^ i as u64, schedules)
-                    }
+                    None => crashtest::run_schedules(
+                        &base,
+                        &workloads[i],
+                        seed ^ index as u64,
+                        schedules,
+                    ),
                     Some(n) => crashtest::reactors::run_on_reactors(
                         &base,
                         &workloads[i],
-                        seed ^ i as u64,
+                        seed ^ index as u64,
                         n,
                     ),
                 };
@@ -1159,7 +1180,7 @@ fn crashtest(
                     }
                     Err(why) => {
                         *failure.lock().expect("lock") =
-                            Some(format!("workload {i} {:?}: {why}", workloads[i]));
+                            Some(format!("workload {index} {:?}: {why}", workloads[i]));
                         return;
                     }
                 }
@@ -1175,7 +1196,55 @@ fn crashtest(
     }
 }
 
+/// Parses `K/N` (1 <= K <= N).
+fn parse_part(text: &str) -> Result<(usize, usize), String> {
+    let (k, n) = text
+        .split_once('/')
+        .ok_or_else(|| format!("{text}: expected K/N, such as 1/4"))?;
+    let k: usize = k.parse().map_err(|e| format!("{text}: part {k}: {e}"))?;
+    let n: usize = n.parse().map_err(|e| format!("{text}: parts {n}: {e}"))?;
+    if n == 0 || k == 0 || k > n {
+        return Err(format!("{text}: need 1 <= K <= N"));
+    }
+    Ok((k, n))
+}
+
+/// The indices of part `k` of `n` (1-based) of `total` workloads: contiguous, covering every
+/// index exactly once over k = 1..=n.
+fn part_range(total: usize, k: usize, n: usize) -> std::ops::Range<usize> {
+    assert!(1 <= k && k <= n, "part {k}/{n}");
+    (total * (k - 1) / n)..(total * k / n)
+}
+
 fn fail(why: String) -> ExitCode {
     eprintln!("corefs: {why}");
     ExitCode::FAILURE
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{parse_part, part_range};
+
+    #[test]
+    fn parts_cover_every_workload_once() {
+        for total in [0, 1, 7, 578, 334_084] {
+            for n in 1..=9 {
+                let mut next = 0;
+                for k in 1..=n {
+                    let r = part_range(total, k, n);
+                    assert_eq!(r.start, next, "total {total} part {k}/{n}");
+                    next = r.end;
+                }
+                assert_eq!(next, total, "total {total} in {n} parts");
+            }
+        }
+    }
+
+    #[test]
+    fn part_syntax() {
+        assert_eq!(parse_part("2/5"), Ok((2, 5)));
+        for bad in ["0/3", "4/3", "1/0", "3", "a/2", "1/"] {
+            assert!(parse_part(bad).is_err(), "{bad} accepted");
+        }
+    }
 }
