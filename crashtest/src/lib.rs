@@ -664,6 +664,9 @@ pub fn run_schedule(
         } else {
             MountOptions::default().writeback_start_bytes
         },
+        // A commit's trees are written a node per slice, so the workload's changes land
+        // between any two of its nodes.
+        commit_slice_nodes: 1,
         ..MountOptions::default()
     };
     let mut fs = Filesystem::mount(dev, options).map_err(|e| e.to_string())?;

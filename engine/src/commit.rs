@@ -27,7 +27,9 @@
 //! read-only); the durable state is the previous generation and a remount recovers it.
 
 use crate::error::{EngineError, Result};
-use crate::format::{ItemKind, Key, ShardRoot, Superblock, BLOCK_BYTES, SUPERBLOCK_ADDRS};
+use crate::format::{
+    BlockPtr, ItemKind, Key, ShardRoot, Superblock, BLOCK_BYTES, SUPERBLOCK_ADDRS,
+};
 use crate::fs::{block_lba, Filesystem, Shard, ShardIo, SPACE_OBJECTID};
 use nvme::{BlockDevice, DevError, Op, Request};
 use std::time::{Duration, Instant};
@@ -63,11 +65,27 @@ pub(crate) struct CommitInFlight {
     pub roots: Vec<(u32, ShardRoot)>,
     pub blocks: u64,
     pub started: Instant,
-    /// The pipeline ticket of the trees' writes and their flush (None: nothing to write).
+    /// The pipeline ticket of the trees' last writes and their flush, submitted with the last
+    /// slice (None: slices remain, or nothing to write).
     pub writes: Option<u64>,
     /// The superblock and the ticket of its write and flush, once submitted.
     pub superblock: Option<(Superblock, u64)>,
+    /// Shards whose frozen trees are still being serialized, a slice per
+    /// [`Filesystem::commit_progress`] (their `roots` entries are filled when done).
+    pub slicing: Vec<u32>,
+    /// Blocks serialized and not yet handed to the device (submitted in chunks of
+    /// [`COMMIT_CHUNK_BLOCKS`], the last with the flush).
+    pub chunk: Vec<(u64, Vec<u8>)>,
 }
+
+/// Tree nodes one commit slice serializes by default
+/// ([`crate::MountOptions::commit_slice_nodes`]): what bounds how long a commit's CPU work
+/// holds its caller between two looks at its queues (a few µs a node; docs/commit.md).
+pub const COMMIT_SLICE_NODES: usize = 32;
+
+/// Serialized blocks handed to the device together (each chunk is one pipeline entry, of
+/// which [`crate::log::inflight::MAX_IN_FLIGHT`] may be outstanding).
+pub const COMMIT_CHUNK_BLOCKS: usize = 512;
 
 /// A partition's half of a commit ([`Filesystem::commit_write`]): what it wrote, for the
 /// coordinator's superblock and for [`Filesystem::commit_finish`].
@@ -95,8 +113,13 @@ pub struct CommitStats {
     pub last_unpin_ns: u64,
     pub bitmap_fixpoint_rounds_max: u32,
     /// The longest time a caller was held by [`Filesystem::commit_start`] (delayed items,
-    /// counters, serializing the trees): the commit's pause; its writes run in the background.
+    /// counters, the space bitmap, freezing the trees): the commit's pause; the trees are
+    /// serialized in slices after it and written in the background.
     pub pause_ns_max: u64,
+    /// Serialization slices run (each at most [`crate::MountOptions::commit_slice_nodes`]
+    /// nodes), and the longest.
+    pub slices: u64,
+    pub slice_ns_max: u64,
 }
 
 impl Filesystem {
@@ -190,6 +213,8 @@ impl Filesystem {
                 started,
                 writes: None,
                 superblock: None,
+                slicing: Vec::new(),
+                chunk: Vec::new(),
             });
             return Ok(true);
         }
@@ -206,14 +231,24 @@ impl Filesystem {
             return Err(e);
         }
         self.state = CommitState::CommitDoing;
-        let written = self
-            .serialize_trees(generation)
-            .and_then(|(roots, blocks)| {
-                let count = blocks.len() as u64;
-                self.submit_record(blocks)
-                    .map(|ticket| (roots, count, ticket))
+        let frozen = self
+            .freeze_trees(generation)
+            .and_then(|(roots, slicing, staged)| {
+                // Staged data goes to the device at once: its blocks are out of the staging
+                // map now, and reads of them are answered from the device pipeline from here.
+                // With nothing to serialize, it and the flush are the whole commit.
+                let count = staged.len() as u64;
+                let writes = if slicing.is_empty() {
+                    Some(self.submit_record(staged)?)
+                } else {
+                    if !staged.is_empty() {
+                        self.submit_commit_chunk(staged)?;
+                    }
+                    None
+                };
+                Ok((roots, slicing, count, writes))
             });
-        let (roots, blocks, writes) = match written {
+        let (roots, slicing, blocks, writes) = match frozen {
             Ok(w) => w,
             Err(e) => {
                 self.failed.get_or_insert(e.clone());
@@ -236,10 +271,80 @@ impl Filesystem {
             roots,
             blocks,
             started,
-            writes: Some(writes),
+            writes,
             superblock: None,
+            slicing,
+            chunk: Vec::new(),
         });
         Ok(true)
+    }
+
+    /// Serializes one slice of the commit in flight's frozen trees (at most
+    /// [`crate::MountOptions::commit_slice_nodes`] nodes) and hands full chunks to the device; after the last
+    /// node, the rest goes with the commit's flush. Returns true while slices remain.
+    fn commit_slice(&mut self) -> Result<bool> {
+        let Some(c) = self.commit_in_flight.as_mut() else {
+            return Ok(false);
+        };
+        let Some(&shard) = c.slicing.first() else {
+            return Ok(false);
+        };
+        let started = Instant::now();
+        let mut out = std::mem::take(&mut c.chunk);
+        let mut spare = std::mem::take(&mut self.dev.spare_blocks);
+        let tree = &mut self.shards[shard as usize]
+            .as_mut()
+            .expect("a slicing shard stays held until its commit is written")
+            .tree;
+        let before = out.len();
+        let progress =
+            tree.write_frozen(self.options.commit_slice_nodes.max(1), &mut out, &mut spare);
+        self.dev.spare_blocks = spare;
+        let c = self.commit_in_flight.as_mut().expect("in flight");
+        c.blocks += (out.len() - before) as u64;
+        if let crate::tree::FrozenProgress::Done(ptr, level) = progress {
+            let root = c
+                .roots
+                .iter_mut()
+                .find(|(id, _)| *id == shard)
+                .expect("a slicing shard has a root entry");
+            root.1.tree = ptr;
+            root.1.level = level;
+            c.slicing.remove(0);
+        }
+        let more = !c.slicing.is_empty();
+        let result = if !more {
+            // The commit's own writes: never held back by the commit in flight, which they
+            // are (a record would wait for this commit's superblock: a deadlock).
+            self.submit_commit_io(out, false).map(|ticket| {
+                self.commit_in_flight.as_mut().expect("in flight").writes = Some(ticket);
+            })
+        } else if out.len() >= COMMIT_CHUNK_BLOCKS {
+            self.submit_commit_chunk(out).map(drop)
+        } else {
+            self.commit_in_flight.as_mut().expect("in flight").chunk = out;
+            Ok(())
+        };
+        self.stats.slices += 1;
+        self.stats.slice_ns_max = self
+            .stats
+            .slice_ns_max
+            .max(started.elapsed().as_nanos() as u64);
+        result.map(|()| more)
+    }
+
+    /// True while the commit in flight has trees left to serialize: CPU work its caller should
+    /// come back for soon rather than sleep on the device.
+    pub fn commit_slicing(&self) -> bool {
+        self.commit_in_flight
+            .as_ref()
+            .is_some_and(|c| !c.slicing.is_empty())
+    }
+
+    /// Runs the commit in flight's remaining slices now (before shards leave this engine).
+    pub(crate) fn finish_commit_slices(&mut self) -> Result<()> {
+        while self.commit_slice()? {}
+        Ok(())
     }
 
     /// N+1 starts while `commit` carries N: what changes from now on is tracked for N+1's
@@ -268,11 +373,25 @@ impl Filesystem {
         let Some(c) = &self.commit_in_flight else {
             return Ok(CommitProgress::Idle);
         };
-        let (generation, writes, superblock) = (
-            c.generation,
-            c.writes,
-            c.superblock.as_ref().map(|(_, t)| *t),
-        );
+        let generation = c.generation;
+        // The trees' serialization goes first, a slice per call; the device is only polled
+        // meanwhile (a wait would hold the caller with CPU work left).
+        let slicing = match self.commit_slice() {
+            Ok(more) => more,
+            Err(e) => {
+                self.commit_in_flight = None;
+                self.state = CommitState::Running;
+                self.failed.get_or_insert(e.clone());
+                tracing::error!(
+                    generation,
+                    "commit failed, filesystem is now read-only: {e}"
+                );
+                return Err(e);
+            }
+        };
+        let wait = if slicing { None } else { wait };
+        let c = self.commit_in_flight.as_ref().expect("in flight");
+        let (writes, superblock) = (c.writes, c.superblock.as_ref().map(|(_, t)| *t));
         let durable_below = match self.log_progress(wait) {
             Ok(d) => d,
             Err(e) => {
@@ -287,6 +406,10 @@ impl Filesystem {
             }
         };
         let _ = durable_below;
+        if slicing {
+            return Ok(CommitProgress::Writing);
+        }
+        // None: nothing was written here (a partition moving to N+1 with the others).
         if writes.is_some_and(|w| !self.ticket_done(w)) {
             return Ok(CommitProgress::Writing);
         }
@@ -346,17 +469,18 @@ impl Filesystem {
         })
     }
 
-    /// Serializes staged data and every held shard's dirty nodes for `generation`; returns
-    /// the held shards' new roots and the blocks to write.
+    /// Takes the staged data and freezes every held shard's dirty nodes as `generation`'s
+    /// (after writing its space bitmap into its tree until that changes it no more). Returns
+    /// the held shards' roots (final for shards with nothing frozen; the others' are filled
+    /// by the last slice), the shards left to serialize, and the staged data's blocks.
     #[allow(clippy::type_complexity)]
-    fn serialize_trees(
+    fn freeze_trees(
         &mut self,
         generation: u64,
-    ) -> Result<(Vec<(u32, ShardRoot)>, Vec<(u64, Vec<u8>)>)> {
-        // Staged file data goes out with the tree nodes, before the flush.
-        let mut blocks: Vec<(u64, Vec<u8>)> = self.take_all_staged();
+    ) -> Result<(Vec<(u32, ShardRoot)>, Vec<u32>, Vec<(u64, Vec<u8>)>)> {
+        let staged = self.take_all_staged();
         let mut roots = Vec::with_capacity(self.shards.len());
-        let mut spare = std::mem::take(&mut self.dev.spare_blocks);
+        let mut slicing = Vec::new();
         for (id, held) in self.shards.iter_mut().enumerate() {
             let Some(Shard {
                 tree,
@@ -397,19 +521,26 @@ impl Filesystem {
             }
             self.stats.bitmap_fixpoint_rounds_max =
                 self.stats.bitmap_fixpoint_rounds_max.max(rounds);
-            let (ptr, level) = tree.write_dirty(generation, &mut blocks, &mut spare);
+            // What the superblock records of the shard is as of now; the tree's root comes
+            // when its frozen nodes are written.
+            let used_blocks = io.space.allocated_blocks();
+            let (ptr, level) = if tree.freeze(generation) {
+                slicing.push(id as u32);
+                (BlockPtr::default(), 0)
+            } else {
+                tree.write_dirty(generation, &mut Vec::new(), &mut Vec::new())
+            };
             roots.push((
                 id as u32,
                 ShardRoot {
                     tree: ptr,
                     level,
-                    used_blocks: io.space.allocated_blocks(),
+                    used_blocks,
                     inodes,
                 },
             ));
         }
-        self.dev.spare_blocks = spare;
-        Ok((roots, blocks))
+        Ok((roots, slicing, staged))
     }
 
     /// The second half, run once for the whole filesystem (by the coordinator of partitions):

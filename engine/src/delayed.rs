@@ -30,10 +30,14 @@ use std::collections::BTreeMap;
 pub const MAX_PENDING: usize = 65_536;
 
 /// Pending items of one directory that are inserted as one batch without waiting for the
-/// commit: about 23 full leaves, a few milliseconds of tree work. Bounding the batch bounds
-/// the stall the operation that triggers it sees (flushing 65,536 items at once took ~50 ms),
-/// while batches stay many leaves long, so the leaf-copy savings remain.
-pub const DIR_BATCH_MAX: usize = 2048;
+/// commit: about 8 full leaves, under a millisecond of tree work. Bounding the batch bounds
+/// the stall the operation that triggers it sees (flushing 65,536 items at once took ~50 ms,
+/// 2,048 a few ms), while batches stay several leaves long, so the leaf-copy savings remain.
+pub const DIR_BATCH_MAX: usize = 512;
+
+/// Pending items one [`Filesystem::commit_prepare`] step inserts at most (whole directories:
+/// a step may exceed it by one directory's batch, below [`DIR_BATCH_MAX`]).
+pub const PREPARE_STEP_ITEMS: usize = 512;
 
 /// The most one more pending item adds to [`DelayedIndex::reserved_blocks`] (a new leaf's
 /// share, a new directory's two, and the internal nodes' rounding).
@@ -179,6 +183,30 @@ impl Filesystem {
             self.flush_delayed_dir(dir)?;
         }
         Ok(())
+    }
+
+    /// A step of a commit's preparation, run between requests before the commit starts:
+    /// inserts pending index items, whole directories at a time, until about
+    /// [`PREPARE_STEP_ITEMS`] went in, so the commit's pause has few left to insert. Returns
+    /// true when none is pending. A failure makes the filesystem fail-stop.
+    pub fn commit_prepare(&mut self) -> Result<bool> {
+        self.check_writable()?;
+        let was_in_commit = std::mem::replace(&mut self.in_commit, true);
+        let mut inserted = 0;
+        let mut result = Ok(());
+        while inserted < PREPARE_STEP_ITEMS {
+            let Some(&dir) = self.delayed.pending.keys().next() else {
+                break;
+            };
+            inserted += self.delayed.pending_in(dir);
+            result = self.flush_delayed_dir(dir);
+            if result.is_err() {
+                break;
+            }
+        }
+        self.in_commit = was_in_commit;
+        self.fail_stop_on_error(result)?;
+        Ok(self.delayed.len() == 0)
     }
 
     /// After an operation: inserts the batches that reached [`DIR_BATCH_MAX`], or every

@@ -66,6 +66,11 @@ pub struct MountOptions {
     /// 0 turns the cache off, so reads measure the device path (a kernel filesystem read
     /// with O_DIRECT keeps no data either).
     pub data_cache_blocks: usize,
+    /// Tree nodes a commit serializes per slice after its pause
+    /// ([`crate::commit::COMMIT_SLICE_NODES`] by default). The crash tester and the
+    /// simulation use 1, so the running transaction changes the tree between every two
+    /// nodes of the commit being written.
+    pub commit_slice_nodes: usize,
 }
 
 impl Default for MountOptions {
@@ -76,6 +81,7 @@ impl Default for MountOptions {
             dirty_limit_nodes: 4096,
             writeback_start_bytes: 8 << 20,
             data_cache_blocks: crate::writeback::CACHE_BLOCKS,
+            commit_slice_nodes: crate::commit::COMMIT_SLICE_NODES,
         }
     }
 }

@@ -89,6 +89,8 @@ impl Filesystem {
     /// engine can hold them ([`Filesystem::put_shards`]). Records in flight finish first.
     /// Shards not held here are skipped.
     pub fn take_shards(&mut self, ids: &[u32]) -> Result<Lent> {
+        // A commit's frozen trees are serialized before a shard leaves: the slices run here.
+        self.finish_commit_slices()?;
         self.drain_log()?;
         // Reads in flight finish here: the engine that takes the shards may free and reuse
         // the blocks they read (their results wait for this engine's caller).

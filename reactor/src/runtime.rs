@@ -60,6 +60,10 @@ use std::time::{Duration, Instant};
 /// it is 2,930 and 16 fsync clients did not lose (30k fsyncs/s).
 const LOG_WAIT_SLICE: Duration = Duration::from_millis(1);
 
+/// Loop turns a due commit spends inserting delayed index items before it starts anyway
+/// ([`engine::Filesystem::commit_prepare`]).
+const PREPARE_STEPS_MAX: u32 = 64;
+
 /// How long a busy-polling reactor whose only work in flight is data reads polls for them
 /// before it blocks on its device queue, and for how long it blocks. A file image's reads
 /// complete through kernel work on the reactor's own core (an io-wq worker inherits its
@@ -783,6 +787,8 @@ pub(crate) struct Reactor {
     pending: VecDeque<PendingGroup>,
     /// Since when a due commit waits for the records in flight ([`COMMIT_DEFER_MAX`]).
     commit_deferred_since: Option<Instant>,
+    /// Preparation steps the due commit has taken ([`PREPARE_STEPS_MAX`]).
+    prepare_steps: u32,
     /// With several reactors: this one's side of the coordination ([`crate::multi`]).
     pub(crate) multi: Option<Member>,
     /// Replies held until a generation is durable (syncs, fsyncs that fell back, directory
@@ -913,7 +919,8 @@ fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, config: &Config)
                 // completion or a request rings.
                 IdlePolicy::SpinThenPark { spin } if device_rings => {
                     reactor.poll_durable(None);
-                    if reactor.waiting_on_device() {
+                    // A commit with trees left to serialize has CPU work: no sleep.
+                    if reactor.waiting_on_device() && !reactor.fs.commit_slicing() {
                         if reactor.only_reads_in_flight() && spun < spin {
                             std::hint::spin_loop();
                             continue;
@@ -936,6 +943,7 @@ fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, config: &Config)
             reactor.poll_durable(None);
             if reactor.pending_groups() == before
                 && !reactor.fs.device_busy()
+                && !reactor.fs.commit_slicing()
                 && config.idle != IdlePolicy::BusyPoll
             {
                 let _ = park_for_control(shared, LOG_WAIT_SLICE);
@@ -1063,6 +1071,7 @@ impl Reactor {
             cpu_start_ns: thread_cpu_ns(),
             pending: VecDeque::new(),
             commit_deferred_since: None,
+            prepare_steps: 0,
             multi: None,
             commit_waiters: Vec::new(),
             owed: Owed::default(),
@@ -1182,11 +1191,34 @@ impl Reactor {
         if self.fs.commit_in_flight().is_some() {
             return;
         }
+        // The next commit first unpins the last one, which must wait for the reads in flight
+        // planned before it: starting it now would hold the reactor until they complete (a
+        // 50 ms device read would stop every client). It starts once they land.
+        if self.fs.unpin_waits_for_reads() {
+            return;
+        }
         let durable = self.fs.durable_generation();
         let waited = self.commit_waiters.iter().any(|w| w.generation > durable);
         if !waited && !self.fs.commit_due() {
             return;
         }
+        // The delayed index items go into the trees a step per loop turn first, so the
+        // commit's pause has few left; a stream of creates that outpaces the steps gets its
+        // commit after PREPARE_STEPS_MAX of them all the same.
+        if self.prepare_steps < PREPARE_STEPS_MAX {
+            match self.fs.commit_prepare() {
+                Ok(true) => {}
+                Ok(false) => {
+                    self.prepare_steps += 1;
+                    return;
+                }
+                Err(e) => {
+                    self.release_commit_waiters(u64::MAX, Err(e));
+                    return;
+                }
+            }
+        }
+        self.prepare_steps = 0;
         if let Some(m) = self.multi.as_mut() {
             m.ask_commit();
             return;

@@ -182,6 +182,9 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
         MountOptions {
             // Beyond the run: commits come from the dirty limit and the log's fill only.
             commit_interval: Duration::from_secs(3600),
+            // A commit's trees are written a node per slice: client operations the
+            // scheduler runs land between any two of its nodes.
+            commit_slice_nodes: 1,
             ..MountOptions::default()
         },
     )

@@ -69,6 +69,14 @@ pub struct EngineFigures {
     pub data_blocks_read: u64,
     #[serde(default)]
     pub data_cache_blocks: Option<u64>,
+    /// The longest commit serialization slice, the longest the reactor's loop went without
+    /// looking at its queue, and the longest synchronous device wait inside an operation.
+    #[serde(default)]
+    pub commit_slice_ms_max: f64,
+    #[serde(default)]
+    pub loop_gap_ms_max: f64,
+    #[serde(default)]
+    pub device_wait_ms_max: f64,
 }
 
 /// (percentile, latency ns) points.

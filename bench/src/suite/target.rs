@@ -265,6 +265,9 @@ impl Target for CorefsTarget {
             data_cache_hits: stats.data_cache_hits,
             data_blocks_read: stats.data_blocks_read,
             data_cache_blocks: Some(self.data_cache_blocks as u64),
+            commit_slice_ms_max: c.slice_ns_max as f64 / 1e6,
+            loop_gap_ms_max: stats.loop_gap_ns_max as f64 / 1e6,
+            device_wait_ms_max: stats.device_waits.wait_ns_max as f64 / 1e6,
         }))
     }
 

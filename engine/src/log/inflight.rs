@@ -662,6 +662,15 @@ impl Filesystem {
             .sum()
     }
 
+    /// A chunk of a commit's serialized blocks: written in the background with no flush of
+    /// its own, done when its writes complete; the commit's last chunk is a record whose
+    /// flush waits for these writes (as for a write-back) and so covers them.
+    pub(crate) fn submit_commit_chunk(&mut self, blocks: Vec<(u64, Vec<u8>)>) -> Result<u64> {
+        assert!(!blocks.is_empty(), "a commit chunk has blocks");
+        let bytes = blocks.len() * crate::format::BLOCK_BYTES;
+        self.submit_background(blocks, false, None, bytes)
+    }
+
     /// As [`Filesystem::submit_record`] with every write FUA and no flush after: durable when
     /// the writes complete (a small record that carries its data).
     pub(crate) fn submit_fua(&mut self, blocks: Vec<(u64, Vec<u8>)>) -> Result<u64> {

@@ -14,6 +14,10 @@ struct MemIo {
     free: Vec<u64>,
     /// Freed in the running transaction but maybe referenced by the committed root.
     pinned: Vec<u64>,
+    /// Freed in a frozen generation being written: released when it is (its superblock).
+    pinned_frozen: Vec<u64>,
+    /// Every block the last committed root reaches: never written over.
+    committed: BTreeSet<u64>,
     allocated: BTreeSet<u64>,
     reads: u64,
 }
@@ -69,10 +73,41 @@ impl MemIo {
                 !self.pinned.contains(&addr),
                 "writing a pinned block {addr}"
             );
-            self.blocks.insert(addr, block);
+            self.write(addr, block);
         }
         self.free.append(&mut self.pinned);
+        self.committed = self.reachable(root.0, tree.owner);
         root
+    }
+
+    /// Writes a block of a generation being committed: never one the committed root reaches.
+    fn write(&mut self, addr: u64, block: Vec<u8>) {
+        assert!(
+            !self.committed.contains(&addr),
+            "writing block {addr}, which the committed root reaches"
+        );
+        assert!(
+            !self.pinned_frozen.contains(&addr),
+            "writing block {addr}, freed in the frozen generation"
+        );
+        self.blocks.insert(addr, block);
+    }
+
+    /// The blocks a root reaches on disk.
+    fn reachable(&self, root: BlockPtr, owner: u32) -> BTreeSet<u64> {
+        let mut out = BTreeSet::new();
+        let mut stack = vec![root];
+        while let Some(ptr) = stack.pop() {
+            if ptr.addr == 0 {
+                continue;
+            }
+            out.insert(ptr.addr);
+            let (_, body) = decode_node(&self.blocks[&ptr.addr], &ptr, owner, None).unwrap();
+            if let NodeBody::Internal(entries) = body {
+                stack.extend(entries.into_iter().map(|(_, p)| p));
+            }
+        }
+        out
     }
 }
 
@@ -93,6 +128,10 @@ enum Step {
     Commit,
     Reopen,
     Evict(usize),
+    /// A commit starts: the dirty nodes freeze, written later by slices.
+    Freeze,
+    /// A slice of the frozen generation (this many nodes at most).
+    Slice(usize),
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -104,7 +143,54 @@ fn step() -> impl Strategy<Value = Step> {
         1 => Just(Step::Commit),
         1 => Just(Step::Reopen),
         1 => (1..20usize).prop_map(Step::Evict),
+        1 => Just(Step::Freeze),
+        3 => (1..8usize).prop_map(Step::Slice),
     ]
+}
+
+/// A generation frozen and being written in slices, beside the running one.
+struct Freezing {
+    generation: u64,
+    model: BTreeMap<Key, Vec<u8>>,
+}
+
+/// Writes one slice; when the last node is written, the frozen generation is committed: its
+/// root read back from disk alone must hold exactly what the tree held when it froze.
+#[allow(clippy::too_many_arguments)]
+fn slice(
+    io: &mut MemIo,
+    tree: &mut Tree,
+    freezing: &mut Option<Freezing>,
+    max: usize,
+    committed: &mut (BlockPtr, u8),
+    committed_model: &mut BTreeMap<Key, Vec<u8>>,
+) {
+    let Some(f) = freezing.as_ref() else {
+        return;
+    };
+    let mut out = Vec::new();
+    let progress = tree.write_frozen(max, &mut out, &mut Vec::new());
+    for (addr, block) in out {
+        assert!(
+            io.allocated.contains(&addr) || io.pinned.contains(&addr),
+            "writing block {addr}, neither allocated nor freed after the freeze"
+        );
+        io.write(addr, block);
+    }
+    if let FrozenProgress::Done(root, level) = progress {
+        let mut alone = Tree::open(0, root, level);
+        assert_eq!(
+            alone.range(io, Key::MIN, Key::MAX).unwrap(),
+            f.model.clone().into_iter().collect::<Vec<_>>(),
+            "generation {} as written differs from the tree it froze",
+            f.generation
+        );
+        *committed = (root, level);
+        *committed_model = f.model.clone();
+        io.committed = io.reachable(root, 0);
+        io.free.append(&mut io.pinned_frozen);
+        *freezing = None;
+    }
 }
 
 fn run(steps: &[Step]) {
@@ -114,6 +200,7 @@ fn run(steps: &[Step]) {
     let mut generation = 1;
     let mut committed: (BlockPtr, u8) = (BlockPtr::default(), 0);
     let mut committed_model = model.clone();
+    let mut freezing: Option<Freezing> = None;
     for step in steps {
         match *step {
             Step::Insert(n, salt) => {
@@ -137,6 +224,38 @@ fn run(steps: &[Step]) {
                     .map(|(k, v)| (*k, v.clone()));
                 assert_eq!(tree.seek_le(&mut io, &key(n)).unwrap(), want_le);
             }
+            Step::Freeze | Step::Commit if freezing.is_some() => {
+                // One generation in flight at a time: the last one's slices finish first.
+                slice(
+                    &mut io,
+                    &mut tree,
+                    &mut freezing,
+                    usize::MAX,
+                    &mut committed,
+                    &mut committed_model,
+                );
+            }
+            Step::Freeze => {
+                if tree.freeze(generation) {
+                    io.pinned_frozen = std::mem::take(&mut io.pinned);
+                    freezing = Some(Freezing {
+                        generation,
+                        model: model.clone(),
+                    });
+                } else {
+                    committed = io.commit(&mut tree, generation);
+                    committed_model = model.clone();
+                }
+                generation += 1;
+            }
+            Step::Slice(max) => slice(
+                &mut io,
+                &mut tree,
+                &mut freezing,
+                max,
+                &mut committed,
+                &mut committed_model,
+            ),
             Step::Commit => {
                 committed = io.commit(&mut tree, generation);
                 committed_model = model.clone();
@@ -145,6 +264,7 @@ fn run(steps: &[Step]) {
             }
             Step::Reopen => {
                 // A crash: drop everything in memory and read the last committed tree back.
+                freezing = None;
                 let (root, level) = committed;
                 tree = Tree::open(0, root, level);
                 model = committed_model.clone();
@@ -153,12 +273,21 @@ fn run(steps: &[Step]) {
                 io.allocated = blocks.into_iter().collect();
                 io.free.clear();
                 io.pinned.clear();
+                io.pinned_frozen.clear();
                 io.next = io.blocks.keys().max().copied().unwrap_or(0);
                 generation += 1;
             }
             Step::Evict(max) => tree.evict_clean(max),
         }
     }
+    slice(
+        &mut io,
+        &mut tree,
+        &mut freezing,
+        usize::MAX,
+        &mut committed,
+        &mut committed_model,
+    );
     let (count, blocks) = tree.check(&mut io).unwrap();
     assert_eq!(count, model.len() as u64);
     let used: BTreeSet<u64> = blocks.into_iter().collect();
