@@ -84,7 +84,8 @@ fn parse() -> Config {
             _ => usage(),
         }
     }
-    if c.threads.is_empty() || c.threads.contains(&0) || !(c.seconds > 0.0) {
+    if c.threads.is_empty() || c.threads.contains(&0) || !c.seconds.is_finite() || c.seconds <= 0.0
+    {
         usage()
     }
     c

@@ -18,3 +18,6 @@ pub mod abi;
 pub mod fuzz_harness;
 mod handles;
 mod path;
+
+#[doc(hidden)]
+pub use handles::test_hook_pause_after_resolve;
