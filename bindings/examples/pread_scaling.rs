@@ -11,7 +11,11 @@
 //!     --threads 1,2,4,8 --seconds 3 --handles per-thread --device mem:256MiB
 //! ```
 //!
-//! `--handles shared` (the default) has every thread read through one handle, as a database's
+//! `--probe lookup` reads through write-only handles instead: each call resolves the
+//! filesystem and the file handle, then fails (-EBADF) before any engine call, so it measures
+//! the handle path alone, without the reactor round trip that dominates a cached read.
+//! `--busy-poll 1` has the reactor busy-poll (a core of its own) instead of spinning then
+//! parking. `--handles shared` (the default) has every thread read through one handle, as a database's
 //! connections sharing a file do; `per-thread` gives each thread its own handle. Each thread
 //! count runs `--seconds` after a short warm-up; the load average is printed first, because a
 //! busy machine (2 cores here, other builds) skews every figure.
@@ -32,6 +36,8 @@ struct Config {
     threads: Vec<usize>,
     seconds: f64,
     per_thread_handles: bool,
+    busy_poll: bool,
+    lookup_only: bool,
     file_bytes: usize,
     seed: u64,
 }
@@ -39,7 +45,7 @@ struct Config {
 fn usage() -> ! {
     eprintln!(
         "usage: pread_scaling [--device DEV] [--threads 1,2,4,8] [--seconds S] \
-         [--handles shared|per-thread] [--file-mib M] [--seed N]"
+         [--handles shared|per-thread] [--file-mib M] [--seed N] [--busy-poll 0|1] [--probe read|lookup]"
     );
     std::process::exit(2)
 }
@@ -50,6 +56,8 @@ fn parse() -> Config {
         threads: vec![1, 2, 4, 8],
         seconds: 3.0,
         per_thread_handles: false,
+        busy_poll: false,
+        lookup_only: false,
         file_bytes: 4 << 20,
         seed: 1,
     };
@@ -81,6 +89,14 @@ fn parse() -> Config {
                     .unwrap_or_else(|| usage())
             }
             "--seed" => c.seed = value.parse().unwrap_or_else(|_| usage()),
+            "--busy-poll" => c.busy_poll = value == "1",
+            "--probe" => {
+                c.lookup_only = match value.as_str() {
+                    "read" => false,
+                    "lookup" => true,
+                    _ => usage(),
+                }
+            }
             _ => usage(),
         }
     }
@@ -112,7 +128,14 @@ fn load_average() -> String {
 }
 
 /// Reads random blocks through `fd` until `stop`; returns how many.
-fn reader(fs: corefs_fs, fd: corefs_fd, blocks: u64, seed: u64, stop: &AtomicBool) -> u64 {
+fn reader(
+    fs: corefs_fs,
+    fd: corefs_fd,
+    expect: i64,
+    blocks: u64,
+    seed: u64,
+    stop: &AtomicBool,
+) -> u64 {
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
     let mut buf = vec![0u8; READ_BYTES];
     let mut ops = 0u64;
@@ -120,7 +143,7 @@ fn reader(fs: corefs_fs, fd: corefs_fd, blocks: u64, seed: u64, stop: &AtomicBoo
         let offset = rng.random_range(0..blocks) * READ_BYTES as u64;
         // SAFETY: `buf` holds READ_BYTES writable bytes.
         let n = unsafe { corefs_pread(fs, fd, buf.as_mut_ptr(), READ_BYTES, offset) };
-        assert_eq!(n, READ_BYTES as i64, "pread: {}", last_error());
+        assert_eq!(n, expect, "pread: {}", last_error());
         ops += 1;
     }
     ops
@@ -136,11 +159,16 @@ fn run(c: &Config, fs: corefs_fs, shared_fd: corefs_fd, path: &CStr, threads: us
         .map(|t| {
             let (stop, start, measure) = (stop.clone(), start.clone(), measure.clone());
             let per_thread = c.per_thread_handles;
+            let (flags, expect) = if c.lookup_only {
+                (COREFS_O_WRONLY, -(libc::EBADF as i64))
+            } else {
+                (COREFS_O_RDONLY, READ_BYTES as i64)
+            };
             let path = path.to_owned();
             let seed = c.seed.wrapping_mul(1000).wrapping_add(t as u64);
             std::thread::spawn(move || {
                 let fd = if per_thread {
-                    open(fs, &path, COREFS_O_RDONLY)
+                    open(fs, &path, flags)
                 } else {
                     shared_fd
                 };
@@ -155,7 +183,7 @@ fn run(c: &Config, fs: corefs_fs, shared_fd: corefs_fd, path: &CStr, threads: us
                     unsafe { corefs_pread(fs, fd, buf.as_mut_ptr(), READ_BYTES, offset) };
                 }
                 measure.wait();
-                let ops = reader(fs, fd, blocks, seed, &stop);
+                let ops = reader(fs, fd, expect, blocks, seed, &stop);
                 if per_thread {
                     assert_eq!(corefs_release(fs, fd), 0, "release: {}", last_error());
                 }
@@ -176,12 +204,14 @@ fn main() {
     let c = parse();
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!(
-        "pread_scaling: {} KiB reads of a cached {} MiB file, {} handle(s), device {}, {} s per point",
+        "pread_scaling ({}): {} KiB reads of a cached {} MiB file, {} handle(s), device {}, {} s per point, reactor {}",
+        if c.lookup_only { "probe: the handle path alone" } else { "probe: cached reads" },
         READ_BYTES / 1024,
         c.file_bytes >> 20,
         if c.per_thread_handles { "per-thread" } else { "one shared" },
         c.device,
-        c.seconds
+        c.seconds,
+        if c.busy_poll { "busy-polling" } else { "spinning then parking" }
     );
     println!("cores {cores}, load average {} at start", load_average());
     let device = CString::new(c.device.clone()).expect("device without NUL");
@@ -189,6 +219,7 @@ fn main() {
         format: 1,
         // Few shards: a file's data lives in one shard's region, a 64th of a small device.
         shards: 4,
+        busy_poll: u8::from(c.busy_poll),
         ..{
             // SAFETY: all-zero is a valid corefs_options (NULL label, defaults).
             unsafe { std::mem::zeroed() }
@@ -214,6 +245,12 @@ fn main() {
     }
     assert!(back == data, "the file reads back as written");
 
+    // The probe of the handle path reads through a write-only handle (-EBADF).
+    let timed_fd = if c.lookup_only {
+        open(fs, path, COREFS_O_WRONLY)
+    } else {
+        fd
+    };
     println!(
         "{:>8} {:>12} {:>14} {:>10}",
         "threads", "ops/s", "ns/op/thread", "vs 1"
@@ -221,7 +258,7 @@ fn main() {
     let mut first: Option<(usize, f64)> = None;
     let mut last = None;
     for &threads in &c.threads {
-        let rate = run(&c, fs, fd, path, threads);
+        let rate = run(&c, fs, timed_fd, path, threads);
         let base = *first.get_or_insert((threads, rate));
         println!(
             "{threads:>8} {rate:>12.0} {:>14.0} {:>9.2}x",
@@ -236,6 +273,9 @@ fn main() {
             r1 / r0,
             load_average()
         );
+    }
+    if timed_fd != fd {
+        assert_eq!(corefs_release(fs, timed_fd), 0, "release: {}", last_error());
     }
     assert_eq!(corefs_release(fs, fd), 0, "release: {}", last_error());
     assert_eq!(corefs_close(fs), 0, "close: {}", last_error());
