@@ -437,6 +437,7 @@ pub unsafe extern "C" fn corefs_mount(
     options: *const corefs_options,
 ) -> corefs_fs {
     guard("corefs_mount", || {
+        crate::logging::init_from_env();
         // SAFETY: forwarded from this function's contract.
         let device = unsafe { c_str(device, "device") }?;
         let options = if options.is_null() {

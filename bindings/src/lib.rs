@@ -17,6 +17,7 @@ pub mod abi;
 #[doc(hidden)]
 pub mod fuzz_harness;
 mod handles;
+mod logging;
 mod path;
 
 #[doc(hidden)]
