@@ -25,16 +25,18 @@
 //!   it read (a close racing a pread would otherwise let the pread read, or write, an inode
 //!   the release deleted). So a call on a file handle *pins* its filesystem for its whole
 //!   length ([`FileRef`]): it publishes, in its thread's own cache line ([`PinRecord`]), the
-//!   filesystem id and an odd sequence number, *then* reads the epoch. A removal bumps the
-//!   epoch, *then* waits until every pin on that filesystem it sees has moved on (its
-//!   sequence changed), and only then releases the inode. All four accesses are `SeqCst`, so
+//!   filesystem id, the handle and an odd sequence number, *then* reads the epoch. A removal
+//!   bumps the epoch, *then* waits until every pin on that handle (on any handle of the
+//!   filesystem, for close) it sees has moved on (its sequence changed), and only then
+//!   releases the inode. All four accesses are `SeqCst`, so
 //!   either the pin comes before the bump in their single total order (the remover sees it
 //!   and waits for the call to end), or the bump comes before the pin's read of the epoch
 //!   (the call sees a new epoch, goes to the table, finds the handle gone: EBADF). A waiting
 //!   remover watches a sequence number, not the pinned flag, so threads that pin again and
 //!   again cannot starve it; it skips its own thread's record (it cannot be inside a handle
-//!   call of its own). This is a grace period as in RCU: release and close wait for the handle
-//!   calls on their filesystem already running, typically microseconds.
+//!   call of its own). This is a grace period as in RCU: a release waits for the calls on its
+//!   handle already running (close: on any handle of its filesystem), typically
+//!   microseconds; an fsync through the handle, as long as that takes.
 //! - A pin record belongs to one thread while it lives and is reused after it exits, so the
 //!   records number at most the threads alive at once. Without thread-locals (an `atexit`
 //!   handler) a call borrows a free record for its length.
@@ -140,6 +142,8 @@ struct PinRecord {
     sequence: AtomicU64,
     /// The filesystem pinned (-1: more than one, nested).
     fs: AtomicI64,
+    /// The file handle pinned (-1: more than one, nested).
+    fd: AtomicI64,
     /// Owned by a thread (or borrowed by a call without thread-locals).
     taken: AtomicBool,
 }
@@ -162,6 +166,7 @@ fn take_pin_record() -> &'static PinRecord {
     let r: &'static PinRecord = Box::leak(Box::new(PinRecord {
         sequence: AtomicU64::new(0),
         fs: AtomicI64::new(0),
+        fd: AtomicI64::new(0),
         taken: AtomicBool::new(true),
     }));
     all.push(r);
@@ -176,8 +181,11 @@ struct ThreadPin {
 
 impl Drop for ThreadPin {
     fn drop(&mut self) {
-        // Never pinned here: a thread exits between calls.
-        assert_eq!(self.record.sequence.load(Ordering::Relaxed) & 1, 0);
+        // A thread exits between calls, so never pinned here; were it, a pinned record
+        // would stall every remover: unpin (no panic in a thread-local destructor).
+        if self.record.sequence.load(Ordering::Relaxed) & 1 == 1 {
+            clear_pin(self.record);
+        }
         self.record.taken.store(false, Ordering::Release);
     }
 }
@@ -188,10 +196,11 @@ enum Pin {
     Borrowed(&'static PinRecord),
 }
 
-fn publish_pin(record: &PinRecord, fs_id: i64) {
+fn publish_pin(record: &PinRecord, fs_id: i64, fd: i64) {
     let sequence = record.sequence.load(Ordering::Relaxed);
     debug_assert_eq!(sequence & 1, 0);
     record.fs.store(fs_id, Ordering::Relaxed);
+    record.fd.store(fd, Ordering::Relaxed);
     // SeqCst: ordered before the epoch read that follows (see the module doc).
     record.sequence.store(sequence + 1, Ordering::SeqCst);
 }
@@ -203,15 +212,20 @@ fn clear_pin(record: &PinRecord) {
     record.sequence.store(sequence + 1, Ordering::Release);
 }
 
-fn pin(fs_id: i64) -> Pin {
+fn pin(fs_id: i64, fd: i64) -> Pin {
     let pinned = THREAD_PIN.try_with(|p| {
         let depth = p.depth.get();
         if depth == 0 {
-            publish_pin(p.record, fs_id);
-        } else if p.record.fs.load(Ordering::Relaxed) != fs_id {
-            // A nested call on another filesystem: the pin now stands for every filesystem
-            // (a remover of either waits). SeqCst as the pin's own publication.
-            p.record.fs.store(-1, Ordering::SeqCst);
+            publish_pin(p.record, fs_id, fd);
+        } else {
+            // A nested call on another handle: the pin now stands for every handle (a
+            // remover of either waits). SeqCst as the pin's own publication.
+            if p.record.fd.load(Ordering::Relaxed) != fd {
+                p.record.fd.store(-1, Ordering::SeqCst);
+            }
+            if p.record.fs.load(Ordering::Relaxed) != fs_id {
+                p.record.fs.store(-1, Ordering::SeqCst);
+            }
         }
         p.depth.set(depth + 1);
         p.record
@@ -220,7 +234,7 @@ fn pin(fs_id: i64) -> Pin {
         Ok(record) => Pin::Thread(record),
         Err(_) => {
             let record = take_pin_record();
-            publish_pin(record, fs_id);
+            publish_pin(record, fs_id, fd);
             Pin::Borrowed(record)
         }
     }
@@ -251,9 +265,10 @@ impl Drop for Pin {
     }
 }
 
-/// Waits until every call pinned on filesystem `fs_id` when this was called (other than the
-/// caller's own) has ended. Called after a removal's epoch bump (see the module doc).
-fn wait_for_pinned_calls(fs_id: i64) {
+/// Waits until every call pinned on handle `fd` (`None`: any handle) of filesystem `fs_id`
+/// when this was called (other than the caller's own) has ended. Called after a removal's
+/// epoch bump (see the module doc).
+fn wait_for_pinned_calls(fs_id: i64, fd: Option<i64>) {
     let records: Vec<&'static PinRecord> = PIN_RECORDS
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -268,7 +283,10 @@ fn wait_for_pinned_calls(fs_id: i64) {
             continue;
         }
         let pinned_fs = record.fs.load(Ordering::SeqCst);
-        if pinned_fs != fs_id && pinned_fs != -1 {
+        let pinned_fd = record.fd.load(Ordering::SeqCst);
+        let same_fs = pinned_fs == fs_id || pinned_fs == -1;
+        let same_fd = fd.is_none_or(|fd| pinned_fd == fd || pinned_fd == -1);
+        if !(same_fs && same_fd) {
             continue;
         }
         let mut spins = 0u32;
@@ -315,7 +333,7 @@ fn ebadf_fs(id: i64) -> Error {
 
 /// Resolves file handle `fd` of `fs` for one call (EBADF if it is not open), pinned.
 pub(crate) fn file(fs: &Fs, fd: i64) -> Result<FileRef, Error> {
-    let pin = pin(fs.id);
+    let pin = pin(fs.id, fd);
     let epoch = fs.files_epoch.load(Ordering::SeqCst);
     let local = local_of(fs.id);
     let cached = local
@@ -378,7 +396,7 @@ pub(crate) fn remove_file(fs: &Fs, fd: i64) -> Result<OpenFile, Error> {
         removed
     };
     let removed = removed.ok_or_else(|| ebadf_file(fd))?;
-    wait_for_pinned_calls(fs.id);
+    wait_for_pinned_calls(fs.id, Some(fd));
     Ok(removed)
 }
 
@@ -391,7 +409,7 @@ pub(crate) fn drain_files(fs: &Fs) -> Vec<OpenFile> {
         fs.files_epoch.fetch_add(1, Ordering::SeqCst);
         open
     };
-    wait_for_pinned_calls(fs.id);
+    wait_for_pinned_calls(fs.id, None);
     open
 }
 
