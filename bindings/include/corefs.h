@@ -18,7 +18,11 @@
  * Owners: new files, directories and symbolic links belong to the process's effective uid and
  * gid, or to the mount's owner (corefs_options), or to the thread's (corefs_set_owner).
  * Open handles keep their file: one unlinked while open lives, with nlink 0, until its last
- * handle is released (or, after a crash, until the next mount). */
+ * handle is released (or, after a crash, until the next mount).
+ * Logging: with the environment variable COREFS_LOG set when the process first calls
+ * corefs_mount, the library logs to stderr what that filter lets through (`warn`, `info`,
+ * `corefs_engine=debug,warn`: tracing's EnvFilter syntax); unset, it logs nothing. A Rust
+ * host's own `tracing` subscriber, installed first, is kept. */
 
 #ifndef COREFS_H
 #define COREFS_H

@@ -10,7 +10,7 @@
 //! slash) to the errno its Linux system call gives, explicitly, in its body.
 #![allow(non_camel_case_types)]
 
-use crate::handles::{self, set_error, with_client, Error, Fs, OpenFile};
+use crate::handles::{self, set_error, with_client, Error, FileRef, Fs, FsRef, OpenFile};
 use crate::path::{self, show, Entry, Last, Namespace};
 use engine::format::items::MAX_XATTR_VALUE_BYTES;
 use engine::{FallocateMode, MkfsOptions, MountOptions, RenameFlags, SetAttr, Stat, XattrFlags};
@@ -19,8 +19,6 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::Duration;
 
 /// A mounted filesystem (≥ 1).
@@ -369,16 +367,13 @@ fn no_trailing_slash_for_new(fs: &Fs, e: &Entry<'_>, path: &[u8]) -> Result<(), 
     })
 }
 
-fn file(fs: &Fs, fd: corefs_fd) -> Result<OpenFile, Error> {
-    fs.files
-        .lock()
-        .expect("file table")
-        .get(&fd)
-        .copied()
-        .ok_or_else(|| Error::new(libc::EBADF, format!("{fd} is not an open file")))
+/// The handle `fd`, pinned while the result lives: keep it across the engine call that uses
+/// it (a release waits for it before the inode goes; see [`handles`]).
+fn file(fs: &Fs, fd: corefs_fd) -> Result<FileRef, Error> {
+    handles::file(fs, fd)
 }
 
-fn regular(fs: &Fs, fd: corefs_fd) -> Result<OpenFile, Error> {
+fn regular(fs: &Fs, fd: corefs_fd) -> Result<FileRef, Error> {
     let f = file(fs, fd)?;
     if f.dir {
         return Err(Error::new(libc::EISDIR, format!("{fd} is a directory")));
@@ -394,7 +389,7 @@ fn copy_out(out: &mut [u8], value: &[u8]) -> i64 {
     value.len() as i64
 }
 
-fn fs_of(fs: corefs_fs) -> Result<Arc<Fs>, Error> {
+fn fs_of(fs: corefs_fs) -> Result<FsRef, Error> {
     handles::lookup(fs)
 }
 
@@ -442,6 +437,7 @@ pub unsafe extern "C" fn corefs_mount(
     options: *const corefs_options,
 ) -> corefs_fs {
     guard("corefs_mount", || {
+        crate::logging::init_from_env();
         // SAFETY: forwarded from this function's contract.
         let device = unsafe { c_str(device, "device") }?;
         let options = if options.is_null() {
@@ -557,14 +553,8 @@ pub extern "C" fn corefs_close(fs: corefs_fs) -> c_int {
         // Released here rather than left to the next mount (which deletes the orphans a
         // crash leaves): a closed image then holds no orphan, and their space is free now.
         // A failure is the runtime's, which the shutdown below reports.
-        let open: Vec<OpenFile> = fs
-            .files
-            .lock()
-            .expect("file table")
-            .drain()
-            .map(|(_, f)| f)
-            .collect();
-        for f in open {
+        // Returns once no call still uses a handle (see handles' module doc).
+        for f in handles::drain_files(&fs) {
             let _ = call(&fs, Op::Release { ino: f.ino });
         }
         handles::forget_client(fs.id);
@@ -731,9 +721,8 @@ fn open_held(fs: &Fs, path: &[u8], flags: c_int, stat: &Stat) -> Result<corefs_f
             },
         )?;
     }
-    let fd = fs.next_fd.fetch_add(1, Ordering::Relaxed);
-    fs.files.lock().expect("file table").insert(
-        fd,
+    Ok(handles::enter_file(
+        fs,
         OpenFile {
             ino: stat.ino,
             dir,
@@ -741,8 +730,7 @@ fn open_held(fs: &Fs, path: &[u8], flags: c_int, stat: &Stat) -> Result<corefs_f
             writable,
             append: flags & COREFS_O_APPEND != 0,
         },
-    );
-    Ok(fd)
+    ))
 }
 
 /// Closes a file handle (its data stays where it is: fsync first to make it durable). The
@@ -751,9 +739,8 @@ fn open_held(fs: &Fs, path: &[u8], flags: c_int, stat: &Stat) -> Result<corefs_f
 pub extern "C" fn corefs_release(fs: corefs_fs, fd: corefs_fd) -> c_int {
     status("corefs_release", || {
         let fs = fs_of(fs)?;
-        let removed = fs.files.lock().expect("file table").remove(&fd);
-        let f =
-            removed.ok_or_else(|| Error::new(libc::EBADF, format!("{fd} is not an open file")))?;
+        // Returns once no call still uses the handle (see handles' module doc).
+        let f = handles::remove_file(&fs, fd)?;
         // The handle is gone whatever this says, as after close(2).
         call(&fs, Op::Release { ino: f.ino }).map(drop)
     })
@@ -844,7 +831,7 @@ fn write_op(f: &OpenFile, offset: u64, data: Vec<u8>) -> Op {
 
 /// The handle `fd` if it is a regular file open for writing (ftruncate(2) and fallocate(2)
 /// on a read-only descriptor are EBADF).
-fn writable(fs: &Fs, fd: corefs_fd) -> Result<OpenFile, Error> {
+fn writable(fs: &Fs, fd: corefs_fd) -> Result<FileRef, Error> {
     let f = regular(fs, fd)?;
     if !f.writable {
         return Err(Error::new(
@@ -858,7 +845,8 @@ fn writable(fs: &Fs, fd: corefs_fd) -> Result<OpenFile, Error> {
 fn sync_fd(name: &str, fs: corefs_fs, fd: corefs_fd, datasync: bool) -> c_int {
     status(name, || {
         let fs = fs_of(fs)?;
-        let ino = file(&fs, fd)?.ino;
+        let f = file(&fs, fd)?;
+        let ino = f.ino;
         let op = if datasync {
             Op::Fdatasync { ino }
         } else {
@@ -948,8 +936,8 @@ pub unsafe extern "C" fn corefs_fstat(
             return Err(efault("out"));
         }
         let fs = fs_of(fs)?;
-        let ino = file(&fs, fd)?.ino;
-        let s = stat_of(call(&fs, Op::Stat { ino })?)?;
+        let f = file(&fs, fd)?;
+        let s = stat_of(call(&fs, Op::Stat { ino: f.ino })?)?;
         // SAFETY: non-NULL and writable by contract.
         unsafe { out.write(to_c_stat(&s)) };
         Ok(())
@@ -1740,7 +1728,8 @@ pub extern "C" fn corefs_submit_fsync(
     token: u64,
 ) -> c_int {
     status("corefs_submit_fsync", || {
-        let ino = file(&*fs_of(fs)?, fd)?.ino;
+        let f = file(&*fs_of(fs)?, fd)?;
+        let ino = f.ino;
         let op = if datasync != 0 {
             Op::Fdatasync { ino }
         } else {

@@ -3,18 +3,51 @@
 //! # Invariants
 //! - A filesystem id is never reused within a process (ids only grow), so a closed handle stays
 //!   invalid forever; file handles likewise, per filesystem.
-//! - The tables are behind mutexes held only to look up or change an entry, never across an
-//!   engine call.
 //! - Every file handle in a table holds its inode ([`reactor::Op::Hold`]), taken before the
 //!   handle is entered and released after it is removed, so an inode stays while a handle to
 //!   it exists, with or without a name.
+//! - No call on an open handle takes a lock another thread can hold, or writes memory another
+//!   thread reads, before it reaches the reactor: `corefs_pread`, `_pwrite` and `_fsync` scale
+//!   with threads. Locks ([`Fs::files`], the registry of filesystems, the registry of pin
+//!   records) are taken only by open, release, close, mount, and a thread's first call on a
+//!   filesystem or first use of a handle, and never across an engine call.
+//!
+//! # How a handle is resolved without a shared lock
+//! - Filesystems: each thread keeps its own list of the filesystems it used ([`Local`]: the
+//!   `Arc<Fs>`, its reactor client, its cache of file handles). A call finds its filesystem
+//!   there and checks [`Fs::closed`] (read by every thread, written once, at close); only a
+//!   thread's first call on a filesystem reads the process-wide registry.
+//! - Files: the table of record is [`Fs::files`] (a mutex). Each thread caches the entries it
+//!   looked up, tagged with [`Fs::files_epoch`], which every removal bumps; a cached entry is
+//!   used only while the epoch is the one it was cached under (fd numbers are never reused,
+//!   and an entry never changes while in the table, so only a removal can make one wrong).
+//! - A removal must not give back the inode's hold while another thread still uses the entry
+//!   it read (a close racing a pread would otherwise let the pread read, or write, an inode
+//!   the release deleted). So a call on a file handle *pins* its filesystem for its whole
+//!   length ([`FileRef`]): it publishes, in its thread's own cache line ([`PinRecord`]), the
+//!   filesystem id, the handle and an odd sequence number, *then* reads the epoch. A removal
+//!   bumps the epoch, *then* waits until every pin on that handle (on any handle of the
+//!   filesystem, for close) it sees has moved on (its sequence changed), and only then
+//!   releases the inode. All four accesses are `SeqCst`, so
+//!   either the pin comes before the bump in their single total order (the remover sees it
+//!   and waits for the call to end), or the bump comes before the pin's read of the epoch
+//!   (the call sees a new epoch, goes to the table, finds the handle gone: EBADF). A waiting
+//!   remover watches a sequence number, not the pinned flag, so threads that pin again and
+//!   again cannot starve it; it skips its own thread's record (it cannot be inside a handle
+//!   call of its own). This is a grace period as in RCU: a release waits for the calls on its
+//!   handle already running (close: on any handle of its filesystem), typically
+//!   microseconds; an fsync through the handle, as long as that takes.
+//! - A pin record belongs to one thread while it lives and is reused after it exits, so the
+//!   records number at most the threads alive at once. Without thread-locals (an `atexit`
+//!   handler) a call borrows a free record for its length.
 
 use engine::EngineError;
 use reactor::{Client, Owner, Runtime};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::ffi::CString;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// An open file or directory.
@@ -30,11 +63,354 @@ pub(crate) struct OpenFile {
 pub(crate) struct Fs {
     pub id: i64,
     pub runtime: Mutex<Option<Runtime>>,
-    pub files: Mutex<HashMap<i64, OpenFile>>,
-    pub next_fd: AtomicI64,
+    /// The file handles (the table of record; threads cache entries, see the module doc).
+    files: Mutex<HashMap<i64, OpenFile>>,
+    /// Bumped after every removal from `files`: a cached entry is valid while it is unchanged.
+    files_epoch: AtomicU64,
+    /// Set once, when `corefs_close` takes the filesystem out of the registry.
+    closed: AtomicBool,
+    next_fd: AtomicI64,
     /// Who creates inodes unless the calling thread said otherwise ([`set_thread_owner`]):
     /// the mount's owner, or (`None`) the process's effective ids at each call.
     pub owner: Option<Owner>,
+}
+
+/// One thread's view of one filesystem: the filesystem, the thread's client of it (created at
+/// its first engine call), and the file handles it looked up.
+pub(crate) struct Local {
+    fs: Arc<Fs>,
+    client: RefCell<Option<Client>>,
+    files: RefCell<FileCache>,
+}
+
+/// A thread's cached file handles of one filesystem, valid while the filesystem's
+/// `files_epoch` is `epoch`.
+struct FileCache {
+    epoch: u64,
+    entries: HashMap<i64, OpenFile>,
+}
+
+/// Entries one thread caches per filesystem; past it the cache starts over (bounded memory).
+const FILE_CACHE_ENTRIES_MAX: usize = 4096;
+
+impl FileCache {
+    fn get(&mut self, epoch: u64, fd: i64) -> Option<OpenFile> {
+        if self.epoch != epoch {
+            self.entries.clear();
+            self.epoch = epoch;
+            return None;
+        }
+        self.entries.get(&fd).copied()
+    }
+
+    /// Caches `f`, read from the table after `epoch` was read (so valid under it).
+    fn put(&mut self, epoch: u64, fd: i64, f: OpenFile) {
+        if self.epoch != epoch {
+            self.entries.clear();
+            self.epoch = epoch;
+        }
+        if self.entries.len() >= FILE_CACHE_ENTRIES_MAX {
+            self.entries.clear();
+        }
+        self.entries.insert(fd, f);
+    }
+}
+
+/// A filesystem as a call sees it: through the calling thread's [`Local`] (no shared
+/// counter is touched), or, without thread-locals, through its own `Arc`.
+pub(crate) enum FsRef {
+    Local(Rc<Local>),
+    Shared(Arc<Fs>),
+}
+
+impl std::ops::Deref for FsRef {
+    type Target = Fs;
+    fn deref(&self) -> &Fs {
+        match self {
+            FsRef::Local(l) => &l.fs,
+            FsRef::Shared(fs) => fs,
+        }
+    }
+}
+
+/// A thread's published pin (see the module doc). Aligned to its own pair of cache lines, so
+/// pinning writes no line another thread's pin writes.
+#[repr(align(128))]
+struct PinRecord {
+    /// Odd while the owner is inside a call on a file handle; bumped at each pin and unpin,
+    /// by the owner only.
+    sequence: AtomicU64,
+    /// The filesystem pinned (-1: more than one, nested).
+    fs: AtomicI64,
+    /// The file handle pinned (-1: more than one, nested).
+    fd: AtomicI64,
+    /// Owned by a thread (or borrowed by a call without thread-locals).
+    taken: AtomicBool,
+}
+
+/// Every pin record ever made (leaked: each is reused, so they number at most the threads
+/// alive at once).
+static PIN_RECORDS: Mutex<Vec<&'static PinRecord>> = Mutex::new(Vec::new());
+
+/// A free pin record, taken (a new one when none is free).
+fn take_pin_record() -> &'static PinRecord {
+    let mut all = PIN_RECORDS.lock().unwrap_or_else(|p| p.into_inner());
+    for r in all.iter() {
+        if r.taken
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+        {
+            return r;
+        }
+    }
+    let r: &'static PinRecord = Box::leak(Box::new(PinRecord {
+        sequence: AtomicU64::new(0),
+        fs: AtomicI64::new(0),
+        fd: AtomicI64::new(0),
+        taken: AtomicBool::new(true),
+    }));
+    all.push(r);
+    r
+}
+
+/// A thread's pin record and how deeply its calls nest; the record is freed at thread exit.
+struct ThreadPin {
+    record: &'static PinRecord,
+    depth: Cell<u32>,
+}
+
+impl Drop for ThreadPin {
+    fn drop(&mut self) {
+        // A thread exits between calls, so never pinned here; were it, a pinned record
+        // would stall every remover: unpin (no panic in a thread-local destructor).
+        if self.record.sequence.load(Ordering::Relaxed) & 1 == 1 {
+            clear_pin(self.record);
+        }
+        self.record.taken.store(false, Ordering::Release);
+    }
+}
+
+/// A pin on a filesystem, held for the length of a call on one of its file handles.
+enum Pin {
+    Thread(&'static PinRecord),
+    Borrowed(&'static PinRecord),
+}
+
+fn publish_pin(record: &PinRecord, fs_id: i64, fd: i64) {
+    let sequence = record.sequence.load(Ordering::Relaxed);
+    debug_assert_eq!(sequence & 1, 0);
+    record.fs.store(fs_id, Ordering::Relaxed);
+    record.fd.store(fd, Ordering::Relaxed);
+    // SeqCst: ordered before the epoch read that follows (see the module doc).
+    record.sequence.store(sequence + 1, Ordering::SeqCst);
+}
+
+fn clear_pin(record: &PinRecord) {
+    let sequence = record.sequence.load(Ordering::Relaxed);
+    debug_assert_eq!(sequence & 1, 1);
+    // Release: everything the call did with the handle comes before a remover sees this.
+    record.sequence.store(sequence + 1, Ordering::Release);
+}
+
+fn pin(fs_id: i64, fd: i64) -> Pin {
+    let pinned = THREAD_PIN.try_with(|p| {
+        let depth = p.depth.get();
+        if depth == 0 {
+            publish_pin(p.record, fs_id, fd);
+        } else {
+            // A nested call on another handle: the pin now stands for every handle (a
+            // remover of either waits). SeqCst as the pin's own publication.
+            if p.record.fd.load(Ordering::Relaxed) != fd {
+                p.record.fd.store(-1, Ordering::SeqCst);
+            }
+            if p.record.fs.load(Ordering::Relaxed) != fs_id {
+                p.record.fs.store(-1, Ordering::SeqCst);
+            }
+        }
+        p.depth.set(depth + 1);
+        p.record
+    });
+    match pinned {
+        Ok(record) => Pin::Thread(record),
+        Err(_) => {
+            let record = take_pin_record();
+            publish_pin(record, fs_id, fd);
+            Pin::Borrowed(record)
+        }
+    }
+}
+
+impl Drop for Pin {
+    fn drop(&mut self) {
+        match *self {
+            Pin::Thread(record) => {
+                let outermost = THREAD_PIN
+                    .try_with(|p| {
+                        let depth = p.depth.get() - 1;
+                        p.depth.set(depth);
+                        depth == 0
+                    })
+                    // Thread-locals gone mid-call cannot happen; unpin rather than leave the
+                    // record pinned (which would stall every remover).
+                    .unwrap_or(true);
+                if outermost {
+                    clear_pin(record);
+                }
+            }
+            Pin::Borrowed(record) => {
+                clear_pin(record);
+                record.taken.store(false, Ordering::Release);
+            }
+        }
+    }
+}
+
+/// Waits until every call pinned on handle `fd` (`None`: any handle) of filesystem `fs_id`
+/// when this was called (other than the caller's own) has ended. Called after a removal's
+/// epoch bump (see the module doc).
+fn wait_for_pinned_calls(fs_id: i64, fd: Option<i64>) {
+    let records: Vec<&'static PinRecord> = PIN_RECORDS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
+    let own = THREAD_PIN.try_with(|p| p.record as *const PinRecord).ok();
+    for record in records {
+        if own == Some(record as *const PinRecord) {
+            continue;
+        }
+        let sequence = record.sequence.load(Ordering::SeqCst);
+        if sequence & 1 == 0 {
+            continue;
+        }
+        let pinned_fs = record.fs.load(Ordering::SeqCst);
+        let pinned_fd = record.fd.load(Ordering::SeqCst);
+        let same_fs = pinned_fs == fs_id || pinned_fs == -1;
+        let same_fd = fd.is_none_or(|fd| pinned_fd == fd || pinned_fd == -1);
+        if !(same_fs && same_fd) {
+            continue;
+        }
+        let mut spins = 0u32;
+        while record.sequence.load(Ordering::Acquire) == sequence {
+            // A cached read takes microseconds; one waiting for the device, more: spin
+            // briefly, then give the core away (2 cores are shared with the reactors).
+            if spins < 64 {
+                std::hint::spin_loop();
+                spins += 1;
+            } else if spins < 1024 {
+                std::thread::yield_now();
+                spins += 1;
+            } else {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+        }
+    }
+}
+
+/// A file handle resolved for one call: the entry, and the pin that keeps its inode held
+/// until the call drops this (hold it across the engine call, not only the lookup).
+pub(crate) struct FileRef {
+    file: OpenFile,
+    _pin: Pin,
+}
+
+impl std::ops::Deref for FileRef {
+    type Target = OpenFile;
+    fn deref(&self) -> &OpenFile {
+        &self.file
+    }
+}
+
+fn ebadf_file(fd: i64) -> Error {
+    Error::new(libc::EBADF, format!("{fd} is not an open file"))
+}
+
+fn ebadf_fs(id: i64) -> Error {
+    Error::new(
+        libc::EBADF,
+        format!("{id} is not an open corefs filesystem"),
+    )
+}
+
+/// Resolves file handle `fd` of `fs` for one call (EBADF if it is not open), pinned.
+pub(crate) fn file(fs: &Fs, fd: i64) -> Result<FileRef, Error> {
+    let pin = pin(fs.id, fd);
+    let epoch = fs.files_epoch.load(Ordering::SeqCst);
+    let local = local_of(fs.id);
+    let cached = local
+        .as_ref()
+        .and_then(|l| l.files.try_borrow_mut().ok()?.get(epoch, fd));
+    let file = match cached {
+        Some(f) => f,
+        None => {
+            let found = fs
+                .files
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&fd)
+                .copied()
+                .ok_or_else(|| ebadf_file(fd))?;
+            if let Some(Ok(mut cache)) = local.as_ref().map(|l| l.files.try_borrow_mut()) {
+                cache.put(epoch, fd, found);
+            }
+            found
+        }
+    };
+    let pause_us = PAUSE_AFTER_RESOLVE_US.load(Ordering::Relaxed);
+    if pause_us > 0 {
+        std::thread::sleep(std::time::Duration::from_micros(pause_us));
+    }
+    Ok(FileRef { file, _pin: pin })
+}
+
+/// See [`test_hook_pause_after_resolve`]; zero (read, never written) outside tests.
+static PAUSE_AFTER_RESOLVE_US: AtomicU64 = AtomicU64::new(0);
+
+/// Test hook (Rust only, not in the header): every call on a file handle pauses `us`
+/// microseconds between resolving the handle and using it, which widens the window a
+/// release racing it must get right (0: no pause).
+#[doc(hidden)]
+pub fn test_hook_pause_after_resolve(us: u64) {
+    PAUSE_AFTER_RESOLVE_US.store(us, Ordering::Relaxed);
+}
+
+/// Enters a new file handle (its inode already held) and returns it.
+pub(crate) fn enter_file(fs: &Fs, f: OpenFile) -> i64 {
+    let fd = fs.next_fd.fetch_add(1, Ordering::Relaxed);
+    assert!(fd > 0, "file handles of a filesystem ran out");
+    fs.files
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(fd, f);
+    fd
+}
+
+/// Removes file handle `fd` and returns its entry once no call can still be using it: the
+/// caller then releases the inode.
+pub(crate) fn remove_file(fs: &Fs, fd: i64) -> Result<OpenFile, Error> {
+    let removed = {
+        let mut files = fs.files.lock().unwrap_or_else(|p| p.into_inner());
+        let removed = files.remove(&fd);
+        if removed.is_some() {
+            fs.files_epoch.fetch_add(1, Ordering::SeqCst);
+        }
+        removed
+    };
+    let removed = removed.ok_or_else(|| ebadf_file(fd))?;
+    wait_for_pinned_calls(fs.id, Some(fd));
+    Ok(removed)
+}
+
+/// Removes every file handle of a closing filesystem and returns them once no call can
+/// still be using one.
+pub(crate) fn drain_files(fs: &Fs) -> Vec<OpenFile> {
+    let open: Vec<OpenFile> = {
+        let mut files = fs.files.lock().unwrap_or_else(|p| p.into_inner());
+        let open = files.drain().map(|(_, f)| f).collect();
+        fs.files_epoch.fetch_add(1, Ordering::SeqCst);
+        open
+    };
+    wait_for_pinned_calls(fs.id, None);
+    open
 }
 
 /// One of a thread's owner ids on one filesystem: its own, or the mount's default.
@@ -45,10 +421,29 @@ static FILESYSTEMS: Mutex<Vec<(i64, Arc<Fs>)>> = Mutex::new(Vec::new());
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
-    /// This thread's client of each filesystem it used.
-    static CLIENTS: RefCell<HashMap<i64, Client>> = RefCell::new(HashMap::new());
+    /// The filesystems this thread used, each with its client and cached file handles (a
+    /// short list: a linear search beats hashing for the few a process mounts).
+    static LOCALS: RefCell<Vec<(i64, Rc<Local>)>> = const { RefCell::new(Vec::new()) };
+    /// This thread's pin record (see the module doc), taken at its first call on a handle.
+    static THREAD_PIN: ThreadPin = ThreadPin {
+        record: take_pin_record(),
+        depth: Cell::new(0),
+    };
     /// The owner this thread creates inodes as, per filesystem (`corefs_set_owner`).
     static OWNERS: RefCell<HashMap<i64, OwnerIds>> = RefCell::new(HashMap::new());
+}
+
+/// This thread's view of filesystem `id`, if it has one (and thread-locals still exist).
+fn local_of(id: i64) -> Option<Rc<Local>> {
+    LOCALS
+        .try_with(|l| {
+            l.borrow()
+                .iter()
+                .find(|(i, _)| *i == id)
+                .map(|(_, local)| local.clone())
+        })
+        .ok()
+        .flatten()
 }
 
 /// Sets the calling thread's owner ids on filesystem `id` (`None`: the mount's default).
@@ -106,78 +501,105 @@ pub(crate) fn last_error_ptr() -> *const libc::c_char {
 
 pub(crate) fn register(runtime: Runtime, owner: Option<Owner>) -> i64 {
     let id = NEXT_FS.fetch_add(1, Ordering::Relaxed);
+    assert!(id > 0, "filesystem ids ran out");
     let fs = Arc::new(Fs {
         id,
         runtime: Mutex::new(Some(runtime)),
         files: Mutex::new(HashMap::new()),
+        files_epoch: AtomicU64::new(0),
+        closed: AtomicBool::new(false),
         next_fd: AtomicI64::new(1),
         owner,
     });
-    FILESYSTEMS.lock().expect("registry").push((id, fs));
+    FILESYSTEMS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push((id, fs));
     id
 }
 
-pub(crate) fn lookup(id: i64) -> Result<Arc<Fs>, Error> {
-    FILESYSTEMS
+/// The open filesystem `id` (EBADF if it is not one). From this thread's list when it used
+/// the filesystem before (no lock, no shared counter); else from the registry, and then
+/// entered in the list.
+pub(crate) fn lookup(id: i64) -> Result<FsRef, Error> {
+    if let Some(local) = local_of(id) {
+        if !local.fs.closed.load(Ordering::Acquire) {
+            return Ok(FsRef::Local(local));
+        }
+        forget_client(id);
+        return Err(ebadf_fs(id));
+    }
+    let fs = FILESYSTEMS
         .lock()
-        .expect("registry")
+        .unwrap_or_else(|p| p.into_inner())
         .iter()
         .find(|(i, _)| *i == id)
         .map(|(_, fs)| fs.clone())
-        .ok_or_else(|| {
-            Error::new(
-                libc::EBADF,
-                format!("{id} is not an open corefs filesystem"),
-            )
-        })
-}
-
-pub(crate) fn unregister(id: i64) -> Result<Arc<Fs>, Error> {
-    let mut all = FILESYSTEMS.lock().expect("registry");
-    let at = all.iter().position(|(i, _)| *i == id).ok_or_else(|| {
-        Error::new(
-            libc::EBADF,
-            format!("{id} is not an open corefs filesystem"),
-        )
-    })?;
-    Ok(all.remove(at).1)
-}
-
-/// Runs `f` with this thread's client of `fs` (created on first use). From a thread whose
-/// thread-locals are already destroyed (an `atexit` handler), a temporary client is used.
-pub(crate) fn with_client<T>(fs: &Fs, f: impl FnOnce(&mut Client) -> T) -> Result<T, Error> {
-    let mut f = Some(f);
-    let result = CLIENTS.try_with(|clients| {
-        let f = f.take().expect("called once");
-        let mut clients = clients.borrow_mut();
-        let client = match clients.entry(fs.id) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => {
-                let runtime = fs.runtime.lock().expect("runtime");
-                let runtime = runtime
-                    .as_ref()
-                    .ok_or_else(|| Error::new(libc::EBADF, "the filesystem is closing".into()))?;
-                e.insert(runtime.client(CLIENT_CAPACITY))
-            }
-        };
-        Ok(f(client))
+        .ok_or_else(|| ebadf_fs(id))?;
+    let local = Rc::new(Local {
+        fs: fs.clone(),
+        client: RefCell::new(None),
+        files: RefCell::new(FileCache {
+            epoch: 0,
+            entries: HashMap::new(),
+        }),
     });
-    match result {
-        Ok(r) => r,
-        Err(_) => {
-            let runtime = fs.runtime.lock().expect("runtime");
-            let runtime = runtime
-                .as_ref()
-                .ok_or_else(|| Error::new(libc::EBADF, "the filesystem is closing".into()))?;
-            let mut client = runtime.client(CLIENT_CAPACITY);
-            Ok((f.take().expect("not called yet"))(&mut client))
+    let entered = LOCALS.try_with(|l| {
+        let mut l = l.borrow_mut();
+        // Closed filesystems go from the list when another is entered: it stays as long as
+        // the filesystems open, not the ones ever used.
+        l.retain(|(_, other)| !other.fs.closed.load(Ordering::Acquire));
+        l.push((id, local.clone()));
+    });
+    Ok(match entered {
+        Ok(()) => FsRef::Local(local),
+        Err(_) => FsRef::Shared(fs),
+    })
+}
+
+/// Takes filesystem `id` out of the registry and marks it closed: every later lookup of it,
+/// in any thread, is EBADF. Its file handles are still to drain ([`drain_files`]).
+pub(crate) fn unregister(id: i64) -> Result<Arc<Fs>, Error> {
+    let mut all = FILESYSTEMS.lock().unwrap_or_else(|p| p.into_inner());
+    let at = all
+        .iter()
+        .position(|(i, _)| *i == id)
+        .ok_or_else(|| ebadf_fs(id))?;
+    let fs = all.remove(at).1;
+    fs.closed.store(true, Ordering::Release);
+    Ok(fs)
+}
+
+/// Runs `f` with this thread's client of `fs` (created on first use). Without one (a
+/// thread whose thread-locals are destroyed, an `atexit` handler; or a closing filesystem
+/// this thread never used), a temporary client is used.
+pub(crate) fn with_client<T>(fs: &Fs, f: impl FnOnce(&mut Client) -> T) -> Result<T, Error> {
+    let new_client = || {
+        let runtime = fs.runtime.lock().unwrap_or_else(|p| p.into_inner());
+        runtime
+            .as_ref()
+            .map(|r| r.client(CLIENT_CAPACITY))
+            .ok_or_else(|| Error::new(libc::EBADF, "the filesystem is closing".into()))
+    };
+    if let Some(local) = local_of(fs.id) {
+        // Not borrowed unless a call nests in another's engine call, which none does.
+        if let Ok(mut client) = local.client.try_borrow_mut() {
+            if client.is_none() {
+                *client = Some(new_client()?);
+            }
+            if let Some(client) = client.as_mut() {
+                return Ok(f(client));
+            }
         }
     }
+    let mut client = new_client()?;
+    Ok(f(&mut client))
 }
 
-/// Drops this thread's client of a closed filesystem, and its owner setting.
+/// Drops this thread's view of a closed filesystem (its client and cached handles), and its
+/// owner setting.
 pub(crate) fn forget_client(id: i64) {
-    let _ = CLIENTS.try_with(|c| c.borrow_mut().remove(&id));
+    let _ = LOCALS.try_with(|l| l.borrow_mut().retain(|(i, _)| *i != id));
     let _ = OWNERS.try_with(|o| o.borrow_mut().remove(&id));
 }
 

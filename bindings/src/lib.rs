@@ -17,4 +17,8 @@ pub mod abi;
 #[doc(hidden)]
 pub mod fuzz_harness;
 mod handles;
+mod logging;
 mod path;
+
+#[doc(hidden)]
+pub use handles::test_hook_pause_after_resolve;
