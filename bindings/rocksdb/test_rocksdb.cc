@@ -108,7 +108,8 @@ int Functional(const std::string& device) {
   const uint64_t seed = 7;
   {
     Opened o;
-    OpenThroughUri(corefs_rocksdb::CorefsUri(device, "format=always&shards=4"), &o);
+    // The image is new (the script makes a fresh one): format=new must format it.
+    OpenThroughUri(corefs_rocksdb::CorefsUri(device, "format=new&shards=4"), &o);
     Check(o.env->GetFileSystem() != nullptr &&
               std::string(o.env->GetFileSystem()->Name()) == "CorefsFileSystem",
           "the corefs:// URI selects the corefs FileSystem");
@@ -215,6 +216,24 @@ int Functional(const std::string& device) {
     rocksdb::IOStatus locked = fs->LockFile("/db/LOCK", rocksdb::IOOptions(), &second, nullptr);
     Check(!locked.ok(), "the open database's LOCK is held (" + locked.ToString() + ")");
     Require(db->Close(), "Close after remount");
+  }
+  // format=new on a device that holds a filesystem must keep it.
+  {
+    Opened o;
+    OpenThroughUri(corefs_rocksdb::CorefsUri(device, "format=new"), &o);
+    std::string v;
+    rocksdb::Status s = o.db->Get(rocksdb::ReadOptions(), Key(1), &v);
+    Check(s.ok() && v == Value(seed, 1), "format=new mounts an existing filesystem as it is");
+    Require(o.db->Close(), "Close after format=new");
+  }
+  {
+    rocksdb::ConfigOptions config;
+    rocksdb::Env* env = nullptr;
+    std::shared_ptr<rocksdb::Env> guard;
+    rocksdb::Status bad = rocksdb::Env::CreateFromUri(
+        config, "", corefs_rocksdb::CorefsUri(device, "format=sometimes"), &env, &guard);
+    Check(!bad.ok() && bad.ToString().find("format=sometimes") != std::string::npos,
+          "an unknown URI option is refused (" + bad.ToString() + ")");
   }
   return g_failures ? 1 : 0;
 }
