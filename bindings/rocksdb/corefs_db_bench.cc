@@ -490,7 +490,16 @@ int main(int argc, char** argv) {
     else if (a == "--shards") c.shards = static_cast<uint32_t>(ParseU64(a, value(), 1, 65536));
     else if (a == "--busy-poll") c.busy_poll = true;
     else if (a == "--json") c.json = value();
-    else Die("unknown argument " + a + " (see the head of bindings/rocksdb/corefs_db_bench.cc)");
+    else if (a == "--help" || a == "-h") {
+      std::printf(
+          "usage: corefs_db_bench [--dir /var/tmp] [--keys 100000] [--seconds 3] [--seed 1]\n"
+          "                       [--only NAME,...] [--targets corefs,kernel]\n"
+          "                       [--image-bytes 1073741824] [--shards 2] [--busy-poll] [--json FILE]\n"
+          "workloads:");
+      for (const auto& w : Workloads()) std::printf(" %s", w.name.c_str());
+      std::printf("\n");
+      return 0;
+    } else Die("unknown argument " + a + " (see the head of bindings/rocksdb/corefs_db_bench.cc)");
   }
   std::vector<Workload> workloads;
   for (const auto& w : Workloads()) {
