@@ -17,11 +17,10 @@ echo "== compiling the RocksDB FileSystem, its tests and corefs_db_bench" >&2
 release=$PWD/target/release
 flags=(-std=c++17 -O2 -g -Wall -Wextra -Werror -I bindings/include -I bindings/rocksdb)
 link=(-L "$release" -lcorefs -Wl,-rpath,"$release" -lrocksdb -lpthread)
-g++ "${flags[@]}" -fPIC -shared bindings/rocksdb/corefs_rocksdb.cc "${link[@]}" \
-  -o "$release/libcorefs_rocksdb.so"
-g++ "${flags[@]}" bindings/rocksdb/test_rocksdb.cc bindings/rocksdb/corefs_rocksdb.cc "${link[@]}" \
-  -o "$release/test_rocksdb"
-if [[ -f bindings/rocksdb/corefs_db_bench.cc ]]; then
-  g++ "${flags[@]}" bindings/rocksdb/corefs_db_bench.cc bindings/rocksdb/corefs_rocksdb.cc \
-    "${link[@]}" -o "$release/corefs_db_bench"
-fi
+# The FileSystem is compiled once (an object file, so that its static registration with
+# RocksDB's ObjectLibrary is always linked in) and linked into the library and both programs.
+obj=$release/corefs_rocksdb.o
+g++ "${flags[@]}" -fPIC -c bindings/rocksdb/corefs_rocksdb.cc -o "$obj"
+g++ -shared "$obj" "${link[@]}" -o "$release/libcorefs_rocksdb.so"
+g++ "${flags[@]}" bindings/rocksdb/test_rocksdb.cc "$obj" "${link[@]}" -o "$release/test_rocksdb"
+g++ "${flags[@]}" bindings/rocksdb/corefs_db_bench.cc "$obj" "${link[@]}" -o "$release/corefs_db_bench"
