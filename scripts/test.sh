@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # test.sh - runs every corefs test on a fresh Debian machine: installs what the tests need
 # (when root), checks formatting and lints, runs the workspace tests (the C ABI's example
-# program included), SQLite on corefs through its VFS, then the NVMe passthrough tests inside a
-# QEMU guest. Fails loudly when a required piece is missing.
+# program included), SQLite on corefs through its VFS, RocksDB on corefs through its
+# FileSystem, then the NVMe passthrough tests inside a QEMU guest. Fails loudly when a
+# required piece is missing.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-need_packages=(qemu-system-x86 busybox-static cpio kmod fio libc6-dev gcc pkg-config sqlite3 libsqlite3-dev e2fsprogs fuse3 rsync)
+need_packages=(qemu-system-x86 busybox-static cpio kmod fio libc6-dev gcc pkg-config sqlite3 libsqlite3-dev e2fsprogs fuse3 rsync g++ librocksdb-dev)
 missing=()
 for p in "${need_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -34,6 +35,8 @@ cargo build --locked -p corefs-bindings
 cargo test --locked --workspace
 echo "== SQLite on corefs (the VFS, journal and WAL modes, the sqlite3 shell, a crash)" >&2
 scripts/sqlite-test.sh
+echo "== RocksDB on corefs (its FileSystem: functional test and kill -9 power cuts)" >&2
+scripts/rocksdb-test.sh
 echo "== NVMe passthrough in a QEMU guest" >&2
 scripts/nvme-guest/prepare.sh --quiet
 scripts/test-nvme-guest.sh

@@ -198,7 +198,9 @@ enum Bench {
         /// Shortcut: add ext4, xfs and btrfs on loop devices to the targets.
         #[arg(long)]
         loops: bool,
-        /// Run only workloads whose names contain one of these (comma-separated).
+        /// Run only workloads whose names contain one of these (comma-separated). Entries
+        /// starting with "rocksdb" run RocksDB on corefs and on the kernel directory
+        /// (corefs_db_bench, built by scripts/rocksdb-build.sh; needs librocksdb-dev).
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
         /// Seconds per workload and target.

@@ -16,6 +16,7 @@ pub mod loopdev;
 pub mod machine;
 pub mod plot;
 pub mod results;
+pub mod rocksdb;
 pub mod target;
 pub mod workloads;
 
@@ -366,15 +367,39 @@ fn kernel_release() -> String {
 
 /// Runs the suite. `progress` gets a line per step (the command prints them to stderr).
 pub fn run(config: &SuiteConfig, progress: &(dyn Fn(&str) + Sync)) -> R<SuiteResults> {
+    // RocksDB's workloads run in their own program (rocksdb.rs), only when asked for by name.
+    let rocksdb_only = rocksdb::entries(&config.only);
+    let native_only: Vec<&String> = config
+        .only
+        .iter()
+        .filter(|o| !o.starts_with("rocksdb"))
+        .collect();
     let workloads: Vec<Workload> = workloads::suite(&config.sizes)
         .into_iter()
-        .filter(|w| config.only.is_empty() || config.only.iter().any(|o| w.name.contains(o)))
+        .filter(|w| config.only.is_empty() || native_only.iter().any(|o| w.name.contains(*o)))
         .collect();
-    if workloads.is_empty() {
+    let rocksdb_program = if rocksdb_only.is_empty() {
+        None
+    } else {
+        match rocksdb::program() {
+            Ok(path) => Some(path),
+            // Said, not silent; and an error when it was all that was asked for.
+            Err(why) if workloads.is_empty() => return Err(why),
+            Err(why) => {
+                progress(&why);
+                None
+            }
+        }
+    };
+    if workloads.is_empty() && rocksdb_program.is_none() {
         return Err(format!("no workload matches {:?}", config.only));
     }
     let mut images = Vec::new();
-    let mut targets = build_targets(config, &mut images, progress)?;
+    let mut targets = if workloads.is_empty() {
+        Vec::new()
+    } else {
+        build_targets(config, &mut images, progress)?
+    };
     let mut results = SuiteResults {
         meta: Meta {
             corefs_version: env!("CARGO_PKG_VERSION").to_string(),
@@ -397,6 +422,14 @@ pub fn run(config: &SuiteConfig, progress: &(dyn Fn(&str) + Sync)) -> R<SuiteRes
         },
         runs: Vec::new(),
     };
+    if rocksdb_program.is_some() {
+        // corefs_db_bench mounts through the C ABI with its defaults, not this placement.
+        results.meta.placement = if workloads.is_empty() {
+            rocksdb::PLACEMENT.to_string()
+        } else {
+            format!("{}; {}", results.meta.placement, rocksdb::PLACEMENT)
+        };
+    }
     progress(&results.meta.placement);
     if let Some(load) = results.meta.load_avg_start {
         if load >= machine::BUSY_LOAD_AVG {
@@ -450,6 +483,16 @@ pub fn run(config: &SuiteConfig, progress: &(dyn Fn(&str) + Sync)) -> R<SuiteRes
                 results.runs.push(run);
             }
         }
+    }
+    if let Some(program) = rocksdb_program {
+        progress(&format!(
+            "rocksdb: {} on corefs-file and the kernel directory (about {:.0} s of runs)",
+            program.display(),
+            16.0 * config.seconds * config.repeats as f64
+        ));
+        results
+            .runs
+            .extend(rocksdb::run(&program, config, &rocksdb_only, progress)?);
     }
     progress(&format!(
         "suite done in {:.0} s",

@@ -1,0 +1,382 @@
+// test_rocksdb.cc - tests of RocksDB on corefs through corefs_rocksdb's FileSystem.
+//
+//   test_rocksdb functional DEVICE   open through the corefs:// URI, put/get/delete, iterate,
+//                                    flush and compaction (RocksDB creates, renames and deletes
+//                                    files), direct reads, reopen after a full unmount
+//   test_rocksdb crash DEVICE SEED   a power cut: a child process (this program, "writer")
+//                                    puts keys with sync=true on DEVICE opened with
+//                                    cache=volatile and reports each acknowledged key on a
+//                                    pipe; this process kills it with SIGKILL after a number of
+//                                    acknowledgements drawn from SEED, reopens the database and
+//                                    checks that every acknowledged key is there with its value
+//
+// Each prints "PASS ..." lines and exits 0, or prints "FAIL ..." and exits 1. The seed is
+// printed first so that a failing crash run can be repeated.
+#include "corefs_rocksdb.h"
+
+#include <rocksdb/db.h>
+#include <rocksdb/env.h>
+#include <rocksdb/options.h>
+#include <rocksdb/table.h>
+#include <rocksdb/convenience.h>
+
+#include <cerrno>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <vector>
+
+namespace {
+
+int g_failures = 0;
+
+void Check(bool ok, const std::string& what) {
+  if (ok) {
+    std::printf("PASS %s\n", what.c_str());
+  } else {
+    std::printf("FAIL %s\n", what.c_str());
+    g_failures++;
+  }
+  std::fflush(stdout);
+}
+
+// Stops the test at a failure the rest depends on.
+void Require(const rocksdb::Status& s, const std::string& what) {
+  if (s.ok()) return;
+  std::printf("FAIL %s: %s\n", what.c_str(), s.ToString().c_str());
+  std::fflush(stdout);
+  std::exit(1);
+}
+
+std::string Key(uint64_t i) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "key%012llu", static_cast<unsigned long long>(i));
+  return buf;
+}
+
+// A 100-byte value that depends on the seed and the key, so a stale or misplaced value shows.
+std::string Value(uint64_t seed, uint64_t i) {
+  std::string v = "v" + std::to_string(seed) + "-" + std::to_string(i) + "-";
+  uint64_t x = seed * 0x9e3779b97f4a7c15ULL + i;
+  while (v.size() < 100) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    v.push_back(static_cast<char>('a' + x % 26));
+  }
+  return v;
+}
+
+// Options that make RocksDB flush, compact and so create, rename and delete files often.
+rocksdb::Options SmallOptions(rocksdb::Env* env) {
+  rocksdb::Options options;
+  options.env = env;
+  options.create_if_missing = true;
+  options.write_buffer_size = 64 << 10;
+  options.target_file_size_base = 256 << 10;
+  options.max_bytes_for_level_base = 1 << 20;
+  options.level0_file_num_compaction_trigger = 2;
+  options.use_direct_reads = true;
+  options.max_manifest_file_size = 64 << 10;  // the MANIFEST rolls over too
+  return options;
+}
+
+struct Opened {
+  std::unique_ptr<rocksdb::Env> env_guard;
+  std::shared_ptr<rocksdb::Env> env;
+  std::unique_ptr<rocksdb::DB> db;
+};
+
+// Opens the database "/db" on `uri` through RocksDB's registry (Env::CreateFromUri).
+void OpenThroughUri(const std::string& uri, Opened* out) {
+  rocksdb::ConfigOptions config;
+  rocksdb::Env* env = nullptr;
+  Require(rocksdb::Env::CreateFromUri(config, "", uri, &env, &out->env), "Env::CreateFromUri " + uri);
+  rocksdb::DB* db = nullptr;
+  Require(rocksdb::DB::Open(SmallOptions(env), "/db", &db), "DB::Open on " + uri);
+  out->db.reset(db);
+}
+
+int Functional(const std::string& device) {
+  const uint64_t kKeys = 20000;
+  const uint64_t seed = 7;
+  {
+    Opened o;
+    // The image is new (the script makes a fresh one): format=new must format it.
+    OpenThroughUri(corefs_rocksdb::CorefsUri(device, "format=new&shards=4"), &o);
+    Check(o.env->GetFileSystem() != nullptr &&
+              std::string(o.env->GetFileSystem()->Name()) == "CorefsFileSystem",
+          "the corefs:// URI selects the corefs FileSystem");
+    rocksdb::WriteOptions sync;
+    sync.sync = true;
+    for (uint64_t i = 0; i < kKeys; i++) {
+      Require(o.db->Put(i % 100 == 0 ? sync : rocksdb::WriteOptions(), Key(i), Value(seed, i)),
+              "Put");
+    }
+    for (uint64_t i = 0; i < kKeys; i += 3) Require(o.db->Delete(rocksdb::WriteOptions(), Key(i)), "Delete");
+    uint64_t good = 0;
+    for (uint64_t i = 0; i < kKeys; i++) {
+      std::string v;
+      rocksdb::Status s = o.db->Get(rocksdb::ReadOptions(), Key(i), &v);
+      if (i % 3 == 0 ? s.IsNotFound() : (s.ok() && v == Value(seed, i))) good++;
+    }
+    Check(good == kKeys, "get after put/delete: " + std::to_string(good) + " of " +
+                             std::to_string(kKeys) + " keys as written");
+    Require(o.db->Flush(rocksdb::FlushOptions()), "Flush");
+    rocksdb::CompactRangeOptions compact;
+    compact.bottommost_level_compaction = rocksdb::BottommostLevelCompaction::kForce;
+    Require(o.db->CompactRange(compact, nullptr, nullptr), "CompactRange");
+    std::string l0;
+    o.db->GetProperty("rocksdb.num-files-at-level0", &l0);
+    Check(l0 == "0", "compaction emptied level 0 (" + l0 + " files left)");
+    std::vector<std::string> children;
+    Require(o.env->GetChildren("/db", &children), "GetChildren /db");
+    int ssts = 0, tmps = 0, currents = 0, logs = 0;
+    for (const auto& c : children) {
+      if (c.size() > 4 && c.compare(c.size() - 4, 4, ".sst") == 0) ssts++;
+      if (c.find(".dbtmp") != std::string::npos) tmps++;
+      if (c == "CURRENT") currents++;
+      if (c == "LOG") logs++;
+    }
+    Check(ssts > 0 && tmps == 0 && currents == 1 && logs == 1,
+          "/db holds " + std::to_string(ssts) + " .sst files, CURRENT (renamed from a .dbtmp, " +
+              std::to_string(tmps) + " left) and LOG, all in corefs");
+    // Direct reads check RocksDB's side of the O_DIRECT contract.
+    {
+      auto fs = o.env->GetFileSystem();
+      std::string sst;
+      for (const auto& c : children) {
+        if (c.size() > 4 && c.compare(c.size() - 4, 4, ".sst") == 0) sst = "/db/" + c;
+      }
+      rocksdb::FileOptions fo;
+      fo.use_direct_reads = true;
+      std::unique_ptr<rocksdb::FSRandomAccessFile> f;
+      Require(fs->NewRandomAccessFile(sst, fo, &f, nullptr), "NewRandomAccessFile " + sst);
+      alignas(4096) static char buf[8192];
+      rocksdb::Slice got;
+      rocksdb::IOStatus aligned = f->Read(0, 4096, rocksdb::IOOptions(), &got, buf, nullptr);
+      rocksdb::IOStatus misaligned = f->Read(1, 4096, rocksdb::IOOptions(), &got, buf, nullptr);
+      Check(f->use_direct_io() && aligned.ok() && misaligned.IsInvalidArgument(),
+            "a direct read: aligned succeeds, misaligned is InvalidArgument (" +
+                misaligned.ToString() + ")");
+      uint64_t size = 0;
+      bool exists_after = true;
+      Require(fs->GetFileSize(sst, rocksdb::IOOptions(), &size, nullptr), "GetFileSize");
+      Require(fs->LinkFile(sst, "/db/linked", rocksdb::IOOptions(), nullptr), "LinkFile");
+      Require(fs->RenameFile("/db/linked", "/db/renamed", rocksdb::IOOptions(), nullptr), "RenameFile");
+      uint64_t renamed_size = 0;
+      Require(fs->GetFileSize("/db/renamed", rocksdb::IOOptions(), &renamed_size, nullptr),
+              "GetFileSize renamed");
+      exists_after = fs->FileExists("/db/linked", rocksdb::IOOptions(), nullptr).ok();
+      Require(fs->DeleteFile("/db/renamed", rocksdb::IOOptions(), nullptr), "DeleteFile");
+      Check(size > 0 && renamed_size == size && !exists_after &&
+                fs->FileExists("/db/renamed", rocksdb::IOOptions(), nullptr).IsNotFound(),
+            "link, rename, size and delete through the FileSystem");
+    }
+    Require(o.db->Close(), "Close");
+  }
+  // Every FileSystem on the device is gone: the mount was closed. Reopen through the factory.
+  {
+    corefs_rocksdb::CorefsFsOptions fo;
+    std::shared_ptr<rocksdb::FileSystem> fs;
+    Require(corefs_rocksdb::NewCorefsFileSystem(device, fo, &fs), "NewCorefsFileSystem");
+    std::unique_ptr<rocksdb::Env> env = rocksdb::NewCompositeEnv(fs);
+    rocksdb::Options options = SmallOptions(env.get());
+    options.create_if_missing = false;
+    rocksdb::DB* raw = nullptr;
+    Require(rocksdb::DB::Open(options, "/db", &raw), "DB::Open after remount");
+    std::unique_ptr<rocksdb::DB> db(raw);
+    std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(rocksdb::ReadOptions()));
+    uint64_t seen = 0, in_order = 0, expect = 1;
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      // Keys 1, 2, 4, 5, 7, ... (multiples of 3 deleted), in order.
+      if (expect % 3 == 0) expect++;
+      if (it->key().ToString() == Key(expect) && it->value().ToString() == Value(seed, expect)) {
+        in_order++;
+      }
+      seen++;
+      expect++;
+    }
+    Require(it->status(), "iterator");
+    it.reset();  // an iterator must go before its database closes
+    uint64_t want = kKeys - (kKeys + 2) / 3;
+    Check(seen == want && in_order == want,
+          "after a remount the iterator yields " + std::to_string(in_order) + " of " +
+              std::to_string(want) + " live keys in order with their values");
+    std::string v;
+    Check(db->Get(rocksdb::ReadOptions(), Key(3), &v).IsNotFound(),
+          "a deleted key stays deleted after the remount");
+    rocksdb::FileLock* second = nullptr;
+    rocksdb::IOStatus locked = fs->LockFile("/db/LOCK", rocksdb::IOOptions(), &second, nullptr);
+    Check(!locked.ok(), "the open database's LOCK is held (" + locked.ToString() + ")");
+    Require(db->Close(), "Close after remount");
+  }
+  // format=new on a device that holds a filesystem must keep it.
+  {
+    Opened o;
+    OpenThroughUri(corefs_rocksdb::CorefsUri(device, "format=new"), &o);
+    std::string v;
+    rocksdb::Status s = o.db->Get(rocksdb::ReadOptions(), Key(1), &v);
+    Check(s.ok() && v == Value(seed, 1), "format=new mounts an existing filesystem as it is");
+    Require(o.db->Close(), "Close after format=new");
+  }
+  {
+    rocksdb::ConfigOptions config;
+    rocksdb::Env* env = nullptr;
+    std::shared_ptr<rocksdb::Env> guard;
+    rocksdb::Status bad = rocksdb::Env::CreateFromUri(
+        config, "", corefs_rocksdb::CorefsUri(device, "format=sometimes"), &env, &guard);
+    Check(!bad.ok() && bad.ToString().find("format=sometimes") != std::string::npos,
+          "an unknown URI option is refused (" + bad.ToString() + ")");
+  }
+  return g_failures ? 1 : 0;
+}
+
+// The child of a crash run: puts keys 0, 1, 2, ... with sync=true and writes each
+// acknowledged index to stdout (the pipe), until killed.
+int Writer(const std::string& device, uint64_t seed) {
+  std::shared_ptr<rocksdb::FileSystem> fs;
+  corefs_rocksdb::CorefsFsOptions fo;
+  fo.format = corefs_rocksdb::Format::kAlways;
+  fo.shards = 4;
+  Require(corefs_rocksdb::NewCorefsFileSystem(device, fo, &fs), "writer: mount " + device);
+  std::unique_ptr<rocksdb::Env> env = rocksdb::NewCompositeEnv(fs);
+  rocksdb::DB* raw = nullptr;
+  Require(rocksdb::DB::Open(SmallOptions(env.get()), "/db", &raw), "writer: DB::Open");
+  rocksdb::WriteOptions sync;
+  sync.sync = true;
+  for (uint64_t i = 0;; i++) {
+    Require(raw->Put(sync, Key(i), Value(seed, i)), "writer: Put");
+    // One line per acknowledged key; the parent counts only complete lines.
+    std::printf("%llu\n", static_cast<unsigned long long>(i));
+    std::fflush(stdout);
+  }
+}
+
+int Crash(const char* self, const std::string& device, uint64_t seed) {
+  std::printf("crash: seed %llu (rerun: test_rocksdb crash DEVICE %llu)\n",
+              static_cast<unsigned long long>(seed), static_cast<unsigned long long>(seed));
+  std::mt19937_64 rng(seed);
+  // Enough acknowledgements that flushes, compactions and MANIFEST rolls have happened (a
+  // memtable of 64 KiB holds about 450 keys), few enough to stay within seconds.
+  const uint64_t kill_after = 500 + rng() % 4500;
+  const unsigned extra_delay_us = static_cast<unsigned>(rng() % 2000);
+  int fds[2];
+  if (pipe(fds) != 0) {
+    std::perror("pipe");
+    return 1;
+  }
+  pid_t child = fork();
+  if (child < 0) {
+    std::perror("fork");
+    return 1;
+  }
+  if (child == 0) {
+    dup2(fds[1], 1);
+    close(fds[0]);
+    close(fds[1]);
+    std::string volatile_device = device + ",cache=volatile";
+    std::string seed_text = std::to_string(seed);
+    execl(self, self, "writer", volatile_device.c_str(), seed_text.c_str(), (char*)nullptr);
+    _exit(127);
+  }
+  close(fds[1]);
+  FILE* in = fdopen(fds[0], "r");
+  uint64_t acked = 0;  // keys 0 .. acked-1 acknowledged
+  char line[64];
+  while (acked < kill_after && std::fgets(line, sizeof line, in) != nullptr) {
+    size_t len = std::strlen(line);
+    if (len == 0 || line[len - 1] != '\n') break;
+    uint64_t i = std::strtoull(line, nullptr, 10);
+    if (i != acked) {
+      std::printf("FAIL crash: writer acknowledged %llu after %llu\n",
+                  static_cast<unsigned long long>(i), static_cast<unsigned long long>(acked));
+      kill(child, SIGKILL);
+      return 1;
+    }
+    acked = i + 1;
+  }
+  // The kill lands inside a later Put: its WAL append, sync or a background flush.
+  usleep(extra_delay_us);
+  kill(child, SIGKILL);
+  int status = 0;
+  waitpid(child, &status, 0);
+  // Lines the writer flushed before the kill are acknowledged too.
+  while (std::fgets(line, sizeof line, in) != nullptr) {
+    size_t len = std::strlen(line);
+    if (len > 0 && line[len - 1] == '\n') acked = std::strtoull(line, nullptr, 10) + 1;
+  }
+  std::fclose(in);
+  if (!WIFSIGNALED(status) || WTERMSIG(status) != SIGKILL) {
+    std::printf("FAIL crash: the writer ended before the kill (status %d) after %llu keys\n",
+                status, static_cast<unsigned long long>(acked));
+    return 1;
+  }
+  // Reopen without the volatile cache: what the power cut left on the image.
+  std::shared_ptr<rocksdb::FileSystem> fs;
+  Require(corefs_rocksdb::NewCorefsFileSystem(device, corefs_rocksdb::CorefsFsOptions(), &fs),
+          "crash: remount " + device);
+  std::unique_ptr<rocksdb::Env> env = rocksdb::NewCompositeEnv(fs);
+  rocksdb::Options options = SmallOptions(env.get());
+  options.create_if_missing = false;
+  options.paranoid_checks = true;
+  rocksdb::DB* raw = nullptr;
+  Require(rocksdb::DB::Open(options, "/db", &raw), "crash: DB::Open after the kill");
+  std::unique_ptr<rocksdb::DB> db(raw);
+  uint64_t missing = 0, wrong = 0, first_bad = UINT64_MAX;
+  for (uint64_t i = 0; i < acked; i++) {
+    std::string v;
+    rocksdb::Status s = db->Get(rocksdb::ReadOptions(), Key(i), &v);
+    if (s.IsNotFound()) missing++;
+    else if (!s.ok() || v != Value(seed, i)) wrong++;
+    else continue;
+    if (first_bad == UINT64_MAX) first_bad = i;
+  }
+  // Keys past the last acknowledgement may or may not be there, but never with a wrong value.
+  uint64_t beyond = 0;
+  for (uint64_t i = acked;; i++) {
+    std::string v;
+    rocksdb::Status s = db->Get(rocksdb::ReadOptions(), Key(i), &v);
+    if (s.IsNotFound()) break;
+    if (!s.ok() || v != Value(seed, i)) wrong++;
+    beyond++;
+  }
+  Check(missing == 0 && wrong == 0,
+        "crash (seed " + std::to_string(seed) + "): killed after " + std::to_string(acked) +
+            " acknowledged sync puts; after reopening " + std::to_string(acked - missing) +
+            " are there, " + std::to_string(missing) + " missing, " + std::to_string(wrong) +
+            " wrong" + (first_bad != UINT64_MAX ? " (first bad key " + std::to_string(first_bad) + ")" : "") +
+            ", " + std::to_string(beyond) + " unacknowledged puts survived");
+  Require(db->Close(), "crash: Close");
+  return g_failures ? 1 : 0;
+}
+
+int Usage() {
+  std::fprintf(stderr,
+               "usage: test_rocksdb functional DEVICE\n"
+               "       test_rocksdb crash DEVICE SEED\n");
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3) return Usage();
+  std::string mode = argv[1];
+  std::string device = argv[2];
+  if (mode == "functional" && argc == 3) return Functional(device);
+  if ((mode == "crash" || mode == "writer") && argc == 4) {
+    char* end = nullptr;
+    uint64_t seed = std::strtoull(argv[3], &end, 10);
+    if (*end != 0) return Usage();
+    if (mode == "writer") return Writer(device, seed);
+    return Crash("/proc/self/exe", device, seed);
+  }
+  return Usage();
+}
