@@ -709,7 +709,8 @@ fn main() -> ExitCode {
                 println!(
                     "sim: {seeds} seeds, 0 violations: {} batches, {} fsyncs acknowledged, {} failed under \
                      {} injected device errors ({} runs failed stop), {} reads verified, {} reads \
-                     failed (detected), {} rewrites acknowledged, {} crash states checked, {:.1} s",
+                     failed (detected), {} rewrites acknowledged, {} requests parked for metadata, {} crash \
+                     states checked, {:.1} s",
                     total.batches,
                     total.fsyncs_acknowledged,
                     total.fsyncs_failed,
@@ -718,6 +719,7 @@ fn main() -> ExitCode {
                     total.reads_verified,
                     total.reads_failed,
                     total.rewrites_acknowledged,
+                    total.meta_parks,
                     total.crash_states,
                     started.elapsed().as_secs_f64()
                 );

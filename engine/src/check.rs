@@ -152,6 +152,7 @@ impl Filesystem {
                 generation,
                 for_commit: false,
                 commit_floor: 0,
+                fetch: None,
             };
             let (count, mut blocks) = tree.check(&mut io)?;
             report.items += count;

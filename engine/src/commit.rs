@@ -497,6 +497,7 @@ impl Filesystem {
                 generation,
                 for_commit: true,
                 commit_floor: 0,
+                fetch: None,
             };
             // Persist the space bitmap until writing it changes it no more.
             let mut rounds = 0;

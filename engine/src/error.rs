@@ -46,6 +46,10 @@ pub enum EngineError {
     /// and the filesystem serving it has stopped (fail-stop), as after a device error.
     #[error("internal error: {0}")]
     Internal(String),
+    /// A deferred lookup needs a tree node from the device ([`crate::fetch`]): exists only
+    /// inside [`crate::Filesystem::without_waiting`], which never returns it.
+    #[error("a tree node must be read from the device first")]
+    WouldBlock,
 }
 
 impl EngineError {
@@ -89,6 +93,7 @@ impl EngineError {
             EngineError::TooManyLinks => 31,    // EMLINK
             EngineError::XattrTooLarge(_) => 7, // E2BIG
             EngineError::Internal(_) => libc_eio(),
+            EngineError::WouldBlock => 11, // EAGAIN; never returned to a caller
         }
     }
 }

@@ -97,6 +97,15 @@ impl Filesystem {
         }
     }
 
+    /// Looks up file `ino`'s inode and the extents over `len` bytes at `offset` (at least
+    /// one block), changing nothing ([`Filesystem::probe_range`]).
+    pub(crate) fn probe_extents(&mut self, ino: u64, offset: u64, len: u64) -> Result<()> {
+        self.file_inode(ino)?;
+        let first = offset / BLOCK;
+        let end = offset.saturating_add(len).div_ceil(BLOCK).max(first + 1);
+        self.extents_in(ino, first, end).map(|_| ())
+    }
+
     /// Extents overlapping file blocks `first..end`: the one starting at or before `first`
     /// (found with one backwards seek), then those starting inside the range.
     fn extents_in(&mut self, ino: u64, first: u64, end: u64) -> Result<Vec<Extent>> {

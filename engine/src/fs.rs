@@ -167,6 +167,8 @@ pub struct Filesystem {
     pub(crate) inode_holds: std::collections::HashMap<u64, u32>,
     /// Data reads whose device I/O is in flight ([`crate::reads`]).
     pub(crate) reads: crate::reads::Reads,
+    /// Deferred lookups: node blocks fetched in the background ([`crate::fetch`]).
+    pub(crate) fetch: crate::fetch::NodeFetch,
 }
 
 /// What [`Filesystem::run_op`] keeps about the operation in progress.
@@ -253,6 +255,9 @@ pub(crate) struct ShardIo<'a> {
     /// Blocks every allocation outside the commit leaves for it
     /// ([`Filesystem::commit_floor_blocks`]).
     pub commit_floor: u64,
+    /// Node blocks fetched in the background, and whether a miss defers instead of
+    /// reading ([`crate::fetch`]); `None` outside operations (mount, check, the commit).
+    pub fetch: Option<&'a mut crate::fetch::NodeFetch>,
 }
 
 impl NodeIo for ShardIo<'_> {
@@ -264,6 +269,22 @@ impl NodeIo for ShardIo<'_> {
                 ptr.addr,
                 format!("pointer outside shard {owner}'s region"),
             ));
+        }
+        if let Some(fetch) = self.fetch.as_deref_mut() {
+            if let Some(block) = fetch.take(ptr.addr) {
+                match decode_node(&block, ptr, owner, Some(level)) {
+                    Ok((_, body)) => {
+                        fetch.stats.blocks_used += 1;
+                        return Ok(body);
+                    }
+                    // Fetched before the block was reused: read what it holds now.
+                    Err(_) => fetch.stats.blocks_stale += 1,
+                }
+            }
+            if fetch.deferring {
+                fetch.missing.push(ptr.addr);
+                return Err(EngineError::WouldBlock);
+            }
         }
         let block = read_block(self.dev, ptr.addr)?;
         decode_node(&block, ptr, owner, Some(level))
@@ -425,6 +446,7 @@ impl Filesystem {
                 generation: sb.generation + 1,
                 for_commit: false,
                 commit_floor: 0,
+                fetch: None,
             };
             let chunks = tree.range(
                 &mut io,
@@ -487,6 +509,7 @@ impl Filesystem {
             op: OpState::default(),
             inode_holds: Default::default(),
             reads: Default::default(),
+            fetch: Default::default(),
         };
         // Records written after the last super-commit are applied and committed here: the only
         // time mount writes. Replay may use every free block, as a commit does: it redoes
@@ -573,12 +596,18 @@ impl Filesystem {
             }
             return Err(e);
         };
+        // A deferred run must be repeatable: it may look, never change.
+        assert!(
+            !(mutating && self.fetch.deferring),
+            "a tree changed during a deferred lookup"
+        );
         let mut io = ShardIo {
             dev: &mut *self.dev,
             space,
             generation: self.generation,
             for_commit: self.in_commit,
             commit_floor,
+            fetch: Some(&mut self.fetch),
         };
         let loaded_before = tree.loaded_nodes();
         let changes_before = tree.changes();

@@ -234,6 +234,7 @@ impl Filesystem {
             op: Default::default(),
             inode_holds: Default::default(),
             reads: Default::default(),
+            fetch: Default::default(),
         };
         fs.put_shards(lent);
         // The mount's metadata cache budget is shared out by shards held.

@@ -62,6 +62,8 @@ pub struct ReadStats {
     pub device_reads_queued: u64,
     /// Most sets in flight at once.
     pub sets_in_flight_max: u64,
+    /// Sets of tree-node blocks for deferred lookups ([`crate::fetch`]).
+    pub node_sets: u64,
 }
 
 /// A set of reads waiting for the device.
@@ -77,6 +79,9 @@ struct ReadSet {
     generation: u64,
     /// The first device error met.
     failed: Option<EngineError>,
+    /// A set of tree-node blocks for deferred lookups ([`crate::fetch`]): its blocks go to
+    /// the fetched map, and it is handed back with no results.
+    nodes: bool,
 }
 
 /// One device read of a set: `blocks` blocks at `block` into piece `piece` at byte `at`.
@@ -161,6 +166,7 @@ impl Filesystem {
                 ios_left: ios,
                 generation: self.generation,
                 failed: None,
+                nodes: false,
             },
         );
         let stats = &mut self.reads.stats;
@@ -169,6 +175,51 @@ impl Filesystem {
         stats.sets_in_flight_max = stats.sets_in_flight_max.max(self.reads.sets.len() as u64);
         self.submit_reads();
         ReadStart::Pending(id)
+    }
+
+    /// Starts reading the tree-node blocks `addrs` in the background, as one set whose
+    /// blocks go to the fetched map ([`crate::fetch`]); returns the set's number.
+    pub(crate) fn start_node_reads(&mut self, addrs: &[u64]) -> u64 {
+        assert!(!addrs.is_empty(), "a node set reads something");
+        let id = self.reads.next_set;
+        self.reads.next_set += 1;
+        let mut pieces = Vec::with_capacity(addrs.len());
+        for (index, &addr) in addrs.iter().enumerate() {
+            self.reads.queued.push_back(ReadIo {
+                set: id,
+                piece: index,
+                at: 0,
+                block: addr,
+                blocks: 1,
+            });
+            pieces.push(ReadPiece {
+                request: index,
+                ino: 0,
+                disk: addr,
+                count: 1,
+                crcs: Vec::new(),
+                src: 0..0,
+                dst: 0..0,
+            });
+        }
+        self.reads.sets.insert(
+            id,
+            ReadSet {
+                outs: Vec::new(),
+                data: vec![vec![0u8; BLOCK_BYTES]; addrs.len()],
+                pieces,
+                ios_left: addrs.len(),
+                generation: self.generation,
+                failed: None,
+                nodes: true,
+            },
+        );
+        let stats = &mut self.reads.stats;
+        stats.node_sets += 1;
+        stats.device_reads += addrs.len() as u64;
+        stats.sets_in_flight_max = stats.sets_in_flight_max.max(self.reads.sets.len() as u64);
+        self.submit_reads();
+        id
     }
 
     /// Sets of reads started and not handed out yet.
@@ -326,6 +377,16 @@ impl Filesystem {
 
     /// A set whose device reads all completed: verifies each block and fills the outputs.
     fn finish_set(&mut self, set: ReadSet) -> Vec<ReadResult> {
+        if set.nodes {
+            // Checked when the tree takes a block, against the pointer it holds then.
+            for (piece, data) in set.pieces.iter().zip(set.data) {
+                match set.failed {
+                    Some(_) => self.fetch.lost(piece.disk),
+                    None => self.fetch.arrived(piece.disk, data),
+                }
+            }
+            return Vec::new();
+        }
         let ReadSet {
             mut outs,
             pieces,

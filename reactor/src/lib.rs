@@ -25,6 +25,7 @@
 pub mod affinity;
 pub mod client;
 mod doorbell;
+mod meta_wait;
 mod multi;
 pub mod op;
 mod owed;

@@ -34,6 +34,7 @@
 
 use crate::client::{Client, ReplyQueue};
 use crate::doorbell::Doorbell;
+use crate::meta_wait::{MetaWaits, Probed};
 use crate::multi::{Control, Coordinator, Member, Plan, Router, ToCoordinator};
 use crate::op::{Completion, Op, Reply};
 use crate::owed::Owed;
@@ -801,6 +802,9 @@ pub(crate) struct Reactor {
     /// [`Filesystem::read_progress`] while the reactor serves other requests. Bounded by the
     /// requests owed.
     parked_reads: std::collections::HashMap<u64, Vec<Request>>,
+    /// Requests parked while the tree nodes their lookups need are read, and the requests
+    /// of their clients behind them ([`crate::meta_wait`]).
+    pub(crate) meta: MetaWaits,
     /// When the loop last looked at its queues, and the longest it went without looking.
     last_look: Option<Instant>,
     /// Test hook: panic when the next request runs ([`Runtime::panic_on_next_request`]).
@@ -886,7 +890,7 @@ fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, config: &Config)
                 None => break,
             }
         }
-        if !batch.is_empty() {
+        if !batch.is_empty() || reactor.meta.has_resumed() {
             if router.failure().is_some() {
                 // Checked after taking the requests: a request sent after its client saw the
                 // failure (answered by another reactor) is answered with it too, never run.
@@ -952,7 +956,7 @@ fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, config: &Config)
         }
         if shared.stopping.load(Ordering::Acquire) && shared.requests.is_empty() {
             match reactor.multi.as_mut() {
-                None if reactor.commit_waiters.is_empty() => break,
+                None if reactor.commit_waiters.is_empty() && reactor.meta.is_empty() => break,
                 None => {
                     reactor.tick();
                     continue;
@@ -961,6 +965,7 @@ fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, config: &Config)
                     // Drained: the coordinator makes the last commit once every reactor is,
                     // then says Exit.
                     if reactor.commit_waiters.is_empty()
+                        && reactor.meta.is_empty()
                         && reactor.fs.commit_in_flight().is_none()
                         && !m.drained_sent
                     {
@@ -999,11 +1004,17 @@ fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, config: &Config)
         }
     }
     // Every fsync waiter and every read goes before the reactor does.
-    while !reactor.pending.is_empty() || !reactor.parked_reads.is_empty() {
+    while !reactor.pending.is_empty()
+        || !reactor.parked_reads.is_empty()
+        || !reactor.meta.is_empty()
+    {
         if router.failure().is_some() {
             return Ran::Failed;
         }
         reactor.poll_durable(Some(Duration::from_millis(100)));
+        if reactor.meta.has_resumed() {
+            reactor.run_batch(&mut Vec::new());
+        }
     }
     if !reactor.owed.is_empty() {
         // A reply the loop lost track of: answered rather than left to hang its client.
@@ -1076,6 +1087,7 @@ impl Reactor {
             commit_waiters: Vec::new(),
             owed: Owed::default(),
             parked_reads: Default::default(),
+            meta: MetaWaits::default(),
             last_look: None,
             #[cfg(any(test, feature = "test-hooks"))]
             panic_next: Arc::new(AtomicBool::new(false)),
@@ -1114,7 +1126,7 @@ impl Reactor {
     /// Something waits for the device: background writes or flushes in flight (records,
     /// this reactor's commit).
     fn waiting_on_device(&self) -> bool {
-        self.fs.device_busy() || !self.parked_reads.is_empty()
+        self.fs.device_busy() || !self.parked_reads.is_empty() || self.meta.waiting_on_device()
     }
 
     /// Notes that the loop looks at its queues now: the longest gap between two looks is the
@@ -1130,17 +1142,23 @@ impl Reactor {
 
     /// True when the only work on the device is parked reads.
     fn only_reads_in_flight(&self) -> bool {
-        !self.parked_reads.is_empty() && self.pending.is_empty() && !self.fs.device_busy()
+        (!self.parked_reads.is_empty() || self.meta.waiting_on_device())
+            && self.pending.is_empty()
+            && !self.fs.device_busy()
     }
 
     /// Answers the parked reads whose device I/O finished; with `wait`, sleeps up to that
     /// long for the device when none has.
     fn collect_reads(&mut self, wait: Option<Duration>) {
-        if self.parked_reads.is_empty() {
+        if self.parked_reads.is_empty() && !self.meta.waiting_on_device() {
             return;
         }
         let mut done = Vec::new();
         for (set, results) in self.fs.read_progress(wait) {
+            // Tree nodes for parked requests: they run again in the next batch.
+            if self.meta.answered(set) {
+                continue;
+            }
             let Some(requests) = self.parked_reads.remove(&set) else {
                 // A set the engine finished for someone else (a synchronous read).
                 continue;
@@ -1299,6 +1317,8 @@ impl Reactor {
         s.unpinned_blocks_last = s.commit.last_unpinned_blocks;
         s.reads = self.fs.read_stats();
         s.device_waits = self.fs.device_wait_stats();
+        s.meta_parks = self.meta.parks;
+        s.fetch = self.fs.fetch_stats();
         (s.data_cache_hits, s.data_blocks_read) = self.fs.data_cache_hits();
         s
     }
@@ -1426,12 +1446,25 @@ impl Reactor {
         // With several reactors: requests for another reactor, and spans for the coordinator.
         let mut forwards: Vec<(usize, Request)> = Vec::new();
         let mut spans: Vec<(Request, Option<u32>)> = Vec::new();
+        // Requests whose nodes arrived run first (they came before their clients' others);
+        // they are owed already.
+        let resumed = self.meta.take_resumed();
+        let owed_already = resumed.len();
+        if owed_already > 0 {
+            let fresh = std::mem::take(batch);
+            batch.extend(resumed);
+            batch.extend(fresh);
+        }
         // Owed from here until answered or handed on, whatever happens in between.
-        for request in batch.iter() {
+        for request in batch.iter().skip(owed_already) {
             self.owed.take(&request.reply, request.token);
         }
         for request in batch.drain(..) {
             self.stats.ops += 1;
+            // A client with a parked request: this one waits behind it, in order.
+            let Some(request) = self.meta.holds_back(request) else {
+                continue;
+            };
             #[cfg(any(test, feature = "test-hooks"))]
             if self.panic_next.swap(false, Ordering::SeqCst) {
                 panic!(
@@ -1442,7 +1475,12 @@ impl Reactor {
             // Consecutive reads run together, their device reads all in flight at once; any
             // other operation first lets the reads before it finish, so order is kept.
             if matches!(request.op, Op::Read { .. }) {
-                reads.push(request);
+                // Its extents mapped from memory, or it parks until they are read.
+                match self.meta.probe(&mut self.fs, request) {
+                    Probed::Run(request) => reads.push(request),
+                    Probed::Parked => {}
+                    Probed::Answered(..) => unreachable!("a read is probed, not answered"),
+                }
                 continue;
             }
             self.run_reads(&mut reads, &mut done);
@@ -1467,6 +1505,21 @@ impl Reactor {
                     }
                 }
             }
+            // What the request looks up is in memory, or it parks until it is.
+            let request = match self.meta.probe(&mut self.fs, request) {
+                Probed::Run(request) => request,
+                Probed::Answered(request, result) => {
+                    done.push((
+                        request.reply,
+                        Completion {
+                            token: request.token,
+                            result,
+                        },
+                    ));
+                    continue;
+                }
+                Probed::Parked => continue,
+            };
             if let Some(member) = request.op.is_fsync() {
                 let started = Instant::now();
                 match self.fs.check_exists(member.0) {

@@ -71,6 +71,9 @@ pub struct SimOutcome {
     pub crash_states: u64,
     /// Runs that failed stop (when outcomes are summed over seeds).
     pub runs_failed_stop: u64,
+    /// Requests parked for tree nodes (odd seeds run with a metadata cache of a few nodes,
+    /// so lookups miss and requests resume in whatever order the scheduler reaches them).
+    pub meta_parks: u64,
 }
 
 impl SimOutcome {
@@ -86,11 +89,14 @@ impl SimOutcome {
         self.failed_stop |= run.failed_stop;
         self.crash_states += run.crash_states;
         self.runs_failed_stop += run.failed_stop as u64;
+        self.meta_parks += run.meta_parks;
     }
 }
 
 const CAPACITY: u64 = 32 << 20;
 const FILES: usize = 2;
+/// Files made before the run on odd seeds, so that the trees outgrow the small cache.
+const FILLER_FILES: usize = 1500;
 const BLOCK: usize = 4096;
 
 fn mem_config() -> MemConfig {
@@ -140,7 +146,7 @@ fn step_reactor(reactor: &mut Reactor, shared: &Shared, batch_max: usize, tick: 
             None => break,
         }
     }
-    if batch.is_empty() {
+    if batch.is_empty() && !reactor.meta.has_resumed() {
         let had = reactor.pending_groups() > 0;
         reactor.poll_durable(None);
         return had;
@@ -165,6 +171,18 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
         },
     )
     .map_err(|e| e.to_string())?;
+    let dev = if seed % 2 == 1 {
+        // Trees of several levels and many leaves, so the small cache below misses.
+        let mut fs = Filesystem::mount(dev, MountOptions::default()).map_err(|e| e.to_string())?;
+        let root = fs.root();
+        for i in 0..FILLER_FILES {
+            fs.create(root, format!("filler{i}").as_bytes(), 0o644, 0, 0)
+                .map_err(|e| e.to_string())?;
+        }
+        fs.unmount().map_err(|e| e.to_string())?
+    } else {
+        dev
+    };
     let base = image_of(dev);
     let faulty = FaultDevice::new(
         MemDevice::from_image(&base, mem_config()).map_err(|e| e.to_string())?,
@@ -185,6 +203,9 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
             // A commit's trees are written a node per slice: client operations the
             // scheduler runs land between any two of its nodes.
             commit_slice_nodes: 1,
+            // Odd seeds: a metadata cache of a few nodes, so that lookups miss and requests
+            // park for their nodes (reactor/src/meta_wait.rs).
+            cache_nodes: if seed % 2 == 1 { 4 } else { 1 << 16 },
             ..MountOptions::default()
         },
     )
@@ -363,6 +384,7 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
         }
     }
     drop(clients);
+    outcome.meta_parks = reactor.meta.parks;
     // A healthy filesystem commits at unmount; on a faulty device that commit may itself
     // meet an injected error, which must then be reported, as it is here.
     match reactor.unmount() {

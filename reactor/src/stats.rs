@@ -63,6 +63,10 @@ pub struct ReactorStats {
     pub device_waits: engine::DeviceWaitStats,
     /// The longest the loop went without looking at its request queue.
     pub loop_gap_ns_max: u64,
+    /// Requests parked while the tree nodes their lookups need were read
+    /// (`reactor/src/meta_wait.rs`), and the engine's counters of those reads.
+    pub meta_parks: u64,
+    pub fetch: engine::FetchStats,
     /// File data blocks reads took from the engine's block cache, and from the device.
     pub data_cache_hits: u64,
     pub data_blocks_read: u64,
@@ -115,6 +119,14 @@ impl ReactorStats {
         w.wait_ns_total += o.wait_ns_total;
         w.wait_ns_max = w.wait_ns_max.max(o.wait_ns_max);
         self.loop_gap_ns_max = self.loop_gap_ns_max.max(other.loop_gap_ns_max);
+        self.meta_parks += other.meta_parks;
+        let (f, o) = (&mut self.fetch, &other.fetch);
+        f.deferred += o.deferred;
+        f.blocks_fetched += o.blocks_fetched;
+        f.blocks_used += o.blocks_used;
+        f.blocks_stale += o.blocks_stale;
+        f.blocks_dropped += o.blocks_dropped;
+        self.reads.node_sets += other.reads.node_sets;
         self.commit.pause_ns_max = self.commit.pause_ns_max.max(other.commit.pause_ns_max);
         let (a, b) = (&mut self.log, &other.log);
         a.fsyncs += b.fsyncs;

@@ -1366,7 +1366,7 @@ fn a_slow_device_read_does_not_hold_clients_whose_operations_hit_the_cache() {
         data: b"cached bytes".to_vec(),
     })
     .unwrap();
-    // The cold file's metadata is read now (metadata reads are still synchronous); its
+    // The cold file's metadata is read now (the stat parks for it and runs again); its
     // data is not.
     assert!(matches!(
         fast.call(Op::Stat { ino: cold }).unwrap(),
@@ -1437,6 +1437,95 @@ fn a_slow_device_read_does_not_hold_clients_whose_operations_hit_the_cache() {
         "the loop stopped looking at its queue for the whole spike: {} ns",
         stats.loop_gap_ns_max
     );
+    drop((fast, slow));
+    runtime.shutdown().unwrap();
+}
+
+/// A metadata miss parks its request, not the reactor: while a tree node one client's stat
+/// needs is held by a latency spike, clients whose operations hit the cache are answered,
+/// and the parked client's later request waits behind its parked one (its order is kept).
+#[test]
+fn a_slow_metadata_read_parks_its_request_not_the_reactor() {
+    use nvme::wrap::{FaultConfig, FaultDevice};
+    let (_, dev) = formatted_mem(64 << 20, 64 << 10, 2);
+    // Enough inodes for many leaves; none of them cached after the remount.
+    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    let root = fs.root();
+    let mut cold = Vec::new();
+    for i in 0..3000 {
+        cold.push(
+            fs.create(root, format!("f{i:05}").as_bytes(), 0o644, 0, 0)
+                .unwrap()
+                .ino,
+        );
+    }
+    let dev = fs.unmount().unwrap();
+    let faulty = FaultDevice::new(dev, FaultConfig::default());
+    let faults = faulty.handle();
+    let runtime = Runtime::start_with_device(
+        Config {
+            device: "spiky mem".into(),
+            ..Default::default()
+        },
+        Box::new(faulty),
+    )
+    .unwrap();
+    let mut fast = runtime.client(4);
+    let hot = ino_of(
+        fast.call(Op::Create {
+            dir: ROOT,
+            name: b"hot".to_vec(),
+            mode: 0o644,
+            owner: reactor::Owner::ROOT,
+        })
+        .unwrap(),
+    );
+    let target = cold[1500];
+    // The next device read (the stat's leaf) is held until released below.
+    faults.delay_next(nvme::OpKind::Read, 1, Duration::from_secs(600));
+    let mut slow = runtime.client(4);
+    slow.submit(Op::Stat { ino: target }, 7).unwrap();
+    slow.submit(Op::Stat { ino: hot }, 8).unwrap();
+    let mut slow_done = Vec::new();
+    for _ in 0..20 {
+        fast.submit(Op::Stat { ino: hot }, 1).unwrap();
+        let mut done = Vec::new();
+        fast.wait(&mut done, Duration::from_secs(30));
+        let Some(completion) = done.pop() else {
+            faults.end_delays();
+            panic!("a cached stat waited for the slow metadata read");
+        };
+        assert!(matches!(completion.result.unwrap(), Reply::Stat(s) if s.ino == hot));
+        slow.poll(&mut slow_done);
+        if !slow_done.is_empty() {
+            faults.end_delays();
+            panic!("the parked stat, or the request behind it, completed early: {slow_done:?}");
+        }
+    }
+    faults.end_delays();
+    while slow_done.len() < 2 {
+        slow.wait(&mut slow_done, Duration::from_secs(5));
+    }
+    let tokens: Vec<u64> = slow_done.iter().map(|c| c.token).collect();
+    assert_eq!(
+        tokens,
+        [7, 8],
+        "one client's requests answered out of order"
+    );
+    match slow_done.remove(0).result.unwrap() {
+        Reply::Stat(s) => assert_eq!(s.ino, target),
+        other => panic!("slow stat: {other:?}"),
+    }
+    let stats = match fast.call(Op::Stats).unwrap() {
+        Reply::Stats(s) => s,
+        other => panic!("stats: {other:?}"),
+    };
+    assert!(
+        stats.meta_parks >= 1,
+        "no request parked: {:?}",
+        stats.fetch
+    );
+    assert!(stats.fetch.blocks_used >= 1, "{:?}", stats.fetch);
     drop((fast, slow));
     runtime.shutdown().unwrap();
 }

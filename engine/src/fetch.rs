@@ -1,0 +1,169 @@
+//! Metadata the device must supply, fetched without waiting: how an operation that misses
+//! the node cache is suspended instead of holding its caller while the device answers.
+//!
+//! A caller that must not wait (a reactor) runs an operation's *lookups* first through
+//! [`Filesystem::without_waiting`]. While it runs, a tree node that is not in memory is not
+//! read: its block address is noted and the lookup fails with [`crate::EngineError::WouldBlock`],
+//! which `without_waiting` turns into a device read in the background
+//! ([`crate::reads`]'s node sets) and returns as [`Deferred::Fetching`] with the set's
+//! number. The caller parks the operation and runs it again once the set is answered: the
+//! block is then waiting in [`NodeFetch`]'s `fetched` map and the tree takes it from there
+//! (checked against its parent's crc32c like any node read) instead of the device.
+//!
+//! # Invariants
+//! - Nothing changes while deferring: a suspended operation is run again from its start, so
+//!   only lookups may run deferred. [`Filesystem::with_tree`] asserts that no tree is
+//!   changed while deferring; the reactor runs an operation that changes the filesystem only
+//!   after a deferred probe of what it will look up found everything in memory.
+//! - `WouldBlock` never reaches a caller: it exists only while deferring, and
+//!   `without_waiting` replaces the result of any run that noted a miss.
+//! - Bounded: at most [`FETCHED_MAX`] fetched blocks wait to be taken (the oldest go
+//!   first); a block in flight is fetched once however many operations wait for it.
+//! - A fetched block is only a hint: it is used when it decodes under the pointer the tree
+//!   holds at the time (crc32c, owner, level), and otherwise dropped and read again. So a
+//!   block freed and reused after it was fetched can never be mistaken for its new contents.
+//!
+//! Fault model: as for data reads — a device error fails the filesystem (fail-stop) and the
+//! operations run again meet the sticky error; a block that fails its check is read again
+//! synchronously, where corruption is reported as it always is.
+
+use crate::fs::Filesystem;
+use std::collections::{HashMap, VecDeque};
+
+/// Fetched blocks kept for the operations that asked for them (4 MiB of 4 KiB blocks).
+pub const FETCHED_MAX: usize = 1024;
+
+/// What [`Filesystem::without_waiting`] made of a run.
+#[derive(Debug)]
+pub enum Deferred<T> {
+    /// Everything was in memory: the run's result.
+    Ready(T),
+    /// A node had to come from the device: its read is in flight in the read set with this
+    /// number ([`Filesystem::read_progress`] hands it back, with no results). Run the
+    /// operation again once it is answered.
+    Fetching(u64),
+}
+
+/// Counters of deferred lookups.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FetchStats {
+    /// Runs that noted a miss and were deferred.
+    pub deferred: u64,
+    /// Node blocks read in the background.
+    pub blocks_fetched: u64,
+    /// Fetched blocks the tree took instead of reading the device.
+    pub blocks_used: u64,
+    /// Fetched blocks that no longer matched their pointer (read again), or were dropped
+    /// unused to keep the bound.
+    pub blocks_stale: u64,
+    pub blocks_dropped: u64,
+}
+
+/// The engine's state for deferred lookups.
+#[derive(Default)]
+pub(crate) struct NodeFetch {
+    /// Set while a deferred run is in progress.
+    pub deferring: bool,
+    /// Node blocks the current deferred run missed.
+    pub missing: Vec<u64>,
+    /// Blocks read in the background, waiting for the tree to take them.
+    fetched: HashMap<u64, Vec<u8>>,
+    /// `fetched`'s blocks, oldest first (some may be taken already).
+    order: VecDeque<u64>,
+    /// Blocks in flight, and the read set each is in.
+    pub in_flight: HashMap<u64, u64>,
+    pub stats: FetchStats,
+}
+
+impl NodeFetch {
+    /// The fetched block at `addr`, if one waits (taken: the tree holds it from now on).
+    pub fn take(&mut self, addr: u64) -> Option<Vec<u8>> {
+        self.fetched.remove(&addr)
+    }
+
+    /// A block arrived from the device.
+    pub fn arrived(&mut self, addr: u64, block: Vec<u8>) {
+        self.in_flight.remove(&addr);
+        self.stats.blocks_fetched += 1;
+        if self.fetched.insert(addr, block).is_none() {
+            self.order.push_back(addr);
+        }
+        while self.fetched.len() > FETCHED_MAX {
+            let Some(oldest) = self.order.pop_front() else {
+                break;
+            };
+            if self.fetched.remove(&oldest).is_some() {
+                self.stats.blocks_dropped += 1;
+            }
+        }
+        // Taken blocks leave stale addresses in `order`: keep it within twice the bound.
+        if self.order.len() > 2 * FETCHED_MAX {
+            let fetched = &self.fetched;
+            self.order.retain(|a| fetched.contains_key(a));
+        }
+    }
+
+    /// A block's read failed: nobody waits for it any more (the filesystem has failed).
+    pub fn lost(&mut self, addr: u64) {
+        self.in_flight.remove(&addr);
+    }
+}
+
+impl Filesystem {
+    /// Runs `f` — lookups only, never a change — without waiting for the device: if a tree
+    /// node it needs is not in memory, its read is started in the background and
+    /// [`Deferred::Fetching`] says which read set to wait for; `f`'s result is then dropped
+    /// (it saw a miss). A failed filesystem reads nothing in the background: `f` then runs
+    /// as usual.
+    ///
+    /// # Panics
+    /// If `f` changes a tree (a contract violation: a deferred run must be repeatable).
+    pub fn without_waiting<T>(&mut self, f: impl FnOnce(&mut Self) -> T) -> Deferred<T> {
+        if self.failed.is_some() {
+            return Deferred::Ready(f(self));
+        }
+        assert!(!self.fetch.deferring, "deferred runs do not nest");
+        self.fetch.deferring = true;
+        let out = f(self);
+        self.fetch.deferring = false;
+        if self.fetch.missing.is_empty() {
+            return Deferred::Ready(out);
+        }
+        drop(out);
+        self.fetch.stats.deferred += 1;
+        let mut missing = std::mem::take(&mut self.fetch.missing);
+        missing.sort_unstable();
+        missing.dedup();
+        let mut wait_for = None;
+        let mut new = Vec::new();
+        for addr in missing {
+            match self.fetch.in_flight.get(&addr) {
+                Some(&set) => {
+                    wait_for.get_or_insert(set);
+                }
+                None => new.push(addr),
+            }
+        }
+        if !new.is_empty() {
+            let set = self.start_node_reads(&new);
+            for addr in new {
+                self.fetch.in_flight.insert(addr, set);
+            }
+            wait_for = Some(set);
+        }
+        Deferred::Fetching(wait_for.expect("a miss was noted"))
+    }
+
+    /// Counters of deferred lookups.
+    pub fn fetch_stats(&self) -> FetchStats {
+        self.fetch.stats
+    }
+
+    /// Looks up what a read or write of `len` bytes at `offset` of file `ino` maps (its
+    /// inode and extent items), changing nothing: the probe a caller runs deferred before
+    /// the operation itself.
+    pub fn probe_range(&mut self, ino: u64, offset: u64, len: usize) -> crate::Result<()> {
+        let len = crate::file::rw_len(offset, len)?;
+        self.probe_extents(ino, offset, len as u64)
+    }
+}

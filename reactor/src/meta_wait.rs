@@ -1,0 +1,212 @@
+//! Requests suspended for metadata: a request whose lookups miss the node cache waits for
+//! its tree nodes without holding the reactor.
+//!
+//! Before a request runs, the reactor runs its lookups deferred ([`probe`], through
+//! [`Filesystem::without_waiting`]). A read-only request's probe *is* the request: when
+//! nothing was missing, its result is the answer. A request that changes the filesystem is
+//! probed with the lookups it starts with (the name in its directory, its inode, the
+//! extents it covers) and runs for real only when they were all in memory. When a node was
+//! missing, its read is in flight and the request parks until it is answered; the reactor
+//! serves other clients meanwhile and runs the request again from its start.
+//!
+//! # Invariants
+//! - One client's requests keep their order: once a request of a client parks, every later
+//!   request of that client waits behind it (`blocked`), and they all run again in order.
+//!   So an fsync never overtakes the write before it, whatever the cache held.
+//! - A parked request is still owed ([`crate::owed`]): a reactor that fails answers it.
+//! - Progress: a request parked [`ROUNDS_MAX`] times runs without deferring (it may then
+//!   wait for the device, which the device-wait statistics count), so a cache too small
+//!   for one operation's lookups never starves it.
+//! - Bounded by the requests owed (each client's capacity).
+
+use crate::client::ReplyQueue;
+use crate::op::{Op, Reply};
+use crate::runtime::Request;
+use engine::{Deferred, EngineError, Filesystem};
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+/// Parks of one request before it runs without deferring.
+pub(crate) const ROUNDS_MAX: u8 = 4;
+
+/// A client, by its reply queue's address.
+type ClientKey = usize;
+
+fn client_of(reply: &Arc<ReplyQueue>) -> ClientKey {
+    Arc::as_ptr(reply) as usize
+}
+
+/// What the probe of a request found.
+pub(crate) enum Probed {
+    /// The request may run now (everything its lookups need is in memory).
+    Run(Request),
+    /// A read-only request ran deferred and found everything: its answer.
+    Answered(Request, Result<Reply, EngineError>),
+    /// The request parked; it comes back through [`MetaWaits::resumed`].
+    Parked,
+}
+
+/// The reactor's suspended requests.
+#[derive(Default)]
+pub(crate) struct MetaWaits {
+    /// Clients with a parked request, and their requests in order (the parked one first).
+    blocked: HashMap<ClientKey, VecDeque<Request>>,
+    /// The clients waiting for each node read set.
+    waiting: HashMap<u64, Vec<ClientKey>>,
+    /// Requests whose nodes arrived, in order per client: the next batch runs them first.
+    resumed: Vec<Request>,
+    /// Times each parked request (client, token) has parked.
+    rounds: HashMap<(ClientKey, u64), u8>,
+    /// Requests parked so far.
+    pub parks: u64,
+}
+
+impl MetaWaits {
+    /// True when nothing is parked or waiting to run again.
+    pub fn is_empty(&self) -> bool {
+        self.blocked.is_empty() && self.resumed.is_empty()
+    }
+
+    /// True while node reads are in flight for parked requests.
+    pub fn waiting_on_device(&self) -> bool {
+        !self.waiting.is_empty()
+    }
+
+    /// True when `request`'s client has a parked request: it must wait behind it.
+    pub fn holds_back(&mut self, request: Request) -> Option<Request> {
+        match self.blocked.get_mut(&client_of(&request.reply)) {
+            Some(queue) => {
+                queue.push_back(request);
+                None
+            }
+            None => Some(request),
+        }
+    }
+
+    /// Runs `request`'s lookups deferred: it runs now, is answered now, or parks.
+    pub fn probe(&mut self, fs: &mut Filesystem, request: Request) -> Probed {
+        let client = client_of(&request.reply);
+        let key = (client, request.token);
+        if self.rounds.get(&key).is_some_and(|&r| r >= ROUNDS_MAX) {
+            self.rounds.remove(&key);
+            return Probed::Run(request);
+        }
+        let set = match probe(fs, &request.op) {
+            Deferred::Ready(None) => {
+                self.rounds.remove(&key);
+                return Probed::Run(request);
+            }
+            Deferred::Ready(Some(result)) => {
+                self.rounds.remove(&key);
+                return Probed::Answered(request, result);
+            }
+            Deferred::Fetching(set) => set,
+        };
+        *self.rounds.entry(key).or_default() += 1;
+        self.parks += 1;
+        let queue = self.blocked.entry(client).or_default();
+        assert!(queue.is_empty(), "a blocked client's requests wait behind");
+        queue.push_back(request);
+        self.waiting.entry(set).or_default().push(client);
+        Probed::Parked
+    }
+
+    /// Node read set `set` was answered: its clients' requests run again, in order. False
+    /// when no parked request waited for it.
+    pub fn answered(&mut self, set: u64) -> bool {
+        let Some(clients) = self.waiting.remove(&set) else {
+            return false;
+        };
+        for client in clients {
+            if let Some(queue) = self.blocked.remove(&client) {
+                self.resumed.extend(queue);
+            }
+        }
+        true
+    }
+
+    /// The requests to run again (already owed), in order per client.
+    pub fn take_resumed(&mut self) -> Vec<Request> {
+        std::mem::take(&mut self.resumed)
+    }
+
+    pub fn has_resumed(&self) -> bool {
+        !self.resumed.is_empty()
+    }
+}
+
+/// `op`'s lookups, run deferred. `Ready(Some(..))` is a read-only request's own answer;
+/// `Ready(None)`: a request that changes the filesystem found what it looks up in memory
+/// (whatever the lookups answered: the request itself reports its errors).
+fn probe(fs: &mut Filesystem, op: &Op) -> Deferred<Option<Result<Reply, EngineError>>> {
+    match op {
+        // Read-only: the probe is the request.
+        Op::Resolve { .. }
+        | Op::ResolveAt { .. }
+        | Op::Lookup { .. }
+        | Op::Readlink { .. }
+        | Op::Readdir { .. }
+        | Op::Stat { .. }
+        | Op::GetXattr { .. }
+        | Op::ListXattr { .. } => {
+            fs.without_waiting(|fs| Some(crate::runtime::execute_on(fs, op.clone())))
+        }
+        Op::Create { dir, name, .. }
+        | Op::CreateHeld { dir, name, .. }
+        | Op::Mkdir { dir, name, .. }
+        | Op::Symlink { dir, name, .. }
+        | Op::Mknod { dir, name, .. } => looked_up(fs, |fs| {
+            let _ = fs.lookup(*dir, name);
+        }),
+        Op::Link { ino, dir, name } => looked_up(fs, |fs| {
+            let _ = fs.stat(*ino);
+            let _ = fs.lookup(*dir, name);
+        }),
+        Op::Unlink { dir, name } | Op::Rmdir { dir, name } => looked_up(fs, |fs| {
+            let _ = fs.lookup(*dir, name);
+        }),
+        Op::Rename {
+            from_dir,
+            from,
+            to_dir,
+            to,
+            ..
+        } => looked_up(fs, |fs| {
+            let _ = fs.lookup(*from_dir, from);
+            let _ = fs.lookup(*to_dir, to);
+        }),
+        Op::Write { ino, offset, data } => looked_up(fs, |fs| {
+            let _ = fs.probe_range(*ino, *offset, data.len());
+        }),
+        Op::Read { ino, offset, len } => looked_up(fs, |fs| {
+            let _ = fs.probe_range(*ino, *offset, *len);
+        }),
+        Op::Truncate { ino, size: offset } | Op::Fallocate { ino, offset, .. } => {
+            looked_up(fs, |fs| {
+                let _ = fs.probe_range(*ino, *offset, 1);
+            })
+        }
+        Op::SetXattr { ino, name, .. } | Op::RemoveXattr { ino, name } => looked_up(fs, |fs| {
+            let _ = fs.getxattr(*ino, name);
+        }),
+        Op::Append { ino, .. }
+        | Op::Hold { ino }
+        | Op::Release { ino }
+        | Op::SetAttr { ino, .. }
+        | Op::Fsync { ino }
+        | Op::Fdatasync { ino } => looked_up(fs, |fs| {
+            let _ = fs.stat(*ino);
+        }),
+        Op::Statfs | Op::Sync | Op::Stats => Deferred::Ready(None),
+    }
+}
+
+fn looked_up(
+    fs: &mut Filesystem,
+    lookups: impl FnOnce(&mut Filesystem),
+) -> Deferred<Option<Result<Reply, EngineError>>> {
+    match fs.without_waiting(lookups) {
+        Deferred::Ready(()) => Deferred::Ready(None),
+        Deferred::Fetching(set) => Deferred::Fetching(set),
+    }
+}
