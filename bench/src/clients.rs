@@ -1,11 +1,11 @@
-//! Concurrent fsync clients through the reactor (issue 5's figures): C client threads each
-//! append 4 KiB to its own file and fsync it, for C = 1, 4, 16 by default, on a file-backed
-//! image. Placed as the suite places corefs ([`Placement`]): with more cores than reactors,
-//! each reactor busy-polls on a core of its own and the clients are pinned to the others;
-//! otherwise (or with `shared_cores`) everything shares every core and reactors spin, then
-//! park. Reports fsyncs/s, latency percentiles, how many fsyncs each log record carried, the
-//! share that fell back to a commit, the reactor's CPU time per operation, and the CPU an idle
-//! reactor uses with spin-then-park.
+//! Concurrent fsync clients through the reactor (docs/reactors.md's figures): C client
+//! threads, each appending 4 KiB to its own file and fsyncing it, for C = 1, 4, 16 by default,
+//! on a file-backed image. Placed as the suite places corefs ([`Placement`]): with more cores
+//! than reactors, each reactor busy-polls on a core of its own and the clients are pinned to
+//! the others; otherwise (or with `shared_cores`) everything shares every core and reactors
+//! spin, then park. Reports fsyncs/s, latency percentiles, how many fsyncs each log record
+//! carried, the share that fell back to a commit, the reactor's CPU time per operation, and
+//! the CPU an idle reactor uses with spin-then-park.
 
 use crate::stats::{fmt_ns, latency_histogram, LatencySummary};
 use crate::suite::Placement;

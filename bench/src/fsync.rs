@@ -1,4 +1,5 @@
-//! The fsync latency benchmark (issue 4's figure): 4 KiB append + fdatasync at queue depth 1.
+//! The fsync latency benchmark (docs/fsync-log.md's figures): 4 KiB append + fdatasync at
+//! queue depth 1.
 //!
 //! Three targets take turns, `rounds` times, on the same disk, and medians are compared (a
 //! virtual disk's speed drifts within a minute; running one target entirely before the other

@@ -317,7 +317,7 @@ fn loop_device_kernel_peer() {
     assert!(left.is_empty(), "left behind: {left:?}");
 }
 
-/// The clients benchmark (issue 5's figures) places corefs as the suite does — a dedicated
+/// The clients benchmark (docs/reactors.md's figures) places corefs as the suite does — a dedicated
 /// busy-polling reactor core when there is one to spare, shared cores on request — and its
 /// figures come from real fsyncs: every client's fsyncs were counted by the reactor, none fell
 /// back to a commit, and the idle instance was measured.

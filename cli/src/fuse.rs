@@ -229,46 +229,112 @@ impl CorefsFuse {
     }
 }
 
+/// A fuser reply, as [`CorefsFuse::answer`] fails it: each reply type has its own `error`,
+/// and no trait in fuser names them all.
+trait ErrorReply: Send + 'static {
+    fn error(self, errno: Errno);
+}
+
+macro_rules! error_reply {
+    ($($reply:ty),*) => {
+        $(impl ErrorReply for $reply {
+            fn error(self, errno: Errno) {
+                <$reply>::error(self, errno)
+            }
+        })*
+    };
+}
+
+error_reply!(
+    ReplyAttr,
+    ReplyCreate,
+    ReplyData,
+    ReplyEmpty,
+    ReplyEntry,
+    ReplyStatfs,
+    ReplyWrite,
+    ReplyXattr
+);
+
+/// The payload of a reply of the kind `$kind` (`Reply::Data` …), or EIO for any other kind:
+/// the reactor answers each operation with one kind, so another is a bug, reported as an I/O
+/// error rather than a panic in a FUSE worker.
+macro_rules! expect {
+    ($reply:expr, $kind:path) => {
+        match $reply {
+            $kind(payload) => Ok(payload),
+            _ => Err(libc::EIO),
+        }
+    };
+}
+
+/// The request handlers' shape: each turns the kernel's request into an [`Op`] (or answers
+/// at once what needs no reactor), then hands the reactor call to a worker with
+/// [`CorefsFuse::answer`], which replies with the result or with the call's errno.
+impl CorefsFuse {
+    /// Runs `work` on a worker with its reactor client and answers the kernel: `done` with
+    /// what it returns, or the errno it failed with.
+    fn answer<R: ErrorReply, T>(
+        &self,
+        reply: R,
+        work: impl FnOnce(&mut Client) -> Result<T, i32> + Send + 'static,
+        done: impl FnOnce(R, T) + Send + 'static,
+    ) {
+        self.pool.run(move |c| match work(c) {
+            Ok(value) => done(reply, value),
+            Err(e) => reply.error(fuse_errno(e)),
+        });
+    }
+
+    /// Replies with the inode `op` returns (lookup, mkdir, mknod, symlink, link), which the
+    /// kernel then references.
+    fn reply_entry(&self, op: Op, reply: ReplyEntry) {
+        let refs = self.refs.clone();
+        let work = move |c: &mut Client| {
+            let s = stat_reply(c, op)?;
+            refs.add(c, s.ino)?;
+            Ok(s)
+        };
+        self.answer(reply, work, |reply, s| {
+            reply.entry(&TTL, &attr(&s), Generation(0))
+        });
+    }
+
+    /// Replies with the attributes `op` returns (getattr, setattr).
+    fn reply_attr(&self, op: Op, reply: ReplyAttr) {
+        self.answer(
+            reply,
+            |c| stat_reply(c, op),
+            |reply, s| reply.attr(&TTL, &attr(&s)),
+        );
+    }
+
+    /// Replies with the bytes `op` returns (read, readlink).
+    fn reply_data(&self, op: Op, reply: ReplyData) {
+        self.answer(
+            reply,
+            |c| expect!(call(c, op)?, Reply::Data),
+            |reply, d| reply.data(&d),
+        );
+    }
+
+    /// Replies success or the errno of `op`, which has no result.
+    fn reply_empty(&self, op: Op, reply: ReplyEmpty) {
+        self.answer(reply, |c| call(c, op), |reply, _| reply.ok());
+    }
+}
+
 fn call(client: &mut Client, op: Op) -> Result<Reply, i32> {
     client.call(op).map_err(|e| errno(&e))
 }
 
 fn stat_reply(client: &mut Client, op: Op) -> Result<Stat, i32> {
-    match call(client, op)? {
-        Reply::Stat(s) => Ok(s),
-        _ => Err(libc::EIO),
-    }
+    expect!(call(client, op)?, Reply::Stat)
 }
 
 /// An errno as fuser takes it (`e` is never 0: [`errno`] maps 0 to EIO).
 fn fuse_errno(e: i32) -> Errno {
     Errno::from_i32(e)
-}
-
-/// Replies with the inode an operation returns (lookup, mkdir, mknod, symlink, link), which
-/// the kernel then references.
-fn reply_entry(client: &mut Client, refs: &KernelRefs, op: Op, reply: ReplyEntry) {
-    let entry = stat_reply(client, op).and_then(|s| refs.add(client, s.ino).map(|()| s));
-    match entry {
-        Ok(s) => reply.entry(&TTL, &attr(&s), Generation(0)),
-        Err(e) => reply.error(fuse_errno(e)),
-    }
-}
-
-/// Replies with the attributes an operation returns (getattr, setattr).
-fn reply_attr(client: &mut Client, op: Op, reply: ReplyAttr) {
-    match stat_reply(client, op) {
-        Ok(s) => reply.attr(&TTL, &attr(&s)),
-        Err(e) => reply.error(fuse_errno(e)),
-    }
-}
-
-/// Replies success or the errno of an operation with no result.
-fn reply_empty(client: &mut Client, op: Op, reply: ReplyEmpty) {
-    match call(client, op) {
-        Ok(_) => reply.ok(),
-        Err(e) => reply.error(fuse_errno(e)),
-    }
 }
 
 fn errno(e: &EngineError) -> i32 {
@@ -405,8 +471,7 @@ impl Filesystem for CorefsFuse {
             dir: to_engine(parent),
             name: name.as_bytes().to_vec(),
         };
-        let refs = self.refs.clone();
-        self.pool.run(move |c| reply_entry(c, &refs, op, reply));
+        self.reply_entry(op, reply);
     }
 
     fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
@@ -419,7 +484,7 @@ impl Filesystem for CorefsFuse {
         let op = Op::Stat {
             ino: to_engine(ino),
         };
-        self.pool.run(move |c| reply_attr(c, op, reply));
+        self.reply_attr(op, reply);
     }
 
     fn setattr(
@@ -452,18 +517,14 @@ impl Filesystem for CorefsFuse {
             ino: to_engine(ino),
             change,
         };
-        self.pool.run(move |c| reply_attr(c, op, reply));
+        self.reply_attr(op, reply);
     }
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
         let op = Op::Readlink {
             ino: to_engine(ino),
         };
-        self.pool.run(move |c| match call(c, op) {
-            Ok(Reply::Data(d)) => reply.data(&d),
-            Ok(_) => reply.error(Errno::EIO),
-            Err(e) => reply.error(fuse_errno(e)),
-        });
+        self.reply_data(op, reply);
     }
 
     fn mknod(
@@ -484,8 +545,7 @@ impl Filesystem for CorefsFuse {
             rdev: u64::from(rdev),
             owner: owner_of(req),
         };
-        let refs = self.refs.clone();
-        self.pool.run(move |c| reply_entry(c, &refs, op, reply));
+        self.reply_entry(op, reply);
     }
 
     fn mkdir(
@@ -503,8 +563,7 @@ impl Filesystem for CorefsFuse {
             mode: mode & !umask & 0o7777,
             owner: owner_of(req),
         };
-        let refs = self.refs.clone();
-        self.pool.run(move |c| reply_entry(c, &refs, op, reply));
+        self.reply_entry(op, reply);
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
@@ -512,7 +571,7 @@ impl Filesystem for CorefsFuse {
             dir: to_engine(parent),
             name: name.as_bytes().to_vec(),
         };
-        self.pool.run(move |c| reply_empty(c, op, reply));
+        self.reply_empty(op, reply);
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
@@ -520,7 +579,7 @@ impl Filesystem for CorefsFuse {
             dir: to_engine(parent),
             name: name.as_bytes().to_vec(),
         };
-        self.pool.run(move |c| reply_empty(c, op, reply));
+        self.reply_empty(op, reply);
     }
 
     fn symlink(
@@ -537,8 +596,7 @@ impl Filesystem for CorefsFuse {
             target: target.as_os_str().as_bytes().to_vec(),
             owner: owner_of(req),
         };
-        let refs = self.refs.clone();
-        self.pool.run(move |c| reply_entry(c, &refs, op, reply));
+        self.reply_entry(op, reply);
     }
 
     fn rename(
@@ -566,7 +624,7 @@ impl Filesystem for CorefsFuse {
                 exchange: flags.contains(fuser::RenameFlags::RENAME_EXCHANGE),
             },
         };
-        self.pool.run(move |c| reply_empty(c, op, reply));
+        self.reply_empty(op, reply);
     }
 
     fn link(
@@ -582,8 +640,7 @@ impl Filesystem for CorefsFuse {
             dir: to_engine(newparent),
             name: newname.as_bytes().to_vec(),
         };
-        let refs = self.refs.clone();
-        self.pool.run(move |c| reply_entry(c, &refs, op, reply));
+        self.reply_entry(op, reply);
     }
 
     fn open(&self, _req: &Request, _ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
@@ -614,11 +671,7 @@ impl Filesystem for CorefsFuse {
             offset,
             len,
         };
-        self.pool.run(move |c| match call(c, op) {
-            Ok(Reply::Data(d)) => reply.data(&d),
-            Ok(_) => reply.error(Errno::EIO),
-            Err(e) => reply.error(fuse_errno(e)),
-        });
+        self.reply_data(op, reply);
     }
 
     fn write(
@@ -642,11 +695,8 @@ impl Filesystem for CorefsFuse {
             offset,
             data: data[..len].to_vec(),
         };
-        self.pool.run(move |c| match call(c, op) {
-            Ok(Reply::Written(n)) => reply.written(n as u32),
-            Ok(_) => reply.error(Errno::EIO),
-            Err(e) => reply.error(fuse_errno(e)),
-        });
+        let work = |c: &mut Client| expect!(call(c, op)?, Reply::Written);
+        self.answer(reply, work, |reply, n| reply.written(n as u32));
     }
 
     fn flush(
@@ -687,7 +737,7 @@ impl Filesystem for CorefsFuse {
         } else {
             Op::Fsync { ino }
         };
-        self.pool.run(move |c| reply_empty(c, op, reply));
+        self.reply_empty(op, reply);
     }
 
     fn opendir(&self, _req: &Request, _ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
@@ -720,16 +770,13 @@ impl Filesystem for CorefsFuse {
             }
             let mut cookie = offset - 2;
             loop {
-                let entries = match call(
-                    c,
-                    Op::Readdir {
-                        dir,
-                        cookie,
-                        max: 128,
-                    },
-                ) {
-                    Ok(Reply::Entries(e)) => e,
-                    Ok(_) => return reply.error(Errno::EIO),
+                let op = Op::Readdir {
+                    dir,
+                    cookie,
+                    max: 128,
+                };
+                let entries = match call(c, op).and_then(|r| expect!(r, Reply::Entries)) {
+                    Ok(entries) => entries,
                     Err(e) => return reply.error(fuse_errno(e)),
                 };
                 if entries.is_empty() {
@@ -763,9 +810,9 @@ impl Filesystem for CorefsFuse {
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        let op = Op::Statfs;
-        self.pool.run(move |c| match call(c, op) {
-            Ok(Reply::Statfs(s)) => reply.statfs(
+        let work = |c: &mut Client| expect!(call(c, Op::Statfs)?, Reply::Statfs);
+        self.answer(reply, work, |reply, s| {
+            reply.statfs(
                 s.total_blocks,
                 s.free_blocks,
                 s.free_blocks,
@@ -774,9 +821,7 @@ impl Filesystem for CorefsFuse {
                 s.block_bytes,
                 s.name_max,
                 s.block_bytes,
-            ),
-            Ok(_) => reply.error(Errno::EIO),
-            Err(e) => reply.error(fuse_errno(e)),
+            )
         });
     }
 
@@ -805,7 +850,7 @@ impl Filesystem for CorefsFuse {
             value: value.to_vec(),
             flags,
         };
-        self.pool.run(move |c| reply_empty(c, op, reply));
+        self.reply_empty(op, reply);
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
@@ -816,28 +861,22 @@ impl Filesystem for CorefsFuse {
             ino: to_engine(ino),
             name: name.as_bytes().to_vec(),
         };
-        self.pool.run(move |c| match call(c, op) {
-            Ok(Reply::Data(d)) => xattr_reply(reply, &d, size),
-            Ok(_) => reply.error(Errno::EIO),
-            Err(e) => reply.error(fuse_errno(e)),
-        });
+        let work = |c: &mut Client| expect!(call(c, op)?, Reply::Data);
+        self.answer(reply, work, move |reply, d| xattr_reply(reply, &d, size));
     }
 
     fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
         let op = Op::ListXattr {
             ino: to_engine(ino),
         };
-        self.pool.run(move |c| match call(c, op) {
-            Ok(Reply::Names(names)) => {
-                let mut list = Vec::new();
-                for n in names {
-                    list.extend_from_slice(&n);
-                    list.push(0);
-                }
-                xattr_reply(reply, &list, size)
+        let work = |c: &mut Client| expect!(call(c, op)?, Reply::Names);
+        self.answer(reply, work, move |reply, names| {
+            let mut list = Vec::new();
+            for n in names {
+                list.extend_from_slice(&n);
+                list.push(0);
             }
-            Ok(_) => reply.error(Errno::EIO),
-            Err(e) => reply.error(fuse_errno(e)),
+            xattr_reply(reply, &list, size)
         });
     }
 
@@ -849,7 +888,7 @@ impl Filesystem for CorefsFuse {
             ino: to_engine(ino),
             name: name.as_bytes().to_vec(),
         };
-        self.pool.run(move |c| reply_empty(c, op, reply));
+        self.reply_empty(op, reply);
     }
 
     fn create(
@@ -868,7 +907,7 @@ impl Filesystem for CorefsFuse {
         let refs = self.refs.clone();
         // The kernel sends O_CREAT without O_EXCL here only when the name did not exist at
         // its lookup; a racing create found in between is opened, as open(2) would.
-        self.pool.run(move |c| {
+        let work = move |c: &mut Client| {
             let made = stat_reply(
                 c,
                 Op::Create {
@@ -878,22 +917,23 @@ impl Filesystem for CorefsFuse {
                     owner,
                 },
             );
-            let stat = match made {
+            let s = match made {
                 Err(libc::EEXIST) if flags & libc::O_EXCL == 0 => {
                     stat_reply(c, Op::Lookup { dir, name })
                 }
                 other => other,
-            };
-            match stat.and_then(|s| refs.add(c, s.ino).map(|()| s)) {
-                Ok(s) => reply.created(
-                    &TTL,
-                    &attr(&s),
-                    Generation(0),
-                    FileHandle(0),
-                    FopenFlags::empty(),
-                ),
-                Err(e) => reply.error(fuse_errno(e)),
-            }
+            }?;
+            refs.add(c, s.ino)?;
+            Ok(s)
+        };
+        self.answer(reply, work, |reply, s| {
+            reply.created(
+                &TTL,
+                &attr(&s),
+                Generation(0),
+                FileHandle(0),
+                FopenFlags::empty(),
+            )
         });
     }
 
@@ -928,7 +968,7 @@ impl Filesystem for CorefsFuse {
             offset,
             len: length,
         };
-        self.pool.run(move |c| reply_empty(c, op, reply));
+        self.reply_empty(op, reply);
     }
 
     fn ioctl(

@@ -1,8 +1,8 @@
 //! The classic fsync bugs of btrfs and ext4 as named crash workloads (xfstests generic/ and
-//! CrashMonkey cases in shared/reference/crash-rules.md). Each crash state at every persistence
-//! point and flush is mounted and checked by the oracle, as in the ACE runs.
-//! Not expressible yet: fsync of an unlinked *open* file (the engine has no open handles; an
-//! unlinked inode is gone at once).
+//! CrashMonkey cases; the rules they check are listed, numbered, in docs/durability.md). Each
+//! crash state at every persistence point and flush is mounted and checked by the oracle, as
+//! in the ACE runs. fsync of an unlinked *open* file (rule 12) needs a handle the workloads do
+//! not have: engine/tests/posix_objects.rs checks it.
 
 use crashtest::workload::{Falloc, Op};
 

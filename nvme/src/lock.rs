@@ -142,6 +142,21 @@ fn whole_file_lock(kind: libc::c_int) -> libc::flock {
 const BUSY_WAIT: Duration = Duration::from_secs(1);
 const BUSY_RETRY: Duration = Duration::from_millis(10);
 
+/// The lock an open with `access` holds, taken through `file` before the device is read or
+/// written: the exclusive lock ([`lock_exclusive`]), a share of the one this process holds
+/// ([`join`]), or none for a read-shared open. `device` names the device in errors.
+pub(crate) fn for_access(
+    file: &File,
+    access: Access,
+    device: &str,
+) -> Result<Option<Arc<DeviceLock>>, DevError> {
+    match access {
+        Access::Exclusive => lock_exclusive(file, device).map(Some),
+        Access::AnotherQueue => join(file, device).map(Some),
+        Access::ReadShared => Ok(None),
+    }
+}
+
 /// Takes the exclusive lock through `file` (opened for writing) and registers it for
 /// [`Access::AnotherQueue`]. `device` names the device in errors.
 pub(crate) fn lock_exclusive(file: &File, device: &str) -> Result<Arc<DeviceLock>, DevError> {

@@ -7,20 +7,21 @@
 //!      └──── Client::poll / wait ◄── per-client bounded completion queue ◄────┘ engine + device
 //! ```
 //!
-//! What is built: one reactor per filesystem, pinned to a chosen core, owning every shard and
-//! the device's queue; bounded lock-free queues both ways with backpressure at submit; fsyncs
-//! that arrive while the reactor is busy made durable by one log record and one flush, with
-//! several groups' records in flight at once and their waiters released in order as each
-//! becomes durable; consecutive reads served with their device reads in flight together;
-//! commits when the engine says one is due (timer, dirty limit, half-full log), between
-//! batches; an idle policy (busy-poll, or spin then park); statistics with the fsync latency
-//! split by phase; shutdown that drains, commits and unmounts; and [`sim`], the same batch code
+//! A reactor is pinned to a chosen core and owns its shards and its device queue. Bounded
+//! lock-free queues run both ways with backpressure at submit. Fsyncs that arrive while the
+//! reactor is busy are made durable by one log record and one flush, with several groups'
+//! records in flight at once and their waiters released in order as each becomes durable;
+//! consecutive reads are served with their device reads in flight together; commits run when
+//! the engine says one is due (timer, dirty limit, half-full log), between batches. There is
+//! an idle policy (busy-poll, or spin then park), statistics with the fsync latency split by
+//! phase, a shutdown that drains, commits and unmounts, and [`sim`], the same batch code
 //! driven in one thread by a seeded scheduler for deterministic simulation.
 //!
-//! Not built yet: several reactors each owning a subset of the shards with their own device
-//! queues and a cross-core commit coordinator. The engine is one state machine over all shards
-//! today; splitting it per shard (and running generation N+1 while N commits) is the next step.
-//! See docs/reactors.md.
+//! By default one reactor owns every shard. Several (`Config::reactors`, `multi`) each own
+//! every N-th shard as a partition of the engine on a device queue of their own, with a
+//! coordinator thread that runs the coordinated commits (each reactor serving generation N+1
+//! while its half of N is written) and the operations that span reactors, on shards lent to
+//! it. See docs/reactors.md.
 
 pub mod affinity;
 pub mod client;

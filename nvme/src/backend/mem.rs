@@ -8,10 +8,11 @@
 //! [`crate::wrap::RecordingDevice`] for crash states. Every write is durable at completion
 //! (there is no volatile cache to lose), which is why crash testing uses the recorded write log.
 
+use super::{admit, Gate};
 use crate::dma::HugepagePolicy;
 use crate::{
-    validate, BlockDevice, Completion, CompletionMode, DevError, DeviceInfo, DmaPool, Op, Rejected,
-    Request, SimAccess,
+    BlockDevice, Completion, CompletionMode, DevError, DeviceInfo, DmaPool, Op, Rejected, Request,
+    SimAccess,
 };
 use memmap2::MmapMut;
 use std::collections::VecDeque;
@@ -153,13 +154,11 @@ impl BlockDevice for MemDevice {
     }
 
     fn submit(&mut self, request: Request) -> Result<(), Rejected> {
-        if self.done.len() >= self.info.queue_depth as usize {
-            return Err(Rejected {
-                request,
-                reason: DevError::QueueFull,
-            });
-        }
-        if let Err(reason) = validate(&self.info, &self.pool, &request.op) {
+        let gate = Gate {
+            full: self.done.len() >= self.info.queue_depth as usize,
+            ..Gate::default()
+        };
+        if let Err(reason) = admit(&gate, &self.info, &self.pool, &request.op) {
             return Err(Rejected { request, reason });
         }
         let kind = request.op.kind();

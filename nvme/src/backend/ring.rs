@@ -3,12 +3,41 @@
 //! draining in-flight requests before the memory they point at can be reused.
 //!
 //! Fault model: `io_uring_enter` failing with anything but EINTR/EAGAIN/EBUSY/ETIME means the
-//! ring is unusable; the error is made sticky by the caller (`DevError::QueueFailed`).
+//! ring is unusable; the caller makes the error sticky ([`FailStop`], `DevError::QueueFailed`).
 
 use crate::DevError;
 use io_uring::{cqueue, squeue, IoUring};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
+
+/// A queue's fail-stop state: once a push or an `io_uring_enter` fails, the queue refuses
+/// every later submit, poll and wait with that error, since what the kernel did with the
+/// requests in flight is unknown.
+#[derive(Debug, Default)]
+pub(crate) struct FailStop(Option<DevError>);
+
+impl FailStop {
+    /// The error the queue failed with, if it has.
+    pub fn error(&self) -> Option<&DevError> {
+        self.0.as_ref()
+    }
+
+    /// Err with the error the queue failed with, if it has.
+    pub fn check(&self) -> Result<(), DevError> {
+        match &self.0 {
+            Some(failed) => Err(failed.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// Passes `result` on; an error fails the queue for good.
+    pub fn on<T>(&mut self, result: Result<T, DevError>) -> Result<T, DevError> {
+        if let Err(e) = &result {
+            self.0 = Some(e.clone());
+        }
+        result
+    }
+}
 
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct RingSetup {
@@ -243,10 +272,11 @@ fn ring_error(what: &str, e: &std::io::Error) -> DevError {
     DevError::setup(format!("creating the io_uring for {what}"), e, hint)
 }
 
-/// Spins on `poll` until nothing is in flight, so no buffer is reused while the kernel may
-/// still DMA into it. If the device will not finish (a hung controller), the buffers are leaked
-/// rather than freed: a leak is safe, a use-after-DMA is corruption.
-pub(crate) fn drain_before_drop(dev: &mut dyn crate::BlockDevice, leak: impl FnOnce()) {
+/// Waits until nothing is in flight, so no buffer is reused while the kernel may still DMA
+/// into it. If the device will not finish (a hung controller), this gives up after 30 s and
+/// says so; the caller then leaks what is still in flight
+/// ([`super::slots::Slots::leak_in_flight`]).
+pub(crate) fn drain_before_drop(dev: &mut dyn crate::BlockDevice) {
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     let mut sink = Vec::new();
     while dev.in_flight() > 0 && std::time::Instant::now() < deadline {
@@ -261,6 +291,5 @@ pub(crate) fn drain_before_drop(dev: &mut dyn crate::BlockDevice, leak: impl FnO
             dev.info().name,
             dev.in_flight()
         );
-        leak();
     }
 }

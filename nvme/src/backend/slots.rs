@@ -39,18 +39,32 @@ impl Slots {
         self.free.is_empty()
     }
 
-    /// Takes a slot; the caller has checked `is_full` first.
-    pub fn take(&mut self, entry: InFlight) -> u64 {
+    /// Takes the slot `user_data` names: the one [`Slots::next_index`] gave the SQE, pushed
+    /// since. The caller has checked `is_full` first.
+    pub fn take(&mut self, user_data: u64, entry: InFlight) {
         let index = self.free.pop().expect("Slots::take on a full table");
+        assert_eq!(
+            index as u64, user_data,
+            "slot table handed out a different slot"
+        );
         let slot = &mut self.entries[index as usize];
         assert!(slot.is_none(), "free list named a busy slot {index}");
         *slot = Some(entry);
-        index as u64
     }
 
-    /// The slot the next `take` will return, so an SQE can carry it before the slot is taken.
+    /// The slot the next `take` will take, so an SQE can carry it before the slot is taken
+    /// (a push that fails then leaves the table as it was).
     pub fn next_index(&self) -> u64 {
         *self.free.last().expect("Slots::next_index on a full table") as u64
+    }
+
+    /// Forgets every slot still in flight, buffers included, so that none goes back to the
+    /// pool while the device may still DMA into it (at drop, after a drain that did not end):
+    /// a leak is safe, a use-after-DMA is corruption.
+    pub fn leak_in_flight(&mut self) {
+        if self.in_flight() > 0 {
+            std::mem::forget(std::mem::replace(self, Slots::new(1)));
+        }
     }
 
     pub fn release(&mut self, user_data: u64) -> InFlight {

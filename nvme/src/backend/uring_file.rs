@@ -16,13 +16,14 @@
 //! a failing `io_uring_enter` makes the queue fail-stop. Every size in the config is checked
 //! at open (it may come from a device string or a C caller): a bad one is an error.
 
-use super::ring::{drain_before_drop, Ring, RingSetup};
+use super::ring::{drain_before_drop, FailStop, Ring, RingSetup};
 use super::slots::{InFlight, Slots};
+use super::{admit, Gate};
 use crate::dma::HugepagePolicy;
 use crate::lock::{self, Access, DeviceLock};
 use crate::{
-    validate, BlockDevice, Completion, CompletionMode, DevError, DeviceInfo, DmaPool, Op, OpKind,
-    Rejected, Request,
+    BlockDevice, Completion, CompletionMode, DevError, DeviceInfo, DmaPool, Op, OpKind, Rejected,
+    Request,
 };
 use io_uring::{cqueue, opcode, squeue, types};
 use std::fs::{File, OpenOptions};
@@ -87,7 +88,7 @@ pub struct FileDevice {
     info: DeviceInfo,
     pool: DmaPool,
     file: File,
-    failed: Option<DevError>,
+    failed: FailStop,
     /// Opened [`Access::ReadShared`]: writes are refused at submit.
     read_only: bool,
     /// The device's exclusive lock, shared with the process's other queues on it; `None` when
@@ -154,11 +155,7 @@ impl FileDevice {
         })?;
         // The lock is taken before the file is sized or read, so a second writer learns at
         // once that the image is in use and changes nothing.
-        let lock = match config.access {
-            Access::Exclusive => Some(lock::lock_exclusive(&file, &format!("file:{path_text}"))?),
-            Access::AnotherQueue => Some(lock::join(&file, &format!("file:{path_text}"))?),
-            Access::ReadShared => None,
-        };
+        let lock = lock::for_access(&file, config.access, &format!("file:{path_text}"))?;
         let meta = file
             .metadata()
             .map_err(|e| DevError::setup(format!("stat {path_text}"), &e, ""))?;
@@ -242,7 +239,7 @@ impl FileDevice {
             },
             pool,
             file,
-            failed: None,
+            failed: FailStop::default(),
             read_only,
             _lock: lock,
         })
@@ -348,25 +345,14 @@ impl BlockDevice for FileDevice {
     }
 
     fn submit(&mut self, request: Request) -> Result<(), Rejected> {
-        if let Some(failed) = &self.failed {
-            return Err(Rejected {
-                request,
-                reason: failed.clone(),
-            });
-        }
-        if self.slots.is_full() {
-            return Err(Rejected {
-                request,
-                reason: DevError::QueueFull,
-            });
-        }
-        if let Err(reason) = validate(&self.info, &self.pool, &request.op) {
+        let gate = Gate {
+            failed: self.failed.error(),
+            full: self.slots.is_full(),
+            read_only: self.read_only,
+            ranges_unchecked: false,
+        };
+        if let Err(reason) = admit(&gate, &self.info, &self.pool, &request.op) {
             return Err(Rejected { request, reason });
-        }
-        if self.read_only {
-            if let Err(reason) = crate::refuse_writes(&request.op) {
-                return Err(Rejected { request, reason });
-            }
         }
         let kind = request.op.kind();
         let expect_bytes = match &request.op {
@@ -377,48 +363,37 @@ impl BlockDevice for FileDevice {
         // because the buffer then moves into the slot, and moving a DmaBuf does not move memory.
         let user_data = self.slots.next_index();
         let sqe = self.build_sqe(&request.op, user_data);
-        if let Err(reason) = self.ring.push(&sqe) {
-            self.failed = Some(reason.clone());
+        if let Err(reason) = self.failed.on(self.ring.push(&sqe)) {
             return Err(Rejected { request, reason });
         }
-        let taken = self.slots.take(InFlight {
+        let entry = InFlight {
             token: request.token,
             kind,
             buf: request.op.into_buf(),
             expect_bytes,
             internal_buf: false,
-        });
-        assert_eq!(taken, user_data, "slot table handed out a different slot");
+        };
+        self.slots.take(user_data, entry);
         Ok(())
     }
 
     fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize, DevError> {
-        if let Some(failed) = &self.failed {
-            return Err(failed.clone());
-        }
+        self.failed.check()?;
         if self.ring.needs_enter(self.slots.in_flight()) {
-            if let Err(e) = self.ring.enter(0, None) {
-                self.failed = Some(e.clone());
-                return Err(e);
-            }
+            self.failed.on(self.ring.enter(0, None))?;
         }
         Ok(self.reap(out))
     }
 
     fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> Result<usize, DevError> {
-        if let Some(failed) = &self.failed {
-            return Err(failed.clone());
-        }
+        self.failed.check()?;
         // Completions already posted need no syscall; otherwise submit and wait in one enter,
         // which is what keeps queue-depth-1 latency at one syscall per I/O.
         let found = self.reap(out);
         if found > 0 || self.slots.in_flight() == 0 {
             return Ok(found);
         }
-        if let Err(e) = self.ring.enter(1, Some(timeout)) {
-            self.failed = Some(e.clone());
-            return Err(e);
-        }
+        self.failed.on(self.ring.enter(1, Some(timeout)))?;
         Ok(self.reap(out))
     }
 
@@ -434,13 +409,10 @@ impl BlockDevice for FileDevice {
 
 impl Drop for FileDevice {
     fn drop(&mut self) {
-        if self.slots.in_flight() > 0 && self.failed.is_none() {
-            drain_before_drop(self, || {});
+        if self.slots.in_flight() > 0 && self.failed.error().is_none() {
+            drain_before_drop(self);
         }
-        if self.slots.in_flight() > 0 {
-            // The kernel may still write into these buffers: never return them to the pool.
-            let leaked = std::mem::replace(&mut self.slots, Slots::new(1));
-            std::mem::forget(leaked);
-        }
+        // The kernel may still write into what is left in flight: never back to the pool.
+        self.slots.leak_in_flight();
     }
 }

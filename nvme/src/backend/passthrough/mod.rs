@@ -23,13 +23,14 @@
 
 pub mod abi;
 
-use super::ring::{drain_before_drop, Ring, RingSetup};
+use super::ring::{drain_before_drop, FailStop, Ring, RingSetup};
 use super::slots::{InFlight, Slots};
+use super::{admit, Gate};
 use crate::dma::HugepagePolicy;
 use crate::lock::{self, Access, DeviceLock};
 use crate::{
-    validate, BlockDevice, Completion, CompletionMode, DevError, DeviceInfo, DmaPool, NvmeStatus,
-    Op, OpKind, Rejected, Request,
+    BlockDevice, Completion, CompletionMode, DevError, DeviceInfo, DmaPool, NvmeStatus, Op, OpKind,
+    Rejected, Request,
 };
 use abi::*;
 use io_uring::{cqueue, opcode, squeue, types};
@@ -95,7 +96,7 @@ pub struct PassthroughDevice {
     nsid: u32,
     namespace: NamespaceId,
     controller: ControllerId,
-    failed: Option<DevError>,
+    failed: FailStop,
     check_ranges: bool,
     /// Opened [`Access::ReadShared`]: writes are refused at submit.
     read_only: bool,
@@ -136,11 +137,7 @@ impl PassthroughDevice {
         // Locked before the first command: a second writer learns at once that the namespace
         // is in use, before it identifies or touches anything.
         let device_name = format!("nvme:{path_text}");
-        let lock = match config.access {
-            Access::Exclusive => Some(lock::lock_exclusive(&file, &device_name)?),
-            Access::AnotherQueue => Some(lock::join(&file, &device_name)?),
-            Access::ReadShared => None,
-        };
+        let lock = lock::for_access(&file, config.access, &device_name)?;
         let fd = file.as_raw_fd();
 
         // SAFETY: NVME_IOCTL_ID takes no argument and returns the namespace id or -1.
@@ -238,7 +235,7 @@ impl PassthroughDevice {
             nsid,
             namespace,
             controller,
-            failed: None,
+            failed: FailStop::default(),
             check_ranges: config.check_ranges,
             read_only,
             _lock: lock,
@@ -392,30 +389,15 @@ impl BlockDevice for PassthroughDevice {
     }
 
     fn submit(&mut self, request: Request) -> Result<(), Rejected> {
-        if let Some(failed) = &self.failed {
-            return Err(Rejected {
-                request,
-                reason: failed.clone(),
-            });
-        }
-        if self.slots.is_full() {
-            return Err(Rejected {
-                request,
-                reason: DevError::QueueFull,
-            });
-        }
-        let checked = match validate(&self.info, &self.pool, &request.op) {
-            Err(DevError::OutOfRange { .. }) if !self.check_ranges => Ok(()),
-            other => other,
+        let gate = Gate {
+            failed: self.failed.error(),
+            full: self.slots.is_full(),
+            read_only: self.read_only,
+            ranges_unchecked: !self.check_ranges,
         };
-        let checked = checked.and_then(|()| {
-            if self.read_only {
-                crate::refuse_writes(&request.op)
-            } else {
-                Ok(())
-            }
-        });
-        if let Err(reason) = checked.and_then(|()| self.check_supported(&request.op)) {
+        let admitted = admit(&gate, &self.info, &self.pool, &request.op)
+            .and_then(|()| self.check_supported(&request.op));
+        if let Err(reason) = admitted {
             return Err(Rejected { request, reason });
         }
         let dsm = match request.op {
@@ -458,33 +440,28 @@ impl BlockDevice for PassthroughDevice {
         } else {
             &mut self.data_ring
         };
-        if let Err(reason) = ring.push(&sqe) {
-            self.failed = Some(reason.clone());
+        if let Err(reason) = self.failed.on(ring.push(&sqe)) {
             return Err(Rejected { request, reason });
         }
         let kind = request.op.kind();
         let expect_bytes = cmd.data_len;
         let internal_buf = dsm.is_some();
         let buf = dsm.or_else(|| request.op.into_buf());
-        let taken = self.slots.take(InFlight {
+        let entry = InFlight {
             token: request.token,
             kind,
             buf,
             expect_bytes,
             internal_buf,
-        });
-        assert_eq!(taken, user_data, "slot table handed out a different slot");
+        };
+        self.slots.take(user_data, entry);
         Ok(())
     }
 
     fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize, DevError> {
-        if let Some(failed) = &self.failed {
-            return Err(failed.clone());
-        }
-        if let Err(e) = self.enter_all(0, None) {
-            self.failed = Some(e.clone());
-            return Err(e);
-        }
+        self.failed.check()?;
+        let entered = self.enter_all(0, None);
+        self.failed.on(entered)?;
         Ok(self.reap(out))
     }
 
@@ -511,10 +488,7 @@ impl BlockDevice for PassthroughDevice {
                 } else {
                     left
                 };
-                if let Err(e) = ring.enter(1, Some(wait_here)) {
-                    self.failed = Some(e.clone());
-                    return Err(e);
-                }
+                self.failed.on(ring.enter(1, Some(wait_here)))?;
             }
         }
     }
@@ -537,13 +511,11 @@ impl BlockDevice for PassthroughDevice {
 
 impl Drop for PassthroughDevice {
     fn drop(&mut self) {
-        if self.slots.in_flight() > 0 && self.failed.is_none() {
-            drain_before_drop(self, || {});
+        if self.slots.in_flight() > 0 && self.failed.error().is_none() {
+            drain_before_drop(self);
         }
-        if self.slots.in_flight() > 0 {
-            // The controller may still DMA into these buffers: never return them to the pool.
-            std::mem::forget(std::mem::replace(&mut self.slots, Slots::new(1)));
-        }
+        // The controller may still DMA into what is left in flight: never back to the pool.
+        self.slots.leak_in_flight();
     }
 }
 

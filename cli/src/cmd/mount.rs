@@ -1,0 +1,89 @@
+//! `corefs mount`: starts the reactors on a device and serves them through FUSE
+//! ([`crate::fuse`]) until the filesystem is unmounted.
+
+use crate::fuse;
+use std::path::PathBuf;
+
+/// Serve a filesystem at a mountpoint through FUSE until it is unmounted (umount or
+/// fusermount3 -u); the unmount commits. The device is held exclusively meanwhile: a
+/// second mount, mkfs or fsck of it fails (dump and fsck -n still read it).
+#[derive(clap::Args)]
+pub struct Args {
+    /// Device string: file:PATH, nvme:/dev/ngXnY.
+    device: String,
+    mountpoint: PathBuf,
+    /// Pin the reactor to this core (with several reactors: this core and the next ones).
+    #[arg(long, value_parser = parse_core)]
+    core: Option<usize>,
+    /// Reactors, each serving every N-th shard on its own device queue (0: one per core).
+    #[arg(long, default_value_t = 1)]
+    reactors: usize,
+    /// Busy-poll (a dedicated core) instead of spin-then-park.
+    #[arg(long)]
+    busy_poll: bool,
+    /// Let every user use the mount, not only the mounter (FUSE's allow_other), as a
+    /// storage service run by root serves others: the kernel checks each caller's
+    /// permissions against modes and owners (default_permissions), as on a kernel
+    /// filesystem. A mounter other than root needs `user_allow_other` in /etc/fuse.conf
+    /// (fusermount3 refuses the option otherwise).
+    #[arg(long)]
+    allow_other: bool,
+}
+
+pub fn run(args: Args) -> Result<(), String> {
+    let Args {
+        device,
+        mountpoint,
+        core,
+        reactors,
+        busy_poll,
+        allow_other,
+    } = args;
+    let cores = match core {
+        // One core per reactor from `core` on, each one the process may run on (with
+        // reactors 0, the number is not known yet: `core` alone).
+        Some(c) if reactors > 0 => reactor::affinity::consecutive_cores(c, reactors),
+        _ => Ok(Vec::new()),
+    }
+    .map_err(|e| format!("--core: {e}"))?;
+    let runtime = reactor::Runtime::start(reactor::Config {
+        device: device.clone(),
+        core,
+        reactors,
+        cores,
+        idle: if busy_poll {
+            reactor::IdlePolicy::BusyPoll
+        } else {
+            reactor::IdlePolicy::default()
+        },
+        ..reactor::Config::default()
+    })
+    .map_err(|e| format!("{device}: {e}"))?;
+    eprintln!(
+        "corefs: serving {device} at {} (unmount with: umount {})",
+        mountpoint.display(),
+        mountpoint.display()
+    );
+    let access = if allow_other {
+        fuse::Access::Everyone
+    } else {
+        fuse::Access::Mounter
+    };
+    fuse::serve(runtime, &mountpoint, access).map_err(|e| {
+        format!(
+            "mounting at {}: {e}{}",
+            mountpoint.display(),
+            fuse::mount_hint(&e)
+        )
+    })
+}
+
+/// A core id the process may run on (`reactor::affinity`): an error naming the allowed set
+/// otherwise, while the arguments are parsed.
+fn parse_core(text: &str) -> Result<usize, String> {
+    let core: usize = text
+        .parse()
+        .map_err(|e| format!("{text:?} is not a core id: {e}"))?;
+    reactor::affinity::check_cores(&[core]).map_err(|e| e.to_string())?;
+    Ok(core)
+}
