@@ -97,6 +97,60 @@ impl Filesystem {
         }
     }
 
+    /// The data blocks of file `ino` between byte `from` and `to` that a read-ahead should
+    /// fetch: extents' blocks not in the block cache. Run deferred
+    /// ([`Filesystem::without_waiting`]): read-ahead is a guess, never worth a wait. Staged
+    /// blocks are left out: they are not on the device yet, and read-ahead writes nothing.
+    pub(crate) fn plan_readahead(&mut self, ino: u64, from: u64, to: u64) -> Vec<ReadPiece> {
+        let found = self.file_inode(ino).and_then(|item| {
+            let to = to.min(item.size);
+            if from >= to {
+                return Ok((0, 0, Vec::new()));
+            }
+            let (first, last) = (from / BLOCK, to.div_ceil(BLOCK));
+            Ok((first, last, self.extents_in(ino, first, last)?))
+        });
+        let Ok((first, last, extents)) = found else {
+            return Vec::new();
+        };
+        let mut pieces = Vec::new();
+        for extent in extents {
+            if extent.item.prealloc {
+                continue;
+            }
+            let from = extent.file_block.max(first);
+            let to = extent.end().min(last);
+            let mut at = from;
+            while at < to {
+                // Runs of blocks the cache does not hold.
+                let disk = extent.item.disk_block + (at - extent.file_block);
+                let wanted = |fs: &Self, disk: u64| {
+                    fs.block_cache.get(disk).is_none() && fs.staged_block(ino, disk).is_none()
+                };
+                if !wanted(self, disk) {
+                    at += 1;
+                    continue;
+                }
+                let mut end = at + 1;
+                while end < to && wanted(self, extent.item.disk_block + (end - extent.file_block)) {
+                    end += 1;
+                }
+                let skip = (at - extent.file_block) as usize;
+                pieces.push(ReadPiece {
+                    request: usize::MAX,
+                    ino,
+                    disk,
+                    count: end - at,
+                    crcs: extent.item.crcs[skip..skip + (end - at) as usize].to_vec(),
+                    src: 0..0,
+                    dst: 0..0,
+                });
+                at = end;
+            }
+        }
+        pieces
+    }
+
     /// Looks up file `ino`'s inode and the extents over `len` bytes at `offset` (at least
     /// one block), changing nothing ([`Filesystem::probe_range`]).
     pub(crate) fn probe_extents(&mut self, ino: u64, offset: u64, len: u64) -> Result<()> {

@@ -64,6 +64,9 @@ pub struct ReadStats {
     pub sets_in_flight_max: u64,
     /// Sets of tree-node blocks for deferred lookups ([`crate::fetch`]).
     pub node_sets: u64,
+    /// Read-ahead sets started, and the blocks they fetched.
+    pub ahead_sets: u64,
+    pub ahead_blocks: u64,
 }
 
 /// A set of reads waiting for the device.
@@ -82,6 +85,25 @@ struct ReadSet {
     /// A set of tree-node blocks for deferred lookups ([`crate::fetch`]): its blocks go to
     /// the fetched map, and it is handed back with no results.
     nodes: bool,
+    /// A read-ahead: its blocks go to the block cache (those whose crc matches), and it is
+    /// handed back to no one.
+    ahead: bool,
+}
+
+/// Read-ahead: a file read sequentially (each read starting where the one before ended)
+/// has the next [`READAHEAD_BYTES`] past its read fetched into the block cache in the
+/// background. [`STREAMS`] files are followed at once (the least recently read is
+/// forgotten).
+pub const READAHEAD_BYTES: u64 = 256 << 10;
+pub const STREAMS: usize = 16;
+
+/// One followed file: where its next sequential read starts, and how far read-ahead went.
+#[derive(Debug, Clone, Copy, Default)]
+struct Stream {
+    ino: u64,
+    next: u64,
+    ahead_to: u64,
+    last_used: u64,
 }
 
 /// One device read of a set: `blocks` blocks at `block` into piece `piece` at byte `at`.
@@ -106,6 +128,9 @@ pub(crate) struct Reads {
     in_flight: HashMap<u64, ReadIo>,
     /// Sets finished and not handed out yet.
     ready: VecDeque<(u64, Vec<ReadResult>)>,
+    /// Files read sequentially ([`READAHEAD_BYTES`]), and a clock for forgetting them.
+    streams: [Stream; STREAMS],
+    stream_clock: u64,
     pub(crate) stats: ReadStats,
 }
 
@@ -123,6 +148,11 @@ impl Filesystem {
                 pieces.append(&mut mine);
             }
             outs.push(planned);
+        }
+        for (index, &(ino, offset, len)) in requests.iter().enumerate() {
+            if outs[index].is_ok() {
+                self.follow_stream(ino, offset, len as u64);
+            }
         }
         if pieces.is_empty() {
             return ReadStart::Done(outs);
@@ -167,6 +197,7 @@ impl Filesystem {
                 generation: self.generation,
                 failed: None,
                 nodes: false,
+                ahead: false,
             },
         );
         let stats = &mut self.reads.stats;
@@ -212,6 +243,7 @@ impl Filesystem {
                 generation: self.generation,
                 failed: None,
                 nodes: true,
+                ahead: false,
             },
         );
         let stats = &mut self.reads.stats;
@@ -220,6 +252,112 @@ impl Filesystem {
         stats.sets_in_flight_max = stats.sets_in_flight_max.max(self.reads.sets.len() as u64);
         self.submit_reads();
         id
+    }
+
+    /// Notes a read of `len` bytes at `offset` of file `ino`; when it continues the file's
+    /// last read, fetches the next [`READAHEAD_BYTES`] past it into the block cache in the
+    /// background (what is not cached or fetched already).
+    fn follow_stream(&mut self, ino: u64, offset: u64, len: u64) {
+        // Not inside a deferred run (a read made by a lookup): read-ahead defers itself.
+        if self.block_cache.capacity_blocks() == 0
+            || len == 0
+            || self.failed.is_some()
+            || self.fetch.deferring
+        {
+            return;
+        }
+        self.reads.stream_clock += 1;
+        let clock = self.reads.stream_clock;
+        let end = offset.saturating_add(len);
+        let streams = &mut self.reads.streams;
+        let at = match streams.iter().position(|s| s.ino == ino && s.last_used > 0) {
+            Some(at) => at,
+            None => {
+                let oldest = (0..STREAMS)
+                    .min_by_key(|&i| streams[i].last_used)
+                    .expect("STREAMS > 0");
+                streams[oldest] = Stream {
+                    ino,
+                    next: end,
+                    ahead_to: end,
+                    last_used: clock,
+                };
+                return;
+            }
+        };
+        let stream = &mut streams[at];
+        stream.last_used = clock;
+        let sequential = stream.next == offset;
+        stream.next = end;
+        if !sequential {
+            stream.ahead_to = end;
+            return;
+        }
+        // Fetch when less than half a window is ahead of the reader, a window at a time.
+        if stream.ahead_to >= end + READAHEAD_BYTES / 2 {
+            return;
+        }
+        let from = stream.ahead_to.max(end);
+        let to = end + READAHEAD_BYTES;
+        let before = stream.ahead_to;
+        stream.ahead_to = to;
+        match self.without_waiting(|fs| fs.plan_readahead(ino, from, to)) {
+            crate::fetch::Deferred::Ready(pieces) => {
+                if !pieces.is_empty() {
+                    self.start_ahead(pieces);
+                }
+            }
+            // The extents are not in memory: their nodes are fetched in the background, and
+            // the next sequential read plans this window again.
+            crate::fetch::Deferred::Fetching(_) => self.reads.streams[at].ahead_to = before,
+        }
+    }
+
+    /// Starts a read-ahead set: its blocks go to the block cache when they arrive.
+    fn start_ahead(&mut self, pieces: Vec<ReadPiece>) {
+        let max_blocks = (self.dev.info().max_io_bytes as usize / BLOCK_BYTES).max(1) as u64;
+        let id = self.reads.next_set;
+        self.reads.next_set += 1;
+        let mut ios = 0;
+        for (index, piece) in pieces.iter().enumerate() {
+            let mut at = 0;
+            while at < piece.count {
+                let blocks = (piece.count - at).min(max_blocks);
+                self.reads.queued.push_back(ReadIo {
+                    set: id,
+                    piece: index,
+                    at: at as usize * BLOCK_BYTES,
+                    block: piece.disk + at,
+                    blocks,
+                });
+                ios += 1;
+                at += blocks;
+            }
+        }
+        let blocks: u64 = pieces.iter().map(|p| p.count).sum();
+        let data = pieces
+            .iter()
+            .map(|p| vec![0u8; p.count as usize * BLOCK_BYTES])
+            .collect();
+        self.reads.sets.insert(
+            id,
+            ReadSet {
+                outs: Vec::new(),
+                pieces,
+                data,
+                ios_left: ios,
+                generation: self.generation,
+                failed: None,
+                nodes: false,
+                ahead: true,
+            },
+        );
+        let stats = &mut self.reads.stats;
+        stats.ahead_sets += 1;
+        stats.ahead_blocks += blocks;
+        stats.device_reads += ios as u64;
+        stats.sets_in_flight_max = stats.sets_in_flight_max.max(self.reads.sets.len() as u64);
+        self.submit_reads();
     }
 
     /// Sets of reads started and not handed out yet.
@@ -370,8 +508,12 @@ impl Filesystem {
         set.ios_left -= 1;
         if set.ios_left == 0 {
             let set = self.reads.sets.remove(&io.set).expect("looked up above");
+            let ahead = set.ahead;
             let outs = self.finish_set(set);
-            self.reads.ready.push_back((io.set, outs));
+            // A read-ahead is nobody's to collect.
+            if !ahead {
+                self.reads.ready.push_back((io.set, outs));
+            }
         }
     }
 
@@ -383,6 +525,20 @@ impl Filesystem {
                 match set.failed {
                     Some(_) => self.fetch.lost(piece.disk),
                     None => self.fetch.arrived(piece.disk, data),
+                }
+            }
+            return Vec::new();
+        }
+        if set.ahead {
+            // A failed or mismatching block is not cached: the read that wants it reads
+            // the device and reports what it finds.
+            if set.failed.is_none() {
+                for (piece, data) in set.pieces.iter().zip(&set.data) {
+                    for (i, block) in data.chunks(BLOCK_BYTES).enumerate() {
+                        if crc32c::crc32c(block) == piece.crcs[i] {
+                            self.block_cache.insert(piece.disk + i as u64, block);
+                        }
+                    }
                 }
             }
             return Vec::new();

@@ -101,6 +101,10 @@ impl BlockCache {
         }
     }
 
+    pub fn capacity_blocks(&self) -> usize {
+        self.capacity_blocks
+    }
+
     pub fn get(&self, disk: u64) -> Option<&[u8]> {
         self.blocks.get(&disk).map(|(d, _)| &d[..])
     }

@@ -262,3 +262,59 @@ fn a_device_error_fails_the_sets_waiting_for_it_and_stops_the_filesystem() {
     );
     assert!(fs.write(a, 0, b"x").is_err(), "no change after the failure");
 }
+
+/// A file read sequentially has what follows its reads fetched into the block cache in the
+/// background: most of its reads then need no device read of their own, every byte is the
+/// file's, and a block rewritten after it was read ahead is read as rewritten.
+#[test]
+fn sequential_reads_are_read_ahead_into_the_block_cache() {
+    let dev = MemDevice::new(config()).unwrap();
+    let options = MkfsOptions {
+        shards: 2,
+        label: "ahead".into(),
+    };
+    let dev = Filesystem::mkfs(Box::new(dev), &options).unwrap();
+    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    let root = fs.root();
+    let f = fs.create(root, b"f", 0o644, 0, 0).unwrap().ino;
+    let blocks = 256u64; // 1 MiB
+    let block_of = |i: u64| vec![(i % 251) as u8 ^ 0x5A; 4096];
+    for i in 0..blocks {
+        fs.write(f, i * 4096, &block_of(i)).unwrap();
+    }
+    let dev = fs.unmount().unwrap();
+    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    let before = fs.read_stats();
+    for i in 0..blocks {
+        let out = fs.read_many(&[(f, i * 4096, 4096)]);
+        let want = if i == 120 {
+            vec![0xEE; 4096]
+        } else {
+            block_of(i)
+        };
+        assert!(out[0].as_ref().unwrap() == &want, "block {i} read wrong");
+        if i == 100 {
+            // Rewritten after the read-ahead fetched it (copy-on-write: a new block).
+            fs.write(f, 120 * 4096, &[0xEE; 4096]).unwrap();
+        }
+    }
+    let stats = fs.read_stats();
+    assert!(stats.ahead_sets > 0, "no read-ahead: {stats:?}");
+    let own_sets = stats.sets_async - before.sets_async;
+    assert!(
+        own_sets < blocks / 4,
+        "{own_sets} of {blocks} sequential reads went to the device themselves: {stats:?}"
+    );
+    assert!(
+        fs.read_many(&[(f, 120 * 4096, 4096)])[0].as_ref().unwrap() == &vec![0xEE; 4096],
+        "a block read ahead, then rewritten, read stale"
+    );
+    // Random reads start no read-ahead.
+    let ahead = fs.read_stats().ahead_sets;
+    for i in [7u64, 201, 33, 150, 90] {
+        let out = fs.read_many(&[(f, i * 4096, 4096)]);
+        assert!(out[0].is_ok());
+    }
+    assert_eq!(fs.read_stats().ahead_sets, ahead, "random reads read ahead");
+    fs.unmount().unwrap();
+}

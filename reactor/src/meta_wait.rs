@@ -67,11 +67,6 @@ impl MetaWaits {
         self.blocked.is_empty() && self.resumed.is_empty()
     }
 
-    /// True while node reads are in flight for parked requests.
-    pub fn waiting_on_device(&self) -> bool {
-        !self.waiting.is_empty()
-    }
-
     /// True when `request`'s client has a parked request: it must wait behind it.
     pub fn holds_back(&mut self, request: Request) -> Option<Request> {
         match self.blocked.get_mut(&client_of(&request.reply)) {

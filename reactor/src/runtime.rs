@@ -1126,7 +1126,7 @@ impl Reactor {
     /// Something waits for the device: background writes or flushes in flight (records,
     /// this reactor's commit).
     fn waiting_on_device(&self) -> bool {
-        self.fs.device_busy() || !self.parked_reads.is_empty() || self.meta.waiting_on_device()
+        self.fs.device_busy() || self.reads_outstanding()
     }
 
     /// Notes that the loop looks at its queues now: the longest gap between two looks is the
@@ -1140,17 +1140,22 @@ impl Reactor {
         self.last_look = Some(now);
     }
 
+    /// Device reads in flight: parked reads, tree nodes parked requests wait for, and
+    /// read-ahead (which nobody waits for, but whose blocks a later unpin must wait for:
+    /// it is reaped as promptly as the others).
+    fn reads_outstanding(&self) -> bool {
+        !self.parked_reads.is_empty() || self.fs.reads_in_flight() > 0
+    }
+
     /// True when the only work on the device is parked reads.
     fn only_reads_in_flight(&self) -> bool {
-        (!self.parked_reads.is_empty() || self.meta.waiting_on_device())
-            && self.pending.is_empty()
-            && !self.fs.device_busy()
+        self.reads_outstanding() && self.pending.is_empty() && !self.fs.device_busy()
     }
 
     /// Answers the parked reads whose device I/O finished; with `wait`, sleeps up to that
     /// long for the device when none has.
     fn collect_reads(&mut self, wait: Option<Duration>) {
-        if self.parked_reads.is_empty() && !self.meta.waiting_on_device() {
+        if !self.reads_outstanding() {
             return;
         }
         let mut done = Vec::new();
