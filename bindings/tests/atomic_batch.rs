@@ -51,12 +51,8 @@ fn size(fs: corefs_fs, fd: corefs_fd) -> u64 {
     // SAFETY: all-zero is a valid corefs_stat.
     let mut st: corefs_stat = unsafe { std::mem::zeroed() };
     // SAFETY: `st` is writable.
-    assert_eq!(
-        unsafe { corefs_fstat(fs, fd, &mut st) },
-        0,
-        "{}",
-        last_error()
-    );
+    let status = unsafe { corefs_fstat(fs, fd, &mut st) };
+    assert_eq!(status, 0, "{}", last_error());
     st.size
 }
 
