@@ -13,12 +13,23 @@
  *   COREFS_DEVICE  the corefs device string (file:/var/tmp/x.img,size=256MiB, mem:256MiB, ...)
  *   COREFS_FORMAT  "1": format the device at mount (destroys its content)
  *   COREFS_BUSY_POLL  1: the reactor busy-polls instead of spinning then parking.
+ *   COREFS_BATCH_ATOMIC  "0": do not advertise SQLITE_IOCAP_BATCH_ATOMIC (see below).
+ *   COREFS_COMMIT_INTERVAL_MS  the transaction commit interval (default 5000).
  *   COREFS_SHARDS  shards when formatting (default 64). A file's blocks all come from its
  *                  inode's shard, whose region is 1/shards of the device: on small images a
  *                  database or WAL larger than that fails with SQLITE_FULL unless fewer shards
  *                  are used.
  * The filesystem stays mounted until the process exits (an atexit handler closes it, which
  * commits everything).
+ *
+ * Batch atomic writes: a main database file advertises SQLITE_IOCAP_BATCH_ATOMIC and
+ * implements SQLITE_FCNTL_BEGIN/COMMIT/ROLLBACK_ATOMIC_WRITE with corefs_atomic_begin /
+ * _commit / _abort, so an SQLite built with SQLITE_ENABLE_BATCH_ATOMIC_WRITE (as
+ * scripts/sqlite-build.sh builds it) commits a rollback-journal transaction without a journal:
+ * its pages go to the file in one atomic batch, one fsync log record (docs/fsync-log.md). An
+ * SQLite built without that option (Debian's, the stock shell) ignores the capability and
+ * writes its journal as usual. A batch that fails (past its 64 MiB bound, -EFBIG) is an
+ * SQLITE_IOERR, on which SQLite rolls the batch back and commits with a journal instead.
  *
  * Paths are absolute ("/db.sqlite"), relative to the root of the corefs filesystem.
  *
@@ -107,7 +118,14 @@ typedef struct CfsFile {
   char *zDelete; /* path to unlink at close (DELETEONCLOSE), sqlite3_malloc'd */
   char *zPath;   /* for messages, sqlite3_malloc'd */
   CfsShm *pShm;  /* this connection's shared memory, when mapped */
+  int inBatch;   /* an atomic batch is open on fd (SQLITE_FCNTL_BEGIN_ATOMIC_WRITE) */
 } CfsFile;
+
+/* Atomic batches committed, since the process started (corefs_vfs_atomic_commits). */
+static unsigned long long g_atomic_commits = 0;
+
+/* Whether main database files advertise SQLITE_IOCAP_BATCH_ATOMIC (COREFS_BATCH_ATOMIC). */
+static int g_batch_atomic = 1;
 
 /* ------------------------------------------------------------------------------------------ */
 /* Mount                                                                                      */
@@ -164,6 +182,14 @@ static int cfs_mounted(corefs_fs *pFs) {
         options.busy_poll = (busy != 0 && strcmp(busy, "1") == 0) ? 1 : 0;
       }
       if (shards != 0 && shards[0] != 0) options.shards = (uint32_t)strtoul(shards, 0, 10);
+      {
+        const char *interval = getenv("COREFS_COMMIT_INTERVAL_MS");
+        const char *batch = getenv("COREFS_BATCH_ATOMIC");
+        if (interval != 0 && interval[0] != 0) {
+          options.commit_interval_ms = (uint32_t)strtoul(interval, 0, 10);
+        }
+        g_batch_atomic = !(batch != 0 && strcmp(batch, "0") == 0);
+      }
       corefs_fs fs = corefs_mount(device, &options);
       if (fs < 0) {
         sqlite3_log(SQLITE_CANTOPEN, "corefs vfs: corefs_mount(%s) failed (%lld): %s", device,
@@ -408,11 +434,45 @@ static int cfs_check_reserved_lock(sqlite3_file *pFile, int *pResOut) {
   return SQLITE_OK;
 }
 
+/* The atomic batch calls (see "Batch atomic writes" at the top). SQLite calls them only on a
+ * file that advertised SQLITE_IOCAP_BATCH_ATOMIC, and only when built with
+ * SQLITE_ENABLE_BATCH_ATOMIC_WRITE. A failed commit is an SQLITE_IOERR: SQLite then rolls
+ * back (the batch is already closed) and commits the transaction with a journal. */
 static int cfs_file_control(sqlite3_file *pFile, int op, void *pArg) {
-  (void)pFile;
-  (void)op;
+  CfsFile *p = (CfsFile *)pFile;
+  int e;
   (void)pArg;
-  return SQLITE_NOTFOUND;
+  switch (op) {
+    case SQLITE_FCNTL_BEGIN_ATOMIC_WRITE:
+      e = corefs_atomic_begin(cfs_fs(), p->fd);
+      if (e < 0) return cfs_fail(SQLITE_IOERR_BEGIN_ATOMIC, "corefs_atomic_begin", p->zPath, e);
+      p->inBatch = 1;
+      return SQLITE_OK;
+    case SQLITE_FCNTL_COMMIT_ATOMIC_WRITE:
+      if (!p->inBatch) return SQLITE_IOERR_COMMIT_ATOMIC;
+      p->inBatch = 0;
+      e = corefs_atomic_commit(cfs_fs(), p->fd);
+      if (e < 0) return cfs_fail(SQLITE_IOERR_COMMIT_ATOMIC, "corefs_atomic_commit", p->zPath, e);
+      __sync_add_and_fetch(&g_atomic_commits, 1);
+      return SQLITE_OK;
+    case SQLITE_FCNTL_ROLLBACK_ATOMIC_WRITE:
+      /* Also after a failed commit, which closed the batch already. */
+      if (!p->inBatch) return SQLITE_OK;
+      p->inBatch = 0;
+      e = corefs_atomic_abort(cfs_fs(), p->fd);
+      if (e < 0) {
+        return cfs_fail(SQLITE_IOERR_ROLLBACK_ATOMIC, "corefs_atomic_abort", p->zPath, e);
+      }
+      return SQLITE_OK;
+    default:
+      return SQLITE_NOTFOUND;
+  }
+}
+
+/* Atomic batches this process committed through the VFS (tests check that a transaction
+ * used one). */
+unsigned long long corefs_vfs_atomic_commits(void) {
+  return __sync_add_and_fetch(&g_atomic_commits, 0);
 }
 
 static int cfs_sector_size(sqlite3_file *pFile) {
@@ -421,8 +481,12 @@ static int cfs_sector_size(sqlite3_file *pFile) {
 }
 
 static int cfs_device_characteristics(sqlite3_file *pFile) {
-  (void)pFile;
-  return SQLITE_IOCAP_POWERSAFE_OVERWRITE;
+  CfsFile *p = (CfsFile *)pFile;
+  int caps = SQLITE_IOCAP_POWERSAFE_OVERWRITE;
+  /* Only the database file: SQLite batches only its writes, and a journal or WAL file
+   * advertising it would gain nothing. */
+  if (g_batch_atomic && (p->openFlags & SQLITE_OPEN_MAIN_DB)) caps |= SQLITE_IOCAP_BATCH_ATOMIC;
+  return caps;
 }
 
 /* ------------------------------------------------------------------------------------------ */

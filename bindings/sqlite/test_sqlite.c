@@ -1,10 +1,17 @@
 /* test_sqlite.c - tests and benchmarks the corefs SQLite VFS (corefs_vfs.c, compiled in with
  * -DCOREFS_VFS_STATIC). The filesystem comes from COREFS_DEVICE (and COREFS_FORMAT=1).
  *
- *   test_sqlite write <wal|delete> <N>    N transactions on /t.db, printing "committed <k>"
+ *   test_sqlite write <wal|delete|batch> <N>
+ *                                         N transactions on /t.db, printing "committed <k>"
  *   test_sqlite check <K>                 integrity and content of /t.db, at least K rows
- *   test_sqlite bench <wal|delete> <seconds> <dir|corefs>
+ *   test_sqlite bench <wal|delete|batch> <seconds> <dir|corefs>
  *                                         one-row transactions for that long; "tps <n>"
+ *
+ * Modes: wal; delete (rollback journal, with the VFS's batch atomic writes turned off:
+ * COREFS_BATCH_ATOMIC=0); batch (rollback journal with batch atomic writes: no journal is
+ * written, each transaction is one corefs atomic batch — needs an SQLite built with
+ * SQLITE_ENABLE_BATCH_ATOMIC_WRITE, which scripts/sqlite-build.sh compiles in, and checks that
+ * every transaction used a batch).
  */
 #include <sqlite3.h>
 
@@ -17,6 +24,7 @@
 #include <unistd.h>
 
 int corefs_vfs_register(void);
+unsigned long long corefs_vfs_atomic_commits(void);
 
 #define DB_URI "file:/t.db?vfs=corefs"
 #define V_LEN 100
@@ -110,6 +118,33 @@ static void integrity_ok(sqlite3 *db) {
   if (strcmp(text, "ok") != 0) die("integrity_check: %s", text);
 }
 
+/* The journal mode a test mode runs in; also sets up the VFS for it (before the first open,
+ * which mounts) and checks that batch mode can work. */
+static const char *journal_of(const char *mode) {
+  if (strcmp(mode, "wal") == 0) return "wal";
+  if (strcmp(mode, "delete") == 0) {
+    setenv("COREFS_BATCH_ATOMIC", "0", 0);
+    return "delete";
+  }
+  if (strcmp(mode, "batch") == 0) {
+    if (!sqlite3_compileoption_used("ENABLE_BATCH_ATOMIC_WRITE")) {
+      die("batch mode needs an SQLite built with SQLITE_ENABLE_BATCH_ATOMIC_WRITE (%s is not)",
+          sqlite3_libversion());
+    }
+    return "delete";
+  }
+  die("mode must be wal, delete or batch, not %s", mode);
+  return 0;
+}
+
+/* In batch mode, at least `min` transactions must have committed as atomic batches. */
+static void batches_used(const char *mode, long long min) {
+  if (strcmp(mode, "batch") == 0 && (long long)corefs_vfs_atomic_commits() < min) {
+    die("%llu atomic batches for %lld transactions: SQLite wrote a journal instead",
+        corefs_vfs_atomic_commits(), min);
+  }
+}
+
 static void set_journal_mode(sqlite3 *db, const char *mode) {
   char sql[64], text[64];
   snprintf(sql, sizeof(sql), "PRAGMA journal_mode=%s", mode);
@@ -157,6 +192,7 @@ static void committed(long long id) {
 }
 
 static int phase_write(const char *mode, long long n) {
+  const char *journal = journal_of(mode);
   int wal = strcmp(mode, "wal") == 0;
   int flags = SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE;
   sqlite3 *db = open_db(DB_URI, flags);
@@ -164,9 +200,8 @@ static int phase_write(const char *mode, long long n) {
   Writer w;
   long long id, busy_checks = 0, snapshot_checks = 0;
 
-  if (!wal && strcmp(mode, "delete") != 0) die("journal mode must be wal or delete");
   sqlite3_busy_timeout(db, 5000);
-  set_journal_mode(db, mode);
+  set_journal_mode(db, journal);
   exec(db, "PRAGMA synchronous=FULL");
   exec(db,
        "CREATE TABLE IF NOT EXISTS t(id INTEGER PRIMARY KEY, v TEXT, n INTEGER);"
@@ -217,6 +252,7 @@ static int phase_write(const char *mode, long long n) {
       writer_body(&w, id);
       exec(db, "COMMIT");
       committed(id);
+      if (id == 50) batches_used(mode, 40);
       if (id % 10 == 0) {
         long long c = query_int(reader, "SELECT count(*) FROM t");
         if (c != id) die("reader sees %lld rows, expected %lld", c, id);
@@ -227,11 +263,14 @@ static int phase_write(const char *mode, long long n) {
   sqlite3_finalize(w.insert);
   sqlite3_finalize(w.update);
   integrity_ok(db);
+  batches_used(mode, n - n / 97);
   if (query_int(reader, "SELECT cnt FROM agg WHERE k = 1") != n) die("agg.cnt is wrong");
   if (sqlite3_close(reader) != SQLITE_OK) die("close reader: %s", sqlite3_errmsg(reader));
   if (sqlite3_close(db) != SQLITE_OK) die("close: %s", sqlite3_errmsg(db));
-  fprintf(stderr, "test_sqlite: write %s: %lld transactions, %lld busy checks, %lld snapshot checks\n",
-          mode, n, busy_checks, snapshot_checks);
+  fprintf(stderr,
+          "test_sqlite: write %s: %lld transactions, %lld busy checks, %lld snapshot checks, "
+          "%llu atomic batches\n",
+          mode, n, busy_checks, snapshot_checks, corefs_vfs_atomic_commits());
   return 0;
 }
 
@@ -280,6 +319,7 @@ static double now_s(void) {
 }
 
 static int phase_bench(const char *mode, double seconds, const char *where) {
+  const char *journal = journal_of(mode);
   int corefs = strcmp(where, "corefs") == 0;
   char path[4096], uri[4200], v[V_LEN + 1];
   sqlite3 *db;
@@ -295,7 +335,7 @@ static int phase_bench(const char *mode, double seconds, const char *where) {
     snprintf(uri, sizeof(uri), "file:%s", path);
   }
   db = open_db(uri, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE);
-  set_journal_mode(db, mode);
+  set_journal_mode(db, journal);
   exec(db, "PRAGMA synchronous=FULL");
   exec(db, "CREATE TABLE IF NOT EXISTS b(id INTEGER PRIMARY KEY, v TEXT)");
   if (sqlite3_prepare_v2(db, "INSERT INTO b(v) VALUES(?1)", -1, &insert, 0)) {
@@ -310,6 +350,7 @@ static int phase_bench(const char *mode, double seconds, const char *where) {
     elapsed = now_s() - start;
   } while (elapsed < seconds);
   sqlite3_finalize(insert);
+  if (corefs) batches_used(mode, n - 1);
   if (sqlite3_close(db) != SQLITE_OK) die("close: %s", sqlite3_errmsg(db));
 
   {
@@ -343,7 +384,7 @@ int main(int argc, char **argv) {
     return phase_bench(argv[2], seconds, argv[4]);
   }
   fprintf(stderr,
-          "usage: %s write <wal|delete> <N> | check <K> | bench <wal|delete> <seconds> "
+          "usage: %s write <wal|delete|batch> <N> | check <K> | bench <wal|delete|batch> <seconds> "
           "<dir|corefs>\n",
           argv[0]);
   return 2;

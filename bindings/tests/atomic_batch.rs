@@ -141,3 +141,29 @@ fn misuse_is_an_errno() {
     assert_eq!(corefs_close(fs), 0);
     assert_eq!(corefs_atomic_abort(fs, fd), -libc::EBADF);
 }
+
+/// Many batches overwriting the same pages on a small shard (1/64 of 1 GiB): their old
+/// copies wait pinned for a commit, which a batch finding the shard full starts before
+/// applying anything. (The reactor's pipelined commits are in play here, unlike in the
+/// engine's tests.)
+#[test]
+fn batches_overwriting_pages_on_a_small_shard_never_fail() {
+    // SAFETY: all-zero is a valid corefs_options (NULL label, defaults).
+    let mut o: corefs_options = unsafe { std::mem::zeroed() };
+    o.format = 1;
+    let device = CString::new("mem:1GiB").unwrap();
+    // SAFETY: a NUL-terminated device string and options without a label.
+    let fs = unsafe { corefs_mount(device.as_ptr(), &o) };
+    assert!(fs > 0, "mount: {fs} {}", last_error());
+    let fd = open(fs, "db", COREFS_O_CREAT | COREFS_O_RDWR);
+    for n in 0..6000u64 {
+        assert_eq!(corefs_atomic_begin(fs, fd), 0, "{}", last_error());
+        let page = [n as u8; 4096];
+        for at in [0, 1 + n / 40, 2 + n / 40] {
+            assert_eq!(pwrite(fs, fd, &page, at * 4096), 4096);
+        }
+        let rc = corefs_atomic_commit(fs, fd);
+        assert_eq!(rc, 0, "batch {n}: {}", last_error());
+    }
+    assert_eq!(corefs_close(fs), 0, "{}", last_error());
+}

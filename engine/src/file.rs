@@ -464,7 +464,9 @@ impl Filesystem {
         needs.meta(shard, tree_op);
         self.reserve(&needs, MetaNeed::Grow)?;
         for (offset, data) in writes {
-            self.write_once(ino, *offset, data)?;
+            // Nested, so the write's own reservation is the one made above (only the
+            // outermost operation reserves): at depth 1 it would reserve again, on top.
+            self.run_op(|fs| fs.write_once(ino, *offset, data))?;
         }
         Ok(())
     }

@@ -205,3 +205,25 @@ fn staging_and_an_empty_commit_change_nothing() {
     assert!(fs.write_atomic(root, &[(0, vec![1])]).is_err());
     fs.check().unwrap();
 }
+
+/// Each batch overwrites pages, freeing their old copies pinned until a commit; fsync records
+/// never commit. A batch that finds the shard full of such frees commits first (nothing of it
+/// applied yet) and goes on: never ENOSPC, never a half-applied batch failing the filesystem.
+#[test]
+fn batches_overwriting_pages_commit_when_frees_wait_and_never_fail() {
+    let (_image, _log, mut fs, db, _other, _old) = recorded();
+    let free = fs.statfs().free_blocks;
+    let rounds = free; // each batch pins 3 blocks: the shard fills several times over
+    for n in 0..rounds as u32 {
+        let writes = vec![
+            (0, bytes(4096, n)),
+            (4096 * 3, bytes(4096, n + 1)),
+            (4096 * 5 + 24, bytes(100, n + 2)),
+        ];
+        fs.write_atomic(db, &writes)
+            .unwrap_or_else(|e| panic!("batch {n} of {rounds}: {e}"));
+    }
+    assert!(fs.commit_stats().commits >= 1);
+    assert_eq!(fs.reservation_overrun_blocks(), 0);
+    fs.check().unwrap();
+}
