@@ -17,11 +17,14 @@ done
   echo "sqlite-build.sh: sqlite3ext.h not found (apt-get install libsqlite3-dev)" >&2
   exit 1
 }
-echo "== cargo build --release -p corefs-bindings" >&2
-cargo build --release -p corefs-bindings >&2
+# cargo-locked (a flock'd cargo) where it exists: builds sharing a machine queue, not race.
+cargo_cmd=cargo
+command -v cargo-locked >/dev/null && cargo_cmd=cargo-locked
+echo "== $cargo_cmd build --release --locked -p corefs-bindings" >&2
+$cargo_cmd build --release --locked -p corefs-bindings >&2
 echo "== compiling the VFS and the test program" >&2
 release=$PWD/target/release
-cargo fetch --locked >&2
+$cargo_cmd fetch --locked >&2
 # Where cargo keeps libsqlite3-sys's source (an optional dependency: --all-features lists it).
 manifest=$(cargo metadata --locked --format-version 1 --all-features |
   grep -o '"manifest_path":"[^"]*/libsqlite3-sys-[^"]*/Cargo.toml"' | head -n 1 | cut -d'"' -f4)
@@ -40,6 +43,9 @@ if [[ ! -f $sqlite_obj || $amalgamation/sqlite3.c -nt $sqlite_obj || $0 -nt $sql
 fi
 gcc -O2 -Wall -Wextra -Werror -fPIC -shared bindings/sqlite/corefs_vfs.c -I bindings/include \
   -L "$release" -lcorefs -Wl,-rpath,"$release" -lpthread -o "$release/libcorefs_sqlite.so"
-gcc -O2 -Wall -Wextra -Werror -DCOREFS_VFS_STATIC -I "$amalgamation" bindings/sqlite/test_sqlite.c \
+# COREFS_VFS_CFLAGS: more flags for the test program, e.g. -DCOREFS_VFS_MUTATION_UNSTAGED_BATCH
+# (the breakage sqlite-test.sh's crash test must catch; see corefs_vfs.c).
+# shellcheck disable=SC2086
+gcc -O2 -Wall -Wextra -Werror -DCOREFS_VFS_STATIC ${COREFS_VFS_CFLAGS:-} -I "$amalgamation" bindings/sqlite/test_sqlite.c \
   bindings/sqlite/corefs_vfs.c "$sqlite_obj" -I bindings/include -L "$release" -lcorefs \
   -Wl,-rpath,"$release" -lpthread -ldl -lm -o "$release/test_sqlite"

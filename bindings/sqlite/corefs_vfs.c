@@ -50,6 +50,7 @@ SQLITE_EXTENSION_INIT1
 #include <errno.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -119,6 +120,7 @@ typedef struct CfsFile {
   char *zPath;   /* for messages, sqlite3_malloc'd */
   CfsShm *pShm;  /* this connection's shared memory, when mapped */
   int inBatch;   /* an atomic batch is open on fd (SQLITE_FCNTL_BEGIN_ATOMIC_WRITE) */
+  int nBatchWrite; /* xWrite calls since the batch opened (for the tear test hook) */
 } CfsFile;
 
 /* Atomic batches committed, since the process started (corefs_vfs_atomic_commits). */
@@ -126,6 +128,21 @@ static unsigned long long g_atomic_commits = 0;
 
 /* Whether main database files advertise SQLITE_IOCAP_BATCH_ATOMIC (COREFS_BATCH_ATOMIC). */
 static int g_batch_atomic = 1;
+
+#ifdef COREFS_VFS_STATIC
+/* The tear test's hook (static builds only; test_sqlite's "tear" phase): when > 0, the write
+ * that makes this many xWrite calls in an atomic batch is followed by a filesystem commit
+ * (what corefs's commit timer may do between any two operations) and the end of the process
+ * without closing the filesystem: on a device behind a volatile cache, a power cut in the
+ * middle of a batch, right after a commit that would have persisted the batch's first pages
+ * were they written rather than staged. */
+static int g_tear_after_writes = 0;
+
+void corefs_vfs_tear_after_writes(int n);
+void corefs_vfs_tear_after_writes(int n) {
+  g_tear_after_writes = n;
+}
+#endif
 
 /* ------------------------------------------------------------------------------------------ */
 /* Mount                                                                                      */
@@ -335,6 +352,14 @@ static int cfs_write(sqlite3_file *pFile, const void *zBuf, int iAmt, sqlite3_in
     if (n == 0) return cfs_fail(SQLITE_IOERR_WRITE, "corefs_pwrite (wrote 0)", p->zPath, 0);
     done += (size_t)n;
   }
+#ifdef COREFS_VFS_STATIC
+  if (p->inBatch && g_tear_after_writes > 0 && ++p->nBatchWrite == g_tear_after_writes) {
+    int e = corefs_sync(cfs_fs());
+    fprintf(stdout, "torn after write %d of a batch (corefs_sync: %d)\n", p->nBatchWrite, e);
+    fflush(stdout);
+    _exit(e < 0 ? 1 : 0);
+  }
+#endif
   return SQLITE_OK;
 }
 
@@ -443,10 +468,28 @@ static int cfs_file_control(sqlite3_file *pFile, int op, void *pArg) {
   int e;
   (void)pArg;
   switch (op) {
+#ifdef COREFS_VFS_MUTATION_UNSTAGED_BATCH
+    /* A deliberate breakage, for checking that scripts/sqlite-test.sh's crash test catches it
+     * (never in a normal build): the "batch" writes its pages one by one and fsyncs, so a
+     * commit may persist part of a transaction that wrote no journal. */
+    case SQLITE_FCNTL_BEGIN_ATOMIC_WRITE:
+      (void)e;
+      p->inBatch = 1;
+      p->nBatchWrite = 0;
+      return SQLITE_OK;
+    case SQLITE_FCNTL_COMMIT_ATOMIC_WRITE:
+      p->inBatch = 0;
+      __sync_add_and_fetch(&g_atomic_commits, 1);
+      return corefs_fsync(cfs_fs(), p->fd) < 0 ? SQLITE_IOERR_COMMIT_ATOMIC : SQLITE_OK;
+    case SQLITE_FCNTL_ROLLBACK_ATOMIC_WRITE:
+      p->inBatch = 0;
+      return SQLITE_OK;
+#else
     case SQLITE_FCNTL_BEGIN_ATOMIC_WRITE:
       e = corefs_atomic_begin(cfs_fs(), p->fd);
       if (e < 0) return cfs_fail(SQLITE_IOERR_BEGIN_ATOMIC, "corefs_atomic_begin", p->zPath, e);
       p->inBatch = 1;
+      p->nBatchWrite = 0;
       return SQLITE_OK;
     case SQLITE_FCNTL_COMMIT_ATOMIC_WRITE:
       if (!p->inBatch) return SQLITE_IOERR_COMMIT_ATOMIC;
@@ -464,6 +507,7 @@ static int cfs_file_control(sqlite3_file *pFile, int op, void *pArg) {
         return cfs_fail(SQLITE_IOERR_ROLLBACK_ATOMIC, "corefs_atomic_abort", p->zPath, e);
       }
       return SQLITE_OK;
+#endif
     default:
       return SQLITE_NOTFOUND;
   }

@@ -3,9 +3,16 @@
  *
  *   test_sqlite write <wal|delete|batch> <N>
  *                                         N transactions on /t.db, printing "committed <k>"
+ *   test_sqlite version                   the linked SQLite's version
  *   test_sqlite check <K>                 integrity and content of /t.db, at least K rows
+ *   test_sqlite tear <N> <K>              batch mode: N transactions, then a power cut inside
+ *                                         the next one's batch, after its K-th page write and
+ *                                         a filesystem commit (needs cache=volatile); then
+ *                                         "check N" must find exactly N rows, consistent
  *   test_sqlite bench <wal|delete|batch> <seconds> <dir|corefs>
- *                                         one-row transactions for that long; "tps <n>"
+ *                                         one-row transactions for that long; prints
+ *                                         "tps <n> p50_us <x> p99_us <y>" (per-transaction
+ *                                         latency percentiles)
  *
  * Modes: wal; delete (rollback journal, with the VFS's batch atomic writes turned off:
  * COREFS_BATCH_ATOMIC=0); batch (rollback journal with batch atomic writes: no journal is
@@ -25,6 +32,7 @@
 
 int corefs_vfs_register(void);
 unsigned long long corefs_vfs_atomic_commits(void);
+void corefs_vfs_tear_after_writes(int n);
 
 #define DB_URI "file:/t.db?vfs=corefs"
 #define V_LEN 100
@@ -274,6 +282,38 @@ static int phase_write(const char *mode, long long n) {
   return 0;
 }
 
+/* Batch mode: n committed transactions, then one more whose batch the VFS cuts after its
+ * k-th page write (corefs_vfs_tear_after_writes): the process ends inside that write. A
+ * transaction here writes page 1 (its change counter), t's leaf and agg's page, in page
+ * order: with k = 2, a batch whose writes reached the filesystem one by one leaves the
+ * committed image with the new row but the old agg (or the reverse), which check catches. */
+static int phase_tear(long long n, int k) {
+  const char *journal = journal_of("batch");
+  sqlite3 *db = open_db(DB_URI, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE);
+  Writer w;
+  long long id;
+
+  set_journal_mode(db, journal);
+  exec(db, "PRAGMA synchronous=FULL");
+  exec(db,
+       "CREATE TABLE t(id INTEGER PRIMARY KEY, v TEXT, n INTEGER);"
+       "CREATE TABLE agg(k INTEGER PRIMARY KEY, cnt INTEGER, total INTEGER);"
+       "INSERT INTO agg VALUES(1, 0, 0);");
+  writer_prepare(&w, db);
+  for (id = 1; id <= n; id++) {
+    writer_body(&w, id);
+    exec(db, "COMMIT");
+    committed(id);
+  }
+  batches_used("batch", n);
+  corefs_vfs_tear_after_writes(k);
+  writer_body(&w, n + 1);
+  exec(db, "COMMIT");
+  /* Reached only when the batch had fewer than k writes: the test would prove nothing. */
+  die("transaction %lld committed without reaching write %d of its batch", n + 1, k);
+  return 1;
+}
+
 static int phase_check(long long min) {
   sqlite3 *db = open_db(DB_URI, SQLITE_OPEN_READWRITE);
   sqlite3_stmt *st;
@@ -318,6 +358,19 @@ static double now_s(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
+static int cmp_u64(const void *a, const void *b) {
+  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return x < y ? -1 : x > y;
+}
+
+/* The q-quantile (0 < q < 1) of n sorted values, by the nearest-rank rule. */
+static uint64_t quantile(const uint64_t *sorted, size_t n, double q) {
+  size_t rank = (size_t)(q * (double)n + 0.999999);
+  if (rank < 1) rank = 1;
+  if (rank > n) rank = n;
+  return sorted[rank - 1];
+}
+
 static int phase_bench(const char *mode, double seconds, const char *where) {
   const char *journal = journal_of(mode);
   int corefs = strcmp(where, "corefs") == 0;
@@ -325,7 +378,10 @@ static int phase_bench(const char *mode, double seconds, const char *where) {
   sqlite3 *db;
   sqlite3_stmt *insert;
   long long n = 0;
-  double start, elapsed;
+  double start, elapsed, before;
+  /* Each transaction's latency in ns; grown by doubling. */
+  uint64_t *latency_ns = 0;
+  size_t latency_cap = 0;
 
   if (corefs) {
     snprintf(path, sizeof(path), "/bench.db");
@@ -342,12 +398,22 @@ static int phase_bench(const char *mode, double seconds, const char *where) {
     die("prepare: %s", sqlite3_errmsg(db));
   }
   start = now_s();
+  before = start;
   do {
+    double after;
     make_v(n, v);
     sqlite3_bind_text(insert, 1, v, V_LEN, SQLITE_TRANSIENT);
     step_done(db, insert); /* autocommit: one transaction per row */
+    after = now_s();
+    if ((size_t)n == latency_cap) {
+      latency_cap = latency_cap ? 2 * latency_cap : 65536;
+      latency_ns = realloc(latency_ns, latency_cap * sizeof(*latency_ns));
+      if (latency_ns == 0) die("out of memory for %zu latencies", latency_cap);
+    }
+    latency_ns[n] = (uint64_t)((after - before) * 1e9);
+    before = after;
     n++;
-    elapsed = now_s() - start;
+    elapsed = after - start;
   } while (elapsed < seconds);
   sqlite3_finalize(insert);
   if (corefs) batches_used(mode, n - 1);
@@ -362,7 +428,11 @@ static int phase_bench(const char *mode, double seconds, const char *where) {
       vfs->xDelete(vfs, file, 0);
     }
   }
-  printf("tps %.0f\n", (double)n / elapsed);
+  qsort(latency_ns, (size_t)n, sizeof(*latency_ns), cmp_u64);
+  printf("tps %.0f p50_us %.1f p99_us %.1f\n", (double)n / elapsed,
+         (double)quantile(latency_ns, (size_t)n, 0.50) / 1e3,
+         (double)quantile(latency_ns, (size_t)n, 0.99) / 1e3);
+  free(latency_ns);
   fflush(stdout);
   return 0;
 }
@@ -377,14 +447,27 @@ int main(int argc, char **argv) {
     if (n < 1) die("N must be at least 1");
     return phase_write(argv[2], n);
   }
+  if (argc == 2 && strcmp(argv[1], "version") == 0) {
+    printf("%s%s\n", sqlite3_libversion(),
+           sqlite3_compileoption_used("ENABLE_BATCH_ATOMIC_WRITE")
+               ? " (SQLITE_ENABLE_BATCH_ATOMIC_WRITE)"
+               : "");
+    return 0;
+  }
   if (argc == 3 && strcmp(argv[1], "check") == 0) return phase_check(atoll(argv[2]));
+  if (argc == 4 && strcmp(argv[1], "tear") == 0) {
+    long long n = atoll(argv[2]);
+    int k = atoi(argv[3]);
+    if (n < 1 || k < 1) die("N and K must be at least 1");
+    return phase_tear(n, k);
+  }
   if (argc == 5 && strcmp(argv[1], "bench") == 0) {
     double seconds = atof(argv[3]);
     if (seconds <= 0) die("seconds must be positive");
     return phase_bench(argv[2], seconds, argv[4]);
   }
   fprintf(stderr,
-          "usage: %s write <wal|delete|batch> <N> | check <K> | bench <wal|delete|batch> <seconds> "
+          "usage: %s version | write <wal|delete|batch> <N> | check <K> | tear <N> <K> | bench <wal|delete|batch> <seconds> "
           "<dir|corefs>\n",
           argv[0]);
   return 2;
