@@ -253,6 +253,34 @@ int corefs_fsync(corefs_fs fs, corefs_fd fd);
 // As `corefs_fsync`, skipping a change of timestamps alone.
 int corefs_fdatasync(corefs_fs fs, corefs_fd fd);
 
+// Opens an atomic batch on a regular file handle open for writing (not COREFS_O_APPEND):
+// from here until `corefs_atomic_commit` or `corefs_atomic_abort`, `corefs_pwrite` through
+// this handle stages its bytes in memory instead of writing them. Reads (`corefs_pread`) and
+// `corefs_fstat`'s size through this handle see the staged writes; other handles and a crash
+// do not. A batch holds at most 64 MiB in at most 65,536 disjoint ranges: a `corefs_pwrite`
+// past that is -EFBIG and stages nothing (abort, and write without a batch). While it is
+// open, `corefs_ftruncate`, `corefs_fallocate` and the asynchronous reads and writes of this
+// handle are -EINVAL. What F2FS's atomic-write ioctls give SQLite (docs/fsync-log.md).
+//
+// -EBADF: not an open handle, or not open for writing; -EISDIR: a directory; -EINVAL: a
+// batch is open on this handle already, or it is an append handle.
+int corefs_atomic_begin(corefs_fs fs, corefs_fd fd);
+
+// Commits the handle's atomic batch: applies every staged write and makes all of them
+// durable together — one fsync log record, or a transaction commit when the record does not
+// fit the log — and returns once they are. A crash before it returns leaves none of them, or
+// all; after, all. Also makes the file durable as `corefs_fsync` does. The batch is closed
+// whatever this returns; on an error none of it was acknowledged (-ENOSPC: none applied; an
+// I/O error fails the filesystem stop, its durable state without the batch).
+//
+// -EBADF: not an open handle; -EINVAL: no batch open on it.
+int corefs_atomic_commit(corefs_fs fs, corefs_fd fd);
+
+// Drops the handle's atomic batch: nothing staged is written.
+//
+// -EBADF: not an open handle; -EINVAL: no batch open on it.
+int corefs_atomic_abort(corefs_fs fs, corefs_fd fd);
+
 // Commits everything (returns when the superblock is durable).
 int corefs_sync(corefs_fs fs);
 

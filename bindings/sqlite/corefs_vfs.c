@@ -13,12 +13,25 @@
  *   COREFS_DEVICE  the corefs device string (file:/var/tmp/x.img,size=256MiB, mem:256MiB, ...)
  *   COREFS_FORMAT  "1": format the device at mount (destroys its content)
  *   COREFS_BUSY_POLL  1: the reactor busy-polls instead of spinning then parking.
+ *   COREFS_BATCH_ATOMIC  "0": do not advertise SQLITE_IOCAP_BATCH_ATOMIC (see below).
+ *   COREFS_VFS_PROFILE  "1" (static builds): count and time the calls into corefs (see
+ *                  corefs_vfs_profile).
+ *   COREFS_COMMIT_INTERVAL_MS  the transaction commit interval (default 5000).
  *   COREFS_SHARDS  shards when formatting (default 64). A file's blocks all come from its
  *                  inode's shard, whose region is 1/shards of the device: on small images a
  *                  database or WAL larger than that fails with SQLITE_FULL unless fewer shards
  *                  are used.
  * The filesystem stays mounted until the process exits (an atexit handler closes it, which
  * commits everything).
+ *
+ * Batch atomic writes: a main database file advertises SQLITE_IOCAP_BATCH_ATOMIC and
+ * implements SQLITE_FCNTL_BEGIN/COMMIT/ROLLBACK_ATOMIC_WRITE with corefs_atomic_begin /
+ * _commit / _abort, so an SQLite built with SQLITE_ENABLE_BATCH_ATOMIC_WRITE (as
+ * scripts/sqlite-build.sh builds it) commits a rollback-journal transaction without a journal:
+ * its pages go to the file in one atomic batch, one fsync log record (docs/fsync-log.md). An
+ * SQLite built without that option (Debian's, the stock shell) ignores the capability and
+ * writes its journal as usual. A batch that fails (past its 64 MiB bound, -EFBIG) is an
+ * SQLITE_IOERR, on which SQLite rolls the batch back and commits with a journal instead.
  *
  * Paths are absolute ("/db.sqlite"), relative to the root of the corefs filesystem.
  *
@@ -39,8 +52,10 @@ SQLITE_EXTENSION_INIT1
 #include <errno.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #define CFS_VFS_NAME "corefs"
@@ -94,6 +109,16 @@ typedef struct CfsInode {
   int eLock;   /* strongest lock held: NONE, SHARED, RESERVED, PENDING or EXCLUSIVE */
   CfsShmNode *pShmNode;
   struct CfsInode *pNext;
+  /* Durability tracking, so that an xSync with nothing to make durable costs no call (SQLite
+   * syncs the database right after a batch's commit, which made it durable already). Atomic
+   * (__atomic builtins): any connection's handle of the inode writes and syncs.
+   * writeGen counts changes through the VFS (writes, staged or not, and truncates);
+   * syncedGen / dataSyncedGen are the writeGen that the last successful fsync or atomic
+   * commit / fdatasync covered, -1 until one did (a file's first sync always runs: it also
+   * makes the file's name durable). */
+  int64_t writeGen;
+  int64_t syncedGen;
+  int64_t dataSyncedGen;
 } CfsInode;
 
 static CfsInode *g_inodes = 0;
@@ -107,7 +132,51 @@ typedef struct CfsFile {
   char *zDelete; /* path to unlink at close (DELETEONCLOSE), sqlite3_malloc'd */
   char *zPath;   /* for messages, sqlite3_malloc'd */
   CfsShm *pShm;  /* this connection's shared memory, when mapped */
+  int inBatch;   /* an atomic batch is open on fd (SQLITE_FCNTL_BEGIN_ATOMIC_WRITE) */
+  int nBatchWrite; /* xWrite calls since the batch opened (for the tear test hook) */
+  /* A small write held back (WAL files only; see cfs_write): aPend[0..nPend) belongs at
+   * iPendOfst. Sent by the next xWrite, joined to it when that one continues it, or before
+   * any other method of this file runs. */
+  uint8_t *aPend; /* sqlite3_malloc'd, nPendAlloc bytes */
+  int nPendAlloc;
+  int nPend;
+  sqlite3_int64 iPendOfst;
 } CfsFile;
+
+/* The most bytes a WAL file holds back: a WAL frame header (24 bytes), or the WAL header
+ * (32) followed by the first frame's header. */
+#define CFS_PEND_MAX 64
+
+/* Atomic batches committed, since the process started (corefs_vfs_atomic_commits). */
+static unsigned long long g_atomic_commits = 0;
+
+/* xWrite calls on WAL files, and the corefs_pwrite calls that wrote them
+ * (corefs_vfs_wal_writes; see cfs_write). */
+static unsigned long long g_wal_xwrites = 0, g_wal_pwrites = 0;
+
+/* xSync calls that had nothing to make durable (corefs_vfs_syncs_skipped). */
+static unsigned long long g_syncs_skipped = 0;
+
+/* Whether main database files advertise SQLITE_IOCAP_BATCH_ATOMIC (COREFS_BATCH_ATOMIC). */
+static int g_batch_atomic = 1;
+
+#ifdef COREFS_VFS_STATIC
+/* Whether the VFS calls are counted and timed (COREFS_VFS_PROFILE; see corefs_vfs_profile). */
+static int g_prof_on = 0;
+
+/* The tear test's hook (static builds only; test_sqlite's "tear" phase): when > 0, the write
+ * that makes this many xWrite calls in an atomic batch is followed by a filesystem commit
+ * (what corefs's commit timer may do between any two operations) and the end of the process
+ * without closing the filesystem: on a device behind a volatile cache, a power cut in the
+ * middle of a batch, right after a commit that would have persisted the batch's first pages
+ * were they written rather than staged. */
+static int g_tear_after_writes = 0;
+
+void corefs_vfs_tear_after_writes(int n);
+void corefs_vfs_tear_after_writes(int n) {
+  g_tear_after_writes = n;
+}
+#endif
 
 /* ------------------------------------------------------------------------------------------ */
 /* Mount                                                                                      */
@@ -164,6 +233,20 @@ static int cfs_mounted(corefs_fs *pFs) {
         options.busy_poll = (busy != 0 && strcmp(busy, "1") == 0) ? 1 : 0;
       }
       if (shards != 0 && shards[0] != 0) options.shards = (uint32_t)strtoul(shards, 0, 10);
+      {
+        const char *interval = getenv("COREFS_COMMIT_INTERVAL_MS");
+        const char *batch = getenv("COREFS_BATCH_ATOMIC");
+        if (interval != 0 && interval[0] != 0) {
+          options.commit_interval_ms = (uint32_t)strtoul(interval, 0, 10);
+        }
+        g_batch_atomic = !(batch != 0 && strcmp(batch, "0") == 0);
+#ifdef COREFS_VFS_STATIC
+        {
+          const char *profile = getenv("COREFS_VFS_PROFILE");
+          g_prof_on = profile != 0 && strcmp(profile, "1") == 0;
+        }
+#endif
+      }
       corefs_fs fs = corefs_mount(device, &options);
       if (fs < 0) {
         sqlite3_log(SQLITE_CANTOPEN, "corefs vfs: corefs_mount(%s) failed (%lld): %s", device,
@@ -213,6 +296,8 @@ static CfsInode *cfs_inode_ref(uint64_t ino) {
   memset(p, 0, sizeof(*p));
   p->ino = ino;
   p->nRef = 1;
+  p->syncedGen = -1;
+  p->dataSyncedGen = -1;
   p->pNext = g_inodes;
   g_inodes = p;
   return p;
@@ -232,16 +317,57 @@ static void cfs_inode_unref(CfsInode *pInode) {
   sqlite3_free(pInode);
 }
 
+/* A change through the VFS (see CfsInode.writeGen). */
+static void cfs_changed(CfsFile *p) {
+  if (p->pInode) __atomic_add_fetch(&p->pInode->writeGen, 1, __ATOMIC_SEQ_CST);
+}
+
+/* The change count a sync starting now will cover (taken before the call: a change racing
+ * with it counts as not covered). */
+static int64_t cfs_gen(CfsFile *p) {
+  return p->pInode ? __atomic_load_n(&p->pInode->writeGen, __ATOMIC_SEQ_CST) : -1;
+}
+
+/* Records that a sync covering `gen` succeeded (a full one: data and metadata). */
+static void cfs_synced(CfsFile *p, int64_t gen, int full) {
+  int64_t *slots[2];
+  int i;
+  if (p->pInode == 0 || gen < 0) return;
+  slots[0] = &p->pInode->dataSyncedGen;
+  slots[1] = full ? &p->pInode->syncedGen : 0;
+  for (i = 0; i < 2; i++) {
+    int64_t seen;
+    if (slots[i] == 0) continue;
+    seen = __atomic_load_n(slots[i], __ATOMIC_SEQ_CST);
+    while (seen < gen &&
+           !__atomic_compare_exchange_n(slots[i], &seen, gen, 0, __ATOMIC_SEQ_CST,
+                                        __ATOMIC_SEQ_CST)) {
+    }
+  }
+}
+
+/* Whether a sync (full, or data only) has nothing to do: every change is covered already. */
+static int cfs_sync_needless(CfsFile *p, int full) {
+  int64_t gen = cfs_gen(p);
+  if (p->pInode == 0) return 0;
+  if (__atomic_load_n(&p->pInode->syncedGen, __ATOMIC_SEQ_CST) == gen) return 1;
+  return !full && __atomic_load_n(&p->pInode->dataSyncedGen, __ATOMIC_SEQ_CST) == gen;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* I/O methods                                                                                */
 /* ------------------------------------------------------------------------------------------ */
 
 static int cfs_shm_unmap(sqlite3_file *pFile, int deleteFlag);
 static int cfs_unlock(sqlite3_file *pFile, int eLock);
+static int cfs_flush(CfsFile *p);
 
 static int cfs_close(sqlite3_file *pFile) {
   CfsFile *p = (CfsFile *)pFile;
-  int rc = SQLITE_OK;
+  int rc = p->fd > 0 ? cfs_flush(p) : SQLITE_OK;
+  sqlite3_free(p->aPend);
+  p->aPend = 0;
+  p->nPendAlloc = 0;
   if (p->pShm) cfs_shm_unmap(pFile, 0);
   if (p->pInode) {
     cfs_unlock(pFile, SQLITE_LOCK_NONE);
@@ -273,6 +399,10 @@ static int cfs_read(sqlite3_file *pFile, void *zBuf, int iAmt, sqlite3_int64 iOf
   CfsFile *p = (CfsFile *)pFile;
   uint8_t *buf = zBuf;
   size_t done = 0;
+  {
+    int rcFlush = cfs_flush(p);
+    if (rcFlush != SQLITE_OK) return rcFlush;
+  }
   while (done < (size_t)iAmt) {
     int64_t n = corefs_pread(cfs_fs(), p->fd, buf + done, (size_t)iAmt - done,
                              (uint64_t)iOfst + done);
@@ -287,11 +417,11 @@ static int cfs_read(sqlite3_file *pFile, void *zBuf, int iAmt, sqlite3_int64 iOf
   return SQLITE_OK;
 }
 
-static int cfs_write(sqlite3_file *pFile, const void *zBuf, int iAmt, sqlite3_int64 iOfst) {
-  CfsFile *p = (CfsFile *)pFile;
-  const uint8_t *buf = zBuf;
+/* Writes buf[0..iAmt) at iOfst, whole. */
+static int cfs_pwrite_all(CfsFile *p, const uint8_t *buf, int iAmt, sqlite3_int64 iOfst) {
   size_t done = 0;
   int retried = 0;
+  if (p->openFlags & SQLITE_OPEN_WAL) __sync_add_and_fetch(&g_wal_pwrites, 1);
   while (done < (size_t)iAmt) {
     int64_t n = corefs_pwrite(cfs_fs(), p->fd, buf + done, (size_t)iAmt - done,
                               (uint64_t)iOfst + done);
@@ -312,29 +442,125 @@ static int cfs_write(sqlite3_file *pFile, const void *zBuf, int iAmt, sqlite3_in
   return SQLITE_OK;
 }
 
+/* Sends the held-back write, if any. Every method of a file but xWrite calls it first, so
+ * that nothing observes the file without it. */
+static int cfs_flush(CfsFile *p) {
+  int n = p->nPend;
+  if (n == 0) return SQLITE_OK;
+  p->nPend = 0;
+  return cfs_pwrite_all(p, p->aPend, n, p->iPendOfst);
+}
+
+/* Makes aPend hold at least n bytes. */
+static int cfs_pend_reserve(CfsFile *p, int n) {
+  uint8_t *a;
+  if (n <= p->nPendAlloc) return SQLITE_OK;
+  a = sqlite3_realloc(p->aPend, n);
+  if (a == 0) return SQLITE_NOMEM;
+  p->aPend = a;
+  p->nPendAlloc = n;
+  return SQLITE_OK;
+}
+
+/* SQLite writes a WAL frame as two writes: its 24-byte header, then the page right after it
+ * (4120 bytes in all, so neither is block-aligned). Each write through corefs is a round trip
+ * to the reactor and a read-modify-write of the blocks it touches, both of which the header
+ * shares with the page: a WAL file therefore holds a small write back and sends it joined to
+ * the write that continues it, one call per frame instead of two. This is safe because:
+ * - nothing of this file observes the file before the held bytes are sent (cfs_flush runs
+ *   first in every other method: xRead, xSync, xFileSize, xTruncate, xClose, ...), and a
+ *   held write is no more exposed to a crash than an unsynced one;
+ * - other connections read WAL frames only once the writer has published them in the
+ *   wal-index, which SQLite does after writing the whole frame (header and page), so they
+ *   never look for a held header;
+ * - an error sending a held write is returned by the call that sent it (an xWrite, or the
+ *   next method of the file, such as the commit's xSync). */
+static int cfs_write(sqlite3_file *pFile, const void *zBuf, int iAmt, sqlite3_int64 iOfst) {
+  CfsFile *p = (CfsFile *)pFile;
+  const uint8_t *buf = zBuf;
+  int rc;
+  cfs_changed(p);
+  if (p->openFlags & SQLITE_OPEN_WAL) __sync_add_and_fetch(&g_wal_xwrites, 1);
+  if (p->nPend > 0) {
+    if (iOfst == p->iPendOfst + p->nPend && !p->inBatch &&
+        cfs_pend_reserve(p, p->nPend + iAmt) == SQLITE_OK) {
+      int n = p->nPend + iAmt;
+      memcpy(p->aPend + p->nPend, buf, (size_t)iAmt);
+      if (n <= CFS_PEND_MAX) {
+        p->nPend = n;
+        return SQLITE_OK;
+      }
+      p->nPend = 0;
+      return cfs_pwrite_all(p, p->aPend, n, p->iPendOfst);
+    }
+    rc = cfs_flush(p);
+    if (rc != SQLITE_OK) return rc;
+  }
+  if ((p->openFlags & SQLITE_OPEN_WAL) && !p->inBatch && iAmt <= CFS_PEND_MAX &&
+      cfs_pend_reserve(p, CFS_PEND_MAX) == SQLITE_OK) {
+    memcpy(p->aPend, buf, (size_t)iAmt);
+    p->nPend = iAmt;
+    p->iPendOfst = iOfst;
+    return SQLITE_OK;
+  }
+  rc = cfs_pwrite_all(p, buf, iAmt, iOfst);
+  if (rc != SQLITE_OK) return rc;
+#ifdef COREFS_VFS_STATIC
+  if (p->inBatch && g_tear_after_writes > 0 && ++p->nBatchWrite == g_tear_after_writes) {
+    int e = corefs_sync(cfs_fs());
+    fprintf(stdout, "torn after write %d of a batch (corefs_sync: %d)\n", p->nBatchWrite, e);
+    fflush(stdout);
+    _exit(e < 0 ? 1 : 0);
+  }
+#endif
+  return SQLITE_OK;
+}
+
 static int cfs_truncate(sqlite3_file *pFile, sqlite3_int64 size) {
   CfsFile *p = (CfsFile *)pFile;
-  int e = corefs_ftruncate(cfs_fs(), p->fd, (uint64_t)size);
+  int e;
+  {
+    int rcFlush = cfs_flush(p);
+    if (rcFlush != SQLITE_OK) return rcFlush;
+  }
+  cfs_changed(p);
+  e = corefs_ftruncate(cfs_fs(), p->fd, (uint64_t)size);
   if (e < 0) return cfs_fail(SQLITE_IOERR_TRUNCATE, "corefs_ftruncate", p->zPath, e);
   return SQLITE_OK;
 }
 
 static int cfs_sync(sqlite3_file *pFile, int flags) {
   CfsFile *p = (CfsFile *)pFile;
+  int full = !(flags & SQLITE_SYNC_DATAONLY);
+  int64_t gen;
   int e;
-  if (flags & SQLITE_SYNC_DATAONLY) {
+  {
+    int rcFlush = cfs_flush(p);
+    if (rcFlush != SQLITE_OK) return rcFlush;
+  }
+  if (cfs_sync_needless(p, full)) {
+    __sync_add_and_fetch(&g_syncs_skipped, 1);
+    return SQLITE_OK;
+  }
+  gen = cfs_gen(p);
+  if (!full) {
     e = corefs_fdatasync(cfs_fs(), p->fd);
     if (e < 0) return cfs_fail(SQLITE_IOERR_FSYNC, "corefs_fdatasync", p->zPath, e);
   } else {
     e = corefs_fsync(cfs_fs(), p->fd);
     if (e < 0) return cfs_fail(SQLITE_IOERR_FSYNC, "corefs_fsync", p->zPath, e);
   }
+  cfs_synced(p, gen, full);
   return SQLITE_OK;
 }
 
 static int cfs_file_size(sqlite3_file *pFile, sqlite3_int64 *pSize) {
   CfsFile *p = (CfsFile *)pFile;
   struct corefs_stat st;
+  {
+    int rcFlush = cfs_flush(p);
+    if (rcFlush != SQLITE_OK) return rcFlush;
+  }
   int e = corefs_fstat(cfs_fs(), p->fd, &st);
   if (e < 0) return cfs_fail(SQLITE_IOERR_FSTAT, "corefs_fstat", p->zPath, e);
   *pSize = (sqlite3_int64)st.size;
@@ -408,11 +634,87 @@ static int cfs_check_reserved_lock(sqlite3_file *pFile, int *pResOut) {
   return SQLITE_OK;
 }
 
+/* The atomic batch calls (see "Batch atomic writes" at the top). SQLite calls them only on a
+ * file that advertised SQLITE_IOCAP_BATCH_ATOMIC, and only when built with
+ * SQLITE_ENABLE_BATCH_ATOMIC_WRITE. A failed commit is an SQLITE_IOERR: SQLite then rolls
+ * back (the batch is already closed) and commits the transaction with a journal. */
 static int cfs_file_control(sqlite3_file *pFile, int op, void *pArg) {
-  (void)pFile;
-  (void)op;
+  CfsFile *p = (CfsFile *)pFile;
+  int e;
   (void)pArg;
-  return SQLITE_NOTFOUND;
+  {
+    int rcFlush = cfs_flush(p);
+    if (rcFlush != SQLITE_OK) return rcFlush;
+  }
+  switch (op) {
+#ifdef COREFS_VFS_MUTATION_UNSTAGED_BATCH
+    /* A deliberate breakage, for checking that scripts/sqlite-test.sh's crash test catches it
+     * (never in a normal build): the "batch" writes its pages one by one and fsyncs, so a
+     * commit may persist part of a transaction that wrote no journal. */
+    case SQLITE_FCNTL_BEGIN_ATOMIC_WRITE:
+      (void)e;
+      p->inBatch = 1;
+      p->nBatchWrite = 0;
+      return SQLITE_OK;
+    case SQLITE_FCNTL_COMMIT_ATOMIC_WRITE:
+      p->inBatch = 0;
+      __sync_add_and_fetch(&g_atomic_commits, 1);
+      return corefs_fsync(cfs_fs(), p->fd) < 0 ? SQLITE_IOERR_COMMIT_ATOMIC : SQLITE_OK;
+    case SQLITE_FCNTL_ROLLBACK_ATOMIC_WRITE:
+      p->inBatch = 0;
+      return SQLITE_OK;
+#else
+    case SQLITE_FCNTL_BEGIN_ATOMIC_WRITE:
+      e = corefs_atomic_begin(cfs_fs(), p->fd);
+      if (e < 0) return cfs_fail(SQLITE_IOERR_BEGIN_ATOMIC, "corefs_atomic_begin", p->zPath, e);
+      p->inBatch = 1;
+      p->nBatchWrite = 0;
+      return SQLITE_OK;
+    case SQLITE_FCNTL_COMMIT_ATOMIC_WRITE:
+      if (!p->inBatch) return SQLITE_IOERR_COMMIT_ATOMIC;
+      p->inBatch = 0;
+      {
+        /* The commit makes the file durable as corefs_fsync does: SQLite's xSync right after
+         * it then has nothing to do (see cfs_sync_needless). */
+        int64_t gen = cfs_gen(p);
+        e = corefs_atomic_commit(cfs_fs(), p->fd);
+        if (e < 0) {
+          return cfs_fail(SQLITE_IOERR_COMMIT_ATOMIC, "corefs_atomic_commit", p->zPath, e);
+        }
+        cfs_synced(p, gen, 1);
+      }
+      __sync_add_and_fetch(&g_atomic_commits, 1);
+      return SQLITE_OK;
+    case SQLITE_FCNTL_ROLLBACK_ATOMIC_WRITE:
+      /* Also after a failed commit, which closed the batch already. */
+      if (!p->inBatch) return SQLITE_OK;
+      p->inBatch = 0;
+      e = corefs_atomic_abort(cfs_fs(), p->fd);
+      if (e < 0) {
+        return cfs_fail(SQLITE_IOERR_ROLLBACK_ATOMIC, "corefs_atomic_abort", p->zPath, e);
+      }
+      return SQLITE_OK;
+#endif
+    default:
+      return SQLITE_NOTFOUND;
+  }
+}
+
+/* Atomic batches this process committed through the VFS (tests check that a transaction
+ * used one). */
+unsigned long long corefs_vfs_atomic_commits(void) {
+  return __sync_add_and_fetch(&g_atomic_commits, 0);
+}
+
+/* xWrite calls on WAL files (*calls) and the writes into corefs they took (*sent). */
+void corefs_vfs_wal_writes(unsigned long long *calls, unsigned long long *sent) {
+  *calls = __sync_add_and_fetch(&g_wal_xwrites, 0);
+  *sent = __sync_add_and_fetch(&g_wal_pwrites, 0);
+}
+
+/* xSync calls answered without a call into corefs, every change being durable already. */
+unsigned long long corefs_vfs_syncs_skipped(void) {
+  return __sync_add_and_fetch(&g_syncs_skipped, 0);
 }
 
 static int cfs_sector_size(sqlite3_file *pFile) {
@@ -421,8 +723,12 @@ static int cfs_sector_size(sqlite3_file *pFile) {
 }
 
 static int cfs_device_characteristics(sqlite3_file *pFile) {
-  (void)pFile;
-  return SQLITE_IOCAP_POWERSAFE_OVERWRITE;
+  CfsFile *p = (CfsFile *)pFile;
+  int caps = SQLITE_IOCAP_POWERSAFE_OVERWRITE;
+  /* Only the database file: SQLite batches only its writes, and a journal or WAL file
+   * advertising it would gain nothing. */
+  if (g_batch_atomic && (p->openFlags & SQLITE_OPEN_MAIN_DB)) caps |= SQLITE_IOCAP_BATCH_ATOMIC;
+  return caps;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -622,18 +928,69 @@ static int cfs_unfetch(sqlite3_file *pFile, sqlite3_int64 iOfst, void *p) {
   return SQLITE_OK;
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* Profile (static builds only)                                                               */
+/* ------------------------------------------------------------------------------------------ */
+
+#ifdef COREFS_VFS_STATIC
+/* COREFS_VFS_PROFILE=1 (read at mount): the calls into the VFS that reach corefs are counted
+ * and timed (two clock reads each), and corefs_vfs_profile() reports them per transaction
+ * beside the reactor's own figures: where a transaction's time goes, client side. */
+enum { P_READ, P_WRITE, P_TRUNCATE, P_SYNC, P_SIZE, P_FCNTL, P_OPEN, P_DELETE, P_ACCESS, P_N };
+static const char *const g_prof_names[P_N] = {"xRead",        "xWrite",  "xTruncate",
+                                              "xSync",        "xFileSize", "xFileControl",
+                                              "xOpen",        "xDelete", "xAccess"};
+static unsigned long long g_prof_calls[P_N], g_prof_ns[P_N];
+
+static uint64_t cfs_prof_now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Counts one call of kind k that started at start_ns (0: profiling off). */
+static void cfs_prof_add(int k, uint64_t start_ns) {
+  if (start_ns == 0) return;
+  __sync_add_and_fetch(&g_prof_calls[k], 1);
+  __sync_add_and_fetch(&g_prof_ns[k], cfs_prof_now_ns() - start_ns);
+}
+
+static uint64_t cfs_prof_start(void) {
+  return g_prof_on ? cfs_prof_now_ns() : 0;
+}
+
+/* The timed wrappers the method tables point to in static builds. */
+#define CFS_PROF_WRAP(kind, name, params, args) \
+  static int name##_p params {                  \
+    uint64_t start_ns = cfs_prof_start();       \
+    int rc = name args;                         \
+    cfs_prof_add(kind, start_ns);               \
+    return rc;                                  \
+  }
+CFS_PROF_WRAP(P_READ, cfs_read, (sqlite3_file * f, void *b, int n, sqlite3_int64 o), (f, b, n, o))
+CFS_PROF_WRAP(P_WRITE, cfs_write, (sqlite3_file * f, const void *b, int n, sqlite3_int64 o),
+              (f, b, n, o))
+CFS_PROF_WRAP(P_TRUNCATE, cfs_truncate, (sqlite3_file * f, sqlite3_int64 n), (f, n))
+CFS_PROF_WRAP(P_SYNC, cfs_sync, (sqlite3_file * f, int flags), (f, flags))
+CFS_PROF_WRAP(P_SIZE, cfs_file_size, (sqlite3_file * f, sqlite3_int64 * n), (f, n))
+CFS_PROF_WRAP(P_FCNTL, cfs_file_control, (sqlite3_file * f, int op, void *arg), (f, op, arg))
+#define CFS_M(name) name##_p
+#else
+#define CFS_M(name) name
+#endif
+
 static const sqlite3_io_methods cfs_io_methods = {
     3,                          /* iVersion */
     cfs_close,                  /* xClose */
-    cfs_read,                   /* xRead */
-    cfs_write,                  /* xWrite */
-    cfs_truncate,               /* xTruncate */
-    cfs_sync,                   /* xSync */
-    cfs_file_size,              /* xFileSize */
+    CFS_M(cfs_read),            /* xRead */
+    CFS_M(cfs_write),           /* xWrite */
+    CFS_M(cfs_truncate),        /* xTruncate */
+    CFS_M(cfs_sync),            /* xSync */
+    CFS_M(cfs_file_size),       /* xFileSize */
     cfs_lock,                   /* xLock */
     cfs_unlock,                 /* xUnlock */
     cfs_check_reserved_lock,    /* xCheckReservedLock */
-    cfs_file_control,           /* xFileControl */
+    CFS_M(cfs_file_control),    /* xFileControl */
     cfs_sector_size,            /* xSectorSize */
     cfs_device_characteristics, /* xDeviceCharacteristics */
     cfs_shm_map,                /* xShmMap */
@@ -856,6 +1213,40 @@ static int cfs_current_time_int64(sqlite3_vfs *pVfs, sqlite3_int64 *pTime) {
   }
 }
 
+#ifdef COREFS_VFS_STATIC
+CFS_PROF_WRAP(P_OPEN, cfs_open,
+              (sqlite3_vfs * v, const char *z, sqlite3_file *f, int flags, int *out),
+              (v, z, f, flags, out))
+CFS_PROF_WRAP(P_DELETE, cfs_delete, (sqlite3_vfs * v, const char *z, int dirSync), (v, z, dirSync))
+CFS_PROF_WRAP(P_ACCESS, cfs_access, (sqlite3_vfs * v, const char *z, int flags, int *out),
+              (v, z, flags, out))
+
+void corefs_vfs_profile(FILE *out, long long transactions);
+/* Reports the profile per transaction (nothing unless COREFS_VFS_PROFILE=1). */
+void corefs_vfs_profile(FILE *out, long long transactions) {
+  struct corefs_stats st;
+  double n = transactions > 0 ? (double)transactions : 1.0;
+  int k;
+  if (!g_prof_on) return;
+  fprintf(out, "profile: %lld transactions; per transaction, client side (VFS calls into corefs):\n",
+          transactions);
+  for (k = 0; k < P_N; k++) {
+    if (g_prof_calls[k] == 0) continue;
+    fprintf(out, "  %-13s %6.2f calls %8.1f us (%.1f us each)\n", g_prof_names[k],
+            (double)g_prof_calls[k] / n, (double)g_prof_ns[k] / n / 1e3,
+            (double)g_prof_ns[k] / (double)g_prof_calls[k] / 1e3);
+  }
+  if (g_fs > 0 && corefs_get_stats(g_fs, &st) == 0) {
+    fprintf(out,
+            "  reactor: %.2f ops, %.1f us CPU, %.2f fsyncs (p50 %.1f us, p99 %.1f us), %.2f log "
+            "writes, %.3f commits, per transaction\n",
+            (double)st.ops / n, (double)st.reactor_cpu_ns / n / 1e3, (double)st.fsyncs / n,
+            (double)st.fsync_p50_ns / 1e3, (double)st.fsync_p99_ns / 1e3,
+            (double)st.log_writes / n, (double)st.commits / n);
+  }
+}
+#endif
+
 static sqlite3_vfs cfs_vfs = {
     2,                      /* iVersion */
     sizeof(CfsFile),        /* szOsFile */
@@ -863,9 +1254,9 @@ static sqlite3_vfs cfs_vfs = {
     0,                      /* pNext */
     CFS_VFS_NAME,           /* zName */
     0,                      /* pAppData */
-    cfs_open,               /* xOpen */
-    cfs_delete,             /* xDelete */
-    cfs_access,             /* xAccess */
+    CFS_M(cfs_open),        /* xOpen */
+    CFS_M(cfs_delete),      /* xDelete */
+    CFS_M(cfs_access),      /* xAccess */
     cfs_full_pathname,      /* xFullPathname */
     cfs_dl_open,            /* xDlOpen */
     cfs_dl_error,           /* xDlError */

@@ -1,10 +1,24 @@
 /* test_sqlite.c - tests and benchmarks the corefs SQLite VFS (corefs_vfs.c, compiled in with
  * -DCOREFS_VFS_STATIC). The filesystem comes from COREFS_DEVICE (and COREFS_FORMAT=1).
  *
- *   test_sqlite write <wal|delete> <N>    N transactions on /t.db, printing "committed <k>"
+ *   test_sqlite write <wal|delete|batch> <N>
+ *                                         N transactions on /t.db, printing "committed <k>"
+ *   test_sqlite version                   the linked SQLite's version
  *   test_sqlite check <K>                 integrity and content of /t.db, at least K rows
- *   test_sqlite bench <wal|delete> <seconds> <dir|corefs>
- *                                         one-row transactions for that long; "tps <n>"
+ *   test_sqlite tear <N> <K>              batch mode: N transactions, then a power cut inside
+ *                                         the next one's batch, after its K-th page write and
+ *                                         a filesystem commit (needs cache=volatile); then
+ *                                         "check N" must find exactly N rows, consistent
+ *   test_sqlite bench <wal|delete|batch> <seconds> <dir|corefs>
+ *                                         one-row transactions for that long; prints
+ *                                         "tps <n> p50_us <x> p99_us <y>" (per-transaction
+ *                                         latency percentiles)
+ *
+ * Modes: wal; delete (rollback journal, with the VFS's batch atomic writes turned off:
+ * COREFS_BATCH_ATOMIC=0); batch (rollback journal with batch atomic writes: no journal is
+ * written, each transaction is one corefs atomic batch — needs an SQLite built with
+ * SQLITE_ENABLE_BATCH_ATOMIC_WRITE, which scripts/sqlite-build.sh compiles in, and checks that
+ * every transaction used a batch).
  */
 #include <sqlite3.h>
 
@@ -17,6 +31,11 @@
 #include <unistd.h>
 
 int corefs_vfs_register(void);
+unsigned long long corefs_vfs_atomic_commits(void);
+unsigned long long corefs_vfs_syncs_skipped(void);
+void corefs_vfs_wal_writes(unsigned long long *calls, unsigned long long *sent);
+void corefs_vfs_tear_after_writes(int n);
+void corefs_vfs_profile(FILE *out, long long transactions);
 
 #define DB_URI "file:/t.db?vfs=corefs"
 #define V_LEN 100
@@ -110,6 +129,33 @@ static void integrity_ok(sqlite3 *db) {
   if (strcmp(text, "ok") != 0) die("integrity_check: %s", text);
 }
 
+/* The journal mode a test mode runs in; also sets up the VFS for it (before the first open,
+ * which mounts) and checks that batch mode can work. */
+static const char *journal_of(const char *mode) {
+  if (strcmp(mode, "wal") == 0) return "wal";
+  if (strcmp(mode, "delete") == 0) {
+    setenv("COREFS_BATCH_ATOMIC", "0", 0);
+    return "delete";
+  }
+  if (strcmp(mode, "batch") == 0) {
+    if (!sqlite3_compileoption_used("ENABLE_BATCH_ATOMIC_WRITE")) {
+      die("batch mode needs an SQLite built with SQLITE_ENABLE_BATCH_ATOMIC_WRITE (%s is not)",
+          sqlite3_libversion());
+    }
+    return "delete";
+  }
+  die("mode must be wal, delete or batch, not %s", mode);
+  return 0;
+}
+
+/* In batch mode, at least `min` transactions must have committed as atomic batches. */
+static void batches_used(const char *mode, long long min) {
+  if (strcmp(mode, "batch") == 0 && (long long)corefs_vfs_atomic_commits() < min) {
+    die("%llu atomic batches for %lld transactions: SQLite wrote a journal instead",
+        corefs_vfs_atomic_commits(), min);
+  }
+}
+
 static void set_journal_mode(sqlite3 *db, const char *mode) {
   char sql[64], text[64];
   snprintf(sql, sizeof(sql), "PRAGMA journal_mode=%s", mode);
@@ -157,6 +203,7 @@ static void committed(long long id) {
 }
 
 static int phase_write(const char *mode, long long n) {
+  const char *journal = journal_of(mode);
   int wal = strcmp(mode, "wal") == 0;
   int flags = SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE;
   sqlite3 *db = open_db(DB_URI, flags);
@@ -164,9 +211,8 @@ static int phase_write(const char *mode, long long n) {
   Writer w;
   long long id, busy_checks = 0, snapshot_checks = 0;
 
-  if (!wal && strcmp(mode, "delete") != 0) die("journal mode must be wal or delete");
   sqlite3_busy_timeout(db, 5000);
-  set_journal_mode(db, mode);
+  set_journal_mode(db, journal);
   exec(db, "PRAGMA synchronous=FULL");
   exec(db,
        "CREATE TABLE IF NOT EXISTS t(id INTEGER PRIMARY KEY, v TEXT, n INTEGER);"
@@ -217,6 +263,7 @@ static int phase_write(const char *mode, long long n) {
       writer_body(&w, id);
       exec(db, "COMMIT");
       committed(id);
+      if (id == 50) batches_used(mode, 40);
       if (id % 10 == 0) {
         long long c = query_int(reader, "SELECT count(*) FROM t");
         if (c != id) die("reader sees %lld rows, expected %lld", c, id);
@@ -227,12 +274,65 @@ static int phase_write(const char *mode, long long n) {
   sqlite3_finalize(w.insert);
   sqlite3_finalize(w.update);
   integrity_ok(db);
+  batches_used(mode, n - n / 97);
+  /* SQLite syncs the database right after each batch's commit, which made it durable
+   * already: the VFS answers that sync without a call (one fsync per transaction, not two). */
+  if (strcmp(mode, "batch") == 0 && (long long)corefs_vfs_syncs_skipped() < n - n / 97) {
+    die("%llu syncs skipped for %lld batch transactions, expected one each",
+        corefs_vfs_syncs_skipped(), n);
+  }
+  if (wal) {
+    /* Each WAL frame is written by SQLite as its header then its page: the VFS sends both
+     * in one corefs write (cfs_write), so at most a little over half the calls reach
+     * corefs. */
+    unsigned long long calls, sent;
+    corefs_vfs_wal_writes(&calls, &sent);
+    if (calls < (unsigned long long)n || sent * 10 > calls * 6) {
+      die("%llu WAL writes took %llu corefs writes: frames were not written whole", calls, sent);
+    }
+    fprintf(stderr, "test_sqlite: %llu WAL writes, %llu corefs writes\n", calls, sent);
+  }
   if (query_int(reader, "SELECT cnt FROM agg WHERE k = 1") != n) die("agg.cnt is wrong");
   if (sqlite3_close(reader) != SQLITE_OK) die("close reader: %s", sqlite3_errmsg(reader));
   if (sqlite3_close(db) != SQLITE_OK) die("close: %s", sqlite3_errmsg(db));
-  fprintf(stderr, "test_sqlite: write %s: %lld transactions, %lld busy checks, %lld snapshot checks\n",
-          mode, n, busy_checks, snapshot_checks);
+  fprintf(stderr,
+          "test_sqlite: write %s: %lld transactions, %lld busy checks, %lld snapshot checks, "
+          "%llu atomic batches, %llu needless syncs skipped\n",
+          mode, n, busy_checks, snapshot_checks, corefs_vfs_atomic_commits(),
+          corefs_vfs_syncs_skipped());
   return 0;
+}
+
+/* Batch mode: n committed transactions, then one more whose batch the VFS cuts after its
+ * k-th page write (corefs_vfs_tear_after_writes): the process ends inside that write. A
+ * transaction here writes page 1 (its change counter), t's leaf and agg's page, in page
+ * order: with k = 2, a batch whose writes reached the filesystem one by one leaves the
+ * committed image with the new row but the old agg (or the reverse), which check catches. */
+static int phase_tear(long long n, int k) {
+  const char *journal = journal_of("batch");
+  sqlite3 *db = open_db(DB_URI, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE);
+  Writer w;
+  long long id;
+
+  set_journal_mode(db, journal);
+  exec(db, "PRAGMA synchronous=FULL");
+  exec(db,
+       "CREATE TABLE t(id INTEGER PRIMARY KEY, v TEXT, n INTEGER);"
+       "CREATE TABLE agg(k INTEGER PRIMARY KEY, cnt INTEGER, total INTEGER);"
+       "INSERT INTO agg VALUES(1, 0, 0);");
+  writer_prepare(&w, db);
+  for (id = 1; id <= n; id++) {
+    writer_body(&w, id);
+    exec(db, "COMMIT");
+    committed(id);
+  }
+  batches_used("batch", n);
+  corefs_vfs_tear_after_writes(k);
+  writer_body(&w, n + 1);
+  exec(db, "COMMIT");
+  /* Reached only when the batch had fewer than k writes: the test would prove nothing. */
+  die("transaction %lld committed without reaching write %d of its batch", n + 1, k);
+  return 1;
 }
 
 static int phase_check(long long min) {
@@ -279,13 +379,30 @@ static double now_s(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
+static int cmp_u64(const void *a, const void *b) {
+  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return x < y ? -1 : x > y;
+}
+
+/* The q-quantile (0 < q < 1) of n sorted values, by the nearest-rank rule. */
+static uint64_t quantile(const uint64_t *sorted, size_t n, double q) {
+  size_t rank = (size_t)(q * (double)n + 0.999999);
+  if (rank < 1) rank = 1;
+  if (rank > n) rank = n;
+  return sorted[rank - 1];
+}
+
 static int phase_bench(const char *mode, double seconds, const char *where) {
+  const char *journal = journal_of(mode);
   int corefs = strcmp(where, "corefs") == 0;
   char path[4096], uri[4200], v[V_LEN + 1];
   sqlite3 *db;
   sqlite3_stmt *insert;
   long long n = 0;
-  double start, elapsed;
+  double start, elapsed, before;
+  /* Each transaction's latency in ns; grown by doubling. */
+  uint64_t *latency_ns = 0;
+  size_t latency_cap = 0;
 
   if (corefs) {
     snprintf(path, sizeof(path), "/bench.db");
@@ -295,21 +412,33 @@ static int phase_bench(const char *mode, double seconds, const char *where) {
     snprintf(uri, sizeof(uri), "file:%s", path);
   }
   db = open_db(uri, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE);
-  set_journal_mode(db, mode);
+  set_journal_mode(db, journal);
   exec(db, "PRAGMA synchronous=FULL");
   exec(db, "CREATE TABLE IF NOT EXISTS b(id INTEGER PRIMARY KEY, v TEXT)");
   if (sqlite3_prepare_v2(db, "INSERT INTO b(v) VALUES(?1)", -1, &insert, 0)) {
     die("prepare: %s", sqlite3_errmsg(db));
   }
   start = now_s();
+  before = start;
   do {
+    double after;
     make_v(n, v);
     sqlite3_bind_text(insert, 1, v, V_LEN, SQLITE_TRANSIENT);
     step_done(db, insert); /* autocommit: one transaction per row */
+    after = now_s();
+    if ((size_t)n == latency_cap) {
+      latency_cap = latency_cap ? 2 * latency_cap : 65536;
+      latency_ns = realloc(latency_ns, latency_cap * sizeof(*latency_ns));
+      if (latency_ns == 0) die("out of memory for %zu latencies", latency_cap);
+    }
+    latency_ns[n] = (uint64_t)((after - before) * 1e9);
+    before = after;
     n++;
-    elapsed = now_s() - start;
+    elapsed = after - start;
   } while (elapsed < seconds);
   sqlite3_finalize(insert);
+  if (corefs) batches_used(mode, n - 1);
+  if (corefs) corefs_vfs_profile(stderr, n); /* COREFS_VFS_PROFILE=1 */
   if (sqlite3_close(db) != SQLITE_OK) die("close: %s", sqlite3_errmsg(db));
 
   {
@@ -321,7 +450,11 @@ static int phase_bench(const char *mode, double seconds, const char *where) {
       vfs->xDelete(vfs, file, 0);
     }
   }
-  printf("tps %.0f\n", (double)n / elapsed);
+  qsort(latency_ns, (size_t)n, sizeof(*latency_ns), cmp_u64);
+  printf("tps %.0f p50_us %.1f p99_us %.1f\n", (double)n / elapsed,
+         (double)quantile(latency_ns, (size_t)n, 0.50) / 1e3,
+         (double)quantile(latency_ns, (size_t)n, 0.99) / 1e3);
+  free(latency_ns);
   fflush(stdout);
   return 0;
 }
@@ -336,14 +469,27 @@ int main(int argc, char **argv) {
     if (n < 1) die("N must be at least 1");
     return phase_write(argv[2], n);
   }
+  if (argc == 2 && strcmp(argv[1], "version") == 0) {
+    printf("%s%s\n", sqlite3_libversion(),
+           sqlite3_compileoption_used("ENABLE_BATCH_ATOMIC_WRITE")
+               ? " (SQLITE_ENABLE_BATCH_ATOMIC_WRITE)"
+               : "");
+    return 0;
+  }
   if (argc == 3 && strcmp(argv[1], "check") == 0) return phase_check(atoll(argv[2]));
+  if (argc == 4 && strcmp(argv[1], "tear") == 0) {
+    long long n = atoll(argv[2]);
+    int k = atoi(argv[3]);
+    if (n < 1 || k < 1) die("N and K must be at least 1");
+    return phase_tear(n, k);
+  }
   if (argc == 5 && strcmp(argv[1], "bench") == 0) {
     double seconds = atof(argv[3]);
     if (seconds <= 0) die("seconds must be positive");
     return phase_bench(argv[2], seconds, argv[4]);
   }
   fprintf(stderr,
-          "usage: %s write <wal|delete> <N> | check <K> | bench <wal|delete> <seconds> "
+          "usage: %s version | write <wal|delete|batch> <N> | check <K> | tear <N> <K> | bench <wal|delete|batch> <seconds> "
           "<dir|corefs>\n",
           argv[0]);
   return 2;

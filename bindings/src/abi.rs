@@ -550,6 +550,7 @@ unsafe fn mkfs(device: *const c_char, options: *const corefs_options) -> c_int {
 pub extern "C" fn corefs_close(fs: corefs_fs) -> c_int {
     status("corefs_close", || {
         let fs = handles::unregister(fs)?;
+        crate::atomic::forget_fs(fs.id);
         // Released here rather than left to the next mount (which deletes the orphans a
         // crash leaves): a closed image then holds no orphan, and their space is free now.
         // A failure is the runtime's, which the shutdown below reports.
@@ -741,6 +742,8 @@ pub extern "C" fn corefs_release(fs: corefs_fs, fd: corefs_fd) -> c_int {
         let fs = fs_of(fs)?;
         // Returns once no call still uses the handle (see handles' module doc).
         let f = handles::remove_file(&fs, fd)?;
+        // An open atomic batch goes with its handle, uncommitted.
+        drop(crate::atomic::take(fs.id, fd));
         // The handle is gone whatever this says, as after close(2).
         call(&fs, Op::Release { ino: f.ino }).map(drop)
     })
@@ -771,7 +774,7 @@ pub unsafe extern "C" fn corefs_pread(
         let len = io_len(offset, len)?;
         // SAFETY: forwarded from this function's contract (`len` only shrank).
         let out = unsafe { bytes_mut(buf, len, "buf") }?;
-        let data = match call(
+        let mut data = match call(
             &fs,
             Op::Read {
                 ino: f.ino,
@@ -782,6 +785,9 @@ pub unsafe extern "C" fn corefs_pread(
             Reply::Data(d) => d,
             other => return Err(unexpected(other)),
         };
+        // Through a handle with an atomic batch open, the batch's writes are read back (SQLite
+        // reads pages it wrote); at most `len` bytes.
+        crate::atomic::with(fs.id, fd, |batch| batch.overlay(offset, len, &mut data));
         out[..data.len()].copy_from_slice(&data);
         Ok(data.len() as i64)
     })
@@ -808,8 +814,12 @@ pub unsafe extern "C" fn corefs_pwrite(
         // An append's offset is the end of file, which the engine bounds.
         let len = io_len(if f.append { 0 } else { offset }, len)?;
         // SAFETY: forwarded from this function's contract (`len` only shrank).
-        let data = unsafe { bytes(buf, len, "buf") }?.to_vec();
-        match call(&fs, write_op(&f, offset, data))? {
+        let data = unsafe { bytes(buf, len, "buf") }?;
+        // Staged, not written, while an atomic batch is open on the handle.
+        if let Some(staged) = crate::atomic::with(fs.id, fd, |batch| batch.stage(offset, data)) {
+            return staged.map(|()| len as i64).map_err(Error::from);
+        }
+        match call(&fs, write_op(&f, offset, data.to_vec()))? {
             Reply::Written(n) | Reply::Appended { written: n, .. } => Ok(n as i64),
             other => Err(unexpected(other)),
         }
@@ -869,6 +879,79 @@ pub extern "C" fn corefs_fdatasync(fs: corefs_fs, fd: corefs_fd) -> c_int {
     sync_fd("corefs_fdatasync", fs, fd, true)
 }
 
+/// -EINVAL when an atomic batch is open on the handle: the calls that would mix with it
+/// (truncate, fallocate, the asynchronous reads and writes) wait for its commit or abort.
+fn no_batch(fs: &Fs, fd: corefs_fd) -> Result<(), Error> {
+    if crate::atomic::is_open(fs.id, fd) {
+        return Err(einval(format!(
+            "an atomic batch is open on {fd}: commit or abort it first"
+        )));
+    }
+    Ok(())
+}
+
+/// Opens an atomic batch on a regular file handle open for writing (not COREFS_O_APPEND):
+/// from here until `corefs_atomic_commit` or `corefs_atomic_abort`, `corefs_pwrite` through
+/// this handle stages its bytes in memory instead of writing them. Reads (`corefs_pread`) and
+/// `corefs_fstat`'s size through this handle see the staged writes; other handles and a crash
+/// do not. A batch holds at most 64 MiB in at most 65,536 disjoint ranges: a `corefs_pwrite`
+/// past that is -EFBIG and stages nothing (abort, and write without a batch). While it is
+/// open, `corefs_ftruncate`, `corefs_fallocate` and the asynchronous reads and writes of this
+/// handle are -EINVAL. What F2FS's atomic-write ioctls give SQLite (docs/fsync-log.md).
+///
+/// -EBADF: not an open handle, or not open for writing; -EISDIR: a directory; -EINVAL: a
+/// batch is open on this handle already, or it is an append handle.
+#[no_mangle]
+pub extern "C" fn corefs_atomic_begin(fs: corefs_fs, fd: corefs_fd) -> c_int {
+    status("corefs_atomic_begin", || {
+        let fs = fs_of(fs)?;
+        let f = writable(&fs, fd)?;
+        if f.append {
+            return Err(einval(format!(
+                "{fd} is an append handle: an atomic batch writes at offsets"
+            )));
+        }
+        if !crate::atomic::begin(fs.id, fd) {
+            return Err(einval(format!("an atomic batch is open on {fd} already")));
+        }
+        Ok(())
+    })
+}
+
+/// Commits the handle's atomic batch: applies every staged write and makes all of them
+/// durable together — one fsync log record, or a transaction commit when the record does not
+/// fit the log — and returns once they are. A crash before it returns leaves none of them, or
+/// all; after, all. Also makes the file durable as `corefs_fsync` does. The batch is closed
+/// whatever this returns; on an error none of it was acknowledged (-ENOSPC: none applied; an
+/// I/O error fails the filesystem stop, its durable state without the batch).
+///
+/// -EBADF: not an open handle; -EINVAL: no batch open on it.
+#[no_mangle]
+pub extern "C" fn corefs_atomic_commit(fs: corefs_fs, fd: corefs_fd) -> c_int {
+    status("corefs_atomic_commit", || {
+        let fs = fs_of(fs)?;
+        let f = writable(&fs, fd)?;
+        let mut batch = crate::atomic::take(fs.id, fd)
+            .ok_or_else(|| einval(format!("no atomic batch is open on {fd}")))?;
+        let writes = batch.take_writes();
+        call(&fs, Op::WriteAtomic { ino: f.ino, writes }).map(drop)
+    })
+}
+
+/// Drops the handle's atomic batch: nothing staged is written.
+///
+/// -EBADF: not an open handle; -EINVAL: no batch open on it.
+#[no_mangle]
+pub extern "C" fn corefs_atomic_abort(fs: corefs_fs, fd: corefs_fd) -> c_int {
+    status("corefs_atomic_abort", || {
+        let fs = fs_of(fs)?;
+        file(&fs, fd)?;
+        crate::atomic::take(fs.id, fd)
+            .map(drop)
+            .ok_or_else(|| einval(format!("no atomic batch is open on {fd}")))
+    })
+}
+
 /// Commits everything (returns when the superblock is durable).
 #[no_mangle]
 pub extern "C" fn corefs_sync(fs: corefs_fs) -> c_int {
@@ -881,6 +964,7 @@ pub extern "C" fn corefs_ftruncate(fs: corefs_fs, fd: corefs_fd, size: u64) -> c
     status("corefs_ftruncate", || {
         let fs = fs_of(fs)?;
         let f = writable(&fs, fd)?;
+        no_batch(&fs, fd)?;
         call(&fs, Op::Truncate { ino: f.ino, size }).map(drop)
     })
 }
@@ -899,6 +983,7 @@ pub extern "C" fn corefs_fallocate(
     status("corefs_fallocate", || {
         let fs = fs_of(fs)?;
         let f = writable(&fs, fd)?;
+        no_batch(&fs, fd)?;
         let known = COREFS_FALLOC_KEEP_SIZE | COREFS_FALLOC_PUNCH_HOLE | COREFS_FALLOC_ZERO_RANGE;
         if mode & !known != 0 {
             return Err(einval(format!("unsupported fallocate mode {mode:#x}")));
@@ -937,7 +1022,11 @@ pub unsafe extern "C" fn corefs_fstat(
         }
         let fs = fs_of(fs)?;
         let f = file(&fs, fd)?;
-        let s = stat_of(call(&fs, Op::Stat { ino: f.ino })?)?;
+        let mut s = stat_of(call(&fs, Op::Stat { ino: f.ino })?)?;
+        // Through a handle with an atomic batch open, the size the batch's writes give it.
+        if let Some(end) = crate::atomic::with(fs.id, fd, |batch| batch.end()) {
+            s.size = s.size.max(end);
+        }
         // SAFETY: non-NULL and writable by contract.
         unsafe { out.write(to_c_stat(&s)) };
         Ok(())
@@ -1673,6 +1762,7 @@ pub unsafe extern "C" fn corefs_submit_pread(
         }
         let len = io_len(offset, len)?;
         let f = regular(&*fs_of(fs)?, fd)?;
+        no_batch(&*fs_of(fs)?, fd)?;
         if !f.readable {
             return Err(Error::new(
                 libc::EBADF,
@@ -1709,6 +1799,7 @@ pub unsafe extern "C" fn corefs_submit_pwrite(
 ) -> c_int {
     status("corefs_submit_pwrite", || {
         let f = writable(&*fs_of(fs)?, fd)?;
+        no_batch(&*fs_of(fs)?, fd)?;
         // Bounded before the copy: a huge `len` never sizes an allocation.
         let len = io_len(if f.append { 0 } else { offset }, len)?;
         // SAFETY: forwarded from this function's contract (`len` only shrank).

@@ -14,6 +14,7 @@
 //!   own reactor client (and so its own completion queue for the asynchronous calls).
 
 pub mod abi;
+mod atomic;
 #[doc(hidden)]
 pub mod fuzz_harness;
 mod handles;

@@ -487,6 +487,53 @@ impl Filesystem {
         Ok((offset, written))
     }
 
+    /// Applies `writes` to `ino` in order, as one operation: all of them or, with NoSpace or
+    /// an invalid argument, none (the worst case is reserved before the first change). No
+    /// commit starts inside it, so no commit and no fsync record ever holds part of the
+    /// writes: the base of atomic batches ([`crate::atomic`]). When the shard is full only
+    /// because frees wait for a commit, commits before applying anything and tries once more.
+    pub fn write_batch(&mut self, ino: u64, writes: &[(u64, Vec<u8>)]) -> Result<()> {
+        for (offset, data) in writes {
+            if rw_len(*offset, data.len())? < data.len() {
+                return Err(EngineError::TooBig(
+                    "a batched write longer than one write".into(),
+                ));
+            }
+            offset
+                .checked_add(data.len() as u64)
+                .filter(|&e| e <= MAX_FILE_BYTES)
+                .ok_or_else(|| EngineError::TooBig("file offset".into()))?;
+        }
+        self.retry_when_pinned(ino, |fs| fs.run_op(|fs| fs.write_batch_once(ino, writes)))
+    }
+
+    fn write_batch_once(&mut self, ino: u64, writes: &[(u64, Vec<u8>)]) -> Result<()> {
+        self.file_inode(ino)?;
+        let shard = self.shard_of(ino);
+        let tree_op = self.tree_op_blocks(shard);
+        let mut needs = Needs::default();
+        for (offset, data) in writes.iter().filter(|(_, d)| !d.is_empty()) {
+            let first = offset / BLOCK;
+            let end = (offset + data.len() as u64).div_ceil(BLOCK);
+            let count = end - first;
+            let overlapping = self.extents_in(ino, first, end)?.len() as u64;
+            // Two more than found: an earlier write of the batch may have split an extent at
+            // either edge. The runs: whole extents, and one more for a fragmented allocation.
+            let punch = self.punch_needs_blocks(ino, overlapping + 2, first, end)?;
+            let runs = count.div_ceil(MAX_EXTENT_BLOCKS as u64) + 1;
+            needs.data(shard, count);
+            needs.meta(shard, punch + (runs + 1) * tree_op);
+        }
+        needs.meta(shard, tree_op);
+        self.reserve(&needs, MetaNeed::Grow)?;
+        for (offset, data) in writes {
+            // Nested, so the write's own reservation is the one made above (only the
+            // outermost operation reserves): at depth 1 it would reserve again, on top.
+            self.run_op(|fs| fs.write_once(ino, *offset, data))?;
+        }
+        Ok(())
+    }
+
     /// Runs an allocating change of `ino`; when it finds the shard full while frees of the
     /// running transaction wait for a commit, commits (unpinning them) and runs it once more.
     /// The change leaves nothing behind when it fails with NoSpace ([`Filesystem::run_op`]).

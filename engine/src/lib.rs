@@ -11,6 +11,7 @@
 //! - [`inode`], [`dir`], [`file`], [`xattr`]: the POSIX operations;
 //! - [`check`]: the checker behind `corefs fsck` and every test.
 
+pub mod atomic;
 mod bucket;
 
 /// True when the named [`mutation::Mutation`] is in force; always false (and nothing of the
@@ -51,6 +52,7 @@ pub mod tree;
 pub mod writeback;
 pub mod xattr;
 
+pub use atomic::AtomicBatch;
 pub use check::CheckReport;
 pub use commit::{CommitState, CommitStats};
 pub use delayed::DelayedStats;

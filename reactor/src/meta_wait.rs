@@ -185,6 +185,7 @@ fn probe(fs: &mut Filesystem, op: &Op) -> Deferred<Option<Result<Reply, EngineEr
             let _ = fs.getxattr(*ino, name);
         }),
         Op::Append { ino, .. }
+        | Op::WriteAtomic { ino, .. }
         | Op::Hold { ino }
         | Op::Release { ino }
         | Op::SetAttr { ino, .. }

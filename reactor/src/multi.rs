@@ -122,7 +122,8 @@ impl Router {
             | Op::ListXattr { ino }
             | Op::RemoveXattr { ino, .. }
             | Op::Fsync { ino }
-            | Op::Fdatasync { ino } => self.owner_of(*ino),
+            | Op::Fdatasync { ino }
+            | Op::WriteAtomic { ino, .. } => self.owner_of(*ino),
             Op::Sync | Op::Statfs | Op::Stats => 0,
         }
     }

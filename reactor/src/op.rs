@@ -161,6 +161,14 @@ pub enum Op {
     Fdatasync {
         ino: u64,
     },
+    /// An atomic batch's commit (engine `atomic`): applies `writes` to `ino` in one operation
+    /// and makes them durable with the fsyncs grouped with it — one log record holds all of
+    /// them, or a commit does. Answers [`Reply::Done`] once durable; a crash before leaves
+    /// none of them.
+    WriteAtomic {
+        ino: u64,
+        writes: Vec<(u64, Vec<u8>)>,
+    },
     /// Commits; returns at SuperCommitted.
     Sync,
     Statfs,
@@ -176,7 +184,11 @@ impl Op {
     pub(crate) fn is_quick(&self) -> bool {
         !matches!(
             self,
-            Op::Fsync { .. } | Op::Fdatasync { .. } | Op::Sync | Op::Read { .. }
+            Op::Fsync { .. }
+                | Op::Fdatasync { .. }
+                | Op::WriteAtomic { .. }
+                | Op::Sync
+                | Op::Read { .. }
         )
     }
 

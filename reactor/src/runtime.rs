@@ -1525,6 +1525,24 @@ impl Reactor {
                 }
                 Probed::Parked => continue,
             };
+            // An atomic batch is applied here, whole (no commit starts inside it), and joins
+            // the fsync group as an fsync of its file: the group's one record (or commit)
+            // makes all of it durable together. Its bytes are dropped once applied.
+            if let Op::WriteAtomic { ino, writes } = &request.op {
+                let ino = *ino;
+                let started = Instant::now();
+                match self.fs.write_batch(ino, writes) {
+                    Ok(()) => {
+                        let request = Request {
+                            op: Op::Fsync { ino },
+                            ..request
+                        };
+                        fsyncs.push((request, (ino, false), started));
+                    }
+                    Err(e) => done.push(crate::multi::completion(request, Err(e))),
+                }
+                continue;
+            }
             if let Some(member) = request.op.is_fsync() {
                 let started = Instant::now();
                 match self.fs.check_exists(member.0) {
@@ -1895,7 +1913,7 @@ pub(crate) fn execute_on(fs: &mut Filesystem, op: Op) -> Result<Reply, EngineErr
         Op::ListXattr { ino } => Reply::Names(fs.listxattr(ino)?),
         Op::RemoveXattr { ino, name } => fs.removexattr(ino, &name).map(|()| Reply::Done)?,
         Op::Statfs => Reply::Statfs(fs.statfs()),
-        Op::Fsync { .. } | Op::Fdatasync { .. } | Op::Sync | Op::Stats => {
+        Op::Fsync { .. } | Op::Fdatasync { .. } | Op::WriteAtomic { .. } | Op::Sync | Op::Stats => {
             return Err(EngineError::Invalid(
                 "fsync, sync and stats are not run one by one".into(),
             ))
