@@ -114,8 +114,41 @@ fn every_workload_runs_on_corefs_and_a_kernel_directory() {
     let results = suite::run(&config, &|line| eprintln!("{line}")).expect("suite runs");
     let workloads = results.workloads();
     assert_eq!(workloads.len(), 7, "{workloads:?}");
-    assert_eq!(results.targets().len(), 3, "{:?}", results.targets());
-    assert_eq!(results.runs.len(), 21);
+    // With fio installed, the two random-read workloads also have fio's rows on corefs-file's
+    // image; without it, the results say why there are none.
+    let fio = suite::fio_raw::version().is_ok();
+    let fio_rows = if fio { 2 } else { 0 };
+    assert_eq!(
+        results.targets().len(),
+        3 + usize::from(fio),
+        "{:?}",
+        results.targets()
+    );
+    assert_eq!(results.runs.len(), 21 + fio_rows);
+    let comparison = suite::fio_raw::comparison(&results);
+    if fio {
+        assert!(results.meta.fio.starts_with("fio-"), "{}", results.meta.fio);
+        for w in ["randread-qd1", "randread-qd32"] {
+            let fio_run = results
+                .runs_of(w, suite::fio_raw::TARGET)
+                .next()
+                .unwrap_or_else(|| panic!("{w} has no fio row"));
+            assert!(fio_run.bytes == fio_run.ops * 4096, "{fio_run:?}");
+        }
+        assert!(
+            comparison.contains("randread-qd1: corefs-file p50")
+                && comparison.contains("randread-qd32: corefs-file")
+                && comparison.contains("fio io_uring QD32 IOPS"),
+            "{comparison}"
+        );
+    } else {
+        assert!(
+            results.meta.fio.contains("not installed"),
+            "{:?}",
+            results.meta
+        );
+        assert!(comparison.contains("no fio comparison"), "{comparison}");
+    }
     for run in &results.runs {
         let what = format!("{} on {}", run.workload, run.target);
         assert!(run.ops > 0, "{what}: no operations");
@@ -186,7 +219,7 @@ fn every_workload_runs_on_corefs_and_a_kernel_directory() {
     let files = suite::write_outputs(&results, &out).expect("outputs");
     let loaded = SuiteResults::load(&out.join("results.json")).expect("load");
     assert!(loaded == results, "results.json does not load back equal");
-    assert_eq!(files.len(), 2 + 7 + 7 * 3, "{files:?}");
+    assert_eq!(files.len(), 2 + 7 + 7 * 3 + fio_rows, "{files:?}");
     for file in files
         .iter()
         .filter(|f| f.extension().is_some_and(|e| e == "svg"))
@@ -206,6 +239,7 @@ fn every_workload_runs_on_corefs_and_a_kernel_directory() {
     let table = std::fs::read_to_string(out.join("table.txt")).expect("table");
     assert!(table.contains("corefs-file/"), "ratio rows: {table}");
     assert!(table.contains("Deltree"), "dbench table: {table}");
+    assert!(table.contains(comparison.trim()), "fio comparison: {table}");
 }
 
 fn run_with(target: &str, ops_per_sec: f64, p99_ns: u64) -> RunResult {

@@ -8,10 +8,14 @@
 //! Invariants: each workload starts on a fresh filesystem; targets run interleaved per workload
 //! and repeat (workload 1 on every target, then workload 2, ...) so slow drift of the disk
 //! spreads over all of them instead of favouring one; a failed run is an error naming the
-//! workload and target, never a silent gap in the table.
+//! workload and target, never a silent gap in the table. The random-read workloads on
+//! corefs-file also run the real fio on corefs-file's image ([`fio_raw`], target
+//! `fio-raw-image`) right after corefs's run, while the image still exists and corefs has
+//! unmounted it; when fio is missing the suite says so, at the start and in the comparison.
 
 pub mod compare;
 pub mod direct;
+pub mod fio_raw;
 pub mod loopdev;
 pub mod machine;
 pub mod plot;
@@ -196,14 +200,18 @@ fn build_targets(
                     image.path().display(),
                     config.image_bytes
                 );
-                images.push(image);
-                out.push(Box::new(CorefsTarget::new(
-                    "corefs-file",
+                // The image stays in `images` (deleted on drop) until the suite ends, so fio can
+                // read it after any workload.
+                let target = CorefsTarget::new(
+                    fio_raw::COREFS_TARGET,
                     &device,
                     config.shards,
                     config.placement.clone(),
                     config.reactors,
-                )));
+                )
+                .with_image(image.path());
+                images.push(image);
+                out.push(Box::new(target));
             }
             TargetSpec::CorefsMem => out.push(Box::new(CorefsTarget::new(
                 "corefs-mem",
@@ -419,6 +427,7 @@ pub fn run(config: &SuiteConfig, progress: &(dyn Fn(&str) + Sync)) -> R<SuiteRes
             device_model: devices_described(config),
             corefs_commit: machine::corefs_commit(),
             load_avg_start: machine::load_avg_1min(),
+            fio: String::new(),
         },
         runs: Vec::new(),
     };
@@ -439,7 +448,33 @@ pub fn run(config: &SuiteConfig, progress: &(dyn Fn(&str) + Sync)) -> R<SuiteRes
             ));
         }
     }
-    let total = workloads.len() * targets.len() * config.repeats as usize;
+    // fio's yardstick: for random-read workloads, on corefs-file's image.
+    let fio_workloads = workloads
+        .iter()
+        .filter(|w| matches!(w.kind, workloads::Kind::RandRead { .. }))
+        .count();
+    let fio_images = targets.iter().filter(|t| t.image().is_some()).count();
+    let mut fio_ok = false;
+    if fio_workloads > 0 && fio_images > 0 {
+        results.meta.fio = match fio_raw::version() {
+            Ok(version) => {
+                fio_ok = true;
+                format!(
+                    "{version}: random 4 KiB O_DIRECT reads over the whole {} MiB corefs-file \
+                     image, read-only, psync at QD1 and io_uring above",
+                    config.image_bytes >> 20
+                )
+            }
+            Err(why) => format!("{why}: no {} rows", fio_raw::TARGET),
+        };
+        progress(&format!("fio yardstick: {}", results.meta.fio));
+    }
+    let fio_runs = if fio_ok {
+        fio_workloads * fio_images * config.repeats as usize
+    } else {
+        0
+    };
+    let total = workloads.len() * targets.len() * config.repeats as usize + fio_runs;
     let suite_started = Instant::now();
     let mut step = 0;
     for workload in &workloads {
@@ -481,6 +516,33 @@ pub fn run(config: &SuiteConfig, progress: &(dyn Fn(&str) + Sync)) -> R<SuiteRes
                         .unwrap_or_default()
                 ));
                 results.runs.push(run);
+                if let (true, workloads::Kind::RandRead { qd, .. }, Some(image)) =
+                    (fio_ok, &workload.kind, target.image())
+                {
+                    // corefs has unmounted (run_one's finish), so fio reads a quiet image.
+                    step += 1;
+                    progress(&format!(
+                        "[{step:>2}/{total}] {} on {} (fio {} QD{qd} on {}) ...",
+                        workload.name,
+                        fio_raw::TARGET,
+                        fio_raw::engine_for(*qd),
+                        image.display()
+                    ));
+                    let run =
+                        fio_raw::run(image, &workload.name, *qd, config.seconds, repeat, seed)
+                            .map_err(|e| {
+                                format!("{} on {}: {e}", workload.name, fio_raw::TARGET)
+                            })?;
+                    progress(&format!(
+                        "        {:.0} ops/s, {:.1} MiB/s, p50 {}, p99 {}, max {}",
+                        run.ops_per_sec,
+                        run.mib_per_sec,
+                        fmt_ns(run.latency.p50_ns as f64),
+                        fmt_ns(run.latency.p99_ns as f64),
+                        fmt_ns(run.latency.max_ns as f64),
+                    ));
+                    results.runs.push(run);
+                }
             }
         }
     }
@@ -721,7 +783,12 @@ pub fn write_outputs(results: &SuiteResults, out_dir: &Path) -> R<Vec<PathBuf>> 
     let table = out_dir.join("table.txt");
     std::fs::write(
         &table,
-        format!("{}{}", side_by_side(results), details(results)),
+        format!(
+            "{}\n{}{}",
+            side_by_side(results),
+            fio_raw::comparison(results),
+            details(results)
+        ),
     )
     .map_err(|e| format!("{}: {e}", table.display()))?;
     files.push(table);

@@ -170,6 +170,11 @@ pub struct Meta {
     /// The machine's 1-minute load average when the run started (none: not recorded).
     #[serde(default)]
     pub load_avg_start: Option<f64>,
+    /// The fio yardstick of the random-read workloads ([`super::fio_raw`]): fio's version and
+    /// what it read, or why it did not run; empty where no random-read workload ran on
+    /// corefs-file (and in results written before it was recorded).
+    #[serde(default)]
+    pub fio: String,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]

@@ -79,6 +79,12 @@ pub trait Target {
     /// cache). Off for workloads that measure the device path, which a kernel target reads
     /// with O_DIRECT; a kernel target has nothing to turn off.
     fn set_data_cache(&mut self, _on: bool) {}
+
+    /// The image file this target's filesystem lives in, when the suite made one for it (fio
+    /// reads it raw as the random-read workloads' yardstick).
+    fn image(&self) -> Option<&Path> {
+        None
+    }
 }
 
 /// A session's open files: a handle is an index, never reused while the table holds any open
@@ -136,6 +142,8 @@ pub struct CorefsTarget {
     kept_device: Option<Box<dyn nvme::BlockDevice>>,
     /// The engine's data-block cache for the next mounts, in blocks (0: off).
     data_cache_blocks: usize,
+    /// The image file the suite made for this target (corefs-file only).
+    image: Option<PathBuf>,
 }
 
 impl CorefsTarget {
@@ -155,7 +163,14 @@ impl CorefsTarget {
             runtime: None,
             kept_device: None,
             data_cache_blocks: engine::writeback::CACHE_BLOCKS,
+            image: None,
         }
+    }
+
+    /// Records that the device is this image file, made by the suite.
+    pub fn with_image(mut self, image: &Path) -> CorefsTarget {
+        self.image = Some(image.to_path_buf());
+        self
     }
 
     fn start(&mut self, mkfs: bool) -> R<f64> {
@@ -222,6 +237,10 @@ impl Target for CorefsTarget {
         } else {
             0
         };
+    }
+
+    fn image(&self) -> Option<&Path> {
+        self.image.as_deref()
     }
 
     fn prepare(&mut self) -> R<()> {

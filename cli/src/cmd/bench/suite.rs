@@ -121,6 +121,7 @@ pub fn run(args: Args) -> Result<(), String> {
     });
     let results = suite::run(&config, &|line| eprintln!("{line}"))?;
     println!("\n{}", suite::side_by_side(&results));
+    print!("{}", suite::fio_raw::comparison(&results));
     print!("{}", suite::details(&results));
     let files = suite::write_outputs(&results, &out)?;
     println!(
