@@ -7,7 +7,14 @@
 //!
 //! Paths are resolved by [`crate::path`] (bytes, `.` and `..`, trailing slashes, limits);
 //! each path call maps the special cases of its last component (`/`, `.`, `..`, a trailing
-//! slash) to the errno its Linux system call gives, explicitly, in its body.
+//! slash) to the errno its Linux system call gives, explicitly, in its body (the calls that
+//! make a new name, link, symlink and mknod, share theirs in `new_name`).
+//!
+//! Each call has one shape: its arguments checked in a fixed order (the out-pointer first,
+//! then the filesystem, then the path: `Out`, `fs_and_path`), the path resolved, one request
+//! to the reactor (`call`, `call_at`), its reply taken apart (`expect_reply!`: any other reply
+//! is -EIO) and copied out; `guard`, `status` or `fill_out` around it turns errors and panics
+//! into a negative errno.
 #![allow(non_camel_case_types)]
 
 use crate::handles::{self, set_error, with_client, Error, FileRef, Fs, FsRef, OpenFile};
@@ -18,7 +25,9 @@ use reactor::{Config, IdlePolicy, Op, Owner, Reply, Runtime};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, CStr};
+use std::marker::PhantomData;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr::NonNull;
 use std::time::Duration;
 
 /// A mounted filesystem (≥ 1).
@@ -276,19 +285,91 @@ fn io_len(offset: u64, len: usize) -> Result<usize, Error> {
     engine::file::rw_len(offset, len).map_err(Error::from)
 }
 
+/// A caller's out-pointer to one `T`, checked non-NULL where the call starts (so -EFAULT comes
+/// before the errors the call's other arguments give), written at most once, at its end.
+struct Out<'a, T> {
+    ptr: NonNull<T>,
+    _borrow: PhantomData<&'a mut T>,
+}
+
+impl<T> Out<'_, T> {
+    /// -EFAULT when `p` is NULL.
+    ///
+    /// # Safety
+    /// `p` is NULL or valid for writing one `T` while the result lives.
+    unsafe fn new(p: *mut T, what: &str) -> Result<Self, Error> {
+        let ptr = NonNull::new(p).ok_or_else(|| efault(what))?;
+        Ok(Out {
+            ptr,
+            _borrow: PhantomData,
+        })
+    }
+
+    fn write(self, value: T) {
+        // SAFETY: non-NULL (checked in `new`) and writable by `new`'s contract.
+        unsafe { self.ptr.as_ptr().write(value) }
+    }
+}
+
+/// The filesystem `fs` and the path argument `path`, checked in that order (-EBADF before
+/// -EFAULT), as every call on one path does.
+///
+/// # Safety
+/// `path` is NULL or a NUL-terminated string valid for the call.
+unsafe fn fs_and_path<'p>(fs: corefs_fs, path: *const c_char) -> Result<(FsRef, &'p [u8]), Error> {
+    let fs = fs_of(fs)?;
+    // SAFETY: forwarded from this function's contract.
+    let path = unsafe { c_bytes(path, "path") }?;
+    Ok((fs, path))
+}
+
+/// The calls that fill one struct of the caller's: `out` is checked first, then `fs`; `fill`
+/// computes the value, which `out` gets only on success.
+///
+/// # Safety
+/// `out` is NULL or valid for writing one `T`.
+unsafe fn fill_out<T>(
+    name: &str,
+    fs: corefs_fs,
+    out: *mut T,
+    fill: impl FnOnce(&Fs) -> Result<T, Error>,
+) -> c_int {
+    status(name, || {
+        // SAFETY: forwarded from this function's contract.
+        let out = unsafe { Out::new(out, "out") }?;
+        let fs = fs_of(fs)?;
+        out.write(fill(&fs)?);
+        Ok(())
+    })
+}
+
 fn call(fs: &Fs, op: Op) -> Result<Reply, Error> {
     with_client(fs, |c| c.call(op))?.map_err(Error::from)
+}
+
+/// Runs `op` on the inode `path` names.
+fn call_at(fs: &Fs, path: &[u8], op: impl FnOnce(u64) -> Op) -> Result<Reply, Error> {
+    let ino = resolve(fs, path)?.ino;
+    call(fs, op(ino))
 }
 
 fn unexpected(reply: Reply) -> Error {
     Error::new(libc::EIO, format!("unexpected reply {reply:?}"))
 }
 
+/// The value a reply holds when it is of the kind its op gives (`expect_reply!(reply,
+/// Reply::Data(d) => d)`); any other reply is -EIO (a reactor bug, never a panic).
+macro_rules! expect_reply {
+    ($reply:expr, $pattern:pat => $value:expr) => {
+        match $reply {
+            $pattern => Ok($value),
+            other => Err(unexpected(other)),
+        }
+    };
+}
+
 fn stat_of(reply: Reply) -> Result<Stat, Error> {
-    match reply {
-        Reply::Stat(s) => Ok(s),
-        other => Err(unexpected(other)),
-    }
+    expect_reply!(reply, Reply::Stat(s) => s)
 }
 
 /// The reactor as [`path`] resolution sees it.
@@ -367,6 +448,16 @@ fn no_trailing_slash_for_new(fs: &Fs, e: &Entry<'_>, path: &[u8]) -> Result<(), 
     })
 }
 
+/// The directory and name of `path` for a call that makes a new name (link(2), symlink(2),
+/// mknod(2)): `/`, `.` and `..` exist (-EEXIST), and a trailing slash is refused as
+/// [`no_trailing_slash_for_new`] says.
+fn new_name<'p>(fs: &Fs, path: &'p [u8]) -> Result<(u64, &'p [u8]), Error> {
+    let e = entry(fs, path)?;
+    let name = e.name(special(libc::EEXIST, path))?;
+    no_trailing_slash_for_new(fs, &e, path)?;
+    Ok((e.dir, name))
+}
+
 /// The handle `fd`, pinned while the result lives: keep it across the engine call that uses
 /// it (a release waits for it before the inode goes; see [`handles`]).
 fn file(fs: &Fs, fd: corefs_fd) -> Result<FileRef, Error> {
@@ -379,6 +470,17 @@ fn regular(fs: &Fs, fd: corefs_fd) -> Result<FileRef, Error> {
         return Err(Error::new(libc::EISDIR, format!("{fd} is a directory")));
     }
     Ok(f)
+}
+
+/// -EBADF unless `f` (handle `fd`) is open for reading.
+fn need_readable(f: &OpenFile, fd: corefs_fd) -> Result<(), Error> {
+    if !f.readable {
+        return Err(Error::new(
+            libc::EBADF,
+            format!("{fd} is not open for reading"),
+        ));
+    }
+    Ok(())
 }
 
 /// Copies what fits of `value` into `out`; returns the whole length (so a caller with a short
@@ -590,9 +692,8 @@ pub unsafe extern "C" fn corefs_open(
     mode: u32,
 ) -> corefs_fd {
     guard("corefs_open", || {
-        let fs = fs_of(fs)?;
         // SAFETY: forwarded from this function's contract.
-        let path = unsafe { c_bytes(path, "path") }?;
+        let (fs, path) = unsafe { fs_and_path(fs, path) }?;
         let known = COREFS_O_WRONLY
             | COREFS_O_RDWR
             | COREFS_O_CREAT
@@ -765,26 +866,16 @@ pub unsafe extern "C" fn corefs_pread(
     guard("corefs_pread", || {
         let fs = fs_of(fs)?;
         let f = regular(&fs, fd)?;
-        if !f.readable {
-            return Err(Error::new(
-                libc::EBADF,
-                format!("{fd} is not open for reading"),
-            ));
-        }
+        need_readable(&f, fd)?;
         let len = io_len(offset, len)?;
         // SAFETY: forwarded from this function's contract (`len` only shrank).
         let out = unsafe { bytes_mut(buf, len, "buf") }?;
-        let mut data = match call(
-            &fs,
-            Op::Read {
-                ino: f.ino,
-                offset,
-                len,
-            },
-        )? {
-            Reply::Data(d) => d,
-            other => return Err(unexpected(other)),
+        let read = Op::Read {
+            ino: f.ino,
+            offset,
+            len,
         };
+        let mut data = expect_reply!(call(&fs, read)?, Reply::Data(d) => d)?;
         // Through a handle with an atomic batch open, the batch's writes are read back (SQLite
         // reads pages it wrote); at most `len` bytes.
         crate::atomic::with(fs.id, fd, |batch| batch.overlay(offset, len, &mut data));
@@ -819,10 +910,8 @@ pub unsafe extern "C" fn corefs_pwrite(
         if let Some(staged) = crate::atomic::with(fs.id, fd, |batch| batch.stage(offset, data)) {
             return staged.map(|()| len as i64).map_err(Error::from);
         }
-        match call(&fs, write_op(&f, offset, data.to_vec()))? {
-            Reply::Written(n) | Reply::Appended { written: n, .. } => Ok(n as i64),
-            other => Err(unexpected(other)),
-        }
+        let reply = call(&fs, write_op(&f, offset, data.to_vec()))?;
+        expect_reply!(reply, Reply::Written(n) | Reply::Appended { written: n, .. } => n as i64)
     })
 }
 
@@ -852,17 +941,20 @@ fn writable(fs: &Fs, fd: corefs_fd) -> Result<FileRef, Error> {
     Ok(f)
 }
 
+/// fsync(2) of `ino`, or fdatasync(2) when `datasync`.
+fn sync_op(ino: u64, datasync: bool) -> Op {
+    if datasync {
+        Op::Fdatasync { ino }
+    } else {
+        Op::Fsync { ino }
+    }
+}
+
 fn sync_fd(name: &str, fs: corefs_fs, fd: corefs_fd, datasync: bool) -> c_int {
     status(name, || {
         let fs = fs_of(fs)?;
         let f = file(&fs, fd)?;
-        let ino = f.ino;
-        let op = if datasync {
-            Op::Fdatasync { ino }
-        } else {
-            Op::Fsync { ino }
-        };
-        call(&fs, op).map(drop)
+        call(&fs, sync_op(f.ino, datasync)).map(drop)
     })
 }
 
@@ -1016,21 +1108,18 @@ pub unsafe extern "C" fn corefs_fstat(
     fd: corefs_fd,
     out: *mut corefs_stat,
 ) -> c_int {
-    status("corefs_fstat", || {
-        if out.is_null() {
-            return Err(efault("out"));
-        }
-        let fs = fs_of(fs)?;
-        let f = file(&fs, fd)?;
-        let mut s = stat_of(call(&fs, Op::Stat { ino: f.ino })?)?;
-        // Through a handle with an atomic batch open, the size the batch's writes give it.
-        if let Some(end) = crate::atomic::with(fs.id, fd, |batch| batch.end()) {
-            s.size = s.size.max(end);
-        }
-        // SAFETY: non-NULL and writable by contract.
-        unsafe { out.write(to_c_stat(&s)) };
-        Ok(())
-    })
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        fill_out("corefs_fstat", fs, out, |fs| {
+            let f = file(fs, fd)?;
+            let mut s = stat_of(call(fs, Op::Stat { ino: f.ino })?)?;
+            // Through a handle with an atomic batch open, the size the batch's writes give it.
+            if let Some(end) = crate::atomic::with(fs.id, fd, |batch| batch.end()) {
+                s.size = s.size.max(end);
+            }
+            Ok(to_c_stat(&s))
+        })
+    }
 }
 
 /// Attributes of `path`.
@@ -1043,18 +1132,13 @@ pub unsafe extern "C" fn corefs_stat(
     path: *const c_char,
     out: *mut corefs_stat,
 ) -> c_int {
-    status("corefs_stat", || {
-        if out.is_null() {
-            return Err(efault("out"));
-        }
-        let fs = fs_of(fs)?;
+    let stat = |fs: &Fs| {
         // SAFETY: forwarded from this function's contract.
         let path = unsafe { c_bytes(path, "path") }?;
-        let s = resolve(&fs, path)?;
-        // SAFETY: non-NULL and writable by contract.
-        unsafe { out.write(to_c_stat(&s)) };
-        Ok(())
-    })
+        Ok(to_c_stat(&resolve(fs, path)?))
+    };
+    // SAFETY: forwarded from this function's contract.
+    unsafe { fill_out("corefs_stat", fs, out, stat) }
 }
 
 /// Sets the mode bits (permissions) of `path`.
@@ -1064,15 +1148,13 @@ pub unsafe extern "C" fn corefs_stat(
 #[no_mangle]
 pub unsafe extern "C" fn corefs_chmod(fs: corefs_fs, path: *const c_char, mode: u32) -> c_int {
     status("corefs_chmod", || {
-        let fs = fs_of(fs)?;
         // SAFETY: forwarded from this function's contract.
-        let path = unsafe { c_bytes(path, "path") }?;
-        let ino = resolve(&fs, path)?.ino;
+        let (fs, path) = unsafe { fs_and_path(fs, path) }?;
         let change = SetAttr {
             mode: Some(mode & 0o7777),
             ..Default::default()
         };
-        call(&fs, Op::SetAttr { ino, change }).map(drop)
+        call_at(&fs, path, |ino| Op::SetAttr { ino, change }).map(drop)
     })
 }
 
@@ -1084,9 +1166,8 @@ pub unsafe extern "C" fn corefs_chmod(fs: corefs_fs, path: *const c_char, mode: 
 #[no_mangle]
 pub unsafe extern "C" fn corefs_mkdir(fs: corefs_fs, path: *const c_char, mode: u32) -> c_int {
     status("corefs_mkdir", || {
-        let fs = fs_of(fs)?;
         // SAFETY: forwarded from this function's contract.
-        let path = unsafe { c_bytes(path, "path") }?;
+        let (fs, path) = unsafe { fs_and_path(fs, path) }?;
         let e = entry(&fs, path)?;
         // mkdir(2) of `/`, `.` or `..`: they exist.
         let name = e.name(special(libc::EEXIST, path))?;
@@ -1110,9 +1191,8 @@ pub unsafe extern "C" fn corefs_mkdir(fs: corefs_fs, path: *const c_char, mode: 
 #[no_mangle]
 pub unsafe extern "C" fn corefs_rmdir(fs: corefs_fs, path: *const c_char) -> c_int {
     status("corefs_rmdir", || {
-        let fs = fs_of(fs)?;
         // SAFETY: forwarded from this function's contract.
-        let path = unsafe { c_bytes(path, "path") }?;
+        let (fs, path) = unsafe { fs_and_path(fs, path) }?;
         let e = entry(&fs, path)?;
         // rmdir(2): the root is busy, `.` is invalid, and `..` is not empty (it holds `.`).
         let name = e.name(|last| match last {
@@ -1120,14 +1200,8 @@ pub unsafe extern "C" fn corefs_rmdir(fs: corefs_fs, path: *const c_char) -> c_i
             Last::Dot => special(libc::EINVAL, path)(last),
             _ => special(libc::ENOTEMPTY, path)(last),
         })?;
-        call(
-            &fs,
-            Op::Rmdir {
-                dir: e.dir,
-                name: name.to_vec(),
-            },
-        )
-        .map(drop)
+        let (dir, name) = (e.dir, name.to_vec());
+        call(&fs, Op::Rmdir { dir, name }).map(drop)
     })
 }
 
@@ -1139,9 +1213,8 @@ pub unsafe extern "C" fn corefs_rmdir(fs: corefs_fs, path: *const c_char) -> c_i
 #[no_mangle]
 pub unsafe extern "C" fn corefs_unlink(fs: corefs_fs, path: *const c_char) -> c_int {
     status("corefs_unlink", || {
-        let fs = fs_of(fs)?;
         // SAFETY: forwarded from this function's contract.
-        let path = unsafe { c_bytes(path, "path") }?;
+        let (fs, path) = unsafe { fs_and_path(fs, path) }?;
         let e = entry(&fs, path)?;
         let name = e.name(special(libc::EISDIR, path))?;
         if e.trailing_slash {
@@ -1154,14 +1227,8 @@ pub unsafe extern "C" fn corefs_unlink(fs: corefs_fs, path: *const c_char) -> c_
                 Some(_) => Error::new(libc::ENOTDIR, format!("{} is not a directory", show(path))),
             });
         }
-        call(
-            &fs,
-            Op::Unlink {
-                dir: e.dir,
-                name: name.to_vec(),
-            },
-        )
-        .map(drop)
+        let (dir, name) = (e.dir, name.to_vec());
+        call(&fs, Op::Unlink { dir, name }).map(drop)
     })
 }
 
@@ -1239,19 +1306,10 @@ pub unsafe extern "C" fn corefs_link(
         // SAFETY: forwarded from this function's contract.
         let (existing, path) = unsafe { (c_bytes(existing, "existing")?, c_bytes(path, "path")?) };
         let ino = resolve(&fs, existing)?.ino;
-        let e = entry(&fs, path)?;
         // link(2) to `/`, `.` or `..`: they exist.
-        let name = e.name(special(libc::EEXIST, path))?;
-        no_trailing_slash_for_new(&fs, &e, path)?;
-        call(
-            &fs,
-            Op::Link {
-                ino,
-                dir: e.dir,
-                name: name.to_vec(),
-            },
-        )
-        .map(drop)
+        let (dir, name) = new_name(&fs, path)?;
+        let name = name.to_vec();
+        call(&fs, Op::Link { ino, dir, name }).map(drop)
     })
 }
 
@@ -1284,13 +1342,11 @@ pub unsafe extern "C" fn corefs_symlink(
                 ),
             ));
         }
-        let e = entry(&fs, path)?;
-        let name = e.name(special(libc::EEXIST, path))?;
-        no_trailing_slash_for_new(&fs, &e, path)?;
+        let (dir, name) = new_name(&fs, path)?;
         call(
             &fs,
             Op::Symlink {
-                dir: e.dir,
+                dir,
                 name: name.to_vec(),
                 target: target.to_vec(),
                 owner: handles::owner(&fs),
@@ -1319,9 +1375,8 @@ pub unsafe extern "C" fn corefs_mknod(
     rdev: u64,
 ) -> c_int {
     status("corefs_mknod", || {
-        let fs = fs_of(fs)?;
         // SAFETY: forwarded from this function's contract.
-        let path = unsafe { c_bytes(path, "path") }?;
+        let (fs, path) = unsafe { fs_and_path(fs, path) }?;
         mknod(&fs, path, mode, rdev)
     })
 }
@@ -1333,9 +1388,8 @@ pub unsafe extern "C" fn corefs_mknod(
 #[no_mangle]
 pub unsafe extern "C" fn corefs_mkfifo(fs: corefs_fs, path: *const c_char, mode: u32) -> c_int {
     status("corefs_mkfifo", || {
-        let fs = fs_of(fs)?;
         // SAFETY: forwarded from this function's contract.
-        let path = unsafe { c_bytes(path, "path") }?;
+        let (fs, path) = unsafe { fs_and_path(fs, path) }?;
         mknod(&fs, path, libc::S_IFIFO | (mode & 0o7777), 0)
     })
 }
@@ -1355,14 +1409,12 @@ fn mknod(fs: &Fs, path: &[u8], mode: u32, rdev: u64) -> Result<(), Error> {
     // The kernel's device numbers are 32 bits; glibc refuses a dev_t that does not fit.
     let rdev = u32::try_from(rdev)
         .map_err(|_| einval(format!("device number {rdev:#x} is over 32 bits")))?;
-    let e = entry(fs, path)?;
     // mknod(2) of `/`, `.` or `..`: they exist.
-    let name = e.name(special(libc::EEXIST, path))?;
-    no_trailing_slash_for_new(fs, &e, path)?;
+    let (dir, name) = new_name(fs, path)?;
     call(
         fs,
         Op::Mknod {
-            dir: e.dir,
+            dir,
             name: name.to_vec(),
             mode: mode & (libc::S_IFMT | 0o7777),
             rdev: rdev as u64,
@@ -1385,14 +1437,10 @@ pub unsafe extern "C" fn corefs_readlink(
     len: usize,
 ) -> i64 {
     guard("corefs_readlink", || {
-        let fs = fs_of(fs)?;
         // SAFETY: forwarded from this function's contract.
-        let (path, out) = unsafe { (c_bytes(path, "path")?, bytes_mut(buf, len, "buf")?) };
-        let ino = resolve(&fs, path)?.ino;
-        match call(&fs, Op::Readlink { ino })? {
-            Reply::Data(target) => Ok(copy_out(out, &target)),
-            other => Err(unexpected(other)),
-        }
+        let ((fs, path), out) = unsafe { (fs_and_path(fs, path)?, bytes_mut(buf, len, "buf")?) };
+        let reply = call_at(&fs, path, |ino| Op::Readlink { ino })?;
+        expect_reply!(reply, Reply::Data(target) => copy_out(out, &target))
     })
 }
 
@@ -1410,27 +1458,20 @@ pub unsafe extern "C" fn corefs_readdir(
     max: usize,
 ) -> i64 {
     guard("corefs_readdir", || {
-        let fs = fs_of(fs)?;
         // SAFETY: forwarded from this function's contract.
-        let path = unsafe { c_bytes(path, "path") }?;
+        let (fs, path) = unsafe { fs_and_path(fs, path) }?;
         if max == 0 {
             return Ok(0);
         }
         if out.is_null() {
             return Err(efault("out"));
         }
-        let dir = resolve(&fs, path)?.ino;
-        let entries = match call(
-            &fs,
-            Op::Readdir {
-                dir,
-                cookie: cookie.max(1),
-                max: max.min(4096),
-            },
-        )? {
-            Reply::Entries(e) => e,
-            other => return Err(unexpected(other)),
-        };
+        let reply = call_at(&fs, path, |dir| Op::Readdir {
+            dir,
+            cookie: cookie.max(1),
+            max: max.min(4096),
+        })?;
+        let entries = expect_reply!(reply, Reply::Entries(e) => e)?;
         for (i, e) in entries.iter().enumerate() {
             let mut d = corefs_dirent {
                 ino: e.ino,
@@ -1514,18 +1555,20 @@ pub unsafe extern "C" fn corefs_setxattr(
         }
         let name = xattr_name(name)?;
         let ino = resolve(&fs, path)?.ino;
+        let flags = match flags {
+            0 => XattrFlags::Any,
+            COREFS_XATTR_CREATE => XattrFlags::Create,
+            COREFS_XATTR_REPLACE => XattrFlags::Replace,
+            _ => return Err(einval("COREFS_XATTR_CREATE and _REPLACE together".into())),
+        };
+        let value = value.to_vec();
         call(
             &fs,
             Op::SetXattr {
                 ino,
                 name,
-                value: value.to_vec(),
-                flags: match flags {
-                    0 => XattrFlags::Any,
-                    COREFS_XATTR_CREATE => XattrFlags::Create,
-                    COREFS_XATTR_REPLACE => XattrFlags::Replace,
-                    _ => return Err(einval("COREFS_XATTR_CREATE and _REPLACE together".into())),
-                },
+                value,
+                flags,
             },
         )
         .map(drop)
@@ -1546,21 +1589,21 @@ pub unsafe extern "C" fn corefs_getxattr(
     len: usize,
 ) -> i64 {
     guard("corefs_getxattr", || {
-        let fs = fs_of(fs)?;
         // SAFETY: forwarded from this function's contract.
-        let (path, name, out) = unsafe {
+        let ((fs, path), name, out) = unsafe {
             (
-                c_bytes(path, "path")?,
+                fs_and_path(fs, path)?,
                 c_bytes(name, "name")?,
                 bytes_mut(buf, len, "buf")?,
             )
         };
         let name = xattr_name(name)?;
-        let ino = resolve(&fs, path)?.ino;
-        match call(&fs, Op::GetXattr { ino, name })? {
-            Reply::Data(v) => sized_out(out, &v, "the value"),
-            other => Err(unexpected(other)),
-        }
+        let reply = call_at(&fs, path, |ino| Op::GetXattr { ino, name })?;
+        sized_out(
+            out,
+            &expect_reply!(reply, Reply::Data(v) => v)?,
+            "the value",
+        )
     })
 }
 
@@ -1577,14 +1620,10 @@ pub unsafe extern "C" fn corefs_listxattr(
     len: usize,
 ) -> i64 {
     guard("corefs_listxattr", || {
-        let fs = fs_of(fs)?;
         // SAFETY: forwarded from this function's contract.
-        let (path, out) = unsafe { (c_bytes(path, "path")?, bytes_mut(buf, len, "buf")?) };
-        let ino = resolve(&fs, path)?.ino;
-        let names = match call(&fs, Op::ListXattr { ino })? {
-            Reply::Names(n) => n,
-            other => return Err(unexpected(other)),
-        };
+        let ((fs, path), out) = unsafe { (fs_and_path(fs, path)?, bytes_mut(buf, len, "buf")?) };
+        let reply = call_at(&fs, path, |ino| Op::ListXattr { ino })?;
+        let names = expect_reply!(reply, Reply::Names(n) => n)?;
         let mut all = Vec::new();
         for n in names {
             all.extend_from_slice(&n);
@@ -1605,12 +1644,10 @@ pub unsafe extern "C" fn corefs_removexattr(
     name: *const c_char,
 ) -> c_int {
     status("corefs_removexattr", || {
-        let fs = fs_of(fs)?;
         // SAFETY: forwarded from this function's contract.
-        let (path, name) = unsafe { (c_bytes(path, "path")?, c_bytes(name, "name")?) };
+        let ((fs, path), name) = unsafe { (fs_and_path(fs, path)?, c_bytes(name, "name")?) };
         let name = xattr_name(name)?;
-        let ino = resolve(&fs, path)?.ino;
-        call(&fs, Op::RemoveXattr { ino, name }).map(drop)
+        call_at(&fs, path, |ino| Op::RemoveXattr { ino, name }).map(drop)
     })
 }
 
@@ -1620,35 +1657,28 @@ pub unsafe extern "C" fn corefs_removexattr(
 /// `out` is valid for writing one `corefs_stats`.
 #[no_mangle]
 pub unsafe extern "C" fn corefs_get_stats(fs: corefs_fs, out: *mut corefs_stats) -> c_int {
-    status("corefs_get_stats", || {
-        if out.is_null() {
-            return Err(efault("out"));
-        }
-        let fs = fs_of(fs)?;
-        let s = match call(&fs, Op::Stats)? {
-            Reply::Stats(s) => s,
-            other => return Err(unexpected(other)),
-        };
-        let stats = corefs_stats {
-            ops: s.ops,
-            reactor_cpu_ns: s.cpu_ns,
-            commits: s.commit.commits,
-            commit_ns_total: s.commit.commit_ns_total,
-            commit_ns_max: s.commit.commit_ns_max,
-            fsyncs: s.log.fsyncs,
-            log_writes: s.log.log_writes,
-            log_blocks: s.log.log_blocks,
-            fallback_commits: s.log.fallback_commits(),
-            fsync_groups: s.fsync_groups,
-            fsync_p50_ns: s.fsync_total.p50_ns,
-            fsync_p99_ns: s.fsync_total.p99_ns,
-            fsync_max_ns: s.fsync_total.max_ns,
-            replayed_records: s.log.replayed_records,
-        };
-        // SAFETY: non-NULL and writable by contract.
-        unsafe { out.write(stats) };
-        Ok(())
-    })
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        fill_out("corefs_get_stats", fs, out, |fs| {
+            let s = expect_reply!(call(fs, Op::Stats)?, Reply::Stats(s) => s)?;
+            Ok(corefs_stats {
+                ops: s.ops,
+                reactor_cpu_ns: s.cpu_ns,
+                commits: s.commit.commits,
+                commit_ns_total: s.commit.commit_ns_total,
+                commit_ns_max: s.commit.commit_ns_max,
+                fsyncs: s.log.fsyncs,
+                log_writes: s.log.log_writes,
+                log_blocks: s.log.log_blocks,
+                fallback_commits: s.log.fallback_commits(),
+                fsync_groups: s.fsync_groups,
+                fsync_p50_ns: s.fsync_total.p50_ns,
+                fsync_p99_ns: s.fsync_total.p99_ns,
+                fsync_max_ns: s.fsync_total.max_ns,
+                replayed_records: s.log.replayed_records,
+            })
+        })
+    }
 }
 
 /// Filesystem statistics: space and inode counts (what df and df -i show).
@@ -1657,27 +1687,20 @@ pub unsafe extern "C" fn corefs_get_stats(fs: corefs_fs, out: *mut corefs_stats)
 /// `out` is valid for writing one `corefs_statfs`.
 #[no_mangle]
 pub unsafe extern "C" fn corefs_statfs(fs: corefs_fs, out: *mut corefs_statfs) -> c_int {
-    status("corefs_statfs", || {
-        if out.is_null() {
-            return Err(efault("out"));
-        }
-        let fs = fs_of(fs)?;
-        let s = match call(&fs, Op::Statfs)? {
-            Reply::Statfs(s) => s,
-            other => return Err(unexpected(other)),
-        };
-        let figures = corefs_statfs {
-            block_bytes: s.block_bytes as u64,
-            total_blocks: s.total_blocks,
-            free_blocks: s.free_blocks,
-            inodes_used: s.inodes,
-            inodes_free: s.free_inodes,
-            name_max_bytes: s.name_max as u64,
-        };
-        // SAFETY: non-NULL and writable by contract.
-        unsafe { out.write(figures) };
-        Ok(())
-    })
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        fill_out("corefs_statfs", fs, out, |fs| {
+            let s = expect_reply!(call(fs, Op::Statfs)?, Reply::Statfs(s) => s)?;
+            Ok(corefs_statfs {
+                block_bytes: s.block_bytes as u64,
+                total_blocks: s.total_blocks,
+                free_blocks: s.free_blocks,
+                inodes_used: s.inodes,
+                inodes_free: s.free_inodes,
+                name_max_bytes: s.name_max as u64,
+            })
+        })
+    }
 }
 
 /// Sets who the calling thread creates files, directories and symbolic links as on `fs`
@@ -1763,12 +1786,7 @@ pub unsafe extern "C" fn corefs_submit_pread(
         let len = io_len(offset, len)?;
         let f = regular(&*fs_of(fs)?, fd)?;
         no_batch(&*fs_of(fs)?, fd)?;
-        if !f.readable {
-            return Err(Error::new(
-                libc::EBADF,
-                format!("{fd} is not open for reading"),
-            ));
-        }
+        need_readable(&f, fd)?;
         submit(
             fs,
             Op::Read {
@@ -1820,13 +1838,7 @@ pub extern "C" fn corefs_submit_fsync(
 ) -> c_int {
     status("corefs_submit_fsync", || {
         let f = file(&*fs_of(fs)?, fd)?;
-        let ino = f.ino;
-        let op = if datasync != 0 {
-            Op::Fdatasync { ino }
-        } else {
-            Op::Fsync { ino }
-        };
-        submit(fs, op, token, None)
+        submit(fs, sync_op(f.ino, datasync != 0), token, None)
     })
 }
 

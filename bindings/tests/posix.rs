@@ -843,6 +843,59 @@ fn statfs_counts_inodes() {
     close(fs);
 }
 
+/// The order arguments are checked in (abi.rs's module doc): an out-pointer first, then the
+/// filesystem, then the path; a caller with several bad arguments learns the same errno.
+#[test]
+fn arguments_are_checked_out_pointer_then_filesystem_then_path() {
+    let fs = fresh(1);
+    let closed = fresh(1);
+    close(closed);
+    let path = c(b"/");
+    // SAFETY: NULL out-pointers and NULL paths are refused before any is used.
+    unsafe {
+        let out = std::ptr::null_mut();
+        assert_eq!(
+            corefs_stat(closed, path.as_ptr(), out) as i64,
+            err(libc::EFAULT)
+        );
+        assert_eq!(
+            corefs_stat(closed, std::ptr::null(), out) as i64,
+            err(libc::EFAULT)
+        );
+        assert_eq!(corefs_fstat(closed, 1, out) as i64, err(libc::EFAULT));
+        assert_eq!(
+            corefs_statfs(closed, std::ptr::null_mut()) as i64,
+            err(libc::EFAULT)
+        );
+        assert_eq!(
+            corefs_get_stats(closed, std::ptr::null_mut()) as i64,
+            err(libc::EFAULT)
+        );
+        let mut st = corefs_stat::default();
+        assert_eq!(
+            corefs_stat(closed, std::ptr::null(), &mut st) as i64,
+            err(libc::EBADF)
+        );
+        assert_eq!(
+            corefs_stat(fs, std::ptr::null(), &mut st) as i64,
+            err(libc::EFAULT)
+        );
+        assert_eq!(
+            corefs_chmod(closed, std::ptr::null(), 0o600) as i64,
+            err(libc::EBADF)
+        );
+        assert_eq!(
+            corefs_readlink(closed, std::ptr::null(), std::ptr::null_mut(), 8),
+            err(libc::EBADF)
+        );
+        assert_eq!(
+            corefs_readlink(fs, std::ptr::null(), std::ptr::null_mut(), 8),
+            err(libc::EFAULT)
+        );
+    }
+    close(fs);
+}
+
 // ---- Special files -------------------------------------------------------------------------
 
 fn mknod(fs: corefs_fs, path: &[u8], mode: u32, rdev: u64) -> i64 {

@@ -189,6 +189,7 @@ impl Filesystem {
     /// N is durable): [`Filesystem::fsync_group_start`] finishes N first; a reactor holds its
     /// fsyncs until then. On error the filesystem is fail-stop.
     pub fn commit_start(&mut self) -> Result<bool> {
+        let _span = tracing::debug_span!("commit_start", generation = self.generation).entered();
         self.check_writable()?;
         if self.commit_in_flight.is_some() {
             return Err(EngineError::Invalid("a commit is already in flight".into()));
@@ -289,6 +290,9 @@ impl Filesystem {
         let Some(&shard) = c.slicing.first() else {
             return Ok(false);
         };
+        // Trace level: a commit runs many slices.
+        let _span =
+            tracing::trace_span!("commit_slice", generation = c.generation, shard).entered();
         let started = Instant::now();
         let mut out = std::mem::take(&mut c.chunk);
         let mut spare = std::mem::take(&mut self.dev.spare_blocks);
@@ -431,6 +435,8 @@ impl Filesystem {
                 // One FUA write (the trees' flush completed before it), into the copy the
                 // previous generation does not use.
                 let copy = SUPERBLOCK_ADDRS[(c.generation % 2) as usize];
+                let _span =
+                    tracing::debug_span!("super_write", generation = c.generation, copy).entered();
                 let ticket = self.submit_commit_io(vec![(copy, sb.encode())], true)?;
                 self.commit_in_flight
                     .as_mut()
@@ -551,6 +557,7 @@ impl Filesystem {
     /// error is returned (the caller makes every partition fail-stop).
     pub fn write_super(&mut self, roots: &[(u32, ShardRoot)]) -> Result<Superblock> {
         let generation = self.generation;
+        let _span = tracing::debug_span!("write_super", generation, shards = roots.len()).entered();
         nvme::flush_sync(&mut *self.dev)?;
         self.state = CommitState::Unblocked;
         let mut sb = Superblock {

@@ -408,6 +408,7 @@ impl Filesystem {
     /// after it (committing the result; mount writes nothing when the logs hold no record).
     pub fn mount(mut dev: Box<dyn BlockDevice>, options: MountOptions) -> Result<Filesystem> {
         let device_blocks = dev.info().capacity_bytes() / BLOCK_BYTES as u64;
+        let _span = tracing::debug_span!("mount", device_blocks).entered();
         if device_blocks < FIRST_REGION_BLOCK || BLOCK_BYTES as u32 % dev.info().lba_size_bytes != 0
         {
             return Err(EngineError::Invalid(

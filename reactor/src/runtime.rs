@@ -1591,7 +1591,8 @@ impl Reactor {
             let members: Vec<(u64, bool)> = fsyncs.iter().map(|(_, m, _)| *m).collect();
             let fallbacks = self.fs.log_stats().fallback_commits();
             let group_start = Instant::now();
-            let result = self.fs.fsync_group_start(&members);
+            let result = tracing::debug_span!("fsync_group_start", members = members.len())
+                .in_scope(|| self.fs.fsync_group_start(&members));
             let fell_back = self.fs.log_stats().fallback_commits() > fallbacks;
             self.stats.fsync_groups += 1;
             self.stats.fsync_group_max = self.stats.fsync_group_max.max(members.len() as u64);

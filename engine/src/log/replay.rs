@@ -39,6 +39,7 @@ struct Found {
 impl Filesystem {
     /// Replays the logs, if any record is current; then commits. Returns the records applied.
     pub(crate) fn replay_logs(&mut self) -> Result<u64> {
+        let _span = tracing::debug_span!("replay_logs", shards = self.shard_count()).entered();
         let mut found = Vec::new();
         for shard in 0..self.shard_count() {
             self.read_log(shard, &mut found)?;
