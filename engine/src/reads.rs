@@ -82,12 +82,10 @@ struct ReadSet {
     generation: u64,
     /// The first device error met.
     failed: Option<EngineError>,
-    /// A set of tree-node blocks for deferred lookups ([`crate::fetch`]): its blocks go to
-    /// the fetched map, and it is handed back with no results.
-    nodes: bool,
-    /// A read-ahead: its blocks go to the block cache (those whose crc matches), and it is
-    /// handed back to no one.
-    ahead: bool,
+    /// Data sets are handed back with their results; a node set's blocks go to the
+    /// fetched map ([`crate::fetch`]) and it is handed back with none; a read-ahead's blocks
+    /// go to the block cache (those whose crc matches) and it is handed back to no one.
+    kind: SetKind,
 }
 
 /// Read-ahead: a file read sequentially (each read starting where the one before ended)
@@ -96,6 +94,17 @@ struct ReadSet {
 /// forgotten).
 pub const READAHEAD_BYTES: u64 = 256 << 10;
 pub const STREAMS: usize = 16;
+
+/// What a set of device reads is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SetKind {
+    /// Requests' data (handed back with their results).
+    Data,
+    /// Tree nodes for deferred lookups ([`crate::fetch`]).
+    Nodes,
+    /// Read-ahead into the block cache.
+    Ahead,
+}
 
 /// One followed file: where its next sequential read starts, and how far read-ahead went.
 #[derive(Debug, Clone, Copy, Default)]
@@ -164,47 +173,8 @@ impl Filesystem {
             }
             return ReadStart::Done(outs);
         }
-        let max_blocks = (self.dev.info().max_io_bytes as usize / BLOCK_BYTES).max(1) as u64;
-        let id = self.reads.next_set;
-        self.reads.next_set += 1;
-        let mut ios = 0;
-        for (index, piece) in pieces.iter().enumerate() {
-            let mut at = 0;
-            while at < piece.count {
-                let blocks = (piece.count - at).min(max_blocks);
-                self.reads.queued.push_back(ReadIo {
-                    set: id,
-                    piece: index,
-                    at: at as usize * BLOCK_BYTES,
-                    block: piece.disk + at,
-                    blocks,
-                });
-                ios += 1;
-                at += blocks;
-            }
-        }
-        let data = pieces
-            .iter()
-            .map(|p| vec![0u8; p.count as usize * BLOCK_BYTES])
-            .collect();
-        self.reads.sets.insert(
-            id,
-            ReadSet {
-                outs,
-                pieces,
-                data,
-                ios_left: ios,
-                generation: self.generation,
-                failed: None,
-                nodes: false,
-                ahead: false,
-            },
-        );
-        let stats = &mut self.reads.stats;
-        stats.sets_async += 1;
-        stats.device_reads += ios as u64;
-        stats.sets_in_flight_max = stats.sets_in_flight_max.max(self.reads.sets.len() as u64);
-        self.submit_reads();
+        let id = self.queue_set(outs, pieces, SetKind::Data);
+        self.reads.stats.sets_async += 1;
         ReadStart::Pending(id)
     }
 
@@ -212,18 +182,10 @@ impl Filesystem {
     /// blocks go to the fetched map ([`crate::fetch`]); returns the set's number.
     pub(crate) fn start_node_reads(&mut self, addrs: &[u64]) -> u64 {
         assert!(!addrs.is_empty(), "a node set reads something");
-        let id = self.reads.next_set;
-        self.reads.next_set += 1;
-        let mut pieces = Vec::with_capacity(addrs.len());
-        for (index, &addr) in addrs.iter().enumerate() {
-            self.reads.queued.push_back(ReadIo {
-                set: id,
-                piece: index,
-                at: 0,
-                block: addr,
-                blocks: 1,
-            });
-            pieces.push(ReadPiece {
+        let pieces = addrs
+            .iter()
+            .enumerate()
+            .map(|(index, &addr)| ReadPiece {
                 request: index,
                 ino: 0,
                 disk: addr,
@@ -231,27 +193,10 @@ impl Filesystem {
                 crcs: Vec::new(),
                 src: 0..0,
                 dst: 0..0,
-            });
-        }
-        self.reads.sets.insert(
-            id,
-            ReadSet {
-                outs: Vec::new(),
-                data: vec![vec![0u8; BLOCK_BYTES]; addrs.len()],
-                pieces,
-                ios_left: addrs.len(),
-                generation: self.generation,
-                failed: None,
-                nodes: true,
-                ahead: false,
-            },
-        );
-        let stats = &mut self.reads.stats;
-        stats.node_sets += 1;
-        stats.device_reads += addrs.len() as u64;
-        stats.sets_in_flight_max = stats.sets_in_flight_max.max(self.reads.sets.len() as u64);
-        self.submit_reads();
-        id
+            })
+            .collect();
+        self.reads.stats.node_sets += 1;
+        self.queue_set(Vec::new(), pieces, SetKind::Nodes)
     }
 
     /// Notes a read of `len` bytes at `offset` of file `ino`; when it continues the file's
@@ -315,6 +260,14 @@ impl Filesystem {
 
     /// Starts a read-ahead set: its blocks go to the block cache when they arrive.
     fn start_ahead(&mut self, pieces: Vec<ReadPiece>) {
+        self.reads.stats.ahead_sets += 1;
+        self.reads.stats.ahead_blocks += pieces.iter().map(|p| p.count).sum::<u64>();
+        self.queue_set(Vec::new(), pieces, SetKind::Ahead);
+    }
+
+    /// Queues a set's device reads (each piece cut at the device's largest I/O), records
+    /// the set, submits what has room, and returns its number.
+    fn queue_set(&mut self, outs: Vec<ReadResult>, pieces: Vec<ReadPiece>, kind: SetKind) -> u64 {
         let max_blocks = (self.dev.info().max_io_bytes as usize / BLOCK_BYTES).max(1) as u64;
         let id = self.reads.next_set;
         self.reads.next_set += 1;
@@ -334,7 +287,6 @@ impl Filesystem {
                 at += blocks;
             }
         }
-        let blocks: u64 = pieces.iter().map(|p| p.count).sum();
         let data = pieces
             .iter()
             .map(|p| vec![0u8; p.count as usize * BLOCK_BYTES])
@@ -342,22 +294,20 @@ impl Filesystem {
         self.reads.sets.insert(
             id,
             ReadSet {
-                outs: Vec::new(),
+                outs,
                 pieces,
                 data,
                 ios_left: ios,
                 generation: self.generation,
                 failed: None,
-                nodes: false,
-                ahead: true,
+                kind,
             },
         );
         let stats = &mut self.reads.stats;
-        stats.ahead_sets += 1;
-        stats.ahead_blocks += blocks;
         stats.device_reads += ios as u64;
         stats.sets_in_flight_max = stats.sets_in_flight_max.max(self.reads.sets.len() as u64);
         self.submit_reads();
+        id
     }
 
     /// Sets of reads started and not handed out yet.
@@ -508,7 +458,7 @@ impl Filesystem {
         set.ios_left -= 1;
         if set.ios_left == 0 {
             let set = self.reads.sets.remove(&io.set).expect("looked up above");
-            let ahead = set.ahead;
+            let ahead = set.kind == SetKind::Ahead;
             let outs = self.finish_set(set);
             // A read-ahead is nobody's to collect.
             if !ahead {
@@ -519,7 +469,7 @@ impl Filesystem {
 
     /// A set whose device reads all completed: verifies each block and fills the outputs.
     fn finish_set(&mut self, set: ReadSet) -> Vec<ReadResult> {
-        if set.nodes {
+        if set.kind == SetKind::Nodes {
             // Checked when the tree takes a block, against the pointer it holds then.
             for (piece, data) in set.pieces.iter().zip(set.data) {
                 match set.failed {
@@ -529,7 +479,7 @@ impl Filesystem {
             }
             return Vec::new();
         }
-        if set.ahead {
+        if set.kind == SetKind::Ahead {
             // A failed or mismatching block is not cached: the read that wants it reads
             // the device and reports what it finds.
             if set.failed.is_none() {

@@ -1326,19 +1326,13 @@ fn owners_special_files_held_inodes_and_concurrent_appends() {
     }
 }
 
-/// A slow device read (a latency spike on the fault wrapper) does not hold the reactor:
-/// while one client's cold read waits for the device, another client's reads and stats that
-/// hit the cache complete, and the slow read then returns its bytes. The reactor's
-/// statistics show the read ran asynchronously and the loop kept looking at its queue.
-#[test]
-fn a_slow_device_read_does_not_hold_clients_whose_operations_hit_the_cache() {
+/// `fs` unmounted and started on a runtime over a fault device (whose latency spikes the
+/// caller arms), with a file "hot" created and cached through a first client: the runtime,
+/// the fault handle, that client and the file's inode.
+fn spiky_runtime_with_a_hot_file(
+    fs: Filesystem,
+) -> (Runtime, nvme::wrap::FaultHandle, reactor::Client, u64) {
     use nvme::wrap::{FaultConfig, FaultDevice};
-    let (_, dev) = formatted_mem(64 << 20, 64 << 10, 2);
-    // File "cold" on the device, nothing of it cached: written, then remounted.
-    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
-    let root = fs.root();
-    let cold = fs.create(root, b"cold", 0o644, 0, 0).unwrap().ino;
-    fs.write(cold, 0, &[0x5A; 65536]).unwrap();
     let dev = fs.unmount().unwrap();
     let faulty = FaultDevice::new(dev, FaultConfig::default());
     let faults = faulty.handle();
@@ -1360,6 +1354,22 @@ fn a_slow_device_read_does_not_hold_clients_whose_operations_hit_the_cache() {
         })
         .unwrap(),
     );
+    (runtime, faults, fast, hot)
+}
+
+/// A slow device read (a latency spike on the fault wrapper) does not hold the reactor:
+/// while one client's cold read waits for the device, another client's reads and stats that
+/// hit the cache complete, and the slow read then returns its bytes. The reactor's
+/// statistics show the read ran asynchronously and the loop kept looking at its queue.
+#[test]
+fn a_slow_device_read_does_not_hold_clients_whose_operations_hit_the_cache() {
+    let (_, dev) = formatted_mem(64 << 20, 64 << 10, 2);
+    // File "cold" on the device, nothing of it cached: written, then remounted.
+    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    let root = fs.root();
+    let cold = fs.create(root, b"cold", 0o644, 0, 0).unwrap().ino;
+    fs.write(cold, 0, &[0x5A; 65536]).unwrap();
+    let (runtime, faults, mut fast, hot) = spiky_runtime_with_a_hot_file(fs);
     fast.call(Op::Write {
         ino: hot,
         offset: 0,
@@ -1446,7 +1456,6 @@ fn a_slow_device_read_does_not_hold_clients_whose_operations_hit_the_cache() {
 /// and the parked client's later request waits behind its parked one (its order is kept).
 #[test]
 fn a_slow_metadata_read_parks_its_request_not_the_reactor() {
-    use nvme::wrap::{FaultConfig, FaultDevice};
     let (_, dev) = formatted_mem(64 << 20, 64 << 10, 2);
     // Enough inodes for many leaves; none of them cached after the remount.
     let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
@@ -1459,27 +1468,7 @@ fn a_slow_metadata_read_parks_its_request_not_the_reactor() {
                 .ino,
         );
     }
-    let dev = fs.unmount().unwrap();
-    let faulty = FaultDevice::new(dev, FaultConfig::default());
-    let faults = faulty.handle();
-    let runtime = Runtime::start_with_device(
-        Config {
-            device: "spiky mem".into(),
-            ..Default::default()
-        },
-        Box::new(faulty),
-    )
-    .unwrap();
-    let mut fast = runtime.client(4);
-    let hot = ino_of(
-        fast.call(Op::Create {
-            dir: ROOT,
-            name: b"hot".to_vec(),
-            mode: 0o644,
-            owner: reactor::Owner::ROOT,
-        })
-        .unwrap(),
-    );
+    let (runtime, faults, mut fast, hot) = spiky_runtime_with_a_hot_file(fs);
     let target = cold[1500];
     // The next device read (the stat's leaf) is held until released below.
     faults.delay_next(nvme::OpKind::Read, 1, Duration::from_secs(600));
