@@ -7,28 +7,13 @@
 
 use engine::atomic::AtomicBatch;
 use engine::{Filesystem, MkfsOptions, MountOptions};
-use nvme::backend::mem::{MemConfig, MemDevice};
+use nvme::backend::mem::MemDevice;
 use nvme::wrap::{crash_image, CrashMode, Record, RecordingDevice, WriteLog};
-use nvme::BlockDevice;
 use std::sync::Arc;
 
-const CAPACITY: u64 = 64 << 20;
-
-fn config() -> MemConfig {
-    MemConfig {
-        capacity_bytes: CAPACITY,
-        lba_size_bytes: 512,
-        queue_depth: 32,
-        buf_bytes: 64 << 10,
-        buf_count: 64,
-    }
-}
-
-fn image_of(mut dev: Box<dyn BlockDevice>) -> Vec<u8> {
-    let mut image = vec![0u8; CAPACITY as usize];
-    nvme::read_sync(&mut *dev, 0, &mut image).unwrap();
-    image
-}
+#[path = "support/mem_image.rs"]
+mod mem_image;
+use mem_image::{config, image_of};
 
 fn mount(image: &[u8]) -> Filesystem {
     let dev = MemDevice::from_image(image, config()).unwrap();
