@@ -486,28 +486,28 @@ class CorefsFileSystem : public rocksdb::FileSystem {
   IOStatus NewSequentialFile(const std::string& fname, const FileOptions& options,
                              std::unique_ptr<rocksdb::FSSequentialFile>* result,
                              IODebugContext*) override {
-    std::unique_ptr<Handle> h;
-    IOStatus s = Open(fname, COREFS_O_RDONLY, &h);
-    if (s.ok()) result->reset(new SequentialFile(std::move(h), options.use_direct_reads));
-    return s;
+    return OpenAs(fname, COREFS_O_RDONLY, result,
+                  [&](std::unique_ptr<Handle> h) {
+                    return new SequentialFile(std::move(h), options.use_direct_reads);
+                  });
   }
 
   IOStatus NewRandomAccessFile(const std::string& fname, const FileOptions& options,
                                std::unique_ptr<rocksdb::FSRandomAccessFile>* result,
                                IODebugContext*) override {
-    std::unique_ptr<Handle> h;
-    IOStatus s = Open(fname, COREFS_O_RDONLY, &h);
-    if (s.ok()) result->reset(new RandomAccessFile(std::move(h), options.use_direct_reads));
-    return s;
+    return OpenAs(fname, COREFS_O_RDONLY, result,
+                  [&](std::unique_ptr<Handle> h) {
+                    return new RandomAccessFile(std::move(h), options.use_direct_reads);
+                  });
   }
 
   IOStatus NewWritableFile(const std::string& fname, const FileOptions& options,
                            std::unique_ptr<rocksdb::FSWritableFile>* result,
                            IODebugContext*) override {
-    std::unique_ptr<Handle> h;
-    IOStatus s = Open(fname, COREFS_O_WRONLY | COREFS_O_CREAT | COREFS_O_TRUNC, &h);
-    if (s.ok()) result->reset(new WritableFile(std::move(h), 0, options));
-    return s;
+    return OpenAs(fname, COREFS_O_WRONLY | COREFS_O_CREAT | COREFS_O_TRUNC, result,
+                  [&](std::unique_ptr<Handle> h) {
+                    return new WritableFile(std::move(h), 0, options);
+                  });
   }
 
   IOStatus ReopenWritableFile(const std::string& fname, const FileOptions& options,
@@ -524,19 +524,19 @@ class CorefsFileSystem : public rocksdb::FileSystem {
   IOStatus NewRandomRWFile(const std::string& fname, const FileOptions& options,
                            std::unique_ptr<rocksdb::FSRandomRWFile>* result,
                            IODebugContext*) override {
-    std::unique_ptr<Handle> h;
-    IOStatus s = Open(fname, COREFS_O_RDWR | COREFS_O_CREAT, &h);
-    if (s.ok()) result->reset(new RandomRWFile(std::move(h), options.use_direct_reads));
-    return s;
+    return OpenAs(fname, COREFS_O_RDWR | COREFS_O_CREAT, result,
+                  [&](std::unique_ptr<Handle> h) {
+                    return new RandomRWFile(std::move(h), options.use_direct_reads);
+                  });
   }
 
   IOStatus NewDirectory(const std::string& name, const IOOptions&,
                         std::unique_ptr<rocksdb::FSDirectory>* result,
                         IODebugContext*) override {
-    std::unique_ptr<Handle> h;
-    IOStatus s = Open(name, COREFS_O_RDONLY | COREFS_O_DIRECTORY, &h);
-    if (s.ok()) result->reset(new Directory(std::move(h)));
-    return s;
+    return OpenAs(name, COREFS_O_RDONLY | COREFS_O_DIRECTORY, result,
+                  [&](std::unique_ptr<Handle> h) {
+                    return new Directory(std::move(h));
+                  });
   }
 
   IOStatus FileExists(const std::string& fname, const IOOptions&, IODebugContext*) override {
@@ -698,10 +698,10 @@ class CorefsFileSystem : public rocksdb::FileSystem {
 
   IOStatus NewLogger(const std::string& fname, const IOOptions&,
                      std::shared_ptr<rocksdb::Logger>* result, IODebugContext*) override {
-    std::unique_ptr<Handle> h;
-    IOStatus s = Open(fname, COREFS_O_WRONLY | COREFS_O_CREAT | COREFS_O_TRUNC, &h);
-    if (s.ok()) result->reset(new Logger(std::move(h)));
-    return s;
+    return OpenAs(fname, COREFS_O_WRONLY | COREFS_O_CREAT | COREFS_O_TRUNC, result,
+                  [&](std::unique_ptr<Handle> h) {
+                    return new Logger(std::move(h));
+                  });
   }
 
   IOStatus GetAbsolutePath(const std::string& db_path, const IOOptions&, std::string* output,
@@ -729,6 +729,17 @@ class CorefsFileSystem : public rocksdb::FileSystem {
 
  private:
   corefs_fs fs() const { return mount_->fs(); }
+
+  // Opens `fname` with `flags` and, when that succeeds, gives RocksDB the object `make`
+  // builds around the handle (each New*File differs only in its flags and its class).
+  // `Ptr` is the unique_ptr or shared_ptr RocksDB passes.
+  template <typename Ptr, typename Make>
+  IOStatus OpenAs(const std::string& fname, int flags, Ptr* result, Make make) {
+    std::unique_ptr<Handle> h;
+    IOStatus s = Open(fname, flags, &h);
+    if (s.ok()) result->reset(make(std::move(h)));
+    return s;
+  }
 
   IOStatus Open(const std::string& fname, int flags, std::unique_ptr<Handle>* out) {
     std::string path = Normalise(fname);
