@@ -49,6 +49,15 @@ pub fn rw_len(offset: u64, len: usize) -> Result<usize> {
     Ok(len.min(MAX_RW_BYTES))
 }
 
+/// What one read maps to ([`Filesystem::map_read`]): bytes `offset..end` of file `ino` (the
+/// request clipped to the file's size; empty when `end == offset`) and the extents over them.
+pub(crate) struct ReadMap {
+    ino: u64,
+    offset: u64,
+    end: u64,
+    extents: Vec<Extent>,
+}
+
 /// A device read one request of a read set ([`crate::reads`]) waits for: `count` blocks at
 /// `disk` (verified against `crcs`), whose bytes `src` go to the request's output bytes
 /// `dst`.
@@ -285,29 +294,54 @@ impl Filesystem {
             .expect("one result per request")
     }
 
-    /// The first half of a read ([`crate::reads`]) for one request: its output buffer with
-    /// holes, preallocated ranges and in-memory blocks filled in, and the device reads it
-    /// still needs pushed to `pieces`.
-    pub(crate) fn plan_read(
-        &mut self,
-        request: usize,
-        ino: u64,
-        offset: u64,
-        len: usize,
-        pieces: &mut Vec<ReadPiece>,
-    ) -> Result<Vec<u8>> {
+    /// The lookups of a read of `len` bytes at `offset` of file `ino`: its inode and the
+    /// extents it covers, changing nothing, so it can run deferred
+    /// ([`Filesystem::without_waiting`]) and be repeated.
+    pub(crate) fn map_read(&mut self, ino: u64, offset: u64, len: usize) -> Result<ReadMap> {
         // Bounded before anything is sized by it: `end` below cannot overflow, and the
         // buffer is at most MAX_RW_BYTES (and the file's size) long.
         let len = rw_len(offset, len)?;
         let item = self.file_inode(ino)?;
         if offset >= item.size || len == 0 {
-            return Ok(Vec::new());
+            return Ok(ReadMap {
+                ino,
+                offset,
+                end: offset,
+                extents: Vec::new(),
+            });
         }
         let end = (offset + len as u64).min(item.size);
+        let extents = self.extents_in(ino, offset / BLOCK, end.div_ceil(BLOCK))?;
+        Ok(ReadMap {
+            ino,
+            offset,
+            end,
+            extents,
+        })
+    }
+
+    /// The second half of planning a read ([`crate::reads`]) for one request mapped by
+    /// [`Filesystem::map_read`]: its output buffer with holes, preallocated ranges and
+    /// in-memory blocks filled in, and the device reads it still needs pushed to `pieces`.
+    pub(crate) fn plan_read(
+        &mut self,
+        request: usize,
+        map: ReadMap,
+        pieces: &mut Vec<ReadPiece>,
+    ) -> Result<Vec<u8>> {
+        let ReadMap {
+            ino,
+            offset,
+            end,
+            extents,
+        } = map;
+        if end == offset {
+            return Ok(Vec::new());
+        }
         let mut out = vec![0u8; (end - offset) as usize];
         let first = offset / BLOCK;
         let last = end.div_ceil(BLOCK);
-        for extent in self.extents_in(ino, first, last)? {
+        for extent in extents {
             if extent.item.prealloc {
                 continue;
             }

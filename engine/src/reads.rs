@@ -30,6 +30,7 @@
 //! fails its own request alone. Nothing is retried.
 
 use crate::error::{EngineError, Result};
+use crate::fetch::Deferred;
 use crate::file::ReadPiece;
 use crate::format::BLOCK_BYTES;
 use crate::fs::{block_lba, Filesystem};
@@ -148,34 +149,68 @@ impl Filesystem {
     /// it. Metadata comes from the node cache or a synchronous read; data blocks not in
     /// memory are read from the device in the background.
     pub fn read_start(&mut self, requests: &[(u64, u64, usize)]) -> ReadStart {
+        let (start, parked) = self.read_start_deferred(requests, &vec![false; requests.len()]);
+        assert!(parked.is_empty(), "no request deferred, none parked");
+        start
+    }
+
+    /// As [`Filesystem::read_start`], but the lookups (inode and extents) of each request
+    /// with `may_defer` set run deferred ([`Filesystem::without_waiting`]): a request whose
+    /// tree nodes are not in memory is left out of the set, its nodes are read in the
+    /// background, and it is returned as `(index in requests, node read set)` to run again
+    /// once that set is answered. The set's results are those of the other requests, in
+    /// order. Mapping once, deferred, is what lets a reactor read without a separate probe.
+    pub fn read_start_deferred(
+        &mut self,
+        requests: &[(u64, u64, usize)],
+        may_defer: &[bool],
+    ) -> (ReadStart, Vec<(usize, u64)>) {
+        assert_eq!(requests.len(), may_defer.len(), "one flag per request");
         let mut pieces: Vec<ReadPiece> = Vec::new();
         let mut outs: Vec<ReadResult> = Vec::with_capacity(requests.len());
+        let mut parked = Vec::new();
+        // The requests planned, as (index in `requests`): `outs` and pieces number them
+        // without the parked ones.
+        let mut planned_from = Vec::with_capacity(requests.len());
         for (index, &(ino, offset, len)) in requests.iter().enumerate() {
+            let map = if may_defer[index] {
+                match self.without_waiting(|fs| fs.map_read(ino, offset, len)) {
+                    Deferred::Ready(map) => map,
+                    Deferred::Fetching(set) => {
+                        parked.push((index, set));
+                        continue;
+                    }
+                }
+            } else {
+                self.map_read(ino, offset, len)
+            };
             let mut mine = Vec::new();
-            let planned = self.plan_read(index, ino, offset, len, &mut mine);
+            let planned = map.and_then(|map| self.plan_read(outs.len(), map, &mut mine));
             if planned.is_ok() {
                 pieces.append(&mut mine);
             }
             outs.push(planned);
+            planned_from.push(index);
         }
-        for (index, &(ino, offset, len)) in requests.iter().enumerate() {
-            if outs[index].is_ok() {
+        for (out, &index) in outs.iter().zip(&planned_from) {
+            if out.is_ok() {
+                let (ino, offset, len) = requests[index];
                 self.follow_stream(ino, offset, len as u64);
             }
         }
         if pieces.is_empty() {
-            return ReadStart::Done(outs);
+            return (ReadStart::Done(outs), parked);
         }
         if let Some(e) = self.failed.clone() {
             // A failed filesystem reads no more from its device.
             for piece in &pieces {
                 outs[piece.request] = Err(e.clone());
             }
-            return ReadStart::Done(outs);
+            return (ReadStart::Done(outs), parked);
         }
         let id = self.queue_set(outs, pieces, SetKind::Data);
         self.reads.stats.sets_async += 1;
-        ReadStart::Pending(id)
+        (ReadStart::Pending(id), parked)
     }
 
     /// Starts reading the tree-node blocks `addrs` in the background, as one set whose
@@ -247,14 +282,14 @@ impl Filesystem {
         let before = stream.ahead_to;
         stream.ahead_to = to;
         match self.without_waiting(|fs| fs.plan_readahead(ino, from, to)) {
-            crate::fetch::Deferred::Ready(pieces) => {
+            Deferred::Ready(pieces) => {
                 if !pieces.is_empty() {
                     self.start_ahead(pieces);
                 }
             }
             // The extents are not in memory: their nodes are fetched in the background, and
             // the next sequential read plans this window again.
-            crate::fetch::Deferred::Fetching(_) => self.reads.streams[at].ahead_to = before,
+            Deferred::Fetching(_) => self.reads.streams[at].ahead_to = before,
         }
     }
 

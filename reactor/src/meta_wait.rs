@@ -7,12 +7,17 @@
 //! probed with the lookups it starts with (the name in its directory, its inode, the
 //! extents it covers) and runs for real only when they were all in memory. When a node was
 //! missing, its read is in flight and the request parks until it is answered; the reactor
-//! serves other clients meanwhile and runs the request again from its start.
+//! serves other clients meanwhile and runs the request again from its start. A data read
+//! is not probed: its lookups run deferred once, as it is planned
+//! ([`Filesystem::read_start_deferred`]), and a read that missed parks the same way.
 //!
 //! # Invariants
 //! - One client's requests keep their order: once a request of a client parks, every later
 //!   request of that client waits behind it (`blocked`), and they all run again in order.
-//!   So an fsync never overtakes the write before it, whatever the cache held.
+//!   So an fsync never overtakes the write before it, whatever the cache held. The one
+//!   exception is harmless: reads of one client started together run as one set, so a read
+//!   whose nodes were in memory may be answered before an earlier read of the same set that
+//!   parked (neither changes anything; whatever follows them waits for the parked one).
 //! - A parked request is still owed ([`crate::owed`]): a reactor that fails answers it.
 //! - Progress: a request parked [`ROUNDS_MAX`] times runs without deferring (it may then
 //!   wait for the device, which the device-wait statistics count), so a cache too small
@@ -80,30 +85,65 @@ impl MetaWaits {
 
     /// Runs `request`'s lookups deferred: it runs now, is answered now, or parks.
     pub fn probe(&mut self, fs: &mut Filesystem, request: Request) -> Probed {
-        let client = client_of(&request.reply);
-        let key = (client, request.token);
-        if self.rounds.get(&key).is_some_and(|&r| r >= ROUNDS_MAX) {
-            self.rounds.remove(&key);
+        assert!(
+            !self.blocked.contains_key(&client_of(&request.reply)),
+            "a blocked client's requests wait behind (holds_back)"
+        );
+        if !self.may_defer(&request) {
             return Probed::Run(request);
         }
-        let set = match probe(fs, &request.op) {
+        match probe(fs, &request.op) {
             Deferred::Ready(None) => {
-                self.rounds.remove(&key);
-                return Probed::Run(request);
+                self.ran(&request);
+                Probed::Run(request)
             }
             Deferred::Ready(Some(result)) => {
-                self.rounds.remove(&key);
-                return Probed::Answered(request, result);
+                self.ran(&request);
+                Probed::Answered(request, result)
             }
-            Deferred::Fetching(set) => set,
-        };
-        *self.rounds.entry(key).or_default() += 1;
+            Deferred::Fetching(set) => {
+                self.park(request, set);
+                Probed::Parked
+            }
+        }
+    }
+
+    /// True when `request` may run deferred: it has parked fewer than [`ROUNDS_MAX`] times.
+    /// A read asks this before [`Filesystem::read_start_deferred`] maps it; a false answer
+    /// forgets its rounds, as it then runs without deferring.
+    pub fn may_defer(&mut self, request: &Request) -> bool {
+        if self.rounds.is_empty() {
+            return true;
+        }
+        let key = (client_of(&request.reply), request.token);
+        if self.rounds.get(&key).is_some_and(|&r| r >= ROUNDS_MAX) {
+            self.rounds.remove(&key);
+            return false;
+        }
+        true
+    }
+
+    /// `request` ran (it did not park): forgets its rounds.
+    pub fn ran(&mut self, request: &Request) {
+        if !self.rounds.is_empty() {
+            self.rounds
+                .remove(&(client_of(&request.reply), request.token));
+        }
+    }
+
+    /// Parks `request` until node read set `set` is answered. Its client's later requests
+    /// wait behind it; a client parked already (an earlier read of the same set of reads
+    /// parked) keeps its order: this one queues behind that one, and runs again with it.
+    pub fn park(&mut self, request: Request, set: u64) {
+        let client = client_of(&request.reply);
+        *self.rounds.entry((client, request.token)).or_default() += 1;
         self.parks += 1;
         let queue = self.blocked.entry(client).or_default();
-        assert!(queue.is_empty(), "a blocked client's requests wait behind");
+        let first = queue.is_empty();
         queue.push_back(request);
-        self.waiting.entry(set).or_default().push(client);
-        Probed::Parked
+        if first {
+            self.waiting.entry(set).or_default().push(client);
+        }
     }
 
     /// Node read set `set` was answered: its clients' requests run again, in order. False
@@ -173,9 +213,8 @@ fn probe(fs: &mut Filesystem, op: &Op) -> Deferred<Option<Result<Reply, EngineEr
         Op::Write { ino, offset, data } => looked_up(fs, |fs| {
             let _ = fs.probe_range(*ino, *offset, data.len());
         }),
-        Op::Read { ino, offset, len } => looked_up(fs, |fs| {
-            let _ = fs.probe_range(*ino, *offset, *len);
-        }),
+        // A read maps its extents once, deferred, in `Filesystem::read_start_deferred`.
+        Op::Read { .. } => unreachable!("reads are mapped deferred by read_start_deferred"),
         Op::Truncate { ino, size: offset } | Op::Fallocate { ino, offset, .. } => {
             looked_up(fs, |fs| {
                 let _ = fs.probe_range(*ino, *offset, 1);

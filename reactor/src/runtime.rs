@@ -1466,6 +1466,13 @@ impl Reactor {
         }
         for request in batch.drain(..) {
             self.stats.ops += 1;
+            // Consecutive reads run together, their device reads all in flight at once; any
+            // other operation first lets the reads before it start (and park those whose
+            // nodes are not in memory), so order is kept.
+            let is_read = matches!(request.op, Op::Read { .. });
+            if !is_read {
+                self.run_reads(&mut reads, &mut done);
+            }
             // A client with a parked request: this one waits behind it, in order.
             let Some(request) = self.meta.holds_back(request) else {
                 continue;
@@ -1477,18 +1484,10 @@ impl Reactor {
                     request_op = request.op
                 );
             }
-            // Consecutive reads run together, their device reads all in flight at once; any
-            // other operation first lets the reads before it finish, so order is kept.
-            if matches!(request.op, Op::Read { .. }) {
-                // Its extents mapped from memory, or it parks until they are read.
-                match self.meta.probe(&mut self.fs, request) {
-                    Probed::Run(request) => reads.push(request),
-                    Probed::Parked => {}
-                    Probed::Answered(..) => unreachable!("a read is probed, not answered"),
-                }
+            if is_read {
+                reads.push(request);
                 continue;
             }
-            self.run_reads(&mut reads, &mut done);
             if self.multi.is_some() && matches!(request.op, Op::Stats) {
                 self.hand_on(request, ToCoordinator::Stats);
                 continue;
@@ -1791,7 +1790,25 @@ impl Reactor {
             })
             .collect();
         self.stats.read_groups += 1;
-        let results = match self.fs.read_start(&wanted) {
+        // Each read's extents are mapped once, deferred: one whose tree nodes are not in
+        // memory parks until they are read, and its client's later requests wait behind it.
+        let may_defer: Vec<bool> = reads.iter().map(|r| self.meta.may_defer(r)).collect();
+        let (start, parked) = self.fs.read_start_deferred(&wanted, &may_defer);
+        if !parked.is_empty() {
+            let mut parked = parked.into_iter().peekable();
+            let mut kept = Vec::with_capacity(reads.len());
+            for (index, request) in reads.drain(..).enumerate() {
+                match parked.next_if(|&(at, _)| at == index) {
+                    Some((_, set)) => self.meta.park(request, set),
+                    None => kept.push(request),
+                }
+            }
+            *reads = kept;
+        }
+        for request in reads.iter() {
+            self.meta.ran(request);
+        }
+        let results = match start {
             engine::ReadStart::Done(results) => results,
             engine::ReadStart::Pending(set) => {
                 self.parked_reads.insert(set, std::mem::take(reads));

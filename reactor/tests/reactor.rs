@@ -1357,6 +1357,110 @@ fn spiky_runtime_with_a_hot_file(
     (runtime, faults, fast, hot)
 }
 
+/// A data read whose extents are not in memory parks, mapped once and deferred: while the
+/// tree node its mapping needs is held by a latency spike, another client's cached reads
+/// are answered, and the parked client's write and read behind it wait. The parked read
+/// then returns the bytes from before that write, and the read after it the new bytes.
+#[test]
+fn a_read_whose_extents_are_cold_parks_and_keeps_its_clients_order() {
+    let (_, dev) = formatted_mem(64 << 20, 64 << 10, 2);
+    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    let root = fs.root();
+    // Enough files with data for many leaves; none of them cached after the remount.
+    let mut cold = Vec::new();
+    for i in 0..3000u32 {
+        let ino = fs
+            .create(root, format!("d{i:05}").as_bytes(), 0o644, 0, 0)
+            .unwrap()
+            .ino;
+        fs.write(ino, 0, &i.to_le_bytes().repeat(1024)).unwrap();
+        cold.push(ino);
+    }
+    let (runtime, faults, mut fast, hot) = spiky_runtime_with_a_hot_file(fs);
+    fast.call(Op::Write {
+        ino: hot,
+        offset: 0,
+        data: b"cached bytes".to_vec(),
+    })
+    .unwrap();
+    let target = cold[1500];
+    // The next device read (a node the read's mapping needs) is held until released below.
+    faults.delay_next(nvme::OpKind::Read, 1, Duration::from_secs(600));
+    let mut slow = runtime.client(4);
+    let read = |token| {
+        (
+            Op::Read {
+                ino: target,
+                offset: 0,
+                len: 4096,
+            },
+            token,
+        )
+    };
+    for (op, token) in [
+        read(7),
+        (
+            Op::Write {
+                ino: target,
+                offset: 0,
+                data: b"rewritten".to_vec(),
+            },
+            8,
+        ),
+        read(9),
+    ] {
+        slow.submit(op, token).unwrap();
+    }
+    let mut slow_done = Vec::new();
+    for _ in 0..20 {
+        fast.submit(
+            Op::Read {
+                ino: hot,
+                offset: 0,
+                len: 12,
+            },
+            1,
+        )
+        .unwrap();
+        let mut done = Vec::new();
+        fast.wait(&mut done, Duration::from_secs(30));
+        let Some(completion) = done.pop() else {
+            faults.end_delays();
+            panic!("a cached read waited for another read's slow metadata");
+        };
+        assert!(matches!(completion.result.unwrap(), Reply::Data(d) if d == b"cached bytes"));
+        slow.poll(&mut slow_done);
+        if !slow_done.is_empty() {
+            faults.end_delays();
+            panic!("the parked read, or a request behind it, completed early: {slow_done:?}");
+        }
+    }
+    faults.end_delays();
+    while slow_done.len() < 3 {
+        slow.wait(&mut slow_done, Duration::from_secs(5));
+    }
+    // Answers may arrive in any order (a read's device I/O completes after the write that
+    // followed it is applied); what each saw must follow the order they were sent in.
+    slow_done.sort_by_key(|c| c.token);
+    let mut results = slow_done.into_iter().map(|c| c.result.unwrap());
+    let before = 1500u32.to_le_bytes().repeat(1024);
+    assert!(
+        matches!(results.next(), Some(Reply::Data(d)) if d == before),
+        "the parked read saw the write queued behind it"
+    );
+    results.next();
+    let mut after = before.clone();
+    after[..9].copy_from_slice(b"rewritten");
+    assert!(matches!(results.next(), Some(Reply::Data(d)) if d == after));
+    let stats = match fast.call(Op::Stats).unwrap() {
+        Reply::Stats(s) => s,
+        other => panic!("stats: {other:?}"),
+    };
+    assert!(stats.meta_parks >= 1, "no read parked: {:?}", stats.fetch);
+    drop((fast, slow));
+    runtime.shutdown().unwrap();
+}
+
 /// A slow device read (a latency spike on the fault wrapper) does not hold the reactor:
 /// while one client's cold read waits for the device, another client's reads and stats that
 /// hit the cache complete, and the slow read then returns its bytes. The reactor's
