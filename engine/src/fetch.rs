@@ -66,10 +66,15 @@ pub(crate) struct NodeFetch {
     pub deferring: bool,
     /// Node blocks the current deferred run missed.
     pub missing: Vec<u64>,
-    /// Blocks read in the background, waiting for the tree to take them.
-    fetched: HashMap<u64, Vec<u8>>,
-    /// `fetched`'s blocks, oldest first (some may be taken already).
-    order: VecDeque<u64>,
+    /// Blocks read in the background, waiting for the tree to take them, each with the
+    /// number of its arrival.
+    fetched: HashMap<u64, (u64, Vec<u8>)>,
+    /// Arrivals, oldest first, as `(address, arrival number)`. An entry whose number is not
+    /// its block's in `fetched` is stale (taken, or arrived again later): without the
+    /// number, a block fetched over and over would leave one entry per fetch that no
+    /// clean-up could tell from the live one, and the queue would grow without bound.
+    order: VecDeque<(u64, u64)>,
+    arrivals: u64,
     /// Blocks in flight, and the read set each is in.
     pub in_flight: HashMap<u64, u64>,
     pub stats: FetchStats,
@@ -78,29 +83,34 @@ pub(crate) struct NodeFetch {
 impl NodeFetch {
     /// The fetched block at `addr`, if one waits (taken: the tree holds it from now on).
     pub fn take(&mut self, addr: u64) -> Option<Vec<u8>> {
-        self.fetched.remove(&addr)
+        self.fetched.remove(&addr).map(|(_, block)| block)
     }
 
     /// A block arrived from the device.
     pub fn arrived(&mut self, addr: u64, block: Vec<u8>) {
         self.in_flight.remove(&addr);
         self.stats.blocks_fetched += 1;
-        if self.fetched.insert(addr, block).is_none() {
-            self.order.push_back(addr);
-        }
+        self.arrivals += 1;
+        self.fetched.insert(addr, (self.arrivals, block));
+        self.order.push_back((addr, self.arrivals));
         while self.fetched.len() > FETCHED_MAX {
-            let Some(oldest) = self.order.pop_front() else {
-                break;
-            };
-            if self.fetched.remove(&oldest).is_some() {
+            let (oldest, number) = self.order.pop_front().expect("every block has an entry");
+            if self.fetched.get(&oldest).is_some_and(|&(n, _)| n == number) {
+                self.fetched.remove(&oldest);
                 self.stats.blocks_dropped += 1;
             }
         }
-        // Taken blocks leave stale addresses in `order`: keep it within twice the bound.
+        // Stale entries are dropped once they are as many as the live ones: the clean-up
+        // costs O(1) amortized per arrival, and `order` stays within twice the bound.
         if self.order.len() > 2 * FETCHED_MAX {
             let fetched = &self.fetched;
-            self.order.retain(|a| fetched.contains_key(a));
+            self.order
+                .retain(|(a, number)| fetched.get(a).is_some_and(|&(n, _)| n == *number));
         }
+        assert!(
+            self.order.len() <= 2 * FETCHED_MAX && self.fetched.len() <= FETCHED_MAX,
+            "fetched blocks stay bounded"
+        );
     }
 
     /// A block's read failed: nobody waits for it any more (the filesystem has failed).
@@ -165,5 +175,42 @@ impl Filesystem {
     pub fn probe_range(&mut self, ino: u64, offset: u64, len: usize) -> crate::Result<()> {
         let len = crate::file::rw_len(offset, len)?;
         self.probe_extents(ino, offset, len as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A hot node fetched and taken over and over (a node cache far smaller than the tree)
+    /// leaves no trail: the queue of arrivals stays within its bound, and eviction still
+    /// drops the oldest live block first.
+    #[test]
+    fn a_block_fetched_and_taken_over_and_over_keeps_the_arrivals_bounded() {
+        let mut fetch = NodeFetch::default();
+        // A few blocks that wait untaken, then one hot block fetched again and again while
+        // one of them stays waiting.
+        for addr in 0..8 {
+            fetch.arrived(1000 + addr, vec![addr as u8]);
+        }
+        for round in 0..50_000u64 {
+            fetch.arrived(7, vec![1]);
+            if round % 2 == 0 {
+                assert_eq!(fetch.take(7), Some(vec![1]));
+            }
+            assert!(
+                fetch.order.len() <= 2 * FETCHED_MAX,
+                "round {round}: {} arrivals kept",
+                fetch.order.len()
+            );
+        }
+        assert_eq!(fetch.take(1003), Some(vec![3]), "untaken blocks stay");
+        // Filling past the bound drops the oldest waiting blocks, not the newest.
+        for addr in 0..FETCHED_MAX as u64 {
+            fetch.arrived(5000 + addr, vec![0]);
+        }
+        assert!(fetch.take(1000).is_none(), "the oldest went first");
+        assert!(fetch.take(5000 + FETCHED_MAX as u64 - 1).is_some());
+        assert!(fetch.fetched.len() <= FETCHED_MAX);
     }
 }

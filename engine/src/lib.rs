@@ -64,5 +64,5 @@ pub use fs::{Filesystem, MkfsOptions, MountOptions};
 pub use inode::{SetAttr, Stat};
 pub use log::inflight::DeviceWaitStats;
 pub use log::LogStats;
-pub use reads::{ReadResult, ReadStart, ReadStats};
+pub use reads::{ReadResult, ReadStart, ReadStats, ReadsStarted};
 pub use xattr::XattrFlags;

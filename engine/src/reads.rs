@@ -53,6 +53,20 @@ pub enum ReadStart {
     Pending(u64),
 }
 
+/// What [`Filesystem::read_start_deferred`] did with each request of a batch.
+#[derive(Debug, Default)]
+pub struct ReadsStarted {
+    /// Requests answered now (from memory, or failed before the device): `(index in the
+    /// batch, result)`, in batch order.
+    pub done: Vec<(usize, ReadResult)>,
+    /// The requests that wait for the device: the set's number, which
+    /// [`Filesystem::read_progress`] hands back with their results, and the index in the
+    /// batch of each result, in the set's order.
+    pub pending: Option<(u64, Vec<usize>)>,
+    /// Requests whose lookups missed the node cache: `(index in the batch, node set)`.
+    pub parked: Vec<(usize, u64)>,
+}
+
 /// Asynchronous read counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ReadStats {
@@ -147,37 +161,70 @@ pub(crate) struct Reads {
 impl Filesystem {
     /// Starts a set of reads `(ino, offset, len)`, each as [`Filesystem::read`] would return
     /// it. Metadata comes from the node cache or a synchronous read; data blocks not in
-    /// memory are read from the device in the background.
+    /// memory are read from the device in the background. The whole set is answered at
+    /// once (tools, tests and [`Filesystem::read_many`] want every result together).
     pub fn read_start(&mut self, requests: &[(u64, u64, usize)]) -> ReadStart {
-        let (start, parked) = self.read_start_deferred(requests, &vec![false; requests.len()]);
-        assert!(parked.is_empty(), "no request deferred, none parked");
-        start
+        let started = self.start_reads(requests, &vec![false; requests.len()], false);
+        assert!(
+            started.parked.is_empty(),
+            "no request deferred, none parked"
+        );
+        match started.pending {
+            None => ReadStart::Done(started.done.into_iter().map(|(_, r)| r).collect()),
+            Some((set, answers)) => {
+                assert!(
+                    started.done.is_empty(),
+                    "an unsplit set keeps every request"
+                );
+                assert_eq!(
+                    answers.len(),
+                    requests.len(),
+                    "the set answers every request"
+                );
+                ReadStart::Pending(set)
+            }
+        }
     }
 
-    /// As [`Filesystem::read_start`], but the lookups (inode and extents) of each request
-    /// with `may_defer` set run deferred ([`Filesystem::without_waiting`]): a request whose
-    /// tree nodes are not in memory is left out of the set, its nodes are read in the
-    /// background, and it is returned as `(index in requests, node read set)` to run again
-    /// once that set is answered. The set's results are those of the other requests, in
-    /// order. Mapping once, deferred, is what lets a reactor read without a separate probe.
+    /// As [`Filesystem::read_start`], for a reactor: each request is answered as early as
+    /// it can be. A request served from memory is answered now (in
+    /// [`ReadsStarted::done`]), never held behind another request's device read; only the
+    /// requests that need the device form the pending set. The lookups (inode and extents)
+    /// of each request with `may_defer` set run deferred ([`Filesystem::without_waiting`]):
+    /// a request whose tree nodes are not in memory is left out, its nodes are read in the
+    /// background, and it is returned in [`ReadsStarted::parked`] to run again once that
+    /// node set is answered. Mapping once, deferred, is what lets a reactor read without a
+    /// separate probe.
     pub fn read_start_deferred(
         &mut self,
         requests: &[(u64, u64, usize)],
         may_defer: &[bool],
-    ) -> (ReadStart, Vec<(usize, u64)>) {
+    ) -> ReadsStarted {
+        self.start_reads(requests, may_defer, true)
+    }
+
+    /// Plans `requests` and submits their device reads; with `split`, requests that need no
+    /// device read are answered at once instead of joining the set.
+    fn start_reads(
+        &mut self,
+        requests: &[(u64, u64, usize)],
+        may_defer: &[bool],
+        split: bool,
+    ) -> ReadsStarted {
         assert_eq!(requests.len(), may_defer.len(), "one flag per request");
+        let mut started = ReadsStarted::default();
         let mut pieces: Vec<ReadPiece> = Vec::new();
+        // The set's results, and which request (index in `requests`) each answers; pieces
+        // number their request by its place in the set.
         let mut outs: Vec<ReadResult> = Vec::with_capacity(requests.len());
-        let mut parked = Vec::new();
-        // The requests planned, as (index in `requests`): `outs` and pieces number them
-        // without the parked ones.
-        let mut planned_from = Vec::with_capacity(requests.len());
+        let mut answers: Vec<usize> = Vec::with_capacity(requests.len());
+        let mut followed = Vec::with_capacity(requests.len());
         for (index, &(ino, offset, len)) in requests.iter().enumerate() {
             let map = if may_defer[index] {
                 match self.without_waiting(|fs| fs.map_read(ino, offset, len)) {
                     Deferred::Ready(map) => map,
                     Deferred::Fetching(set) => {
-                        parked.push((index, set));
+                        started.parked.push((index, set));
                         continue;
                     }
                 }
@@ -187,30 +234,39 @@ impl Filesystem {
             let mut mine = Vec::new();
             let planned = map.and_then(|map| self.plan_read(outs.len(), map, &mut mine));
             if planned.is_ok() {
+                followed.push((ino, offset, len as u64));
+            }
+            if split && (planned.is_err() || mine.is_empty()) {
+                started.done.push((index, planned));
+                continue;
+            }
+            if planned.is_ok() {
                 pieces.append(&mut mine);
             }
             outs.push(planned);
-            planned_from.push(index);
+            answers.push(index);
         }
-        for (out, &index) in outs.iter().zip(&planned_from) {
-            if out.is_ok() {
-                let (ino, offset, len) = requests[index];
-                self.follow_stream(ino, offset, len as u64);
-            }
+        for (ino, offset, len) in followed {
+            self.follow_stream(ino, offset, len);
         }
         if pieces.is_empty() {
-            return (ReadStart::Done(outs), parked);
+            started.done.extend(answers.into_iter().zip(outs));
+            started.done.sort_by_key(|&(index, _)| index);
+            return started;
         }
         if let Some(e) = self.failed.clone() {
             // A failed filesystem reads no more from its device.
             for piece in &pieces {
                 outs[piece.request] = Err(e.clone());
             }
-            return (ReadStart::Done(outs), parked);
+            started.done.extend(answers.into_iter().zip(outs));
+            started.done.sort_by_key(|&(index, _)| index);
+            return started;
         }
         let id = self.queue_set(outs, pieces, SetKind::Data);
         self.reads.stats.sets_async += 1;
-        (ReadStart::Pending(id), parked)
+        started.pending = Some((id, answers));
+        started
     }
 
     /// Starts reading the tree-node blocks `addrs` in the background, as one set whose

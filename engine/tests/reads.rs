@@ -318,3 +318,58 @@ fn sequential_reads_are_read_ahead_into_the_block_cache() {
     assert_eq!(fs.read_stats().ahead_sets, ahead, "random reads read ahead");
     fs.unmount().unwrap();
 }
+
+/// A reactor's batch: requests served from memory are answered at once, never held in the
+/// set of a request that waits for the device; errors are answered at once too; only the
+/// device-bound requests form the set, and its results come back in the set's order.
+#[test]
+fn a_batch_answers_what_memory_holds_at_once_and_sets_only_device_reads() {
+    let (mut h, a) = with_file_a();
+    let fs = &mut h.fs;
+    let root = fs.root();
+    let b = fs.create(root, b"b", 0o644, 0, 0).unwrap().ino;
+    fs.write(b, 0, b"in memory").unwrap();
+    h.hold.store(true, Ordering::SeqCst);
+    let batch = [
+        (b, 0, 9),
+        (a, 0, 4096),
+        (u64::MAX / 2, 0, 1),
+        (b, 3, 6),
+        (a, 8192, 4096),
+    ];
+    let started = fs.read_start_deferred(&batch, &[false; 5]);
+    assert!(
+        started.parked.is_empty(),
+        "nothing deferred, nothing parked"
+    );
+    let done: Vec<usize> = started.done.iter().map(|&(index, _)| index).collect();
+    assert_eq!(
+        done,
+        [0, 2, 3],
+        "memory reads and the failed one, in batch order"
+    );
+    assert_eq!(started.done[0].1.as_ref().unwrap(), b"in memory");
+    assert!(started.done[1].1.is_err(), "no such inode");
+    assert_eq!(started.done[2].1.as_ref().unwrap(), b"memory");
+    let (set, answers) = started.pending.expect("the cold reads need the device");
+    assert_eq!(
+        answers,
+        [1, 4],
+        "only the device reads wait, in batch order"
+    );
+    h.hold.store(false, Ordering::SeqCst);
+    let mut results = None;
+    while results.is_none() {
+        for (finished, r) in fs.read_progress(Some(Duration::from_millis(100))) {
+            assert_eq!(finished, set, "the one set in flight");
+            results = Some(r);
+        }
+    }
+    let results = results.unwrap();
+    assert_eq!(results.len(), 2, "one result per device-bound request");
+    for r in &results {
+        assert_eq!(r.as_ref().unwrap(), &vec![0x11; 4096]);
+    }
+    assert_eq!(fs.reads_in_flight(), 0);
+    fs.check().unwrap();
+}

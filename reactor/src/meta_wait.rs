@@ -19,9 +19,10 @@
 //!   whose nodes were in memory may be answered before an earlier read of the same set that
 //!   parked (neither changes anything; whatever follows them waits for the parked one).
 //! - A parked request is still owed ([`crate::owed`]): a reactor that fails answers it.
-//! - Progress: a request parked [`ROUNDS_MAX`] times runs without deferring (it may then
-//!   wait for the device, which the device-wait statistics count), so a cache too small
-//!   for one operation's lookups never starves it.
+//! - Progress: a request parked [`ROUNDS_MAX`] times runs every later stage (routing,
+//!   probe, read) without deferring until it has run (it may then wait for the device,
+//!   which the device-wait statistics count), so a cache too small for one operation's
+//!   lookups never starves it.
 //! - Bounded by the requests owed (each client's capacity).
 
 use crate::client::ReplyQueue;
@@ -90,6 +91,7 @@ impl MetaWaits {
             "a blocked client's requests wait behind (holds_back)"
         );
         if !self.may_defer(&request) {
+            self.ran(&request);
             return Probed::Run(request);
         }
         match probe(fs, &request.op) {
@@ -109,18 +111,18 @@ impl MetaWaits {
     }
 
     /// True when `request` may run deferred: it has parked fewer than [`ROUNDS_MAX`] times.
-    /// A read asks this before [`Filesystem::read_start_deferred`] maps it; a false answer
-    /// forgets its rounds, as it then runs without deferring.
-    pub fn may_defer(&mut self, request: &Request) -> bool {
-        if self.rounds.is_empty() {
-            return true;
-        }
-        let key = (client_of(&request.reply), request.token);
-        if self.rounds.get(&key).is_some_and(|&r| r >= ROUNDS_MAX) {
-            self.rounds.remove(&key);
-            return false;
-        }
-        true
+    /// A read asks this before [`Filesystem::read_start_deferred`] maps it, a request with
+    /// several reactors before its routing lookups and again before its probe. The answer
+    /// stays false, stage after stage, until the request has run ([`MetaWaits::ran`]
+    /// forgets its rounds): were a false answer to forget them, a request that parks in
+    /// one stage and runs another without deferring would start counting again at every
+    /// round, and could park forever.
+    pub fn may_defer(&self, request: &Request) -> bool {
+        self.rounds.is_empty()
+            || self
+                .rounds
+                .get(&(client_of(&request.reply), request.token))
+                .is_none_or(|&r| r < ROUNDS_MAX)
     }
 
     /// `request` ran (it did not park): forgets its rounds.

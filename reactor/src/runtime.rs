@@ -42,7 +42,7 @@ use crate::stats::{thread_cpu_ns, Histograms, ReactorStats};
 use crossbeam_queue::ArrayQueue;
 use engine::log::FsyncStart;
 use engine::partition::{Lent, PartitionTemplate};
-use engine::{EngineError, Filesystem, MkfsOptions, MountOptions};
+use engine::{Deferred, EngineError, Filesystem, MkfsOptions, MountOptions};
 use nvme::BlockDevice;
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -1493,7 +1493,26 @@ impl Reactor {
                 continue;
             }
             if let Some(m) = self.multi.as_mut() {
-                match crate::multi::plan(&mut self.fs, m, &request.op) {
+                // The routing lookups run deferred too: a miss parks the request, not the
+                // reactor (routing only looks up and places; nothing it changes is undone).
+                let planned = if self.meta.may_defer(&request) {
+                    match self
+                        .fs
+                        .without_waiting(|fs| crate::multi::plan(fs, m, &request.op))
+                    {
+                        Deferred::Ready(plan) => plan,
+                        Deferred::Fetching(set) => {
+                            self.meta.park(request, set);
+                            continue;
+                        }
+                    }
+                } else {
+                    crate::multi::plan(&mut self.fs, m, &request.op)
+                };
+                if !matches!(planned, Plan::Local) {
+                    self.meta.ran(&request);
+                }
+                match planned {
                     Plan::Local => {}
                     Plan::Forward(to, op) => {
                         forwards.push((to, Request { op, ..request }));
@@ -1772,8 +1791,8 @@ impl Reactor {
         }
     }
 
-    /// Starts the queued reads together ([`Filesystem::read_start`]): answered now when
-    /// memory held everything, parked until their device reads complete otherwise.
+    /// Starts the queued reads together ([`Filesystem::read_start_deferred`]): each read
+    /// memory serves is answered now; the rest park until their device reads complete.
     fn run_reads(
         &mut self,
         reads: &mut Vec<Request>,
@@ -1793,29 +1812,20 @@ impl Reactor {
         // Each read's extents are mapped once, deferred: one whose tree nodes are not in
         // memory parks until they are read, and its client's later requests wait behind it.
         let may_defer: Vec<bool> = reads.iter().map(|r| self.meta.may_defer(r)).collect();
-        let (start, parked) = self.fs.read_start_deferred(&wanted, &may_defer);
-        if !parked.is_empty() {
-            let mut parked = parked.into_iter().peekable();
-            let mut kept = Vec::with_capacity(reads.len());
-            for (index, request) in reads.drain(..).enumerate() {
-                match parked.next_if(|&(at, _)| at == index) {
-                    Some((_, set)) => self.meta.park(request, set),
-                    None => kept.push(request),
-                }
-            }
-            *reads = kept;
+        let started = self.fs.read_start_deferred(&wanted, &may_defer);
+        // Each request goes one way: answered now (served from memory: it never waits for
+        // another request's device read), parked (its nodes are being read), or into the
+        // device set.
+        let mut slots: Vec<Option<Request>> = reads.drain(..).map(Some).collect();
+        for (index, set) in started.parked {
+            let request = slots[index].take().expect("a request parks once");
+            self.meta.park(request, set);
         }
-        for request in reads.iter() {
+        for request in slots.iter().flatten() {
             self.meta.ran(request);
         }
-        let results = match start {
-            engine::ReadStart::Done(results) => results,
-            engine::ReadStart::Pending(set) => {
-                self.parked_reads.insert(set, std::mem::take(reads));
-                return;
-            }
-        };
-        for (request, result) in reads.drain(..).zip(results) {
+        for (index, result) in started.done {
+            let request = slots[index].take().expect("a request is answered once");
             done.push((
                 request.reply,
                 Completion {
@@ -1824,6 +1834,17 @@ impl Reactor {
                 },
             ));
         }
+        if let Some((set, answers)) = started.pending {
+            let waiting: Vec<Request> = answers
+                .into_iter()
+                .map(|index| slots[index].take().expect("a request waits in one set"))
+                .collect();
+            self.parked_reads.insert(set, waiting);
+        }
+        assert!(
+            slots.iter().all(Option::is_none),
+            "every read is answered, parked or waiting"
+        );
     }
 
     fn execute(&mut self, op: Op) -> Result<Reply, EngineError> {

@@ -1357,6 +1357,86 @@ fn spiky_runtime_with_a_hot_file(
     (runtime, faults, fast, hot)
 }
 
+/// With several reactors, the routing lookups (which reactor owns what a request names) run
+/// deferred as well: under a node cache far too small for the tree, unlinks and lookups sent
+/// by several clients at once park on their misses and are all answered, each rightly.
+#[test]
+fn several_reactors_park_routing_lookups_and_answer_every_request_rightly() {
+    let (_, dev) = formatted_mem(64 << 20, 64 << 10, 4);
+    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    let root = fs.root();
+    let names: Vec<Vec<u8>> = (0..2000).map(|i| format!("n{i:05}").into_bytes()).collect();
+    for name in &names {
+        fs.create(root, name, 0o644, 0, 0).unwrap();
+    }
+    let runtime = Runtime::start_with_device(
+        Config {
+            device: "mem, cold cache".into(),
+            reactors: 2,
+            mount: MountOptions {
+                cache_nodes: 16,
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+        fs.unmount().unwrap(),
+    )
+    .unwrap();
+    let mut clients: Vec<_> = (0..3).map(|_| runtime.client(8)).collect();
+    // Client c unlinks every third of the even names and looks up the odd ones, 8 at a time.
+    for (c, client) in clients.iter_mut().enumerate() {
+        let mine: Vec<usize> = (0..names.len()).filter(|i| i % 3 == c).collect();
+        for chunk in mine.chunks(8) {
+            for &i in chunk {
+                let name = names[i].clone();
+                let op = if i % 2 == 0 {
+                    Op::Unlink { dir: ROOT, name }
+                } else {
+                    Op::Lookup { dir: ROOT, name }
+                };
+                client.submit(op, i as u64).unwrap();
+            }
+            let mut done = Vec::new();
+            while done.len() < chunk.len() {
+                assert!(
+                    client.wait(&mut done, Duration::from_secs(30)) > 0,
+                    "a parked request was never answered"
+                );
+            }
+            for completion in done {
+                let i = completion.token as usize;
+                match completion.result {
+                    Ok(Reply::Done) if i % 2 == 0 => {}
+                    Ok(Reply::Stat(_)) if i % 2 == 1 => {}
+                    other => panic!("{}: {other:?}", String::from_utf8_lossy(&names[i])),
+                }
+            }
+        }
+    }
+    // What the unlinks removed is gone, and nothing else.
+    for (i, name) in names.iter().enumerate().step_by(97) {
+        let found = clients[0].call(Op::Lookup {
+            dir: ROOT,
+            name: name.clone(),
+        });
+        match (i % 2, found) {
+            (0, Err(EngineError::NotFound)) | (1, Ok(Reply::Stat(_))) => {}
+            (_, other) => panic!("{}: {other:?}", String::from_utf8_lossy(name)),
+        }
+    }
+    let stats = match clients[0].call(Op::Stats).unwrap() {
+        Reply::Stats(s) => s,
+        other => panic!("stats: {other:?}"),
+    };
+    assert!(
+        stats.meta_parks >= 1,
+        "no request parked: {:?}",
+        stats.fetch
+    );
+    drop(clients);
+    runtime.shutdown().unwrap();
+}
+
 /// A data read whose extents are not in memory parks, mapped once and deferred: while the
 /// tree node its mapping needs is held by a latency spike, another client's cached reads
 /// are answered, and the parked client's write and read behind it wait. The parked read
