@@ -983,7 +983,9 @@ fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, config: &Config)
             IdlePolicy::SpinThenPark { spin } => {
                 let since = *idle_since.get_or_insert_with(Instant::now);
                 if since.elapsed() < spin {
-                    std::hint::spin_loop();
+                    // Yield, not spin: a client the scheduler put on this core (2 loaded
+                    // cores) runs, where a spin at this thread's weight would hold it off.
+                    std::thread::yield_now();
                     continue;
                 }
                 shared.parked.store(true, Ordering::SeqCst);
@@ -1839,6 +1841,8 @@ impl Reactor {
                 .into_iter()
                 .map(|index| slots[index].take().expect("a request waits in one set"))
                 .collect();
+            // Their clients stop yielding for these replies and sleep (client.rs).
+            waiting.iter().for_each(|r| r.reply.note_device_wait());
             self.parked_reads.insert(set, waiting);
         }
         assert!(
