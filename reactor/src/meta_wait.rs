@@ -247,3 +247,49 @@ fn looked_up(
         Deferred::Fetching(set) => Deferred::Fetching(set),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    fn request(reply: &Arc<ReplyQueue>, token: u64) -> Request {
+        Request {
+            op: Op::Stat { ino: 256 },
+            token,
+            reply: reply.clone(),
+            submitted: Instant::now(),
+        }
+    }
+
+    /// A request goes through several deferred stages (routing with several reactors, then
+    /// its probe). Once it has parked [`ROUNDS_MAX`] times, no stage may defer it until it
+    /// has run: were one stage's "no" to reset the count, the stages could park it in turn
+    /// forever (seen: a reactor cycling a dozen unlinks for seconds until a commit).
+    #[test]
+    fn a_request_out_of_rounds_runs_every_stage_without_deferring_until_it_ran() {
+        let mut meta = MetaWaits::default();
+        let reply = Arc::new(ReplyQueue::new(4));
+        for set in 0..ROUNDS_MAX as u64 {
+            let r = request(&reply, 7);
+            assert!(meta.may_defer(&r), "round {set} may still defer");
+            meta.park(r, set);
+            assert!(meta.answered(set));
+            let resumed = meta.take_resumed();
+            assert_eq!(resumed.len(), 1);
+        }
+        let r = request(&reply, 7);
+        // The routing stage asks, then the probe stage asks: both must say no.
+        assert!(
+            !meta.may_defer(&r),
+            "out of rounds: routing runs without deferring"
+        );
+        assert!(!meta.may_defer(&r), "and so does the probe after it");
+        // Another request of the same client is not affected.
+        assert!(meta.may_defer(&request(&reply, 8)));
+        // Once it ran, its count is forgotten (a new request with its token starts afresh).
+        meta.ran(&r);
+        assert!(meta.may_defer(&r));
+        assert!(meta.rounds.is_empty(), "nothing kept for requests that ran");
+    }
+}
