@@ -11,8 +11,12 @@ command -v g++ >/dev/null || { echo "rocksdb-build.sh: g++ not found (apt-get in
   echo "rocksdb-build.sh: rocksdb/file_system.h not found (apt-get install librocksdb-dev)" >&2
   exit 1
 }
-echo "== $cargo build --release -p corefs-bindings" >&2
-$cargo build --release -p corefs-bindings >&2
+# COREFS_LIB_FEATURES=sim: the library with the test machinery (`cache=volatile`, which
+# rocksdb-test.sh's power cuts need); unset, the library as it ships (the benchmark).
+features=()
+[[ -n ${COREFS_LIB_FEATURES:-} ]] && features=(--features "$COREFS_LIB_FEATURES")
+echo "== $cargo build --release -p corefs-bindings ${features[*]}" >&2
+$cargo build --release -p corefs-bindings "${features[@]}" >&2
 echo "== compiling the RocksDB FileSystem, its tests and corefs_db_bench" >&2
 release=$PWD/target/release
 flags=(-std=c++17 -O2 -g -Wall -Wextra -Werror -I bindings/include -I bindings/rocksdb)

@@ -11,7 +11,9 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 root=$PWD
 
-scripts/rocksdb-build.sh
+# The power cuts sit behind the simulated volatile cache (`cache=volatile`), which only a
+# library built with the `sim` feature has.
+COREFS_LIB_FEATURES=sim scripts/rocksdb-build.sh
 
 test_bin=$root/target/release/test_rocksdb
 work=$(mktemp -d /var/tmp/corefs-rocksdb-test.XXXXXX)

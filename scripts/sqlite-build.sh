@@ -20,8 +20,12 @@ done
 # cargo-locked (a flock'd cargo) where it exists: builds sharing a machine queue, not race.
 cargo_cmd=cargo
 command -v cargo-locked >/dev/null && cargo_cmd=cargo-locked
-echo "== $cargo_cmd build --release --locked -p corefs-bindings" >&2
-$cargo_cmd build --release --locked -p corefs-bindings >&2
+# COREFS_LIB_FEATURES=sim: the library with the test machinery (`cache=volatile`, which
+# sqlite-test.sh's power cut needs); unset, the library as it ships (the benchmark).
+features=()
+[[ -n ${COREFS_LIB_FEATURES:-} ]] && features=(--features "$COREFS_LIB_FEATURES")
+echo "== $cargo_cmd build --release --locked -p corefs-bindings ${features[*]}" >&2
+$cargo_cmd build --release --locked -p corefs-bindings "${features[@]}" >&2
 echo "== compiling the VFS and the test program" >&2
 release=$PWD/target/release
 $cargo_cmd fetch --locked >&2

@@ -11,7 +11,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 root=$PWD
 
 command -v sqlite3 >/dev/null || { echo "sqlite-test.sh: sqlite3 not found" >&2; exit 1; }
-scripts/sqlite-build.sh
+# The power cuts sit behind the simulated volatile cache (`cache=volatile`), which only a
+# library built with the `sim` feature has.
+COREFS_LIB_FEATURES=sim scripts/sqlite-build.sh
 
 test_bin=$root/target/release/test_sqlite
 work=$(mktemp -d /var/tmp/corefs-sqlite-test.XXXXXX)

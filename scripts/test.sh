@@ -29,10 +29,24 @@ echo "== cargo fmt --check" >&2
 cargo fmt --all -- --check
 echo "== cargo clippy -D warnings" >&2
 cargo clippy --locked --all-targets -- -D warnings
+# The builds without the test machinery (`sim`): libcorefs, and each crate that has the feature.
+cargo clippy --locked -p corefs-bindings --lib -- -D warnings
+cargo clippy --locked -p corefs-nvme -p corefs-engine -p corefs-reactor --lib --no-default-features -- -D warnings
+echo "== libcorefs carries no test machinery" >&2
+# Its dependency tree (no dev-dependencies) must enable no crate's `sim` (or `default`, which
+# holds it) and pull in no rand.
+if leaked=$(cargo tree --locked -p corefs-bindings -e normal --prefix none -f '{p} [{f}]' |
+    grep -E '^corefs-.*[[,]( ?)(sim|default)[],]|^rand'); then
+  echo "test.sh: libcorefs's build carries test machinery:" >&2
+  sort -u <<<"$leaked" >&2
+  exit 1
+fi
 echo "== cargo test" >&2
 # The C example links the shared library, which cargo test does not build by itself.
 cargo build --locked -p corefs-bindings
 cargo test --locked --workspace
+# The device layer without `sim`: the simulation options are refused by name.
+cargo test --locked -p corefs-nvme --no-default-features --lib
 echo "== SQLite on corefs (the VFS, journal and WAL modes, the sqlite3 shell, a crash)" >&2
 scripts/sqlite-test.sh
 echo "== RocksDB on corefs (its FileSystem: functional test and kill -9 power cuts)" >&2

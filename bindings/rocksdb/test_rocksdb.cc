@@ -20,6 +20,7 @@
 #include <rocksdb/table.h>
 #include <rocksdb/convenience.h>
 
+#include <cctype>
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
@@ -291,6 +292,18 @@ int Crash(const char* self, const std::string& device, uint64_t seed) {
   uint64_t acked = 0;  // keys 0 .. acked-1 acknowledged
   char line[64];
   while (acked < kill_after && std::fgets(line, sizeof line, in) != nullptr) {
+    if (!std::isdigit(static_cast<unsigned char>(line[0]))) {
+      // Not an acknowledgement: the writer's own FAIL line (a mount refused, say
+      // cache=volatile by a library built without the `sim` feature). Show all of it.
+      std::string said = line;
+      char more[256];
+      while (std::fgets(more, sizeof more, in) != nullptr) said += more;
+      std::printf("FAIL crash: the writer failed: %s", said.c_str());
+      kill(child, SIGKILL);
+      waitpid(child, nullptr, 0);
+      std::fclose(in);
+      return 1;
+    }
     size_t len = std::strlen(line);
     if (len == 0 || line[len - 1] != '\n') break;
     uint64_t i = std::strtoull(line, nullptr, 10);

@@ -15,6 +15,7 @@
 
 pub mod abi;
 mod atomic;
+#[cfg(feature = "sim")]
 #[doc(hidden)]
 pub mod fuzz_harness;
 mod handles;

@@ -35,6 +35,7 @@ pub mod fetch;
 pub mod file;
 pub mod format;
 pub mod fs;
+#[cfg(feature = "sim")]
 #[doc(hidden)]
 pub mod fuzz_harness;
 pub mod inode;

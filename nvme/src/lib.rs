@@ -7,9 +7,14 @@
 //! starts a thread of its own.
 //!
 //! Backends ([`backend`]): NVMe passthrough (`nvme:/dev/ngXnY`), io_uring on a file or block
-//! device (`file:PATH`), and memory (`mem:SIZE`). Wrappers ([`wrap`]) record every write for crash
-//! testing, inject seeded faults, and keep a read-only check's writes in memory. An open for
-//! writing holds the device exclusively ([`lock`]); read-only tools open it shared.
+//! device (`file:PATH`), and memory (`mem:SIZE`). Wrappers (`wrap`, with the `sim` feature)
+//! record every write for crash testing, inject seeded faults, simulate a volatile write cache,
+//! and keep a read-only check's writes in memory. An open for writing holds the device
+//! exclusively ([`lock`]); read-only tools open it shared.
+//!
+//! The `sim` feature carries the test machinery: the wrappers and [`SimAccess`] (direct block
+//! access to simulated devices). A build without it (libcorefs) has neither, and refuses the
+//! device-string options that need them ([`spec`]).
 //!
 //! # Invariants
 //! - At most [`DeviceInfo::queue_depth`] requests are in flight on one queue; a full queue rejects
@@ -31,6 +36,7 @@ pub mod error;
 pub mod lock;
 pub mod probe;
 pub mod spec;
+#[cfg(feature = "sim")]
 pub mod wrap;
 
 pub use dma::{DmaBuf, DmaPool, PoolBacking};
@@ -226,13 +232,16 @@ pub trait BlockDevice: Send {
     }
 
     /// Direct synchronous access to the stored blocks, for simulation only (the fault wrapper's
-    /// crash model, crash-state tools). Real devices return `None`.
+    /// crash model, crash-state tools). Real devices return `None`. Only with `sim`: a
+    /// production build has no way around the queue.
+    #[cfg(feature = "sim")]
     fn sim_access(&mut self) -> Option<&mut dyn SimAccess> {
         None
     }
 }
 
 /// Synchronous block access that bypasses the queue; offered by simulated devices only.
+#[cfg(feature = "sim")]
 pub trait SimAccess {
     fn sim_read(&self, lba: u64, out: &mut [u8]);
     fn sim_write(&mut self, lba: u64, data: &[u8]);
@@ -260,6 +269,7 @@ impl<D: BlockDevice + ?Sized> BlockDevice for Box<D> {
     fn signal_completions_to(&mut self, eventfd: std::os::fd::RawFd) -> bool {
         (**self).signal_completions_to(eventfd)
     }
+    #[cfg(feature = "sim")]
     fn sim_access(&mut self) -> Option<&mut dyn SimAccess> {
         (**self).sim_access()
     }

@@ -14,6 +14,11 @@
 //! submission, at their completion; at most 1000000). Sizes take K, M, G, T suffixes with
 //! optional `iB`/`B`, all binary (1K = 1024).
 //!
+//! `cache=volatile` and `flushdelay=` ask for a simulation wrapper (`crate::wrap::volatile`),
+//! which only a build with the `sim` feature has: without it (libcorefs) they are an error
+//! naming the feature, never silently dropped, since a test that believes it cuts the power
+//! behind a volatile cache must not run against a device that has none.
+//!
 //! # Invariants
 //! - Every value is range-checked when the string is parsed ([`OpenOptions::check`]) and read
 //!   as u64 before any narrowing: a bad string is a [`DevError::BadSpec`] naming the option
@@ -110,6 +115,28 @@ impl OpenOptions {
         crate::dma::check_geometry(self.buf_bytes, self.buf_count)?;
         if let Some(ms) = self.sqpoll_idle_ms {
             check_sqpoll_idle_ms(ms as u64)?;
+        }
+        self.check_sim_options()
+    }
+
+    /// The simulation options need the wrappers, which only a `sim` build carries.
+    #[cfg(feature = "sim")]
+    fn check_sim_options(&self) -> Result<(), String> {
+        Ok(())
+    }
+
+    /// The simulation options need the wrappers, which only a `sim` build carries: here they
+    /// are an error naming the feature, so that nothing runs believing it has a volatile cache.
+    #[cfg(not(feature = "sim"))]
+    fn check_sim_options(&self) -> Result<(), String> {
+        let needs_sim = |option: &str| {
+            format!("{option} needs a build with the `sim` feature (test machinery)")
+        };
+        if self.volatile_cache {
+            return Err(needs_sim("cache=volatile"));
+        }
+        if self.flush_delay_us != 0 {
+            return Err(needs_sim(&format!("flushdelay={}", self.flush_delay_us)));
         }
         Ok(())
     }
@@ -309,14 +336,19 @@ pub fn open_device(spec: &str, defaults: &OpenOptions) -> Result<Box<dyn BlockDe
             buf_count: o.buf_count,
         })?),
     };
-    Ok(if o.volatile_cache {
+    #[cfg(feature = "sim")]
+    let dev: Box<dyn BlockDevice> = if o.volatile_cache {
         Box::new(crate::wrap::VolatileCacheDevice::with_flush_delay(
             dev,
             std::time::Duration::from_micros(o.flush_delay_us),
         ))
     } else {
         dev
-    })
+    };
+    // `check` (in `parse`) refused the wrapper options in a build without them.
+    #[cfg(not(feature = "sim"))]
+    assert!(!o.volatile_cache && o.flush_delay_us == 0);
+    Ok(dev)
 }
 
 /// Parses `4096`, `64K`, `128KiB`, `1GiB`, `2g`, `1TB`, `1EiB` (binary multiples); a product
@@ -496,5 +528,51 @@ mod tests {
         ] {
             DeviceSpec::parse(spec, &d).unwrap_or_else(|e| panic!("{spec}: {e}"));
         }
+    }
+
+    /// Without `sim` (libcorefs), the options asking for the simulated volatile cache are an
+    /// error naming the option and the feature, from a string and from a program's defaults
+    /// alike: a crash test must never run believing it has a volatile cache it lacks. Runs in
+    /// `cargo test -p corefs-nvme --no-default-features --lib` (scripts/test.sh).
+    #[cfg(not(feature = "sim"))]
+    #[test]
+    fn simulation_options_are_named_errors_without_sim() {
+        let d = OpenOptions::default();
+        for (spec, option) in [
+            ("mem:64MiB,cache=volatile", "cache=volatile"),
+            ("file:/x,cache=volatile,flushdelay=2000", "cache=volatile"),
+            ("mem:64MiB,flushdelay=2000", "flushdelay=2000"),
+        ] {
+            let err = DeviceSpec::parse(spec, &d).expect_err(spec);
+            assert!(matches!(err, DevError::BadSpec { .. }), "{spec}: {err}");
+            let text = err.to_string();
+            for w in [option, "needs a build with the `sim` feature"] {
+                assert!(text.contains(w), "{spec}: {text:?} does not say {w:?}");
+            }
+            let err = open_device(spec, &d).err().expect(spec);
+            assert!(err.to_string().contains("`sim`"), "{spec}: {err}");
+        }
+        let volatile = OpenOptions {
+            volatile_cache: true,
+            ..OpenOptions::default()
+        };
+        let err = open_device("mem:64MiB", &volatile)
+            .err()
+            .expect("volatile defaults");
+        assert!(err.to_string().contains("cache=volatile needs"), "{err}");
+        // Without them the same strings open.
+        DeviceSpec::parse("mem:64MiB,cache=none,flushdelay=0", &d).unwrap();
+        open_device("mem:64MiB,cache=none", &d).unwrap();
+    }
+
+    /// With `sim`, the same options parse and open a device (the volatile cache).
+    #[cfg(feature = "sim")]
+    #[test]
+    fn simulation_options_open_with_sim() {
+        let d = OpenOptions::default();
+        let (_, o) = DeviceSpec::parse("mem:64MiB,cache=volatile,flushdelay=2000", &d).unwrap();
+        assert!(o.volatile_cache);
+        assert_eq!(o.flush_delay_us, 2000);
+        open_device("mem:64MiB,cache=volatile,flushdelay=2000", &d).unwrap();
     }
 }

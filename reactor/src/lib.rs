@@ -14,8 +14,8 @@
 //! consecutive reads are served with their device reads in flight together; commits run when
 //! the engine says one is due (timer, dirty limit, half-full log), between batches. There is
 //! an idle policy (busy-poll, or spin then park), statistics with the fsync latency split by
-//! phase, a shutdown that drains, commits and unmounts, and [`sim`], the same batch code
-//! driven in one thread by a seeded scheduler for deterministic simulation.
+//! phase, a shutdown that drains, commits and unmounts, and `sim` (with the `sim` feature),
+//! the same batch code driven in one thread by a seeded scheduler for deterministic simulation.
 //!
 //! By default one reactor owns every shard. Several (`Config::reactors`, `multi`) each own
 //! every N-th shard as a partition of the engine on a device queue of their own, with a
@@ -31,6 +31,7 @@ mod multi;
 pub mod op;
 mod owed;
 mod runtime;
+#[cfg(feature = "sim")]
 pub mod sim;
 pub mod stats;
 

@@ -167,6 +167,7 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    #[cfg(feature = "sim")]
     pub(crate) fn new(queue_capacity: usize) -> Shared {
         Shared::with_reactors(queue_capacity, 1)
     }
@@ -1184,6 +1185,7 @@ impl Reactor {
     }
 
     /// Unmounts (commits unless the filesystem failed) and gives the device back.
+    #[cfg(feature = "sim")]
     pub(crate) fn unmount(self) -> Result<Box<dyn BlockDevice>, EngineError> {
         self.fs.unmount()
     }

@@ -352,6 +352,16 @@ int main(int argc, char **argv) {
   ERR(corefs_mount("mem:64MiB,bufs=20000", NULL), EINVAL);
   CHECK(strstr(corefs_last_error(), "bufs=") != NULL, "message: %s", corefs_last_error());
 
+  /* The library as shipped has no test machinery: the simulated volatile cache is a clear
+   * error naming the build feature it needs, never silently a device without one (a crash
+   * test would then cut the power behind a cache that is not there). */
+  ERR(corefs_mkfs("mem:64MiB,cache=volatile", NULL), EINVAL);
+  CHECK(strstr(corefs_last_error(), "cache=volatile needs a build with the `sim` feature"),
+        "message: %s", corefs_last_error());
+  ERR(corefs_mount("mem:64MiB,flushdelay=2000", NULL), EINVAL);
+  CHECK(strstr(corefs_last_error(), "flushdelay=2000") && strstr(corefs_last_error(), "`sim`"),
+        "message: %s", corefs_last_error());
+
   /* One writer per image: a second mount (or mkfs) of a mounted image fails with EBUSY
    * naming the holder, this process; once the first is closed it mounts again. */
   snprintf(device, sizeof device, "file:%s/api-twice.img,size=64MiB", argv[1]);

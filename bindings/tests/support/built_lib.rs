@@ -1,8 +1,10 @@
 //! The libcorefs.so this test run links against, for tests that load the shared library
 //! (the C program, the fio engine): `cargo test` builds the crate as an rlib, not
 //! necessarily the shared library, so the test command builds it first. A library older than
-//! any source it is built from fails the test rather than testing stale code. Included with
-//! `#[path]` by the tests that need it (they live in two crates).
+//! any source it is built from fails the test rather than testing stale code, and so does one
+//! built with the `sim` feature (the test machinery; scripts/sqlite-test.sh and
+//! scripts/rocksdb-test.sh build the release library so): these tests check the library as it
+//! ships. Included with `#[path]` by the tests that need it (they live in two crates).
 
 use std::path::{Path, PathBuf};
 
@@ -57,5 +59,23 @@ pub fn fresh_lib_dir() -> PathBuf {
             lib.display()
         );
     }
+    assert!(
+        !built_with_sim(&lib),
+        "{} was built with the `sim` feature (test machinery; scripts/sqlite-test.sh and \
+         scripts/rocksdb-test.sh build it so): these tests check the library as it ships, run \
+         `cargo build -p corefs-bindings` (without --features sim) first",
+        lib.display()
+    );
     lib_dir
+}
+
+/// Whether `lib` carries the test machinery. The production build refuses the simulation
+/// options with a message only its code holds (nvme/src/spec.rs), so a library without that
+/// text was built with `sim`.
+fn built_with_sim(lib: &Path) -> bool {
+    const PRODUCTION_ONLY: &[u8] = b"needs a build with the `sim` feature";
+    let bytes = std::fs::read(lib).unwrap_or_else(|e| panic!("reading {}: {e}", lib.display()));
+    !bytes
+        .windows(PRODUCTION_ONLY.len())
+        .any(|w| w == PRODUCTION_ONLY)
 }

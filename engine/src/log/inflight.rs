@@ -582,6 +582,7 @@ impl BlockDevice for DeviceMux {
         self.inner.signal_completions_to(eventfd)
     }
 
+    #[cfg(feature = "sim")]
     fn sim_access(&mut self) -> Option<&mut dyn nvme::SimAccess> {
         self.inner.sim_access()
     }

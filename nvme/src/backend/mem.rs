@@ -4,15 +4,16 @@
 //! bounded queue for `poll`, so callers see the same submit/poll protocol as on real hardware.
 //! Storage is an anonymous mapping, so `mem:64GiB` costs nothing until blocks are written.
 //!
-//! Fault model: none of its own; wrap it in [`crate::wrap::FaultDevice`] for faults and
-//! [`crate::wrap::RecordingDevice`] for crash states. Every write is durable at completion
+//! Fault model: none of its own; wrap it in `wrap::FaultDevice` for faults and
+//! `wrap::RecordingDevice` for crash states (both with the `sim` feature). Every write is durable at completion
 //! (there is no volatile cache to lose), which is why crash testing uses the recorded write log.
 
 use super::{admit, Gate};
 use crate::dma::HugepagePolicy;
+#[cfg(feature = "sim")]
+use crate::SimAccess;
 use crate::{
     BlockDevice, Completion, CompletionMode, DevError, DeviceInfo, DmaPool, Op, Rejected, Request,
-    SimAccess,
 };
 use memmap2::MmapMut;
 use std::collections::VecDeque;
@@ -205,11 +206,13 @@ impl BlockDevice for MemDevice {
         self.done.len() as u32
     }
 
+    #[cfg(feature = "sim")]
     fn sim_access(&mut self) -> Option<&mut dyn SimAccess> {
         Some(self)
     }
 }
 
+#[cfg(feature = "sim")]
 impl SimAccess for MemDevice {
     fn sim_read(&self, lba: u64, out: &mut [u8]) {
         let range = self.byte_range(lba, out.len());
