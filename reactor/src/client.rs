@@ -25,7 +25,7 @@
 
 use crate::multi::Router;
 use crate::op::{Completion, Op, Reply};
-use crate::runtime::{Request, Shared};
+use crate::queue::{Request, Shared};
 use crossbeam_queue::ArrayQueue;
 use engine::EngineError;
 use std::collections::VecDeque;

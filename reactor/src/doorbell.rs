@@ -12,7 +12,7 @@
 //! # Invariants
 //! - No lost wake-up. The sleeper stores `parked` (SeqCst), then checks its queues, then
 //!   sleeps; a waker pushes its work, then loads `parked` and rings (see
-//!   [`crate::runtime::Shared::wake_reactor`]). A ring, or a completion, that comes before the
+//!   [`crate::queue::Shared::wake_reactor`]). A ring, or a completion, that comes before the
 //!   sleep stays in the eventfd's counter, so the sleep returns at once; the counter is
 //!   drained after each sleep, and the caller looks at its queues again before the next one.
 //! - Both sides use the same mechanism, fixed at creation: the eventfd, or (if the kernel gave

@@ -25,11 +25,14 @@
 
 pub mod affinity;
 pub mod client;
+mod delivery;
 mod doorbell;
+mod execute;
 mod meta_wait;
 mod multi;
 pub mod op;
 mod owed;
+mod queue;
 mod runtime;
 #[cfg(feature = "sim")]
 pub mod sim;

@@ -27,7 +27,7 @@
 
 use crate::client::ReplyQueue;
 use crate::op::{Op, Reply};
-use crate::runtime::Request;
+use crate::queue::Request;
 use engine::{Deferred, EngineError, Filesystem};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -186,7 +186,7 @@ fn probe(fs: &mut Filesystem, op: &Op) -> Deferred<Option<Result<Reply, EngineEr
         | Op::Stat { .. }
         | Op::GetXattr { .. }
         | Op::ListXattr { .. } => {
-            fs.without_waiting(|fs| Some(crate::runtime::execute_on(fs, op.clone())))
+            fs.without_waiting(|fs| Some(crate::execute::execute_on(fs, op.clone())))
         }
         Op::Create { dir, name, .. }
         | Op::CreateHeld { dir, name, .. }

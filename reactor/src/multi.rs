@@ -35,8 +35,10 @@
 //! (sticky, read-only); waiters of that commit get the error.
 
 use crate::client::ReplyQueue;
+use crate::delivery::{deliver, deliver_failed};
+use crate::execute::execute_on;
 use crate::op::{Completion, Op, Reply};
-use crate::runtime::{deliver, execute_on, Request, Shared};
+use crate::queue::{Request, Shared};
 use crate::stats::{Histograms, ReactorStats};
 use engine::format::{ShardRoot, Superblock};
 use engine::partition::Lent;
@@ -490,7 +492,7 @@ impl Coordinator {
             }
         };
         if let Some((reply, token)) = self.serving.take() {
-            crate::runtime::deliver_failed(vec![(reply, token)], &failure);
+            deliver_failed(vec![(reply, token)], &failure);
         }
         self.serve_failed(&failure);
         Err(failure)
@@ -502,7 +504,7 @@ impl Coordinator {
         let backlog: Vec<ToCoordinator> = self.backlog.drain(..).collect();
         for message in backlog.into_iter().chain(self.from_reactors.iter()) {
             if let ToCoordinator::Span(request, _) | ToCoordinator::Stats(request) = message {
-                crate::runtime::deliver_failed(vec![(request.reply, request.token)], failure);
+                deliver_failed(vec![(request.reply, request.token)], failure);
             }
         }
     }

@@ -33,20 +33,21 @@
 //! are intact for the next mount, as after a device error.
 
 use crate::client::{Client, ReplyQueue};
-use crate::doorbell::Doorbell;
+use crate::delivery::{deliver, deliver_failed};
+use crate::execute::execute_on;
 use crate::meta_wait::{MetaWaits, Probed};
 use crate::multi::{Control, Coordinator, Member, Plan, Router, ToCoordinator};
 use crate::op::{Completion, Op, Reply};
 use crate::owed::Owed;
+use crate::queue::{Request, Shared};
 use crate::stats::{thread_cpu_ns, Histograms, ReactorStats};
-use crossbeam_queue::ArrayQueue;
 use engine::log::FsyncStart;
 use engine::partition::{Lent, PartitionTemplate};
 use engine::{Deferred, EngineError, Filesystem, MkfsOptions, MountOptions};
 use nvme::BlockDevice;
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -128,78 +129,6 @@ impl Default for Config {
             idle: IdlePolicy::default(),
             queue_capacity: 4096,
             batch_max: 256,
-        }
-    }
-}
-
-pub(crate) struct Request {
-    pub op: Op,
-    pub token: u64,
-    pub reply: Arc<ReplyQueue>,
-    pub submitted: Instant,
-}
-
-pub(crate) struct Shared {
-    pub requests: ArrayQueue<Request>,
-    pub stopping: AtomicBool,
-    pub stopped: AtomicBool,
-    parked: AtomicBool,
-    /// What the reactor sleeps on and wakers ring ([`crate::doorbell`]).
-    pub(crate) doorbell: Doorbell,
-    /// Clients waiting for a reply right now (spinning or asleep), and how many may wait
-    /// spinning: the cores besides the reactor's. A client spins only while the waiters fit
-    /// those cores — one client on 2 cores spins (a SQLite connection's calls answered in
-    /// microseconds), four do not: on 2 cores, 4 spinning clients spent a quarter of all CPU
-    /// time spinning, and without spinning the dbench-like mix ran 30% faster.
-    pub waiters: std::sync::atomic::AtomicUsize,
-    pub spinners_max: usize,
-    /// Control messages sent by the coordinator and not yet taken (a parking reactor checks).
-    pub control_pending: std::sync::atomic::AtomicUsize,
-    /// This reactor's shards' size, free space and inodes, published when it starts, before
-    /// each batch's replies and at each tick (statfs with several reactors sums them).
-    pub total_blocks: std::sync::atomic::AtomicU64,
-    pub free_blocks: std::sync::atomic::AtomicU64,
-    pub inodes: std::sync::atomic::AtomicU64,
-    /// Test hook ([`Runtime::panic_on_next_request`]): the reactor panics when it next
-    /// runs a request.
-    #[cfg(any(test, feature = "test-hooks"))]
-    pub(crate) panic_next: Arc<AtomicBool>,
-}
-
-impl Shared {
-    #[cfg(feature = "sim")]
-    pub(crate) fn new(queue_capacity: usize) -> Shared {
-        Shared::with_reactors(queue_capacity, 1)
-    }
-
-    /// The queue of one of `reactors` reactors (clients spin only on the cores they leave).
-    pub(crate) fn with_reactors(queue_capacity: usize, reactors: usize) -> Shared {
-        Shared {
-            requests: ArrayQueue::new(queue_capacity.max(1)),
-            stopping: AtomicBool::new(false),
-            stopped: AtomicBool::new(false),
-            parked: AtomicBool::new(false),
-            doorbell: Doorbell::new(),
-            waiters: std::sync::atomic::AtomicUsize::new(0),
-            spinners_max: std::thread::available_parallelism()
-                .map_or(1, |n| n.get())
-                .saturating_sub(reactors),
-            control_pending: std::sync::atomic::AtomicUsize::new(0),
-            total_blocks: std::sync::atomic::AtomicU64::new(0),
-            free_blocks: std::sync::atomic::AtomicU64::new(0),
-            inodes: std::sync::atomic::AtomicU64::new(0),
-            #[cfg(any(test, feature = "test-hooks"))]
-            panic_next: Arc::new(AtomicBool::new(false)),
-        }
-    }
-
-    /// Wakes the reactor if it is parked (a submit calls this).
-    pub fn wake_reactor(&self) {
-        // The request was pushed before this load: fence so the push is visible before
-        // `parked` is read (see `ReplyQueue::wake`), or a parking reactor could miss it.
-        std::sync::atomic::fence(Ordering::SeqCst);
-        if self.parked.load(Ordering::SeqCst) {
-            self.doorbell.ring();
         }
     }
 }
@@ -810,7 +739,7 @@ pub(crate) struct Reactor {
     last_look: Option<Instant>,
     /// Test hook: panic when the next request runs ([`Runtime::panic_on_next_request`]).
     #[cfg(any(test, feature = "test-hooks"))]
-    panic_next: Arc<AtomicBool>,
+    panic_next: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// How long a due commit waits for the records in flight to become durable before it starts
@@ -1093,7 +1022,7 @@ impl Reactor {
             meta: MetaWaits::default(),
             last_look: None,
             #[cfg(any(test, feature = "test-hooks"))]
-            panic_next: Arc::new(AtomicBool::new(false)),
+            panic_next: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         }
     }
 
@@ -1858,153 +1787,5 @@ impl Reactor {
             Op::Stats => Ok(Reply::Stats(Box::new(self.snapshot()))),
             op => execute_on(&mut self.fs, op),
         }
-    }
-}
-
-/// Runs one engine operation (not fsync, sync or stats, which the batch handles).
-pub(crate) fn execute_on(fs: &mut Filesystem, op: Op) -> Result<Reply, EngineError> {
-    Ok(match op {
-        Op::Resolve { path } => {
-            let ino = fs.resolve(&path)?;
-            Reply::Stat(fs.stat(ino)?)
-        }
-        Op::ResolveAt { dir, path } => {
-            let mut ino = dir;
-            for part in path.split('/').filter(|p| !p.is_empty()) {
-                ino = fs
-                    .lookup_ino(ino, part.as_bytes())?
-                    .ok_or(EngineError::NotFound)?;
-            }
-            Reply::Stat(fs.stat(ino)?)
-        }
-        Op::Lookup { dir, name } => Reply::Stat(fs.lookup(dir, &name)?),
-        Op::Create {
-            dir,
-            name,
-            mode,
-            owner,
-        } => Reply::Stat(fs.create(dir, &name, mode, owner.uid, owner.gid)?),
-        Op::CreateHeld {
-            dir,
-            name,
-            mode,
-            owner,
-        } => {
-            // A new inode goes to a shard of the reactor holding `dir` (creates run where
-            // their directory is), so its hold is counted where Op::Release will find it.
-            let stat = fs.create(dir, &name, mode, owner.uid, owner.gid)?;
-            fs.hold(stat.ino)?;
-            Reply::Stat(stat)
-        }
-        Op::Mkdir {
-            dir,
-            name,
-            mode,
-            owner,
-        } => Reply::Stat(fs.mkdir(dir, &name, mode, owner.uid, owner.gid)?),
-        Op::Symlink {
-            dir,
-            name,
-            target,
-            owner,
-        } => Reply::Stat(fs.symlink(dir, &name, &target, owner.uid, owner.gid)?),
-        Op::Mknod {
-            dir,
-            name,
-            mode,
-            rdev,
-            owner,
-        } => Reply::Stat(fs.mknod(dir, &name, mode, rdev, owner.uid, owner.gid)?),
-        Op::Append { ino, data } => {
-            let (offset, written) = fs.append(ino, &data)?;
-            Reply::Appended { offset, written }
-        }
-        Op::Hold { ino } => fs.hold(ino).map(|()| Reply::Done)?,
-        Op::Release { ino } => fs.release(ino).map(|()| Reply::Done)?,
-        Op::Readlink { ino } => Reply::Data(fs.readlink(ino)?),
-        Op::Link { ino, dir, name } => Reply::Stat(fs.link(ino, dir, &name)?),
-        Op::Unlink { dir, name } => fs.unlink(dir, &name).map(|()| Reply::Done)?,
-        Op::Rmdir { dir, name } => fs.rmdir(dir, &name).map(|()| Reply::Done)?,
-        Op::Rename {
-            from_dir,
-            from,
-            to_dir,
-            to,
-            flags,
-        } => fs
-            .rename(from_dir, &from, to_dir, &to, flags)
-            .map(|()| Reply::Done)?,
-        Op::Readdir { dir, cookie, max } => Reply::Entries(fs.readdir(dir, cookie, max)?),
-        Op::Stat { ino } => Reply::Stat(fs.stat(ino)?),
-        Op::SetAttr { ino, change } => Reply::Stat(fs.setattr(ino, change)?),
-        Op::Read { ino, offset, len } => Reply::Data(fs.read(ino, offset, len)?),
-        Op::Write { ino, offset, data } => Reply::Written(fs.write(ino, offset, &data)?),
-        Op::Truncate { ino, size } => fs.truncate(ino, size).map(|()| Reply::Done)?,
-        Op::Fallocate {
-            ino,
-            mode,
-            offset,
-            len,
-        } => fs.fallocate(ino, mode, offset, len).map(|()| Reply::Done)?,
-        Op::SetXattr {
-            ino,
-            name,
-            value,
-            flags,
-        } => fs
-            .setxattr(ino, &name, &value, flags)
-            .map(|()| Reply::Done)?,
-        Op::GetXattr { ino, name } => Reply::Data(fs.getxattr(ino, &name)?),
-        Op::ListXattr { ino } => Reply::Names(fs.listxattr(ino)?),
-        Op::RemoveXattr { ino, name } => fs.removexattr(ino, &name).map(|()| Reply::Done)?,
-        Op::Statfs => Reply::Statfs(fs.statfs()),
-        Op::Fsync { .. } | Op::Fdatasync { .. } | Op::WriteAtomic { .. } | Op::Sync | Op::Stats => {
-            return Err(EngineError::Invalid(
-                "fsync, sync and stats are not run one by one".into(),
-            ))
-        }
-    })
-}
-
-/// Answers requests with `failure` (a failed runtime). Never panics: a completion queue
-/// with no room (which the clients' capacities rule out) loses that completion, logged.
-pub(crate) fn deliver_failed(requests: Vec<(Arc<ReplyQueue>, u64)>, failure: &EngineError) {
-    let mut to_wake: Vec<Arc<ReplyQueue>> = Vec::new();
-    for (reply, token) in requests {
-        let completion = Completion {
-            token,
-            result: Err(failure.clone()),
-        };
-        if reply.done.push(completion).is_err() {
-            tracing::error!(
-                token,
-                "a failed reactor's answer found its client's queue full"
-            );
-        }
-        if !to_wake.iter().any(|r| Arc::ptr_eq(r, &reply)) {
-            to_wake.push(reply);
-        }
-    }
-    for reply in to_wake {
-        reply.wake();
-    }
-}
-
-/// Pushes completions to their clients, then wakes each client once (never inline while the
-/// engine is mid-operation).
-pub(crate) fn deliver(done: Vec<(Arc<ReplyQueue>, Completion)>) {
-    let mut to_wake: Vec<Arc<ReplyQueue>> = Vec::new();
-    for (reply, completion) in done {
-        // Cannot fail: a client never has more in flight than its queue holds.
-        assert!(
-            reply.done.push(completion).is_ok(),
-            "completion queue overflow"
-        );
-        if !to_wake.iter().any(|r| Arc::ptr_eq(r, &reply)) {
-            to_wake.push(reply);
-        }
-    }
-    for reply in to_wake {
-        reply.wake();
     }
 }

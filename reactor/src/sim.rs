@@ -18,7 +18,8 @@
 
 use crate::client::Client;
 use crate::op::{Op, Reply};
-use crate::runtime::{Reactor, Request, Shared};
+use crate::queue::{Request, Shared};
+use crate::runtime::Reactor;
 use engine::{Filesystem, MkfsOptions, MountOptions};
 use nvme::backend::mem::{MemConfig, MemDevice};
 use nvme::wrap::{crash_image, CrashMode, FaultConfig, FaultDevice, RecordingDevice};
