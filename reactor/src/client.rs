@@ -34,18 +34,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How long a waiting client spins on its completion queue when it has a core of its own:
-/// longer than a file-backed fsync takes, since waking a sleeping thread costs tens of
-/// microseconds on a virtual machine (one client's creates: 90k/s spinning 20 us, 106k/s
-/// spinning 300 us; the spin only runs on a core no other waiting client needs).
+/// longer than a file-backed fsync takes, since waking a sleeping thread is dear on a virtual
+/// machine (docs/reactors.md has the figures). The spin only runs on a core no other waiting
+/// client needs.
 const SPIN_TIME: Duration = Duration::from_micros(300);
 /// How long a client waiting for a quick operation yields its core before it sleeps: longer
 /// than a batch of quick operations takes, short against a commit's pause.
 const YIELD_TIME: Duration = Duration::from_micros(200);
-/// Spin passes (a queue check and a pause each, ~50 ns) between two yields of a spinning
-/// client. The scheduler does not know the client waits for the reactor: on 2 loaded cores
-/// it often puts both on one (seen: reactor and client on cpu 1 for seconds), where a pure
-/// spin holds the reactor off until the spinner's slice ends. A yield every ~2 us hands it
-/// the core, and costs one system call that returns at once when nothing else is runnable.
+/// Spin passes (a queue check and a pause each) between two yields of a spinning client. The
+/// scheduler does not know the client waits for the reactor: on loaded cores it may put both
+/// on one for long stretches, where a pure spin holds the reactor off until the spinner's
+/// slice ends. A yield every few microseconds hands it the core, and costs one system call
+/// that returns at once when nothing else is runnable (docs/reactors.md has the figures).
 const SPIN_PASSES_PER_YIELD: u32 = 32;
 /// Passes of a waiting loop between two reads of the clock: a clock read costs as much as a
 /// dozen spin passes, and a deadline late by a few passes does not matter.
@@ -306,8 +306,8 @@ impl Client {
         // Otherwise a client waiting for a quick operation yields its core for a while before
         // it sleeps: the clients then take turns on the cores the reactor leaves, and the
         // reactor finds them awake instead of paying a futex wake (an inter-processor
-        // interrupt, several microseconds on a virtual machine) for each reply. Creates from
-        // four clients on two cores: 67k/s sleeping, 87k/s yielding. A slow operation
+        // interrupt, dear on a virtual machine) for each reply; more clients than spare cores
+        // create faster yielding than sleeping (docs/reactors.md). A slow operation
         // (fsync, a read from the device) sleeps at once: yielding through its device wait
         // only takes the cores from clients with work to do.
         let shared = &self.shared;

@@ -5,9 +5,9 @@
 //!
 //! Why one descriptor for both: a reactor waiting for an fsync record's flush used to sleep
 //! inside the device wait, deaf to its request queue until the next completion or the end of
-//! a 1 ms slice. With 16 clients appending 4 KiB + fsync on a file image, an fsync then waited
-//! up to 1 ms (p99) in the queue before the reactor even looked at it. Sleeping on the
-//! doorbell, the reactor wakes for whichever comes first.
+//! a slice: an fsync arriving meanwhile waited in the queue for a whole slice before the
+//! reactor even looked at it (docs/reactors.md has the figures). Sleeping on the doorbell,
+//! the reactor wakes for whichever comes first.
 //!
 //! # Invariants
 //! - No lost wake-up. The sleeper stores `parked` (SeqCst), then checks its queues, then

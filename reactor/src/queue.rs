@@ -35,9 +35,9 @@ pub(crate) struct Shared {
     pub(crate) doorbell: Doorbell,
     /// Clients waiting for a reply right now (spinning or asleep), and how many may wait
     /// spinning: the cores besides the reactor's. A client spins only while the waiters fit
-    /// those cores — one client on 2 cores spins (a SQLite connection's calls answered in
-    /// microseconds), four do not: on 2 cores, 4 spinning clients spent a quarter of all CPU
-    /// time spinning, and without spinning the dbench-like mix ran 30% faster.
+    /// those cores — a lone client spins (a SQLite connection's calls answered in
+    /// microseconds); more spinners than spare cores take the CPU the reactor and the other
+    /// clients need (docs/reactors.md has the figures).
     pub waiters: std::sync::atomic::AtomicUsize,
     pub spinners_max: usize,
     /// Control messages sent by the coordinator and not yet taken (a parking reactor checks).

@@ -61,7 +61,7 @@ impl Reactor {
         }
         // The next commit first unpins the last one, which must wait for the reads in flight
         // planned before it: starting it now would hold the reactor until they complete (a
-        // 50 ms device read would stop every client). It starts once they land.
+        // slow device read would stop every client). It starts once they land.
         if self.fs.unpin_waits_for_reads() {
             return;
         }
@@ -92,9 +92,9 @@ impl Reactor {
             return;
         }
         // A commit first waits for the records in flight to become durable, holding the
-        // reactor: behind a slow device flush (tens of ms on a shared disk) every client
-        // stalled with it. So it starts once they are durable, polled for in the meantime, or
-        // after COMMIT_DEFER_MAX if fsyncs keep the pipeline busy.
+        // reactor: behind a slow device flush every client stalled with it (docs/reactors.md).
+        // So it starts once they are durable, polled for in the meantime, or after
+        // COMMIT_DEFER_MAX if fsyncs keep the pipeline busy.
         if self.fs.log_in_flight() > 0 {
             let since = *self.commit_deferred_since.get_or_insert_with(Instant::now);
             if since.elapsed() < COMMIT_DEFER_MAX {

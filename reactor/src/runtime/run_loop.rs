@@ -27,17 +27,16 @@ use std::time::{Duration, Instant};
 /// completion or a request ends the sleep, and this only bounds a missed one. Where the device
 /// cannot ring the doorbell the reactor sleeps on its device queue instead: the sleep ends at
 /// the first completion, and this bounds how late a new request is noticed while a flush
-/// runs. 50 µs slices made the reactor wake ~4 times per flush and compete with the
-/// kernel's fsync worker on 2 cores: SQLite WAL fell from 2,680 to 900–1,450 tx/s; with 1 ms
-/// it is 2,930 and 16 fsync clients did not lose (30k fsyncs/s).
+/// runs. Much shorter slices woke the reactor several times per flush, competing for the
+/// cores with the kernel's fsync worker that flush needs (docs/reactors.md has the figures).
 const LOG_WAIT_SLICE: Duration = Duration::from_millis(1);
 
 /// How long a busy-polling reactor whose only work in flight is data reads polls for them
 /// before it blocks on its device queue, and for how long it blocks. A file image's reads
 /// complete through kernel work on the reactor's own core (an io-wq worker inherits its
 /// affinity): a reactor that only spins and yields left them waiting for the scheduler's
-/// tick (4 ms per read at QD32). Blocking in the device wait lets that work run at once;
-/// 50 µs bounds how late a request arriving meanwhile is seen.
+/// tick (a jiffy per read; docs/reactors.md has the figures). Blocking in the device wait lets
+/// that work run at once; the slice bounds how late a request arriving meanwhile is seen.
 const READ_SPIN: Duration = Duration::from_micros(20);
 const READ_WAIT_SLICE: Duration = Duration::from_micros(50);
 
@@ -45,9 +44,9 @@ const READ_WAIT_SLICE: Duration = Duration::from_micros(50);
 /// Its core is not its alone: kernel work its own I/O depends on runs there too (a file
 /// image's FUA write completes through a kworker on the core that took the interrupt), and
 /// the scheduler lets a woken task preempt a running one only when that one's slice is used
-/// up — a jiffy later. Spinning without yielding made every 4 KiB append + fdatasync on a
-/// file image take exactly 4 ms (HZ=250); yielding costs one system call when nothing else
-/// wants the core.
+/// up — a jiffy later. Spinning without yielding made every append + fdatasync on a file
+/// image take a whole jiffy (docs/reactors.md); yielding costs one system call when nothing
+/// else wants the core.
 fn yield_to_kernel_work() {
     std::thread::yield_now();
 }
