@@ -54,7 +54,7 @@ pub(crate) struct Router {
     pub reactors: Vec<Arc<Shared>>,
     pub shard_count: u32,
     /// Set once, when a reactor or the coordinator panics: the whole runtime has failed
-    /// ([`crate::runtime`] says why and what each thread then does).
+    /// ([`crate::runtime`]'s `serve` module says why and what each thread then does).
     failure: std::sync::OnceLock<EngineError>,
 }
 
