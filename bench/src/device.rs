@@ -13,7 +13,7 @@
 
 use crate::fio::{self, FioJob, FioResult};
 use crate::stats::{fmt_ns, latency_histogram, thread_cpu_ns, LatencySummary};
-use nvme::{BlockDevice, Completion, DevError, Op, OpenOptions, Request};
+use nvme::{BlockDevice, DevError, IoCompletion, IoOp, OpenOptions, Request};
 use rand::{Rng, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 use serde::Serialize;
@@ -101,7 +101,7 @@ pub fn mem_cpu_cost(ops: u64) -> Result<Vec<CpuCost>, DevError> {
         let mut bufs: Vec<nvme::DmaBuf> = (0..batch)
             .map(|_| dev.pool().alloc(4096).expect("pool"))
             .collect();
-        let mut done: Vec<Completion> = Vec::with_capacity(64);
+        let mut done: Vec<IoCompletion> = Vec::with_capacity(64);
         // Warm up, then measure.
         for measured in [false, true] {
             let rounds = if measured { ops / batch as u64 } else { 10_000 };
@@ -111,10 +111,10 @@ pub fn mem_cpu_cost(ops: u64) -> Result<Vec<CpuCost>, DevError> {
                 for _ in 0..batch {
                     lba = (lba + 7) % lbas;
                     let op = match name {
-                        "flush" => Op::Flush,
+                        "flush" => IoOp::Flush,
                         _ => {
                             let buf = bufs.pop().expect("buffer returned by the last round");
-                            Op::transfer(name.starts_with("write"), lba, buf)
+                            IoOp::transfer(name.starts_with("write"), lba, buf)
                         }
                     };
                     dev.submit(Request { token: lba, op })
@@ -157,7 +157,7 @@ pub fn latency_run(
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
     let mut histogram = latency_histogram();
     let mut started: Vec<Instant> = vec![Instant::now(); queue_depth as usize];
-    let mut done: Vec<Completion> = Vec::with_capacity(queue_depth as usize);
+    let mut done: Vec<IoCompletion> = Vec::with_capacity(queue_depth as usize);
     let mut free_slots: Vec<u64> = (0..queue_depth as u64).collect();
     let mut spare: Vec<nvme::DmaBuf> = Vec::new();
     let begin = Instant::now();
@@ -172,7 +172,7 @@ pub fn latency_run(
             };
             let lba = rng.random_range(0..blocks) * per_io;
             buf.as_mut_slice()[..8].copy_from_slice(&lba.to_le_bytes());
-            let op = Op::transfer(write, lba, buf);
+            let op = IoOp::transfer(write, lba, buf);
             started[slot as usize] = Instant::now();
             dev.submit(Request { token: slot, op })
                 .map_err(|r| r.reason)?;
@@ -219,7 +219,7 @@ fn prefill(dev: &mut dyn BlockDevice) -> Result<(), DevError> {
                 .alloc(len as usize)
                 .ok_or(DevError::PoolExhausted)?;
             buf.as_mut_slice().fill(0x5c);
-            let op = Op::Write {
+            let op = IoOp::Write {
                 lba: offset / lba_size,
                 buf,
                 fua: false,

@@ -38,7 +38,7 @@ use nvme::backend::mem::{MemConfig, MemDevice};
 use nvme::wrap::{crash_state_onto, cut_has_choices, CrashMode, Record, RecordingDevice};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
-use workload::{Falloc, Op};
+use workload::{Falloc, Step};
 
 /// What a workload runs on and the oracle reads: the engine itself, or clients of running
 /// reactors ([`reactors`]). The methods are the engine's.
@@ -293,14 +293,14 @@ impl Schedule {
 /// What every run does after mounting, before the workload, in the same generation: a 4 KiB
 /// append to `foo`, fsynced. So `foo` is already logged in this generation (a later change
 /// to it must be logged again), and the workload's records follow one in the log.
-pub const PRELUDE: [Op; 2] = [
-    Op::Write {
+pub const PRELUDE: [Step; 2] = [
+    Step::Write {
         path: "foo",
         offset: 0,
         len: 4096,
         append: true,
     },
-    Op::Fsync("foo"),
+    Step::Fsync("foo"),
 ];
 
 /// The outcome of one workload.
@@ -451,7 +451,7 @@ fn pattern(seed: &str, len: usize) -> Vec<u8> {
 
 /// Applies one operation; errors (a name that does not exist, a non-empty directory...) are
 /// part of the workload's meaning and are ignored, as a real program's would be.
-pub(crate) fn apply<F: Live>(fs: &mut F, op: &Op) -> Result<(), EngineError> {
+pub(crate) fn apply<F: Live>(fs: &mut F, op: &Step) -> Result<(), EngineError> {
     fn lookup<F: Live>(fs: &mut F, path: &str) -> Result<u64, EngineError> {
         fs.resolve(path)
     }
@@ -463,15 +463,15 @@ pub(crate) fn apply<F: Live>(fs: &mut F, op: &Op) -> Result<(), EngineError> {
         Ok((fs.resolve(parent)?, name))
     }
     match *op {
-        Op::Creat(p) => {
+        Step::Creat(p) => {
             let (dir, name) = parent_of(fs, p)?;
             fs.create(dir, name.as_bytes())
         }
-        Op::Mkdir(p) => {
+        Step::Mkdir(p) => {
             let (dir, name) = parent_of(fs, p)?;
             fs.mkdir(dir, name.as_bytes())
         }
-        Op::Falloc {
+        Step::Falloc {
             path,
             mode,
             offset,
@@ -495,7 +495,7 @@ pub(crate) fn apply<F: Live>(fs: &mut F, op: &Op) -> Result<(), EngineError> {
             };
             fs.fallocate(ino, mode, offset, len)
         }
-        Op::Write {
+        Step::Write {
             path,
             offset,
             len,
@@ -505,52 +505,52 @@ pub(crate) fn apply<F: Live>(fs: &mut F, op: &Op) -> Result<(), EngineError> {
             let at = if append { fs.stat(ino)?.size } else { offset };
             fs.write(ino, at, &pattern(&format!("{path}{at}"), len as usize))
         }
-        Op::Link(a, b) => {
+        Step::Link(a, b) => {
             let ino = lookup(fs, a)?;
             let (dir, name) = parent_of(fs, b)?;
             fs.link(ino, dir, name.as_bytes())
         }
-        Op::Unlink(p) => {
+        Step::Unlink(p) => {
             let (dir, name) = parent_of(fs, p)?;
             fs.unlink(dir, name.as_bytes())
         }
-        Op::Remove(p) => {
+        Step::Remove(p) => {
             let (dir, name) = parent_of(fs, p)?;
             match fs.rmdir(dir, name.as_bytes()) {
                 Err(EngineError::NotDir) => fs.unlink(dir, name.as_bytes()),
                 other => other,
             }
         }
-        Op::Rename(a, b) => {
+        Step::Rename(a, b) => {
             let (src, sname) = parent_of(fs, a)?;
             let (dst, dname) = parent_of(fs, b)?;
             fs.rename(src, sname.as_bytes(), dst, dname.as_bytes())
         }
-        Op::SetXattr(p, v) => {
+        Step::SetXattr(p, v) => {
             let ino = lookup(fs, p)?;
             fs.setxattr(ino, b"user.ace", &[v; 40])
         }
-        Op::RemoveXattr(p) => {
+        Step::RemoveXattr(p) => {
             let ino = lookup(fs, p)?;
             fs.removexattr(ino, b"user.ace")
         }
-        Op::Truncate(p, size) => {
+        Step::Truncate(p, size) => {
             let ino = lookup(fs, p)?;
             fs.truncate(ino, size)
         }
-        Op::Symlink(p) => {
+        Step::Symlink(p) => {
             let (dir, name) = parent_of(fs, p)?;
             fs.symlink(dir, name.as_bytes(), b"foo")
         }
-        Op::Fsync(p) => {
+        Step::Fsync(p) => {
             let ino = lookup(fs, p)?;
             fs.fsync(ino)
         }
-        Op::Fdatasync(p) => {
+        Step::Fdatasync(p) => {
             let ino = lookup(fs, p)?;
             fs.fdatasync(ino)
         }
-        Op::Sync => fs.sync(),
+        Step::Sync => fs.sync(),
     }
 }
 
@@ -627,14 +627,14 @@ fn data_of(entry: Option<&Entry>) -> Option<Vec<u8>> {
 
 /// Runs one workload under every [`Schedule`] and checks every crash state. `Err` describes
 /// the first violation, with the schedule.
-pub fn run(base: &[u8], ops: &[Op], seed: u64) -> Result<Outcome, String> {
+pub fn run(base: &[u8], ops: &[Step], seed: u64) -> Result<Outcome, String> {
     run_schedules(base, ops, seed, &Schedule::ALL)
 }
 
 /// [`run`] under the given schedules.
 pub fn run_schedules(
     base: &[u8],
-    ops: &[Op],
+    ops: &[Step],
     seed: u64,
     schedules: &[Schedule],
 ) -> Result<Outcome, String> {
@@ -650,7 +650,7 @@ pub fn run_schedules(
 /// Runs one workload under one schedule and checks every crash state.
 pub fn run_schedule(
     base: &[u8],
-    ops: &[Op],
+    ops: &[Step],
     seed: u64,
     schedule: Schedule,
 ) -> Result<Outcome, String> {
@@ -710,7 +710,7 @@ pub fn run_schedule(
                     fs,
                     &mut |fs, started_at| {
                         let at = log.len();
-                        points.push(persistence_point(fs, &Op::Fsync(""), started_at, at)?);
+                        points.push(persistence_point(fs, &Step::Fsync(""), started_at, at)?);
                         Ok(())
                     },
                     &log,
@@ -820,7 +820,7 @@ fn lbas_of(record: &Record) -> Option<std::ops::Range<u64>> {
 
 /// The paths that exist after `ops` run on `base` (errors ignored, as in a workload): what
 /// the workload generator's model of names is checked against.
-pub fn live_paths_after(base: &[u8], ops: &[Op]) -> Result<Vec<String>, String> {
+pub fn live_paths_after(base: &[u8], ops: &[Step]) -> Result<Vec<String>, String> {
     let dev = MemDevice::from_image(base, config()).map_err(|e| e.to_string())?;
     let mut fs =
         Filesystem::mount(Box::new(dev), MountOptions::default()).map_err(|e| e.to_string())?;
@@ -883,7 +883,7 @@ fn fill_logs(
 /// persistence point as each persistence operation returns.
 pub(crate) fn run_ops<F: Live>(
     fs: &mut F,
-    ops: &[Op],
+    ops: &[Step],
     log: &nvme::wrap::WriteLog,
 ) -> Result<Vec<Point>, String> {
     run_ops_committing(fs, ops, log, |_, _| false)
@@ -891,7 +891,7 @@ pub(crate) fn run_ops<F: Live>(
 
 /// Fails on an error no workload may meet; persistence operations must succeed (every one
 /// names an existing path: [`workload`] makes sure of it).
-fn check_result(op: &Op, result: &Result<(), EngineError>) -> Result<(), String> {
+fn check_result(op: &Step, result: &Result<(), EngineError>) -> Result<(), String> {
     match result {
         Err(
             e @ (EngineError::Device(_)
@@ -909,16 +909,16 @@ fn check_result(op: &Op, result: &Result<(), EngineError>) -> Result<(), String>
 /// promising the whole tree, like a sync.
 pub(crate) fn run_ops_committing<F: Live>(
     fs: &mut F,
-    ops: &[Op],
+    ops: &[Step],
     log: &nvme::wrap::WriteLog,
-    commits: impl Fn(&mut F, &Op) -> bool,
+    commits: impl Fn(&mut F, &Step) -> bool,
 ) -> Result<Vec<Point>, String> {
     let mut points: Vec<Point> = Vec::new();
     for op in ops {
         let started_at = log.len();
         let result = apply(fs, op);
         if result.is_ok() && commits(fs, op) {
-            points.push(persistence_point(fs, &Op::Sync, started_at, log.len())?);
+            points.push(persistence_point(fs, &Step::Sync, started_at, log.len())?);
             continue;
         }
         check_result(op, &result)?;
@@ -933,15 +933,15 @@ pub(crate) fn run_ops_committing<F: Live>(
 /// and is acknowledged at `at`; the live tree is what it persists.
 pub(crate) fn persistence_point<F: Live>(
     fs: &mut F,
-    op: &Op,
+    op: &Step,
     started_at: usize,
     at: usize,
 ) -> Result<Point, String> {
     let tree = snapshot(fs).map_err(|e| format!("snapshot after {op:?}: {e}"))?;
     let promise = match op {
-        Op::Sync => Promise::All(tree.clone()),
-        Op::Fsync(p) => Promise::Whole(p.to_string(), tree.get(*p).cloned()),
-        Op::Fdatasync(p) => Promise::Data(p.to_string(), data_of(tree.get(*p))),
+        Step::Sync => Promise::All(tree.clone()),
+        Step::Fsync(p) => Promise::Whole(p.to_string(), tree.get(*p).cloned()),
+        Step::Fdatasync(p) => Promise::Data(p.to_string(), data_of(tree.get(*p))),
         _ => unreachable!("persistence op"),
     };
     Ok(Point {
@@ -981,13 +981,13 @@ impl Pipeline {
     fn run(
         &mut self,
         fs: &mut Filesystem,
-        ops: &[Op],
+        ops: &[Step],
         log: &nvme::wrap::WriteLog,
         points: &mut Vec<Point>,
     ) -> Result<(), String> {
         for op in ops {
             match op {
-                Op::Fsync(_) | Op::Fdatasync(_) => self.start(fs, op, log)?,
+                Step::Fsync(_) | Step::Fdatasync(_) => self.start(fs, op, log)?,
                 _ => self.apply(fs, op, log, points)?,
             }
         }
@@ -999,14 +999,14 @@ impl Pipeline {
     fn apply(
         &mut self,
         fs: &mut Filesystem,
-        op: &Op,
+        op: &Step,
         log: &nvme::wrap::WriteLog,
         points: &mut Vec<Point>,
     ) -> Result<(), String> {
         let started_at = log.len();
         let result = apply(fs, op);
         check_result(op, &result)?;
-        if *op == Op::Sync {
+        if *op == Step::Sync {
             self.progress(fs, false, log, points)?;
             if !self.waiting.is_empty() {
                 return Err("a sync returned before the fsyncs started ahead of it".into());
@@ -1021,12 +1021,12 @@ impl Pipeline {
     fn start(
         &mut self,
         fs: &mut Filesystem,
-        op: &Op,
+        op: &Step,
         log: &nvme::wrap::WriteLog,
     ) -> Result<(), String> {
         let (path, datasync) = match op {
-            Op::Fsync(p) => (*p, false),
-            Op::Fdatasync(p) => (*p, true),
+            Step::Fsync(p) => (*p, false),
+            Step::Fdatasync(p) => (*p, true),
             _ => unreachable!("an fsync"),
         };
         let started_at = log.len();

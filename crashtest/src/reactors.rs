@@ -3,7 +3,7 @@
 //! and the coordinator's record into one write log), so the crash states cover partitions,
 //! their separate log streams, spans and coordinated commits.
 
-use crate::workload::Op;
+use crate::workload::Step;
 use crate::{
     check_points, config, run_ops, run_ops_committing, snapshot, Live, Outcome, Point, Promise,
     PRELUDE,
@@ -11,19 +11,19 @@ use crate::{
 use engine::{DirEntry, EngineError, FallocateMode, RenameFlags, Stat, XattrFlags};
 use nvme::backend::mem::MemDevice;
 use nvme::wrap::RecordingDevice;
-use reactor::{Client, Config, Op as ROp, Reply, Runtime};
+use reactor::{Client, Config, Op, Reply, Runtime};
 
 /// A reactor client seen as the engine.
 struct Clients(Client);
 
 impl Clients {
-    fn call(&mut self, op: ROp) -> Result<Reply, EngineError> {
+    fn call(&mut self, op: Op) -> Result<Reply, EngineError> {
         self.0.call(op)
     }
-    fn done(&mut self, op: ROp) -> Result<(), EngineError> {
+    fn done(&mut self, op: Op) -> Result<(), EngineError> {
         self.call(op).map(drop)
     }
-    fn stat_of(&mut self, op: ROp) -> Result<Stat, EngineError> {
+    fn stat_of(&mut self, op: Op) -> Result<Stat, EngineError> {
         match self.call(op)? {
             Reply::Stat(s) => Ok(s),
             other => Err(EngineError::Invalid(format!(
@@ -31,7 +31,7 @@ impl Clients {
             ))),
         }
     }
-    fn data_of(&mut self, op: ROp) -> Result<Vec<u8>, EngineError> {
+    fn data_of(&mut self, op: Op) -> Result<Vec<u8>, EngineError> {
         match self.call(op)? {
             Reply::Data(d) => Ok(d),
             other => Err(EngineError::Invalid(format!(
@@ -43,17 +43,17 @@ impl Clients {
 
 impl Live for Clients {
     fn resolve(&mut self, path: &str) -> Result<u64, EngineError> {
-        self.stat_of(ROp::Resolve { path: path.into() })
+        self.stat_of(Op::Resolve { path: path.into() })
             .map(|s| s.ino)
     }
     fn root(&self) -> u64 {
         engine::inode::ROOT_INO
     }
     fn stat(&mut self, ino: u64) -> Result<Stat, EngineError> {
-        self.stat_of(ROp::Stat { ino })
+        self.stat_of(Op::Stat { ino })
     }
     fn create(&mut self, dir: u64, name: &[u8]) -> Result<(), EngineError> {
-        self.done(ROp::Create {
+        self.done(Op::Create {
             dir,
             name: name.to_vec(),
             mode: 0o644,
@@ -61,7 +61,7 @@ impl Live for Clients {
         })
     }
     fn mkdir(&mut self, dir: u64, name: &[u8]) -> Result<(), EngineError> {
-        self.done(ROp::Mkdir {
+        self.done(Op::Mkdir {
             dir,
             name: name.to_vec(),
             mode: 0o755,
@@ -69,7 +69,7 @@ impl Live for Clients {
         })
     }
     fn symlink(&mut self, dir: u64, name: &[u8], target: &[u8]) -> Result<(), EngineError> {
-        self.done(ROp::Symlink {
+        self.done(Op::Symlink {
             dir,
             name: name.to_vec(),
             target: target.to_vec(),
@@ -83,7 +83,7 @@ impl Live for Clients {
         offset: u64,
         len: u64,
     ) -> Result<(), EngineError> {
-        self.done(ROp::Fallocate {
+        self.done(Op::Fallocate {
             ino,
             mode,
             offset,
@@ -91,33 +91,33 @@ impl Live for Clients {
         })
     }
     fn write(&mut self, ino: u64, offset: u64, data: &[u8]) -> Result<(), EngineError> {
-        self.done(ROp::Write {
+        self.done(Op::Write {
             ino,
             offset,
             data: data.to_vec(),
         })
     }
     fn link(&mut self, ino: u64, dir: u64, name: &[u8]) -> Result<(), EngineError> {
-        self.done(ROp::Link {
+        self.done(Op::Link {
             ino,
             dir,
             name: name.to_vec(),
         })
     }
     fn unlink(&mut self, dir: u64, name: &[u8]) -> Result<(), EngineError> {
-        self.done(ROp::Unlink {
+        self.done(Op::Unlink {
             dir,
             name: name.to_vec(),
         })
     }
     fn rmdir(&mut self, dir: u64, name: &[u8]) -> Result<(), EngineError> {
-        self.done(ROp::Rmdir {
+        self.done(Op::Rmdir {
             dir,
             name: name.to_vec(),
         })
     }
     fn rename(&mut self, src: u64, from: &[u8], dst: u64, to: &[u8]) -> Result<(), EngineError> {
-        self.done(ROp::Rename {
+        self.done(Op::Rename {
             from_dir: src,
             from: from.to_vec(),
             to_dir: dst,
@@ -126,7 +126,7 @@ impl Live for Clients {
         })
     }
     fn setxattr(&mut self, ino: u64, name: &[u8], value: &[u8]) -> Result<(), EngineError> {
-        self.done(ROp::SetXattr {
+        self.done(Op::SetXattr {
             ino,
             name: name.to_vec(),
             value: value.to_vec(),
@@ -134,25 +134,25 @@ impl Live for Clients {
         })
     }
     fn removexattr(&mut self, ino: u64, name: &[u8]) -> Result<(), EngineError> {
-        self.done(ROp::RemoveXattr {
+        self.done(Op::RemoveXattr {
             ino,
             name: name.to_vec(),
         })
     }
     fn truncate(&mut self, ino: u64, size: u64) -> Result<(), EngineError> {
-        self.done(ROp::Truncate { ino, size })
+        self.done(Op::Truncate { ino, size })
     }
     fn fsync(&mut self, ino: u64) -> Result<(), EngineError> {
-        self.done(ROp::Fsync { ino })
+        self.done(Op::Fsync { ino })
     }
     fn fdatasync(&mut self, ino: u64) -> Result<(), EngineError> {
-        self.done(ROp::Fdatasync { ino })
+        self.done(Op::Fdatasync { ino })
     }
     fn sync(&mut self) -> Result<(), EngineError> {
-        self.done(ROp::Sync)
+        self.done(Op::Sync)
     }
     fn listxattr(&mut self, ino: u64) -> Result<Vec<Vec<u8>>, EngineError> {
-        match self.call(ROp::ListXattr { ino })? {
+        match self.call(Op::ListXattr { ino })? {
             Reply::Names(n) => Ok(n),
             other => Err(EngineError::Invalid(format!(
                 "expected names, got {other:?}"
@@ -160,7 +160,7 @@ impl Live for Clients {
         }
     }
     fn getxattr(&mut self, ino: u64, name: &[u8]) -> Result<Vec<u8>, EngineError> {
-        self.data_of(ROp::GetXattr {
+        self.data_of(Op::GetXattr {
             ino,
             name: name.to_vec(),
         })
@@ -169,7 +169,7 @@ impl Live for Clients {
         let mut out: Vec<DirEntry> = Vec::new();
         loop {
             let cookie = out.last().map_or(0, |e| e.cookie);
-            match self.call(ROp::Readdir {
+            match self.call(Op::Readdir {
                 dir: ino,
                 cookie,
                 max: 256,
@@ -185,17 +185,17 @@ impl Live for Clients {
         }
     }
     fn readlink(&mut self, ino: u64) -> Result<Vec<u8>, EngineError> {
-        self.data_of(ROp::Readlink { ino })
+        self.data_of(Op::Readlink { ino })
     }
     fn read(&mut self, ino: u64, offset: u64, len: usize) -> Result<Vec<u8>, EngineError> {
-        self.data_of(ROp::Read { ino, offset, len })
+        self.data_of(Op::Read { ino, offset, len })
     }
 }
 
 /// Runs one workload through `reactors` reactors and checks every crash state.
 pub fn run_on_reactors(
     base: &[u8],
-    ops: &[Op],
+    ops: &[Step],
     seed: u64,
     reactors: usize,
 ) -> Result<Outcome, String> {
@@ -227,7 +227,7 @@ pub fn run_on_reactors(
     points.extend(run_ops_committing(&mut live, ops, &log, |fs, op| {
         reactors > 1
             && match op {
-                Op::Rename(_, to) => fs
+                Step::Rename(_, to) => fs
                     .resolve(to)
                     .and_then(|ino| fs.stat(ino))
                     .is_ok_and(|s| s.is_dir()),

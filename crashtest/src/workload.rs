@@ -22,8 +22,11 @@ pub enum Falloc {
     ZeroRange,
 }
 
+/// One step of a workload: a core operation on ACE's file set, or a persistence operation.
+/// A step names paths, not inodes; the crash tester turns it into engine calls or reactor
+/// requests ([`reactor::Op`]), which is why it is not called an op itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Op {
+pub enum Step {
     Creat(&'static str),
     Mkdir(&'static str),
     Falloc {
@@ -54,24 +57,24 @@ pub enum Op {
     Sync,
 }
 
-impl Op {
+impl Step {
     pub fn is_persistence(&self) -> bool {
-        matches!(self, Op::Fsync(_) | Op::Fdatasync(_) | Op::Sync)
+        matches!(self, Step::Fsync(_) | Step::Fdatasync(_) | Step::Sync)
     }
 
     /// The paths a core operation touches (for choosing its persistence operations).
     fn touched(&self) -> Vec<&'static str> {
         match self {
-            Op::Creat(p)
-            | Op::Mkdir(p)
-            | Op::Unlink(p)
-            | Op::Remove(p)
-            | Op::SetXattr(p, _)
-            | Op::RemoveXattr(p)
-            | Op::Truncate(p, _)
-            | Op::Symlink(p) => vec![p],
-            Op::Falloc { path, .. } | Op::Write { path, .. } => vec![path],
-            Op::Link(a, b) | Op::Rename(a, b) => vec![a, b],
+            Step::Creat(p)
+            | Step::Mkdir(p)
+            | Step::Unlink(p)
+            | Step::Remove(p)
+            | Step::SetXattr(p, _)
+            | Step::RemoveXattr(p)
+            | Step::Truncate(p, _)
+            | Step::Symlink(p) => vec![p],
+            Step::Falloc { path, .. } | Step::Write { path, .. } => vec![path],
+            Step::Link(a, b) | Step::Rename(a, b) => vec![a, b],
             _ => vec![],
         }
     }
@@ -82,23 +85,23 @@ fn parent(path: &'static str) -> &'static str {
 }
 
 /// Every core operation with its arguments.
-pub fn core_ops() -> Vec<Op> {
+pub fn core_ops() -> Vec<Step> {
     let mut ops = Vec::new();
     for f in FILES {
-        ops.push(Op::Creat(f));
-        ops.push(Op::Write {
+        ops.push(Step::Creat(f));
+        ops.push(Step::Write {
             path: f,
             offset: 0,
             len: 4096,
             append: true,
         });
-        ops.push(Op::Write {
+        ops.push(Step::Write {
             path: f,
             offset: 0,
             len: 8192,
             append: false,
         });
-        ops.push(Op::Write {
+        ops.push(Step::Write {
             path: f,
             offset: 1000,
             len: 3000,
@@ -106,7 +109,7 @@ pub fn core_ops() -> Vec<Op> {
         });
         // More than an fsync record carries (engine::log::EMBED_MAX_BLOCKS): its fsync writes
         // the data in place beside the record.
-        ops.push(Op::Write {
+        ops.push(Step::Write {
             path: f,
             offset: 0,
             len: 12 * 4096,
@@ -117,23 +120,23 @@ pub fn core_ops() -> Vec<Op> {
             (Falloc::PunchHole, 2048, 6000),
             (Falloc::ZeroRange, 4096, 4096),
         ] {
-            ops.push(Op::Falloc {
+            ops.push(Step::Falloc {
                 path: f,
                 mode,
                 offset,
                 len,
             });
         }
-        ops.push(Op::Unlink(f));
-        ops.push(Op::SetXattr(f, 1));
-        ops.push(Op::RemoveXattr(f));
-        ops.push(Op::Truncate(f, 2500));
-        ops.push(Op::Truncate(f, 0));
-        ops.push(Op::Symlink(f));
+        ops.push(Step::Unlink(f));
+        ops.push(Step::SetXattr(f, 1));
+        ops.push(Step::RemoveXattr(f));
+        ops.push(Step::Truncate(f, 2500));
+        ops.push(Step::Truncate(f, 0));
+        ops.push(Step::Symlink(f));
     }
     for d in ["A", "B", "A/C", "B/D"] {
-        ops.push(Op::Mkdir(d));
-        ops.push(Op::Remove(d));
+        ops.push(Step::Mkdir(d));
+        ops.push(Step::Remove(d));
     }
     for (a, b) in [
         ("foo", "bar"),
@@ -143,31 +146,31 @@ pub fn core_ops() -> Vec<Op> {
         ("A/foo", "A/C/foo"),
         ("bar", "foo"),
     ] {
-        ops.push(Op::Link(a, b));
-        ops.push(Op::Rename(a, b));
+        ops.push(Step::Link(a, b));
+        ops.push(Step::Rename(a, b));
     }
-    ops.push(Op::Rename("A/C", "B/C"));
-    ops.push(Op::Rename("A", "B/D"));
+    ops.push(Step::Rename("A/C", "B/C"));
+    ops.push(Step::Rename("A", "B/D"));
     ops
 }
 
 /// Persistence choices after `op`: fsync and fdatasync of what it touched, fsync of their
 /// parents, and sync. Each names a path that exists after `op` ([`Namespace::existing`]).
-fn persistence_after(op: &Op, names: &Namespace) -> Vec<Op> {
-    let mut out = vec![Op::Sync];
+fn persistence_after(op: &Step, names: &Namespace) -> Vec<Step> {
+    let mut out = vec![Step::Sync];
     for p in op.touched() {
-        out.push(Op::Fsync(p));
-        out.push(Op::Fdatasync(p));
-        out.push(Op::Fsync(parent(p)));
+        out.push(Step::Fsync(p));
+        out.push(Step::Fdatasync(p));
+        out.push(Step::Fsync(parent(p)));
     }
     out.dedup();
     // Retargeted after the dedup, so every operation has as many choices whatever it did
     // (578 workloads of length one, 578² of length two).
     for persist in &mut out {
         *persist = match *persist {
-            Op::Fsync(p) => Op::Fsync(names.existing(p)),
-            Op::Fdatasync(p) => Op::Fdatasync(names.existing(p)),
-            Op::Sync => Op::Sync,
+            Step::Fsync(p) => Step::Fsync(names.existing(p)),
+            Step::Fdatasync(p) => Step::Fdatasync(names.existing(p)),
+            Step::Sync => Step::Sync,
             _ => unreachable!("a persistence op"),
         };
     }
@@ -238,7 +241,7 @@ impl Namespace {
     }
 
     /// The namespace after `ops` (persistence operations change nothing).
-    pub fn after(ops: &[Op]) -> Namespace {
+    pub fn after(ops: &[Step]) -> Namespace {
         let mut names = Namespace::setup();
         for op in ops {
             names.apply(op);
@@ -287,28 +290,28 @@ impl Namespace {
     }
 
     /// Applies a core operation's effect on names (persistence operations have none).
-    pub fn apply(&mut self, op: &Op) {
+    pub fn apply(&mut self, op: &Step) {
         match *op {
-            Op::Creat(p) if self.can_create(p) => self.add(p, Kind::File),
-            Op::Mkdir(p) if self.can_create(p) => self.add(p, Kind::Dir),
-            Op::Symlink(p) if self.can_create(p) => self.add(p, Kind::Symlink),
-            Op::Link(a, b) => {
+            Step::Creat(p) if self.can_create(p) => self.add(p, Kind::File),
+            Step::Mkdir(p) if self.can_create(p) => self.add(p, Kind::Dir),
+            Step::Symlink(p) if self.can_create(p) => self.add(p, Kind::Symlink),
+            Step::Link(a, b) => {
                 if let Some(&(kind, ino)) = self.paths.get(a) {
                     if kind != Kind::Dir && self.can_create(b) {
                         self.paths.insert(b, (kind, ino));
                     }
                 }
             }
-            Op::Unlink(p) if matches!(self.kind(p), Some(Kind::File | Kind::Symlink)) => {
+            Step::Unlink(p) if matches!(self.kind(p), Some(Kind::File | Kind::Symlink)) => {
                 self.paths.remove(p);
             }
-            Op::Remove(p)
+            Step::Remove(p)
                 if matches!(self.kind(p), Some(Kind::File | Kind::Symlink))
                     || (!p.is_empty() && self.is_empty_dir(p)) =>
             {
                 self.paths.remove(p);
             }
-            Op::Rename(a, b) => self.rename(a, b),
+            Step::Rename(a, b) => self.rename(a, b),
             _ => {}
         }
     }
@@ -359,9 +362,9 @@ fn parent_str(path: &str) -> &str {
 }
 
 /// Every workload of `length` core operations (1 or 2), each followed by a persistence op.
-pub fn exhaustive(length: usize) -> Vec<Vec<Op>> {
+pub fn exhaustive(length: usize) -> Vec<Vec<Step>> {
     let core = core_ops();
-    let mut out: Vec<Vec<Op>> = vec![vec![]];
+    let mut out: Vec<Vec<Step>> = vec![vec![]];
     for _ in 0..length {
         let mut next = Vec::new();
         for prefix in &out {
@@ -383,7 +386,7 @@ pub fn exhaustive(length: usize) -> Vec<Vec<Op>> {
 }
 
 /// `count` workloads of length 1 or 2 drawn with `seed` from the exhaustive space.
-pub fn sample(count: usize, seed: u64) -> Vec<Vec<Op>> {
+pub fn sample(count: usize, seed: u64) -> Vec<Vec<Step>> {
     let core = core_ops();
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
     (0..count)

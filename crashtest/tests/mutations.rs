@@ -7,14 +7,14 @@
 //! notices is a guard nothing checks. `COREFS_SEED` replays (the seed picks the torn and
 //! damaged sectors).
 
-use crashtest::workload::{self, Op};
+use crashtest::workload::{self, Step};
 use crashtest::Schedule;
 use engine::mutation::{self, Mutation};
 
 /// Runs `workloads` under `schedules` with `mutation` on (this thread only) until the
 /// first violation; asserts there is one, and that the same workload and seed pass with the
 /// guard in place. Returns the violation.
-fn assert_caught(mutation: Mutation, workloads: &[Vec<Op>], schedules: &[Schedule]) -> String {
+fn assert_caught(mutation: Mutation, workloads: &[Vec<Step>], schedules: &[Schedule]) -> String {
     let seed = nvme::wrap::seed_from_env();
     // The base image is built with every guard in place (its aging logs and commits).
     mutation::set_for_thread(None);
@@ -79,11 +79,11 @@ fn acknowledging_a_record_before_the_commit_in_flight_is_durable_is_caught() {
 fn never_logging_an_inode_again_in_its_generation_is_caught() {
     // Length two: a file changed and fsynced, then changed again and fsynced (the second
     // fsync must log it again). (The prelude's fsync of foo makes length one catch it too.)
-    let again: Vec<Vec<Op>> = workload::exhaustive(2)
+    let again: Vec<Vec<Step>> = workload::exhaustive(2)
         .into_iter()
         .filter(|w| {
-            let path = |op: &Op| match op {
-                Op::Fsync(p) | Op::Fdatasync(p) => Some(*p),
+            let path = |op: &Step| match op {
+                Step::Fsync(p) | Step::Fdatasync(p) => Some(*p),
                 _ => None,
             };
             path(&w[1]).is_some() && path(&w[1]) == path(&w[3]) && path(&w[1]) != Some("")

@@ -4,9 +4,9 @@
 //! in the ACE runs. fsync of an unlinked *open* file (rule 12) needs a handle the workloads do
 //! not have: engine/tests/posix_objects.rs checks it.
 
-use crashtest::workload::{Falloc, Op};
+use crashtest::workload::{Falloc, Step};
 
-fn check(name: &str, ops: &[Op]) {
+fn check(name: &str, ops: &[Step]) {
     let base = crashtest::base_image();
     let seed = nvme::wrap::seed_from_env();
     let outcome = crashtest::run(&base, ops, seed).unwrap_or_else(|why| panic!("{name}: {why}"));
@@ -16,7 +16,7 @@ fn check(name: &str, ops: &[Op]) {
     );
 }
 
-const APPEND: Op = Op::Write {
+const APPEND: Step = Step::Write {
     path: "foo",
     offset: 0,
     len: 4096,
@@ -29,9 +29,9 @@ fn fsync_after_linking_into_a_new_directory() {
     check(
         "link into new dir",
         &[
-            Op::Mkdir("B/D"),
-            Op::Link("foo", "B/D/foo"),
-            Op::Fsync("foo"),
+            Step::Mkdir("B/D"),
+            Step::Link("foo", "B/D/foo"),
+            Step::Fsync("foo"),
         ],
     );
 }
@@ -43,9 +43,9 @@ fn rename_then_fsync_of_the_new_name() {
         "rename then fsync",
         &[
             APPEND,
-            Op::Fsync("foo"),
-            Op::Rename("foo", "bar"),
-            Op::Fsync("bar"),
+            Step::Fsync("foo"),
+            Step::Rename("foo", "bar"),
+            Step::Fsync("bar"),
         ],
     );
 }
@@ -55,16 +55,16 @@ fn rename_over_an_existing_name() {
     check(
         "rename over",
         &[
-            Op::Creat("bar"),
-            Op::Write {
+            Step::Creat("bar"),
+            Step::Write {
                 path: "bar",
                 offset: 0,
                 len: 3000,
                 append: false,
             },
-            Op::Sync,
-            Op::Rename("foo", "bar"),
-            Op::Fsync("bar"),
+            Step::Sync,
+            Step::Rename("foo", "bar"),
+            Step::Fsync("bar"),
         ],
     );
 }
@@ -74,11 +74,19 @@ fn a_new_file_with_the_old_name_after_a_rename() {
     // generic/341, 342: both exist, nothing lost.
     check(
         "old name reused",
-        &[Op::Rename("foo", "bar"), Op::Creat("foo"), Op::Fsync("foo")],
+        &[
+            Step::Rename("foo", "bar"),
+            Step::Creat("foo"),
+            Step::Fsync("foo"),
+        ],
     );
     check(
         "old name reused, fsync the renamed",
-        &[Op::Rename("foo", "bar"), Op::Creat("foo"), Op::Fsync("bar")],
+        &[
+            Step::Rename("foo", "bar"),
+            Step::Creat("foo"),
+            Step::Fsync("bar"),
+        ],
     );
 }
 
@@ -87,7 +95,11 @@ fn directory_fsync_after_creating_entries() {
     // CM 6, generic/321: fsync of a directory persists its entries.
     check(
         "dir fsync",
-        &[Op::Creat("A/bar"), Op::Creat("A/C/bar"), Op::Fsync("A")],
+        &[
+            Step::Creat("A/bar"),
+            Step::Creat("A/C/bar"),
+            Step::Fsync("A"),
+        ],
     );
 }
 
@@ -97,10 +109,10 @@ fn unlink_of_a_hard_link_then_fsync_of_the_other_name() {
     check(
         "unlink link",
         &[
-            Op::Link("foo", "bar"),
-            Op::Sync,
-            Op::Unlink("bar"),
-            Op::Fsync("foo"),
+            Step::Link("foo", "bar"),
+            Step::Sync,
+            Step::Unlink("bar"),
+            Step::Fsync("foo"),
         ],
     );
 }
@@ -111,9 +123,9 @@ fn truncate_down_then_up_then_fsync() {
     check(
         "truncate down up",
         &[
-            Op::Truncate("foo", 2500),
-            Op::Truncate("foo", 20_000),
-            Op::Fsync("foo"),
+            Step::Truncate("foo", 2500),
+            Step::Truncate("foo", 20_000),
+            Step::Fsync("foo"),
         ],
     );
 }
@@ -124,13 +136,13 @@ fn fallocate_keep_size_past_eof_then_fdatasync() {
     check(
         "falloc keep size",
         &[
-            Op::Falloc {
+            Step::Falloc {
                 path: "foo",
                 mode: Falloc::KeepSize,
                 offset: 16_384,
                 len: 8192,
             },
-            Op::Fdatasync("foo"),
+            Step::Fdatasync("foo"),
         ],
     );
 }
@@ -141,13 +153,13 @@ fn punch_hole_then_fsync() {
     check(
         "punch",
         &[
-            Op::Falloc {
+            Step::Falloc {
                 path: "foo",
                 mode: Falloc::PunchHole,
                 offset: 2048,
                 len: 6000,
             },
-            Op::Fsync("foo"),
+            Step::Fsync("foo"),
         ],
     );
 }
@@ -158,10 +170,10 @@ fn xattr_removal_then_fsync() {
     check(
         "xattr removal",
         &[
-            Op::SetXattr("foo", 3),
-            Op::Sync,
-            Op::RemoveXattr("foo"),
-            Op::Fsync("foo"),
+            Step::SetXattr("foo", 3),
+            Step::Sync,
+            Step::RemoveXattr("foo"),
+            Step::Fsync("foo"),
         ],
     );
 }
@@ -172,11 +184,11 @@ fn rename_of_a_synced_directory_then_fsync_of_a_new_child() {
     check(
         "renamed dir child",
         &[
-            Op::Mkdir("B/D"),
-            Op::Sync,
-            Op::Rename("B/D", "A/D"),
-            Op::Creat("A/D/foo"),
-            Op::Fsync("A/D/foo"),
+            Step::Mkdir("B/D"),
+            Step::Sync,
+            Step::Rename("B/D", "A/D"),
+            Step::Creat("A/D/foo"),
+            Step::Fsync("A/D/foo"),
         ],
     );
 }
@@ -185,12 +197,12 @@ fn rename_of_a_synced_directory_then_fsync_of_a_new_child() {
 fn rename_of_an_ancestor_then_fsync_of_an_old_file_by_its_new_path() {
     // The file's own name did not change, its parent's did: fsync must make the path it was
     // reached by durable (btrfs logs the renamed ancestor, or commits).
-    for persist in [Op::Fsync("B/D/foo"), Op::Fdatasync("B/D/foo")] {
+    for persist in [Step::Fsync("B/D/foo"), Step::Fdatasync("B/D/foo")] {
         check(
             "renamed ancestor",
             &[
-                Op::Rename("A", "B/D"),
-                Op::Write {
+                Step::Rename("A", "B/D"),
+                Step::Write {
                     path: "B/D/foo",
                     offset: 0,
                     len: 4096,
@@ -211,10 +223,10 @@ fn fsync_of_the_parent_after_an_undone_xattr_change() {
     check(
         "undone xattr, parent fsynced",
         &[
-            Op::SetXattr("foo", 1),
-            Op::Sync,
-            Op::RemoveXattr("foo"),
-            Op::Fsync(""),
+            Step::SetXattr("foo", 1),
+            Step::Sync,
+            Step::RemoveXattr("foo"),
+            Step::Fsync(""),
         ],
     );
 }

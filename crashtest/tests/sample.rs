@@ -70,24 +70,24 @@ fn the_exhaustive_spaces_have_the_expected_size() {
 /// (which changes no name) are sampled.
 #[test]
 fn every_fsync_of_a_workload_names_an_existing_path() {
-    use crashtest::workload::{core_ops, Namespace, Op};
+    use crashtest::workload::{core_ops, Namespace, Step};
     use rand::{Rng, SeedableRng};
     let seed = nvme::wrap::seed_from_env();
     let base = crashtest::base_image();
     let core = core_ops();
-    let names_op = |op: &Op| {
+    let names_op = |op: &Step| {
         matches!(
             op,
-            Op::Creat(_)
-                | Op::Mkdir(_)
-                | Op::Link(..)
-                | Op::Unlink(_)
-                | Op::Remove(_)
-                | Op::Rename(..)
-                | Op::Symlink(_)
+            Step::Creat(_)
+                | Step::Mkdir(_)
+                | Step::Link(..)
+                | Step::Unlink(_)
+                | Step::Remove(_)
+                | Step::Rename(..)
+                | Step::Symlink(_)
         )
     };
-    let mut sequences: Vec<Vec<Op>> = core.iter().map(|op| vec![op.clone()]).collect();
+    let mut sequences: Vec<Vec<Step>> = core.iter().map(|op| vec![op.clone()]).collect();
     for a in core.iter().filter(|op| names_op(op)) {
         for b in core.iter().filter(|op| names_op(op)) {
             sequences.push(vec![a.clone(), b.clone()]);
@@ -116,7 +116,7 @@ fn every_fsync_of_a_workload_names_an_existing_path() {
         let mut names = Namespace::setup();
         for op in w {
             match op {
-                Op::Fsync(p) | Op::Fdatasync(p) => {
+                Step::Fsync(p) | Step::Fdatasync(p) => {
                     assert!(names.exists(p), "seed {seed}: {w:?}: {p} does not exist")
                 }
                 op => names.apply(op),

@@ -31,7 +31,7 @@ use crate::format::{
     BlockPtr, ItemKind, Key, ShardRoot, Superblock, BLOCK_BYTES, SUPERBLOCK_ADDRS,
 };
 use crate::fs::{block_lba, Filesystem, Shard, ShardIo, SPACE_OBJECTID};
-use nvme::{BlockDevice, DevError, Op, Request};
+use nvme::{BlockDevice, DevError, IoOp, Request};
 use std::time::{Duration, Instant};
 
 /// Where the commit of the running transaction stands.
@@ -678,7 +678,7 @@ pub(crate) fn read_runs(dev: &mut dyn BlockDevice, runs: &[(u64, u64)]) -> Resul
             let lba = block_lba(dev, block);
             if let Err(rejected) = dev.submit(Request {
                 token: next as u64,
-                op: Op::Read { lba, buf },
+                op: IoOp::Read { lba, buf },
             }) {
                 first_error.get_or_insert(rejected.reason);
                 break;
@@ -802,7 +802,7 @@ pub(crate) fn write_blocks(dev: &mut dyn BlockDevice, blocks: Vec<(u64, Vec<u8>)
             let lba = block_lba(dev, addr);
             if let Err(rejected) = dev.submit(Request {
                 token: addr,
-                op: Op::Write {
+                op: IoOp::Write {
                     lba,
                     buf,
                     fua: false,

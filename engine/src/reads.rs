@@ -34,7 +34,7 @@ use crate::fetch::Deferred;
 use crate::file::ReadPiece;
 use crate::format::BLOCK_BYTES;
 use crate::fs::{block_lba, Filesystem};
-use nvme::{BlockDevice, Op, Request};
+use nvme::{BlockDevice, IoOp, Request};
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
@@ -473,7 +473,7 @@ impl Filesystem {
             let lba = block_lba(&*self.dev, io.block);
             let request = Request {
                 token: crate::log::inflight::READ | number,
-                op: Op::Read { lba, buf },
+                op: IoOp::Read { lba, buf },
             };
             match self.dev.submit_read(request) {
                 Ok(()) => {

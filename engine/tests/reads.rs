@@ -5,7 +5,7 @@
 
 use engine::{Filesystem, MkfsOptions, MountOptions, ReadStart};
 use nvme::backend::mem::{MemConfig, MemDevice};
-use nvme::{BlockDevice, Completion, DevError, DeviceInfo, DmaPool, Op, Rejected, Request};
+use nvme::{BlockDevice, DevError, DeviceInfo, DmaPool, IoCompletion, IoOp, Rejected, Request};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -39,20 +39,20 @@ impl BlockDevice for HoldReads {
         self.inner.pool()
     }
     fn submit(&mut self, request: Request) -> Result<(), Rejected> {
-        if matches!(request.op, Op::Read { .. }) && self.hold.load(Ordering::SeqCst) {
+        if matches!(request.op, IoOp::Read { .. }) && self.hold.load(Ordering::SeqCst) {
             self.held_total.fetch_add(1, Ordering::SeqCst);
             self.held.push(request);
             return Ok(());
         }
         self.inner.submit(request)
     }
-    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize, DevError> {
+    fn poll(&mut self, out: &mut Vec<IoCompletion>) -> Result<usize, DevError> {
         if !self.hold.load(Ordering::SeqCst) {
             self.release();
         }
         self.inner.poll(out)
     }
-    fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> Result<usize, DevError> {
+    fn wait(&mut self, out: &mut Vec<IoCompletion>, timeout: Duration) -> Result<usize, DevError> {
         self.release();
         self.inner.wait(out, timeout)
     }

@@ -47,9 +47,10 @@ pub use spec::{open_device, DeviceSpec, OpenOptions};
 use std::time::Duration;
 
 /// What a request asks the device to do. Reads and writes carry their buffer, whose length sets
-/// the transfer size.
+/// the transfer size. A device command, named apart from the filesystem requests clients send
+/// a reactor (`reactor::Op`).
 #[derive(Debug)]
-pub enum Op {
+pub enum IoOp {
     /// Reads `buf.len()` bytes starting at `lba`.
     Read { lba: u64, buf: DmaBuf },
     /// Writes `buf` at `lba`; with `fua` the data is durable when the write completes.
@@ -64,7 +65,7 @@ pub enum Op {
     Deallocate { lba: u64, lbas: u32 },
 }
 
-/// The kind of an [`Op`], without its payload; used in errors, statistics and records.
+/// The kind of an [`IoOp`], without its payload; used in errors, statistics and records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum OpKind {
     Read,
@@ -74,47 +75,47 @@ pub enum OpKind {
     Deallocate,
 }
 
-impl Op {
+impl IoOp {
     pub fn kind(&self) -> OpKind {
         match self {
-            Op::Read { .. } => OpKind::Read,
-            Op::Write { .. } => OpKind::Write,
-            Op::Flush => OpKind::Flush,
-            Op::WriteZeroes { .. } => OpKind::WriteZeroes,
-            Op::Deallocate { .. } => OpKind::Deallocate,
+            IoOp::Read { .. } => OpKind::Read,
+            IoOp::Write { .. } => OpKind::Write,
+            IoOp::Flush => OpKind::Flush,
+            IoOp::WriteZeroes { .. } => OpKind::WriteZeroes,
+            IoOp::Deallocate { .. } => OpKind::Deallocate,
         }
     }
 
     /// The block range the op touches, if it touches one: (first lba, count of lbas).
     pub fn lba_range(&self, lba_size_bytes: u32) -> Option<(u64, u64)> {
         match self {
-            Op::Read { lba, buf } | Op::Write { lba, buf, .. } => {
+            IoOp::Read { lba, buf } | IoOp::Write { lba, buf, .. } => {
                 Some((*lba, buf.len() as u64 / lba_size_bytes as u64))
             }
-            Op::WriteZeroes { lba, lbas } | Op::Deallocate { lba, lbas } => {
+            IoOp::WriteZeroes { lba, lbas } | IoOp::Deallocate { lba, lbas } => {
                 Some((*lba, *lbas as u64))
             }
-            Op::Flush => None,
+            IoOp::Flush => None,
         }
     }
 
     /// A read of `buf.len()` bytes at `lba`, or (with `write`) a plain write of `buf` there.
-    pub fn transfer(write: bool, lba: u64, buf: DmaBuf) -> Op {
+    pub fn transfer(write: bool, lba: u64, buf: DmaBuf) -> IoOp {
         if write {
-            Op::Write {
+            IoOp::Write {
                 lba,
                 buf,
                 fua: false,
             }
         } else {
-            Op::Read { lba, buf }
+            IoOp::Read { lba, buf }
         }
     }
 
     /// Takes the data buffer out of a read or write.
     pub fn into_buf(self) -> Option<DmaBuf> {
         match self {
-            Op::Read { buf, .. } | Op::Write { buf, .. } => Some(buf),
+            IoOp::Read { buf, .. } | IoOp::Write { buf, .. } => Some(buf),
             _ => None,
         }
     }
@@ -136,13 +137,13 @@ impl std::fmt::Display for OpKind {
 #[derive(Debug)]
 pub struct Request {
     pub token: u64,
-    pub op: Op,
+    pub op: IoOp,
 }
 
-/// A finished request. `buf` returns the read or write buffer to the caller; `result` is the
+/// A finished device request (the reactor's `Completion` answers a filesystem request). `buf` returns the read or write buffer to the caller; `result` is the
 /// device's word on the operation.
 #[derive(Debug)]
-pub struct Completion {
+pub struct IoCompletion {
     pub token: u64,
     pub kind: OpKind,
     pub result: Result<(), DevError>,
@@ -205,11 +206,11 @@ pub trait BlockDevice: Send {
     /// Pushes queued requests to the device and appends every finished one to `out`, without
     /// blocking. Returns how many were appended. An `Err` means the queue itself broke (the ring
     /// failed); every later call fails too.
-    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize, DevError>;
+    fn poll(&mut self, out: &mut Vec<IoCompletion>) -> Result<usize, DevError>;
 
     /// Like [`poll`](Self::poll) but blocks until at least one completion is appended or
     /// `timeout` passes. Returns immediately when nothing is in flight.
-    fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> Result<usize, DevError>;
+    fn wait(&mut self, out: &mut Vec<IoCompletion>, timeout: Duration) -> Result<usize, DevError>;
 
     /// Requests submitted and not yet handed back by `poll`/`wait`.
     fn in_flight(&self) -> u32;
@@ -257,10 +258,10 @@ impl<D: BlockDevice + ?Sized> BlockDevice for Box<D> {
     fn submit(&mut self, request: Request) -> Result<(), Rejected> {
         (**self).submit(request)
     }
-    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize, DevError> {
+    fn poll(&mut self, out: &mut Vec<IoCompletion>) -> Result<usize, DevError> {
         (**self).poll(out)
     }
-    fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> Result<usize, DevError> {
+    fn wait(&mut self, out: &mut Vec<IoCompletion>, timeout: Duration) -> Result<usize, DevError> {
         (**self).wait(out, timeout)
     }
     fn in_flight(&self) -> u32 {
@@ -281,9 +282,9 @@ impl<D: BlockDevice + ?Sized> BlockDevice for Box<D> {
 /// Checks a request against the queue's geometry before it reaches a device: alignment,
 /// length, range. Cheap, so it runs on every submit of every backend; a device never sees a
 /// request that could scribble outside the namespace.
-pub fn validate(info: &DeviceInfo, pool: &DmaPool, op: &Op) -> Result<(), DevError> {
+pub fn validate(info: &DeviceInfo, pool: &DmaPool, op: &IoOp) -> Result<(), DevError> {
     let lba_size = info.lba_size_bytes;
-    if let Op::Read { buf, .. } | Op::Write { buf, .. } = op {
+    if let IoOp::Read { buf, .. } | IoOp::Write { buf, .. } = op {
         if !buf.belongs_to(pool) {
             return Err(DevError::ForeignBuffer);
         }
@@ -315,7 +316,7 @@ pub fn validate(info: &DeviceInfo, pool: &DmaPool, op: &Op) -> Result<(), DevErr
 /// Refuses what would change a device opened read-only ([`Access::ReadShared`]): writes,
 /// write-zeroes and deallocate fail with `EROFS` before they reach it. Reads and flushes
 /// pass (a flush changes nothing a reader could see).
-pub fn refuse_writes(op: &Op) -> Result<(), DevError> {
+pub fn refuse_writes(op: &IoOp) -> Result<(), DevError> {
     match op.kind() {
         OpKind::Write | OpKind::WriteZeroes | OpKind::Deallocate => Err(DevError::Io {
             op: op.kind(),
@@ -329,9 +330,9 @@ pub fn refuse_writes(op: &Op) -> Result<(), DevError> {
 /// for the hot path. Other completions found meanwhile are returned in `others`.
 pub fn run_sync(
     dev: &mut dyn BlockDevice,
-    op: Op,
-    others: &mut Vec<Completion>,
-) -> Result<Completion, DevError> {
+    op: IoOp,
+    others: &mut Vec<IoCompletion>,
+) -> Result<IoCompletion, DevError> {
     const SYNC_TOKEN: u64 = u64::MAX;
     let mut request = Request {
         token: SYNC_TOKEN,
@@ -384,7 +385,7 @@ pub fn read_sync(dev: &mut dyn BlockDevice, lba: u64, out: &mut [u8]) -> Result<
             .alloc(piece.len())
             .ok_or(DevError::PoolExhausted)?;
         let at = lba + (index * chunk_bytes / lba_size) as u64;
-        let done = run_sync(dev, Op::Read { lba: at, buf }, &mut others)?;
+        let done = run_sync(dev, IoOp::Read { lba: at, buf }, &mut others)?;
         done.result?;
         let buf = done.buf.expect("a read completion returns its buffer");
         piece.copy_from_slice(buf.as_slice());
@@ -415,7 +416,7 @@ pub fn write_sync(
             .ok_or(DevError::PoolExhausted)?;
         buf.as_mut_slice().copy_from_slice(piece);
         let at = lba + (index * chunk_bytes / lba_size) as u64;
-        run_sync(dev, Op::Write { lba: at, buf, fua }, &mut others)?.result?;
+        run_sync(dev, IoOp::Write { lba: at, buf, fua }, &mut others)?.result?;
     }
     assert!(others.is_empty(), "write_sync must run on an idle queue");
     Ok(())
@@ -424,7 +425,7 @@ pub fn write_sync(
 /// Flushes synchronously. For tools and tests.
 pub fn flush_sync(dev: &mut dyn BlockDevice) -> Result<(), DevError> {
     let mut others = Vec::new();
-    let result = run_sync(dev, Op::Flush, &mut others)?.result;
+    let result = run_sync(dev, IoOp::Flush, &mut others)?.result;
     assert!(others.is_empty(), "flush_sync must run on an idle queue");
     result
 }

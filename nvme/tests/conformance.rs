@@ -7,7 +7,7 @@ use nvme::backend::mem::{MemConfig, MemDevice};
 use nvme::backend::uring_file::{FileConfig, FileDevice};
 use nvme::dma::HugepagePolicy;
 use nvme::wrap::{FaultConfig, FaultDevice, OverlayDevice, RecordingDevice};
-use nvme::{BlockDevice, Completion, DevError, Op, Request};
+use nvme::{BlockDevice, DevError, IoCompletion, IoOp, Request};
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
@@ -62,14 +62,14 @@ fn run_model(dev: &mut dyn BlockDevice, seed: u64, ops: usize, depth: usize) {
     let mut lba = 0;
     while lba < info.capacity_lbas {
         let n = zero_lbas.min((info.capacity_lbas - lba) as u32);
-        let c = nvme::run_sync(dev, Op::WriteZeroes { lba, lbas: n }, &mut done).unwrap();
+        let c = nvme::run_sync(dev, IoOp::WriteZeroes { lba, lbas: n }, &mut done).unwrap();
         c.result.unwrap();
         lba += n as u64;
     }
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
     let mut in_flight: Vec<(u64, u64, u64, Expect)> = Vec::new(); // token, lba, lbas, expect
     let mut next_token = 1u64;
-    let mut completions: Vec<Completion> = Vec::new();
+    let mut completions: Vec<IoCompletion> = Vec::new();
     let mut issued = 0;
     while issued < ops || !in_flight.is_empty() {
         if issued < ops && in_flight.len() < depth {
@@ -86,7 +86,7 @@ fn run_model(dev: &mut dyn BlockDevice, seed: u64, ops: usize, depth: usize) {
                     rng.fill(buf.as_mut_slice());
                     model[range].copy_from_slice(buf.as_slice());
                     (
-                        Op::Write {
+                        IoOp::Write {
                             lba,
                             buf,
                             fua: kind < 5,
@@ -96,7 +96,7 @@ fn run_model(dev: &mut dyn BlockDevice, seed: u64, ops: usize, depth: usize) {
                 } else if kind < 85 {
                     let buf = dev.pool().alloc(range.len()).expect("pool sized for depth");
                     (
-                        Op::Read { lba, buf },
+                        IoOp::Read { lba, buf },
                         Expect::Read {
                             lba,
                             model_snapshot: model[range].to_vec(),
@@ -105,7 +105,7 @@ fn run_model(dev: &mut dyn BlockDevice, seed: u64, ops: usize, depth: usize) {
                 } else if kind < 92 {
                     model[range].fill(0);
                     (
-                        Op::WriteZeroes {
+                        IoOp::WriteZeroes {
                             lba,
                             lbas: lbas as u32,
                         },
@@ -114,16 +114,16 @@ fn run_model(dev: &mut dyn BlockDevice, seed: u64, ops: usize, depth: usize) {
                 } else if kind < 96 {
                     model[range].fill(0);
                     (
-                        Op::Deallocate {
+                        IoOp::Deallocate {
                             lba,
                             lbas: lbas as u32,
                         },
                         Expect::Other,
                     )
                 } else {
-                    (Op::Flush, Expect::Other)
+                    (IoOp::Flush, Expect::Other)
                 };
-                let (lba, lbas) = if matches!(op, Op::Flush) {
+                let (lba, lbas) = if matches!(op, IoOp::Flush) {
                     (0, 0)
                 } else {
                     (lba, lbas)
@@ -245,7 +245,7 @@ fn check_rejections(dev: &mut dyn BlockDevice) {
     let r = dev
         .submit(Request {
             token: 1,
-            op: Op::Read {
+            op: IoOp::Read {
                 lba: info.capacity_lbas,
                 buf,
             },
@@ -257,13 +257,13 @@ fn check_rejections(dev: &mut dyn BlockDevice) {
         r.reason
     );
     assert!(
-        matches!(r.request.op, Op::Read { .. }),
+        matches!(r.request.op, IoOp::Read { .. }),
         "the request comes back"
     );
     let r = dev
         .submit(Request {
             token: 1,
-            op: Op::WriteZeroes {
+            op: IoOp::WriteZeroes {
                 lba: u64::MAX,
                 lbas: 2,
             },
@@ -279,7 +279,7 @@ fn check_rejections(dev: &mut dyn BlockDevice) {
     let r = dev
         .submit(Request {
             token: 1,
-            op: Op::Write {
+            op: IoOp::Write {
                 lba: 0,
                 buf,
                 fua: false,
@@ -297,7 +297,7 @@ fn check_rejections(dev: &mut dyn BlockDevice) {
     let r = dev
         .submit(Request {
             token: 1,
-            op: Op::Write {
+            op: IoOp::Write {
                 lba: 0,
                 buf: foreign,
                 fua: false,
@@ -309,7 +309,7 @@ fn check_rejections(dev: &mut dyn BlockDevice) {
     for token in 0..info.queue_depth as u64 {
         dev.submit(Request {
             token,
-            op: Op::Flush,
+            op: IoOp::Flush,
         })
         .unwrap();
     }
@@ -317,7 +317,7 @@ fn check_rejections(dev: &mut dyn BlockDevice) {
     let r = dev
         .submit(Request {
             token: 999,
-            op: Op::Write {
+            op: IoOp::Write {
                 lba: 0,
                 buf,
                 fua: false,

@@ -74,7 +74,7 @@ fn read_shared_opens_beside_the_writer_and_refuses_writes() {
         nvme::write_sync(&mut *reader, 3, &[0u8; 4096], false),
         nvme::run_sync(
             &mut *reader,
-            nvme::Op::WriteZeroes { lba: 3, lbas: 1 },
+            nvme::IoOp::WriteZeroes { lba: 3, lbas: 1 },
             &mut Vec::new(),
         )
         .map(drop),

@@ -4,7 +4,7 @@
 
 use nvme::backend::mem::{MemConfig, MemDevice};
 use nvme::wrap::{crash_image, CrashMode, FaultConfig, FaultDevice, Record, RecordingDevice};
-use nvme::{BlockDevice, DevError, Op, OpKind};
+use nvme::{BlockDevice, DevError, IoOp, OpKind};
 use std::time::{Duration, Instant};
 
 const LBA: usize = 4096;
@@ -40,7 +40,7 @@ fn recording_logs_completed_writes_and_flush_coverage() {
     nvme::write_sync(&mut dev, 1, &block(3), false).unwrap();
     nvme::write_sync(&mut dev, 4, &block(4), true).unwrap();
     let mut done = Vec::new();
-    nvme::run_sync(&mut dev, Op::WriteZeroes { lba: 2, lbas: 1 }, &mut done)
+    nvme::run_sync(&mut dev, IoOp::WriteZeroes { lba: 2, lbas: 1 }, &mut done)
         .unwrap()
         .result
         .unwrap();
@@ -279,7 +279,7 @@ fn latency_spikes_delay_without_error() {
     let mut out = Vec::new();
     dev.submit(nvme::Request {
         token: 5,
-        op: Op::Flush,
+        op: IoOp::Flush,
     })
     .unwrap();
     assert_eq!(

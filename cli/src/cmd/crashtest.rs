@@ -3,7 +3,7 @@
 //! list, so a part, or a failure, replays as the whole run would.
 
 use super::clock_seed;
-use crashtest::workload::Op;
+use crashtest::workload::Step;
 use crashtest::{Outcome, Schedule};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -137,7 +137,7 @@ fn announce_mutation() -> Result<(), String> {
 /// Runs crash-consistency workloads on `threads` threads, stopping at the first failure;
 /// returns the workload count and the summed outcome.
 fn run_workloads(
-    workloads: Vec<Vec<Op>>,
+    workloads: Vec<Vec<Step>>,
     first: usize,
     seed: u64,
     threads: usize,

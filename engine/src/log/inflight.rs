@@ -34,7 +34,7 @@
 use crate::commit::Run;
 use crate::error::{EngineError, Result};
 use crate::fs::{block_lba, Filesystem};
-use nvme::{BlockDevice, Completion, DevError, DeviceInfo, DmaPool, Op, Rejected, Request};
+use nvme::{BlockDevice, DevError, DeviceInfo, DmaPool, IoCompletion, IoOp, Rejected, Request};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
@@ -72,7 +72,7 @@ pub const MAX_IN_FLIGHT: usize = 64;
 /// The engine's device with background requests kept apart (see the module comment).
 pub struct DeviceMux {
     inner: Box<dyn BlockDevice>,
-    background: Vec<Completion>,
+    background: Vec<IoCompletion>,
     background_in_flight: u32,
     /// The bytes of every background write queued or in flight, by first block: (blocks,
     /// ticket token, the run's pieces). A foreground read of them is answered from here;
@@ -82,18 +82,18 @@ pub struct DeviceMux {
     /// when the count reaches 0).
     writes_outstanding: std::collections::HashMap<u64, (u32, Vec<u64>)>,
     /// Foreground reads answered from `writing`, handed out by the next poll or wait.
-    answered: Vec<Completion>,
+    answered: Vec<IoCompletion>,
     /// Asynchronous data reads ([`READ`] tokens) submitted and not completed, and the
     /// completed ones (from the device or answered from `writing`) not handed out yet.
     reads_in_flight: u32,
-    reads_done: Vec<Completion>,
+    reads_done: Vec<IoCompletion>,
     /// Synchronous waits for the device.
     pub(crate) waits: DeviceWaitStats,
     /// Background writes not submitted yet (the queue or the DMA pool was full): (token,
     /// lba, first block, fua), their bytes in `writing`; submitted in order as room frees.
     /// Bounded by what the engine hands over at once (a record, or one commit's blocks).
     backlog: VecDeque<(u64, u64, u64, bool)>,
-    scratch: Vec<Completion>,
+    scratch: Vec<IoCompletion>,
     /// Block buffers whose contents went to the device, for the next commit's nodes (at most
     /// [`SPARE_BLOCKS_MAX`]). Allocating them afresh each commit cost its pause a page fault
     /// per node: the allocator gives the freed megabytes back to the kernel between commits.
@@ -127,7 +127,7 @@ impl DeviceMux {
     }
 
     /// Moves completions from the device, keeping background ones aside.
-    fn route(&mut self, out: &mut Vec<Completion>) -> usize {
+    fn route(&mut self, out: &mut Vec<IoCompletion>) -> usize {
         let mut foreground = 0;
         let mut scratch = std::mem::take(&mut self.scratch);
         for mut c in scratch.drain(..) {
@@ -303,13 +303,13 @@ impl DeviceMux {
         let lba_bytes = self.inner.info().lba_size_bytes as u64;
         let block_bytes = crate::format::BLOCK_BYTES as u64;
         let range = match &request.op {
-            Op::Read { lba, buf } | Op::Write { lba, buf, .. } => {
+            IoOp::Read { lba, buf } | IoOp::Write { lba, buf, .. } => {
                 Some((lba * lba_bytes, buf.as_slice().len() as u64))
             }
-            Op::WriteZeroes { lba, lbas } | Op::Deallocate { lba, lbas } => {
+            IoOp::WriteZeroes { lba, lbas } | IoOp::Deallocate { lba, lbas } => {
                 Some((lba * lba_bytes, *lbas as u64 * lba_bytes))
             }
-            Op::Flush => None,
+            IoOp::Flush => None,
         };
         let Some((byte, bytes)) = range else {
             // A flush covers every write completed before it: the background ones too.
@@ -326,7 +326,7 @@ impl DeviceMux {
         let Request { token, op } = request;
         match op {
             // A read of blocks being written is answered with their bytes.
-            Op::Read { lba, mut buf }
+            IoOp::Read { lba, mut buf }
                 if byte % block_bytes == 0
                     && bytes % block_bytes == 0
                     && (first..end).all(|b| self.writing_block(b).is_some()) =>
@@ -338,7 +338,7 @@ impl DeviceMux {
                         .copy_from_slice(self.writing_block(b).expect("checked"));
                 }
                 let _ = lba;
-                let completion = Completion {
+                let completion = IoCompletion {
                     token,
                     kind: nvme::OpKind::Read,
                     result: Ok(()),
@@ -356,7 +356,7 @@ impl DeviceMux {
                 // that write goes first (never expected for writes: the allocator does not
                 // reuse a block with a write pending).
                 debug_assert!(
-                    matches!(op, Op::Read { .. }),
+                    matches!(op, IoOp::Read { .. }),
                     "a foreground write overlaps a background write in flight"
                 );
                 let request = Request { token, op };
@@ -401,7 +401,7 @@ impl DeviceMux {
     pub(crate) fn poll_reads(
         &mut self,
         wait: Option<Duration>,
-    ) -> std::result::Result<Vec<Completion>, DevError> {
+    ) -> std::result::Result<Vec<IoCompletion>, DevError> {
         let mut foreground = Vec::new();
         self.pump()?;
         if self.reads_done.is_empty() && (self.reads_in_flight > 0 || self.background_in_flight > 0)
@@ -475,7 +475,7 @@ impl DeviceMux {
             assert_eq!(at, len, "a run's pieces fill its buffer");
             let request = Request {
                 token,
-                op: Op::Write { lba, buf, fua },
+                op: IoOp::Write { lba, buf, fua },
             };
             match self.inner.submit(request) {
                 Ok(()) => self.background_in_flight += 1,
@@ -505,7 +505,7 @@ impl DeviceMux {
     fn poll_background(
         &mut self,
         wait: Option<Duration>,
-    ) -> std::result::Result<Vec<Completion>, DevError> {
+    ) -> std::result::Result<Vec<IoCompletion>, DevError> {
         // Foreground completions met here wait in `answered` for their caller's next poll.
         let mut foreground = Vec::new();
         self.pump()?;
@@ -547,7 +547,7 @@ impl BlockDevice for DeviceMux {
         self.submit_ordered(request)
     }
 
-    fn poll(&mut self, out: &mut Vec<Completion>) -> std::result::Result<usize, DevError> {
+    fn poll(&mut self, out: &mut Vec<IoCompletion>) -> std::result::Result<usize, DevError> {
         let answered = self.answered.len();
         out.append(&mut self.answered);
         self.inner.poll(&mut self.scratch)?;
@@ -556,7 +556,7 @@ impl BlockDevice for DeviceMux {
 
     fn wait(
         &mut self,
-        out: &mut Vec<Completion>,
+        out: &mut Vec<IoCompletion>,
         timeout: Duration,
     ) -> std::result::Result<usize, DevError> {
         if !self.answered.is_empty() {
@@ -806,7 +806,7 @@ impl Filesystem {
             }
             let request = Request {
                 token: BACKGROUND | entry.ticket << 1 | 1,
-                op: Op::Flush,
+                op: IoOp::Flush,
             };
             match self.dev.submit_background(request) {
                 Ok(()) => {
@@ -939,19 +939,19 @@ mod tests {
             self.inner.pool()
         }
         fn submit(&mut self, request: Request) -> std::result::Result<(), Rejected> {
-            if matches!(request.op, Op::Write { .. }) {
+            if matches!(request.op, IoOp::Write { .. }) {
                 self.held.push(request);
                 return Ok(());
             }
             self.inner.submit(request)
         }
-        fn poll(&mut self, out: &mut Vec<Completion>) -> std::result::Result<usize, DevError> {
+        fn poll(&mut self, out: &mut Vec<IoCompletion>) -> std::result::Result<usize, DevError> {
             self.release_if_told();
             self.inner.poll(out)
         }
         fn wait(
             &mut self,
-            out: &mut Vec<Completion>,
+            out: &mut Vec<IoCompletion>,
             _timeout: Duration,
         ) -> std::result::Result<usize, DevError> {
             // A wait is what a drain does: held writes stay held (the wait returns what the
@@ -989,7 +989,7 @@ mod tests {
         let lba = block_lba(mux, block);
         mux.submit(Request {
             token,
-            op: Op::Read { lba, buf },
+            op: IoOp::Read { lba, buf },
         })
         .expect("read submitted");
         let mut out = Vec::new();

@@ -13,7 +13,8 @@ use crate::dma::HugepagePolicy;
 #[cfg(feature = "sim")]
 use crate::SimAccess;
 use crate::{
-    BlockDevice, Completion, CompletionMode, DevError, DeviceInfo, DmaPool, Op, Rejected, Request,
+    BlockDevice, CompletionMode, DevError, DeviceInfo, DmaPool, IoCompletion, IoOp, Rejected,
+    Request,
 };
 use memmap2::MmapMut;
 use std::collections::VecDeque;
@@ -26,7 +27,7 @@ pub struct MemDevice {
     /// Shared by every queue of the device ([`MemDevice::new_queue`]); the lock is held for
     /// one copy, never across calls.
     store: Arc<Mutex<MmapMut>>,
-    done: VecDeque<Completion>,
+    done: VecDeque<IoCompletion>,
 }
 
 /// Geometry and queue settings of a memory device.
@@ -165,24 +166,24 @@ impl BlockDevice for MemDevice {
         let kind = request.op.kind();
         let lba_size = self.info.lba_size_bytes as usize;
         let buf = match request.op {
-            Op::Read { lba, mut buf } => {
+            IoOp::Read { lba, mut buf } => {
                 let range = self.byte_range(lba, buf.len());
                 buf.as_mut_slice().copy_from_slice(&self.store()[range]);
                 Some(buf)
             }
-            Op::Write { lba, buf, .. } => {
+            IoOp::Write { lba, buf, .. } => {
                 let range = self.byte_range(lba, buf.len());
                 self.store()[range].copy_from_slice(buf.as_slice());
                 Some(buf)
             }
-            Op::WriteZeroes { lba, lbas } | Op::Deallocate { lba, lbas } => {
+            IoOp::WriteZeroes { lba, lbas } | IoOp::Deallocate { lba, lbas } => {
                 let range = self.byte_range(lba, lbas as usize * lba_size);
                 self.store()[range].fill(0);
                 None
             }
-            Op::Flush => None,
+            IoOp::Flush => None,
         };
-        self.done.push_back(Completion {
+        self.done.push_back(IoCompletion {
             token: request.token,
             kind,
             result: Ok(()),
@@ -191,13 +192,13 @@ impl BlockDevice for MemDevice {
         Ok(())
     }
 
-    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize, DevError> {
+    fn poll(&mut self, out: &mut Vec<IoCompletion>) -> Result<usize, DevError> {
         let count = self.done.len();
         out.extend(self.done.drain(..));
         Ok(count)
     }
 
-    fn wait(&mut self, out: &mut Vec<Completion>, _timeout: Duration) -> Result<usize, DevError> {
+    fn wait(&mut self, out: &mut Vec<IoCompletion>, _timeout: Duration) -> Result<usize, DevError> {
         // Everything submitted is already complete, so there is never anything to wait for.
         self.poll(out)
     }

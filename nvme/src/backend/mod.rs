@@ -15,7 +15,7 @@ pub(crate) mod ring;
 pub(crate) mod slots;
 pub mod uring_file;
 
-use crate::{validate, DevError, DeviceInfo, DmaPool, Op};
+use crate::{validate, DevError, DeviceInfo, DmaPool, IoOp};
 
 pub use mem::MemDevice;
 pub use passthrough::PassthroughDevice;
@@ -42,7 +42,7 @@ pub(crate) fn admit(
     gate: &Gate,
     info: &DeviceInfo,
     pool: &DmaPool,
-    op: &Op,
+    op: &IoOp,
 ) -> Result<(), DevError> {
     if let Some(failed) = gate.failed {
         return Err(failed.clone());

@@ -22,8 +22,8 @@ use super::{admit, Gate};
 use crate::dma::HugepagePolicy;
 use crate::lock::{self, Access, DeviceLock};
 use crate::{
-    BlockDevice, Completion, CompletionMode, DevError, DeviceInfo, DmaPool, Op, OpKind, Rejected,
-    Request,
+    BlockDevice, CompletionMode, DevError, DeviceInfo, DmaPool, IoCompletion, IoOp, OpKind,
+    Rejected, Request,
 };
 use io_uring::{cqueue, opcode, squeue, types};
 use std::fs::{File, OpenOptions};
@@ -250,12 +250,12 @@ impl FileDevice {
         self.ring.fixed_buffers
     }
 
-    fn build_sqe(&self, op: &Op, user_data: u64) -> squeue::Entry {
+    fn build_sqe(&self, op: &IoOp, user_data: u64) -> squeue::Entry {
         let fd = types::Fd(self.file.as_raw_fd());
         let lba_size = self.info.lba_size_bytes as u64;
         let fixed = self.ring.fixed_buffers;
         let sqe = match op {
-            Op::Read { lba, buf } => {
+            IoOp::Read { lba, buf } => {
                 let ptr = buf.as_ptr().cast_mut();
                 let len = buf.len() as u32;
                 if fixed {
@@ -268,7 +268,7 @@ impl FileDevice {
                         .build()
                 }
             }
-            Op::Write { lba, buf, fua } => {
+            IoOp::Write { lba, buf, fua } => {
                 let flags = if *fua { libc::RWF_DSYNC } else { 0 };
                 let len = buf.len() as u32;
                 if fixed {
@@ -283,14 +283,14 @@ impl FileDevice {
                         .build()
                 }
             }
-            Op::Flush => opcode::Fsync::new(fd)
+            IoOp::Flush => opcode::Fsync::new(fd)
                 .flags(types::FsyncFlags::DATASYNC)
                 .build(),
-            Op::WriteZeroes { lba, lbas } => opcode::Fallocate::new(fd, *lbas as u64 * lba_size)
+            IoOp::WriteZeroes { lba, lbas } => opcode::Fallocate::new(fd, *lbas as u64 * lba_size)
                 .offset(lba * lba_size)
                 .mode(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE)
                 .build(),
-            Op::Deallocate { lba, lbas } => opcode::Fallocate::new(fd, *lbas as u64 * lba_size)
+            IoOp::Deallocate { lba, lbas } => opcode::Fallocate::new(fd, *lbas as u64 * lba_size)
                 .offset(lba * lba_size)
                 .mode(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE)
                 .build(),
@@ -298,7 +298,7 @@ impl FileDevice {
         sqe.user_data(user_data)
     }
 
-    fn reap(&mut self, out: &mut Vec<Completion>) -> usize {
+    fn reap(&mut self, out: &mut Vec<IoCompletion>) -> usize {
         let mut count = 0;
         let mut cq = self.ring.ring.completion();
         cq.sync();
@@ -312,7 +312,7 @@ impl FileDevice {
 }
 
 /// Turns a reaped slot and its CQE result into a completion, checking the transfer length.
-fn finish(slot: InFlight, res: i32) -> Completion {
+fn finish(slot: InFlight, res: i32) -> IoCompletion {
     let result = if res < 0 {
         Err(DevError::Io {
             op: slot.kind,
@@ -327,7 +327,7 @@ fn finish(slot: InFlight, res: i32) -> Completion {
     } else {
         Ok(())
     };
-    Completion {
+    IoCompletion {
         token: slot.token,
         kind: slot.kind,
         result,
@@ -356,7 +356,7 @@ impl BlockDevice for FileDevice {
         }
         let kind = request.op.kind();
         let expect_bytes = match &request.op {
-            Op::Read { buf, .. } | Op::Write { buf, .. } => buf.len() as u32,
+            IoOp::Read { buf, .. } | IoOp::Write { buf, .. } => buf.len() as u32,
             _ => 0,
         };
         // The SQE is built while the request still owns the buffer; the pointers stay valid
@@ -377,7 +377,7 @@ impl BlockDevice for FileDevice {
         Ok(())
     }
 
-    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize, DevError> {
+    fn poll(&mut self, out: &mut Vec<IoCompletion>) -> Result<usize, DevError> {
         self.failed.check()?;
         if self.ring.needs_enter(self.slots.in_flight()) {
             self.failed.on(self.ring.enter(0, None))?;
@@ -385,7 +385,7 @@ impl BlockDevice for FileDevice {
         Ok(self.reap(out))
     }
 
-    fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> Result<usize, DevError> {
+    fn wait(&mut self, out: &mut Vec<IoCompletion>, timeout: Duration) -> Result<usize, DevError> {
         self.failed.check()?;
         // Completions already posted need no syscall; otherwise submit and wait in one enter,
         // which is what keeps queue-depth-1 latency at one syscall per I/O.

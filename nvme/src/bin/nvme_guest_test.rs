@@ -7,7 +7,7 @@
 
 use nvme::backend::passthrough::{IoPoll, PassthroughConfig, PassthroughDevice};
 use nvme::dma::HugepagePolicy;
-use nvme::{Access, BlockDevice, CompletionMode, DevError, Op, Request};
+use nvme::{Access, BlockDevice, CompletionMode, DevError, IoOp, Request};
 use std::path::Path;
 use std::time::Duration;
 
@@ -136,7 +136,7 @@ fn flush_and_fua(dev: &mut PassthroughDevice) -> Check {
     for round in 0..20 {
         nvme::write_sync(dev, 41 + round, &pattern(41 + round, 1, lba_size), false)
             .map_err(|e| e.to_string())?;
-        let c = nvme::run_sync(dev, Op::Flush, &mut others).map_err(|e| e.to_string())?;
+        let c = nvme::run_sync(dev, IoOp::Flush, &mut others).map_err(|e| e.to_string())?;
         c.result.map_err(|e| format!("flush {round}: {e}"))?;
     }
     Ok(())
@@ -198,7 +198,7 @@ fn write_zeroes_and_deallocate(dev: &mut PassthroughDevice) -> Check {
     let data: Vec<u8> = (0..8).flat_map(|b| pattern(200 + b, 7, lba_size)).collect();
     nvme::write_sync(dev, 200, &data, false).map_err(|e| e.to_string())?;
     let mut others = Vec::new();
-    let c = nvme::run_sync(dev, Op::WriteZeroes { lba: 202, lbas: 3 }, &mut others)
+    let c = nvme::run_sync(dev, IoOp::WriteZeroes { lba: 202, lbas: 3 }, &mut others)
         .map_err(|e| e.to_string())?;
     c.result.map_err(|e| format!("write zeroes: {e}"))?;
     let mut back = vec![0u8; data.len()];
@@ -219,7 +219,7 @@ fn write_zeroes_and_deallocate(dev: &mut PassthroughDevice) -> Check {
         }
     }
     nvme::write_sync(dev, 300, &data, false).map_err(|e| e.to_string())?;
-    let c = nvme::run_sync(dev, Op::Deallocate { lba: 300, lbas: 8 }, &mut others)
+    let c = nvme::run_sync(dev, IoOp::Deallocate { lba: 300, lbas: 8 }, &mut others)
         .map_err(|e| e.to_string())?;
     c.result.map_err(|e| format!("deallocate: {e}"))?;
     if dev.namespace().deallocate_reads_zeroes {
@@ -241,7 +241,7 @@ fn out_of_range(path: &str) -> Check {
     let buf = checked.pool().alloc(lba_size).ok_or("pool")?;
     match checked.submit(Request {
         token: 1,
-        op: Op::Read { lba: cap, buf },
+        op: IoOp::Read { lba: cap, buf },
     }) {
         Err(r) if matches!(r.reason, DevError::OutOfRange { .. }) => {}
         Err(r) => return Err(format!("expected OutOfRange at submit, got {}", r.reason)),
@@ -254,7 +254,7 @@ fn out_of_range(path: &str) -> Check {
     let mut others = Vec::new();
     let c = nvme::run_sync(
         &mut raw,
-        Op::Write {
+        IoOp::Write {
             lba: cap,
             buf,
             fua: false,
@@ -283,7 +283,7 @@ fn many_in_flight(dev: &mut PassthroughDevice) -> Check {
             .copy_from_slice(&pattern(1000 + token, 0x33, lba_size));
         dev.submit(Request {
             token,
-            op: Op::Write {
+            op: IoOp::Write {
                 lba: 1000 + token,
                 buf,
                 fua: false,
@@ -304,7 +304,7 @@ fn many_in_flight(dev: &mut PassthroughDevice) -> Check {
         let buf = dev.pool().alloc(lba_size).ok_or("pool exhausted")?;
         dev.submit(Request {
             token,
-            op: Op::Read {
+            op: IoOp::Read {
                 lba: 1000 + token,
                 buf,
             },

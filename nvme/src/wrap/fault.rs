@@ -17,7 +17,7 @@
 
 use super::TokenTable;
 use crate::{
-    BlockDevice, Completion, DevError, DeviceInfo, DmaPool, Op, OpKind, Rejected, Request,
+    BlockDevice, DevError, DeviceInfo, DmaPool, IoCompletion, IoOp, OpKind, Rejected, Request,
     SimAccess,
 };
 use rand::{Rng, SeedableRng};
@@ -79,7 +79,7 @@ pub struct FaultDevice<D: BlockDevice> {
     rng: Xoshiro256PlusPlus,
     pending: TokenTable<Pending>,
     /// Completions synthesized here (EIO, lost writes) or held back (latency).
-    ready: VecDeque<(Instant, Completion)>,
+    ready: VecDeque<(Instant, IoCompletion)>,
     rotten: HashMap<u64, u32>,
     unflushed: Vec<Unflushed>,
     stats: FaultStats,
@@ -307,7 +307,7 @@ impl<D: BlockDevice> FaultDevice<D> {
     ) {
         self.ready.push_back((
             Instant::now(),
-            Completion {
+            IoCompletion {
                 token,
                 kind,
                 result,
@@ -317,7 +317,7 @@ impl<D: BlockDevice> FaultDevice<D> {
     }
 
     /// Applies read-side faults and bookkeeping to completions from the inner device.
-    fn finish(&mut self, mut completion: Completion, now: Instant) {
+    fn finish(&mut self, mut completion: IoCompletion, now: Instant) {
         let pending = self.pending.remove(completion.token);
         completion.token = pending.caller_token;
         let lba_size = self.inner.info().lba_size_bytes as u64;
@@ -371,7 +371,7 @@ impl<D: BlockDevice> FaultDevice<D> {
         self.ready.push_back((at, completion));
     }
 
-    fn release_ready(&mut self, out: &mut Vec<Completion>, now: Instant) -> usize {
+    fn release_ready(&mut self, out: &mut Vec<IoCompletion>, now: Instant) -> usize {
         if self
             .end_delays
             .swap(false, std::sync::atomic::Ordering::SeqCst)
@@ -394,7 +394,7 @@ impl<D: BlockDevice> FaultDevice<D> {
         count
     }
 
-    fn collect(&mut self, from_inner: Vec<Completion>, out: &mut Vec<Completion>) -> usize {
+    fn collect(&mut self, from_inner: Vec<IoCompletion>, out: &mut Vec<IoCompletion>) -> usize {
         let now = Instant::now();
         for completion in from_inner {
             self.finish(completion, now);
@@ -450,7 +450,7 @@ impl<D: BlockDevice> BlockDevice for FaultDevice<D> {
         let capacity = self.inner.info().capacity_lbas;
         let lba_size = self.inner.info().lba_size_bytes;
         match &mut op {
-            Op::Write {
+            IoOp::Write {
                 lba: target,
                 buf,
                 fua,
@@ -474,15 +474,15 @@ impl<D: BlockDevice> BlockDevice for FaultDevice<D> {
                     self.remember_before(lba, lbas);
                 }
             }
-            Op::WriteZeroes { lba: target, lbas } | Op::Deallocate { lba: target, lbas } => {
+            IoOp::WriteZeroes { lba: target, lbas } | IoOp::Deallocate { lba: target, lbas } => {
                 lba = *target;
                 for block in 0..*lbas as u64 {
                     self.rotten.remove(&(*target + block));
                 }
                 self.remember_before(*target, *lbas as u64);
             }
-            Op::Read { lba: target, .. } => lba = *target,
-            Op::Flush => {
+            IoOp::Read { lba: target, .. } => lba = *target,
+            IoOp::Flush => {
                 covers = self.unflushed.len();
                 if self.chance(self.config.ignored_flush) {
                     self.stats.ignored_flushes += 1;
@@ -509,13 +509,13 @@ impl<D: BlockDevice> BlockDevice for FaultDevice<D> {
             })
     }
 
-    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize, DevError> {
+    fn poll(&mut self, out: &mut Vec<IoCompletion>) -> Result<usize, DevError> {
         let mut from_inner = Vec::new();
         self.inner.poll(&mut from_inner)?;
         Ok(self.collect(from_inner, out))
     }
 
-    fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> Result<usize, DevError> {
+    fn wait(&mut self, out: &mut Vec<IoCompletion>, timeout: Duration) -> Result<usize, DevError> {
         let deadline = Instant::now() + timeout;
         loop {
             let mut from_inner = Vec::new();

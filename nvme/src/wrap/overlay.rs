@@ -18,7 +18,8 @@
 //! completion is returned by the next poll.
 
 use crate::{
-    validate, BlockDevice, Completion, DevError, DeviceInfo, DmaPool, Op, OpKind, Rejected, Request,
+    validate, BlockDevice, DevError, DeviceInfo, DmaPool, IoCompletion, IoOp, OpKind, Rejected,
+    Request,
 };
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
@@ -31,7 +32,7 @@ pub struct OverlayDevice {
     /// Zeroed ranges (write-zeroes, deallocate): start LBA → end LBA (exclusive); disjoint
     /// and not adjacent (merged on insert).
     zeroed: BTreeMap<u64, u64>,
-    done: VecDeque<Completion>,
+    done: VecDeque<IoCompletion>,
 }
 
 impl OverlayDevice {
@@ -99,7 +100,7 @@ impl OverlayDevice {
         const TOKEN: u64 = 0;
         if let Err(rejected) = self.inner.submit(Request {
             token: TOKEN,
-            op: Op::Read { lba, buf },
+            op: IoOp::Read { lba, buf },
         }) {
             // The inner queue is idle (every overlay operation completes in submit), so this is
             // its verdict on the request, not backpressure.
@@ -167,21 +168,21 @@ impl BlockDevice for OverlayDevice {
         let kind: OpKind = op.kind();
         let lba_bytes = self.lba_bytes();
         let (result, buf) = match op {
-            Op::Read { lba, buf } => self.read(lba, buf),
-            Op::Write { lba, buf, .. } => {
+            IoOp::Read { lba, buf } => self.read(lba, buf),
+            IoOp::Write { lba, buf, .. } => {
                 for (i, block) in buf.as_slice().chunks(lba_bytes).enumerate() {
                     self.written.insert(lba + i as u64, block.into());
                 }
                 (Ok(()), Some(buf))
             }
-            Op::WriteZeroes { lba, lbas } | Op::Deallocate { lba, lbas } => {
+            IoOp::WriteZeroes { lba, lbas } | IoOp::Deallocate { lba, lbas } => {
                 // validate checked lba + lbas against the capacity, so the sum cannot wrap.
                 self.zero(lba, lba + lbas as u64);
                 (Ok(()), None)
             }
-            Op::Flush => (Ok(()), None),
+            IoOp::Flush => (Ok(()), None),
         };
-        self.done.push_back(Completion {
+        self.done.push_back(IoCompletion {
             token,
             kind,
             result,
@@ -190,13 +191,13 @@ impl BlockDevice for OverlayDevice {
         Ok(())
     }
 
-    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize, DevError> {
+    fn poll(&mut self, out: &mut Vec<IoCompletion>) -> Result<usize, DevError> {
         let n = self.done.len();
         out.extend(self.done.drain(..));
         Ok(n)
     }
 
-    fn wait(&mut self, out: &mut Vec<Completion>, _timeout: Duration) -> Result<usize, DevError> {
+    fn wait(&mut self, out: &mut Vec<IoCompletion>, _timeout: Duration) -> Result<usize, DevError> {
         self.poll(out)
     }
 
@@ -244,11 +245,11 @@ mod tests {
 
         // Zero 3..10: drops the written block 3, keeps 2; then write 5 inside the range.
         let mut others = Vec::new();
-        run_sync(&mut dev, Op::WriteZeroes { lba: 3, lbas: 7 }, &mut others)
+        run_sync(&mut dev, IoOp::WriteZeroes { lba: 3, lbas: 7 }, &mut others)
             .unwrap()
             .result
             .unwrap();
-        run_sync(&mut dev, Op::Deallocate { lba: 10, lbas: 2 }, &mut others)
+        run_sync(&mut dev, IoOp::Deallocate { lba: 10, lbas: 2 }, &mut others)
             .unwrap()
             .result
             .unwrap();
@@ -270,7 +271,7 @@ mod tests {
         assert_eq!(block(3), &[4u8; 512][..], "LBA 5 written after the zeroing");
         assert_eq!(block(9), &[0u8; 512][..], "LBA 11 deallocated");
         assert_eq!(block(10), &[1u8; 512][..], "LBA 12 untouched");
-        run_sync(&mut dev, Op::WriteZeroes { lba: 0, lbas: 2 }, &mut others)
+        run_sync(&mut dev, IoOp::WriteZeroes { lba: 0, lbas: 2 }, &mut others)
             .unwrap()
             .result
             .unwrap();

@@ -15,7 +15,7 @@
 
 use super::TokenTable;
 use crate::{
-    BlockDevice, Completion, DevError, DeviceInfo, DmaPool, Op, Rejected, Request, SimAccess,
+    BlockDevice, DevError, DeviceInfo, DmaPool, IoCompletion, IoOp, Rejected, Request, SimAccess,
 };
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -154,7 +154,7 @@ impl<D: BlockDevice> RecordingDevice<D> {
         self.inner
     }
 
-    fn translate(&mut self, completions: &mut [Completion], from: usize) {
+    fn translate(&mut self, completions: &mut [IoCompletion], from: usize) {
         for completion in &mut completions[from..] {
             let pending = self.pending.remove(completion.token);
             completion.token = pending.caller_token;
@@ -195,23 +195,23 @@ impl<D: BlockDevice> BlockDevice for RecordingDevice<D> {
 
     fn submit(&mut self, request: Request) -> Result<(), Rejected> {
         let record = match &request.op {
-            Op::Write { lba, buf, fua } => Some(Record::Write {
+            IoOp::Write { lba, buf, fua } => Some(Record::Write {
                 lba: *lba,
                 data: Arc::from(buf.as_slice()),
                 fua: *fua,
             }),
-            Op::WriteZeroes { lba, lbas } => Some(Record::WriteZeroes {
+            IoOp::WriteZeroes { lba, lbas } => Some(Record::WriteZeroes {
                 lba: *lba,
                 lbas: *lbas,
             }),
-            Op::Deallocate { lba, lbas } => Some(Record::Deallocate {
+            IoOp::Deallocate { lba, lbas } => Some(Record::Deallocate {
                 lba: *lba,
                 lbas: *lbas,
             }),
-            Op::Flush => Some(Record::Flush {
+            IoOp::Flush => Some(Record::Flush {
                 covers: self.log.len(),
             }),
-            Op::Read { .. } => None,
+            IoOp::Read { .. } => None,
         };
         let caller_token = request.token;
         let submission = match &record {
@@ -245,14 +245,14 @@ impl<D: BlockDevice> BlockDevice for RecordingDevice<D> {
             })
     }
 
-    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize, DevError> {
+    fn poll(&mut self, out: &mut Vec<IoCompletion>) -> Result<usize, DevError> {
         let from = out.len();
         let count = self.inner.poll(out)?;
         self.translate(out, from);
         Ok(count)
     }
 
-    fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> Result<usize, DevError> {
+    fn wait(&mut self, out: &mut Vec<IoCompletion>, timeout: Duration) -> Result<usize, DevError> {
         let from = out.len();
         let count = self.inner.wait(out, timeout)?;
         self.translate(out, from);

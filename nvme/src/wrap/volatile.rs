@@ -24,8 +24,8 @@
 //! against the inner device); their completion is returned by the next poll.
 
 use crate::{
-    flush_sync, read_sync, validate, write_sync, BlockDevice, Completion, DevError, DeviceInfo,
-    DmaPool, Op, OpKind, Rejected, Request,
+    flush_sync, read_sync, validate, write_sync, BlockDevice, DevError, DeviceInfo, DmaPool,
+    IoCompletion, IoOp, OpKind, Rejected, Request,
 };
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -47,7 +47,7 @@ pub struct VolatileCacheDevice {
     inner: Box<dyn BlockDevice>,
     info: DeviceInfo,
     cache: BTreeMap<u64, Box<[u8]>>,
-    done: VecDeque<Completion>,
+    done: VecDeque<IoCompletion>,
     deferred: VecDeque<Deferred>,
     flush_delay: Duration,
 }
@@ -126,14 +126,14 @@ impl VolatileCacheDevice {
     }
 
     /// Runs an op that completes at once (everything but flushes and FUA writes).
-    fn run(&mut self, op: &mut Op) -> Result<(), DevError> {
+    fn run(&mut self, op: &mut IoOp) -> Result<(), DevError> {
         let lba_bytes = self.lba_bytes();
         match op {
-            Op::Write { lba, buf, .. } => {
+            IoOp::Write { lba, buf, .. } => {
                 let (lba, data) = (*lba, buf.as_slice().to_vec());
                 self.cache_write(lba, &data)
             }
-            Op::Read { lba, buf } => {
+            IoOp::Read { lba, buf } => {
                 let out = buf.as_mut_slice();
                 read_sync(&mut *self.inner, *lba, out)?;
                 let lbas = (out.len() / lba_bytes) as u64;
@@ -143,16 +143,16 @@ impl VolatileCacheDevice {
                 }
                 Ok(())
             }
-            Op::Flush => unreachable!("flushes are deferred"),
-            Op::WriteZeroes { lba, lbas } | Op::Deallocate { lba, lbas } => {
+            IoOp::Flush => unreachable!("flushes are deferred"),
+            IoOp::WriteZeroes { lba, lbas } | IoOp::Deallocate { lba, lbas } => {
                 let (lba, lbas) = (*lba, *lbas as u64);
                 self.drop_cached(lba, lbas);
                 let forwarded = match op {
-                    Op::WriteZeroes { .. } => Op::WriteZeroes {
+                    IoOp::WriteZeroes { .. } => IoOp::WriteZeroes {
                         lba,
                         lbas: lbas as u32,
                     },
-                    _ => Op::Deallocate {
+                    _ => IoOp::Deallocate {
                         lba,
                         lbas: lbas as u32,
                     },
@@ -184,7 +184,7 @@ impl VolatileCacheDevice {
                     write_sync(&mut *self.inner, *lba, data, true)
                 }
             };
-            self.done.push_back(Completion {
+            self.done.push_back(IoCompletion {
                 token: d.token,
                 kind: d.kind,
                 result,
@@ -211,7 +211,7 @@ impl BlockDevice for VolatileCacheDevice {
         let kind: OpKind = op.kind();
         let due = Instant::now() + self.flush_delay;
         match &op {
-            Op::Flush => {
+            IoOp::Flush => {
                 self.deferred.push_back(Deferred {
                     due,
                     token,
@@ -221,7 +221,7 @@ impl BlockDevice for VolatileCacheDevice {
                 });
                 return Ok(());
             }
-            Op::Write {
+            IoOp::Write {
                 lba,
                 buf,
                 fua: true,
@@ -239,7 +239,7 @@ impl BlockDevice for VolatileCacheDevice {
                     });
                     return Ok(());
                 }
-                self.done.push_back(Completion {
+                self.done.push_back(IoCompletion {
                     token,
                     kind,
                     result: cached,
@@ -250,7 +250,7 @@ impl BlockDevice for VolatileCacheDevice {
             _ => {}
         }
         let result = self.run(&mut op);
-        self.done.push_back(Completion {
+        self.done.push_back(IoCompletion {
             token,
             kind,
             result,
@@ -259,14 +259,14 @@ impl BlockDevice for VolatileCacheDevice {
         Ok(())
     }
 
-    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize, DevError> {
+    fn poll(&mut self, out: &mut Vec<IoCompletion>) -> Result<usize, DevError> {
         self.complete_due(Instant::now());
         let n = self.done.len();
         out.extend(self.done.drain(..));
         Ok(n)
     }
 
-    fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> Result<usize, DevError> {
+    fn wait(&mut self, out: &mut Vec<IoCompletion>, timeout: Duration) -> Result<usize, DevError> {
         if self.done.is_empty() {
             if let Some(first) = self.deferred.front() {
                 // Sleep until the first deferred op is due (or the timeout).
@@ -336,12 +336,12 @@ mod tests {
         let submitted = std::time::Instant::now();
         dev.submit(Request {
             token: 1,
-            op: Op::Flush,
+            op: IoOp::Flush,
         })
         .unwrap();
         dev.submit(Request {
             token: 2,
-            op: Op::Write {
+            op: IoOp::Write {
                 lba: 100,
                 buf,
                 fua: true,
@@ -377,7 +377,7 @@ mod tests {
         let submitted = std::time::Instant::now();
         dev.submit(Request {
             token: 3,
-            op: Op::Write {
+            op: IoOp::Write {
                 lba: 50,
                 buf,
                 fua: true,

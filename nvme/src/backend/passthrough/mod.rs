@@ -29,8 +29,8 @@ use super::{admit, Gate};
 use crate::dma::HugepagePolicy;
 use crate::lock::{self, Access, DeviceLock};
 use crate::{
-    BlockDevice, Completion, CompletionMode, DevError, DeviceInfo, DmaPool, NvmeStatus, Op, OpKind,
-    Rejected, Request,
+    BlockDevice, CompletionMode, DevError, DeviceInfo, DmaPool, IoCompletion, IoOp, NvmeStatus,
+    OpKind, Rejected, Request,
 };
 use abi::*;
 use io_uring::{cqueue, opcode, squeue, types};
@@ -254,7 +254,7 @@ impl PassthroughDevice {
 
     /// Builds the NVMe command for `op`. Returns the command, the data buffer address and
     /// length, and whether it goes on the data-less ring.
-    fn command(&self, op: &Op, dsm: Option<&crate::DmaBuf>) -> (NvmeUringCmd, bool) {
+    fn command(&self, op: &IoOp, dsm: Option<&crate::DmaBuf>) -> (NvmeUringCmd, bool) {
         let mut cmd = NvmeUringCmd {
             nsid: self.nsid,
             ..Default::default()
@@ -266,14 +266,14 @@ impl PassthroughDevice {
             cmd.cdw12 = (lbas - 1) as u32;
         };
         match op {
-            Op::Read { lba, buf } => {
+            IoOp::Read { lba, buf } => {
                 cmd.opcode = NVME_CMD_READ;
                 cmd.addr = buf.as_ptr() as u64;
                 cmd.data_len = buf.len() as u32;
                 set_range(&mut cmd, *lba, buf.len() as u64 / lba_size);
                 (cmd, false)
             }
-            Op::Write { lba, buf, fua } => {
+            IoOp::Write { lba, buf, fua } => {
                 cmd.opcode = NVME_CMD_WRITE;
                 cmd.addr = buf.as_ptr() as u64;
                 cmd.data_len = buf.len() as u32;
@@ -283,16 +283,16 @@ impl PassthroughDevice {
                 }
                 (cmd, false)
             }
-            Op::Flush => {
+            IoOp::Flush => {
                 cmd.opcode = NVME_CMD_FLUSH;
                 (cmd, true)
             }
-            Op::WriteZeroes { lba, lbas } => {
+            IoOp::WriteZeroes { lba, lbas } => {
                 cmd.opcode = NVME_CMD_WRITE_ZEROES;
                 set_range(&mut cmd, *lba, *lbas as u64);
                 (cmd, true)
             }
-            Op::Deallocate { .. } => {
+            IoOp::Deallocate { .. } => {
                 let ranges = dsm.expect("a deallocate carries its range list");
                 cmd.opcode = NVME_CMD_DSM;
                 cmd.addr = ranges.as_ptr() as u64;
@@ -304,9 +304,9 @@ impl PassthroughDevice {
         }
     }
 
-    fn check_supported(&self, op: &Op) -> Result<(), DevError> {
+    fn check_supported(&self, op: &IoOp) -> Result<(), DevError> {
         match op {
-            Op::WriteZeroes { lbas, .. } | Op::Deallocate { lbas, .. } => {
+            IoOp::WriteZeroes { lbas, .. } | IoOp::Deallocate { lbas, .. } => {
                 let supported = match op.kind() {
                     OpKind::WriteZeroes => self.controller.supports_write_zeroes,
                     _ => self.controller.supports_dsm,
@@ -333,7 +333,7 @@ impl PassthroughDevice {
         }
     }
 
-    fn reap(&mut self, out: &mut Vec<Completion>) -> usize {
+    fn reap(&mut self, out: &mut Vec<IoCompletion>) -> usize {
         let mut count = 0;
         for ring in [&mut self.data_ring, &mut self.dataless_ring] {
             let mut cq = ring.ring.completion();
@@ -356,7 +356,7 @@ impl PassthroughDevice {
                     // The DSM range list goes back to the pool; the caller gave no buffer.
                     slot.buf = None;
                 }
-                out.push(Completion {
+                out.push(IoCompletion {
                     token: slot.token,
                     kind: slot.kind,
                     result,
@@ -401,7 +401,7 @@ impl BlockDevice for PassthroughDevice {
             return Err(Rejected { request, reason });
         }
         let dsm = match request.op {
-            Op::Deallocate { lba, lbas } => {
+            IoOp::Deallocate { lba, lbas } => {
                 let Some(mut list) = self.pool.alloc(self.pool.buf_bytes().min(4096)) else {
                     return Err(Rejected {
                         request,
@@ -428,7 +428,7 @@ impl BlockDevice for PassthroughDevice {
         // Fixed buffers: the command's addr points into registered buffer `index`.
         let buf_index = match (&request.op, &dsm) {
             (_, Some(list)) => Some(list.index()),
-            (Op::Read { buf, .. } | Op::Write { buf, .. }, None) => Some(buf.index()),
+            (IoOp::Read { buf, .. } | IoOp::Write { buf, .. }, None) => Some(buf.index()),
             _ => None,
         };
         if self.data_ring.fixed_buffers && !dataless {
@@ -458,14 +458,14 @@ impl BlockDevice for PassthroughDevice {
         Ok(())
     }
 
-    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize, DevError> {
+    fn poll(&mut self, out: &mut Vec<IoCompletion>) -> Result<usize, DevError> {
         self.failed.check()?;
         let entered = self.enter_all(0, None);
         self.failed.on(entered)?;
         Ok(self.reap(out))
     }
 
-    fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> Result<usize, DevError> {
+    fn wait(&mut self, out: &mut Vec<IoCompletion>, timeout: Duration) -> Result<usize, DevError> {
         let deadline = Instant::now() + timeout;
         loop {
             let found = self.poll(out)?;
