@@ -153,7 +153,7 @@ impl Filesystem {
     /// ([`Filesystem::commit_start`]) finishes first. A partition commits through its
     /// coordinator instead ([`crate::partition`]).
     pub fn commit_to_super(&mut self) -> Result<u64> {
-        if self.partitioned {
+        if self.mode.is_partitioned() {
             return Err(EngineError::Invalid(
                 "a partition commits through its coordinator".into(),
             ));
@@ -173,7 +173,7 @@ impl Filesystem {
         loop {
             match self.commit_progress(Some(Duration::from_millis(100)))? {
                 CommitProgress::Idle | CommitProgress::SuperCommitted(_) => return Ok(()),
-                CommitProgress::Written if self.partitioned => return Ok(()),
+                CommitProgress::Written if self.mode.is_partitioned() => return Ok(()),
                 CommitProgress::Written | CommitProgress::Writing => {}
             }
         }
@@ -201,7 +201,7 @@ impl Filesystem {
         let started = Instant::now();
         let generation = self.generation;
         if !self.is_dirty() {
-            if !self.partitioned {
+            if !self.mode.is_partitioned() {
                 return Ok(false);
             }
             // A partition with nothing to write still moves to N+1 now, with the others: a
@@ -417,7 +417,7 @@ impl Filesystem {
         if writes.is_some_and(|w| !self.ticket_done(w)) {
             return Ok(CommitProgress::Writing);
         }
-        if self.partitioned {
+        if self.mode.is_partitioned() {
             self.state = CommitState::Unblocked;
             return Ok(CommitProgress::Written);
         }

@@ -1,6 +1,12 @@
 //! A corefs filesystem on one device: mkfs, mount, and the shards (tree + space) that the
 //! commit state machine ([`crate::commit`]) makes durable.
 //!
+//! An engine is a whole filesystem or one engine of a filesystem split into partitions
+//! ([`crate::partition`]). That mode is a type ([`Mode`]), not a flag: the commit, the fsync
+//! log and inode placement each decide by it, and what only a split engine keeps lives in
+//! its variant ([`PartitionState`]), so it is reached through a match and a whole mount has
+//! none of it to set or read by mistake.
+//!
 //! Fault model: every metadata read is verified (checksum, address, generation, owner, level)
 //! and a failure is reported as corruption naming the block, never used. A device error or a
 //! failed commit makes the filesystem fail-stop: the error is sticky, every later change and
@@ -119,12 +125,8 @@ pub struct Filesystem {
     /// Every shard of the filesystem by id; `None` for a shard another partition holds
     /// ([`crate::partition`]). A whole-filesystem mount holds them all.
     pub(crate) shards: Vec<Option<Shard>>,
-    /// Set once the filesystem is split into partitions: commits go through a coordinator,
-    /// and the fsync log keeps to the shards held here ([`crate::partition`]).
-    pub(crate) partitioned: bool,
-    /// The shard the next new inode goes to, set by whoever places it (a partition's owner
-    /// spreading directories over every shard); otherwise round-robin over the held shards.
-    pub(crate) place_next: Option<u32>,
+    /// A whole filesystem, or one engine of a filesystem split into partitions ([`Mode`]).
+    pub(crate) mode: Mode,
     /// An fsync that must commit says so ([`crate::log::FsyncStart::NeedsCommit`]) instead of
     /// committing inline: a reactor runs the commit in the background and releases it then.
     pub(crate) commits_deferred: bool,
@@ -169,6 +171,35 @@ pub struct Filesystem {
     pub(crate) reads: crate::reads::Reads,
     /// Deferred lookups: node blocks fetched in the background ([`crate::fetch`]).
     pub(crate) fetch: crate::fetch::NodeFetch,
+}
+
+/// Whether an engine is a whole filesystem or one engine of a filesystem split into
+/// partitions ([`crate::partition`]); the module docs say why this is a type.
+#[derive(Debug)]
+pub(crate) enum Mode {
+    /// A whole-filesystem mount: it holds every shard (until [`Filesystem::take_shards`]
+    /// lends them), commits on its own with its superblock, and places new inodes
+    /// round-robin.
+    Whole,
+    /// A partition, or the coordinator of partitions: commits are coordinated (a partition
+    /// stops once its half is written; the coordinator writes the superblock), an fsync that
+    /// must commit hands the commit to the coordinator, and the fsync log keeps to the shards
+    /// held here.
+    Partitioned(PartitionState),
+}
+
+/// What only an engine of a split filesystem keeps.
+#[derive(Debug, Default)]
+pub(crate) struct PartitionState {
+    /// The shard the next new inode goes to, set by whoever places it (a partition's owner
+    /// spreading directories over every shard); otherwise round-robin over the held shards.
+    pub place_next: Option<u32>,
+}
+
+impl Mode {
+    pub(crate) fn is_partitioned(&self) -> bool {
+        matches!(self, Mode::Partitioned(_))
+    }
 }
 
 /// What [`Filesystem::run_op`] keeps about the operation in progress.
@@ -488,8 +519,7 @@ impl Filesystem {
             dev: Box::new(crate::log::inflight::DeviceMux::new(dev)),
             sb,
             shards,
-            partitioned: false,
-            place_next: None,
+            mode: Mode::Whole,
             commits_deferred: false,
             unflushed_writes: true,
             state: CommitState::Running,

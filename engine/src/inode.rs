@@ -11,7 +11,7 @@
 use crate::error::{EngineError, Result};
 use crate::format::items::{InodeItem, Timespec};
 use crate::format::{ItemKind, Key};
-use crate::fs::{Filesystem, FIRST_INODE};
+use crate::fs::{Filesystem, Mode, FIRST_INODE};
 
 /// Object id of each shard's next-inode counter item.
 pub const INO_COUNTER_OBJECTID: u64 = 2;
@@ -112,7 +112,11 @@ impl Filesystem {
     /// memory and written to its tree at commit ([`Filesystem::persist_ino_counters`]).
     pub(crate) fn alloc_ino(&mut self) -> Result<u64> {
         let shards = self.shards.len() as u64;
-        let shard = match self.place_next.take() {
+        let placed = match &mut self.mode {
+            Mode::Partitioned(p) => p.place_next.take(),
+            Mode::Whole => None,
+        };
+        let shard = match placed {
             Some(shard) => shard,
             None => {
                 // Round-robin over the shards held here (all of them unless partitioned).

@@ -32,7 +32,7 @@ use crate::delayed::DelayedIndex;
 use crate::error::{EngineError, Result};
 use crate::format::items::NameEntry;
 use crate::format::Superblock;
-use crate::fs::{Filesystem, MountOptions, Shard};
+use crate::fs::{Filesystem, Mode, MountOptions, PartitionState, Shard};
 use crate::log::Tracked;
 use crate::writeback::StagedRuns;
 use nvme::BlockDevice;
@@ -211,8 +211,7 @@ impl Filesystem {
             dev: Box::new(crate::log::inflight::DeviceMux::new(dev)),
             sb: like.sb.clone(),
             shards: (0..count).map(|_| None).collect(),
-            partitioned: true,
-            place_next: None,
+            mode: Mode::Partitioned(PartitionState::default()),
             commits_deferred: true,
             unflushed_writes: true,
             generation: like.generation,
@@ -256,16 +255,22 @@ impl Filesystem {
     /// Makes this whole mount the coordinator of partitions (after its shards were taken):
     /// it commits only through the coordinated protocol from now on.
     pub fn set_partitioned(&mut self) {
-        self.partitioned = true;
+        if let Mode::Whole = self.mode {
+            self.mode = Mode::Partitioned(PartitionState::default());
+        }
     }
 
     pub fn is_partitioned(&self) -> bool {
-        self.partitioned
+        self.mode.is_partitioned()
     }
 
-    /// The next new inode goes to shard `shard` (held here), once.
+    /// The next new inode goes to shard `shard` (held here), once. Only an engine of a split
+    /// filesystem is told where to place: a whole mount spreads its inodes itself.
     pub fn place_next(&mut self, shard: u32) {
-        self.place_next = Some(shard);
+        match &mut self.mode {
+            Mode::Partitioned(p) => p.place_next = Some(shard),
+            Mode::Whole => panic!("a whole-filesystem mount places its inodes itself"),
+        }
     }
 
     /// Marks every inode whose changes are tracked here as changed across partitions: the

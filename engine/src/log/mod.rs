@@ -335,7 +335,7 @@ impl Filesystem {
 
     /// The fallback: a commit here, or, in a partition, the owner's coordinated commit.
     fn fsync_fallback(&mut self) -> Result<FsyncStart> {
-        if self.partitioned || self.commits_deferred {
+        if self.mode.is_partitioned() || self.commits_deferred {
             Ok(FsyncStart::NeedsCommit)
         } else {
             self.commit_to_super().map(|_| FsyncStart::Durable)
