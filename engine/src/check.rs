@@ -137,7 +137,7 @@ impl Filesystem {
         let mut xattr_pieces: BTreeMap<(u64, u32, u16), Vec<(u16, usize)>> = BTreeMap::new();
 
         for shard in 0..self.shard_count() {
-            let generation = self.generation;
+            let generation = self.commit.generation;
             let Some(crate::fs::Shard {
                 tree,
                 space,

@@ -35,6 +35,45 @@ use nvme::{BlockDevice, DevError, IoOp, Request};
 use std::time::{Duration, Instant};
 
 /// Where the commit of the running transaction stands.
+/// What the commit owns of a filesystem: the running transaction, the state machine, the
+/// commit in flight and its statistics.
+#[derive(Debug)]
+pub(crate) struct Committer {
+    /// The running transaction's generation.
+    pub generation: u64,
+    pub state: CommitState,
+    pub stats: CommitStats,
+    /// True while a commit runs: its allocations may use the whole metadata reserve.
+    pub in_commit: bool,
+    /// When the running transaction started (for the commit timer).
+    pub transaction_started: Instant,
+    /// A generation super-committed whose frees are not unpinned yet
+    /// ([`Filesystem::complete_commit`]).
+    pub unpin_pending: Option<u64>,
+    /// The commit whose writes are in flight while the next generation runs
+    /// ([`Filesystem::commit_start`]).
+    pub in_flight: Option<CommitInFlight>,
+    /// An fsync that must commit says so ([`crate::log::FsyncStart::NeedsCommit`]) instead of
+    /// committing inline: a reactor runs the commit in the background and releases it then.
+    pub deferred: bool,
+}
+
+impl Committer {
+    /// Running transaction `generation`, no commit in flight.
+    pub fn new(generation: u64, deferred: bool) -> Committer {
+        Committer {
+            generation,
+            state: CommitState::Running,
+            stats: CommitStats::default(),
+            in_commit: false,
+            transaction_started: Instant::now(),
+            unpin_pending: None,
+            in_flight: None,
+            deferred,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CommitState {
     Running,
@@ -124,11 +163,11 @@ pub struct CommitStats {
 
 impl Filesystem {
     pub fn commit_state(&self) -> CommitState {
-        self.state
+        self.commit.state
     }
 
     pub fn commit_stats(&self) -> CommitStats {
-        self.stats
+        self.commit.stats
     }
 
     /// True when the running transaction has changes to commit.
@@ -189,9 +228,10 @@ impl Filesystem {
     /// N is durable): [`Filesystem::fsync_group_start`] finishes N first; a reactor holds its
     /// fsyncs until then. On error the filesystem is fail-stop.
     pub fn commit_start(&mut self) -> Result<bool> {
-        let _span = tracing::debug_span!("commit_start", generation = self.generation).entered();
+        let _span =
+            tracing::debug_span!("commit_start", generation = self.commit.generation).entered();
         self.check_writable()?;
-        if self.commit_in_flight.is_some() {
+        if self.commit.in_flight.is_some() {
             return Err(EngineError::Invalid("a commit is already in flight".into()));
         }
         // Records in flight finish first: the commit truncates the logs they are written to.
@@ -199,7 +239,7 @@ impl Filesystem {
         // Generations unpin in order: the previous commit's frees go first.
         self.complete_commit();
         let started = Instant::now();
-        let generation = self.generation;
+        let generation = self.commit.generation;
         if !self.is_dirty() {
             if !self.mode.is_partitioned() {
                 return Ok(false);
@@ -219,19 +259,19 @@ impl Filesystem {
             });
             return Ok(true);
         }
-        self.state = CommitState::CommitStart;
+        self.commit.state = CommitState::CommitStart;
         // Delayed index items join the trees in per-directory batches before anything is
         // serialized.
-        self.in_commit = true;
+        self.commit.in_commit = true;
         let flushed = self
             .flush_delayed_index()
             .and_then(|()| self.persist_ino_counters());
-        self.in_commit = false;
+        self.commit.in_commit = false;
         if let Err(e) = self.fail_stop_on_error(flushed) {
-            self.state = CommitState::Running;
+            self.commit.state = CommitState::Running;
             return Err(e);
         }
-        self.state = CommitState::CommitDoing;
+        self.commit.state = CommitState::CommitDoing;
         let frozen = self
             .freeze_trees(generation)
             .and_then(|(roots, slicing, staged)| {
@@ -253,7 +293,7 @@ impl Filesystem {
             Ok(w) => w,
             Err(e) => {
                 self.failed.get_or_insert(e.clone());
-                self.state = CommitState::Running;
+                self.commit.state = CommitState::Running;
                 tracing::error!(
                     generation,
                     "commit failed, filesystem is now read-only: {e}"
@@ -263,7 +303,8 @@ impl Filesystem {
         };
         // N+1 starts: what changes from now on is tracked for its own fsyncs and commit;
         // everything tracked so far is in N.
-        self.stats.pause_ns_max = self
+        self.commit.stats.pause_ns_max = self
+            .commit
             .stats
             .pause_ns_max
             .max(started.elapsed().as_nanos() as u64);
@@ -284,7 +325,7 @@ impl Filesystem {
     /// [`crate::MountOptions::commit_slice_nodes`] nodes) and hands full chunks to the device; after the last
     /// node, the rest goes with the commit's flush. Returns true while slices remain.
     fn commit_slice(&mut self) -> Result<bool> {
-        let Some(c) = self.commit_in_flight.as_mut() else {
+        let Some(c) = self.commit.in_flight.as_mut() else {
             return Ok(false);
         };
         let Some(&shard) = c.slicing.first() else {
@@ -304,7 +345,7 @@ impl Filesystem {
         let progress =
             tree.write_frozen(self.options.commit_slice_nodes.max(1), &mut out, &mut spare);
         self.dev.spare_blocks = spare;
-        let c = self.commit_in_flight.as_mut().expect("in flight");
+        let c = self.commit.in_flight.as_mut().expect("in flight");
         c.blocks += (out.len() - before) as u64;
         if let crate::tree::FrozenProgress::Done(ptr, level) = progress {
             let root = c
@@ -321,16 +362,17 @@ impl Filesystem {
             // The commit's own writes: never held back by the commit in flight, which they
             // are (a record would wait for this commit's superblock: a deadlock).
             self.submit_commit_io(out, false).map(|ticket| {
-                self.commit_in_flight.as_mut().expect("in flight").writes = Some(ticket);
+                self.commit.in_flight.as_mut().expect("in flight").writes = Some(ticket);
             })
         } else if out.len() >= COMMIT_CHUNK_BLOCKS {
             self.submit_commit_chunk(out).map(drop)
         } else {
-            self.commit_in_flight.as_mut().expect("in flight").chunk = out;
+            self.commit.in_flight.as_mut().expect("in flight").chunk = out;
             Ok(())
         };
-        self.stats.slices += 1;
-        self.stats.slice_ns_max = self
+        self.commit.stats.slices += 1;
+        self.commit.stats.slice_ns_max = self
+            .commit
             .stats
             .slice_ns_max
             .max(started.elapsed().as_nanos() as u64);
@@ -340,7 +382,8 @@ impl Filesystem {
     /// True while the commit in flight has trees left to serialize: CPU work its caller should
     /// come back for soon rather than sleep on the device.
     pub fn commit_slicing(&self) -> bool {
-        self.commit_in_flight
+        self.commit
+            .in_flight
             .as_ref()
             .is_some_and(|c| !c.slicing.is_empty())
     }
@@ -356,16 +399,16 @@ impl Filesystem {
     /// of each log area from its start, leaving N's records where a crash before N's
     /// superblock still needs them.
     fn begin_next_generation(&mut self, commit: CommitInFlight) {
-        self.generation = commit.generation + 1;
-        self.transaction_started = Instant::now();
+        self.commit.generation = commit.generation + 1;
+        self.commit.transaction_started = Instant::now();
         self.log.reset_tracking();
         self.log.reset_heads();
-        self.commit_in_flight = Some(commit);
+        self.commit.in_flight = Some(commit);
     }
 
     /// The generation whose commit is in flight, if one is.
     pub fn commit_in_flight(&self) -> Option<u64> {
-        self.commit_in_flight.as_ref().map(|c| c.generation)
+        self.commit.in_flight.as_ref().map(|c| c.generation)
     }
 
     /// Advances the commit in flight (`wait`: sleep up to that long on the device when nothing
@@ -374,7 +417,7 @@ impl Filesystem {
     /// superblock, then [`Filesystem::commit_finish`]). A device error fails the commit and
     /// the filesystem stops (read-only).
     pub fn commit_progress(&mut self, wait: Option<Duration>) -> Result<CommitProgress> {
-        let Some(c) = &self.commit_in_flight else {
+        let Some(c) = &self.commit.in_flight else {
             return Ok(CommitProgress::Idle);
         };
         let generation = c.generation;
@@ -383,8 +426,8 @@ impl Filesystem {
         let slicing = match self.commit_slice() {
             Ok(more) => more,
             Err(e) => {
-                self.commit_in_flight = None;
-                self.state = CommitState::Running;
+                self.commit.in_flight = None;
+                self.commit.state = CommitState::Running;
                 self.failed.get_or_insert(e.clone());
                 tracing::error!(
                     generation,
@@ -394,14 +437,14 @@ impl Filesystem {
             }
         };
         let wait = if slicing { None } else { wait };
-        let c = self.commit_in_flight.as_ref().expect("in flight");
+        let c = self.commit.in_flight.as_ref().expect("in flight");
         let (writes, superblock) = (c.writes, c.superblock.as_ref().map(|(_, t)| *t));
         let durable_below = match self.log_progress(wait) {
             Ok(d) => d,
             Err(e) => {
                 // Abandoned: the filesystem is fail-stop, the durable state is N-1.
-                self.commit_in_flight = None;
-                self.state = CommitState::Running;
+                self.commit.in_flight = None;
+                self.commit.state = CommitState::Running;
                 tracing::error!(
                     generation,
                     "commit failed, filesystem is now read-only: {e}"
@@ -418,13 +461,13 @@ impl Filesystem {
             return Ok(CommitProgress::Writing);
         }
         if self.mode.is_partitioned() {
-            self.state = CommitState::Unblocked;
+            self.commit.state = CommitState::Unblocked;
             return Ok(CommitProgress::Written);
         }
         match superblock {
             None => {
-                self.state = CommitState::Unblocked;
-                let c = self.commit_in_flight.as_ref().expect("in flight");
+                self.commit.state = CommitState::Unblocked;
+                let c = self.commit.in_flight.as_ref().expect("in flight");
                 let mut sb = Superblock {
                     generation: c.generation,
                     ..self.sb.clone()
@@ -438,14 +481,15 @@ impl Filesystem {
                 let _span =
                     tracing::debug_span!("super_write", generation = c.generation, copy).entered();
                 let ticket = self.submit_commit_io(vec![(copy, sb.encode())], true)?;
-                self.commit_in_flight
+                self.commit
+                    .in_flight
                     .as_mut()
                     .expect("in flight")
                     .superblock = Some((sb, ticket));
                 Ok(CommitProgress::Writing)
             }
             Some(ticket) if self.ticket_done(ticket) => {
-                let c = self.commit_in_flight.as_ref().expect("in flight");
+                let c = self.commit.in_flight.as_ref().expect("in flight");
                 let sb = c.superblock.as_ref().expect("written").0.clone();
                 self.commit_finish(&sb);
                 Ok(CommitProgress::SuperCommitted(sb.generation))
@@ -467,7 +511,7 @@ impl Filesystem {
 
     /// The roots of the commit in flight (a partition's half for its coordinator).
     pub fn commit_written(&self) -> Option<CommitWritten> {
-        self.commit_in_flight.as_ref().map(|c| CommitWritten {
+        self.commit.in_flight.as_ref().map(|c| CommitWritten {
             generation: c.generation,
             roots: c.roots.clone(),
             blocks: c.blocks,
@@ -526,8 +570,8 @@ impl Filesystem {
                     )?;
                 }
             }
-            self.stats.bitmap_fixpoint_rounds_max =
-                self.stats.bitmap_fixpoint_rounds_max.max(rounds);
+            self.commit.stats.bitmap_fixpoint_rounds_max =
+                self.commit.stats.bitmap_fixpoint_rounds_max.max(rounds);
             // What the superblock records of the shard is as of now; the tree's root comes
             // when its frozen nodes are written.
             let used_blocks = io.space.allocated_blocks();
@@ -556,10 +600,10 @@ impl Filesystem {
     /// the previous generation does not use. Returns the superblock now durable. A device
     /// error is returned (the caller makes every partition fail-stop).
     pub fn write_super(&mut self, roots: &[(u32, ShardRoot)]) -> Result<Superblock> {
-        let generation = self.generation;
+        let generation = self.commit.generation;
         let _span = tracing::debug_span!("write_super", generation, shards = roots.len()).entered();
         nvme::flush_sync(&mut *self.dev)?;
-        self.state = CommitState::Unblocked;
+        self.commit.state = CommitState::Unblocked;
         let mut sb = Superblock {
             generation,
             ..self.sb.clone()
@@ -578,37 +622,37 @@ impl Filesystem {
     /// the next generation runs, the logs start over, and the frees wait for
     /// [`Filesystem::complete_commit`].
     pub fn commit_finish(&mut self, sb: &Superblock) {
-        let (started, blocks) = match self.commit_in_flight.take() {
+        let (started, blocks) = match self.commit.in_flight.take() {
             Some(c) => {
                 assert_eq!(c.generation, sb.generation, "commit of another generation");
                 (c.started, c.blocks)
             }
             None => {
                 assert_eq!(
-                    sb.generation, self.generation,
+                    sb.generation, self.commit.generation,
                     "commit of another generation"
                 );
                 // Nothing was written here: this partition moves to the next generation now.
-                self.generation = sb.generation + 1;
-                self.transaction_started = Instant::now();
+                self.commit.generation = sb.generation + 1;
+                self.commit.transaction_started = Instant::now();
                 self.log.reset_tracking();
                 self.log.reset_heads();
                 (Instant::now(), 0)
             }
         };
         self.sb = sb.clone();
-        self.state = CommitState::SuperCommitted;
+        self.commit.state = CommitState::SuperCommitted;
         // Everything N logged is now in its trees: its half of the log is stale (N+1 has
         // been logging into the other half since the commit started).
         let ns = started.elapsed().as_nanos() as u64;
         // Waiters may go now; unpinning waits for complete_commit.
-        self.unpin_pending = Some(sb.generation);
-        self.stats.commits += 1;
-        self.stats.commit_ns_total += ns;
-        self.stats.commit_ns_max = self.stats.commit_ns_max.max(ns);
-        self.stats.last_commit_ns = ns;
-        self.stats.last_super_commit_ns = ns;
-        self.stats.blocks_written += blocks + 1;
+        self.commit.unpin_pending = Some(sb.generation);
+        self.commit.stats.commits += 1;
+        self.commit.stats.commit_ns_total += ns;
+        self.commit.stats.commit_ns_max = self.commit.stats.commit_ns_max.max(ns);
+        self.commit.stats.last_commit_ns = ns;
+        self.commit.stats.last_super_commit_ns = ns;
+        self.commit.stats.blocks_written += blocks + 1;
         tracing::debug!(
             generation = sb.generation,
             blocks,
@@ -621,22 +665,22 @@ impl Filesystem {
     /// (they may be reused from now on) and trims the metadata cache. Returns the blocks
     /// unpinned; a no-op when nothing is pending.
     pub fn complete_commit(&mut self) -> u64 {
-        let Some(generation) = self.unpin_pending else {
+        let Some(generation) = self.commit.unpin_pending else {
             return 0;
         };
         // A read in flight may have been planned against a block this generation freed.
         self.finish_reads_through(generation);
-        self.unpin_pending = None;
+        self.commit.unpin_pending = None;
         let started = Instant::now();
         let mut unpinned = 0;
         for shard in self.shards.iter_mut().flatten() {
             unpinned += shard.space.unpin(generation);
         }
         self.trim_cache();
-        self.state = CommitState::Completed;
-        self.stats.last_unpinned_blocks = unpinned;
-        self.stats.last_unpin_ns = started.elapsed().as_nanos() as u64;
-        self.state = CommitState::Running;
+        self.commit.state = CommitState::Completed;
+        self.commit.stats.last_unpinned_blocks = unpinned;
+        self.commit.stats.last_unpin_ns = started.elapsed().as_nanos() as u64;
+        self.commit.state = CommitState::Running;
         unpinned
     }
 }

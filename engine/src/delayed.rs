@@ -191,7 +191,7 @@ impl Filesystem {
     /// true when none is pending. A failure makes the filesystem fail-stop.
     pub fn commit_prepare(&mut self) -> Result<bool> {
         self.check_writable()?;
-        let was_in_commit = std::mem::replace(&mut self.in_commit, true);
+        let was_in_commit = std::mem::replace(&mut self.commit.in_commit, true);
         let mut inserted = 0;
         let mut result = Ok(());
         while inserted < PREPARE_STEP_ITEMS {
@@ -204,7 +204,7 @@ impl Filesystem {
                 break;
             }
         }
-        self.in_commit = was_in_commit;
+        self.commit.in_commit = was_in_commit;
         self.fail_stop_on_error(result)?;
         Ok(self.delayed.len() == 0)
     }
@@ -217,7 +217,7 @@ impl Filesystem {
         if self.delayed.due.is_empty() && self.delayed.len() <= MAX_PENDING {
             return Ok(());
         }
-        let was_in_commit = std::mem::replace(&mut self.in_commit, true);
+        let was_in_commit = std::mem::replace(&mut self.commit.in_commit, true);
         let mut result = Ok(());
         while let Some(dir) = self.delayed.due.pop() {
             if self.delayed.pending_in(dir) >= DIR_BATCH_MAX {
@@ -227,7 +227,7 @@ impl Filesystem {
         if self.delayed.len() > MAX_PENDING {
             result = result.and_then(|()| self.flush_delayed_index());
         }
-        self.in_commit = was_in_commit;
+        self.commit.in_commit = was_in_commit;
         self.fail_stop_on_error(result)
     }
 

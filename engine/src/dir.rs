@@ -381,7 +381,7 @@ impl Filesystem {
                 mtime: now,
                 ctime: now,
                 crtime: now,
-                generation: fs.generation,
+                generation: fs.commit.generation,
                 next_index: FIRST_INDEX,
                 ..Default::default()
             };

@@ -390,7 +390,7 @@ impl Filesystem {
         replaced_at: Option<u64>,
     ) -> Result<u64> {
         let shard = self.shard_of(ino);
-        let generation = self.generation;
+        let generation = self.commit.generation;
         let mut freed = 0;
         for extent in extents {
             let cut_from = extent.file_block.max(first);

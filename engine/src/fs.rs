@@ -13,7 +13,7 @@
 //! commit fails with it, and a remount recovers the last durable generation. Mount never
 //! writes.
 
-use crate::commit::{CommitState, CommitStats};
+use crate::commit::Committer;
 use crate::error::{EngineError, Result};
 use crate::format::items::{InodeItem, Timespec};
 use crate::format::{
@@ -127,24 +127,12 @@ pub struct Filesystem {
     pub(crate) shards: Vec<Option<Shard>>,
     /// A whole filesystem, or one engine of a filesystem split into partitions ([`Mode`]).
     pub(crate) mode: Mode,
-    /// An fsync that must commit says so ([`crate::log::FsyncStart::NeedsCommit`]) instead of
-    /// committing inline: a reactor runs the commit in the background and releases it then.
-    pub(crate) commits_deferred: bool,
-    /// Data was written in place in the foreground since the last flush was submitted: a
-    /// record referencing it needs a flush, not only a FUA write ([`crate::log`]).
-    pub(crate) unflushed_writes: bool,
-    /// The running transaction's generation.
-    pub(crate) generation: u64,
-    pub(crate) state: CommitState,
+    /// The running transaction and the commit state machine ([`crate::commit`]).
+    pub(crate) commit: Committer,
     pub(crate) failed: Option<EngineError>,
-    pub(crate) stats: CommitStats,
     pub(crate) options: MountOptions,
-    /// True while a commit runs: its allocations may use the whole metadata reserve.
-    pub(crate) in_commit: bool,
     /// Round-robin cursor spreading new inodes over shards.
     pub(crate) next_create_shard: u64,
-    /// When the running transaction started (for the commit timer).
-    pub(crate) transaction_started: std::time::Instant,
     /// Directory index items waiting for the commit ([`crate::delayed`]).
     pub(crate) delayed: crate::delayed::DelayedIndex,
     /// Each shard's next inode number, once read; `ino_counters_dirty` marks the ones the next
@@ -157,12 +145,6 @@ pub struct Filesystem {
     pub(crate) staged: crate::writeback::Staged,
     /// Recently written and read data blocks ([`crate::writeback::BlockCache`]).
     pub(crate) block_cache: crate::writeback::BlockCache,
-    /// A generation super-committed whose frees are not unpinned yet
-    /// ([`Filesystem::complete_commit`]).
-    pub(crate) unpin_pending: Option<u64>,
-    /// The commit whose writes are in flight while the next generation runs
-    /// ([`Filesystem::commit_start`]).
-    pub(crate) commit_in_flight: Option<crate::commit::CommitInFlight>,
     /// The operation in progress ([`Filesystem::run_op`]).
     pub(crate) op: OpState,
     /// Holds per inode ([`Filesystem::hold`]): open files, kernel references.
@@ -426,7 +408,7 @@ impl Filesystem {
             mtime: now,
             ctime: now,
             crtime: now,
-            generation: fs.generation,
+            generation: fs.commit.generation,
             next_index: crate::dir::FIRST_INDEX,
             ..Default::default()
         };
@@ -515,28 +497,20 @@ impl Filesystem {
         }
         let data_cache_blocks = options.data_cache_blocks;
         let mut fs = Filesystem {
-            generation: sb.generation + 1,
+            commit: Committer::new(sb.generation + 1, false),
             dev: Box::new(crate::log::inflight::DeviceMux::new(dev)),
             sb,
             shards,
             mode: Mode::Whole,
-            commits_deferred: false,
-            unflushed_writes: true,
-            state: CommitState::Running,
             failed: None,
-            stats: CommitStats::default(),
             options,
             next_create_shard: 0,
-            in_commit: false,
-            transaction_started: std::time::Instant::now(),
             delayed: crate::delayed::DelayedIndex::new(shard_count as u32),
             ino_counters: vec![None; shard_count],
             ino_counters_dirty: vec![false; shard_count],
             log: crate::log::LogState::new(shard_count),
             staged: Default::default(),
             block_cache: crate::writeback::BlockCache::new(data_cache_blocks),
-            unpin_pending: None,
-            commit_in_flight: None,
             op: OpState::default(),
             inode_holds: Default::default(),
             reads: Default::default(),
@@ -546,9 +520,9 @@ impl Filesystem {
         // time mount writes. Replay may use every free block, as a commit does: it redoes
         // changes whose room was reserved when they were made, and a mount must not fail for
         // space.
-        fs.in_commit = true;
+        fs.commit.in_commit = true;
         let replayed = fs.replay_logs();
-        fs.in_commit = false;
+        fs.commit.in_commit = false;
         replayed?;
         // Inodes left open and nameless when the last session ended (a crash, or a process
         // that died holding them) have no holder now.
@@ -561,7 +535,7 @@ impl Filesystem {
     /// With `true`, an fsync that must commit returns [`crate::log::FsyncStart::NeedsCommit`]
     /// instead of committing inline (the caller commits, [`Filesystem::commit_start`]).
     pub fn defer_commits(&mut self, deferred: bool) {
-        self.commits_deferred = deferred;
+        self.commit.deferred = deferred;
     }
 
     /// The last durable generation.
@@ -570,7 +544,7 @@ impl Filesystem {
     }
     /// The running transaction's generation.
     pub fn generation(&self) -> u64 {
-        self.generation
+        self.commit.generation
     }
     pub fn shard_count(&self) -> u32 {
         self.shards.len() as u32
@@ -635,8 +609,8 @@ impl Filesystem {
         let mut io = ShardIo {
             dev: &mut *self.dev,
             space,
-            generation: self.generation,
-            for_commit: self.in_commit,
+            generation: self.commit.generation,
+            for_commit: self.commit.in_commit,
             commit_floor,
             fetch: Some(&mut self.fetch),
         };
@@ -925,7 +899,7 @@ impl Filesystem {
     /// commit.
     pub fn commit_due(&self) -> bool {
         (self.is_dirty() || self.delayed.len() > 0)
-            && (self.transaction_started.elapsed() >= self.options.commit_interval
+            && (self.commit.transaction_started.elapsed() >= self.options.commit_interval
                 || self.dirty_nodes() >= self.options.dirty_limit_nodes
                 || self.log.tracked_keys() >= crate::log::MAX_TRACKED_KEYS
                 || self.log.fullest_head() * 8 >= self.sb.log_half_blocks() * 7)
@@ -935,7 +909,7 @@ impl Filesystem {
     /// its dirty nodes or the fill of its log): staged data is then written back early
     /// ([`crate::writeback`]) so the commit itself stays short.
     pub fn commit_near(&self) -> bool {
-        self.transaction_started.elapsed() * 8 >= self.options.commit_interval * 5
+        self.commit.transaction_started.elapsed() * 8 >= self.options.commit_interval * 5
             || self.dirty_nodes() * 8 >= self.options.dirty_limit_nodes * 5
             || self.log.tracked_keys() * 8 >= crate::log::MAX_TRACKED_KEYS * 5
             || self.log.fullest_head() * 8 >= self.sb.log_half_blocks() * 5

@@ -28,6 +28,7 @@
 //!   this in partitioned mode), and a name linking across the boundary was made by an operation
 //!   spanning partitions, which marked the inode on this side until the next commit.
 
+use crate::commit::Committer;
 use crate::delayed::DelayedIndex;
 use crate::error::{EngineError, Result};
 use crate::format::items::NameEntry;
@@ -212,24 +213,16 @@ impl Filesystem {
             sb: like.sb.clone(),
             shards: (0..count).map(|_| None).collect(),
             mode: Mode::Partitioned(PartitionState::default()),
-            commits_deferred: true,
-            unflushed_writes: true,
-            generation: like.generation,
-            state: crate::commit::CommitState::Running,
+            commit: Committer::new(like.generation, true),
             failed: None,
-            stats: Default::default(),
             options: like.options.clone(),
-            in_commit: false,
             next_create_shard: like.stream as u64,
-            transaction_started: std::time::Instant::now(),
             delayed: DelayedIndex::new(count as u32),
             ino_counters: vec![None; count],
             ino_counters_dirty: vec![false; count],
             log,
             staged: Default::default(),
             block_cache: crate::writeback::BlockCache::new(like.options.data_cache_blocks),
-            unpin_pending: None,
-            commit_in_flight: None,
             op: Default::default(),
             inode_holds: Default::default(),
             reads: Default::default(),
@@ -246,7 +239,7 @@ impl Filesystem {
     pub fn partition_template(&self, stream: u32) -> PartitionTemplate {
         PartitionTemplate {
             sb: self.sb.clone(),
-            generation: self.generation,
+            generation: self.commit.generation,
             options: self.options.clone(),
             stream,
         }

@@ -389,7 +389,7 @@ impl Filesystem {
                 pieces,
                 data,
                 ios_left: ios,
-                generation: self.generation,
+                generation: self.commit.generation,
                 failed: None,
                 kind,
             },
@@ -442,7 +442,8 @@ impl Filesystem {
     /// True while a read planned in generation `generation` or before is in flight: blocks
     /// that generation freed must stay pinned until it finishes.
     pub fn unpin_waits_for_reads(&self) -> bool {
-        self.unpin_pending
+        self.commit
+            .unpin_pending
             .is_some_and(|g| self.reads.sets.values().any(|s| s.generation <= g))
     }
 

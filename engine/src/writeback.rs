@@ -149,7 +149,7 @@ impl Filesystem {
         if self.staged.bytes > MAX_STAGED_BYTES {
             let blocks = self.take_all_staged();
             // Durable only at the next flush: no FUA-only record until then.
-            self.unflushed_writes = true;
+            self.log.unflushed_writes = true;
             let written = crate::commit::write_blocks(&mut *self.dev, blocks);
             self.fail_stop_on_error(written)?;
         } else if self.staged.bytes > PRECOMMIT_STAGED_BYTES.min(self.options.writeback_start_bytes)
@@ -246,7 +246,7 @@ impl Filesystem {
         self.check_writable()?;
         let blocks = self.take_staged(std::iter::once(&ino));
         // Durable only at the next flush: no FUA-only record until then.
-        self.unflushed_writes = true;
+        self.log.unflushed_writes = true;
         let written = crate::commit::write_blocks(&mut *self.dev, blocks);
         self.fail_stop_on_error(written)
     }

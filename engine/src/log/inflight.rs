@@ -648,7 +648,7 @@ impl Filesystem {
     pub(crate) fn submit_writeback(&mut self, blocks: Vec<(u64, Vec<u8>)>) -> Result<u64> {
         let bytes = blocks.len() * crate::format::BLOCK_BYTES;
         let ticket = self.submit_background(blocks, false, None, bytes)?;
-        self.unflushed_writes = true;
+        self.log.unflushed_writes = true;
         Ok(ticket)
     }
 
@@ -702,7 +702,7 @@ impl Filesystem {
         if !fua && writeback_bytes == 0 {
             // This batch's flush will cover every write completed before it, in-place data
             // written back in the foreground included; anything released after it is too.
-            self.unflushed_writes = false;
+            self.log.unflushed_writes = false;
         }
         while self.records_on_device() >= MAX_IN_FLIGHT {
             self.log_progress(Some(Duration::from_millis(100)))?;

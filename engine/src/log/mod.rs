@@ -192,6 +192,9 @@ pub(crate) struct LogState {
     pub stats: LogStats,
     /// Records whose writes or flush are still in flight.
     pub pipeline: inflight::Pipeline,
+    /// Data was written in place in the foreground since the last flush was submitted: a
+    /// record referencing it needs a flush, not only a FUA write.
+    pub unflushed_writes: bool,
     /// Inodes logged in this generation (what the `NoRelog` mutation check skips).
     #[cfg(feature = "mutations")]
     logged_this_generation: HashSet<u64>,
@@ -202,6 +205,9 @@ impl LogState {
         LogState {
             heads: vec![0; shards],
             shard_seqs: vec![0; shards],
+            // Nothing says the device's cache holds none of our writes: the first record
+            // flushes.
+            unflushed_writes: true,
             ..Default::default()
         }
     }
@@ -335,7 +341,7 @@ impl Filesystem {
 
     /// The fallback: a commit here, or, in a partition, the owner's coordinated commit.
     fn fsync_fallback(&mut self) -> Result<FsyncStart> {
-        if self.mode.is_partitioned() || self.commits_deferred {
+        if self.mode.is_partitioned() || self.commit.deferred {
             Ok(FsyncStart::NeedsCommit)
         } else {
             self.commit_to_super().map(|_| FsyncStart::Durable)
@@ -417,7 +423,7 @@ impl Filesystem {
         }
         let header = RecordHeader {
             blocks: 0,
-            generation: self.generation,
+            generation: self.commit.generation,
             global_seq: self.log.next_seq,
             shard_seq: self.log.shard_seqs[shard as usize],
             shard,
@@ -428,7 +434,7 @@ impl Filesystem {
         };
         let bytes = encode_record(header, &ops);
         assert_eq!(bytes.len() as u64, blocks * BLOCK_BYTES as u64);
-        let at = self.sb.log_start(shard, self.generation) + self.log.heads[shard as usize];
+        let at = self.sb.log_start(shard, self.commit.generation) + self.log.heads[shard as usize];
         // Otherwise the members' staged data goes in place, in flight together with the
         // record. Embedded blocks stay staged for the commit.
         let data = if embedding {
@@ -446,7 +452,7 @@ impl Filesystem {
         // place since the last flush was submitted (only a flush makes that block durable).
         // Records before it are durable first either way (tickets are released in order).
         let all_fua = data.is_empty() || nvme::BlockDevice::info(&*self.dev).fua_native;
-        let ticket = if all_fua && !self.unflushed_writes {
+        let ticket = if all_fua && !self.log.unflushed_writes {
             self.log.stats.fua_records += 1;
             self.submit_fua(record_and_data(at, bytes, data))?
         } else {

@@ -132,9 +132,12 @@ impl Filesystem {
     /// Reads shard `shard`'s current records, in order, until the first that is not.
     fn read_log(&mut self, shard: u32, out: &mut Vec<Found>) -> Result<()> {
         // The records of generation durable + 1 are in its half of the log area.
-        let start = self.sb.log_start(shard, self.generation);
-        let (log_blocks, generation, uuid) =
-            (self.sb.log_half_blocks(), self.generation, self.sb.uuid);
+        let start = self.sb.log_start(shard, self.commit.generation);
+        let (log_blocks, generation, uuid) = (
+            self.sb.log_half_blocks(),
+            self.commit.generation,
+            self.sb.uuid,
+        );
         let mut head = 0u64;
         let mut shard_seq = 0u64;
         while head < log_blocks {
@@ -415,7 +418,7 @@ impl Filesystem {
             .filter(|b| !after.contains(b))
             .copied()
             .collect();
-        let generation = self.generation;
+        let generation = self.commit.generation;
         for block in unused {
             let shard = self.sb.shard_of_block(block);
             let space = &mut self.shard_mut(shard).space;
