@@ -361,7 +361,7 @@ impl Filesystem {
         }
 
         // Delayed index items count as index items (they are the tree's, not yet inserted).
-        for (dir, seq, entry) in self.delayed.all() {
+        for (dir, seq, entry) in self.namespace.delayed.all() {
             if index_items
                 .insert((dir, entry.name.clone()), (entry.target, entry.kind, seq))
                 .is_some()

@@ -172,9 +172,9 @@ impl Filesystem {
 
     /// True when the running transaction has changes to commit.
     pub fn is_dirty(&self) -> bool {
-        self.delayed.len() > 0
+        self.namespace.delayed.len() > 0
             || self.staged.bytes() > 0
-            || self.ino_counters_dirty.iter().any(|&d| d)
+            || self.namespace.ino_counters_dirty.iter().any(|&d| d)
             || self.held().any(|s| s.tree.is_dirty())
     }
 

@@ -179,7 +179,7 @@ impl Filesystem {
     /// Inserts every pending index item into its directory's tree, one batch of consecutive
     /// keys per directory. Called at the start of every commit and when too many are pending.
     pub(crate) fn flush_delayed_index(&mut self) -> Result<()> {
-        while let Some(&dir) = self.delayed.pending.keys().next() {
+        while let Some(&dir) = self.namespace.delayed.pending.keys().next() {
             self.flush_delayed_dir(dir)?;
         }
         Ok(())
@@ -195,10 +195,10 @@ impl Filesystem {
         let mut inserted = 0;
         let mut result = Ok(());
         while inserted < PREPARE_STEP_ITEMS {
-            let Some(&dir) = self.delayed.pending.keys().next() else {
+            let Some(&dir) = self.namespace.delayed.pending.keys().next() else {
                 break;
             };
-            inserted += self.delayed.pending_in(dir);
+            inserted += self.namespace.delayed.pending_in(dir);
             result = self.flush_delayed_dir(dir);
             if result.is_err() {
                 break;
@@ -206,7 +206,7 @@ impl Filesystem {
         }
         self.commit.in_commit = was_in_commit;
         self.fail_stop_on_error(result)?;
-        Ok(self.delayed.len() == 0)
+        Ok(self.namespace.delayed.len() == 0)
     }
 
     /// After an operation: inserts the batches that reached [`DIR_BATCH_MAX`], or every
@@ -214,17 +214,17 @@ impl Filesystem {
     /// out of the commit floor that was reserved for them; a failure (a device error) makes
     /// the filesystem fail-stop.
     pub(crate) fn flush_due_delayed(&mut self) -> Result<()> {
-        if self.delayed.due.is_empty() && self.delayed.len() <= MAX_PENDING {
+        if self.namespace.delayed.due.is_empty() && self.namespace.delayed.len() <= MAX_PENDING {
             return Ok(());
         }
         let was_in_commit = std::mem::replace(&mut self.commit.in_commit, true);
         let mut result = Ok(());
-        while let Some(dir) = self.delayed.due.pop() {
-            if self.delayed.pending_in(dir) >= DIR_BATCH_MAX {
+        while let Some(dir) = self.namespace.delayed.due.pop() {
+            if self.namespace.delayed.pending_in(dir) >= DIR_BATCH_MAX {
                 result = result.and_then(|()| self.flush_delayed_dir(dir));
             }
         }
-        if self.delayed.len() > MAX_PENDING {
+        if self.namespace.delayed.len() > MAX_PENDING {
             result = result.and_then(|()| self.flush_delayed_index());
         }
         self.commit.in_commit = was_in_commit;
@@ -234,7 +234,7 @@ impl Filesystem {
     /// Inserts the pending index items of `dir` into its tree as one batch. Its blocks were
     /// reserved in the commit floor when the names were added.
     pub(crate) fn flush_delayed_dir(&mut self, dir: u64) -> Result<()> {
-        if let Some(items) = self.delayed.take_dir(dir) {
+        if let Some(items) = self.namespace.delayed.take_dir(dir) {
             let shard = self.shard_of(dir);
             let batch = items.len() as u64;
             let mut released = Vec::with_capacity(items.len());
@@ -250,9 +250,9 @@ impl Filesystem {
                 Ok(())
             })?;
             for seq in released {
-                self.delayed.tracker.release((dir, seq));
+                self.namespace.delayed.tracker.release((dir, seq));
             }
-            let stats = &mut self.delayed.stats;
+            let stats = &mut self.namespace.delayed.stats;
             stats.batches += 1;
             stats.items += batch;
             stats.max_batch = stats.max_batch.max(batch);
@@ -261,7 +261,7 @@ impl Filesystem {
     }
 
     pub fn delayed_stats(&self) -> DelayedStats {
-        self.delayed.stats
+        self.namespace.delayed.stats
     }
 }
 

@@ -252,7 +252,7 @@ impl Filesystem {
         // (its insert is reserved in the commit floor; a full batch goes in after the
         // operation, [`Filesystem::flush_due_delayed`]).
         self.log.note(Key::new(dir, ItemKind::DirIndex, index));
-        self.delayed.insert(
+        self.namespace.delayed.insert(
             dir,
             index,
             NameEntry {
@@ -320,7 +320,7 @@ impl Filesystem {
         let index = refs.remove(ref_at).target;
         self.put_list(child_shard, ref_key, &refs)?;
         self.log.note(Key::new(dir, ItemKind::DirIndex, index));
-        if self.delayed.take(dir, index).is_none() {
+        if self.namespace.delayed.take(dir, index).is_none() {
             self.with_tree(dir_shard, true, |tree, io| {
                 tree.remove(io, &Key::new(dir, ItemKind::DirIndex, index))
             })?
@@ -572,7 +572,7 @@ impl Filesystem {
     }
 
     fn dir_is_empty(&mut self, dir: u64) -> Result<bool> {
-        if self.delayed.has_any(dir) {
+        if self.namespace.delayed.has_any(dir) {
             return Ok(false);
         }
         let shard = self.shard_of(dir);
@@ -788,6 +788,7 @@ impl Filesystem {
         let mut at = start;
         // Names whose index items are still delayed merge in by sequence.
         let mut delayed: std::iter::Peekable<std::vec::IntoIter<(u64, NameEntry)>> = self
+            .namespace
             .delayed
             .range(dir, start.offset)
             .take(max)

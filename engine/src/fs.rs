@@ -129,16 +129,12 @@ pub struct Filesystem {
     pub(crate) mode: Mode,
     /// The running transaction and the commit state machine ([`crate::commit`]).
     pub(crate) commit: Committer,
+    /// The sticky error once the filesystem failed stop: every change and commit fails with it.
     pub(crate) failed: Option<EngineError>,
     pub(crate) options: MountOptions,
-    /// Round-robin cursor spreading new inodes over shards.
-    pub(crate) next_create_shard: u64,
-    /// Directory index items waiting for the commit ([`crate::delayed`]).
-    pub(crate) delayed: crate::delayed::DelayedIndex,
-    /// Each shard's next inode number, once read; `ino_counters_dirty` marks the ones the next
-    /// commit must write.
-    pub(crate) ino_counters: Vec<Option<u64>>,
-    pub(crate) ino_counters_dirty: Vec<bool>,
+    /// Inode numbering, holds on inodes and the directory index items waiting for the
+    /// commit ([`crate::inode::Namespace`]).
+    pub(crate) namespace: crate::inode::Namespace,
     /// The fsync log: change tracking, log heads, statistics ([`crate::log`]).
     pub(crate) log: crate::log::LogState,
     /// File data written and not yet on the device ([`crate::writeback`]).
@@ -147,8 +143,6 @@ pub struct Filesystem {
     pub(crate) block_cache: crate::writeback::BlockCache,
     /// The operation in progress ([`Filesystem::run_op`]).
     pub(crate) op: OpState,
-    /// Holds per inode ([`Filesystem::hold`]): open files, kernel references.
-    pub(crate) inode_holds: std::collections::HashMap<u64, u32>,
     /// Data reads whose device I/O is in flight ([`crate::reads`]).
     pub(crate) reads: crate::reads::Reads,
     /// Deferred lookups: node blocks fetched in the background ([`crate::fetch`]).
@@ -504,15 +498,11 @@ impl Filesystem {
             mode: Mode::Whole,
             failed: None,
             options,
-            next_create_shard: 0,
-            delayed: crate::delayed::DelayedIndex::new(shard_count as u32),
-            ino_counters: vec![None; shard_count],
-            ino_counters_dirty: vec![false; shard_count],
+            namespace: crate::inode::Namespace::new(shard_count, 0),
             log: crate::log::LogState::new(shard_count),
             staged: Default::default(),
             block_cache: crate::writeback::BlockCache::new(data_cache_blocks),
             op: OpState::default(),
-            inode_holds: Default::default(),
             reads: Default::default(),
             fetch: Default::default(),
         };
@@ -710,7 +700,7 @@ impl Filesystem {
             .div_ceil(crate::space::BLOCKS_PER_CHUNK);
         2 * chunks.div_ceil(7)
             + 4 * self.tree_op_blocks(shard)
-            + self.delayed.reserved_blocks(shard)
+            + self.namespace.delayed.reserved_blocks(shard)
     }
 
     /// Reserves `needs` for the operation in progress, as changes of kind `need`, in every
@@ -898,7 +888,7 @@ impl Filesystem {
     /// True when the commit timer or the dirty limit says the running transaction should
     /// commit.
     pub fn commit_due(&self) -> bool {
-        (self.is_dirty() || self.delayed.len() > 0)
+        (self.is_dirty() || self.namespace.delayed.len() > 0)
             && (self.commit.transaction_started.elapsed() >= self.options.commit_interval
                 || self.dirty_nodes() >= self.options.dirty_limit_nodes
                 || self.log.tracked_keys() >= crate::log::MAX_TRACKED_KEYS
@@ -968,7 +958,7 @@ impl Filesystem {
     pub fn unmount(mut self) -> Result<Box<dyn BlockDevice>> {
         if self.failed.is_none() {
             self.commit()?;
-            if let Some(leaks) = self.delayed.leak_report() {
+            if let Some(leaks) = self.namespace.delayed.leak_report() {
                 return Err(EngineError::Invalid(format!("unmount: {leaks}")));
             }
         }

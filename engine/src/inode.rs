@@ -71,6 +71,35 @@ pub(crate) fn inode_key(ino: u64) -> Key {
     Key::new(ino, ItemKind::InodeItem, 0)
 }
 
+/// What the namespace owns of a filesystem: where new inodes go and their numbers, the holds
+/// on inodes, and the directory index items waiting for the commit.
+pub(crate) struct Namespace {
+    /// Round-robin cursor spreading new inodes over shards.
+    pub next_create_shard: u64,
+    /// Each shard's next inode number, once read; `ino_counters_dirty` marks the ones the next
+    /// commit must write.
+    pub ino_counters: Vec<Option<u64>>,
+    pub ino_counters_dirty: Vec<bool>,
+    /// Holds per inode ([`Filesystem::hold`]): open files, kernel references.
+    pub inode_holds: std::collections::HashMap<u64, u32>,
+    /// Directory index items waiting for the commit ([`crate::delayed`]).
+    pub delayed: crate::delayed::DelayedIndex,
+}
+
+impl Namespace {
+    /// Nothing read, held or delayed yet over `shards` shards; new inodes start at shard
+    /// `first_shard` (round-robin).
+    pub fn new(shards: usize, first_shard: u64) -> Namespace {
+        Namespace {
+            next_create_shard: first_shard,
+            ino_counters: vec![None; shards],
+            ino_counters_dirty: vec![false; shards],
+            inode_holds: Default::default(),
+            delayed: crate::delayed::DelayedIndex::new(shards as u32),
+        }
+    }
+}
+
 impl Filesystem {
     pub fn shard_of(&self, ino: u64) -> u32 {
         (ino % self.shards.len() as u64) as u32
@@ -122,8 +151,9 @@ impl Filesystem {
                 // Round-robin over the shards held here (all of them unless partitioned).
                 let mut tries = 0;
                 loop {
-                    let shard = (self.next_create_shard % shards) as u32;
-                    self.next_create_shard = self.next_create_shard.wrapping_add(1);
+                    let shard = (self.namespace.next_create_shard % shards) as u32;
+                    self.namespace.next_create_shard =
+                        self.namespace.next_create_shard.wrapping_add(1);
                     if self.holds(shard) {
                         break shard;
                     }
@@ -142,8 +172,8 @@ impl Filesystem {
             )));
         }
         let next = self.ino_counter(shard)?;
-        self.ino_counters[shard as usize] = Some(next + shards);
-        self.ino_counters_dirty[shard as usize] = true;
+        self.namespace.ino_counters[shard as usize] = Some(next + shards);
+        self.namespace.ino_counters_dirty[shard as usize] = true;
         debug_assert_eq!(self.shard_of(next), shard);
         Ok(next)
     }
@@ -152,8 +182,8 @@ impl Filesystem {
     pub(crate) fn advance_ino_counter(&mut self, shard: u32, ino: u64) -> Result<()> {
         let next = self.ino_counter(shard)?;
         if ino >= next {
-            self.ino_counters[shard as usize] = Some(ino + self.shards.len() as u64);
-            self.ino_counters_dirty[shard as usize] = true;
+            self.namespace.ino_counters[shard as usize] = Some(ino + self.shards.len() as u64);
+            self.namespace.ino_counters_dirty[shard as usize] = true;
         }
         Ok(())
     }
@@ -161,7 +191,7 @@ impl Filesystem {
     /// Shard `shard`'s next inode number (read from its tree the first time).
     fn ino_counter(&mut self, shard: u32) -> Result<u64> {
         let shards = self.shards.len() as u64;
-        Ok(match self.ino_counters[shard as usize] {
+        Ok(match self.namespace.ino_counters[shard as usize] {
             Some(next) => next,
             None => {
                 let counter = Key::new(INO_COUNTER_OBJECTID, ItemKind::InodeItem, 0);
@@ -204,10 +234,11 @@ impl Filesystem {
     pub(crate) fn persist_ino_counters(&mut self) -> Result<()> {
         let counter = Key::new(INO_COUNTER_OBJECTID, ItemKind::InodeItem, 0);
         for shard in 0..self.shard_count() {
-            if !std::mem::take(&mut self.ino_counters_dirty[shard as usize]) {
+            if !std::mem::take(&mut self.namespace.ino_counters_dirty[shard as usize]) {
                 continue;
             }
-            let next = self.ino_counters[shard as usize].expect("a dirty counter is cached");
+            let next =
+                self.namespace.ino_counters[shard as usize].expect("a dirty counter is cached");
             self.with_tree(shard, true, |tree, io| {
                 tree.insert(io, counter, next.to_le_bytes().to_vec())
             })?;
@@ -314,20 +345,20 @@ impl Filesystem {
     /// stat through the holder go on working.
     pub fn hold(&mut self, ino: u64) -> Result<()> {
         self.load_inode(ino)?;
-        *self.inode_holds.entry(ino).or_insert(0) += 1;
+        *self.namespace.inode_holds.entry(ino).or_insert(0) += 1;
         Ok(())
     }
 
     /// Lets go of one hold on `ino`. The last release of an orphan deletes it.
     pub fn release(&mut self, ino: u64) -> Result<()> {
-        let Some(count) = self.inode_holds.get_mut(&ino) else {
+        let Some(count) = self.namespace.inode_holds.get_mut(&ino) else {
             return Err(EngineError::Invalid(format!("inode {ino} is not held")));
         };
         *count -= 1;
         if *count > 0 {
             return Ok(());
         }
-        self.inode_holds.remove(&ino);
+        self.namespace.inode_holds.remove(&ino);
         match self.load_inode(ino) {
             Ok(item) if item.nlink == 0 && ino != ROOT_INO => self.delete_orphan(ino),
             Ok(_) | Err(EngineError::NotFound) => Ok(()),
@@ -337,7 +368,7 @@ impl Filesystem {
 
     /// Holds taken on `ino` and not yet released.
     pub fn holders(&self, ino: u64) -> u32 {
-        self.inode_holds.get(&ino).copied().unwrap_or(0)
+        self.namespace.inode_holds.get(&ino).copied().unwrap_or(0)
     }
 
     /// Deletes the orphan `ino` (nobody holds it any more), all or nothing.

@@ -29,11 +29,11 @@
 //!   spanning partitions, which marked the inode on this side until the next commit.
 
 use crate::commit::Committer;
-use crate::delayed::DelayedIndex;
 use crate::error::{EngineError, Result};
 use crate::format::items::NameEntry;
 use crate::format::Superblock;
 use crate::fs::{Filesystem, Mode, MountOptions, PartitionState, Shard};
+use crate::inode::Namespace;
 use crate::log::Tracked;
 use crate::writeback::StagedRuns;
 use nvme::BlockDevice;
@@ -109,8 +109,10 @@ impl Filesystem {
             parts.push(ShardParts {
                 id,
                 shard,
-                ino_counter: self.ino_counters[id as usize].take(),
-                ino_counter_dirty: std::mem::take(&mut self.ino_counters_dirty[id as usize]),
+                ino_counter: self.namespace.ino_counters[id as usize].take(),
+                ino_counter_dirty: std::mem::take(
+                    &mut self.namespace.ino_counters_dirty[id as usize],
+                ),
             });
         }
         let moving: Vec<u32> = parts.iter().map(|p| p.id).collect();
@@ -142,6 +144,7 @@ impl Filesystem {
             self.log.cross.remove(ino);
         }
         let held: Vec<u64> = self
+            .namespace
             .inode_holds
             .keys()
             .copied()
@@ -149,12 +152,17 @@ impl Filesystem {
             .collect();
         let holds = held
             .into_iter()
-            .map(|ino| (ino, self.inode_holds.remove(&ino).expect("listed")))
+            .map(|ino| {
+                (
+                    ino,
+                    self.namespace.inode_holds.remove(&ino).expect("listed"),
+                )
+            })
             .collect();
         Ok(Lent {
             inodes: InodeState {
                 staged: self.staged.take_inodes(pick),
-                delayed: self.delayed.take_dirs(pick),
+                delayed: self.namespace.delayed.take_dirs(pick),
                 tracked,
                 cross,
                 holds,
@@ -177,11 +185,11 @@ impl Filesystem {
                 part.id
             );
             self.shards[part.id as usize] = Some(part.shard);
-            self.ino_counters[part.id as usize] = part.ino_counter;
-            self.ino_counters_dirty[part.id as usize] = part.ino_counter_dirty;
+            self.namespace.ino_counters[part.id as usize] = part.ino_counter;
+            self.namespace.ino_counters_dirty[part.id as usize] = part.ino_counter_dirty;
         }
         self.staged.put_inodes(inodes.staged);
-        self.delayed.put_dirs(inodes.delayed);
+        self.namespace.delayed.put_dirs(inodes.delayed);
         for (ino, t) in inodes.tracked {
             self.log.tracked_keys += t.keys.len();
             let previous = self.log.inodes.insert(ino, t);
@@ -189,7 +197,7 @@ impl Filesystem {
         }
         self.log.cross.extend(inodes.cross);
         for (ino, count) in inodes.holds {
-            let previous = self.inode_holds.insert(ino, count);
+            let previous = self.namespace.inode_holds.insert(ino, count);
             assert!(previous.is_none(), "inode {ino} held in two engines");
         }
         if let Some(e) = set.failed {
@@ -216,15 +224,11 @@ impl Filesystem {
             commit: Committer::new(like.generation, true),
             failed: None,
             options: like.options.clone(),
-            next_create_shard: like.stream as u64,
-            delayed: DelayedIndex::new(count as u32),
-            ino_counters: vec![None; count],
-            ino_counters_dirty: vec![false; count],
+            namespace: Namespace::new(count, like.stream as u64),
             log,
             staged: Default::default(),
             block_cache: crate::writeback::BlockCache::new(like.options.data_cache_blocks),
             op: Default::default(),
-            inode_holds: Default::default(),
             reads: Default::default(),
             fetch: Default::default(),
         };

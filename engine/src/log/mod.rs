@@ -612,6 +612,7 @@ impl Filesystem {
             for key in keys {
                 if key.kind == ItemKind::DirIndex {
                     if let Some((_, entry)) = self
+                        .namespace
                         .delayed
                         .range(ino, key.offset)
                         .next()
