@@ -274,11 +274,13 @@ fn coordinated_commits_keep_every_partition_in_one_generation() {
         let owner = s.owner(dirs[0]);
         let other = 1 - owner;
         let target = s.parts[other].held_ids()[round as usize % 2];
-        s.spanning(|fs| {
+        let sub = s.spanning(|fs| {
             fs.place_next(target);
             fs.mkdir(dirs[0], format!("sub{round}").as_bytes(), 0o755, 0, 0)
                 .unwrap()
         });
+        // The owner's placement holds: the directory lives in the shard it named.
+        assert_eq!(s.coordinator.shard_of(sub.ino), target);
         let generation = s.commit();
         for p in &s.parts {
             assert_eq!(p.generation(), generation + 1);
