@@ -483,6 +483,17 @@ impl Filesystem {
                 Key::new(ino, ItemKind::SymlinkTarget, u64::MAX),
             )
         })?;
+        // The size comes from the device: checked before anything is sized by it.
+        if item.size > MAX_SYMLINK_BYTES as u64 {
+            return Err(EngineError::corrupt_inode(
+                "symlink",
+                ino,
+                format!(
+                    "target of {} bytes (at most {MAX_SYMLINK_BYTES})",
+                    item.size
+                ),
+            ));
+        }
         let mut target = Vec::with_capacity(item.size as usize);
         for (i, (key, piece)) in pieces.into_iter().enumerate() {
             if key.offset != i as u64 {

@@ -339,9 +339,22 @@ impl Filesystem {
     /// that otherwise only names colliding by chance (or by attack) need.
     #[doc(hidden)]
     pub fn mkfs_with_name_hash_bits(
+        dev: Box<dyn BlockDevice>,
+        options: &MkfsOptions,
+        bits: u8,
+    ) -> Result<Box<dyn BlockDevice>> {
+        Self::mkfs_keyed(dev, options, bits, random_bytes(), random_bytes())
+    }
+
+    /// [`Filesystem::mkfs_with_name_hash_bits`] with a given uuid and name-hash key instead
+    /// of random ones: the same operations then lay out the same image byte for byte (up to
+    /// timestamps), which is what lets a fuzz harness replay a failure from its seed.
+    pub(crate) fn mkfs_keyed(
         mut dev: Box<dyn BlockDevice>,
         options: &MkfsOptions,
         bits: u8,
+        uuid: [u8; 16],
+        hash_key: [u8; 16],
     ) -> Result<Box<dyn BlockDevice>> {
         if !(1..=32).contains(&bits) {
             return Err(EngineError::Invalid(format!(
@@ -378,12 +391,12 @@ impl Filesystem {
             total_blocks,
             lba_size_bytes: info.lba_size_bytes,
             region_blocks,
-            uuid: random_bytes(),
+            uuid,
             label: options.label.clone(),
             // 1/16 of the region, 8 blocks to 4 MiB: enough for a few hundred small fsyncs
             // between commits; a full log makes the next fsync commit instead.
             log_blocks: (region_blocks / 16).clamp(8, 1024),
-            hash_key: random_bytes(),
+            hash_key,
             name_hash_bits: bits,
             shards: vec![ShardRoot::default(); options.shards as usize],
         };
