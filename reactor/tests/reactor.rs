@@ -1326,6 +1326,28 @@ fn owners_special_files_held_inodes_and_concurrent_appends() {
     }
 }
 
+/// A filesystem (mounted, not yet committed) with 3,000 files in its root, enough inodes for
+/// many leaves, none of them cached once it is remounted; file `i` holds `data(i)`. Returns
+/// it with the files' inodes in order.
+fn filesystem_with_cold_files(data: impl Fn(u32) -> Vec<u8>) -> (Filesystem, Vec<u64>) {
+    let (_, dev) = formatted_mem(64 << 20, 64 << 10, 2);
+    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    let root = fs.root();
+    let mut cold = Vec::new();
+    for i in 0..3000u32 {
+        let ino = fs
+            .create(root, format!("f{i:05}").as_bytes(), 0o644, 0, 0)
+            .unwrap()
+            .ino;
+        let bytes = data(i);
+        if !bytes.is_empty() {
+            fs.write(ino, 0, &bytes).unwrap();
+        }
+        cold.push(ino);
+    }
+    (fs, cold)
+}
+
 /// `fs` unmounted and started on a runtime over a fault device (whose latency spikes the
 /// caller arms), with a file "hot" created and cached through a first client: the runtime,
 /// the fault handle, that client and the file's inode.
@@ -1443,19 +1465,8 @@ fn several_reactors_park_routing_lookups_and_answer_every_request_rightly() {
 /// then returns the bytes from before that write, and the read after it the new bytes.
 #[test]
 fn a_read_whose_extents_are_cold_parks_and_keeps_its_clients_order() {
-    let (_, dev) = formatted_mem(64 << 20, 64 << 10, 2);
-    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
-    let root = fs.root();
-    // Enough files with data for many leaves; none of them cached after the remount.
-    let mut cold = Vec::new();
-    for i in 0..3000u32 {
-        let ino = fs
-            .create(root, format!("d{i:05}").as_bytes(), 0o644, 0, 0)
-            .unwrap()
-            .ino;
-        fs.write(ino, 0, &i.to_le_bytes().repeat(1024)).unwrap();
-        cold.push(ino);
-    }
+    // Files with data: their extents fill many leaves too.
+    let (fs, cold) = filesystem_with_cold_files(|i| i.to_le_bytes().repeat(1024));
     let (runtime, faults, mut fast, hot) = spiky_runtime_with_a_hot_file(fs);
     fast.call(Op::Write {
         ino: hot,
@@ -1640,18 +1651,7 @@ fn a_slow_device_read_does_not_hold_clients_whose_operations_hit_the_cache() {
 /// and the parked client's later request waits behind its parked one (its order is kept).
 #[test]
 fn a_slow_metadata_read_parks_its_request_not_the_reactor() {
-    let (_, dev) = formatted_mem(64 << 20, 64 << 10, 2);
-    // Enough inodes for many leaves; none of them cached after the remount.
-    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
-    let root = fs.root();
-    let mut cold = Vec::new();
-    for i in 0..3000 {
-        cold.push(
-            fs.create(root, format!("f{i:05}").as_bytes(), 0o644, 0, 0)
-                .unwrap()
-                .ino,
-        );
-    }
+    let (fs, cold) = filesystem_with_cold_files(|_| Vec::new());
     let (runtime, faults, mut fast, hot) = spiky_runtime_with_a_hot_file(fs);
     let target = cold[1500];
     // The next device read (the stat's leaf) is held until released below.
