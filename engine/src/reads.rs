@@ -18,8 +18,11 @@
 //!   unpin (the next commit's start, lending shards, unmount) first finishes those reads.
 //! - Ordering with writes is by block, in the mux: a read of a block being written back is
 //!   answered with the bytes being written, never with the device's older ones.
-//! - Bounded: asynchronous reads use at most half of the queue and leave an eighth of the
-//!   DMA buffers to synchronous I/O; the device reads beyond that wait in `queued`, and are
+//! - Bounded: asynchronous reads use at most half of the queue and at most half of the DMA
+//!   buffers, so the other half is always there for synchronous I/O and background writes.
+//!   (With an eighth left, read-ahead that nobody reaped yet held 28 of 32 buffers, and a
+//!   write-back with nothing of its own in flight to free one failed the write with
+//!   `PoolExhausted`.) The device reads beyond that wait in `queued`, and are
 //!   submitted in order as completions free room. The sets in flight are bounded by the
 //!   caller (a reactor's requests owed).
 //! - Results leave in completion order, each set once, with one result per request in the
@@ -456,10 +459,10 @@ impl Filesystem {
     }
 
     /// Submits queued device reads while there is room: at most half the queue in
-    /// asynchronous reads, and an eighth of the DMA buffers left for synchronous I/O.
+    /// asynchronous reads, and half the DMA buffers left for synchronous I/O and write-back.
     fn submit_reads(&mut self) {
         let depth = self.dev.info().queue_depth / 2;
-        let keep = (self.dev.pool().buf_count() as usize / 8).max(1);
+        let keep = (self.dev.pool().buf_count() as usize / 2).max(1);
         while let Some(io) = self.reads.queued.front().copied() {
             if self.dev.reads_in_flight() >= depth.max(1) || self.dev.pool().free_count() <= keep {
                 self.reads.stats.device_reads_queued += 1;
