@@ -353,8 +353,8 @@ fn loop_device_kernel_peer() {
 
 /// The clients benchmark (docs/reactors.md's figures) places corefs as the suite does — a dedicated
 /// busy-polling reactor core when there is one to spare, shared cores on request — and its
-/// figures come from real fsyncs: every client's fsyncs were counted by the reactor, none fell
-/// back to a commit, and the idle instance was measured.
+/// figures come from real fsyncs: every client's fsyncs were counted by the reactor, almost none
+/// fell back to a commit, and the idle instance was measured.
 #[test]
 fn the_clients_benchmark_runs_dedicated_and_shared_and_counts_real_fsyncs() {
     let dir = scratch();
@@ -380,7 +380,11 @@ fn the_clients_benchmark_runs_dedicated_and_shared_and_counts_real_fsyncs() {
             );
             assert!(r.fsyncs >= r.latency.ops, "{r:?}");
             assert!(r.latency.ops > 0 && r.log_writes > 0, "{r:?}");
-            assert_eq!(r.fallback_share, 0.0, "{r:?}");
+            // Nearly every fsync is a log record. A few may fall back when the log half fills
+            // before the commit started to free the other one has finished, which a loaded
+            // machine (CI beside crash tests: 2 of 2,689) can delay; that fallback is the
+            // designed answer to a full log, not a wrong one.
+            assert!(r.fallback_share < 0.01, "{r:?}");
         }
         assert_eq!(report.idle_core_share.len(), 1);
         assert!(report.idle_core_share[0].1.is_finite());
