@@ -1348,6 +1348,38 @@ fn filesystem_with_cold_files(data: impl Fn(u32) -> Vec<u8>) -> (Filesystem, Vec
     (fs, cold)
 }
 
+/// While a latency spike holds the metadata `slow`'s first request parked on, `fast` sends
+/// `op` 20 times: each must be answered within 30 s (from the cache) with a reply `ok`
+/// accepts, while nothing of `slow`'s is answered (its later requests wait behind the parked
+/// one). The spike ends before any panic, and at the end, so the runtime can shut down.
+fn cached_requests_pass_a_parked_one(
+    fast: &mut Client,
+    slow: &mut Client,
+    faults: &nvme::wrap::FaultHandle,
+    slow_done: &mut Vec<reactor::Completion>,
+    op: impl Fn() -> Op,
+    ok: impl Fn(Reply) -> bool,
+) {
+    for _ in 0..20 {
+        let sent = op();
+        fast.submit(sent.clone(), 1).unwrap();
+        let mut done = Vec::new();
+        fast.wait(&mut done, Duration::from_secs(30));
+        let Some(completion) = done.pop() else {
+            faults.end_delays();
+            panic!("a cached {sent:?} waited for the parked request's slow metadata");
+        };
+        let reply = completion.result.unwrap();
+        assert!(ok(reply.clone()), "{sent:?} answered {reply:?}");
+        slow.poll(slow_done);
+        if !slow_done.is_empty() {
+            faults.end_delays();
+            panic!("the parked request, or one behind it, completed early: {slow_done:?}");
+        }
+    }
+    faults.end_delays();
+}
+
 /// `fs` unmounted and started on a runtime over a fault device (whose latency spikes the
 /// caller arms), with a file "hot" created and cached through a first client: the runtime,
 /// the fault handle, that client and the file's inode.
@@ -1503,30 +1535,18 @@ fn a_read_whose_extents_are_cold_parks_and_keeps_its_clients_order() {
         slow.submit(op, token).unwrap();
     }
     let mut slow_done = Vec::new();
-    for _ in 0..20 {
-        fast.submit(
-            Op::Read {
-                ino: hot,
-                offset: 0,
-                len: 12,
-            },
-            1,
-        )
-        .unwrap();
-        let mut done = Vec::new();
-        fast.wait(&mut done, Duration::from_secs(30));
-        let Some(completion) = done.pop() else {
-            faults.end_delays();
-            panic!("a cached read waited for another read's slow metadata");
-        };
-        assert!(matches!(completion.result.unwrap(), Reply::Data(d) if d == b"cached bytes"));
-        slow.poll(&mut slow_done);
-        if !slow_done.is_empty() {
-            faults.end_delays();
-            panic!("the parked read, or a request behind it, completed early: {slow_done:?}");
-        }
-    }
-    faults.end_delays();
+    cached_requests_pass_a_parked_one(
+        &mut fast,
+        &mut slow,
+        &faults,
+        &mut slow_done,
+        || Op::Read {
+            ino: hot,
+            offset: 0,
+            len: 12,
+        },
+        |reply| matches!(reply, Reply::Data(d) if d == b"cached bytes"),
+    );
     while slow_done.len() < 3 {
         slow.wait(&mut slow_done, Duration::from_secs(5));
     }
@@ -1660,22 +1680,14 @@ fn a_slow_metadata_read_parks_its_request_not_the_reactor() {
     slow.submit(Op::Stat { ino: target }, 7).unwrap();
     slow.submit(Op::Stat { ino: hot }, 8).unwrap();
     let mut slow_done = Vec::new();
-    for _ in 0..20 {
-        fast.submit(Op::Stat { ino: hot }, 1).unwrap();
-        let mut done = Vec::new();
-        fast.wait(&mut done, Duration::from_secs(30));
-        let Some(completion) = done.pop() else {
-            faults.end_delays();
-            panic!("a cached stat waited for the slow metadata read");
-        };
-        assert!(matches!(completion.result.unwrap(), Reply::Stat(s) if s.ino == hot));
-        slow.poll(&mut slow_done);
-        if !slow_done.is_empty() {
-            faults.end_delays();
-            panic!("the parked stat, or the request behind it, completed early: {slow_done:?}");
-        }
-    }
-    faults.end_delays();
+    cached_requests_pass_a_parked_one(
+        &mut fast,
+        &mut slow,
+        &faults,
+        &mut slow_done,
+        || Op::Stat { ino: hot },
+        |reply| matches!(reply, Reply::Stat(s) if s.ino == hot),
+    );
     while slow_done.len() < 2 {
         slow.wait(&mut slow_done, Duration::from_secs(5));
     }
