@@ -389,10 +389,7 @@ fn fsyncs_grouped(reactors: usize) {
         assert_eq!(done.len(), 32);
         assert!(done.iter().all(|c| c.result.is_ok()), "{done:?}");
     }
-    let stats = match client.call(Op::Stats).unwrap() {
-        Reply::Stats(s) => s,
-        other => panic!("{other:?}"),
-    };
+    let stats = stats_of(&mut client);
     assert_eq!(stats.log.fsyncs, 320);
     assert!(
         stats.fsync_groups < 320 && stats.fsync_group_max >= 2,
@@ -494,10 +491,7 @@ fn reads_queued_together_are_served_together_and_in_order_with_writes() {
             c.token
         );
     }
-    let stats = match client.call(Op::Stats).unwrap() {
-        Reply::Stats(s) => s,
-        other => panic!("{other:?}"),
-    };
+    let stats = stats_of(&mut client);
     assert!(
         stats.read_groups >= 1,
         "no reads were served together: {stats:?}"
@@ -683,13 +677,9 @@ fn an_idle_reactor_parks_and_a_bad_device_is_an_error() {
     })
     .unwrap();
     let mut client = runtime.client(2);
-    let stats = |c: &mut Client| match c.call(Op::Stats).unwrap() {
-        Reply::Stats(s) => s,
-        other => panic!("{other:?}"),
-    };
-    let before = stats(&mut client);
+    let before = stats_of(&mut client);
     std::thread::sleep(Duration::from_millis(500));
-    let after = stats(&mut client);
+    let after = stats_of(&mut client);
     assert!(after.parks > before.parks, "an idle reactor parks");
     runtime.shutdown().unwrap();
 
@@ -1165,10 +1155,7 @@ fn two_reactors_report_the_coordinated_commits_time_and_blocks() {
         }
     }
     client.call(Op::Sync).unwrap();
-    let stats = match client.call(Op::Stats).unwrap() {
-        Reply::Stats(s) => s,
-        other => panic!("{other:?}"),
-    };
+    let stats = stats_of(&mut client);
     let c = &stats.commit;
     assert!(c.commits >= 1, "{c:?}");
     assert!(
@@ -1380,6 +1367,14 @@ fn cached_requests_pass_a_parked_one(
     faults.end_delays();
 }
 
+/// The runtime's statistics, asked through `client`.
+fn stats_of(client: &mut Client) -> Box<reactor::ReactorStats> {
+    match client.call(Op::Stats).unwrap() {
+        Reply::Stats(s) => s,
+        other => panic!("stats: {other:?}"),
+    }
+}
+
 /// `fs` unmounted and started on a runtime over a fault device (whose latency spikes the
 /// caller arms), with a file "hot" created and cached through a first client: the runtime,
 /// the fault handle, that client and the file's inode.
@@ -1478,10 +1473,7 @@ fn several_reactors_park_routing_lookups_and_answer_every_request_rightly() {
             (_, other) => panic!("{}: {other:?}", String::from_utf8_lossy(name)),
         }
     }
-    let stats = match clients[0].call(Op::Stats).unwrap() {
-        Reply::Stats(s) => s,
-        other => panic!("stats: {other:?}"),
-    };
+    let stats = stats_of(&mut clients[0]);
     assert!(
         stats.meta_parks >= 1,
         "no request parked: {:?}",
@@ -1563,10 +1555,7 @@ fn a_read_whose_extents_are_cold_parks_and_keeps_its_clients_order() {
     let mut after = before.clone();
     after[..9].copy_from_slice(b"rewritten");
     assert!(matches!(results.next(), Some(Reply::Data(d)) if d == after));
-    let stats = match fast.call(Op::Stats).unwrap() {
-        Reply::Stats(s) => s,
-        other => panic!("stats: {other:?}"),
-    };
+    let stats = stats_of(&mut fast);
     assert!(stats.meta_parks >= 1, "no read parked: {:?}", stats.fetch);
     drop((fast, slow));
     runtime.shutdown().unwrap();
@@ -1651,10 +1640,7 @@ fn a_slow_device_read_does_not_hold_clients_whose_operations_hit_the_cache() {
         Reply::Data(d) => assert_eq!(d, vec![0x5A; 65536]),
         other => panic!("slow read: {other:?}"),
     }
-    let stats = match fast.call(Op::Stats).unwrap() {
-        Reply::Stats(s) => s,
-        other => panic!("stats: {other:?}"),
-    };
+    let stats = stats_of(&mut fast);
     assert!(stats.reads.sets_async >= 1, "{:?}", stats.reads);
     // The loop kept looking at its queue: its longest gap was far shorter than the spike.
     assert!(
@@ -1701,10 +1687,7 @@ fn a_slow_metadata_read_parks_its_request_not_the_reactor() {
         Reply::Stat(s) => assert_eq!(s.ino, target),
         other => panic!("slow stat: {other:?}"),
     }
-    let stats = match fast.call(Op::Stats).unwrap() {
-        Reply::Stats(s) => s,
-        other => panic!("stats: {other:?}"),
-    };
+    let stats = stats_of(&mut fast);
     assert!(
         stats.meta_parks >= 1,
         "no request parked: {:?}",
