@@ -1345,7 +1345,7 @@ fn cached_requests_pass_a_parked_one(
     faults: &nvme::wrap::FaultHandle,
     slow_done: &mut Vec<reactor::Completion>,
     op: impl Fn() -> Op,
-    ok: impl Fn(Reply) -> bool,
+    ok: impl Fn(&Reply) -> bool,
 ) {
     for _ in 0..20 {
         let sent = op();
@@ -1357,7 +1357,7 @@ fn cached_requests_pass_a_parked_one(
             panic!("a cached {sent:?} waited for the parked request's slow metadata");
         };
         let reply = completion.result.unwrap();
-        assert!(ok(reply.clone()), "{sent:?} answered {reply:?}");
+        assert!(ok(&reply), "{sent:?} answered {reply:?}");
         slow.poll(slow_done);
         if !slow_done.is_empty() {
             faults.end_delays();
@@ -1375,9 +1375,12 @@ fn stats_of(client: &mut Client) -> Box<reactor::ReactorStats> {
     }
 }
 
+/// What the hot file of [`spiky_runtime_with_a_hot_file`] holds, in memory.
+const HOT_BYTES: &[u8] = b"cached bytes";
+
 /// `fs` unmounted and started on a runtime over a fault device (whose latency spikes the
-/// caller arms), with a file "hot" created and cached through a first client: the runtime,
-/// the fault handle, that client and the file's inode.
+/// caller arms), with a file "hot" created and written ([`HOT_BYTES`], cached) through a
+/// first client: the runtime, the fault handle, that client and the file's inode.
 fn spiky_runtime_with_a_hot_file(
     fs: Filesystem,
 ) -> (Runtime, nvme::wrap::FaultHandle, reactor::Client, u64) {
@@ -1403,6 +1406,12 @@ fn spiky_runtime_with_a_hot_file(
         })
         .unwrap(),
     );
+    fast.call(Op::Write {
+        ino: hot,
+        offset: 0,
+        data: HOT_BYTES.to_vec(),
+    })
+    .unwrap();
     (runtime, faults, fast, hot)
 }
 
@@ -1492,12 +1501,6 @@ fn a_read_whose_extents_are_cold_parks_and_keeps_its_clients_order() {
     // Files with data: their extents fill many leaves too.
     let (fs, cold) = filesystem_with_cold_files(|i| i.to_le_bytes().repeat(1024));
     let (runtime, faults, mut fast, hot) = spiky_runtime_with_a_hot_file(fs);
-    fast.call(Op::Write {
-        ino: hot,
-        offset: 0,
-        data: b"cached bytes".to_vec(),
-    })
-    .unwrap();
     let target = cold[1500];
     // The next device read (a node the read's mapping needs) is held until released below.
     faults.delay_next(nvme::OpKind::Read, 1, Duration::from_secs(600));
@@ -1535,9 +1538,9 @@ fn a_read_whose_extents_are_cold_parks_and_keeps_its_clients_order() {
         || Op::Read {
             ino: hot,
             offset: 0,
-            len: 12,
+            len: HOT_BYTES.len(),
         },
-        |reply| matches!(reply, Reply::Data(d) if d == b"cached bytes"),
+        |reply| matches!(reply, Reply::Data(d) if d == HOT_BYTES),
     );
     while slow_done.len() < 3 {
         slow.wait(&mut slow_done, Duration::from_secs(5));
@@ -1574,12 +1577,6 @@ fn a_slow_device_read_does_not_hold_clients_whose_operations_hit_the_cache() {
     let cold = fs.create(root, b"cold", 0o644, 0, 0).unwrap().ino;
     fs.write(cold, 0, &[0x5A; 65536]).unwrap();
     let (runtime, faults, mut fast, hot) = spiky_runtime_with_a_hot_file(fs);
-    fast.call(Op::Write {
-        ino: hot,
-        offset: 0,
-        data: b"cached bytes".to_vec(),
-    })
-    .unwrap();
     // The cold file's metadata is read now (the stat parks for it and runs again); its
     // data is not.
     assert!(matches!(
@@ -1619,10 +1616,10 @@ fn a_slow_device_read_does_not_hold_clients_whose_operations_hit_the_cache() {
         let read = Op::Read {
             ino: hot,
             offset: 0,
-            len: 12,
+            len: HOT_BYTES.len(),
         };
         match answer(&mut fast, read) {
-            Reply::Data(d) => assert_eq!(d, b"cached bytes"),
+            Reply::Data(d) => assert_eq!(d, HOT_BYTES),
             other => panic!("read: {other:?}"),
         }
         assert!(matches!(
