@@ -252,15 +252,12 @@ impl Filesystem {
         for (ino, offset, len) in followed {
             self.follow_stream(ino, offset, len);
         }
-        if pieces.is_empty() {
-            started.done.extend(answers.into_iter().zip(outs));
-            started.done.sort_by_key(|&(index, _)| index);
-            return started;
-        }
-        if let Some(e) = self.failed.clone() {
-            // A failed filesystem reads no more from its device.
-            for piece in &pieces {
-                outs[piece.request] = Err(e.clone());
+        if pieces.is_empty() || self.failed.is_some() {
+            // Nothing for the device, or a failed filesystem, which reads no more from it.
+            if let Some(e) = &self.failed {
+                for piece in &pieces {
+                    outs[piece.request] = Err(e.clone());
+                }
             }
             started.done.extend(answers.into_iter().zip(outs));
             started.done.sort_by_key(|&(index, _)| index);
