@@ -113,6 +113,8 @@ impl ReactorStats {
         r.sets_async += o.sets_async;
         r.device_reads += o.device_reads;
         r.device_reads_queued += o.device_reads_queued;
+        r.device_reads_done += o.device_reads_done;
+        r.device_read_ns_sum += o.device_read_ns_sum;
         r.sets_in_flight_max = r.sets_in_flight_max.max(o.sets_in_flight_max);
         let (w, o) = (&mut self.device_waits, &other.device_waits);
         w.waits += o.waits;

@@ -390,6 +390,17 @@ impl DeviceMux {
         self.submit_ordered(request)
     }
 
+    /// Hands what is queued for the device to it now, without waiting (and takes what has
+    /// completed meanwhile, routed as [`DeviceMux::poll_reads`] routes it). A queue's
+    /// submissions otherwise go at its next poll or wait.
+    pub(crate) fn submit_now(&mut self) -> std::result::Result<(), DevError> {
+        let mut foreground = Vec::new();
+        self.inner.poll(&mut self.scratch)?;
+        self.route(&mut foreground);
+        self.answered.append(&mut foreground);
+        Ok(())
+    }
+
     /// Asynchronous reads submitted and not completed.
     pub(crate) fn reads_in_flight(&self) -> u32 {
         self.reads_in_flight

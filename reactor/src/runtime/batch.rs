@@ -23,7 +23,7 @@ use crate::multi::{Plan, ToCoordinator};
 use crate::op::{Completion, Op, Reply};
 use crate::queue::Request;
 use engine::log::FsyncStart;
-use engine::{Deferred, EngineError};
+use engine::{Deferred, EngineError, ReadResult};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -445,14 +445,11 @@ impl Reactor {
                 },
             ));
         }
-        if let Some((set, answers)) = started.pending {
-            let waiting: Vec<Request> = answers
-                .into_iter()
-                .map(|index| slots[index].take().expect("a request waits in one set"))
-                .collect();
-            // Their clients stop yielding for these replies and sleep (client.rs).
-            waiting.iter().for_each(|r| r.reply.note_device_wait());
-            self.parked_reads.insert(set, waiting);
+        for (set, index) in started.pending {
+            let request = slots[index].take().expect("a request waits in one set");
+            // Its client stops yielding for this reply and sleeps (client.rs).
+            request.reply.note_device_wait();
+            self.parked_reads.insert(set, request);
         }
         assert!(
             slots.iter().all(Option::is_none),
@@ -484,19 +481,19 @@ impl Reactor {
             if self.meta.answered(set) {
                 continue;
             }
-            let Some(requests) = self.parked_reads.remove(&set) else {
+            let Some(request) = self.parked_reads.remove(&set) else {
                 // A set the engine finished for someone else (a synchronous read).
                 continue;
             };
-            for (request, result) in requests.into_iter().zip(results) {
-                done.push((
-                    request.reply,
-                    Completion {
-                        token: request.token,
-                        result: result.map(Reply::Data),
-                    },
-                ));
-            }
+            let [result] =
+                <[ReadResult; 1]>::try_from(results).expect("a read's set answers it alone");
+            done.push((
+                request.reply,
+                Completion {
+                    token: request.token,
+                    result: result.map(Reply::Data),
+                },
+            ));
         }
         self.deliver(done);
     }

@@ -607,10 +607,10 @@ pub(crate) struct Reactor {
     /// Every request taken into a batch and not yet answered or handed on: what a failed
     /// reactor answers ([`crate::owed`]).
     owed: Owed,
-    /// Reads whose device I/O is in flight, by the engine's read set: answered from
-    /// [`Filesystem::read_progress`] while the reactor serves other requests. Bounded by the
-    /// requests owed.
-    parked_reads: std::collections::HashMap<u64, Vec<Request>>,
+    /// Reads whose device I/O is in flight, by the engine's read set (one each): answered
+    /// from [`Filesystem::read_progress`] while the reactor serves other requests. Bounded
+    /// by the requests owed.
+    parked_reads: std::collections::HashMap<u64, Request>,
     /// Requests parked while the tree nodes their lookups need are read, and the requests
     /// of their clients behind them ([`crate::meta_wait`]).
     pub(crate) meta: MetaWaits,
