@@ -98,8 +98,13 @@ struct corefs_options {
   uint32_t owner_uid;
   uint32_t owner_gid;
   uint8_t owner_set;
+  // Non-zero: no data-block cache. Every read of data not written since the last
+  // commit goes to the device, as an O_DIRECT read on a kernel filesystem does (what a
+  // database with a cache of its own wants, and what a fair read benchmark needs). Zero:
+  // the engine caches data blocks it reads.
+  uint8_t data_cache_off;
   // Zero (room for later options).
-  uint8_t reserved[7];
+  uint8_t reserved[6];
 };
 
 // An open file or directory of one filesystem (≥ 1).

@@ -12,7 +12,9 @@
 //   rocksdb-overwrite[-sync]   random keys over a database of N keys
 //   rocksdb-readrandom         random gets of N keys, flushed and compacted, reopened cold,
 //                              direct reads (use_direct_reads) and no block cache, so that
-//                              every get reads a block from the filesystem
+//                              every get reads a block from the filesystem; on corefs with
+//                              its data cache off (data_cache=0), so the block comes from
+//                              the device there too
 //   rocksdb-readwhilewrite     as readrandom while a second thread overwrites without sync;
 //                              the reader's gets are measured
 // Each run stops after N operations or --seconds, whichever comes first, on a fresh database
@@ -202,8 +204,10 @@ class Target {
  public:
   virtual ~Target() = default;
   virtual std::string name() const = 0;
-  // A fresh, empty place for a database; returns the Env and the database path.
-  virtual void Fresh(std::shared_ptr<rocksdb::Env>* env, std::string* path) = 0;
+  // A fresh, empty place for a database; returns the Env and the database path. With
+  // `direct_reads`, reads bypass the filesystem's caches (O_DIRECT on a kernel filesystem,
+  // which RocksDB's use_direct_reads asks for; corefs's data cache off).
+  virtual void Fresh(std::shared_ptr<rocksdb::Env>* env, std::string* path, bool direct_reads) = 0;
   virtual void Finish() = 0;
 };
 
@@ -228,11 +232,12 @@ class CorefsTarget : public Target {
   }
   ~CorefsTarget() override { unlink(image_.c_str()); }
   std::string name() const override { return "corefs-file"; }
-  void Fresh(std::shared_ptr<rocksdb::Env>* env, std::string* path) override {
+  void Fresh(std::shared_ptr<rocksdb::Env>* env, std::string* path, bool direct_reads) override {
     corefs_rocksdb::CorefsFsOptions o;
     o.format = corefs_rocksdb::Format::kAlways;
     o.shards = config_.shards;
     o.busy_poll = config_.busy_poll;
+    o.data_cache = !direct_reads;
     std::shared_ptr<rocksdb::FileSystem> fs;
     Must(corefs_rocksdb::NewCorefsFileSystem(
              "file:" + image_ + ",size=" + std::to_string(config_.image_bytes), o, &fs),
@@ -258,7 +263,7 @@ class KernelTarget : public Target {
     std::filesystem::remove_all(base_, ignored);
   }
   std::string name() const override { return fs_type_; }
-  void Fresh(std::shared_ptr<rocksdb::Env>* env, std::string* path) override {
+  void Fresh(std::shared_ptr<rocksdb::Env>* env, std::string* path, bool) override {
     Finish();
     // The last run's deletions and writeback go to disk now, not into this run's time.
     int fd = open(base_.c_str(), O_RDONLY | O_DIRECTORY);
@@ -303,8 +308,8 @@ std::unique_ptr<rocksdb::DB> Open(rocksdb::Env* env, const std::string& path, bo
 Run RunOne(Target& target, const Workload& w, const Config& c, uint64_t seed) {
   std::shared_ptr<rocksdb::Env> env;
   std::string path;
-  target.Fresh(&env, &path);
   const bool reads = w.kind == Workload::kReadRandom || w.kind == Workload::kReadWhileWriting;
+  target.Fresh(&env, &path, reads);
   std::mt19937_64 rng(seed);
   std::unique_ptr<rocksdb::DB> db = Open(env.get(), path, reads);
   // Setup (not timed): N keys for the overwrite and read workloads.

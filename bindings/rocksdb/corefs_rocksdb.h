@@ -44,6 +44,10 @@ struct CorefsFsOptions {
   // images.
   uint32_t shards = 0;
   bool busy_poll = false;
+  // False: corefs keeps no data-block cache (corefs_options.data_cache_off), so reads of
+  // data go to the device as O_DIRECT reads do on a kernel filesystem: for a database
+  // whose own block cache makes a second one waste, and for fair read benchmarks.
+  bool data_cache = true;
 };
 
 // Mounts `device` (or shares this process's mount of it) and returns a FileSystem on it.

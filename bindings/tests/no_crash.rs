@@ -29,7 +29,8 @@ fn options(shards: u32, reactors: u8) -> corefs_options {
         owner_uid: 0,
         owner_gid: 0,
         owner_set: 0,
-        reserved: [0; 7],
+        data_cache_off: 0,
+        reserved: [0; 6],
     }
 }
 
