@@ -172,20 +172,70 @@ impl Filesystem {
     /// Extents overlapping file blocks `first..end`: the one starting at or before `first`
     /// (found with one backwards seek), then those starting inside the range.
     fn extents_in(&mut self, ino: u64, first: u64, end: u64) -> Result<Vec<Extent>> {
+        self.extents_over(ino, first, end, false)
+    }
+
+    /// As [`Filesystem::extents_in`], each extent cut to the blocks of `first..end` (a
+    /// sub-extent reads as the same blocks do) and decoded in its tree node: a 4 KiB read
+    /// of a 256-block extent copied and decoded the whole item (1 KiB of checksums), most
+    /// of a cached read's allocations.
+    fn extents_for_read(&mut self, ino: u64, first: u64, end: u64) -> Result<Vec<Extent>> {
+        self.extents_over(ino, first, end, true)
+    }
+
+    fn extents_over(&mut self, ino: u64, first: u64, end: u64, cut: bool) -> Result<Vec<Extent>> {
         let shard = self.shard_of(ino);
         let at = extent_key(ino, first);
+        // An item decoded (cut to `first..end` when asked), with its file block; the key's
+        // offset is checked before anything is sized by it.
+        let decode = |key: &Key, bytes: &[u8]| -> Result<Extent> {
+            if key.offset % BLOCK != 0 {
+                return Err(EngineError::corrupt_inode(
+                    "extent item",
+                    ino,
+                    format!("unaligned offset {}", key.offset),
+                ));
+            }
+            let file_block = key.offset / BLOCK;
+            // Blocks of the item before `first`, and how many from there reach `end`; an item
+            // not overlapping the range (or too short to say) is decoded whole and checked.
+            let blocks = match bytes.get(9..13) {
+                Some(b) => u32::from_le_bytes(b.try_into().expect("4 bytes")) as u64,
+                None => 0,
+            };
+            let skip = first.saturating_sub(file_block);
+            let take = end.saturating_sub(file_block + skip);
+            let window = cut && skip < blocks && take > 0;
+            let item = if window {
+                ExtentItem::decode_window(bytes, skip as u32, take.min(blocks) as u32)
+            } else {
+                ExtentItem::decode(bytes)
+            }
+            .map_err(|why| EngineError::corrupt_inode("extent item", ino, why))?;
+            let file_block = if window {
+                file_block + skip
+            } else {
+                file_block
+            };
+            Ok(Extent { file_block, item })
+        };
         let (before, inside) = self.with_tree(shard, false, |tree, io| {
-            let before = tree
-                .seek_le(io, &at)?
-                .filter(|(k, _)| k.objectid == ino && k.kind == ItemKind::ExtentData);
-            // Extents never overlap: one that covers the whole range leaves no room for
-            // another, so the forward scan is skipped (the common overwrite of one block).
-            let covers = before.as_ref().is_some_and(|(k, v)| {
-                v.len() >= 13
-                    && k.offset / BLOCK
-                        + u32::from_le_bytes(v[9..13].try_into().expect("4 bytes")) as u64
-                        >= end
-            });
+            let before = tree.seek_le_with(io, &at, |k, v| {
+                (k.objectid == ino && k.kind == ItemKind::ExtentData).then(|| {
+                    // Extents never overlap: one that covers the whole range leaves no
+                    // room for another, so the forward scan is skipped (the common
+                    // overwrite of one block).
+                    let covers = v.len() >= 13
+                        && k.offset / BLOCK
+                            + u32::from_le_bytes(v[9..13].try_into().expect("4 bytes")) as u64
+                            >= end;
+                    (decode(k, v), covers)
+                })
+            })?;
+            let (before, covers) = match before.flatten() {
+                Some((extent, covers)) => (Some(extent), covers),
+                None => (None, false),
+            };
             let inside = if covers {
                 Vec::new()
             } else {
@@ -194,16 +244,9 @@ impl Filesystem {
             Ok((before, inside))
         })?;
         let mut out = Vec::new();
-        for (key, bytes) in before.into_iter().chain(inside) {
-            if key.offset % BLOCK != 0 {
-                return Err(EngineError::corrupt_inode(
-                    "extent item",
-                    ino,
-                    format!("unaligned offset {}", key.offset),
-                ));
-            }
-            let item = ExtentItem::decode(&bytes)
-                .map_err(|why| EngineError::corrupt_inode("extent item", ino, why))?;
+        let inside = inside.into_iter().map(|(key, bytes)| decode(&key, &bytes));
+        for extent in before.into_iter().chain(inside) {
+            let Extent { file_block, item } = extent?;
             // Blocks outside the shard's data region would be read from (or freed into)
             // another shard's space, the log or past the device.
             let space = &self.shards[shard as usize]
@@ -220,10 +263,7 @@ impl Filesystem {
                     ),
                 ));
             }
-            let extent = Extent {
-                file_block: key.offset / BLOCK,
-                item,
-            };
+            let extent = Extent { file_block, item };
             if extent.end() > first && extent.file_block < end {
                 out.push(extent);
             }
@@ -311,7 +351,7 @@ impl Filesystem {
             });
         }
         let end = (offset + len as u64).min(item.size);
-        let extents = self.extents_in(ino, offset / BLOCK, end.div_ceil(BLOCK))?;
+        let extents = self.extents_for_read(ino, offset / BLOCK, end.div_ceil(BLOCK))?;
         Ok(ReadMap {
             ino,
             offset,
@@ -353,8 +393,12 @@ impl Filesystem {
             let end_byte = (to * BLOCK).min(end);
             let src = (start_byte - from * BLOCK) as usize..(end_byte - from * BLOCK) as usize;
             let dst = (start_byte - offset) as usize..(end_byte - offset) as usize;
-            if let Some(data) = self.cached_blocks(disk, to - from, crcs) {
-                out[dst].copy_from_slice(&data[src]);
+            if self.copy_cached(
+                disk,
+                &crcs[..(to - from) as usize],
+                src.clone(),
+                &mut out[dst.clone()],
+            ) {
                 continue;
             }
             // Staged blocks reach the device first, so the device read returns them.

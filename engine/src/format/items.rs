@@ -238,6 +238,13 @@ impl ExtentItem {
     }
 
     pub fn decode(b: &[u8]) -> Result<ExtentItem, String> {
+        Self::decode_window(b, 0, u32::MAX)
+    }
+
+    /// The part of the extent from its block `skip` on, at most `take` blocks, checked as
+    /// [`ExtentItem::decode`] checks the whole item: a sub-extent reads as the same blocks
+    /// do, and decoding only it spares a reader the checksums of the rest (up to 256).
+    pub fn decode_window(b: &[u8], skip: u32, take: u32) -> Result<ExtentItem, String> {
         if b.len() < 13 {
             return Err("extent item shorter than its header".into());
         }
@@ -261,11 +268,22 @@ impl ExtentItem {
                 b.len() - 13
             ));
         }
+        if skip >= blocks {
+            return Err(format!("block {skip} of an extent of {blocks} blocks"));
+        }
+        let taken = take.min(blocks - skip);
+        let crcs = if prealloc {
+            Vec::new()
+        } else {
+            (skip..skip + taken)
+                .map(|i| le_u32(b, 13 + 4 * i as usize))
+                .collect()
+        };
         Ok(ExtentItem {
             prealloc,
-            disk_block,
-            blocks,
-            crcs: (0..want).map(|i| le_u32(b, 13 + 4 * i)).collect(),
+            disk_block: disk_block + skip as u64,
+            blocks: taken,
+            crcs,
         })
     }
 }
@@ -424,6 +442,46 @@ pub fn chain_hash(offset: u64) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_extent_window_is_the_sub_extent_of_those_blocks() {
+        let whole = ExtentItem {
+            disk_block: FIRST_REGION_BLOCK + 100,
+            blocks: 10,
+            prealloc: false,
+            crcs: (0..10).map(|i| 0xc0de_0000 + i).collect(),
+        };
+        let bytes = whole.encode();
+        assert_eq!(
+            ExtentItem::decode_window(&bytes, 0, u32::MAX).unwrap(),
+            whole
+        );
+        let window = ExtentItem::decode_window(&bytes, 3, 4).unwrap();
+        assert_eq!(window.disk_block, whole.disk_block + 3);
+        assert_eq!(window.blocks, 4);
+        assert_eq!(window.crcs, whole.crcs[3..7]);
+        let tail = ExtentItem::decode_window(&bytes, 8, 100).unwrap();
+        assert_eq!(
+            (tail.blocks, tail.crcs.len()),
+            (2, 2),
+            "cut at the extent's end"
+        );
+        assert!(
+            ExtentItem::decode_window(&bytes, 10, 1).is_err(),
+            "past the extent"
+        );
+        // A window is checked as the whole item is.
+        let mut bad = bytes.clone();
+        bad.pop();
+        assert!(ExtentItem::decode_window(&bad, 3, 4).is_err());
+        let prealloc = ExtentItem {
+            prealloc: true,
+            crcs: Vec::new(),
+            ..whole
+        };
+        let window = ExtentItem::decode_window(&prealloc.encode(), 5, 2).unwrap();
+        assert!(window.prealloc && window.crcs.is_empty() && window.blocks == 2);
+    }
 
     #[test]
     fn items_round_trip_and_reject_garbage() {

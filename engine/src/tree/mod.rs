@@ -470,22 +470,37 @@ impl Tree {
 
     /// The last item with a key ≤ `key`, if any.
     pub fn seek_le(&mut self, io: &mut dyn NodeIo, key: &Key) -> Result<Option<(Key, Vec<u8>)>> {
+        self.seek_le_with(io, key, |k, v| (*k, v.to_vec()))
+    }
+
+    /// As [`Tree::seek_le`], passing the item to `f` in place instead of copying it out (a
+    /// reader that needs a few bytes of a large item).
+    pub fn seek_le_with<T>(
+        &mut self,
+        io: &mut dyn NodeIo,
+        key: &Key,
+        f: impl FnOnce(&Key, &[u8]) -> T,
+    ) -> Result<Option<T>> {
         let Some(root) = self.root_id(io)? else {
             return Ok(None);
         };
-        self.seek_le_in(io, root, key)
+        Ok(self.seek_le_in(io, root, key)?.map(|(leaf, i)| {
+            let (k, v) = &self.node(leaf).leaf()[i];
+            f(k, v)
+        }))
     }
 
+    /// The leaf and index of the last item with a key ≤ `key` under node `id`.
     fn seek_le_in(
         &mut self,
         io: &mut dyn NodeIo,
         id: NodeId,
         key: &Key,
-    ) -> Result<Option<(Key, Vec<u8>)>> {
+    ) -> Result<Option<(NodeId, usize)>> {
         match &self.node(id).body {
             Body::Leaf(items) => {
                 let i = items.partition_point(|(k, _)| k <= key);
-                Ok(i.checked_sub(1).map(|i| items[i].clone()))
+                Ok(i.checked_sub(1).map(|i| (id, i)))
             }
             Body::Internal(children) => {
                 // Entry keys are lower bounds, so the subtree an entry names may hold only
