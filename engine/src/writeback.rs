@@ -298,12 +298,8 @@ impl Filesystem {
         );
         let first = src.start / BLOCK_BYTES;
         let last = src.end.div_ceil(BLOCK_BYTES);
-        for i in first..last {
-            if self
-                .block_cache
-                .get_checked(disk + i as u64, crcs[i])
-                .is_none()
-            {
+        for (i, &crc) in crcs.iter().enumerate().take(last).skip(first) {
+            if self.block_cache.get_checked(disk + i as u64, crc).is_none() {
                 return false;
             }
         }
