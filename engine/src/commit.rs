@@ -34,6 +34,12 @@ use crate::fs::{block_lba, Filesystem, Shard, ShardIo, SPACE_OBJECTID};
 use nvme::{BlockDevice, DevError, IoOp, Request};
 use std::time::{Duration, Instant};
 
+/// Inodes of retired change tracking dropped per commit step ([`LogState::drop_retired`]):
+/// about 0.2 ms of frees on this VM.
+///
+/// [`LogState::drop_retired`]: crate::log::LogState::drop_retired
+const RETIRED_DROP_STEP: usize = 4096;
+
 /// Where the commit of the running transaction stands.
 /// What the commit owns of a filesystem: the running transaction, the state machine, the
 /// commit in flight and its statistics.
@@ -423,6 +429,8 @@ impl Filesystem {
         let generation = c.generation;
         // The trees' serialization goes first, a slice per call; the device is only polled
         // meanwhile (a wait would hold the caller with CPU work left).
+        // The last generation's change tracking goes a piece per call.
+        self.log.drop_retired(RETIRED_DROP_STEP);
         let slicing = match self.commit_slice() {
             Ok(more) => more,
             Err(e) => {
@@ -665,6 +673,8 @@ impl Filesystem {
     /// (they may be reused from now on) and trims the metadata cache. Returns the blocks
     /// unpinned; a no-op when nothing is pending.
     pub fn complete_commit(&mut self) -> u64 {
+        // What the commit's progress calls left of the last tracking goes now, bounded too.
+        self.log.drop_retired(RETIRED_DROP_STEP);
         let Some(generation) = self.commit.unpin_pending else {
             return 0;
         };

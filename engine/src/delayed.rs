@@ -30,14 +30,16 @@ use std::collections::BTreeMap;
 pub const MAX_PENDING: usize = 65_536;
 
 /// Pending items of one directory that are inserted as one batch without waiting for the
-/// commit: about 8 full leaves, under a millisecond of tree work. Bounding the batch bounds
-/// the stall the operation that triggers it sees (flushing 65,536 items at once took ~50 ms,
-/// 2,048 a few ms), while batches stay several leaves long, so the leaf-copy savings remain.
-pub const DIR_BATCH_MAX: usize = 512;
+/// commit: about 4 full leaves. Bounding the batch bounds the stall the operation that
+/// triggers it sees (flushing 65,536 items at once took ~50 ms, 2,048 a few ms, 512 1.1 to
+/// 1.7 ms in a create run on this 2-core VM: the creates' worst latency; 256 about half),
+/// while batches stay several leaves long, so the leaf-copy savings remain.
+pub const DIR_BATCH_MAX: usize = 256;
 
 /// Pending items one [`Filesystem::commit_prepare`] step inserts at most (whole directories:
-/// a step may exceed it by one directory's batch, below [`DIR_BATCH_MAX`]).
-pub const PREPARE_STEP_ITEMS: usize = 512;
+/// a step may exceed it by one directory's batch, below [`DIR_BATCH_MAX`]). A step runs
+/// between batches of requests, so it bounds how long they wait for it.
+pub const PREPARE_STEP_ITEMS: usize = 256;
 
 /// The most one more pending item adds to [`DelayedIndex::reserved_blocks`] (a new leaf's
 /// share, a new directory's two, and the internal nodes' rounding).

@@ -45,7 +45,7 @@ use crate::format::items::{encode_names, InodeItem};
 use crate::format::{ItemKind, Key, BLOCK_BYTES};
 use crate::fs::{Filesystem, FIRST_INODE};
 use record::{encode_record, record_blocks, LogOp, RecordHeader};
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 /// A record's blocks at `at` and the data blocks written in place beside it: one batch, all
 /// in flight at once, made durable by one flush.
@@ -175,7 +175,15 @@ impl<T: Ord + Copy> LazySet<T> {
 
 #[derive(Default)]
 pub(crate) struct LogState {
-    pub(crate) inodes: HashMap<u64, Tracked>,
+    /// Changes tracked per inode since the last commit. A B-tree, not a hash map: a create
+    /// run tracks tens of thousands of inodes per generation, and a hash map's resize moved
+    /// them all at once inside one operation (1.1, 1.7, 3.0 and 6.0 ms at 7, 14, 28 and 57
+    /// thousand inodes: the creates' worst latency). A B-tree grows a node at a time.
+    pub(crate) inodes: BTreeMap<u64, Tracked>,
+    /// The last generation's tracking, dropped a bounded number of inodes at a time
+    /// ([`LogState::drop_retired`]): dropping tens of thousands at the commit's start held
+    /// the reactor 1 to 3 ms in a create run.
+    retired: BTreeMap<u64, Tracked>,
     pub(crate) tracked_keys: usize,
     /// Inodes changed this transaction by an operation that spanned partitions: an fsync
     /// reaching one commits instead of logging ([`crate::partition`]).
@@ -256,11 +264,28 @@ impl LogState {
     /// A commit started: every change tracked so far is in it, the next generation's
     /// changes are tracked from here.
     pub fn reset_tracking(&mut self) {
-        self.inodes.clear();
+        let mut old = std::mem::take(&mut self.inodes);
+        if self.retired.is_empty() {
+            self.retired = old;
+        } else {
+            // Not dropped yet (commits in quick succession): kept with the older ones.
+            self.retired.append(&mut old);
+        }
         self.cross.clear();
         self.tracked_keys = 0;
         #[cfg(feature = "mutations")]
         self.logged_this_generation.clear();
+    }
+
+    /// Drops up to `max` inodes' retired tracking; true while some is left. Called as the
+    /// commit progresses, so the drop is spread over its slices.
+    pub fn drop_retired(&mut self, max: usize) -> bool {
+        for _ in 0..max {
+            if self.retired.pop_first().is_none() {
+                return false;
+            }
+        }
+        !self.retired.is_empty()
     }
 
     /// A super-commit made everything logged durable: the logs start over at their heads.
@@ -635,9 +660,36 @@ impl Filesystem {
 
 #[cfg(test)]
 mod tests {
-    use super::LazySet;
+    use super::{LazySet, LogState};
+    use crate::format::{ItemKind, Key};
     use proptest::prelude::*;
     use std::collections::BTreeSet;
+
+    /// A commit's start hands the generation's tracking over whole and new changes start
+    /// from nothing; the old tracking is dropped a bounded step at a time, and a second
+    /// hand-over before the first is dropped keeps both for dropping.
+    #[test]
+    fn retired_tracking_is_dropped_in_bounded_steps() {
+        let mut log = LogState::default();
+        let note = |log: &mut LogState, ino: u64| {
+            log.note(Key::new(ino, ItemKind::InodeItem, 0));
+        };
+        (1000..11_000).for_each(|ino| note(&mut log, ino));
+        log.reset_tracking();
+        assert!(log.inodes.is_empty() && log.tracked_keys() == 0);
+        note(&mut log, 50_000);
+        assert!(log.drop_retired(4096), "6,000 left after one step");
+        assert_eq!(log.retired.len(), 10_000 - 4096);
+        log.reset_tracking();
+        assert_eq!(
+            log.retired.len(),
+            10_000 - 4096 + 1,
+            "both generations kept"
+        );
+        assert!(log.drop_retired(4096));
+        assert!(!log.drop_retired(4096), "all dropped");
+        assert!(log.retired.is_empty() && log.inodes.is_empty());
+    }
 
     proptest! {
         /// A lazy set holds what a `BTreeSet` would, and never more than twice its distinct
