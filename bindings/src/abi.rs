@@ -180,6 +180,27 @@ pub struct corefs_stats {
 }
 
 const _: () = assert!(std::mem::size_of::<corefs_options>() == 40);
+
+/// Every option zero (the defaults, as `struct corefs_options opts = {0};` in C).
+impl Default for corefs_options {
+    fn default() -> Self {
+        corefs_options {
+            format: 0,
+            busy_poll: 0,
+            pin: 0,
+            reactors: 0,
+            shards: 0,
+            core: 0,
+            commit_interval_ms: 0,
+            label: std::ptr::null(),
+            owner_uid: 0,
+            owner_gid: 0,
+            owner_set: 0,
+            data_cache_off: 0,
+            reserved: [0; 6],
+        }
+    }
+}
 const _: () = assert!(std::mem::offset_of!(corefs_options, label) == 16);
 const _: () = assert!(std::mem::offset_of!(corefs_options, owner_uid) == 24);
 const _: () = assert!(std::mem::offset_of!(corefs_options, owner_set) == 32);
@@ -626,21 +647,7 @@ pub unsafe extern "C" fn corefs_mkfs(
 /// As `corefs_mkfs`.
 unsafe fn mkfs(device: *const c_char, options: *const corefs_options) -> c_int {
     let mut o = if options.is_null() {
-        corefs_options {
-            format: 1,
-            busy_poll: 0,
-            pin: 0,
-            reactors: 0,
-            shards: 0,
-            core: 0,
-            commit_interval_ms: 0,
-            label: std::ptr::null(),
-            owner_uid: 0,
-            owner_gid: 0,
-            owner_set: 0,
-            data_cache_off: 0,
-            reserved: [0; 6],
-        }
+        corefs_options::default()
     } else {
         // SAFETY: non-NULL and points to a corefs_options by contract.
         unsafe { *options }
@@ -1989,18 +1996,8 @@ mod tests {
     fn cache_hits_of_rereads(data_cache_off: u8) -> u64 {
         let o = corefs_options {
             format: 1,
-            busy_poll: 0,
-            pin: 0,
-            reactors: 0,
-            shards: 0,
-            core: 0,
-            commit_interval_ms: 0,
-            label: std::ptr::null(),
-            owner_uid: 0,
-            owner_gid: 0,
-            owner_set: 0,
             data_cache_off,
-            reserved: [0; 6],
+            ..Default::default()
         };
         // SAFETY: valid NUL-terminated strings, live buffers of the lengths given, and the
         // handles these calls return.

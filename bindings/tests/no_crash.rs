@@ -19,18 +19,9 @@ fn last_error() -> String {
 fn options(shards: u32, reactors: u8) -> corefs_options {
     corefs_options {
         format: 1,
-        busy_poll: 0,
-        pin: 0,
         reactors,
         shards,
-        core: 0,
-        commit_interval_ms: 0,
-        label: std::ptr::null(),
-        owner_uid: 0,
-        owner_gid: 0,
-        owner_set: 0,
-        data_cache_off: 0,
-        reserved: [0; 6],
+        ..Default::default()
     }
 }
 
