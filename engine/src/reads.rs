@@ -418,7 +418,7 @@ impl Filesystem {
         self.submit_reads();
         // To the device now, not at the reactor's next poll: a read planned early in a batch
         // is on the device while the rest are planned. Handing a batch's reads over together
-        // held each one for the planning of all (at queue depth 32 on a file image, 0.80x
+        // held each one for the planning of all (at queue depth 32 on a file image, 0.84x
         // the reads per second of handing each set over as it is planned).
         if let Err(e) = self.dev.submit_now() {
             self.reads_queue_failed(e);
