@@ -62,6 +62,7 @@ struct corefs_fio_options {
 	unsigned int busy_poll;
 	unsigned int commit_interval_ms;
 	unsigned int stats;
+	unsigned int data_cache;
 };
 
 static struct fio_option options[] = {
@@ -132,6 +133,17 @@ static struct fio_option options[] = {
 		.off1 = offsetof(struct corefs_fio_options, commit_interval_ms),
 		.help = "Commit interval in milliseconds (0: corefs's default, 5000)",
 		.def = "0",
+		.category = FIO_OPT_C_ENGINE,
+		.group = FIO_OPT_G_INVALID,
+	},
+	{
+		.name = "corefs_data_cache",
+		.lname = "corefs data cache",
+		.type = FIO_OPT_BOOL,
+		.off1 = offsetof(struct corefs_fio_options, data_cache),
+		.help = "corefs keeps a data-block cache (0: every read of committed data goes to the "
+			"device, as direct=1 reads on a kernel filesystem do)",
+		.def = "1",
 		.category = FIO_OPT_C_ENGINE,
 		.group = FIO_OPT_G_INVALID,
 	},
@@ -245,6 +257,7 @@ static int mount_acquire(struct thread_data *td, corefs_fs *fs, bool job)
 	}
 	mo.reactors = (uint8_t)o->reactors;
 	mo.commit_interval_ms = o->commit_interval_ms;
+	mo.data_cache_off = o->data_cache == 0;
 	if (o->core && o->core[0]) {
 		char *end;
 		unsigned long core = strtoul(o->core, &end, 10);
