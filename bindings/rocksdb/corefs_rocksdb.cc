@@ -118,6 +118,13 @@ IOStatus WriteAll(corefs_fs fs, corefs_fd fd, const std::string& path, uint64_t 
   return IOStatus::OK();
 }
 
+// fdatasync (data_only) or fsync of an open handle.
+IOStatus SyncFd(corefs_fs fs, corefs_fd fd, const std::string& path, bool data_only) {
+  int rc = data_only ? corefs_fdatasync(fs, fd) : corefs_fsync(fs, fd);
+  if (rc < 0) return Errno((data_only ? "fdatasync " : "fsync ") + path, rc);
+  return IOStatus::OK();
+}
+
 // The appends a writable file holds back, and the file's size including them. Its own
 // thread appends and syncs; a reader of the same file on another thread writes it out
 // (`Mount::FlushWriterOf`): the mutex orders the two.
@@ -178,9 +185,7 @@ class WriteBehind {
       held_.clear();
       return IOStatus::OK();
     }
-    int rc = data_only ? corefs_fdatasync(fs_, fd_) : corefs_fsync(fs_, fd_);
-    if (rc < 0) return Errno((data_only ? "fdatasync " : "fsync ") + path_, rc);
-    return IOStatus::OK();
+    return SyncFd(fs_, fd_, path_, data_only);
   }
 
   uint64_t SizeBytes() {
@@ -382,11 +387,7 @@ class Handle {
     return IOStatus::OK();
   }
 
-  IOStatus Sync(bool data_only) const {
-    int rc = data_only ? corefs_fdatasync(fs(), fd_) : corefs_fsync(fs(), fd_);
-    if (rc < 0) return Errno((data_only ? "fdatasync " : "fsync ") + path_, rc);
-    return IOStatus::OK();
-  }
+  IOStatus Sync(bool data_only) const { return SyncFd(fs(), fd_, path_, data_only); }
 
   IOStatus Truncate(uint64_t size) const {
     int rc = corefs_ftruncate(fs(), fd_, size);

@@ -40,7 +40,6 @@ use std::time::{Duration, Instant};
 /// [`LogState::drop_retired`]: crate::log::LogState::drop_retired
 const RETIRED_DROP_STEP: usize = 4096;
 
-/// Where the commit of the running transaction stands.
 /// What the commit owns of a filesystem: the running transaction, the state machine, the
 /// commit in flight and its statistics.
 #[derive(Debug)]

@@ -199,10 +199,7 @@ impl Filesystem {
             let file_block = key.offset / BLOCK;
             // Blocks of the item before `first`, and how many from there reach `end`; an item
             // not overlapping the range (or too short to say) is decoded whole and checked.
-            let blocks = match bytes.get(9..13) {
-                Some(b) => u32::from_le_bytes(b.try_into().expect("4 bytes")) as u64,
-                None => 0,
-            };
+            let blocks = ExtentItem::stated_blocks(bytes).unwrap_or(0) as u64;
             let skip = first.saturating_sub(file_block);
             let take = end.saturating_sub(file_block + skip);
             let window = cut && skip < blocks && take > 0;
@@ -225,10 +222,8 @@ impl Filesystem {
                     // Extents never overlap: one that covers the whole range leaves no
                     // room for another, so the forward scan is skipped (the common
                     // overwrite of one block).
-                    let covers = v.len() >= 13
-                        && k.offset / BLOCK
-                            + u32::from_le_bytes(v[9..13].try_into().expect("4 bytes")) as u64
-                            >= end;
+                    let covers = ExtentItem::stated_blocks(v)
+                        .is_some_and(|blocks| k.offset / BLOCK + blocks as u64 >= end);
                     (decode(k, v), covers)
                 })
             })?;

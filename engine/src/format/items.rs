@@ -241,6 +241,12 @@ impl ExtentItem {
         Self::decode_window(b, 0, u32::MAX)
     }
 
+    /// The block count an encoded item states (unchecked; None when it is too short to
+    /// hold one): what a lookup needs to know of an item before decoding any of it.
+    pub fn stated_blocks(b: &[u8]) -> Option<u32> {
+        (b.len() >= 13).then(|| le_u32(b, 9))
+    }
+
     /// The part of the extent from its block `skip` on, at most `take` blocks, checked as
     /// [`ExtentItem::decode`] checks the whole item: a sub-extent reads as the same blocks
     /// do, and decoding only it spares a reader the checksums of the rest (up to 256).
