@@ -68,6 +68,12 @@ pub struct MountOptions {
     /// (a temporary file) is never written when it stays under this; 8 MiB keeps half of
     /// the hard bound, [`crate::writeback::MAX_STAGED_BYTES`], as headroom.
     pub writeback_start_bytes: usize,
+    /// Staged data bytes from which a reactor parks the writes that would stage more until
+    /// write-back makes room ([`crate::writeback::STAGED_PARK_BYTES`] by default); the hard
+    /// bound, where a write writes everything staged back before it returns, lies
+    /// [`crate::writeback::STAGED_HEADROOM_BYTES`] above. The simulation sets it to a few
+    /// blocks, so writes park all the time.
+    pub staged_park_bytes: usize,
     /// Data blocks kept in memory after a read or write ([`crate::writeback`]'s block cache);
     /// 0 turns the cache off, so reads measure the device path (a kernel filesystem read
     /// with O_DIRECT keeps no data either).
@@ -86,6 +92,7 @@ impl Default for MountOptions {
             commit_interval: std::time::Duration::from_secs(5),
             dirty_limit_nodes: 4096,
             writeback_start_bytes: 8 << 20,
+            staged_park_bytes: crate::writeback::STAGED_PARK_BYTES,
             data_cache_blocks: crate::writeback::CACHE_BLOCKS,
             commit_slice_nodes: crate::commit::COMMIT_SLICE_NODES,
         }

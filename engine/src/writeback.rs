@@ -7,17 +7,28 @@
 //! - a read of an inode with staged data writes that inode's data back first;
 //! - past [`MountOptions::writeback_start_bytes`] the data of the lowest-numbered (roughly the
 //!   oldest) inodes goes to the device in the background, [`WRITEBACK_CHUNK_BYTES`] at a time
-//!   with at most [`WRITEBACK_IN_FLIGHT_MAX_BYTES`] on the device, while the reactor serves on;
+//!   with at most [`WRITEBACK_IN_FLIGHT_MAX_BYTES`] (and half the park bound below) on the
+//!   device, while the reactor serves on;
 //! - once a commit is near ([`Filesystem::commit_near`]), the threshold drops to
 //!   [`PRECOMMIT_STAGED_BYTES`]: the commit then finds little data left to write, and every
 //!   fsync that arrives while it is in flight waits for it (its record belongs to the next
 //!   generation), so its length is fsync tail latency. 16 clients appending 4 KiB + fsync
 //!   on a file image made commits of ~1,800 blocks (8 ms), nearly all staged data;
-//! - past [`MAX_STAGED_BYTES`] (the background fell behind) everything staged is written back
-//!   before the write returns, so memory stays bounded.
+//! - past [`MountOptions::staged_park_bytes`] ([`STAGED_PARK_BYTES`] by default: writers
+//!   outpace the device) a reactor holds back the
+//!   operations that would stage more ([`Filesystem::staging_has_room`]): they park, without
+//!   holding the reactor, until write-back has made room, while reads and every other
+//!   operation go on. Writers are throttled to the device's write speed;
+//! - past [`STAGED_HEADROOM_BYTES`] more ([`MAX_STAGED_BYTES`] by default), reached only by
+//!   an engine driven without a reactor or by a
+//!   single write larger than the headroom between the two bounds, everything staged is
+//!   written back before the write returns, so memory stays bounded whoever drives it.
 //!
 //! Writing back in the background matters for latency: a synchronous write-back of 16 MiB held
-//! the reactor, and every client's operation, for 30 ms on a file image.
+//! the reactor, and every client's operation, for 30 ms on a file image. For the same reason a
+//! read of blocks still staged does not write them back and wait: it hands them to the device
+//! in the background, and the device pipeline answers the read from their bytes
+//! ([`crate::log::inflight`]) or starts it once their write completes.
 //!
 //! Recently written and read data blocks are also kept, by disk block, in a bounded cache
 //! ([`crate::MountOptions::data_cache_blocks`], [`CACHE_BLOCKS`] by default; 0 turns it off,
@@ -45,8 +56,15 @@ use crate::format::BLOCK_BYTES;
 use crate::fs::Filesystem;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
-/// Staged data bytes past which everything staged is written back before a write returns.
-pub const MAX_STAGED_BYTES: usize = 16 << 20;
+/// Staged data bytes past which everything staged is written back before a write returns,
+/// at the default park bound (in general the park bound plus [`STAGED_HEADROOM_BYTES`]).
+pub const MAX_STAGED_BYTES: usize = STAGED_PARK_BYTES + STAGED_HEADROOM_BYTES;
+/// Staged data bytes from which a reactor parks the operations that stage more until
+/// write-back makes room ([`Filesystem::staging_has_room`];
+/// [`crate::MountOptions::staged_park_bytes`] by default).
+pub const STAGED_PARK_BYTES: usize = 12 << 20;
+/// Room above the park bound for the writes admitted just under it, before the hard bound.
+pub const STAGED_HEADROOM_BYTES: usize = 4 << 20;
 /// Bytes one background write-back takes (whole inodes, so it may take a little more).
 pub const WRITEBACK_CHUNK_BYTES: usize = 1 << 20;
 /// Background write-back bytes on the device at once. Small, because any synchronous I/O
@@ -169,7 +187,7 @@ impl Filesystem {
             .entry(ino)
             .or_default()
             .push((disk, data.to_vec()));
-        if self.staged.bytes > MAX_STAGED_BYTES {
+        if self.staged.bytes > self.options.staged_park_bytes + STAGED_HEADROOM_BYTES {
             let blocks = self.take_all_staged();
             // Durable only at the next flush: no FUA-only record until then.
             self.log.unflushed_writes = true;
@@ -189,8 +207,30 @@ impl Filesystem {
         if self.commit_near() {
             PRECOMMIT_STAGED_BYTES.min(self.options.writeback_start_bytes)
         } else {
-            self.options.writeback_start_bytes
+            // Below the park bound whatever the mount asked: parked writers need write-back
+            // to run until there is room for them.
+            let park = self.options.staged_park_bytes;
+            self.options
+                .writeback_start_bytes
+                .min(park - WRITEBACK_CHUNK_BYTES.min(park / 2))
         }
+    }
+
+    /// True when staging has room for another write: fewer than
+    /// [`crate::MountOptions::staged_park_bytes`] staged. Without room, starts the next
+    /// write-back chunks the in-flight bound allows and answers again; a reactor parks the
+    /// writes that would stage more until the answer turns, and asks again after each poll
+    /// of the device (which takes the write-backs' completions). A failed filesystem has
+    /// room: the write itself reports the failure.
+    pub fn staging_has_room(&mut self) -> bool {
+        let park = self.options.staged_park_bytes;
+        if self.staged.bytes < park || self.failed.is_some() {
+            return true;
+        }
+        if self.submit_writeback_chunks().is_err() {
+            return true;
+        }
+        self.staged.bytes < park
     }
 
     /// Hands the data of the lowest-numbered staged inodes to the device in the background
@@ -199,9 +239,16 @@ impl Filesystem {
     fn start_writeback(&mut self) -> Result<()> {
         // Completions first, so finished write-backs no longer count against the bound.
         self.log_progress(None)?;
+        self.submit_writeback_chunks()
+    }
+
+    /// [`Filesystem::start_writeback`] without taking completions first (the caller took
+    /// them, or leaves them for its next poll).
+    fn submit_writeback_chunks(&mut self) -> Result<()> {
         let threshold_bytes = self.writeback_threshold_bytes();
         while self.staged.bytes > threshold_bytes
-            && self.writeback_bytes_in_flight() < WRITEBACK_IN_FLIGHT_MAX_BYTES
+            && self.writeback_bytes_in_flight()
+                < WRITEBACK_IN_FLIGHT_MAX_BYTES.min(self.options.staged_park_bytes / 2)
         {
             let mut inos = Vec::new();
             let mut bytes = 0usize;
@@ -261,17 +308,17 @@ impl Filesystem {
         out
     }
 
-    /// Writes `ino`'s staged data back (before its blocks are read).
+    /// Hands `ino`'s staged data to the device in the background (before its blocks are
+    /// read): the device pipeline answers a read of those blocks from their bytes, or starts
+    /// it once their write completes, so neither the read nor the reactor waits here.
     pub(crate) fn write_back(&mut self, ino: u64) -> Result<()> {
         if !self.staged.by_ino.contains_key(&ino) {
             return Ok(());
         }
         self.check_writable()?;
         let blocks = self.take_staged(std::iter::once(&ino));
-        // Durable only at the next flush: no FUA-only record until then.
-        self.log.unflushed_writes = true;
-        let written = crate::commit::write_blocks(&mut *self.dev, blocks);
-        self.fail_stop_on_error(written)
+        self.log.stats.writeback_bytes += (blocks.len() * BLOCK_BYTES) as u64;
+        self.submit_writeback(blocks).map(drop)
     }
 
     /// Drops `ino`'s staged data (the inode is gone; its blocks were freed).

@@ -23,6 +23,9 @@
 //!   probe, read) without deferring until it has run (it may then wait for the device,
 //!   which the device-wait statistics count), so a cache too small for one operation's
 //!   lookups never starves it.
+//! - Writes wait for staging room the same way ([`MetaWaits::park_for_room`]): a client
+//!   whose write would stage data past the engine's bound parks, in order, until write-back
+//!   has made room; the reactor serves everyone else meanwhile.
 //! - Bounded by the requests owed (each client's capacity).
 
 use crate::client::ReplyQueue;
@@ -63,8 +66,11 @@ pub(crate) struct MetaWaits {
     resumed: Vec<Request>,
     /// Times each parked request (client, token) has parked.
     rounds: HashMap<(ClientKey, u64), u8>,
-    /// Requests parked so far.
+    /// Clients whose write waits for staging room ([`MetaWaits::park_for_room`]).
+    room: Vec<ClientKey>,
+    /// Requests parked so far, for nodes and for staging room.
     pub parks: u64,
+    pub room_parks: u64,
 }
 
 impl MetaWaits {
@@ -145,6 +151,37 @@ impl MetaWaits {
         queue.push_back(request);
         if first {
             self.waiting.entry(set).or_default().push(client);
+        }
+    }
+
+    /// Parks `request`, a write that would stage data while staging is full
+    /// ([`Filesystem::staging_has_room`]), until write-back makes room. Its client's later
+    /// requests wait behind it. Not counted in rounds: room comes as the device completes
+    /// write-backs, whatever the cache holds, so waiting for it always ends.
+    pub fn park_for_room(&mut self, request: Request) {
+        let client = client_of(&request.reply);
+        self.room_parks += 1;
+        let queue = self.blocked.entry(client).or_default();
+        assert!(
+            queue.is_empty(),
+            "a blocked client's requests wait behind (holds_back)"
+        );
+        queue.push_back(request);
+        self.room.push(client);
+    }
+
+    /// True when a write waits for staging room.
+    pub fn waits_for_room(&self) -> bool {
+        !self.room.is_empty()
+    }
+
+    /// Staging has room: the writes that waited for it, and their clients' later requests,
+    /// run again in order.
+    pub fn room_made(&mut self) {
+        for client in std::mem::take(&mut self.room) {
+            if let Some(queue) = self.blocked.remove(&client) {
+                self.resumed.extend(queue);
+            }
         }
     }
 

@@ -75,6 +75,9 @@ pub struct SimOutcome {
     /// Requests parked for tree nodes (odd seeds run with a metadata cache of a few nodes,
     /// so lookups miss and requests resume in whatever order the scheduler reaches them).
     pub meta_parks: u64,
+    /// Writes parked for staging room (seeds 2 and 3 mod 4 stage one block at most before
+    /// writes park, and resume as write-backs complete).
+    pub room_parks: u64,
 }
 
 impl SimOutcome {
@@ -91,6 +94,7 @@ impl SimOutcome {
         self.crash_states += run.crash_states;
         self.runs_failed_stop += run.failed_stop as u64;
         self.meta_parks += run.meta_parks;
+        self.room_parks += run.room_parks;
     }
 }
 
@@ -207,6 +211,14 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
             // Odd seeds: a metadata cache of a few nodes, so that lookups miss and requests
             // park for their nodes (reactor/src/meta_wait.rs).
             cache_nodes: if seed % 2 == 1 { 4 } else { 1 << 16 },
+            // Seeds 2 and 3 mod 4: staging parks writes from one block on, so writes park
+            // for room (reactor/src/meta_wait.rs) and resume as write-backs complete, in
+            // whatever order the scheduler runs them.
+            staged_park_bytes: if seed % 4 >= 2 {
+                engine::format::BLOCK_BYTES
+            } else {
+                MountOptions::default().staged_park_bytes
+            },
             ..MountOptions::default()
         },
     )
@@ -386,6 +398,7 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
     }
     drop(clients);
     outcome.meta_parks = reactor.meta.parks;
+    outcome.room_parks = reactor.meta.room_parks;
     // A healthy filesystem commits at unmount; on a faulty device that commit may itself
     // meet an injected error, which must then be reported, as it is here.
     match reactor.unmount() {

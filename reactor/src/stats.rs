@@ -67,6 +67,9 @@ pub struct ReactorStats {
     /// (`reactor/src/meta_wait.rs`), and the engine's counters of those reads.
     pub meta_parks: u64,
     pub fetch: engine::FetchStats,
+    /// Writes parked while staged data was at its bound, until write-back made room
+    /// ([`engine::writeback`]'s `STAGED_PARK_BYTES`).
+    pub room_parks: u64,
     /// File data blocks reads took from the engine's block cache, and from the device.
     pub data_cache_hits: u64,
     pub data_blocks_read: u64,
@@ -122,6 +125,7 @@ impl ReactorStats {
         w.wait_ns_max = w.wait_ns_max.max(o.wait_ns_max);
         self.loop_gap_ns_max = self.loop_gap_ns_max.max(other.loop_gap_ns_max);
         self.meta_parks += other.meta_parks;
+        self.room_parks += other.room_parks;
         let (f, o) = (&mut self.fetch, &other.fetch);
         f.deferred += o.deferred;
         f.blocks_fetched += o.blocks_fetched;

@@ -1649,6 +1649,119 @@ fn a_slow_device_read_does_not_hold_clients_whose_operations_hit_the_cache() {
     runtime.shutdown().unwrap();
 }
 
+/// A writer that outpaces the device is held back at the staging bound without holding the
+/// reactor: while every device write is held by a latency spike, the writer's staged data
+/// reaches the engine's park bound and its next write parks (it is neither answered nor run
+/// into a synchronous write-back, which would wait for the spike with every client behind
+/// it); another client's cached reads and stats are answered meanwhile. Once the spike ends
+/// the parked write completes, and the file reads back whole.
+#[test]
+fn a_writer_outpacing_the_device_parks_at_the_staging_bound_and_others_are_served() {
+    let (_, dev) = formatted_mem(64 << 20, 64 << 10, 2);
+    let fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    let (runtime, faults, mut fast, hot) = spiky_runtime_with_a_hot_file(fs);
+    let mut writer = runtime.client(4);
+    let big = ino_of(
+        writer
+            .call(Op::Create {
+                dir: ROOT,
+                name: b"big".to_vec(),
+                mode: 0o644,
+                owner: reactor::Owner::ROOT,
+            })
+            .unwrap(),
+    );
+    // Every device write from here completes only when the spike ends (below).
+    faults.delay_next(nvme::OpKind::Write, u32::MAX, Duration::from_secs(600));
+    const CHUNK: usize = 1 << 20;
+    let chunk = |i: usize| vec![(i % 251) as u8 + 1; CHUNK];
+    // 1 MiB writes until one is not answered within 2 s: it parked. Staging holds at most
+    // MAX_STAGED_BYTES, so that happens within 16 writes.
+    let mut parked_at = None;
+    for i in 0..24 {
+        writer
+            .submit(
+                Op::Write {
+                    ino: big,
+                    offset: (i * CHUNK) as u64,
+                    data: chunk(i),
+                },
+                i as u64,
+            )
+            .unwrap();
+        let mut done = Vec::new();
+        writer.wait(&mut done, Duration::from_secs(2));
+        match done.pop() {
+            Some(c) => {
+                c.result.unwrap();
+            }
+            None => {
+                parked_at = Some(i);
+                break;
+            }
+        }
+    }
+    let Some(parked_at) = parked_at else {
+        faults.end_delays();
+        panic!("24 MiB were staged with no device write completing: nothing held the writer");
+    };
+    assert!(
+        parked_at * CHUNK >= engine::writeback::STAGED_PARK_BYTES - CHUNK,
+        "the writer parked after {parked_at} MiB, before the bound"
+    );
+    let answer = |client: &mut reactor::Client, op: Op| -> Reply {
+        client.submit(op, 1).unwrap();
+        let mut done = Vec::new();
+        client.wait(&mut done, Duration::from_secs(30));
+        let Some(completion) = done.pop() else {
+            faults.end_delays();
+            panic!("a cached operation waited for the parked writer");
+        };
+        completion.result.unwrap()
+    };
+    let mut writer_done = Vec::new();
+    for _ in 0..20 {
+        match answer(
+            &mut fast,
+            Op::Read {
+                ino: hot,
+                offset: 0,
+                len: HOT_BYTES.len(),
+            },
+        ) {
+            Reply::Data(d) => assert_eq!(d, HOT_BYTES),
+            other => panic!("read: {other:?}"),
+        }
+        assert!(matches!(
+            answer(&mut fast, Op::Stat { ino: hot }),
+            Reply::Stat(_)
+        ));
+        writer.poll(&mut writer_done);
+        assert!(writer_done.is_empty(), "the parked write completed early");
+    }
+    let stats = stats_of(&mut fast);
+    assert!(stats.room_parks >= 1, "no write parked for room");
+    faults.end_delays();
+    while writer_done.is_empty() {
+        writer.wait(&mut writer_done, Duration::from_secs(5));
+    }
+    writer_done.pop().unwrap().result.unwrap();
+    for i in 0..=parked_at {
+        let data = data_of(
+            writer
+                .call(Op::Read {
+                    ino: big,
+                    offset: (i * CHUNK) as u64,
+                    len: CHUNK,
+                })
+                .unwrap(),
+        );
+        assert!(data == chunk(i), "MiB {i} reads back wrong");
+    }
+    drop((fast, writer));
+    runtime.shutdown().unwrap();
+}
+
 /// A metadata miss parks its request, not the reactor: while a tree node one client's stat
 /// needs is held by a latency spike, clients whose operations hit the cache are answered,
 /// and the parked client's later request waits behind its parked one (its order is kept).

@@ -55,8 +55,8 @@ pub fn run(args: Args) -> Result<(), String> {
     println!(
         "sim: {seeds} seeds, 0 violations: {} batches, {} fsyncs acknowledged, {} failed under \
          {} injected device errors ({} runs failed stop), {} reads verified, {} reads \
-         failed (detected), {} rewrites acknowledged, {} requests parked for metadata, {} crash \
-         states checked, {:.1} s",
+         failed (detected), {} rewrites acknowledged, {} requests parked for metadata, {} writes \
+         parked for staging room, {} crash states checked, {:.1} s",
         total.batches,
         total.fsyncs_acknowledged,
         total.fsyncs_failed,
@@ -66,6 +66,7 @@ pub fn run(args: Args) -> Result<(), String> {
         total.reads_failed,
         total.rewrites_acknowledged,
         total.meta_parks,
+        total.room_parks,
         total.crash_states,
         started.elapsed().as_secs_f64()
     );

@@ -115,10 +115,12 @@ impl FaultHandle {
             .or_default() += count;
     }
 
-    /// Ends every latency spike now: held completions are handed out at the next poll. A
-    /// test holds a request with a long spike and ends it when it has seen what it wanted,
-    /// so no assertion depends on how fast a loaded machine runs.
+    /// Ends every latency spike now: held completions are handed out at the next poll, and
+    /// spikes armed for later operations ([`FaultHandle::delay_next`]) are disarmed. A test
+    /// holds requests with a long spike and ends it when it has seen what it wanted, so no
+    /// assertion depends on how fast a loaded machine runs.
     pub fn end_delays(&self) {
+        self.delay_next.lock().expect("fault handle lock").clear();
         self.end_delays
             .store(true, std::sync::atomic::Ordering::SeqCst);
     }

@@ -126,6 +126,13 @@ impl Reactor {
                     }
                 }
             }
+            // A write that would stage data past the engine's bound waits, parked, until
+            // write-back has made room: writers go at the device's pace, and nobody else
+            // waits for them.
+            if stages_data(&request.op) && !self.fs.staging_has_room() {
+                self.meta.park_for_room(request);
+                continue;
+            }
             // What the request looks up is in memory, or it parks until it is.
             let request = match self.meta.probe(&mut self.fs, request) {
                 Probed::Run(request) => request,
@@ -365,7 +372,8 @@ impl Reactor {
         }
     }
 
-    /// Waits for records in flight (up to `wait`) and delivers the waiters they release.
+    /// Waits for records in flight (up to `wait`) and delivers the waiters they release;
+    /// resumes the writes that waited for staging room once there is some.
     pub(crate) fn poll_durable(&mut self, wait: Option<Duration>) {
         // Reads are what the reactor sleeps on when nothing else is on the device.
         let read_wait = if self.pending.is_empty() && !self.fs.device_busy() {
@@ -386,6 +394,10 @@ impl Reactor {
             let mut done = Vec::new();
             self.collect_durable(None, &mut done);
             self.deliver(done);
+        }
+        // After the polls above took the write-backs' completions.
+        if self.meta.waits_for_room() && self.fs.staging_has_room() {
+            self.meta.room_made();
         }
     }
 
@@ -504,4 +516,13 @@ impl Reactor {
             op => execute_on(&mut self.fs, op),
         }
     }
+}
+
+/// True for the operations that stage file data in the engine (writes, appends, atomic
+/// batches): those a reactor holds back while staging is full.
+fn stages_data(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Write { .. } | Op::Append { .. } | Op::WriteAtomic { .. }
+    )
 }

@@ -676,6 +676,7 @@ impl Reactor {
         s.reads = self.fs.read_stats();
         s.device_waits = self.fs.device_wait_stats();
         s.meta_parks = self.meta.parks;
+        s.room_parks = self.meta.room_parks;
         s.fetch = self.fs.fetch_stats();
         (s.data_cache_hits, s.data_blocks_read) = self.fs.data_cache_hits();
         s
