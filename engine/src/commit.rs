@@ -285,7 +285,7 @@ impl Filesystem {
                 // Staged data goes to the device at once: its blocks are out of the staging
                 // map now, and reads of them are answered from the device pipeline from here.
                 // With nothing to serialize, it and the flush are the whole commit.
-                let count = staged.len() as u64;
+                let count = (crate::writeback::pieces_bytes(&staged) / BLOCK_BYTES) as u64;
                 let writes = if slicing.is_empty() {
                     Some(self.submit_record(staged)?)
                 } else {
@@ -804,12 +804,29 @@ impl Run {
     }
 }
 
-/// Sorts whole blocks by address and merges neighbours into runs no longer than the
-/// device's largest I/O: what one write request carries.
+/// Sorts pieces of whole blocks by address and merges neighbours into runs no longer than
+/// the device's largest I/O: what one write request carries.
 pub(crate) fn coalesce(dev: &dyn BlockDevice, mut blocks: Vec<(u64, Vec<u8>)>) -> Vec<Run> {
     blocks.sort_unstable_by_key(|(addr, _)| *addr);
     let max_bytes = (dev.info().max_io_bytes as usize).max(BLOCK_BYTES);
     let mut runs: Vec<Run> = Vec::new();
+    // A piece larger than the largest I/O (staged data on a device with small buffers) is
+    // cut into single blocks first.
+    if blocks.iter().any(|(_, b)| b.len() > max_bytes) {
+        let pieces = std::mem::take(&mut blocks);
+        for (addr, piece) in pieces {
+            if piece.len() <= max_bytes {
+                blocks.push((addr, piece));
+                continue;
+            }
+            blocks.extend(
+                piece
+                    .chunks(BLOCK_BYTES)
+                    .enumerate()
+                    .map(|(i, b)| (addr + i as u64, b.to_vec())),
+            );
+        }
+    }
     for (addr, block) in blocks {
         assert!(
             !block.is_empty() && block.len() % BLOCK_BYTES == 0,

@@ -731,7 +731,7 @@ impl Filesystem {
     /// writes complete: no flush of its own, so the data is durable only at the next flush
     /// (`unflushed_writes`), and the next record's flush waits for these writes.
     pub(crate) fn submit_writeback(&mut self, blocks: Vec<(u64, Vec<u8>)>) -> Result<u64> {
-        let bytes = blocks.len() * crate::format::BLOCK_BYTES;
+        let bytes = crate::writeback::pieces_bytes(&blocks);
         let ticket = self.submit_background(blocks, false, None, bytes)?;
         self.log.unflushed_writes = true;
         Ok(ticket)
@@ -753,7 +753,7 @@ impl Filesystem {
     /// flush waits for these writes (as for a write-back) and so covers them.
     pub(crate) fn submit_commit_chunk(&mut self, blocks: Vec<(u64, Vec<u8>)>) -> Result<u64> {
         assert!(!blocks.is_empty(), "a commit chunk has blocks");
-        let bytes = blocks.len() * crate::format::BLOCK_BYTES;
+        let bytes = crate::writeback::pieces_bytes(&blocks);
         self.submit_background(blocks, false, None, bytes)
     }
 
