@@ -25,7 +25,9 @@
 //!   lookups never starves it.
 //! - Writes wait for staging room the same way ([`MetaWaits::park_for_room`]): a client
 //!   whose write would stage data past the engine's bound parks, in order, until write-back
-//!   has made room; the reactor serves everyone else meanwhile.
+//!   has made room; the reactor serves everyone else meanwhile. Fsyncs and writes wait so
+//!   for a due commit's start while it waits for the device pipeline to empty
+//!   ([`MetaWaits::park_for_commit`]).
 //! - Bounded by the requests owed (each client's capacity).
 
 use crate::client::ReplyQueue;
@@ -68,9 +70,13 @@ pub(crate) struct MetaWaits {
     rounds: HashMap<(ClientKey, u64), u8>,
     /// Clients whose write waits for staging room ([`MetaWaits::park_for_room`]).
     room: Vec<ClientKey>,
-    /// Requests parked so far, for nodes and for staging room.
+    /// Clients whose fsync or write waits for a due commit to start
+    /// ([`MetaWaits::park_for_commit`]).
+    barrier: Vec<ClientKey>,
+    /// Requests parked so far, for nodes, for staging room and for a commit's start.
     pub parks: u64,
     pub room_parks: u64,
+    pub barrier_parks: u64,
 }
 
 impl MetaWaits {
@@ -159,15 +165,39 @@ impl MetaWaits {
     /// requests wait behind it. Not counted in rounds: room comes as the device completes
     /// write-backs, whatever the cache holds, so waiting for it always ends.
     pub fn park_for_room(&mut self, request: Request) {
-        let client = client_of(&request.reply);
         self.room_parks += 1;
+        let client = self.block(request);
+        self.room.push(client);
+    }
+
+    /// Parks `request`, an fsync or a write that would add to the device pipeline, while a
+    /// due commit waits for that pipeline to empty; it runs again once the commit started
+    /// ([`MetaWaits::commit_started`]). Not counted in rounds either.
+    pub fn park_for_commit(&mut self, request: Request) {
+        self.barrier_parks += 1;
+        let client = self.block(request);
+        self.barrier.push(client);
+    }
+
+    /// The due commit started: the requests parked for it run again, in order.
+    pub fn commit_started(&mut self) {
+        for client in std::mem::take(&mut self.barrier) {
+            if let Some(queue) = self.blocked.remove(&client) {
+                self.resumed.extend(queue);
+            }
+        }
+    }
+
+    /// Blocks `request`'s client behind it (the client has nothing parked yet).
+    fn block(&mut self, request: Request) -> ClientKey {
+        let client = client_of(&request.reply);
         let queue = self.blocked.entry(client).or_default();
         assert!(
             queue.is_empty(),
             "a blocked client's requests wait behind (holds_back)"
         );
         queue.push_back(request);
-        self.room.push(client);
+        client
     }
 
     /// True when a write waits for staging room.

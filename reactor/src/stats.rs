@@ -70,6 +70,9 @@ pub struct ReactorStats {
     /// Writes parked while staged data was at its bound, until write-back made room
     /// ([`engine::writeback`]'s `STAGED_PARK_BYTES`).
     pub room_parks: u64,
+    /// Fsyncs and writes parked while a due commit waited for the device pipeline to empty
+    /// (`reactor/src/runtime/commit.rs`).
+    pub barrier_parks: u64,
     /// File data blocks reads took from the engine's block cache, and from the device.
     pub data_cache_hits: u64,
     pub data_blocks_read: u64,
@@ -126,6 +129,7 @@ impl ReactorStats {
         self.loop_gap_ns_max = self.loop_gap_ns_max.max(other.loop_gap_ns_max);
         self.meta_parks += other.meta_parks;
         self.room_parks += other.room_parks;
+        self.barrier_parks += other.barrier_parks;
         let (f, o) = (&mut self.fetch, &other.fetch);
         f.deferred += o.deferred;
         f.blocks_fetched += o.blocks_fetched;

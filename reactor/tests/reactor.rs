@@ -1762,6 +1762,139 @@ fn a_writer_outpacing_the_device_parks_at_the_staging_bound_and_others_are_serve
     runtime.shutdown().unwrap();
 }
 
+/// A due commit never waits for the device pipeline on the reactor: while an fsync's record
+/// is held by a latency spike and a commit is due, the commit waits (without holding the
+/// reactor) for the pipeline to empty, and once it has waited `COMMIT_DEFER_MAX` the
+/// fsyncs that would add to the pipeline park until it starts. Another client's cached reads
+/// and stats are answered all along; before, the commit drained the pipeline synchronously
+/// and every client waited for the spike. Once the spike ends everything completes and the
+/// commit is made.
+#[test]
+fn a_due_commit_waits_for_records_in_flight_without_holding_the_reactor() {
+    use nvme::wrap::{FaultConfig, FaultDevice};
+    let (_, dev) = formatted_mem(64 << 20, 64 << 10, 2);
+    let faulty = FaultDevice::new(dev, FaultConfig::default());
+    let faults = faulty.handle();
+    let runtime = Runtime::start_with_device(
+        Config {
+            device: "spiky mem".into(),
+            mount: MountOptions {
+                commit_interval: Duration::from_millis(200),
+                ..MountOptions::default()
+            },
+            ..Default::default()
+        },
+        Box::new(faulty),
+    )
+    .unwrap();
+    let mut fast = runtime.client(4);
+    let mut writer = runtime.client(4);
+    let mut later = runtime.client(4);
+    let create = |client: &mut reactor::Client, name: &[u8]| {
+        ino_of(
+            client
+                .call(Op::Create {
+                    dir: ROOT,
+                    name: name.to_vec(),
+                    mode: 0o644,
+                    owner: reactor::Owner::ROOT,
+                })
+                .unwrap(),
+        )
+    };
+    let hot = create(&mut fast, b"hot");
+    fast.call(Op::Write {
+        ino: hot,
+        offset: 0,
+        data: HOT_BYTES.to_vec(),
+    })
+    .unwrap();
+    let logged = create(&mut writer, b"logged");
+    writer
+        .call(Op::Write {
+            ino: logged,
+            offset: 0,
+            data: vec![7; 4096],
+        })
+        .unwrap();
+    // Every device write from here completes only when the spike ends (below): the fsync's
+    // record stays in flight, with the commit due behind it.
+    faults.delay_next(nvme::OpKind::Write, u32::MAX, Duration::from_secs(600));
+    writer.submit(Op::Fsync { ino: logged }, 1).unwrap();
+    let answer = |client: &mut reactor::Client, op: Op| -> Reply {
+        client.submit(op, 2).unwrap();
+        let mut done = Vec::new();
+        client.wait(&mut done, Duration::from_secs(30));
+        let Some(completion) = done.pop() else {
+            faults.end_delays();
+            panic!("a cached operation waited for the due commit");
+        };
+        completion.result.unwrap()
+    };
+    let serve = |client: &mut reactor::Client| {
+        match answer(
+            client,
+            Op::Read {
+                ino: hot,
+                offset: 0,
+                len: HOT_BYTES.len(),
+            },
+        ) {
+            Reply::Data(d) => assert_eq!(d, HOT_BYTES),
+            other => panic!("read: {other:?}"),
+        }
+        assert!(matches!(
+            answer(client, Op::Stat { ino: hot }),
+            Reply::Stat(_)
+        ));
+    };
+    // Past the commit interval and COMMIT_DEFER_MAX: the commit is due and the barrier up.
+    let until = std::time::Instant::now() + Duration::from_millis(600);
+    while std::time::Instant::now() < until {
+        serve(&mut fast);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // An fsync now would add a record: it parks until the commit starts.
+    later.submit(Op::Fsync { ino: hot }, 3).unwrap();
+    let mut parked = Vec::new();
+    for _ in 0..20 {
+        serve(&mut fast);
+        later.poll(&mut parked);
+    }
+    let mut logged_done = Vec::new();
+    writer.poll(&mut logged_done);
+    assert!(
+        logged_done.is_empty() && parked.is_empty(),
+        "an fsync completed while its record or the commit's start was held"
+    );
+    let stats = stats_of(&mut fast);
+    assert!(
+        stats.barrier_parks >= 1,
+        "the later fsync did not park for the commit"
+    );
+    let commits_before = stats.commit.commits;
+    faults.end_delays();
+    while logged_done.is_empty() {
+        writer.wait(&mut logged_done, Duration::from_secs(5));
+    }
+    logged_done.pop().unwrap().result.unwrap();
+    while parked.is_empty() {
+        later.wait(&mut parked, Duration::from_secs(5));
+    }
+    parked.pop().unwrap().result.unwrap();
+    // The due commit was made once the pipeline emptied.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while stats_of(&mut fast).commit.commits == commits_before {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the due commit never ran"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop((fast, writer, later));
+    runtime.shutdown().unwrap();
+}
+
 /// A metadata miss parks its request, not the reactor: while a tree node one client's stat
 /// needs is held by a latency spike, clients whose operations hit the cache are answered,
 /// and the parked client's later request waits behind its parked one (its order is kept).

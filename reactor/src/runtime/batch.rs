@@ -133,6 +133,13 @@ impl Reactor {
                 self.meta.park_for_room(request);
                 continue;
             }
+            // A due commit waits for the device pipeline to empty: what would add to it
+            // waits for the commit's start instead (then it logs into the next generation).
+            if self.commit_barrier && (stages_data(&request.op) || request.op.is_fsync().is_some())
+            {
+                self.meta.park_for_commit(request);
+                continue;
+            }
             // What the request looks up is in memory, or it parks until it is.
             let request = match self.meta.probe(&mut self.fs, request) {
                 Probed::Run(request) => request,

@@ -597,6 +597,10 @@ pub(crate) struct Reactor {
     pending: VecDeque<PendingGroup>,
     /// Since when a due commit waits for the records in flight (`COMMIT_DEFER_MAX`, [`commit`]).
     commit_deferred_since: Option<Instant>,
+    /// A due commit waited `COMMIT_DEFER_MAX` for the device pipeline to empty: until it
+    /// does, the requests that would add to it (fsyncs, writes) park, and the commit starts
+    /// once it is empty ([`commit`]).
+    commit_barrier: bool,
     /// Preparation steps the due commit has taken (`PREPARE_STEPS_MAX`, [`commit`]).
     prepare_steps: u32,
     /// With several reactors: this one's side of the coordination ([`crate::multi`]).
@@ -646,6 +650,7 @@ impl Reactor {
             cpu_start_ns: thread_cpu_ns(),
             pending: VecDeque::new(),
             commit_deferred_since: None,
+            commit_barrier: false,
             prepare_steps: 0,
             multi: None,
             commit_waiters: Vec::new(),
@@ -677,6 +682,7 @@ impl Reactor {
         s.device_waits = self.fs.device_wait_stats();
         s.meta_parks = self.meta.parks;
         s.room_parks = self.meta.room_parks;
+        s.barrier_parks = self.meta.barrier_parks;
         s.fetch = self.fs.fetch_stats();
         (s.data_cache_hits, s.data_blocks_read) = self.fs.data_cache_hits();
         s
