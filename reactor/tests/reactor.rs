@@ -1415,6 +1415,39 @@ fn spiky_runtime_with_a_hot_file(
     (runtime, faults, fast, hot)
 }
 
+/// While a latency spike holds some device request, a cached read of the hot file of
+/// [`spiky_runtime_with_a_hot_file`] and a stat of it, each of which must be answered: one
+/// that waits for the held request would wait for the spike, so 30 s without an answer is
+/// that failure (`waited_for` names the held work). The spike is ended first, so a failing
+/// test does not wait it out at shutdown.
+fn serve_hot_during_spike(
+    client: &mut reactor::Client,
+    hot: u64,
+    faults: &nvme::wrap::FaultHandle,
+    waited_for: &str,
+) {
+    let mut answer = |op: Op| -> Reply {
+        client.submit(op, 1).unwrap();
+        let mut done = Vec::new();
+        client.wait(&mut done, Duration::from_secs(30));
+        let Some(completion) = done.pop() else {
+            faults.end_delays();
+            panic!("a cached operation waited for {waited_for}");
+        };
+        completion.result.unwrap()
+    };
+    let read = Op::Read {
+        ino: hot,
+        offset: 0,
+        len: HOT_BYTES.len(),
+    };
+    match answer(read) {
+        Reply::Data(d) => assert_eq!(d, HOT_BYTES),
+        other => panic!("read: {other:?}"),
+    }
+    assert!(matches!(answer(Op::Stat { ino: hot }), Reply::Stat(_)));
+}
+
 /// With several reactors, the routing lookups (which reactor owns what a request names) run
 /// deferred as well: under a node cache far too small for the tree, unlinks and lookups sent
 /// by several clients at once park on their misses and are all answered, each rightly.
@@ -1598,34 +1631,9 @@ fn a_slow_device_read_does_not_hold_clients_whose_operations_hit_the_cache() {
         7,
     )
     .unwrap();
-    // Each cached operation must be answered while the slow read is held; one that waits
-    // for it would wait for the spike, so 30 s without an answer is that failure.
-    let answer = |client: &mut reactor::Client, op: Op| -> Reply {
-        client.submit(op, 1).unwrap();
-        let mut done = Vec::new();
-        client.wait(&mut done, Duration::from_secs(30));
-        let Some(completion) = done.pop() else {
-            // End the spike first, so the failing test does not wait it out at shutdown.
-            faults.end_delays();
-            panic!("a cached operation waited for the slow read outstanding");
-        };
-        completion.result.unwrap()
-    };
     let mut slow_done = Vec::new();
     for _ in 0..20 {
-        let read = Op::Read {
-            ino: hot,
-            offset: 0,
-            len: HOT_BYTES.len(),
-        };
-        match answer(&mut fast, read) {
-            Reply::Data(d) => assert_eq!(d, HOT_BYTES),
-            other => panic!("read: {other:?}"),
-        }
-        assert!(matches!(
-            answer(&mut fast, Op::Stat { ino: hot }),
-            Reply::Stat(_)
-        ));
+        serve_hot_during_spike(&mut fast, hot, &faults, "the slow read outstanding");
         slow.poll(&mut slow_done);
         assert!(slow_done.is_empty(), "the held read completed early");
     }
@@ -1709,33 +1717,9 @@ fn a_writer_outpacing_the_device_parks_at_the_staging_bound_and_others_are_serve
         parked_at * CHUNK >= engine::writeback::STAGED_PARK_BYTES - CHUNK,
         "the writer parked after {parked_at} MiB, before the bound"
     );
-    let answer = |client: &mut reactor::Client, op: Op| -> Reply {
-        client.submit(op, 1).unwrap();
-        let mut done = Vec::new();
-        client.wait(&mut done, Duration::from_secs(30));
-        let Some(completion) = done.pop() else {
-            faults.end_delays();
-            panic!("a cached operation waited for the parked writer");
-        };
-        completion.result.unwrap()
-    };
     let mut writer_done = Vec::new();
     for _ in 0..20 {
-        match answer(
-            &mut fast,
-            Op::Read {
-                ino: hot,
-                offset: 0,
-                len: HOT_BYTES.len(),
-            },
-        ) {
-            Reply::Data(d) => assert_eq!(d, HOT_BYTES),
-            other => panic!("read: {other:?}"),
-        }
-        assert!(matches!(
-            answer(&mut fast, Op::Stat { ino: hot }),
-            Reply::Stat(_)
-        ));
+        serve_hot_during_spike(&mut fast, hot, &faults, "the parked writer");
         writer.poll(&mut writer_done);
         assert!(writer_done.is_empty(), "the parked write completed early");
     }
@@ -1821,44 +1805,17 @@ fn a_due_commit_waits_for_records_in_flight_without_holding_the_reactor() {
     // record stays in flight, with the commit due behind it.
     faults.delay_next(nvme::OpKind::Write, u32::MAX, Duration::from_secs(600));
     writer.submit(Op::Fsync { ino: logged }, 1).unwrap();
-    let answer = |client: &mut reactor::Client, op: Op| -> Reply {
-        client.submit(op, 2).unwrap();
-        let mut done = Vec::new();
-        client.wait(&mut done, Duration::from_secs(30));
-        let Some(completion) = done.pop() else {
-            faults.end_delays();
-            panic!("a cached operation waited for the due commit");
-        };
-        completion.result.unwrap()
-    };
-    let serve = |client: &mut reactor::Client| {
-        match answer(
-            client,
-            Op::Read {
-                ino: hot,
-                offset: 0,
-                len: HOT_BYTES.len(),
-            },
-        ) {
-            Reply::Data(d) => assert_eq!(d, HOT_BYTES),
-            other => panic!("read: {other:?}"),
-        }
-        assert!(matches!(
-            answer(client, Op::Stat { ino: hot }),
-            Reply::Stat(_)
-        ));
-    };
     // Past the commit interval and COMMIT_DEFER_MAX: the commit is due and the barrier up.
     let until = std::time::Instant::now() + Duration::from_millis(600);
     while std::time::Instant::now() < until {
-        serve(&mut fast);
+        serve_hot_during_spike(&mut fast, hot, &faults, "the due commit");
         std::thread::sleep(Duration::from_millis(20));
     }
     // An fsync now would add a record: it parks until the commit starts.
     later.submit(Op::Fsync { ino: hot }, 3).unwrap();
     let mut parked = Vec::new();
     for _ in 0..20 {
-        serve(&mut fast);
+        serve_hot_during_spike(&mut fast, hot, &faults, "the due commit");
         later.poll(&mut parked);
     }
     let mut logged_done = Vec::new();
