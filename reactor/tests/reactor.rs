@@ -1415,6 +1415,20 @@ fn spiky_runtime_with_a_hot_file(
     (runtime, faults, fast, hot)
 }
 
+/// Creates `name` in the root directory through `client`; its inode.
+fn create_in_root(client: &mut reactor::Client, name: &[u8]) -> u64 {
+    ino_of(
+        client
+            .call(Op::Create {
+                dir: ROOT,
+                name: name.to_vec(),
+                mode: 0o644,
+                owner: reactor::Owner::ROOT,
+            })
+            .unwrap(),
+    )
+}
+
 /// While a latency spike holds some device request, a cached read of the hot file of
 /// [`spiky_runtime_with_a_hot_file`] and a stat of it, each of which must be answered: one
 /// that waits for the held request would wait for the spike, so 30 s without an answer is
@@ -1669,16 +1683,7 @@ fn a_writer_outpacing_the_device_parks_at_the_staging_bound_and_others_are_serve
     let fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
     let (runtime, faults, mut fast, hot) = spiky_runtime_with_a_hot_file(fs);
     let mut writer = runtime.client(4);
-    let big = ino_of(
-        writer
-            .call(Op::Create {
-                dir: ROOT,
-                name: b"big".to_vec(),
-                mode: 0o644,
-                owner: reactor::Owner::ROOT,
-            })
-            .unwrap(),
-    );
+    let big = create_in_root(&mut writer, b"big");
     // Every device write from here completes only when the spike ends (below).
     faults.delay_next(nvme::OpKind::Write, u32::MAX, Duration::from_secs(600));
     const CHUNK: usize = 1 << 20;
@@ -1774,26 +1779,14 @@ fn a_due_commit_waits_for_records_in_flight_without_holding_the_reactor() {
     let mut fast = runtime.client(4);
     let mut writer = runtime.client(4);
     let mut later = runtime.client(4);
-    let create = |client: &mut reactor::Client, name: &[u8]| {
-        ino_of(
-            client
-                .call(Op::Create {
-                    dir: ROOT,
-                    name: name.to_vec(),
-                    mode: 0o644,
-                    owner: reactor::Owner::ROOT,
-                })
-                .unwrap(),
-        )
-    };
-    let hot = create(&mut fast, b"hot");
+    let hot = create_in_root(&mut fast, b"hot");
     fast.call(Op::Write {
         ino: hot,
         offset: 0,
         data: HOT_BYTES.to_vec(),
     })
     .unwrap();
-    let logged = create(&mut writer, b"logged");
+    let logged = create_in_root(&mut writer, b"logged");
     writer
         .call(Op::Write {
             ino: logged,
