@@ -4,7 +4,8 @@
 //! - an fsync writes the staged data of the inodes its record covers in the same batch as the
 //!   record, so the device works on both at once, and one flush makes both durable;
 //! - a commit writes all staged data with its tree nodes, before its flush;
-//! - a read of an inode with staged data writes that inode's data back first;
+//! - a read of an inode with staged data hands that inode's data to the device first (in the
+//!   background: see below);
 //! - past [`MountOptions::writeback_start_bytes`] the data of the lowest-numbered (roughly the
 //!   oldest) inodes goes to the device in the background, [`WRITEBACK_CHUNK_BYTES`] at a time
 //!   with at most [`WRITEBACK_IN_FLIGHT_MAX_BYTES`] (and half the park bound below) on the
@@ -65,7 +66,7 @@ pub const MAX_STAGED_BYTES: usize = STAGED_PARK_BYTES + STAGED_HEADROOM_BYTES;
 pub const STAGED_PARK_BYTES: usize = 12 << 20;
 /// Room above the park bound for the writes admitted just under it, before the hard bound.
 pub const STAGED_HEADROOM_BYTES: usize = 4 << 20;
-/// Bytes one background write-back takes (whole inodes, so it may take a little more).
+/// Bytes one background write-back takes (whole staged pieces, so it may take a little more).
 pub const WRITEBACK_CHUNK_BYTES: usize = 1 << 20;
 /// Background write-back bytes on the device at once. Small, because any synchronous I/O
 /// (a cold read) first waits for the background I/O in flight: about 4 ms for 2 MiB on a
@@ -172,7 +173,7 @@ pub(crate) const STAGE_PIECE_BYTES: usize = 64 << 10;
 
 /// Moves staged runs into `out`, each a piece of whole blocks (at most
 /// [`STAGE_PIECE_BYTES`]), without copying them.
-fn split_blocks(runs: Vec<(u64, Vec<u8>)>, out: &mut Vec<(u64, Vec<u8>)>) {
+fn move_pieces(runs: Vec<(u64, Vec<u8>)>, out: &mut Vec<(u64, Vec<u8>)>) {
     for (disk, data) in runs {
         assert!(
             data.len() % BLOCK_BYTES == 0 && data.len() <= STAGE_PIECE_BYTES,
@@ -299,7 +300,7 @@ impl Filesystem {
         }
         self.staged.bytes -= bytes;
         let mut out = Vec::new();
-        split_blocks(taken, &mut out);
+        move_pieces(taken, &mut out);
         out
     }
 
@@ -312,7 +313,7 @@ impl Filesystem {
         for ino in inos {
             if let Some(runs) = self.staged.by_ino.remove(ino) {
                 self.staged.bytes -= runs.iter().map(|(_, d)| d.len()).sum::<usize>();
-                split_blocks(runs, &mut out);
+                move_pieces(runs, &mut out);
             }
         }
         out
@@ -335,7 +336,7 @@ impl Filesystem {
     pub(crate) fn take_all_staged(&mut self) -> Vec<(u64, Vec<u8>)> {
         let mut out = Vec::new();
         for (_, runs) in std::mem::take(&mut self.staged.by_ino) {
-            split_blocks(runs, &mut out);
+            move_pieces(runs, &mut out);
         }
         self.staged.bytes = 0;
         out

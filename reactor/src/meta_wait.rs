@@ -181,7 +181,13 @@ impl MetaWaits {
 
     /// The due commit started: the requests parked for it run again, in order.
     pub fn commit_started(&mut self) {
-        for client in std::mem::take(&mut self.barrier) {
+        let clients = std::mem::take(&mut self.barrier);
+        self.resume(clients);
+    }
+
+    /// `clients`' parked requests, and those behind them, run again in order.
+    fn resume(&mut self, clients: Vec<ClientKey>) {
+        for client in clients {
             if let Some(queue) = self.blocked.remove(&client) {
                 self.resumed.extend(queue);
             }
@@ -208,11 +214,8 @@ impl MetaWaits {
     /// Staging has room: the writes that waited for it, and their clients' later requests,
     /// run again in order.
     pub fn room_made(&mut self) {
-        for client in std::mem::take(&mut self.room) {
-            if let Some(queue) = self.blocked.remove(&client) {
-                self.resumed.extend(queue);
-            }
-        }
+        let clients = std::mem::take(&mut self.room);
+        self.resume(clients);
     }
 
     /// Node read set `set` was answered: its clients' requests run again, in order. False
@@ -221,11 +224,7 @@ impl MetaWaits {
         let Some(clients) = self.waiting.remove(&set) else {
             return false;
         };
-        for client in clients {
-            if let Some(queue) = self.blocked.remove(&client) {
-                self.resumed.extend(queue);
-            }
-        }
+        self.resume(clients);
         true
     }
 
