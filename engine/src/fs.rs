@@ -65,8 +65,9 @@ pub struct MountOptions {
     pub dirty_limit_nodes: usize,
     /// Staged (written, not yet on the device) file data past which the oldest inodes' data
     /// goes to the device in the background ([`crate::writeback`]). Data that dies young
-    /// (a temporary file) is never written when it stays under this; 8 MiB keeps half of
-    /// the hard bound, [`crate::writeback::MAX_STAGED_BYTES`], as headroom.
+    /// (a temporary file) is never written when it stays under this; 8 MiB leaves 4 MiB
+    /// below [`MountOptions::staged_park_bytes`], where writers start to park (the threshold
+    /// is kept below that bound whatever is asked here).
     pub writeback_start_bytes: usize,
     /// Staged data bytes from which a reactor parks the writes that would stage more until
     /// write-back makes room ([`crate::writeback::STAGED_PARK_BYTES`] by default); the hard

@@ -126,18 +126,20 @@ impl Reactor {
                     }
                 }
             }
+            // A due commit waits for the device pipeline to empty: what would add to it
+            // waits for the commit's start instead (then it logs into the next generation).
+            // Checked first: the room check below may start write-backs, which would add to
+            // the pipeline the commit waits to see empty.
+            if self.commit_barrier && (stages_data(&request.op) || request.op.is_fsync().is_some())
+            {
+                self.meta.park_for_commit(request);
+                continue;
+            }
             // A write that would stage data past the engine's bound waits, parked, until
             // write-back has made room: writers go at the device's pace, and nobody else
             // waits for them.
             if stages_data(&request.op) && !self.fs.staging_has_room() {
                 self.meta.park_for_room(request);
-                continue;
-            }
-            // A due commit waits for the device pipeline to empty: what would add to it
-            // waits for the commit's start instead (then it logs into the next generation).
-            if self.commit_barrier && (stages_data(&request.op) || request.op.is_fsync().is_some())
-            {
-                self.meta.park_for_commit(request);
                 continue;
             }
             // What the request looks up is in memory, or it parks until it is.
