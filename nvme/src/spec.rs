@@ -11,8 +11,10 @@
 //! 1GiB), `sqpoll[=MS]` (1..60000), `iopoll=auto|on|off` (nvme), `hugepages=on|off`,
 //! `cache=volatile` (simulated volatile write cache: a killed process is a power cut),
 //! `flushdelay=US` (with it: flushes and FUA writes take effect that many microseconds after
-//! submission, at their completion; at most 1000000). Sizes take K, M, G, T suffixes with
-//! optional `iB`/`B`, all binary (1K = 1024).
+//! submission, at their completion; at most 1000000), `prefault` (mem only: back the whole
+//! device with memory at open, in transparent hugepages where the kernel gives them, so that
+//! no write pays a first-touch page fault; benchmarks measuring software cost use it). Sizes
+//! take K, M, G, T suffixes with optional `iB`/`B`, all binary (1K = 1024).
 //!
 //! `cache=volatile` and `flushdelay=` ask for a simulation wrapper (`crate::wrap::volatile`),
 //! which only a build with the `sim` feature has: without it (libcorefs) they are an error
@@ -65,6 +67,9 @@ pub struct OpenOptions {
     /// (and completes) no earlier than this after it was submitted, widening the window in
     /// which a kill -9 catches an fsync acknowledged before its flush completed.
     pub flush_delay_us: u64,
+    /// `prefault` (mem only): the device's memory is faulted in at open
+    /// ([`MemDevice::prefault`]), so writes measure copies, not the kernel's page faults.
+    pub prefault: bool,
 }
 
 impl Default for OpenOptions {
@@ -81,6 +86,7 @@ impl Default for OpenOptions {
             volatile_cache: false,
             access: Access::Exclusive,
             flush_delay_us: 0,
+            prefault: false,
         }
     }
 }
@@ -260,8 +266,19 @@ impl DeviceSpec {
                         })?;
                     options.flush_delay_us = us;
                 }
+                "prefault" => {
+                    options.prefault = match value {
+                        "" | "on" => true,
+                        "off" => false,
+                        _ => return Err(bad(format!("prefault={value}: use on or off"))),
+                    }
+                }
                 _ => return Err(bad(format!("unknown option {key:?}"))),
             }
+        }
+        if options.prefault && scheme != "mem" {
+            // The storage of a file or NVMe device is the device's own: nothing to fault in.
+            return Err(bad("prefault applies to mem: devices only".into()));
         }
         let device = match scheme {
             "nvme" if target.is_empty() => {
@@ -328,13 +345,19 @@ pub fn open_device(spec: &str, defaults: &OpenOptions) -> Result<Box<dyn BlockDe
                 access: o.access,
             },
         )?),
-        DeviceSpec::Mem => Box::new(MemDevice::new(MemConfig {
-            capacity_bytes: o.size_bytes.expect("parse requires a mem size"),
-            lba_size_bytes: o.lba_size_bytes,
-            queue_depth: o.queue_depth,
-            buf_bytes: o.buf_bytes,
-            buf_count: o.buf_count,
-        })?),
+        DeviceSpec::Mem => {
+            let dev = MemDevice::new(MemConfig {
+                capacity_bytes: o.size_bytes.expect("parse requires a mem size"),
+                lba_size_bytes: o.lba_size_bytes,
+                queue_depth: o.queue_depth,
+                buf_bytes: o.buf_bytes,
+                buf_count: o.buf_count,
+            })?;
+            if o.prefault {
+                dev.prefault()?;
+            }
+            Box::new(dev)
+        }
     };
     #[cfg(feature = "sim")]
     let dev: Box<dyn BlockDevice> = if o.volatile_cache {
@@ -511,6 +534,12 @@ mod tests {
             ("nvme:/dev/ng0n1,iopoll=maybe", &["iopoll=maybe"]),
             ("file:/x,hugepages=yes", &["hugepages=yes"]),
             ("file:/x,cache=write-back", &["cache=write-back"]),
+            ("file:/x,prefault", &["prefault", "mem: devices only"]),
+            (
+                "nvme:/dev/ng0n1,prefault=on",
+                &["prefault", "mem: devices only"],
+            ),
+            ("mem:64MiB,prefault=yes", &["prefault=yes", "on or off"]),
         ];
         for (spec, words) in cases {
             let err = DeviceSpec::parse(spec, &d).expect_err(spec);
@@ -563,6 +592,28 @@ mod tests {
         // Without them the same strings open.
         DeviceSpec::parse("mem:64MiB,cache=none,flushdelay=0", &d).unwrap();
         open_device("mem:64MiB,cache=none", &d).unwrap();
+    }
+
+    /// `prefault` backs a memory device's every page at open (where an unfaulted device has
+    /// none resident), and `prefault=off` is the default.
+    #[test]
+    fn prefault_backs_a_memory_device_at_open() {
+        let d = OpenOptions::default();
+        let (_, o) = DeviceSpec::parse("mem:8MiB,prefault", &d).unwrap();
+        assert!(o.prefault);
+        let (_, o) = DeviceSpec::parse("mem:8MiB,prefault=off", &d).unwrap();
+        assert!(!o.prefault);
+        let config = MemConfig {
+            capacity_bytes: 8 << 20,
+            ..MemConfig::default()
+        };
+        let cold = MemDevice::new(config).unwrap();
+        assert_eq!(cold.resident_pages().unwrap(), 0, "nothing touched yet");
+        let warm = MemDevice::new(config).unwrap();
+        warm.prefault().unwrap();
+        assert_eq!(warm.resident_pages().unwrap(), (8 << 20) / 4096);
+        // Through the device string too: the device opens and serves I/O as before.
+        open_device("mem:8MiB,prefault", &d).unwrap();
     }
 
     /// With `sim`, the same options parse and open a device (the volatile cache).

@@ -215,7 +215,7 @@ fn build_targets(
             }
             TargetSpec::CorefsMem => out.push(Box::new(CorefsTarget::new(
                 "corefs-mem",
-                &format!("mem:{}", config.image_bytes),
+                &format!("mem:{},prefault", config.image_bytes),
                 config.shards,
                 config.placement.clone(),
                 config.reactors,
