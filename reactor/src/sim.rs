@@ -144,6 +144,7 @@ type Ack = (usize, usize, usize, u64);
 /// (reads parked on it are answered there); without, parked reads stay parked across steps
 /// and resume at a later one, in whatever order the scheduler reaches them.
 fn step_reactor(reactor: &mut Reactor, shared: &Shared, batch_max: usize, tick: bool) -> bool {
+    reactor.looked();
     let mut batch: Vec<Request> = Vec::new();
     while batch.len() < batch_max {
         match shared.requests.pop() {

@@ -603,6 +603,11 @@ pub(crate) struct Reactor {
     commit_barrier: bool,
     /// Preparation steps the due commit has taken (`PREPARE_STEPS_MAX`, [`commit`]).
     prepare_steps: u32,
+    /// Loop turns so far ([`Reactor::looked`]), and the turn in which the commit last took a
+    /// step of CPU work (a preparation step, its start, or a serialization slice): one per
+    /// turn, so that no turn holds the clients for more than one step ([`commit`]).
+    turn: u64,
+    commit_step_turn: u64,
     /// With several reactors: this one's side of the coordination ([`crate::multi`]).
     multi: Option<Member>,
     /// Replies held until a generation is durable (syncs, fsyncs that fell back, directory
@@ -652,6 +657,8 @@ impl Reactor {
             commit_deferred_since: None,
             commit_barrier: false,
             prepare_steps: 0,
+            turn: 0,
+            commit_step_turn: u64::MAX,
             multi: None,
             commit_waiters: Vec::new(),
             owed: Owed::default(),

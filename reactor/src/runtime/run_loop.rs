@@ -231,6 +231,7 @@ pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, confi
         || !reactor.parked_reads.is_empty()
         || !reactor.meta.is_empty()
     {
+        reactor.looked();
         if router.failure().is_some() {
             return Ran::Failed;
         }
@@ -300,7 +301,8 @@ impl Reactor {
 
     /// Notes that the loop looks at its queues now: the longest gap between two looks is the
     /// longest any request waited for the reactor's attention.
-    fn looked(&mut self) {
+    pub(crate) fn looked(&mut self) {
+        self.turn += 1;
         let now = Instant::now();
         if let Some(last) = self.last_look {
             let gap = now.duration_since(last).as_nanos() as u64;
