@@ -261,6 +261,7 @@ fn run_with(target: &str, ops_per_sec: f64, p99_ns: u64) -> RunResult {
         cpu_ns_per_op: 1.0,
         engine: None,
         mount_ms: None,
+        host_steal_ms: Some(40.0),
         cdf: Vec::new(),
         buckets: Vec::new(),
     }

@@ -205,6 +205,7 @@ pub fn parse(json: &str, workload: &str, repeat: u32) -> R<RunResult> {
         cpu_ns_per_op: cpu_ns / ops as f64,
         engine: None,
         mount_ms: None,
+        host_steal_ms: None,
         cdf,
         buckets: buckets(job, ops, max_ns)?,
     })

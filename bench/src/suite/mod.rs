@@ -155,6 +155,30 @@ impl Default for SuiteConfig {
 }
 
 /// CPU time of the whole process (user + system), in nanoseconds.
+/// The steal time /proc/stat reports for all cores together, in ms (None when unreadable:
+/// not Linux, or no steal column).
+pub(crate) fn host_steal_ms() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    steal_ms_of(&stat, clock_ticks_per_sec())
+}
+
+/// The steal column (the eighth number) of /proc/stat's `cpu` line, in ms.
+fn steal_ms_of(stat: &str, ticks_per_sec: f64) -> Option<f64> {
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let steal: u64 = line.split_whitespace().nth(8)?.parse().ok()?;
+    Some(steal as f64 * 1000.0 / ticks_per_sec)
+}
+
+fn clock_ticks_per_sec() -> f64 {
+    // SAFETY: sysconf reads a constant of the system.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if ticks > 0 {
+        ticks as f64
+    } else {
+        100.0
+    }
+}
+
 pub(crate) fn process_cpu_ns() -> u64 {
     // SAFETY: getrusage writes one rusage through the pointer.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
@@ -270,6 +294,7 @@ fn run_one(
         sessions.push(target.session()?);
     }
     let cpu_before = process_cpu_ns();
+    let steal_before = host_steal_ms();
     let started = Instant::now();
     let until = started + Duration::from_secs_f64(seconds);
     let client_cores = target.client_cores();
@@ -312,6 +337,9 @@ fn run_one(
     });
     let elapsed = started.elapsed().as_secs_f64();
     let cpu_ns = process_cpu_ns().saturating_sub(cpu_before);
+    let host_steal_ms = steal_before
+        .zip(host_steal_ms())
+        .map(|(before, after)| (after - before).max(0.0));
     let mut total = Recorder::new(workload.main_op(), false);
     for r in recorders {
         total.merge(r?);
@@ -348,6 +376,7 @@ fn run_one(
         },
         engine,
         mount_ms,
+        host_steal_ms,
         cdf,
         buckets,
     })
@@ -504,7 +533,7 @@ pub fn run(config: &SuiteConfig, progress: &(dyn Fn(&str) + Sync)) -> R<SuiteRes
                 )
                 .map_err(|e| format!("{} on {}: {e}", workload.name, target.name()))?;
                 progress(&format!(
-                    "        {:.0} ops/s, {:.1} MiB/s, p50 {}, p99 {}, max {}{}",
+                    "        {:.0} ops/s, {:.1} MiB/s, p50 {}, p99 {}, max {}{}{}",
                     run.ops_per_sec,
                     run.mib_per_sec,
                     fmt_ns(run.latency.p50_ns as f64),
@@ -513,6 +542,9 @@ pub fn run(config: &SuiteConfig, progress: &(dyn Fn(&str) + Sync)) -> R<SuiteRes
                     run.engine
                         .as_ref()
                         .map(|e| format!(", data cache {}", data_cache_summary(e)))
+                        .unwrap_or_default(),
+                    run.host_steal_ms
+                        .map(|ms| format!(", host steal {ms:.0} ms"))
                         .unwrap_or_default()
                 ));
                 results.runs.push(run);
@@ -742,14 +774,14 @@ pub fn details(results: &SuiteResults) -> String {
     if !engine_runs.is_empty() {
         let _ = writeln!(
             out,
-            "\nengine figures (corefs runs; a commit's pause is the part that holds the reactor, a slice one serialization step after it; gap: the longest the reactor's loop did not look at its queue; dev wait: the longest synchronous device wait inside an operation; data cache: the engine's data-block cache, off where a workload measures the device path)\n {:<22} {:<12} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9}  data cache",
-            "workload", "target", "commits", "avg ms", "max ms", "pause ms", "slice ms", "gap ms", "devwt ms", "log wr", "fallback", "groupmax", "unpin ms", "mount ms"
+            "\nengine figures (corefs runs; a commit's pause is the part that holds the reactor, a slice one serialization step after it; gap: the longest the reactor's loop did not look at its queue, host steal included; steal: CPU time the hypervisor took from the machine's cores during the run; dev wait: the longest synchronous device wait inside an operation; data cache: the engine's data-block cache, off where a workload measures the device path)\n {:<22} {:<12} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9}  data cache",
+            "workload", "target", "commits", "avg ms", "max ms", "pause ms", "slice ms", "gap ms", "steal ms", "devwt ms", "log wr", "fallback", "groupmax", "unpin ms", "mount ms"
         );
         for run in engine_runs {
             let e = run.engine.as_ref().expect("filtered");
             let _ = writeln!(
                 out,
-                " {:<22} {:<12} {:>7} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9} {:>9} {:>9} {:>10.3} {:>9}  {}",
+                " {:<22} {:<12} {:>7} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9} {:>9.2} {:>9} {:>9} {:>9} {:>10.3} {:>9}  {}",
                 run.workload,
                 run.target,
                 e.commits,
@@ -758,6 +790,9 @@ pub fn details(results: &SuiteResults) -> String {
                 e.commit_pause_ms_max,
                 e.commit_slice_ms_max,
                 e.loop_gap_ms_max,
+                run.host_steal_ms
+                    .map(|ms| format!("{ms:.0}"))
+                    .unwrap_or_else(|| "-".into()),
                 e.device_wait_ms_max,
                 e.log_writes,
                 e.fallback_commits,
@@ -794,4 +829,20 @@ pub fn write_outputs(results: &SuiteResults, out_dir: &Path) -> R<Vec<PathBuf>> 
     files.push(table);
     files.extend(plot::write_plots(results, out_dir)?);
     Ok(files)
+}
+
+#[cfg(test)]
+mod tests {
+    /// The steal column is the eighth number of the `cpu` line, in clock ticks.
+    #[test]
+    fn steal_is_read_from_the_cpu_line() {
+        let stat = "cpu  100 2 30 4000 5 0 6 250 0 0\ncpu0 50 1 15 2000 2 0 3 125 0 0\n";
+        assert_eq!(super::steal_ms_of(stat, 100.0), Some(2500.0));
+        assert_eq!(
+            super::steal_ms_of("cpu  1 2 3 4\n", 100.0),
+            None,
+            "no steal column"
+        );
+        assert_eq!(super::steal_ms_of("intr 5\n", 100.0), None);
+    }
 }

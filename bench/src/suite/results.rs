@@ -111,6 +111,13 @@ pub struct RunResult {
     pub cdf: Cdf,
     /// (bucket upper bound ns, count), log-spaced, for histogram plots.
     pub buckets: Buckets,
+    /// CPU time the hypervisor took from this machine's cores during the run (steal, summed
+    /// over the cores, from /proc/stat at its 10 ms resolution); None where not measured.
+    /// On a virtual machine whose host preempts its vCPUs, a stolen slice of the reactor's
+    /// core stops every client for that long, whatever corefs does: a max latency reads
+    /// against it.
+    #[serde(default)]
+    pub host_steal_ms: Option<f64>,
 }
 
 /// Percentiles at which the CDF is sampled: dense in the tail, where latency stories are.

@@ -117,6 +117,7 @@ pub fn parse_line(text: &str, repeat: u32) -> R<RunResult> {
         },
         engine: None,
         mount_ms: None,
+        host_steal_ms: None,
         cdf,
         buckets,
     })
