@@ -57,6 +57,8 @@ pub struct FetchStats {
     /// unused to keep the bound.
     pub blocks_stale: u64,
     pub blocks_dropped: u64,
+    /// Node blocks read ahead of a walk ([`crate::tree::READ_AHEAD_NODES`] at a time).
+    pub blocks_ahead: u64,
 }
 
 /// The engine's state for deferred lookups.
@@ -66,6 +68,9 @@ pub(crate) struct NodeFetch {
     pub deferring: bool,
     /// Node blocks the current deferred run missed.
     pub missing: Vec<u64>,
+    /// Node blocks a tree walk in the current deferred run will likely want next
+    /// ([`crate::tree::NodeIo::read_ahead`]): read in the background, waited for by nobody.
+    pub ahead: Vec<u64>,
     /// Blocks read in the background, waiting for the tree to take them, each with the
     /// number of its arrival.
     fetched: HashMap<u64, (u64, Vec<u8>)>,
@@ -81,6 +86,11 @@ pub(crate) struct NodeFetch {
 }
 
 impl NodeFetch {
+    /// True when a fetched block waits at `addr`.
+    pub fn holds(&self, addr: u64) -> bool {
+        self.fetched.contains_key(&addr)
+    }
+
     /// The fetched block at `addr`, if one waits (taken: the tree holds it from now on).
     pub fn take(&mut self, addr: u64) -> Option<Vec<u8>> {
         self.fetched.remove(&addr).map(|(_, block)| block)
@@ -136,6 +146,7 @@ impl Filesystem {
         self.fetch.deferring = true;
         let out = f(self);
         self.fetch.deferring = false;
+        let ahead = std::mem::take(&mut self.fetch.ahead);
         if self.fetch.missing.is_empty() {
             return Deferred::Ready(out);
         }
@@ -160,6 +171,21 @@ impl Filesystem {
                 self.fetch.in_flight.insert(addr, set);
             }
             wait_for = Some(set);
+        }
+        // The walk's next nodes, in a set of their own: the run waits only for what it
+        // missed. A later miss of one of them waits for this set instead of reading again.
+        let mut ahead: Vec<u64> = ahead
+            .into_iter()
+            .filter(|a| !self.fetch.in_flight.contains_key(a) && !self.fetch.holds(*a))
+            .collect();
+        ahead.sort_unstable();
+        ahead.dedup();
+        if !ahead.is_empty() {
+            self.fetch.stats.blocks_ahead += ahead.len() as u64;
+            let set = self.start_node_reads(&ahead);
+            for addr in ahead {
+                self.fetch.in_flight.insert(addr, set);
+            }
         }
         Deferred::Fetching(wait_for.expect("a miss was noted"))
     }

@@ -306,6 +306,18 @@ impl NodeIo for ShardIo<'_> {
             .map(|(_, body)| body)
             .map_err(|why| EngineError::corrupt("tree node", ptr.addr, why))
     }
+    fn read_ahead(&mut self, ptrs: &[BlockPtr]) {
+        // Only a deferred run fetches in the background; a waiting one reads what it needs.
+        let Some(fetch) = self.fetch.as_deref_mut().filter(|f| f.deferring) else {
+            return;
+        };
+        let (start, len) = self.space.region();
+        fetch.ahead.extend(
+            ptrs.iter()
+                .map(|p| p.addr)
+                .filter(|a| (start..start + len).contains(a)),
+        );
+    }
     fn alloc_block(&mut self) -> Result<u64> {
         self.space.alloc_meta()
     }

@@ -401,3 +401,69 @@ fn a_batch_answers_each_request_as_soon_as_its_own_reads_are_back() {
     assert_eq!(fs.reads_in_flight(), 0);
     fs.check().unwrap();
 }
+
+/// Runs `readdir(dir)` deferred, as a reactor does, until it is answered: each miss parks
+/// it until its node set is read. Returns the entries and how many times it parked.
+fn readdir_deferred(fs: &mut Filesystem, dir: u64, max: usize) -> (usize, u32) {
+    let mut parks = 0;
+    loop {
+        match fs.without_waiting(|fs| fs.readdir(dir, 0, max)) {
+            engine::Deferred::Ready(entries) => return (entries.unwrap().len(), parks),
+            engine::Deferred::Fetching(set) => {
+                parks += 1;
+                assert!(parks < 10_000, "the readdir never completes");
+                while !fs
+                    .read_progress(Some(Duration::from_millis(100)))
+                    .iter()
+                    .any(|(done, _)| *done == set)
+                {}
+            }
+        }
+    }
+}
+
+/// A directory walk over a cold tree reads the walk's next leaves ahead: a readdir spanning
+/// dozens of leaves parks a few times, not once per leaf (a reactor runs a request that
+/// parked `ROUNDS_MAX` times waiting on the device, holding every client). Read-ahead never
+/// changes what is read.
+#[test]
+fn a_directory_walk_over_a_cold_tree_reads_its_next_leaves_ahead() {
+    let dev = Filesystem::mkfs(
+        Box::new(MemDevice::new(config()).unwrap()),
+        &MkfsOptions {
+            shards: 1,
+            label: "walk".into(),
+        },
+    )
+    .unwrap();
+    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    let root = fs.root();
+    let dir = fs.mkdir(root, b"d", 0o755, 0, 0).unwrap().ino;
+    let names = 4000;
+    for i in 0..names {
+        let name = format!("a-file-name-long-enough-to-fill-leaves-{i:06}");
+        fs.create(dir, name.as_bytes(), 0o644, 0, 0).unwrap();
+    }
+    let dev = fs.unmount().unwrap();
+    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    let before = fs.fetch_stats();
+    let (entries, parks) = readdir_deferred(&mut fs, dir, names);
+    assert_eq!(entries, names, "every name, read ahead or not");
+    let fetched = fs.fetch_stats();
+    let read_ahead = fetched.blocks_ahead - before.blocks_ahead;
+    let node_reads = fetched.blocks_fetched - before.blocks_fetched;
+    // The leaves holding the directory's names: far more than the parks.
+    assert!(
+        node_reads >= 40,
+        "{node_reads} nodes read: the walk spans many leaves"
+    );
+    assert!(read_ahead > 0, "nothing was read ahead");
+    assert!(
+        parks * 4 <= node_reads as u32,
+        "{parks} parks for {node_reads} nodes read ({read_ahead} ahead)"
+    );
+    println!("{parks} parks, {node_reads} nodes read, {read_ahead} of them ahead");
+    // Again, cached: no park at all, the same names.
+    let (again, parks) = readdir_deferred(&mut fs, dir, names);
+    assert_eq!((again, parks), (names, 0));
+}

@@ -38,7 +38,16 @@ pub trait NodeIo {
     /// (corruption) when the allocator does not hold `addr` as allocated: a node read from
     /// disk whose block the space bitmap says is free, or that two parents point at.
     fn free_block(&mut self, addr: u64, written: bool) -> Result<()>;
+    /// A hint, given when a node read would have to wait ([`EngineError::WouldBlock`]) in
+    /// what looks like a walk: these nodes will likely be wanted next, so a caller that
+    /// fetches in the background may start their reads now. The default ignores it.
+    fn read_ahead(&mut self, _ptrs: &[BlockPtr]) {}
 }
+
+/// Siblings read ahead when a walk misses the cache ([`NodeIo::read_ahead`]): a readdir of
+/// a cold directory used to park once per leaf, and a request parks a bounded number of times
+/// before it runs waiting on the device (holding the reactor).
+pub const READ_AHEAD_NODES: usize = 16;
 
 type NodeId = u32;
 
@@ -149,6 +158,9 @@ pub struct Tree {
     changes: u64,
     /// The generation being serialized in slices, when one is ([`Tree::freeze`]).
     frozen: Option<Frozen>,
+    /// The children of one parent a miss asked for or read ahead, as (parent, first, last)
+    /// indexes: a miss at the next index is a walk, and reads ahead ([`Tree::note_miss`]).
+    walk: Option<(NodeId, usize, usize)>,
 }
 
 /// A generation's dirty nodes, frozen at its commit's start and serialized a slice at a time
@@ -207,6 +219,7 @@ impl Tree {
             record_changes: false,
             changes: 0,
             frozen: None,
+            walk: None,
         }
     }
 
@@ -343,6 +356,33 @@ impl Tree {
     }
 
     /// Child `index` of `parent`, loaded.
+    /// A miss of child `index` of `parent`: when it follows the last miss (or read-ahead) under
+    /// the same parent, the walk goes on, and the next [`READ_AHEAD_NODES`] siblings not in
+    /// memory are handed to [`NodeIo::read_ahead`]. A miss inside the window read ahead (a
+    /// read still in flight) keeps the window.
+    fn note_miss(&mut self, io: &mut dyn NodeIo, parent: NodeId, index: usize) {
+        let walking = match self.walk {
+            Some((p, first, last)) if p == parent && (first..=last).contains(&index) => return,
+            Some((p, _, last)) => p == parent && index == last + 1,
+            None => false,
+        };
+        self.walk = Some((parent, index, index));
+        if !walking {
+            return;
+        }
+        let children = self.node(parent).children();
+        let end = (index + 1 + READ_AHEAD_NODES).min(children.len());
+        let ahead: Vec<BlockPtr> = children[index + 1..end]
+            .iter()
+            .filter(|c| c.loaded.is_none())
+            .map(|c| c.ptr)
+            .collect();
+        self.walk = Some((parent, index, end - 1));
+        if !ahead.is_empty() {
+            io.read_ahead(&ahead);
+        }
+    }
+
     fn child_id(&mut self, io: &mut dyn NodeIo, parent: NodeId, index: usize) -> Result<NodeId> {
         let child = self.node(parent).children()[index].clone();
         if let Some(id) = child.loaded {
@@ -350,7 +390,14 @@ impl Tree {
         }
         let level = self.node(parent).level - 1;
         let next = self.node(parent).children().get(index + 1).map(|c| c.key);
-        let id = self.load(io, &child.ptr, level)?;
+        let id = match self.load(io, &child.ptr, level) {
+            Ok(id) => id,
+            Err(EngineError::WouldBlock) => {
+                self.note_miss(io, parent, index);
+                return Err(EngineError::WouldBlock);
+            }
+            Err(e) => return Err(e),
+        };
         // A child's keys lie in its parent's bounds [key i, key i + 1): the walks route by
         // them, and a split copies them up, so a node outside them would spread disorder.
         let first = self.node(id).first_key();
