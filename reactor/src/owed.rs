@@ -10,11 +10,14 @@
 //!   Two requests of one client with the same token are two counts of one entry: they are
 //!   answered alike, so the count is all that matters.
 //! - Bounded by what clients may have in flight (each client's capacity).
+//! - An entry keeps the earliest submit time of its requests: the reply latency the reactor
+//!   reports ([`crate::ReactorStats::reply`]) is measured from it when the entry settles.
 
 use crate::client::ReplyQueue;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
+use std::time::Instant;
 
 /// A client's reply queue (by address) and the token of one of its requests.
 type Key = (usize, u64);
@@ -46,7 +49,7 @@ impl Hasher for KeyHasher {
 
 #[derive(Default)]
 pub(crate) struct Owed {
-    entries: HashMap<Key, (Arc<ReplyQueue>, u32), BuildHasherDefault<KeyHasher>>,
+    entries: HashMap<Key, (Arc<ReplyQueue>, u32, Instant), BuildHasherDefault<KeyHasher>>,
 }
 
 fn key(reply: &Arc<ReplyQueue>, token: u64) -> Key {
@@ -54,29 +57,31 @@ fn key(reply: &Arc<ReplyQueue>, token: u64) -> Key {
 }
 
 impl Owed {
-    /// A request of `reply`'s client with `token` is now this reactor's to answer.
-    pub fn take(&mut self, reply: &Arc<ReplyQueue>, token: u64) {
+    /// A request of `reply`'s client with `token`, submitted at `submitted`, is now this
+    /// reactor's to answer.
+    pub fn take(&mut self, reply: &Arc<ReplyQueue>, token: u64, submitted: Instant) {
         self.entries
             .entry(key(reply, token))
-            .or_insert_with(|| (reply.clone(), 0))
+            .or_insert_with(|| (reply.clone(), 0, submitted))
             .1 += 1;
     }
 
-    /// That request was answered or handed on.
-    pub fn settle(&mut self, reply: &Arc<ReplyQueue>, token: u64) {
+    /// That request was answered or handed on: when it was submitted, if it was owed.
+    pub fn settle(&mut self, reply: &Arc<ReplyQueue>, token: u64) -> Option<Instant> {
         let k = key(reply, token);
-        if let Some(entry) = self.entries.get_mut(&k) {
-            entry.1 -= 1;
-            if entry.1 == 0 {
-                self.entries.remove(&k);
-            }
+        let entry = self.entries.get_mut(&k)?;
+        let submitted = entry.2;
+        entry.1 -= 1;
+        if entry.1 == 0 {
+            self.entries.remove(&k);
         }
+        Some(submitted)
     }
 
     /// Every reply still owed (a token once per count), emptying the ledger.
     pub fn take_all(&mut self) -> Vec<(Arc<ReplyQueue>, u64)> {
         let mut all = Vec::new();
-        for ((_, token), (reply, count)) in self.entries.drain() {
+        for ((_, token), (reply, count, _)) in self.entries.drain() {
             for _ in 0..count {
                 all.push((reply.clone(), token));
             }

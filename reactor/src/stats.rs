@@ -52,6 +52,11 @@ pub struct ReactorStats {
     pub fsync_log_write: Latency,
     pub fsync_commit_wait: Latency,
     pub fsync_total: Latency,
+    /// Every request, from its client's submit to its completion pushed to the client's
+    /// queue: what the reactor took (queueing, parks, device waits, its loop's turns), without
+    /// the client's own wake-up. Against a client's latency it tells the reactor's share of
+    /// a slow request from the client's scheduling (or a stolen client core).
+    pub reply: Latency,
     pub commit: CommitStats,
     pub log: LogStats,
     /// Blocks the last commit unpinned after SuperCommitted.
@@ -159,6 +164,7 @@ pub(crate) struct Histograms {
     pub log_write: Histogram<u64>,
     pub commit_wait: Histogram<u64>,
     pub total: Histogram<u64>,
+    pub reply: Histogram<u64>,
 }
 
 impl Histograms {
@@ -169,6 +175,7 @@ impl Histograms {
             log_write: h(),
             commit_wait: h(),
             total: h(),
+            reply: h(),
         }
     }
 
@@ -179,6 +186,7 @@ impl Histograms {
         let _ = self.log_write.add(&other.log_write);
         let _ = self.commit_wait.add(&other.commit_wait);
         let _ = self.total.add(&other.total);
+        let _ = self.reply.add(&other.reply);
     }
 
     /// The phase latencies into `stats`.
@@ -187,6 +195,7 @@ impl Histograms {
         stats.fsync_log_write = Latency::of(&self.log_write);
         stats.fsync_commit_wait = Latency::of(&self.commit_wait);
         stats.fsync_total = Latency::of(&self.total);
+        stats.reply = Latency::of(&self.reply);
     }
 }
 

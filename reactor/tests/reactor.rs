@@ -1636,6 +1636,7 @@ fn a_slow_device_read_does_not_hold_clients_whose_operations_hit_the_cache() {
     // still outstanding while it is served.
     faults.delay_next(nvme::OpKind::Read, 1, Duration::from_secs(600));
     let mut slow = runtime.client(4);
+    let slow_submitted = std::time::Instant::now();
     slow.submit(
         Op::Read {
             ino: cold,
@@ -1651,6 +1652,7 @@ fn a_slow_device_read_does_not_hold_clients_whose_operations_hit_the_cache() {
         slow.poll(&mut slow_done);
         assert!(slow_done.is_empty(), "the held read completed early");
     }
+    let held = slow_submitted.elapsed();
     faults.end_delays();
     while slow_done.is_empty() {
         slow.wait(&mut slow_done, Duration::from_secs(5));
@@ -1661,6 +1663,19 @@ fn a_slow_device_read_does_not_hold_clients_whose_operations_hit_the_cache() {
     }
     let stats = stats_of(&mut fast);
     assert!(stats.reads.sets_async >= 1, "{:?}", stats.reads);
+    // The reactor's reply latency saw the slow read whole, and the cached requests served
+    // around it as the quick ones they were.
+    assert!(
+        stats.reply.max_ns >= held.as_nanos() as u64,
+        "reply max {} ns, the read was held {held:?}",
+        stats.reply.max_ns
+    );
+    assert!(stats.reply.count >= 40, "{:?}", stats.reply);
+    assert!(
+        stats.reply.p50_ns * 10 < held.as_nanos() as u64,
+        "{:?}",
+        stats.reply
+    );
     // The loop kept looking at its queue: its longest gap was far shorter than the spike.
     assert!(
         stats.loop_gap_ns_max < 60_000_000_000,

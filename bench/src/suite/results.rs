@@ -77,6 +77,11 @@ pub struct EngineFigures {
     pub loop_gap_ms_max: f64,
     #[serde(default)]
     pub device_wait_ms_max: f64,
+    /// The longest any request took inside corefs, from its client's submit to its reply
+    /// pushed ([`reactor::ReactorStats::reply`]): a client's max above it was the client's
+    /// own wake-up or scheduling.
+    #[serde(default)]
+    pub reply_ms_max: f64,
 }
 
 /// (percentile, latency ns) points.

@@ -287,6 +287,7 @@ impl Target for CorefsTarget {
             commit_slice_ms_max: c.slice_ns_max as f64 / 1e6,
             loop_gap_ms_max: stats.loop_gap_ns_max as f64 / 1e6,
             device_wait_ms_max: stats.device_waits.wait_ns_max as f64 / 1e6,
+            reply_ms_max: stats.reply.max_ns as f64 / 1e6,
         }))
     }
 

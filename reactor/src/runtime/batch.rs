@@ -57,7 +57,8 @@ impl Reactor {
         }
         // Owed from here until answered or handed on, whatever happens in between.
         for request in batch.iter().skip(owed_already) {
-            self.owed.take(&request.reply, request.token);
+            self.owed
+                .take(&request.reply, request.token, request.submitted);
         }
         for request in batch.drain(..) {
             self.stats.ops += 1;

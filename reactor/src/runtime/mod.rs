@@ -672,8 +672,12 @@ impl Reactor {
 
     /// Pushes completions to their clients ([`deliver`]); they are no longer owed.
     fn deliver(&mut self, done: Vec<(Arc<ReplyQueue>, Completion)>) {
+        let now = Instant::now();
         for (reply, completion) in &done {
-            self.owed.settle(reply, completion.token);
+            if let Some(submitted) = self.owed.settle(reply, completion.token) {
+                let ns = now.saturating_duration_since(submitted).as_nanos() as u64;
+                let _ = self.hist.reply.record(ns.max(1));
+            }
         }
         deliver(done);
     }

@@ -116,7 +116,7 @@ pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, confi
                 // Checked after taking the requests: a request sent after its client saw the
                 // failure (answered by another reactor) is answered with it too, never run.
                 for r in batch.drain(..) {
-                    reactor.owed.take(&r.reply, r.token);
+                    reactor.owed.take(&r.reply, r.token, r.submitted);
                 }
                 return Ran::Failed;
             }
