@@ -231,7 +231,9 @@ pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, confi
         || !reactor.parked_reads.is_empty()
         || !reactor.meta.is_empty()
     {
-        reactor.looked();
+        // A turn for the commit's steps ([`Reactor::take_commit_step`]); not a look at the
+        // queue, which takes no more requests now (the waits below are not gaps).
+        reactor.turn += 1;
         if router.failure().is_some() {
             return Ran::Failed;
         }
