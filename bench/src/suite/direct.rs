@@ -69,7 +69,8 @@ pub fn random_reads(
     let mut in_flight = 0usize;
     let mut done = 0u64;
     loop {
-        while Instant::now() < until {
+        // At least one read, however late the start (see workloads::keep_going).
+        while Instant::now() < until || (done == 0 && in_flight == 0) {
             let Some(slot) = free.pop() else { break };
             let offset = rng.random_range(0..blocks) * BLOCK_BYTES as u64;
             let entry = opcode::Read::new(
