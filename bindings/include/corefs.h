@@ -479,7 +479,9 @@ int corefs_submit_pwrite(corefs_fs fs,
 int corefs_submit_fsync(corefs_fs fs, corefs_fd fd, int datasync, uint64_t token);
 
 // Moves up to `max` completions of this thread's asynchronous operations into `out`, waiting
-// up to `timeout_us` microseconds for the first (0: do not wait). Returns how many.
+// up to `timeout_us` microseconds for the first (0: do not wait). Returns how many. A poll
+// that finds completions left from an earlier poll (past its `max`) returns them without
+// waiting.
 //
 // # Safety
 // `out` is valid for writing `max` completions.
