@@ -552,6 +552,9 @@ impl Filesystem {
         if fs.delete_orphans()? > 0 {
             fs.commit()?;
         }
+        // Mount reads the superblock, the roots and the logs synchronously, before anyone is
+        // served: the device-wait statistics count waits inside operations from here on.
+        fs.dev.waits = Default::default();
         Ok(fs)
     }
 

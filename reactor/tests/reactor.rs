@@ -1671,6 +1671,9 @@ fn a_slow_device_read_does_not_hold_clients_whose_operations_hit_the_cache() {
         stats.reply.max_ns
     );
     assert!(stats.reply.count >= 40, "{:?}", stats.reply);
+    // Nothing waited for the device inside an operation: the cold read, the metadata it
+    // needed and the cached reads around it all went without a synchronous wait.
+    assert_eq!(stats.device_waits.waits, 0, "{:?}", stats.device_waits);
     assert!(
         stats.reply.p50_ns * 10 < held.as_nanos() as u64,
         "{:?}",

@@ -57,8 +57,9 @@ pub(crate) fn is_read(token: u64) -> bool {
 }
 
 /// Time spent waiting for the device inside an operation: every synchronous wait of the
-/// engine's (a metadata read that missed the cache, a drain before a flush, room in a full
-/// queue). An asynchronous engine keeps these at zero on its hot paths.
+/// engine's after mount (a metadata read that missed the cache, a drain before a flush, room
+/// in a full queue; mount's own reads, before anyone is served, are not counted). An
+/// asynchronous engine keeps these at zero on its hot paths.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DeviceWaitStats {
     pub waits: u64,
