@@ -78,6 +78,12 @@ pub struct SimOutcome {
     /// Writes parked for staging room (seeds 2 and 3 mod 4 stage one block at most before
     /// writes park, and resume as write-backs complete).
     pub room_parks: u64,
+    /// Listings of the root directory that held every client's files and all the filler
+    /// files or none (odd seeds: 1,500 fillers over leaves the small cache misses, so the walk
+    /// parks and reads ahead, resumed in whatever order the scheduler picks).
+    pub readdirs_verified: u64,
+    /// Tree nodes read ahead of a walk ([`engine::FetchStats::blocks_ahead`]).
+    pub nodes_read_ahead: u64,
 }
 
 impl SimOutcome {
@@ -95,6 +101,8 @@ impl SimOutcome {
         self.runs_failed_stop += run.failed_stop as u64;
         self.meta_parks += run.meta_parks;
         self.room_parks += run.room_parks;
+        self.readdirs_verified += run.readdirs_verified;
+        self.nodes_read_ahead += run.nodes_read_ahead;
     }
 }
 
@@ -287,6 +295,19 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
                 if sc.in_flight.is_some() || sc.stopped {
                     continue;
                 }
+                if rng.random_range(0..16) == 0 {
+                    // List the root: a walk over leaves the small cache misses on odd seeds.
+                    let list = Op::Readdir {
+                        dir: engine::inode::ROOT_INO,
+                        cookie: 0,
+                        max: 4096,
+                    };
+                    sc.client
+                        .submit(list, 6)
+                        .map_err(|e| fail(format!("submit: {e:?}")))?;
+                    sc.in_flight = Some((FILES, 0));
+                    continue;
+                }
                 let f = rng.random_range(0..FILES);
                 if sc.written[f] > 0 && rng.random_range(0..4) == 0 {
                     // Read back an acknowledged block: its bytes, or an error; never others.
@@ -400,6 +421,7 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
     drop(clients);
     outcome.meta_parks = reactor.meta.parks;
     outcome.room_parks = reactor.meta.room_parks;
+    outcome.nodes_read_ahead = reactor.fetch_stats().blocks_ahead;
     // A healthy filesystem commits at unmount; on a faulty device that commit may itself
     // meet an injected error, which must then be reported, as it is here.
     match reactor.unmount() {
@@ -498,6 +520,31 @@ fn collect(
             (5, Err(_)) => {
                 outcome.fsyncs_failed += 1;
                 sc.stopped = true;
+                sc.in_flight = None;
+            }
+            (6, Ok(Reply::Entries(entries))) => {
+                let names: std::collections::HashSet<&[u8]> =
+                    entries.iter().map(|e| &e.name[..]).collect();
+                if names.len() != entries.len() {
+                    return Err(format!("client {c}: a listing repeated a name"));
+                }
+                let fillers = names.iter().filter(|n| n.starts_with(b"filler")).count();
+                if fillers != 0 && fillers != FILLER_FILES {
+                    return Err(format!(
+                        "client {c}: a listing held {fillers} of the {FILLER_FILES} filler files"
+                    ));
+                }
+                for own in 0..FILES {
+                    if !names.contains(format!("c{c}f{own}").as_bytes()) {
+                        return Err(format!("client {c}: a listing missed its file {own}"));
+                    }
+                }
+                outcome.readdirs_verified += 1;
+                sc.in_flight = None;
+            }
+            // A detected fault (a node read failed): the listing reports it, never less.
+            (6, Err(_)) => {
+                outcome.reads_failed += 1;
                 sc.in_flight = None;
             }
             (token, result) => {

@@ -12,6 +12,7 @@ fn seeded_runs_keep_every_acknowledged_fsync() {
     let mut acknowledged = 0;
     let mut failed_stop = 0;
     let mut room_parks = 0;
+    let (mut listings, mut read_ahead) = (0, 0);
     for seed in first..first + 12 {
         let eio_rate = if seed % 2 == 0 { 0.0 } else { 0.004 };
         let outcome = run(&SimConfig {
@@ -24,10 +25,16 @@ fn seeded_runs_keep_every_acknowledged_fsync() {
         acknowledged += outcome.fsyncs_acknowledged;
         failed_stop += outcome.failed_stop as u32;
         room_parks += outcome.room_parks;
+        listings += outcome.readdirs_verified;
+        read_ahead += outcome.nodes_read_ahead;
     }
     // Seeds 2 and 3 mod 4 stage one block at most: their writes park for room and resume
     // in whatever order the scheduler reaches them.
     assert!(room_parks > 0, "no write parked for staging room");
+    // Odd seeds list a root of 1,500 fillers through a cache of a few nodes: the walk parks
+    // and reads ahead.
+    assert!(listings > 0, "no listing verified");
+    assert!(read_ahead > 0, "no tree node was read ahead");
     assert!(acknowledged > 100, "the runs did little: {acknowledged}");
     eprintln!("{acknowledged} fsyncs acknowledged, {failed_stop} runs failed stop");
 }

@@ -55,8 +55,9 @@ pub fn run(args: Args) -> Result<(), String> {
     println!(
         "sim: {seeds} seeds, 0 violations: {} batches, {} fsyncs acknowledged, {} failed under \
          {} injected device errors ({} runs failed stop), {} reads verified, {} reads \
-         failed (detected), {} rewrites acknowledged, {} requests parked for metadata, {} writes \
-         parked for staging room, {} crash states checked, {:.1} s",
+         failed (detected), {} rewrites acknowledged, {} listings verified, {} requests parked for \
+         metadata, {} tree nodes read ahead, {} writes parked for staging room, {} crash states \
+         checked, {:.1} s",
         total.batches,
         total.fsyncs_acknowledged,
         total.fsyncs_failed,
@@ -65,7 +66,9 @@ pub fn run(args: Args) -> Result<(), String> {
         total.reads_verified,
         total.reads_failed,
         total.rewrites_acknowledged,
+        total.readdirs_verified,
         total.meta_parks,
+        total.nodes_read_ahead,
         total.room_parks,
         total.crash_states,
         started.elapsed().as_secs_f64()

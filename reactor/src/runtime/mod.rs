@@ -699,6 +699,12 @@ impl Reactor {
         s
     }
 
+    /// The engine's deferred-lookup counters (the simulation reports read-ahead from them).
+    #[cfg(feature = "sim")]
+    pub(crate) fn fetch_stats(&self) -> engine::FetchStats {
+        self.fs.fetch_stats()
+    }
+
     /// Unmounts (commits unless the filesystem failed) and gives the device back.
     #[cfg(feature = "sim")]
     pub(crate) fn unmount(self) -> Result<Box<dyn BlockDevice>, EngineError> {
