@@ -139,6 +139,9 @@ pub(crate) struct LazySet<T> {
     runs: Vec<Vec<T>>,
     /// Inserts since the last run was made, unsorted.
     recent: Vec<T>,
+    /// Entries in `runs`, kept current: [`LazySet::len`] is asked twice per change noted,
+    /// and a directory under a create run holds dozens of capped runs.
+    runs_len: usize,
 }
 
 impl<T> Default for LazySet<T> {
@@ -146,6 +149,7 @@ impl<T> Default for LazySet<T> {
         LazySet {
             runs: Vec::new(),
             recent: Vec::new(),
+            runs_len: 0,
         }
     }
 }
@@ -168,18 +172,21 @@ impl<T: Ord + Copy> LazySet<T> {
         let mut run = std::mem::take(&mut self.recent);
         run.sort_unstable();
         run.dedup();
+        self.runs_len += run.len();
         while self.runs.last().is_some_and(|last| {
             last.len() <= 2 * run.len() && last.len() + run.len() <= Self::RUN_LEN_MAX
         }) {
             let last = self.runs.pop().expect("checked");
+            let before = last.len() + run.len();
             run = merge_distinct(&last, &run);
+            self.runs_len -= before - run.len();
         }
         self.runs.push(run);
     }
 
     /// Entries held, duplicates included (what the memory bound counts).
     pub(crate) fn len(&self) -> usize {
-        self.runs.iter().map(Vec::len).sum::<usize>() + self.recent.len()
+        self.runs_len + self.recent.len()
     }
 
     pub(crate) fn is_empty(&self) -> bool {
@@ -781,6 +788,7 @@ mod tests {
                 lazy.insert(item);
                 model.insert(item);
                 prop_assert!(lazy.len() <= 2 * model.len() + LazySet::<u64>::RECENT_MAX);
+                prop_assert_eq!(lazy.len(), lazy.iter().count(), "the kept length is the held entries");
                 for run in &lazy.runs {
                     prop_assert!(run.windows(2).all(|w| w[0] < w[1]), "a run is sorted and distinct");
                 }
