@@ -119,6 +119,16 @@ fn with_file_a() -> (Held, u64) {
     )
 }
 
+/// A fresh filesystem of `shards` shards on a memory device, mounted.
+fn fresh_mem(shards: u32) -> Filesystem {
+    let options = MkfsOptions {
+        shards,
+        label: "reads".into(),
+    };
+    let dev = Filesystem::mkfs(Box::new(MemDevice::new(config()).unwrap()), &options).unwrap();
+    Filesystem::mount(dev, MountOptions::default()).unwrap()
+}
+
 /// Runs a commit to SuperCommitted without unpinning (what a reactor does before it
 /// releases the commit's waiters).
 fn commit_to_super(fs: &mut Filesystem) {
@@ -229,15 +239,7 @@ fn many_sets_in_flight_finish_in_any_order_each_with_its_own_results() {
 #[test]
 fn a_device_error_fails_the_sets_waiting_for_it_and_stops_the_filesystem() {
     use nvme::wrap::{FaultConfig, FaultDevice};
-    let dev = Filesystem::mkfs(
-        Box::new(MemDevice::new(config()).unwrap()),
-        &MkfsOptions {
-            shards: 2,
-            label: "reads".into(),
-        },
-    )
-    .unwrap();
-    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    let mut fs = fresh_mem(2);
     let root = fs.root();
     let a = fs.create(root, b"a", 0o644, 0, 0).unwrap().ino;
     fs.write(a, 0, &[0x33; 8192]).unwrap();
@@ -279,13 +281,7 @@ fn a_device_error_fails_the_sets_waiting_for_it_and_stops_the_filesystem() {
 /// file's, and a block rewritten after it was read ahead is read as rewritten.
 #[test]
 fn sequential_reads_are_read_ahead_into_the_block_cache() {
-    let dev = MemDevice::new(config()).unwrap();
-    let options = MkfsOptions {
-        shards: 2,
-        label: "ahead".into(),
-    };
-    let dev = Filesystem::mkfs(Box::new(dev), &options).unwrap();
-    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    let mut fs = fresh_mem(2);
     let root = fs.root();
     let f = fs.create(root, b"f", 0o644, 0, 0).unwrap().ino;
     let blocks = 256u64; // 1 MiB
@@ -428,15 +424,7 @@ fn readdir_deferred(fs: &mut Filesystem, dir: u64, max: usize) -> (usize, u32) {
 /// changes what is read.
 #[test]
 fn a_directory_walk_over_a_cold_tree_reads_its_next_leaves_ahead() {
-    let dev = Filesystem::mkfs(
-        Box::new(MemDevice::new(config()).unwrap()),
-        &MkfsOptions {
-            shards: 1,
-            label: "walk".into(),
-        },
-    )
-    .unwrap();
-    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    let mut fs = fresh_mem(1);
     let root = fs.root();
     let dir = fs.mkdir(root, b"d", 0o755, 0, 0).unwrap().ino;
     let names = 4000;
