@@ -41,6 +41,9 @@ pub struct ReactorStats {
     pub device_sleeps: u64,
     /// Of those sleeps, the ones that ended at their timeout instead of a ring.
     pub device_sleep_timeouts: u64,
+    /// Times a spin-then-park reactor's spin for an fsync's record ended with a record
+    /// durable (instead of a sleep on the doorbell; [`crate::durable_spin_budget`]).
+    pub durable_spin_releases: u64,
     /// fsync groups (one log record, or one fallback commit, each) and the largest group.
     pub fsync_groups: u64,
     pub fsync_group_max: u64,
@@ -115,6 +118,7 @@ impl ReactorStats {
         self.device_ring_reactors += other.device_ring_reactors;
         self.device_sleeps += other.device_sleeps;
         self.device_sleep_timeouts += other.device_sleep_timeouts;
+        self.durable_spin_releases += other.durable_spin_releases;
         self.fsync_groups += other.fsync_groups;
         self.fsync_group_max = self.fsync_group_max.max(other.fsync_group_max);
         self.read_groups += other.read_groups;

@@ -365,6 +365,9 @@ impl Reactor {
                     .is_some_and(|g| g.ticket < durable_below)
                 {
                     let group = self.pending.pop_front().expect("front");
+                    let durable_ns = group.group_start.elapsed().as_nanos() as u64;
+                    self.durable_ns_ewma =
+                        super::durable_ns_ewma_next(self.durable_ns_ewma, durable_ns);
                     self.finish_group(group.waiters, group.group_start, false, Ok(()), done);
                 }
             }

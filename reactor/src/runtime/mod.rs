@@ -57,16 +57,59 @@ pub enum IdlePolicy {
     /// Poll without pause: lowest latency, one core at 100% (dedicated storage cores).
     BusyPoll,
     /// Poll for `spin`, then park until a client submits or a commit is due (shared cores:
-    /// an idle reactor uses about no CPU).
-    SpinThenPark { spin: Duration },
+    /// an idle reactor uses about no CPU). With an fsync waiting for its record, poll the
+    /// device (yielding the core between polls) for up to twice the time records have been
+    /// taking to become durable, when that is at most `durable_spin_max`, before sleeping on
+    /// the doorbell ([`durable_spin_budget`]).
+    SpinThenPark {
+        spin: Duration,
+        durable_spin_max: Duration,
+    },
 }
 
 impl Default for IdlePolicy {
     fn default() -> Self {
         IdlePolicy::SpinThenPark {
             spin: Duration::from_micros(50),
+            durable_spin_max: DURABLE_SPIN_MAX,
         }
     }
+}
+
+/// The default longest spin for an fsync's record ([`IdlePolicy::SpinThenPark`]). Waking a
+/// sleeping thread costs tens of microseconds on a VM, as long as a third of a file image's
+/// FUA write here (85–100 µs): RocksDB's synchronous puts on a file image ran at 8.3–8.8k/s
+/// with the reactor sleeping through every record and 9.6–9.9k/s spinning through it. 300 µs
+/// is the client's own spin (`client::SPIN_TIME`): past it the client sleeps too, and a
+/// wake-up is small beside the wait.
+pub const DURABLE_SPIN_MAX: Duration = Duration::from_micros(300);
+
+/// The most one record's time counts for in the running mean ([`durable_ns_ewma_next`]).
+pub const DURABLE_SAMPLE_NS_MAX: u64 = 1_000_000;
+
+/// How long a spin-then-park reactor with fsyncs waiting polls the device before it sleeps,
+/// given the recent time records took to become durable (`durable_ns_ewma`, 0 before the
+/// first): twice that, so the usual record completes within the spin and only a slow one
+/// costs a sleep; nothing before the first record is timed, and nothing on a device slower
+/// than `max`, where the spin would burn a core for a wake-up that costs little beside the
+/// wait.
+pub fn durable_spin_budget(durable_ns_ewma: u64, max: Duration) -> Duration {
+    let expected = Duration::from_nanos(durable_ns_ewma);
+    if expected > max {
+        return Duration::ZERO;
+    }
+    (expected * 2).min(max)
+}
+
+/// Folds one record's time to durable into the running mean (weight 1/8). One sample counts
+/// for at most [`DURABLE_SAMPLE_NS_MAX`]: a record held behind a commit's tens of
+/// milliseconds would otherwise stop the spinning for dozens of records after it.
+pub fn durable_ns_ewma_next(ewma_ns: u64, sample_ns: u64) -> u64 {
+    let sample_ns = sample_ns.min(DURABLE_SAMPLE_NS_MAX);
+    if ewma_ns == 0 {
+        return sample_ns.max(1);
+    }
+    (ewma_ns - ewma_ns / 8 + sample_ns / 8).max(1)
 }
 
 #[derive(Debug, Clone)]
@@ -625,6 +668,9 @@ pub(crate) struct Reactor {
     pub(crate) meta: MetaWaits,
     /// When the loop last looked at its queues, and the longest it went without looking.
     last_look: Option<Instant>,
+    /// The running mean of the time fsync records took to become durable, in ns (0 before
+    /// the first): how long a spin-then-park reactor spins for the next ([`durable_spin_budget`]).
+    durable_ns_ewma: u64,
     /// Test hook: panic when the next request runs ([`Runtime::panic_on_next_request`]).
     #[cfg(any(test, feature = "test-hooks"))]
     panic_next: Arc<std::sync::atomic::AtomicBool>,
@@ -665,6 +711,7 @@ impl Reactor {
             parked_reads: Default::default(),
             meta: MetaWaits::default(),
             last_look: None,
+            durable_ns_ewma: 0,
             #[cfg(any(test, feature = "test-hooks"))]
             panic_next: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         }
@@ -709,5 +756,49 @@ impl Reactor {
     #[cfg(feature = "sim")]
     pub(crate) fn unmount(self) -> Result<Box<dyn BlockDevice>, EngineError> {
         self.fs.unmount()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The spin for an fsync's record: none before a record was timed, twice the running
+    /// mean, never past the maximum, none on a device slower than it.
+    #[test]
+    fn a_durable_spin_covers_twice_the_usual_record_within_its_maximum() {
+        let max = DURABLE_SPIN_MAX;
+        assert_eq!(durable_spin_budget(0, max), Duration::ZERO);
+        assert_eq!(durable_spin_budget(90_000, max), Duration::from_micros(180));
+        assert_eq!(durable_spin_budget(200_000, max), max);
+        assert_eq!(durable_spin_budget(max.as_nanos() as u64, max), max);
+        assert_eq!(
+            durable_spin_budget(max.as_nanos() as u64 + 1, max),
+            Duration::ZERO
+        );
+        assert_eq!(durable_spin_budget(90_000, Duration::ZERO), Duration::ZERO);
+    }
+
+    /// The running mean starts at the first record, moves an eighth of the way per record,
+    /// and one record held behind a commit moves it by at most an eighth of the cap.
+    #[test]
+    fn the_running_mean_of_records_follows_them_and_caps_an_outlier() {
+        let first = durable_ns_ewma_next(0, 80_000);
+        assert_eq!(first, 80_000);
+        assert_eq!(durable_ns_ewma_next(first, 160_000), 90_000);
+        let held = durable_ns_ewma_next(first, 40_000_000);
+        assert_eq!(held, 80_000 - 10_000 + DURABLE_SAMPLE_NS_MAX / 8);
+        // Back under the spin's maximum within a few ordinary records.
+        let mut ewma = held;
+        for _ in 0..4 {
+            ewma = durable_ns_ewma_next(ewma, 80_000);
+        }
+        assert!(
+            durable_spin_budget(ewma, DURABLE_SPIN_MAX) > Duration::ZERO,
+            "{ewma}"
+        );
+        // A sample of 0 ns never makes the mean read "no record timed yet".
+        assert_eq!(durable_ns_ewma_next(0, 0), 1);
+        assert!(durable_ns_ewma_next(1, 0) >= 1);
     }
 }

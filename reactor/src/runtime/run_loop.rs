@@ -10,10 +10,13 @@
 //!   the sleep. A sleep inside the device wait lasts one slice at most (`LOG_WAIT_SLICE`,
 //!   `READ_WAIT_SLICE`). Every sleep is bounded, the idle park by the commit timer.
 //! - Busy-poll never sleeps on the doorbell; it yields its core between polls.
+//! - A spin-then-park reactor waiting on its device polls (yielding) for a bounded time
+//!   before it sleeps: its idle spin, or with an fsync waiting the durable-spin budget
+//!   ([`super::durable_spin_budget`], at most `durable_spin_max`).
 //! - The loop ends only once every fsync waiter, parked read and parked request is answered,
 //!   or when the runtime fails ([`Ran`]).
 
-use super::{Config, IdlePolicy, Reactor};
+use super::{durable_spin_budget, Config, IdlePolicy, Reactor};
 use crate::delivery::deliver_failed;
 use crate::multi::{Router, ToCoordinator};
 use crate::queue::{Request, Shared};
@@ -70,6 +73,8 @@ pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, confi
     let mut idle_since: Option<Instant> = None;
     // Since when the loop has been polling a device that had nothing for it.
     let mut device_idle_since: Option<Instant> = None;
+    // The last turn spun for an fsync's record ([`durable_spin_budget`]).
+    let mut durable_spinning = false;
     // Completions ring the doorbell too: waiting for the device, the reactor sleeps on it and
     // still hears its clients. (Busy-poll never sleeps and needs no signal.)
     let device_rings = config.idle != IdlePolicy::BusyPoll
@@ -124,6 +129,7 @@ pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, confi
             reactor.run_batch(&mut batch);
             reactor.tick();
             device_idle_since = None;
+            durable_spinning = false;
             continue;
         }
         if reactor.waiting_on_device() {
@@ -142,12 +148,39 @@ pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, confi
                 // Take what is done; spin a while (a device read usually completes within
                 // it, and a sleep costs a wake-up as long as the read), then sleep until a
                 // completion or a request rings.
-                IdlePolicy::SpinThenPark { spin } if device_rings => {
+                IdlePolicy::SpinThenPark {
+                    spin,
+                    durable_spin_max,
+                } if device_rings => {
+                    let groups_before = reactor.pending.len();
                     reactor.poll_durable(None);
+                    if durable_spinning && reactor.pending.len() < groups_before {
+                        reactor.stats.durable_spin_releases += 1;
+                    }
+                    durable_spinning = false;
                     // A commit with trees left to serialize has CPU work: no sleep.
                     if reactor.waiting_on_device() && !reactor.fs.commit_slicing() {
                         if reactor.only_reads_in_flight() && spun < spin {
                             std::hint::spin_loop();
+                            continue;
+                        }
+                        // Poll, yielding the core (the device's work may complete through
+                        // kernel work that needs this one), for as long as an idle reactor
+                        // spins (its client's next request usually comes sooner than a
+                        // sleeping reactor wakes), and while an fsync waits for a record the
+                        // device usually answers sooner than that too.
+                        let fsync_waits = !reactor.pending.is_empty();
+                        let budget = if fsync_waits {
+                            spin.max(durable_spin_budget(
+                                reactor.durable_ns_ewma,
+                                durable_spin_max,
+                            ))
+                        } else {
+                            spin
+                        };
+                        if spun < budget {
+                            durable_spinning = fsync_waits;
+                            yield_to_kernel_work();
                             continue;
                         }
                         reactor.stats.device_sleeps += 1;
@@ -201,7 +234,7 @@ pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, confi
         reactor.tick();
         match config.idle {
             IdlePolicy::BusyPoll => yield_to_kernel_work(),
-            IdlePolicy::SpinThenPark { spin } => {
+            IdlePolicy::SpinThenPark { spin, .. } => {
                 let since = *idle_since.get_or_insert_with(Instant::now);
                 if since.elapsed() < spin {
                     // Yield, not spin: a client the scheduler put on this core (2 loaded
