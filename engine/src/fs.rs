@@ -18,7 +18,7 @@ use crate::error::{EngineError, Result};
 use crate::format::items::{InodeItem, Timespec};
 use crate::format::{
     decode_node, BlockPtr, ItemKind, Key, NodeBody, ShardRoot, Superblock, BLOCK_BYTES,
-    DEFAULT_SHARDS, FIRST_REGION_BLOCK, MAX_SHARDS, SUPERBLOCK_ADDRS,
+    DEFAULT_SHARDS, FIRST_REGION_BLOCK, FORMAT_VERSION, MAX_SHARDS, SUPERBLOCK_ADDRS,
 };
 use crate::inode::{ROOT_INO, S_IFDIR};
 use crate::space::{MetaNeed, Space};
@@ -456,15 +456,23 @@ impl Filesystem {
             ));
         }
         let mut best: Option<Superblock> = None;
+        // The format version of the superblock taken.
+        let mut best_version = 0;
         let mut problems = Vec::new();
         for addr in SUPERBLOCK_ADDRS {
-            match read_block(&mut *dev, addr).map(|b| Superblock::decode(&b, device_blocks)) {
-                Ok(Ok(sb)) => {
+            match read_block(&mut *dev, addr).map(|b| {
+                (
+                    Superblock::decode(&b, device_blocks),
+                    Superblock::version_of(&b),
+                )
+            }) {
+                Ok((Ok(sb), version)) => {
                     if best.as_ref().is_none_or(|b| sb.generation > b.generation) {
                         best = Some(sb);
+                        best_version = version;
                     }
                 }
-                Ok(Err(why)) => problems.push(format!("copy {addr}: {why}")),
+                Ok((Err(why), _)) => problems.push(format!("copy {addr}: {why}")),
                 Err(e) => problems.push(format!("copy {addr}: {e}")),
             }
         }
@@ -550,6 +558,19 @@ impl Filesystem {
         // Inodes left open and nameless when the last session ended (a crash, or a process
         // that died holding them) have no holder now.
         if fs.delete_orphans()? > 0 {
+            fs.commit()?;
+        }
+        // An older format's filesystem is marked with this one's version by a commit before
+        // anything else is written (shard 0's inode counter is always there to rewrite), so that
+        // no record of the new kinds ever sits under an old superblock, where an older corefs
+        // would take it for the log's torn end.
+        if best_version < FORMAT_VERSION {
+            tracing::info!(
+                from = best_version,
+                to = FORMAT_VERSION,
+                "upgrading the filesystem's format version"
+            );
+            fs.rewrite_ino_counter(0)?;
             fs.commit()?;
         }
         // Mount reads the superblock, the roots and the logs synchronously, before anyone is

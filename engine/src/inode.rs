@@ -188,6 +188,16 @@ impl Filesystem {
         Ok(())
     }
 
+    /// Makes the next commit rewrite shard `shard`'s inode counter unchanged: something for
+    /// a commit to write when one must happen with nothing else changed (mount marking an
+    /// older format's filesystem with this one's version).
+    pub(crate) fn rewrite_ino_counter(&mut self, shard: u32) -> Result<()> {
+        let next = self.ino_counter(shard)?;
+        self.namespace.ino_counters[shard as usize] = Some(next);
+        self.namespace.ino_counters_dirty[shard as usize] = true;
+        Ok(())
+    }
+
     /// Shard `shard`'s next inode number (read from its tree the first time).
     fn ino_counter(&mut self, shard: u32) -> Result<u64> {
         let shards = self.shards.len() as u64;

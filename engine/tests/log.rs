@@ -988,3 +988,110 @@ fn staged_data_goes_to_the_device_early_when_a_commit_is_near_and_every_cut_moun
     let records = log.snapshot();
     assert_every_cut_all_or_nothing(&image, &records, before, a, &[], &whole);
 }
+
+/// A small append's record is one block (its data block travels without its zero tail), and
+/// a power cut replays every append, the rest of each block zero.
+#[test]
+fn a_small_append_is_a_one_block_record_and_replays_with_its_zero_tail() {
+    let mut fs = mount(&fresh(2));
+    let root = fs.root();
+    let ino = fs.create(root, b"wal", 0o644, 0, 0).unwrap().ino;
+    fs.sync().unwrap();
+    let image = image_of(fs.unmount().unwrap());
+    let recording = RecordingDevice::new(MemDevice::from_image(&image, config()).unwrap());
+    let log = recording.log();
+    let mut fs = Filesystem::mount(Box::new(recording), MountOptions::default()).unwrap();
+    // 130-byte appends (a RocksDB WAL record's size), each made durable: they fill the
+    // first block and go on into the second.
+    let append = |i: u32| -> Vec<u8> { (0..130u32).map(|b| (b ^ i) as u8 | 1).collect() };
+    let appends = 40u32;
+    for i in 0..appends {
+        fs.write(ino, i as u64 * 130, &append(i)).unwrap();
+        fs.fdatasync(ino).unwrap();
+    }
+    let stats = fs.log_stats();
+    assert_eq!(stats.log_writes, appends as u64);
+    assert_eq!(stats.fallback_commits(), 0);
+    // A record is one block while the block's data and the items fit it; the ones carrying
+    // a nearly full block need a second.
+    assert!(
+        stats.log_blocks <= stats.log_writes + 4,
+        "{} blocks for {} records",
+        stats.log_blocks,
+        stats.log_writes
+    );
+    let records = log.snapshot();
+    let crashed = crash_image(&image, 512, &records, records.len(), CrashMode::DurableOnly);
+    let mut fs = mount(&crashed);
+    assert_eq!(fs.log_stats().replayed_records, appends as u64);
+    let data: Vec<u8> = (0..appends).flat_map(append).collect();
+    assert_eq!(fs.stat(ino).unwrap().size, data.len() as u64);
+    assert_eq!(fs.read(ino, 0, data.len()).unwrap(), data);
+    // Past the end, up to the end of its block, the file reads zero once it grows.
+    fs.truncate(ino, 8192).unwrap();
+    let tail = fs.read(ino, data.len() as u64, 8192 - data.len()).unwrap();
+    assert!(tail.iter().all(|&b| b == 0));
+    fs.check().unwrap();
+}
+
+/// Rewrites both superblock copies of `image` to say format version `version`.
+fn with_format_version(image: &[u8], version: u32) -> Vec<u8> {
+    let mut image = image.to_vec();
+    for addr in engine::format::SUPERBLOCK_ADDRS {
+        let at = addr as usize * 4096;
+        let block = &mut image[at..at + 4096];
+        block[12..16].copy_from_slice(&version.to_le_bytes());
+        let crc = engine::format::block_crc(block);
+        block[0..4].copy_from_slice(&crc.to_le_bytes());
+    }
+    image
+}
+
+/// The format version of the newest superblock copy of `image`.
+fn format_version(image: &[u8]) -> u32 {
+    engine::format::SUPERBLOCK_ADDRS
+        .iter()
+        .map(|&addr| &image[addr as usize * 4096..addr as usize * 4096 + 4096])
+        .max_by_key(|b| u64::from_le_bytes(b[16..24].try_into().unwrap()))
+        .map(engine::format::Superblock::version_of)
+        .unwrap()
+}
+
+/// A version 3 filesystem (records differ only in data ops) mounts, and mount marks it
+/// version 4 before anything is logged, so a version 3 corefs refuses it instead of taking a
+/// new record for the log's torn end; its files and its unreplayed records are kept. Versions
+/// this corefs does not read are refused by name.
+#[test]
+fn an_older_format_is_upgraded_at_mount_and_others_are_refused() {
+    let mut fs = mount(&fresh(2));
+    let root = fs.root();
+    let ino = fs.create(root, b"kept", 0o644, 0, 0).unwrap().ino;
+    fs.sync().unwrap();
+    fs.write(ino, 0, &block(3)).unwrap();
+    // Logged under version 3's rules: a whole block (no zero tail to leave out).
+    fs.fsync(ino).unwrap();
+    let image = image_of(fs.into_device());
+    assert_eq!(format_version(&image), engine::format::FORMAT_VERSION);
+    let old = with_format_version(&image, 3);
+
+    let mut fs = mount(&old);
+    assert_eq!(fs.log_stats().replayed_records, 1);
+    assert_eq!(fs.read(ino, 0, 4096).unwrap(), block(3));
+    let upgraded = image_of(fs.into_device());
+    assert_eq!(format_version(&upgraded), engine::format::FORMAT_VERSION);
+    let mut fs = mount(&upgraded);
+    assert_eq!(fs.read(ino, 0, 4096).unwrap(), block(3));
+    fs.check().unwrap();
+
+    for version in [2, engine::format::FORMAT_VERSION + 1] {
+        let dev = MemDevice::from_image(&with_format_version(&image, version), config()).unwrap();
+        let err = Filesystem::mount(Box::new(dev), MountOptions::default())
+            .err()
+            .expect("an unreadable version mounts");
+        assert!(
+            err.to_string()
+                .contains(&format!("format version {version}")),
+            "{err}"
+        );
+    }
+}

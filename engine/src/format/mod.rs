@@ -21,8 +21,14 @@ pub use superblock::{ShardRoot, Superblock};
 /// The filesystem block size: tree nodes, superblocks and data extents are whole blocks.
 pub const BLOCK_BYTES: usize = 4096;
 /// Version 2 added the per-shard fsync log area; version 3 places names with a keyed hash
-/// and chains the items of names sharing a hash.
-pub const FORMAT_VERSION: u32 = 3;
+/// and chains the items of names sharing a hash; version 4 lets a log record carry a data
+/// block without its zero tail (`crate::log::record`).
+pub const FORMAT_VERSION: u32 = 4;
+/// The oldest version mount reads: a version 3 filesystem differs only in its log records,
+/// and mount commits at once to mark it version 4 before any record of the new kind is
+/// written (a version 3 corefs then refuses it, instead of taking such a record for the
+/// log's torn end).
+pub const FORMAT_VERSION_OLDEST: u32 = 3;
 /// Superblock copies live in these blocks.
 pub const SUPERBLOCK_ADDRS: [u64; 2] = [0, 1];
 /// First block of the shard regions.

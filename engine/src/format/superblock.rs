@@ -13,7 +13,7 @@
 use super::node::MAX_LEVEL;
 use super::{
     block_crc, le_u32, le_u64, BlockPtr, BLOCK_BYTES, FIRST_REGION_BLOCK, FORMAT_VERSION,
-    MAX_SHARDS,
+    FORMAT_VERSION_OLDEST, MAX_SHARDS,
 };
 
 pub const SUPERBLOCK_MAGIC: u64 = u64::from_le_bytes(*b"CoreFSsb");
@@ -120,6 +120,15 @@ impl Superblock {
         b
     }
 
+    /// The format version a superblock block says it is written in (unchecked: [`Self::decode`]
+    /// checks it). Every superblock this corefs writes is [`FORMAT_VERSION`].
+    pub fn version_of(b: &[u8]) -> u32 {
+        if b.len() < 16 {
+            return 0;
+        }
+        le_u32(b, 12)
+    }
+
     /// Decodes and validates a superblock read from a device of `device_blocks` blocks.
     pub fn decode(b: &[u8], device_blocks: u64) -> Result<Superblock, String> {
         if b.len() != BLOCK_BYTES {
@@ -134,10 +143,11 @@ impl Superblock {
                 "checksum mismatch (stored {stored:#010x}, computed {computed:#010x})"
             ));
         }
-        let version = le_u32(b, 12);
-        if version != FORMAT_VERSION {
+        let version = Self::version_of(b);
+        if !(FORMAT_VERSION_OLDEST..=FORMAT_VERSION).contains(&version) {
             return Err(format!(
-                "format version {version}; this corefs reads version {FORMAT_VERSION}"
+                "format version {version}; this corefs reads versions \
+                 {FORMAT_VERSION_OLDEST} to {FORMAT_VERSION}"
             ));
         }
         let generation = le_u64(b, 16);

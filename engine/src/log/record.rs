@@ -11,10 +11,15 @@
 //! 56 filesystem uuid [16]                      72 reserved [8]
 //! 80 ops: tag u8 (1 put, 2 delete) | key (17 bytes) | put: value length u16 | value
 //!    or: tag 3 (data) | disk block u64 | the block's 4096 bytes
+//!    or: tag 4 (data, zero tail) | disk block u64 | length n u16 | the block's first n
+//!        bytes (the other 4096 − n are zero)
 //! ```
 //!
 //! A data op carries a data block the record's extents reference whose bytes were not on the
-//! device yet: small fsyncs put their data in the record, so the record is the only write.
+//! device yet: small fsyncs put their data in the record, so the record is the only write. A
+//! block whose last bytes are zero (the end of a file being appended to: a database's WAL,
+//! a log) is carried without them (tag 4, format version 4), so a small append's record
+//! fits one block with its metadata instead of two.
 //!
 //! # Invariants
 //! - The crc covers every byte of the record after itself, padding included, so a torn or
@@ -34,6 +39,14 @@ pub const HEADER_BYTES: usize = 80;
 const TAG_PUT: u8 = 1;
 const TAG_DELETE: u8 = 2;
 const TAG_DATA: u8 = 3;
+const TAG_DATA_ZERO_TAIL: u8 = 4;
+
+/// The bytes of a data block a record carries: up to its last non-zero byte, when leaving
+/// out the zeros after it (and adding a length) makes the op shorter; else all of them.
+fn data_bytes_carried(bytes: &[u8]) -> Option<usize> {
+    let len = bytes.iter().rposition(|&b| b != 0).map_or(0, |i| i + 1);
+    (len + 2 < BLOCK_BYTES).then_some(len)
+}
 
 /// One change to a shard tree (the shard is the key's object id modulo the shard count), or
 /// the content of a data block the record's extents reference.
@@ -58,7 +71,10 @@ impl LogOp {
         match self {
             LogOp::Put(_, value) => 1 + Key::ENCODED_BYTES + 2 + value.len(),
             LogOp::Delete(_) => 1 + Key::ENCODED_BYTES,
-            LogOp::Data(..) => 1 + 8 + BLOCK_BYTES,
+            LogOp::Data(_, bytes) => match data_bytes_carried(bytes) {
+                Some(len) => 1 + 8 + 2 + len,
+                None => 1 + 8 + BLOCK_BYTES,
+            },
         }
     }
 }
@@ -121,10 +137,21 @@ pub fn encode_record(mut header: RecordHeader, ops: &[LogOp]) -> Vec<u8> {
             }
             LogOp::Data(block, bytes) => {
                 assert_eq!(bytes.len(), BLOCK_BYTES, "a data op holds one block");
-                b[at] = TAG_DATA;
                 b[at + 1..at + 9].copy_from_slice(&block.to_le_bytes());
-                b[at + 9..at + 9 + BLOCK_BYTES].copy_from_slice(bytes);
-                at += 9 + BLOCK_BYTES;
+                match data_bytes_carried(bytes) {
+                    Some(len) => {
+                        b[at] = TAG_DATA_ZERO_TAIL;
+                        let len16 = u16::try_from(len).expect("less than a block");
+                        b[at + 9..at + 11].copy_from_slice(&len16.to_le_bytes());
+                        b[at + 11..at + 11 + len].copy_from_slice(&bytes[..len]);
+                        at += 11 + len;
+                    }
+                    None => {
+                        b[at] = TAG_DATA;
+                        b[at + 9..at + 9 + BLOCK_BYTES].copy_from_slice(bytes);
+                        at += 9 + BLOCK_BYTES;
+                    }
+                }
             }
         }
     }
@@ -198,6 +225,22 @@ pub fn decode_record(bytes: &[u8]) -> Result<(RecordHeader, Vec<LogOp>), String>
             at += 9 + BLOCK_BYTES;
             continue;
         }
+        if bytes[at] == TAG_DATA_ZERO_TAIL {
+            if at + 11 > end {
+                return Err(format!("data op at byte {at} runs past the payload"));
+            }
+            let len = le_u16(bytes, at + 9) as usize;
+            if len > BLOCK_BYTES || at + 11 + len > end {
+                return Err(format!(
+                    "data op at byte {at} carries {len} bytes past the payload or its block"
+                ));
+            }
+            let mut block = vec![0u8; BLOCK_BYTES];
+            block[..len].copy_from_slice(&bytes[at + 11..at + 11 + len]);
+            ops.push(LogOp::Data(le_u64(bytes, at + 1), block));
+            at += 11 + len;
+            continue;
+        }
         if at + 1 + Key::ENCODED_BYTES > end {
             return Err(format!("op at byte {at} runs past the payload"));
         }
@@ -265,6 +308,22 @@ mod tests {
             key.prop_map(LogOp::Delete),
             (any::<u64>(), any::<u8>())
                 .prop_map(|(b, fill)| LogOp::Data(b, vec![fill; BLOCK_BYTES])),
+            // A block written up to some byte, zeros after (an appended file's last block),
+            // with a non-zero byte anywhere, or none at all.
+            (
+                any::<u64>(),
+                0..=BLOCK_BYTES,
+                any::<u8>(),
+                any::<prop::sample::Index>()
+            )
+                .prop_map(|(b, len, fill, hole)| {
+                    let mut block = vec![0u8; BLOCK_BYTES];
+                    block[..len].fill(fill | 1);
+                    if len > 0 {
+                        block[hole.index(len)] = 0;
+                    }
+                    LogOp::Data(b, block)
+                }),
         ]
     }
 
@@ -285,6 +344,32 @@ mod tests {
             bad[bit / 8] ^= 1 << (bit % 8);
             prop_assert!(decode_record(&bad).is_err());
         }
+    }
+
+    /// A small append's record is one block: the data block's zero tail is left out, and
+    /// comes back as zeros; a block with its last byte written is carried whole.
+    #[test]
+    fn a_data_block_with_a_zero_tail_is_carried_without_it() {
+        let meta = LogOp::Put(Key::new(300, ItemKind::InodeItem, 0), vec![7; 200]);
+        let mut appended = vec![0u8; BLOCK_BYTES];
+        appended[..2000].fill(0x5a);
+        let ops = vec![meta.clone(), LogOp::Data(9, appended.clone())];
+        assert_eq!(record_blocks(ops.iter()), 1);
+        let (_, decoded) = decode_record(&encode_record(header(), &ops)).unwrap();
+        assert_eq!(decoded, ops);
+        let full = vec![0x5a; BLOCK_BYTES];
+        let ops = vec![meta, LogOp::Data(9, full)];
+        assert_eq!(record_blocks(ops.iter()), 2);
+        let (_, decoded) = decode_record(&encode_record(header(), &ops)).unwrap();
+        assert_eq!(decoded, ops);
+        // A zero-tail op claiming more than a block is refused, crc or not.
+        let mut ops_bytes = encode_record(header(), &[LogOp::Data(9, appended)]);
+        ops_bytes[HEADER_BYTES + 9..HEADER_BYTES + 11].copy_from_slice(&4097u16.to_le_bytes());
+        let crc = crc32c::crc32c(&ops_bytes[4..]);
+        ops_bytes[0..4].copy_from_slice(&crc.to_le_bytes());
+        assert!(decode_record(&ops_bytes)
+            .unwrap_err()
+            .contains("past the payload or its block"));
     }
 
     #[test]
