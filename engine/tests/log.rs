@@ -1095,3 +1095,34 @@ fn an_older_format_is_upgraded_at_mount_and_others_are_refused() {
         );
     }
 }
+
+/// mkfs gives each shard's log a sixteenth of its region, at most 32 MiB (fewer commits for
+/// a stream of small fsyncs; every fsync arriving during a commit waits for it).
+#[test]
+fn mkfs_gives_each_log_a_sixteenth_of_its_region_up_to_32_mib() {
+    for (capacity, shards, log_blocks) in [
+        (64u64 << 20, 4u32, (64 << 20) / 4096 / 4 / 16),
+        (1 << 30, 2, (1 << 30) / 4096 / 2 / 16),
+        (4 << 30, 2, engine::fs::LOG_BLOCKS_MAX),
+    ] {
+        let dev = MemDevice::new(nvme::backend::mem::MemConfig {
+            capacity_bytes: capacity,
+            ..config()
+        })
+        .unwrap();
+        let options = MkfsOptions {
+            shards,
+            label: "logsize".into(),
+        };
+        let dev = Filesystem::mkfs(Box::new(dev), &options).unwrap();
+        let fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+        let sb = fs.superblock();
+        // A sixteenth of the region, rounded down (the first blocks go to the superblocks).
+        assert!(
+            sb.log_blocks == log_blocks || sb.log_blocks == log_blocks - 1,
+            "{capacity} bytes, {shards} shards: {} log blocks",
+            sb.log_blocks
+        );
+        assert!(sb.log_blocks <= engine::fs::LOG_BLOCKS_MAX);
+    }
+}
