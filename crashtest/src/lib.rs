@@ -374,12 +374,14 @@ fn mem_image(dev: Box<dyn nvme::BlockDevice>) -> Vec<u8> {
 /// stale records, and a record torn by a crash lies over old record bytes, not zeroes.
 pub fn base_image() -> Vec<u8> {
     let dev = MemDevice::new(config()).expect("memory device");
-    let dev = Filesystem::mkfs(
+    // Fixed keys: the same directories in every process, so a seed replays the same trees.
+    let dev = Filesystem::mkfs_seeded(
         Box::new(dev),
         &MkfsOptions {
             shards: 4,
             label: "ace".into(),
         },
+        0xace,
     )
     .expect("mkfs");
     let mut fs = Filesystem::mount(dev, MountOptions::default()).expect("mount");

@@ -369,6 +369,35 @@ impl Filesystem {
         Self::mkfs_keyed(dev, options, bits, random_bytes(), random_bytes())
     }
 
+    /// [`Filesystem::mkfs`] with the uuid and the name-hash key derived from `seed` instead
+    /// of drawn at random, for simulations and seeded tests: the name-hash key orders every
+    /// directory's items, so with a random one the same seed lays out different trees in
+    /// every process (a simulation's cache misses, and what it reads ahead, then differ), and
+    /// a failure printed with its seed would not replay. Not for a filesystem that keeps
+    /// data: a key anyone can derive lets names be chosen to collide.
+    #[doc(hidden)]
+    pub fn mkfs_seeded(
+        dev: Box<dyn BlockDevice>,
+        options: &MkfsOptions,
+        seed: u64,
+    ) -> Result<Box<dyn BlockDevice>> {
+        // splitmix64: four well-mixed words from one seed.
+        let mut state = seed;
+        let mut word = || {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            (z ^ (z >> 31)).to_le_bytes()
+        };
+        let mut uuid = [0u8; 16];
+        let mut hash_key = [0u8; 16];
+        for half in uuid.chunks_mut(8).chain(hash_key.chunks_mut(8)) {
+            half.copy_from_slice(&word());
+        }
+        Self::mkfs_keyed(dev, options, 32, uuid, hash_key)
+    }
+
     /// [`Filesystem::mkfs_with_name_hash_bits`] with a given uuid and name-hash key instead
     /// of random ones: the same operations then lay out the same image byte for byte (up to
     /// timestamps), which is what lets a fuzz harness replay a failure from its seed.

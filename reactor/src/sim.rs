@@ -7,7 +7,8 @@
 //! replays from its seed (`corefs sim --seed N`).
 //!
 //! Determinism: no threads, the memory device completes synchronously, the fault wrapper
-//! draws from the seed, and the commit timer is set beyond the run so commits come only from
+//! draws from the seed, mkfs takes its uuid and name-hash key from the seed (a random key
+//! lays directories out differently in every process), and the commit timer is set beyond the run so commits come only from
 //! the dirty limit and the log's fill, which depend on the operations alone.
 //!
 //! The oracle: each client appends blocks whose bytes are a function of (client, file, block)
@@ -177,12 +178,15 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
     let seed = config.seed;
     let fail = |why: String| format!("seed {seed}: {why}");
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
-    let dev = Filesystem::mkfs(
+    // Keys from the seed: a random name-hash key lays the fillers out differently in every
+    // process, and the run (its misses, what it reads ahead) with them.
+    let dev = Filesystem::mkfs_seeded(
         Box::new(MemDevice::new(mem_config()).map_err(|e| e.to_string())?),
         &MkfsOptions {
             shards: 4,
             label: "sim".into(),
         },
+        seed,
     )
     .map_err(|e| e.to_string())?;
     let dev = if seed % 2 == 1 {

@@ -28,6 +28,23 @@ fn seeded_runs_keep_every_acknowledged_fsync() {
         listings += outcome.readdirs_verified;
         read_ahead += outcome.nodes_read_ahead;
     }
+    // Fixed seeds pin what a random range may miss: where a walk's misses fall depends on
+    // the layout, and most odd seeds' listings miss no two leaves in a row (a cache of four
+    // nodes loses the parent between them). These two read ahead (checked: a seed replays
+    // the same run in any process, `a_seed_replays_exactly`).
+    for seed in [77_777, 987_654_321] {
+        let outcome = run(&SimConfig {
+            seed,
+            ..SimConfig::default()
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            outcome.nodes_read_ahead > 0,
+            "seed {seed}: no tree node was read ahead ({outcome:?})"
+        );
+        read_ahead += outcome.nodes_read_ahead;
+        listings += outcome.readdirs_verified;
+    }
     // Seeds 2 and 3 mod 4 stage one block at most: their writes park for room and resume
     // in whatever order the scheduler reaches them.
     assert!(room_parks > 0, "no write parked for staging room");
@@ -39,12 +56,17 @@ fn seeded_runs_keep_every_acknowledged_fsync() {
     eprintln!("{acknowledged} fsyncs acknowledged, {failed_stop} runs failed stop");
 }
 
+/// The same seed gives the same run, with device errors and with a tree of many leaves
+/// behind a small cache (odd seeds: the misses and what is read ahead depend on where the
+/// names land, which mkfs's name-hash key decides).
 #[test]
 fn a_seed_replays_exactly() {
-    let config = SimConfig {
-        seed: 4242,
-        eio_rate: 0.004,
-        ..SimConfig::default()
-    };
-    assert_eq!(run(&config).unwrap(), run(&config).unwrap());
+    for seed in [4242, 4243, 4245] {
+        let config = SimConfig {
+            seed,
+            eio_rate: 0.004,
+            ..SimConfig::default()
+        };
+        assert_eq!(run(&config).unwrap(), run(&config).unwrap(), "seed {seed}");
+    }
 }
