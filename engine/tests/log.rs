@@ -27,6 +27,19 @@ fn mount(image: &[u8]) -> Filesystem {
     Filesystem::mount(Box::new(dev), MountOptions::default()).unwrap()
 }
 
+/// `image` mounted on a device that records every write and flush, and the record.
+fn mount_recorded(
+    image: &[u8],
+    options: MountOptions,
+) -> (Filesystem, std::sync::Arc<nvme::wrap::WriteLog>) {
+    let recording = RecordingDevice::new(MemDevice::from_image(image, config()).unwrap());
+    let log = recording.log();
+    (
+        Filesystem::mount(Box::new(recording), options).unwrap(),
+        log,
+    )
+}
+
 fn block(seed: u8) -> Vec<u8> {
     (0..4096u32)
         .map(|i| (i as u8).wrapping_mul(seed) ^ seed)
@@ -60,9 +73,7 @@ fn an_append_fsync_is_one_fua_record_and_replays() {
     let commits = fs.commit_stats().commits;
 
     let image = image_of(fs.unmount().unwrap());
-    let recording = RecordingDevice::new(MemDevice::from_image(&image, config()).unwrap());
-    let log = recording.log();
-    let mut fs = Filesystem::mount(Box::new(recording), MountOptions::default()).unwrap();
+    let (mut fs, log) = mount_recorded(&image, MountOptions::default());
     for i in 0..20u8 {
         fs.write(ino, i as u64 * 4096, &block(i + 1)).unwrap();
         let before = log.len();
@@ -289,9 +300,7 @@ fn a_crash_during_replay_replays_again_to_the_same_state() {
         let mut fs = mount(&image);
         fs.read(ino, 0, 3 * 4096).unwrap()
     };
-    let recording = RecordingDevice::new(MemDevice::from_image(&image, config()).unwrap());
-    let log = recording.log();
-    let fs = Filesystem::mount(Box::new(recording), MountOptions::default()).unwrap();
+    let (fs, log) = mount_recorded(&image, MountOptions::default());
     drop(fs);
     let records = log.snapshot();
     assert!(records.iter().any(|r| matches!(r, Record::Write { .. })));
@@ -838,9 +847,7 @@ fn two_files_recorded_with(
     let (mut fs, a, b) = files_a_and_b(2);
     fs.sync().unwrap();
     let image = image_of(fs.unmount().unwrap());
-    let recording = RecordingDevice::new(MemDevice::from_image(&image, config()).unwrap());
-    let log = recording.log();
-    let fs = Filesystem::mount(Box::new(recording), options).unwrap();
+    let (fs, log) = mount_recorded(&image, options);
     (image, log, fs, a, b)
 }
 
@@ -998,9 +1005,7 @@ fn a_small_append_is_a_one_block_record_and_replays_with_its_zero_tail() {
     let ino = fs.create(root, b"wal", 0o644, 0, 0).unwrap().ino;
     fs.sync().unwrap();
     let image = image_of(fs.unmount().unwrap());
-    let recording = RecordingDevice::new(MemDevice::from_image(&image, config()).unwrap());
-    let log = recording.log();
-    let mut fs = Filesystem::mount(Box::new(recording), MountOptions::default()).unwrap();
+    let (mut fs, log) = mount_recorded(&image, MountOptions::default());
     // 130-byte appends (a RocksDB WAL record's size), each made durable: they fill the
     // first block and go on into the second.
     let append = |i: u32| -> Vec<u8> { (0..130u32).map(|b| (b ^ i) as u8 | 1).collect() };
