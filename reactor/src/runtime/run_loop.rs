@@ -298,6 +298,8 @@ pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, confi
         fsync_log_write_p99_us = stats.fsync_log_write.p99_ns / 1000,
         fsync_groups = stats.fsync_groups,
         fua_records = stats.log.fua_records,
+        device_sleeps = stats.device_sleeps,
+        durable_spin_releases = stats.durable_spin_releases,
         device_reads = stats.reads.device_reads_done,
         device_read_us_mean =
             stats.reads.device_read_ns_sum / stats.reads.device_reads_done.max(1) / 1000,
