@@ -73,7 +73,7 @@ pub struct SimOutcome {
     pub crash_states: u64,
     /// Runs that failed stop (when outcomes are summed over seeds).
     pub runs_failed_stop: u64,
-    /// Requests parked for tree nodes (odd seeds run with a metadata cache of a few nodes,
+    /// Requests parked for tree nodes (odd seeds run with a metadata cache of 24 nodes,
     /// so lookups miss and requests resume in whatever order the scheduler reaches them).
     pub meta_parks: u64,
     /// Writes parked for staging room (seeds 2 and 3 mod 4 stage one block at most before
@@ -221,9 +221,12 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
             // A commit's trees are written a node per slice: client operations the
             // scheduler runs land between any two of its nodes.
             commit_slice_nodes: 1,
-            // Odd seeds: a metadata cache of a few nodes, so that lookups miss and requests
-            // park for their nodes (reactor/src/meta_wait.rs).
-            cache_nodes: if seed % 2 == 1 { 4 } else { 1 << 16 },
+            // Odd seeds: a metadata cache of 24 nodes, so that lookups miss and requests park
+            // for their nodes (reactor/src/meta_wait.rs). It holds the upper levels a walk
+            // goes through, so a listing misses leaf after leaf under one parent and reads
+            // ahead: with 4 (or 12) nodes the parent was evicted between two leaves, and 2 of
+            // 12 seeds read ahead; with 24, 10 of 12, and as many requests park.
+            cache_nodes: if seed % 2 == 1 { 24 } else { 1 << 16 },
             // Seeds 2 and 3 mod 4: staging parks writes from one block on, so writes park
             // for room (reactor/src/meta_wait.rs) and resume as write-backs complete, in
             // whatever order the scheduler runs them.
