@@ -250,7 +250,7 @@ impl Reactor {
                     group_start,
                 }),
                 Ok(FsyncStart::Durable) => {
-                    self.finish_group(waiters, group_start, fell_back, Ok(()), &mut done)
+                    self.finish_group(waiters, group_start, fell_back, Ok(()), &mut done);
                 }
                 // Released by a commit: the one in flight, when there was nothing new to log
                 // (what it changed is in it), or, for a fallback, the next one (started or
@@ -272,7 +272,9 @@ impl Reactor {
                         });
                     }
                 }
-                Err(e) => self.finish_group(waiters, group_start, false, Err(e), &mut done),
+                Err(e) => {
+                    self.finish_group(waiters, group_start, false, Err(e), &mut done);
+                }
             }
         }
         // A sync waits for the running generation (a commit in flight holds an older one):
@@ -312,7 +314,8 @@ impl Reactor {
         }
     }
 
-    /// Completes an fsync group's waiters with `result`, recording their phases.
+    /// Completes an fsync group's waiters with `result`, recording their phases; returns the
+    /// group's time from its start, in ns.
     fn finish_group(
         &mut self,
         waiters: Vec<(Request, Instant)>,
@@ -320,7 +323,7 @@ impl Reactor {
         fell_back: bool,
         result: Result<(), EngineError>,
         done: &mut Vec<(Arc<ReplyQueue>, Completion)>,
-    ) {
+    ) -> u64 {
         let now = Instant::now();
         let group_ns = now.duration_since(group_start).as_nanos().max(1) as u64;
         for (request, started) in waiters {
@@ -342,6 +345,7 @@ impl Reactor {
                 },
             ));
         }
+        group_ns
     }
 
     /// Releases the waiters of every fsync group whose record is durable now (all of them,
@@ -365,10 +369,10 @@ impl Reactor {
                     .is_some_and(|g| g.ticket < durable_below)
                 {
                     let group = self.pending.pop_front().expect("front");
-                    let durable_ns = group.group_start.elapsed().as_nanos() as u64;
+                    let durable_ns =
+                        self.finish_group(group.waiters, group.group_start, false, Ok(()), done);
                     self.durable_ns_ewma =
                         super::durable_ns_ewma_next(self.durable_ns_ewma, durable_ns);
-                    self.finish_group(group.waiters, group.group_start, false, Ok(()), done);
                 }
             }
             Err(e) => {
