@@ -47,6 +47,31 @@ enum Command {
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// mimalloc's `mi_option_purge_delay` (`mi_option_e` in mimalloc.h: 15 in its v2 and v3; a
+/// test checks that the option has the purge delay's default).
+const MI_OPTION_PURGE_DELAY: std::ffi::c_int = 15;
+
+extern "C" {
+    // mimalloc's option calls (linked through the `mimalloc` crate, which declares them only
+    // behind a feature that pulls in one more crate).
+    fn mi_option_set(option: std::ffi::c_int, value: std::ffi::c_long);
+    #[cfg(test)]
+    fn mi_option_get(option: std::ffi::c_int) -> std::ffi::c_long;
+}
+
+/// The allocator keeps the memory freed to it instead of returning it to the kernel. mimalloc
+/// returns free memory (`madvise(MADV_DONTNEED)`) a second after it was freed, in whichever
+/// thread next allocates and finds the purge due: the reactor, in a create run, which then
+/// spent up to 10 ms in `madvise` and the TLB shootdowns it sends to the clients' core (a
+/// 5 s run purged 378 MiB in 274 purges, every page of it faulted back in afterwards). Those
+/// were the longest turns of the reactor's loop that the host's steal did not explain
+/// (docs/reactors.md). The process keeps its peak heap instead; the engine's caches are
+/// bounded, so that peak is too.
+fn keep_freed_memory() {
+    // SAFETY: mi_option_set takes two integers and may be called at any time.
+    unsafe { mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
+}
+
 /// No transparent huge pages for this process. mimalloc advises its heap segments for them,
 /// so the first touch of a segment faults in and zeroes 2 MiB on whichever thread touches it,
 /// the reactor included, which stalls the requests it serves for milliseconds where memory is
@@ -78,6 +103,7 @@ fn fsck_exit_code(verdict: cmd::fsck::Verdict) -> ExitCode {
 
 fn main() -> ExitCode {
     disable_transparent_huge_pages();
+    keep_freed_memory();
     let cli = Cli::parse();
     // The crash tester mounts millions of crash states, most of which replay or drop a log
     // record: only errors are worth a line there.
@@ -109,5 +135,31 @@ fn main() -> ExitCode {
             eprintln!("corefs: {why}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The option index is mimalloc's purge delay: before the tool sets it, it has the delay's
+    /// default (1000 ms in mimalloc 3.x, unless MIMALLOC_PURGE_DELAY says otherwise); after,
+    /// it says never. An upgrade that renumbers the options fails here rather than setting
+    /// some other option to -1.
+    #[test]
+    fn keep_freed_memory_sets_mimallocs_purge_delay_to_never() {
+        let from_env = std::env::var("MIMALLOC_PURGE_DELAY")
+            .ok()
+            .and_then(|v| v.parse::<std::ffi::c_long>().ok());
+        // SAFETY: mi_option_get takes an integer and only reads mimalloc's option table.
+        let before = unsafe { mi_option_get(MI_OPTION_PURGE_DELAY) };
+        assert_eq!(
+            before,
+            from_env.unwrap_or(1000),
+            "option {MI_OPTION_PURGE_DELAY} is not mimalloc's purge delay"
+        );
+        keep_freed_memory();
+        // SAFETY: as above.
+        assert_eq!(unsafe { mi_option_get(MI_OPTION_PURGE_DELAY) }, -1);
     }
 }
