@@ -774,14 +774,14 @@ pub fn details(results: &SuiteResults) -> String {
     if !engine_runs.is_empty() {
         let _ = writeln!(
             out,
-            "\nengine figures (corefs runs; a commit's pause is the part that holds the reactor, a slice one serialization step after it; gap: the longest the reactor's loop did not look at its queue, host steal included; steal: CPU time the hypervisor took from the machine's cores during the run; reply: the longest a request took inside corefs, submit to reply pushed (a client's max above it is its own wake-up); dev wait: the longest synchronous device wait inside an operation; data cache: the engine's data-block cache, off where a workload measures the device path)\n {:<22} {:<12} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9}  data cache",
-            "workload", "target", "commits", "avg ms", "max ms", "pause ms", "slice ms", "gap ms", "steal ms", "reply ms", "devwt ms", "log wr", "fallback", "groupmax", "unpin ms", "mount ms"
+            "\nengine figures (corefs runs; a commit's pause is the part that holds the reactor, a slice one serialization step after it; gap: the longest the reactor's loop did not look at its queue, host steal included; on cpu: of such a gap, the most the reactor can have spent running (its thread's CPU time; the rest it or its virtual CPU was descheduled); steal: CPU time the hypervisor took from the machine's cores during the run; reply: the longest a request took inside corefs, submit to reply pushed (a client's max above it is its own wake-up); dev wait: the longest synchronous device wait inside an operation; data cache: the engine's data-block cache, off where a workload measures the device path)\n {:<22} {:<12} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9}  data cache",
+            "workload", "target", "commits", "avg ms", "max ms", "pause ms", "slice ms", "gap ms", "oncpu ms", "steal ms", "reply ms", "devwt ms", "log wr", "fallback", "groupmax", "unpin ms", "mount ms"
         );
         for run in engine_runs {
             let e = run.engine.as_ref().expect("filtered");
             let _ = writeln!(
                 out,
-                " {:<22} {:<12} {:>7} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9} {:>9.2} {:>9.2} {:>9} {:>9} {:>9} {:>10.3} {:>9}  {}",
+                " {:<22} {:<12} {:>7} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9} {:>9.2} {:>9.2} {:>9} {:>9} {:>9} {:>10.3} {:>9}  {}",
                 run.workload,
                 run.target,
                 e.commits,
@@ -790,6 +790,7 @@ pub fn details(results: &SuiteResults) -> String {
                 e.commit_pause_ms_max,
                 e.commit_slice_ms_max,
                 e.loop_gap_ms_max,
+                e.loop_gap_on_cpu_ms_max,
                 run.host_steal_ms
                     .map(|ms| format!("{ms:.0}"))
                     .unwrap_or_else(|| "-".into()),

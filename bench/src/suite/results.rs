@@ -75,6 +75,11 @@ pub struct EngineFigures {
     pub commit_slice_ms_max: f64,
     #[serde(default)]
     pub loop_gap_ms_max: f64,
+    /// Of the loop's gaps, the most the reactor can have spent running in one
+    /// ([`reactor::ReactorStats::loop_gap_on_cpu_ns_max`]); the rest of `loop_gap_ms_max`
+    /// its thread or its virtual CPU was descheduled.
+    #[serde(default)]
+    pub loop_gap_on_cpu_ms_max: f64,
     #[serde(default)]
     pub device_wait_ms_max: f64,
     /// The longest any request took inside corefs, from its client's submit to its reply

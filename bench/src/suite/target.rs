@@ -286,6 +286,7 @@ impl Target for CorefsTarget {
             data_cache_blocks: Some(self.data_cache_blocks as u64),
             commit_slice_ms_max: c.slice_ns_max as f64 / 1e6,
             loop_gap_ms_max: stats.loop_gap_ns_max as f64 / 1e6,
+            loop_gap_on_cpu_ms_max: stats.loop_gap_on_cpu_ns_max as f64 / 1e6,
             device_wait_ms_max: stats.device_waits.wait_ns_max as f64 / 1e6,
             reply_ms_max: stats.reply.max_ns as f64 / 1e6,
         }))

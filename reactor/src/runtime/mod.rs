@@ -666,8 +666,9 @@ pub(crate) struct Reactor {
     /// Requests parked while the tree nodes their lookups need are read, and the requests
     /// of their clients behind them ([`crate::meta_wait`]).
     pub(crate) meta: MetaWaits,
-    /// When the loop last looked at its queues, and the longest it went without looking.
-    last_look: Option<Instant>,
+    /// When the loop last looked at its queues, the longest it went without looking, and
+    /// how much of that it can have spent running.
+    gaps: crate::stats::GapMeter,
     /// The running mean of the time fsync records took to become durable, in ns (0 before
     /// the first): how long a spin-then-park reactor spins for the next ([`durable_spin_budget`]).
     durable_ns_ewma: u64,
@@ -710,7 +711,7 @@ impl Reactor {
             owed: Owed::default(),
             parked_reads: Default::default(),
             meta: MetaWaits::default(),
-            last_look: None,
+            gaps: Default::default(),
             durable_ns_ewma: 0,
             #[cfg(any(test, feature = "test-hooks"))]
             panic_next: Arc::new(std::sync::atomic::AtomicBool::new(false)),

@@ -4,7 +4,8 @@
 //!
 //! # Invariants
 //! - The loop looks at its queue between any two pieces of work (`looked`;
-//!   `ReactorStats::loop_gap_ns_max` is the longest it went without looking).
+//!   `ReactorStats::loop_gap_ns_max` is the longest it went without looking, and
+//!   `loop_gap_on_cpu_ns_max` how much of such a gap the reactor can have spent running).
 //! - A reactor sleeps on its doorbell only after publishing `parked` and checking its queue
 //!   and its control count again ([`crate::queue`]), so a submit or a control message ends
 //!   the sleep. A sleep inside the device wait lasts one slice at most (`LOG_WAIT_SLICE`,
@@ -300,6 +301,8 @@ pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, confi
         fua_records = stats.log.fua_records,
         device_sleeps = stats.device_sleeps,
         durable_spin_releases = stats.durable_spin_releases,
+        loop_gap_us_max = stats.loop_gap_ns_max / 1000,
+        loop_gap_on_cpu_us_max = stats.loop_gap_on_cpu_ns_max / 1000,
         device_reads = stats.reads.device_reads_done,
         device_read_us_mean =
             stats.reads.device_read_ns_sum / stats.reads.device_reads_done.max(1) / 1000,
@@ -340,11 +343,8 @@ impl Reactor {
     /// longest any request waited for the reactor's attention.
     pub(crate) fn looked(&mut self) {
         self.turn += 1;
-        let now = Instant::now();
-        if let Some(last) = self.last_look {
-            let gap = now.duration_since(last).as_nanos() as u64;
-            self.stats.loop_gap_ns_max = self.stats.loop_gap_ns_max.max(gap);
-        }
-        self.last_look = Some(now);
+        self.gaps.look(Instant::now(), crate::stats::thread_cpu_ns);
+        self.stats.loop_gap_ns_max = self.gaps.gap_ns_max;
+        self.stats.loop_gap_on_cpu_ns_max = self.gaps.on_cpu_ns_max;
     }
 }
