@@ -2,7 +2,8 @@
 //! file-backed image, and the way to run corefs on any block device the kernel drives.
 //!
 //! Mapping: read/write → `READ_FIXED`/`WRITE_FIXED` on the registered DMA pool (plain
-//! `READ`/`WRITE` if registration failed); FUA → `RWF_DSYNC` on the write (a real FUA on a block
+//! `READ`/`WRITE` if registration failed), every request naming the file by its registered
+//! index (the descriptor itself if that registration failed); FUA → `RWF_DSYNC` on the write (a real FUA on a block
 //! device, data+allocation sync on a file); flush → `fdatasync` through the ring; write-zeroes →
 //! `fallocate(ZERO_RANGE|KEEP_SIZE)`; deallocate → `fallocate(PUNCH_HOLE|KEEP_SIZE)`. SQPOLL is
 //! optional.
@@ -219,9 +220,10 @@ impl FileDevice {
             &path_text,
         )?;
         ring.register_pool(&pool, &path_text);
+        ring.register_file(file.as_raw_fd(), &path_text);
         tracing::debug!(
             path = %path_text, lba_size_bytes, capacity_lbas, queue_depth,
-            fixed_buffers = ring.fixed_buffers, sqpoll = config.sqpoll_idle_ms.is_some(),
+            fixed_buffers = ring.fixed_buffers, fixed_file = ring.fixed_file, sqpoll = config.sqpoll_idle_ms.is_some(),
             "opened io_uring file device"
         );
         Ok(FileDevice {
@@ -250,50 +252,71 @@ impl FileDevice {
         self.ring.fixed_buffers
     }
 
+    /// True when requests name the file by its registered index (fixed file).
+    pub fn fixed_file(&self) -> bool {
+        self.ring.fixed_file
+    }
+
     fn build_sqe(&self, op: &IoOp, user_data: u64) -> squeue::Entry {
-        let fd = types::Fd(self.file.as_raw_fd());
         let lba_size = self.info.lba_size_bytes as u64;
         let fixed = self.ring.fixed_buffers;
-        let sqe = match op {
-            IoOp::Read { lba, buf } => {
-                let ptr = buf.as_ptr().cast_mut();
-                let len = buf.len() as u32;
-                if fixed {
-                    opcode::ReadFixed::new(fd, ptr, len, buf.index())
-                        .offset(lba * lba_size)
-                        .build()
-                } else {
-                    opcode::Read::new(fd, ptr, len)
-                        .offset(lba * lba_size)
-                        .build()
+        // The file by its registered index when it has one, else by descriptor. The opcode
+        // builders take either type but the trait they take it through is private to the
+        // io-uring crate, hence a macro instead of a generic function.
+        macro_rules! sqe_on {
+            ($fd:expr) => {{
+                let fd = $fd;
+                match op {
+                    IoOp::Read { lba, buf } => {
+                        let ptr = buf.as_ptr().cast_mut();
+                        let len = buf.len() as u32;
+                        if fixed {
+                            opcode::ReadFixed::new(fd, ptr, len, buf.index())
+                                .offset(lba * lba_size)
+                                .build()
+                        } else {
+                            opcode::Read::new(fd, ptr, len)
+                                .offset(lba * lba_size)
+                                .build()
+                        }
+                    }
+                    IoOp::Write { lba, buf, fua } => {
+                        let flags = if *fua { libc::RWF_DSYNC } else { 0 };
+                        let len = buf.len() as u32;
+                        if fixed {
+                            opcode::WriteFixed::new(fd, buf.as_ptr(), len, buf.index())
+                                .offset(lba * lba_size)
+                                .rw_flags(flags)
+                                .build()
+                        } else {
+                            opcode::Write::new(fd, buf.as_ptr(), len)
+                                .offset(lba * lba_size)
+                                .rw_flags(flags)
+                                .build()
+                        }
+                    }
+                    IoOp::Flush => opcode::Fsync::new(fd)
+                        .flags(types::FsyncFlags::DATASYNC)
+                        .build(),
+                    IoOp::WriteZeroes { lba, lbas } => {
+                        opcode::Fallocate::new(fd, *lbas as u64 * lba_size)
+                            .offset(lba * lba_size)
+                            .mode(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE)
+                            .build()
+                    }
+                    IoOp::Deallocate { lba, lbas } => {
+                        opcode::Fallocate::new(fd, *lbas as u64 * lba_size)
+                            .offset(lba * lba_size)
+                            .mode(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE)
+                            .build()
+                    }
                 }
-            }
-            IoOp::Write { lba, buf, fua } => {
-                let flags = if *fua { libc::RWF_DSYNC } else { 0 };
-                let len = buf.len() as u32;
-                if fixed {
-                    opcode::WriteFixed::new(fd, buf.as_ptr(), len, buf.index())
-                        .offset(lba * lba_size)
-                        .rw_flags(flags)
-                        .build()
-                } else {
-                    opcode::Write::new(fd, buf.as_ptr(), len)
-                        .offset(lba * lba_size)
-                        .rw_flags(flags)
-                        .build()
-                }
-            }
-            IoOp::Flush => opcode::Fsync::new(fd)
-                .flags(types::FsyncFlags::DATASYNC)
-                .build(),
-            IoOp::WriteZeroes { lba, lbas } => opcode::Fallocate::new(fd, *lbas as u64 * lba_size)
-                .offset(lba * lba_size)
-                .mode(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE)
-                .build(),
-            IoOp::Deallocate { lba, lbas } => opcode::Fallocate::new(fd, *lbas as u64 * lba_size)
-                .offset(lba * lba_size)
-                .mode(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE)
-                .build(),
+            }};
+        }
+        let sqe = if self.ring.fixed_file {
+            sqe_on!(types::Fixed(0))
+        } else {
+            sqe_on!(types::Fd(self.file.as_raw_fd()))
         };
         sqe.user_data(user_data)
     }
