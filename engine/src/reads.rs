@@ -6,7 +6,9 @@
 //! blocks left to fetch as device reads of the mux's read class
 //! ([`crate::log::inflight::READ`]), whose completions no synchronous path ever sees.
 //! [`Filesystem::read_progress`] reaps completions, verifies every block against its
-//! extent's crc, and hands back each set that finished. [`Filesystem::read_many`] is the
+//! extent's crc, and hands back each set that finished. A data block goes from its DMA
+//! buffer to the request's output (and the block cache) in one copy, as its device read
+//! completes; no staging buffer is allocated or zeroed per read. [`Filesystem::read_many`] is the
 //! synchronous form (tools, tests, the commit coordinator): start, then wait for that set.
 //!
 //! # Invariants
@@ -40,8 +42,6 @@ use crate::fs::{block_lba, Filesystem};
 use nvme::{BlockDevice, IoOp, Request};
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
-
-const BLOCK: u64 = BLOCK_BYTES as u64;
 
 /// One request's result: its bytes, or why it failed.
 pub type ReadResult = Result<Vec<u8>>;
@@ -97,7 +97,9 @@ pub struct ReadStats {
 struct ReadSet {
     outs: Vec<ReadResult>,
     pieces: Vec<ReadPiece>,
-    /// Each piece's bytes as they arrive.
+    /// A node set's blocks as they arrive, one buffer per piece (they go to the fetched map
+    /// whole). Data and read-ahead sets keep none: each device read is verified, cached and
+    /// copied to its request's output straight from its DMA buffer ([`take_blocks`]).
     data: Vec<Vec<u8>>,
     /// Device reads of the set not completed yet.
     ios_left: usize,
@@ -396,10 +398,14 @@ impl Filesystem {
                 at += blocks;
             }
         }
-        let data = pieces
-            .iter()
-            .map(|p| vec![0u8; p.count as usize * BLOCK_BYTES])
-            .collect();
+        let data = if kind == SetKind::Nodes {
+            pieces
+                .iter()
+                .map(|p| vec![0u8; p.count as usize * BLOCK_BYTES])
+                .collect()
+        } else {
+            Vec::new()
+        };
         self.reads.sets.insert(
             id,
             ReadSet {
@@ -573,7 +579,14 @@ impl Filesystem {
                 let buf = buf.expect("a read completion returns its buffer");
                 let len = io.blocks as usize * BLOCK_BYTES;
                 assert_eq!(buf.as_slice().len(), len, "device read length");
-                set.data[io.piece][io.at..io.at + len].copy_from_slice(buf.as_slice());
+                match set.kind {
+                    SetKind::Nodes => {
+                        set.data[io.piece][io.at..io.at + len].copy_from_slice(buf.as_slice())
+                    }
+                    SetKind::Data | SetKind::Ahead => {
+                        take_blocks(set, &io, buf.as_slice(), &mut self.block_cache)
+                    }
+                }
             }
             Err(e) => {
                 set.failed.get_or_insert(EngineError::Device(e.clone()));
@@ -592,76 +605,92 @@ impl Filesystem {
         }
     }
 
-    /// A set whose device reads all completed: verifies each block and fills the outputs.
+    /// A set whose device reads all completed: a node set's blocks go to the fetched map; a
+    /// data set's outputs are filled already ([`take_blocks`]) unless the device failed.
     fn finish_set(&mut self, set: ReadSet) -> Vec<ReadResult> {
-        if set.kind == SetKind::Nodes {
-            // Checked when the tree takes a block, against the pointer it holds then.
-            for (piece, data) in set.pieces.iter().zip(set.data) {
-                match set.failed {
-                    Some(_) => self.fetch.lost(piece.disk),
-                    None => self.fetch.arrived(piece.disk, data),
-                }
-            }
-            return Vec::new();
-        }
-        if set.kind == SetKind::Ahead {
-            // A failed or mismatching block is not cached: the read that wants it reads
-            // the device and reports what it finds.
-            if set.failed.is_none() {
-                for (piece, data) in set.pieces.iter().zip(&set.data) {
-                    for (i, block) in data.chunks(BLOCK_BYTES).enumerate() {
-                        if crc32c::crc32c(block) == piece.crcs[i] {
-                            self.block_cache.insert(piece.disk + i as u64, block);
-                        }
+        match set.kind {
+            SetKind::Nodes => {
+                // Checked when the tree takes a block, against the pointer it holds then.
+                for (piece, data) in set.pieces.iter().zip(set.data) {
+                    match set.failed {
+                        Some(_) => self.fetch.lost(piece.disk),
+                        None => self.fetch.arrived(piece.disk, data),
                     }
                 }
+                Vec::new()
             }
-            return Vec::new();
-        }
-        let ReadSet {
-            mut outs,
-            pieces,
-            data,
-            failed,
-            ..
-        } = set;
-        for (piece, data) in pieces.into_iter().zip(data) {
-            if let Some(e) = &failed {
-                outs[piece.request] = Err(e.clone());
-                continue;
-            }
-            assert_eq!(
-                data.len() as u64,
-                piece.count * BLOCK,
-                "a piece's reads cover it"
-            );
-            self.block_cache.device_blocks += piece.count;
-            if outs[piece.request].is_err() {
-                continue;
-            }
-            let mut bad = None;
-            for (i, block) in data.chunks(BLOCK_BYTES).enumerate() {
-                let crc = crc32c::crc32c(block);
-                if crc == piece.crcs[i] {
-                    self.block_cache.insert(piece.disk + i as u64, block);
-                } else {
-                    bad = Some(EngineError::corrupt(
-                        "data block",
-                        piece.disk + i as u64,
-                        format!(
-                            "checksum mismatch in inode {} (stored {:#010x}, computed {crc:#010x})",
-                            piece.ino, piece.crcs[i]
-                        ),
-                    ));
-                    break;
+            SetKind::Ahead => Vec::new(),
+            SetKind::Data => {
+                let ReadSet {
+                    mut outs,
+                    pieces,
+                    failed,
+                    ..
+                } = set;
+                if let Some(e) = failed {
+                    for piece in &pieces {
+                        outs[piece.request] = Err(e.clone());
+                    }
                 }
-            }
-            match (bad, &mut outs[piece.request]) {
-                (Some(e), out) => *out = Err(e),
-                (None, Ok(out)) => out[piece.dst.clone()].copy_from_slice(&data[piece.src.clone()]),
-                (None, Err(_)) => unreachable!("checked above"),
+                outs
             }
         }
-        outs
+    }
+}
+
+/// The blocks one device read `io` brought (`bytes`) for a data or read-ahead set, straight
+/// from its DMA buffer: each block is checked against its extent's crc and cached when it
+/// matches (a read-ahead's mismatching block is left out: the read that wants it reads the
+/// device and reports what it finds); for a data set, a mismatch fails the block's request
+/// and the bytes of the request's range this read covers are copied to its output.
+fn take_blocks(
+    set: &mut ReadSet,
+    io: &ReadIo,
+    bytes: &[u8],
+    cache: &mut crate::writeback::BlockCache,
+) {
+    let piece = &set.pieces[io.piece];
+    let first = io.at / BLOCK_BYTES;
+    assert!(
+        first + io.blocks as usize <= piece.count as usize,
+        "a device read stays inside its piece"
+    );
+    let data = set.kind == SetKind::Data;
+    let mut bad = None;
+    for (k, block) in bytes.chunks(BLOCK_BYTES).enumerate() {
+        let i = first + k;
+        let crc = crc32c::crc32c(block);
+        if crc == piece.crcs[i] {
+            cache.insert(piece.disk + i as u64, block);
+        } else if data && bad.is_none() {
+            bad = Some(EngineError::corrupt(
+                "data block",
+                piece.disk + i as u64,
+                format!(
+                    "checksum mismatch in inode {} (stored {:#010x}, computed {crc:#010x})",
+                    piece.ino, piece.crcs[i]
+                ),
+            ));
+        }
+    }
+    if !data {
+        return;
+    }
+    cache.device_blocks += io.blocks;
+    let out = &mut set.outs[piece.request];
+    match (bad, out) {
+        (Some(e), out @ Ok(_)) => *out = Err(e),
+        (None, Ok(out)) => {
+            // This read's bytes of the piece, [io.at, io.at + len), against the range of the
+            // piece the request wants (`src`, landing at `dst` in its output).
+            let lo = piece.src.start.max(io.at);
+            let hi = piece.src.end.min(io.at + bytes.len());
+            if lo < hi {
+                let to = piece.dst.start + (lo - piece.src.start);
+                out[to..to + (hi - lo)].copy_from_slice(&bytes[lo - io.at..hi - io.at]);
+            }
+        }
+        // The request failed already (another piece's block): nothing to copy.
+        (_, Err(_)) => {}
     }
 }
