@@ -220,7 +220,19 @@ impl FileDevice {
             &path_text,
         )?;
         ring.register_pool(&pool, &path_text);
-        ring.register_file(file.as_raw_fd(), &path_text);
+        // The ring gets an open file description of its own to register, never `file`'s: the
+        // kernel drops a ring's registered files only when it finishes tearing the ring down,
+        // asynchronously after the ring is closed, and the exclusive lock lives on `file`'s
+        // description, which must be gone when the device is (a tool run right after would
+        // find the image still "in use"). Reopening through /proc/self/fd names the same
+        // inode whatever became of the path meanwhile; it is closed here once the ring holds
+        // its own reference.
+        match reopen_for_ring(&file, read_only) {
+            Ok(for_ring) => ring.register_file(for_ring.as_raw_fd(), &path_text),
+            Err(e) => {
+                tracing::debug!(path = %path_text, error = %e, "not reopened for the ring; requests name the descriptor")
+            }
+        }
         tracing::debug!(
             path = %path_text, lba_size_bytes, capacity_lbas, queue_depth,
             fixed_buffers = ring.fixed_buffers, fixed_file = ring.fixed_file, sqpoll = config.sqpoll_idle_ms.is_some(),
@@ -428,6 +440,16 @@ impl BlockDevice for FileDevice {
         let name = self.info.name.clone();
         self.ring.register_eventfd(eventfd, &name)
     }
+}
+
+/// A second open file description of `file`'s inode, with the same access and O_DIRECT, no
+/// lock and no O_EXCL claim.
+fn reopen_for_ring(file: &File, read_only: bool) -> std::io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(!read_only)
+        .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
+        .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
 }
 
 impl Drop for FileDevice {
