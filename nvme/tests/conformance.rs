@@ -463,3 +463,31 @@ fn a_queue_belongs_to_the_thread_that_first_submits() {
         }
     }
 }
+
+/// A file device that did I/O releases the image's lock the moment it is dropped: the
+/// ring's registered file is a description of its own, so the kernel's asynchronous ring
+/// teardown holds no reference to the locked one (a tool run just after a close once found
+/// the image still "in use").
+#[test]
+fn a_dropped_file_device_releases_its_lock_at_once() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let spec = format!("file:{}", dir.path().join("image").display());
+    for round in 0..20 {
+        let mut dev = file(&dir, 4096, false);
+        assert!(dev.fixed_file(), "the image is registered with the ring");
+        let block = vec![round as u8; 4096];
+        nvme::write_sync(&mut dev, round, &block, false).unwrap();
+        let mut back = vec![0u8; 4096];
+        nvme::read_sync(&mut dev, round, &mut back).unwrap();
+        assert_eq!(back, block);
+        assert!(
+            nvme::lock::in_use(&spec).unwrap().is_some(),
+            "held while open"
+        );
+        drop(dev);
+        assert!(
+            nvme::lock::in_use(&spec).unwrap().is_none(),
+            "round {round}: the image is still locked after its device was dropped"
+        );
+    }
+}
