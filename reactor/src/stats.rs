@@ -230,9 +230,12 @@ pub(crate) fn thread_cpu_ns() -> u64 {
 /// A gap is the longest any request waited for the reactor's attention. On a shared or
 /// virtual machine most long gaps are not the reactor's work: its thread was preempted, or
 /// the hypervisor stopped the virtual CPU (this machine's host takes one of two busy vCPUs
-/// for 3–5 ms at a time). The thread's CPU clock does not advance in either case (with
-/// paravirtual steal accounting), so the CPU time spent in a window around the gap bounds
-/// the reactor's own share of it.
+/// for 3–5 ms at a time). The thread's CPU clock does not advance while the thread is
+/// preempted, nor while its vCPU is stolen when the hypervisor reports that time as steal
+/// (paravirtual steal accounting), so the CPU time spent in a window around the gap bounds
+/// the reactor's own share of it. A pause the hypervisor does not report is counted as
+/// running: the figure is an upper bound (on this VM one 4.96 ms gap counted whole while
+/// `perf` saw no sample from any thread of the process in it).
 ///
 /// Invariants: `on_cpu_ns_max <= gap_ns_max`; the CPU clock is read at most once per
 /// [`GapMeter::CPU_SAMPLE_EVERY`] plus once per gap of [`GapMeter::ATTRIBUTED_FROM`] or
