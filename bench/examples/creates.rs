@@ -14,6 +14,7 @@ fn main() {
         &MkfsOptions {
             shards: 16,
             label: String::new(),
+            ..Default::default()
         },
     )
     .unwrap();

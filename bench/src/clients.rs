@@ -115,6 +115,7 @@ fn one_run(
         mkfs: Some(MkfsOptions {
             shards: 16,
             label: "clients".into(),
+            ..Default::default()
         }),
         idle: if config.busy_poll || !reactor_cores.is_empty() {
             IdlePolicy::BusyPoll

@@ -44,6 +44,7 @@ fn mem_fs(bytes: u64, shards: u32) -> Result<Filesystem, String> {
         &MkfsOptions {
             shards,
             label: String::new(),
+            ..Default::default()
         },
     )
     .map_err(|e| e.to_string())?;

@@ -133,6 +133,7 @@ impl CorefsTarget {
         let options = MkfsOptions {
             shards: 4,
             label: "fsyncbench".into(),
+            ..Default::default()
         };
         let dev = Filesystem::mkfs(dev, &options).map_err(|e| e.to_string())?;
         let mut fs = Filesystem::mount(dev, MountOptions::default()).map_err(|e| e.to_string())?;

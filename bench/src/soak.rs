@@ -150,6 +150,7 @@ pub fn run(config: &SoakConfig, progress: &dyn Fn(&Sample)) -> Result<SoakReport
         mkfs: Some(MkfsOptions {
             shards: 4,
             label: "soak".into(),
+            ..Default::default()
         }),
         ..Config::default()
     })

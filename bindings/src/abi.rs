@@ -602,6 +602,7 @@ pub unsafe extern "C" fn corefs_mount(
                         o.shards
                     },
                     label,
+                    ..Default::default()
                 });
             }
             if o.busy_poll != 0 {

@@ -36,6 +36,7 @@ fn healthy(dir: &Path) -> (PathBuf, Vec<(String, u64)>) {
         &MkfsOptions {
             shards: SHARDS,
             label: "fsck".into(),
+            ..Default::default()
         },
     )
     .unwrap();
@@ -332,9 +333,16 @@ fn every_corruption_class_is_found_and_named() {
     let shard_c = (c % SHARDS as u64) as u32;
     let img = copy(&image, dir.path(), "space");
     edit(&img, |fs| {
-        // An extent on a block the space bitmap says is free.
-        let sb = fs.superblock().clone();
-        let free_block = sb.region_start(shard_c) + sb.region_blocks - 1;
+        // An extent on a block the space bitmap says is free: the last of the last group
+        // shard c owns (its few small files leave the end of it free).
+        let space = fs.space_report();
+        let last = *space[shard_c as usize]
+            .groups
+            .last()
+            .expect("shard c owns a group");
+        let pool = fs.space_pool();
+        let geo = pool.geometry();
+        let free_block = geo.group_start(last) + geo.group_len(last) - 1;
         let item = ExtentItem {
             disk_block: free_block,
             blocks: 1,

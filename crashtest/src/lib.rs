@@ -323,6 +323,9 @@ pub struct Outcome {
     pub records_during_commit: u64,
     /// Staged data written back in the background.
     pub writeback_bytes: u64,
+    /// Block groups shards took from the pool and gave back to it (engine schedules).
+    pub groups_taken: u64,
+    pub groups_returned: u64,
 }
 
 impl Outcome {
@@ -337,6 +340,8 @@ impl Outcome {
         self.pipelined_records += other.pipelined_records;
         self.records_during_commit += other.records_during_commit;
         self.writeback_bytes += other.writeback_bytes;
+        self.groups_taken += other.groups_taken;
+        self.groups_returned += other.groups_returned;
     }
 
     pub(crate) fn with_log(mut self, stats: &engine::log::LogStats) -> Outcome {
@@ -349,6 +354,12 @@ impl Outcome {
 }
 
 const CAPACITY: u64 = 4 << 20;
+
+/// Block groups of the base image: 32 KiB, the smallest mkfs makes, so that the workloads'
+/// writes take groups from the pool and their truncates, unlinks and overwrites give groups
+/// back at the commits the workloads make (a sync, a fallback, the full log): every crash
+/// point of a hand-over is among the states checked.
+pub const GROUP_BLOCKS: u64 = engine::space::GROUP_BLOCKS_MIN;
 
 pub(crate) fn config() -> MemConfig {
     MemConfig {
@@ -380,6 +391,7 @@ pub fn base_image() -> Vec<u8> {
         &MkfsOptions {
             shards: 4,
             label: "ace".into(),
+            group_blocks: Some(GROUP_BLOCKS),
         },
         0xace,
     )
@@ -740,9 +752,12 @@ pub fn run_schedule(
         }
     };
     let stats = fs.log_stats();
+    let pool = fs.space_pool().stats();
     let (records, submissions) = log.take();
     RunDevice::give_back(base, fs.into_device(), log, &submissions);
-    let outcome = outcome.with_log(&stats);
+    let mut outcome = outcome.with_log(&stats);
+    outcome.groups_taken += pool.taken;
+    outcome.groups_returned += pool.returned;
     skip.push(0..from);
     check_points(base, &records, &submissions, &points, &skip, seed, outcome)
 }

@@ -107,6 +107,7 @@ fn run_once(mutation: Option<&str>, kill_at: u64) -> Result<u64, String> {
     let options = MkfsOptions {
         shards: 4,
         label: "kill".into(),
+        ..Default::default()
     };
     drop(Filesystem::mkfs(dev, &options).expect("mkfs"));
     let mut command = Command::new(std::env::current_exe().expect("test binary"));

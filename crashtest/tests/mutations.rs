@@ -1,4 +1,4 @@
-//! Mutation checks: each guard of the fsync log removed on purpose (`engine::mutation`, the
+//! Mutation checks: each guard of the fsync log (and the space hand-over) removed on purpose (`engine::mutation`, the
 //! `mutations` feature, which the dev-dependency turns on for these tests only) makes the crash
 //! tester report a violation within a bounded run — the length-one exhaustive run for the
 //! record crc, the gap, the commit in flight and the flush's completion, a length-two subset
@@ -108,6 +108,22 @@ fn acknowledging_a_record_when_its_flush_is_submitted_is_caught() {
         Mutation::AckAtFlushSubmit,
         &workload::exhaustive(1),
         &Schedule::ALL,
+    );
+}
+
+/// A group a shard took in the running transaction must be recorded by the commit: with the
+/// record dropped, a crash state after that commit has blocks in use in a group nobody owns,
+/// and its mount (or the checker) says so.
+#[test]
+fn dropping_the_ownership_record_of_a_group_hand_over_is_caught() {
+    let why = assert_caught(
+        Mutation::DropGroupOwnership,
+        &workload::exhaustive(1),
+        &Schedule::ALL,
+    );
+    assert!(
+        why.contains("group") || why.contains("bitmap") || why.contains("space"),
+        "{why}"
     );
 }
 

@@ -9,8 +9,9 @@
 //! - link counts: a file's nlink is its number of names; a directory's is 2 + subdirectories;
 //!   every inode but the root has a name;
 //! - data: extents of an inode never overlap; `blocks` matches them; every data block is
-//!   inside the shard's region and used once;
-//! - space: the bitmap marks exactly the tree blocks plus the data blocks.
+//!   in a block group the inode's shard owns, and used once;
+//! - space: the bitmap marks exactly the tree blocks plus the data blocks; every block group
+//!   is owned by one shard or free, as the pool's table says.
 
 use crate::error::{EngineError, Result};
 use crate::format::items::{
@@ -60,7 +61,7 @@ impl Filesystem {
                 }
                 let item = ExtentItem::decode(&value)
                     .map_err(|why| bad("extent item", key.objectid, why))?;
-                // Read nothing outside the shard's data region (another shard's blocks, the
+                // Read nothing outside the shard's block groups (another shard's blocks, the
                 // log, past the device): that is corruption, not a device error.
                 let in_region = self.shards[shard as usize]
                     .as_ref()
@@ -70,7 +71,7 @@ impl Filesystem {
                         "extent item",
                         key.objectid,
                         format!(
-                            "data blocks {}+{} outside shard {shard}'s region",
+                            "data blocks {}+{} outside shard {shard}'s block groups",
                             item.disk_block, item.blocks
                         ),
                     ));
@@ -157,7 +158,6 @@ impl Filesystem {
             let (count, mut blocks) = tree.check(&mut io)?;
             report.items += count;
             let items = tree.range(&mut io, Key::MIN, Key::MAX)?;
-            let (region_start, region_blocks) = io.space.region();
             let mut data_blocks: Vec<u64> = Vec::new();
             for (key, value) in items {
                 let ino = key.objectid;
@@ -315,11 +315,11 @@ impl Filesystem {
                 }
                 for (_, extent) in list {
                     for b in extent.disk_block..extent.disk_block + extent.blocks as u64 {
-                        if !(region_start..region_start + region_blocks).contains(&b) {
+                        if !io.space.owns(b) {
                             return Err(bad(
                                 "extent item",
                                 ino,
-                                format!("data block {b} outside shard {shard}'s region"),
+                                format!("data block {b} outside shard {shard}'s block groups"),
                             ));
                         }
                         data_blocks.push(b);
@@ -350,7 +350,7 @@ impl Filesystem {
             if io.space.allocated_blocks() != blocks.len() as u64 {
                 return Err(EngineError::corrupt(
                     "space bitmap",
-                    region_start,
+                    shard as u64,
                     format!(
                         "shard {shard}: {} blocks marked allocated, {} in use (leak)",
                         io.space.allocated_blocks(),
@@ -359,6 +359,12 @@ impl Filesystem {
                 ));
             }
         }
+
+        // Every group is owned by the shard the pool says, or free.
+        let spaces: Vec<&crate::space::Space> = self.held().map(|s| &s.space).collect();
+        self.pool
+            .check(&spaces)
+            .map_err(|why| EngineError::corrupt("block groups", 0, why))?;
 
         // Delayed index items count as index items (they are the tree's, not yet inserted).
         for (dir, seq, entry) in self.namespace.delayed.all() {

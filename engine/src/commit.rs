@@ -558,23 +558,54 @@ impl Filesystem {
                 commit_floor: 0,
                 fetch: None,
             };
+            // Groups emptied give themselves back now, before any bitmap item is written (none
+            // of those may land in a group leaving); they reach the pool once this generation
+            // is durable ([`crate::space`]). One is kept while the pool has plenty, so a shard
+            // that fills and empties a group over and over does not hand it back each time.
+            // Every tree change of the fixpoint first checks that its worst case is free.
+            let tree_op_blocks = 2 * (tree.level() as u64 + 1) + 2;
+            io.space
+                .release_empty_groups(generation, self.pool.plentiful(), 2 * tree_op_blocks);
             // Persist the space bitmap until writing it changes it no more.
             let mut rounds = 0;
             loop {
-                let chunks = io.space.take_dirty_chunks();
-                if chunks.is_empty() {
+                #[cfg(feature = "mutations")]
+                let dropped: Vec<u64> =
+                    if crate::mutation::active(crate::mutation::Mutation::DropGroupOwnership) {
+                        io.space
+                            .groups()
+                            .filter(|&g| io.space.is_new_group(g))
+                            .collect()
+                    } else {
+                        Vec::new()
+                    };
+                let changes = io.space.take_dirty();
+                if changes.is_empty() {
                     break;
                 }
                 rounds += 1;
                 assert!(rounds <= 16, "space bitmap fixpoint did not converge");
-                let items: Vec<(u64, Vec<u8>)> = chunks
-                    .into_iter()
-                    .map(|c| (c, io.space.chunk_bytes(c)))
-                    .collect();
-                for (chunk, bytes) in items {
+                for chunk in changes.legacy_chunks {
+                    tree.remove(
+                        &mut io,
+                        &Key::new(SPACE_OBJECTID, ItemKind::SpaceBitmap, chunk),
+                    )?;
+                }
+                for group in changes.removed {
+                    tree.remove(
+                        &mut io,
+                        &Key::new(SPACE_OBJECTID, ItemKind::GroupBitmap, group),
+                    )?;
+                }
+                for (group, bytes) in changes.items {
+                    #[cfg(feature = "mutations")]
+                    if dropped.contains(&group) {
+                        // The mutation: the group's new owner is never recorded.
+                        continue;
+                    }
                     tree.insert(
                         &mut io,
-                        Key::new(SPACE_OBJECTID, ItemKind::SpaceBitmap, chunk),
+                        Key::new(SPACE_OBJECTID, ItemKind::GroupBitmap, group),
                         bytes,
                     )?;
                 }
@@ -584,6 +615,7 @@ impl Filesystem {
             // What the superblock records of the shard is as of now; the tree's root comes
             // when its frozen nodes are written.
             let used_blocks = io.space.allocated_blocks();
+            let groups = io.space.owned_groups();
             let (ptr, level) = if tree.freeze(generation) {
                 slicing.push(id as u32);
                 (BlockPtr::default(), 0)
@@ -597,6 +629,7 @@ impl Filesystem {
                     level,
                     used_blocks,
                     inodes,
+                    groups,
                 },
             ));
         }

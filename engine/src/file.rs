@@ -242,7 +242,7 @@ impl Filesystem {
         let inside = inside.into_iter().map(|(key, bytes)| decode(&key, &bytes));
         for extent in before.into_iter().chain(inside) {
             let Extent { file_block, item } = extent?;
-            // Blocks outside the shard's data region would be read from (or freed into)
+            // Blocks outside the shard's block groups would be read from (or freed into)
             // another shard's space, the log or past the device.
             let space = &self.shards[shard as usize]
                 .as_ref()
@@ -253,7 +253,7 @@ impl Filesystem {
                     "extent item",
                     ino,
                     format!(
-                        "blocks {}+{} outside shard {shard}'s data region",
+                        "blocks {}+{} outside shard {shard}'s block groups",
                         item.disk_block, item.blocks
                     ),
                 ));
@@ -541,14 +541,14 @@ impl Filesystem {
         Ok(count as i64 - freed as i64)
     }
 
-    /// Writes `data` at `offset` (any alignment). Returns bytes written. When the shard is full
-    /// only because blocks freed in the running transaction wait for its commit (an overwrite
-    /// frees the old copy, pinned), commits once and retries before reporting ENOSPC.
+    /// Writes `data` at `offset` (any alignment). Returns bytes written. When space is short
+    /// only because frees wait for a commit (an overwrite frees the old copy, pinned), a whole
+    /// mount commits once and retries before reporting ENOSPC ([`Filesystem::run_op`]).
     /// Like write(2), a write longer than [`MAX_RW_BYTES`] writes that much and returns it;
     /// a position past `i64::MAX` is EINVAL ([`rw_len`]).
     pub fn write(&mut self, ino: u64, offset: u64, data: &[u8]) -> Result<usize> {
         let data = &data[..rw_len(offset, data.len())?];
-        self.retry_when_pinned(ino, |fs| fs.run_op(|fs| fs.write_once(ino, offset, data)))
+        self.run_op(|fs| fs.write_once(ino, offset, data))
     }
 
     /// Appends `data` at the end of the file, atomically: the end is read and written in
@@ -563,7 +563,7 @@ impl Filesystem {
     /// Applies `writes` to `ino` in order, as one operation: all of them or, with NoSpace or
     /// an invalid argument, none (the worst case is reserved before the first change). No
     /// commit starts inside it, so no commit and no fsync record ever holds part of the
-    /// writes: the base of atomic batches ([`crate::atomic`]). When the shard is full only
+    /// writes: the base of atomic batches ([`crate::atomic`]). When space is short only
     /// because frees wait for a commit, commits before applying anything and tries once more.
     pub fn write_batch(&mut self, ino: u64, writes: &[(u64, Vec<u8>)]) -> Result<()> {
         for (offset, data) in writes {
@@ -577,7 +577,7 @@ impl Filesystem {
                 .filter(|&e| e <= MAX_FILE_BYTES)
                 .ok_or_else(|| EngineError::TooBig("file offset".into()))?;
         }
-        self.retry_when_pinned(ino, |fs| fs.run_op(|fs| fs.write_batch_once(ino, writes)))
+        self.run_op(|fs| fs.write_batch_once(ino, writes))
     }
 
     fn write_batch_once(&mut self, ino: u64, writes: &[(u64, Vec<u8>)]) -> Result<()> {
@@ -605,27 +605,6 @@ impl Filesystem {
             self.run_op(|fs| fs.write_once(ino, *offset, data))?;
         }
         Ok(())
-    }
-
-    /// Runs an allocating change of `ino`; when it finds the shard full while frees of the
-    /// running transaction wait for a commit, commits (unpinning them) and runs it once more.
-    /// The change leaves nothing behind when it fails with NoSpace ([`Filesystem::run_op`]).
-    /// Inside another operation it runs once: a commit there would persist half of it.
-    fn retry_when_pinned<T>(
-        &mut self,
-        ino: u64,
-        mut change: impl FnMut(&mut Self) -> Result<T>,
-    ) -> Result<T> {
-        if self.op.depth > 0 {
-            return change(self);
-        }
-        match change(self) {
-            Err(EngineError::NoSpace) if self.pinned_blocks(self.shard_of(ino)) > 0 => {
-                self.commit()?;
-                change(self)
-            }
-            other => other,
-        }
     }
 
     fn write_once(&mut self, ino: u64, offset: u64, data: &[u8]) -> Result<usize> {
@@ -746,9 +725,7 @@ impl Filesystem {
         offset: u64,
         len: u64,
     ) -> Result<()> {
-        self.retry_when_pinned(ino, |fs| {
-            fs.run_op(|fs| fs.fallocate_once(ino, mode, offset, len))
-        })
+        self.run_op(|fs| fs.fallocate_once(ino, mode, offset, len))
     }
 
     /// One fallocate, all or nothing: the blocks it preallocates are allocated, and the

@@ -21,7 +21,7 @@ use crate::format::{
     DEFAULT_SHARDS, FIRST_REGION_BLOCK, FORMAT_VERSION, MAX_SHARDS, SUPERBLOCK_ADDRS,
 };
 use crate::inode::{ROOT_INO, S_IFDIR};
-use crate::space::{MetaNeed, Space};
+use crate::space::{Geometry, MetaNeed, Pool, Space};
 use crate::tree::{NodeIo, Tree};
 use nvme::BlockDevice;
 
@@ -34,6 +34,10 @@ pub const FIRST_INODE: u64 = 256;
 pub struct MkfsOptions {
     pub shards: u32,
     pub label: String,
+    /// Blocks per block group (a power of two from 8 to 4096); None picks by size
+    /// ([`Geometry::auto_group_blocks`]: 1 MiB on a 1 GiB device, 16 MiB from 8 GiB with 64
+    /// shards). Small groups make tests move groups between shards all the time.
+    pub group_blocks: Option<u64>,
 }
 
 impl Default for MkfsOptions {
@@ -41,6 +45,7 @@ impl Default for MkfsOptions {
         MkfsOptions {
             shards: DEFAULT_SHARDS,
             label: String::new(),
+            group_blocks: None,
         }
     }
 }
@@ -116,6 +121,18 @@ pub struct StatFs {
     pub name_max: u32,
 }
 
+/// One shard's space ([`Filesystem::space_report`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ShardSpace {
+    pub shard: u32,
+    /// The block groups it owns, in order.
+    pub groups: Vec<u64>,
+    pub owned_blocks: u64,
+    pub allocated_blocks: u64,
+    /// Freed and waiting for the next commit to be durable.
+    pub pinned_blocks: u64,
+}
+
 /// Inodes one free block is counted as holding in statfs: an inode's items (inode item,
 /// one name, its back-reference, with leaf headers) take about 250 bytes of tree.
 pub const INODES_PER_FREE_BLOCK: u64 = 16;
@@ -133,6 +150,9 @@ pub struct Filesystem {
     pub(crate) dev: Box<crate::log::inflight::DeviceMux>,
     /// The last durable superblock.
     pub(crate) sb: Superblock,
+    /// The block groups no shard owns, shared by every engine of the filesystem
+    /// ([`crate::space`]).
+    pub(crate) pool: std::sync::Arc<Pool>,
     /// Every shard of the filesystem by id; `None` for a shard another partition holds
     /// ([`crate::partition`]). A whole-filesystem mount holds them all.
     pub(crate) shards: Vec<Option<Shard>>,
@@ -280,12 +300,11 @@ pub(crate) struct ShardIo<'a> {
 
 impl NodeIo for ShardIo<'_> {
     fn read_node(&mut self, ptr: &BlockPtr, owner: u32, level: u8) -> Result<NodeBody> {
-        let (start, len) = self.space.region();
-        if !(start..start + len).contains(&ptr.addr) {
+        if !self.space.owns(ptr.addr) {
             return Err(EngineError::corrupt(
                 "tree node",
                 ptr.addr,
-                format!("pointer outside shard {owner}'s region"),
+                format!("pointer outside shard {owner}'s block groups"),
             ));
         }
         if let Some(fetch) = self.fetch.as_deref_mut() {
@@ -314,12 +333,10 @@ impl NodeIo for ShardIo<'_> {
         let Some(fetch) = self.fetch.as_deref_mut().filter(|f| f.deferring) else {
             return;
         };
-        let (start, len) = self.space.region();
-        fetch.ahead.extend(
-            ptrs.iter()
-                .map(|p| p.addr)
-                .filter(|a| (start..start + len).contains(a)),
-        );
+        let space = &*self.space;
+        fetch
+            .ahead
+            .extend(ptrs.iter().map(|p| p.addr).filter(|&a| space.owns(a)));
     }
     fn alloc_block(&mut self) -> Result<u64> {
         self.space.alloc_meta()
@@ -335,7 +352,7 @@ impl NodeIo for ShardIo<'_> {
             (false, true) => MetaNeed::Shrink,
             (false, false) => MetaNeed::Grow,
         };
-        if self.space.can_alloc_meta(blocks, need, self.commit_floor) {
+        if self.space.ensure_meta(blocks, need, self.commit_floor) {
             Ok(())
         } else {
             Err(EngineError::NoSpace)
@@ -438,6 +455,29 @@ impl Filesystem {
                 options.shards
             )));
         }
+        // 1/16 of the region, 8 blocks to 32 MiB; a log 7/8 full makes a commit due, and
+        // the fsync that arrives during a commit waits for it. A cap of 4 MiB committed
+        // every ~800 of RocksDB's synchronous puts on a 1 GiB image (55 commits in 5 s,
+        // each holding one put ~1 ms: p99.9 1.3–1.5 ms); 32 MiB, 7 commits (p99.9 1.0 ms).
+        let log_blocks = (region_blocks / 16).clamp(8, LOG_BLOCKS_MAX);
+        let data_blocks = (region_blocks - log_blocks) * options.shards as u64;
+        let group_blocks = match options.group_blocks {
+            None => Geometry::auto_group_blocks(data_blocks, options.shards),
+            Some(g)
+                if g.is_power_of_two()
+                    && (crate::space::GROUP_BLOCKS_MIN..=crate::space::GROUP_BLOCKS_MAX)
+                        .contains(&g) =>
+            {
+                g
+            }
+            Some(g) => {
+                return Err(EngineError::Invalid(format!(
+                    "block groups of {g} blocks (a power of two from {} to {})",
+                    crate::space::GROUP_BLOCKS_MIN,
+                    crate::space::GROUP_BLOCKS_MAX
+                )))
+            }
+        };
         let sb = Superblock {
             generation: 1,
             total_blocks,
@@ -445,11 +485,8 @@ impl Filesystem {
             region_blocks,
             uuid,
             label: options.label.clone(),
-            // 1/16 of the region, 8 blocks to 32 MiB; a log 7/8 full makes a commit due, and
-            // the fsync that arrives during a commit waits for it. A cap of 4 MiB committed
-            // every ~800 of RocksDB's synchronous puts on a 1 GiB image (55 commits in 5 s,
-            // each holding one put ~1 ms: p99.9 1.3–1.5 ms); 32 MiB, 7 commits (p99.9 1.0 ms).
-            log_blocks: (region_blocks / 16).clamp(8, LOG_BLOCKS_MAX),
+            log_blocks,
+            group_blocks,
             hash_key,
             name_hash_bits: bits,
             shards: vec![ShardRoot::default(); options.shards as usize],
@@ -519,25 +556,58 @@ impl Filesystem {
                 problems.join("; ")
             );
         }
+        // Versions before 5 keep one bitmap item per 4096-block chunk of the shard's own
+        // region: they get the block groups mkfs would give them now (a size that divides
+        // the chunks), each owned by the shard whose chunk marks a block of it, and the
+        // upgrade below rewrites the items.
+        let legacy = best_version < 5;
+        let mut sb = sb;
+        if legacy {
+            sb.group_blocks =
+                Geometry::auto_group_blocks(sb.data_area_blocks(), sb.shards.len() as u32);
+        }
+        let pool = std::sync::Arc::new(Pool::new(Geometry::of(&sb)));
         let mut shards = Vec::with_capacity(sb.shards.len());
         for (id, root) in sb.shards.iter().enumerate() {
             let mut tree = Tree::open(id as u32, root.tree, root.level);
-            let mut space = Space::new(sb.data_start(id as u32), sb.data_blocks());
-            let mut io = ShardIo {
-                dev: &mut *dev,
-                space: &mut space,
-                generation: sb.generation + 1,
-                for_commit: false,
-                commit_floor: 0,
-                fetch: None,
+            let mut space = Space::new(id as u32, pool.clone());
+            let kind = if legacy {
+                ItemKind::SpaceBitmap
+            } else {
+                ItemKind::GroupBitmap
             };
-            let chunks = tree.range(
-                &mut io,
-                Key::new(SPACE_OBJECTID, ItemKind::SpaceBitmap, 0),
-                Key::new(SPACE_OBJECTID, ItemKind::SpaceBitmap, u64::MAX),
-            )?;
-            for (key, bytes) in chunks {
-                space.load_chunk(key.offset, &bytes).map_err(|why| {
+            // The bitmap items are read before the space knows its groups: the root and the
+            // nodes above them are checked against the superblock's pointers (address,
+            // generation, crc), and the groups against each other once all are read.
+            // The bitmap items say which groups the shard owns, so the nodes on the way to them
+            // are checked against the data area only (and against the superblock's pointers:
+            // address, generation, crc); the tree is opened again afterwards, so every node read
+            // later is checked against the groups.
+            space.set_loading(true);
+            let items = {
+                let mut io = ShardIo {
+                    dev: &mut *dev,
+                    space: &mut space,
+                    generation: sb.generation + 1,
+                    for_commit: false,
+                    commit_floor: 0,
+                    fetch: None,
+                };
+                tree.range(
+                    &mut io,
+                    Key::new(SPACE_OBJECTID, kind, 0),
+                    Key::new(SPACE_OBJECTID, kind, u64::MAX),
+                )?
+            };
+            space.set_loading(false);
+            let loaded_items = items.len() as u64;
+            for (key, bytes) in items {
+                let loaded = if legacy {
+                    space.load_legacy_chunk(key.offset, &bytes)
+                } else {
+                    space.load_group(key.offset, &bytes)
+                };
+                loaded.map_err(|why| {
                     EngineError::corrupt(
                         "space bitmap",
                         root.tree.addr,
@@ -545,18 +615,22 @@ impl Filesystem {
                     )
                 })?;
             }
-            space.take_dirty_chunks();
-            if space.allocated_blocks() != root.used_blocks {
+            if space.allocated_blocks() != root.used_blocks
+                || (!legacy && loaded_items != root.groups)
+            {
                 return Err(EngineError::corrupt(
                     "space bitmap",
                     root.tree.addr,
                     format!(
-                        "shard {id} bitmap counts {} blocks, superblock says {}",
+                        "shard {id} bitmap counts {} blocks in {loaded_items} groups, \
+                         superblock says {} in {}",
                         space.allocated_blocks(),
-                        root.used_blocks
+                        root.used_blocks,
+                        root.groups
                     ),
                 ));
             }
+            let mut tree = Tree::open(id as u32, root.tree, root.level);
             tree.record_changes();
             shards.push(Some(Shard {
                 tree,
@@ -569,6 +643,7 @@ impl Filesystem {
             commit: Committer::new(sb.generation + 1, false),
             dev: Box::new(crate::log::inflight::DeviceMux::new(dev)),
             sb,
+            pool,
             shards,
             mode: Mode::Whole,
             failed: None,
@@ -602,7 +677,7 @@ impl Filesystem {
             tracing::info!(
                 from = best_version,
                 to = FORMAT_VERSION,
-                "upgrading the filesystem's format version"
+                "upgrading the filesystem's format version (space bitmaps become block groups)"
             );
             fs.rewrite_ino_counter(0)?;
             fs.commit()?;
@@ -622,6 +697,14 @@ impl Filesystem {
     /// The last durable generation.
     pub fn durable_generation(&self) -> u64 {
         self.sb.generation
+    }
+    /// The newest generation durable and completed: its frees unpinned and the groups it
+    /// gave back in the pool ([`Filesystem::complete_commit`]).
+    pub fn completed_generation(&self) -> u64 {
+        match self.commit.unpin_pending {
+            Some(pending) => pending - 1,
+            None => self.sb.generation,
+        }
     }
     /// The running transaction's generation.
     pub fn generation(&self) -> u64 {
@@ -781,17 +864,12 @@ impl Filesystem {
     }
 
     /// What the next commit may allocate in shard `shard`, which every other allocation
-    /// leaves free: its space bitmap items (every leaf holding them copied, and split), its
-    /// inode counter and the paths to them, and the delayed directory-index items waiting
-    /// for it ([`crate::delayed::DelayedIndex::reserved_blocks`]).
+    /// leaves free, beyond its group bitmap items (which the shard's allocator adds,
+    /// [`Space::bitmap_floor_blocks`]): its inode counter and the paths to them, and the
+    /// delayed directory-index items waiting for it
+    /// ([`crate::delayed::DelayedIndex::reserved_blocks`]).
     pub(crate) fn commit_floor_blocks(&self, shard: u32) -> u64 {
-        let chunks = self
-            .sb
-            .data_blocks()
-            .div_ceil(crate::space::BLOCKS_PER_CHUNK);
-        2 * chunks.div_ceil(7)
-            + 4 * self.tree_op_blocks(shard)
-            + self.namespace.delayed.reserved_blocks(shard)
+        4 * self.tree_op_blocks(shard) + self.namespace.delayed.reserved_blocks(shard)
     }
 
     /// Reserves `needs` for the operation in progress, as changes of kind `need`, in every
@@ -833,14 +911,33 @@ impl Filesystem {
     /// or a bug), the in-memory state is half-changed: the filesystem fails stop, and the
     /// durable state stays intact for a remount. Operations nest: the inner ones run as part
     /// of the outer one.
-    pub(crate) fn run_op<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+    ///
+    /// An operation refused with NoSpace while a commit would give space back (blocks freed
+    /// in the running transaction wait for it, or groups emptied wait to go back to the pool)
+    /// commits and runs once more, on a whole mount; a partition's commit is coordinated, so
+    /// its caller (the reactor) parks the request until one has run
+    /// ([`Filesystem::space_reclaimable`]).
+    pub(crate) fn run_op<T>(&mut self, mut f: impl FnMut(&mut Self) -> Result<T>) -> Result<T> {
         self.check_writable()?;
-        self.op.depth += 1;
-        if self.op.depth > 1 {
+        if self.op.depth > 0 {
+            self.op.depth += 1;
             let result = f(self);
             self.op.depth -= 1;
             return result;
         }
+        match self.run_op_once(&mut f) {
+            Err(EngineError::NoSpace)
+                if !self.mode.is_partitioned() && self.space_reclaimable() =>
+            {
+                self.commit()?;
+                self.run_op_once(&mut f)
+            }
+            other => other,
+        }
+    }
+
+    fn run_op_once<T>(&mut self, f: &mut impl FnMut(&mut Self) -> Result<T>) -> Result<T> {
+        self.op.depth = 1;
         let changes = self.op.changes;
         let result = f(self);
         self.op.depth = 0;
@@ -864,6 +961,34 @@ impl Filesystem {
         }
     }
 
+    /// True when a commit would make space: blocks freed in the running transaction wait
+    /// for it in a shard held here, or some shard owns an emptied group (or gave one back in
+    /// a commit not yet durable) that reaches the pool with it.
+    pub fn space_reclaimable(&self) -> bool {
+        self.pool.reclaimable() || self.held().any(|s| s.space.pinned_block_count() > 0)
+    }
+
+    /// The pool of block groups (shared by every engine of the filesystem).
+    pub fn space_pool(&self) -> std::sync::Arc<Pool> {
+        self.pool.clone()
+    }
+
+    /// What each shard held here owns and uses (`corefs dump`, checkers, tests).
+    pub fn space_report(&self) -> Vec<ShardSpace> {
+        self.shards
+            .iter()
+            .enumerate()
+            .filter_map(|(id, s)| s.as_ref().map(|s| (id as u32, s)))
+            .map(|(shard, s)| ShardSpace {
+                shard,
+                groups: s.space.groups().collect(),
+                owned_blocks: s.space.owned_blocks(),
+                allocated_blocks: s.space.allocated_blocks(),
+                pinned_blocks: s.space.pinned_block_count(),
+            })
+            .collect()
+    }
+
     /// Metadata blocks operations allocated beyond their reservations, over the shards held
     /// (a bug when not 0; the tests check it).
     pub fn reservation_overrun_blocks(&self) -> u64 {
@@ -876,6 +1001,7 @@ impl Filesystem {
     /// free).
     #[doc(hidden)]
     pub fn limit_free_blocks(&mut self, free_blocks: Option<u64>) {
+        self.pool.set_ballast(false);
         for id in 0..self.shards.len() as u32 {
             let floor = self.commit_floor_blocks(id);
             let Some(held) = self.shards[id as usize].as_mut() else {
@@ -883,10 +1009,15 @@ impl Filesystem {
             };
             held.space.set_ballast(0);
             if let Some(limit) = free_blocks {
+                // The shard takes groups until it has the room, then counts the rest as in
+                // use; the pool hands out nothing more.
+                held.space.ensure_meta(limit, MetaNeed::Shrink, floor);
+                let keep = floor + held.space.bitmap_floor_blocks() + limit;
                 let free = held.space.free_blocks();
-                held.space.set_ballast(free.saturating_sub(floor + limit));
+                held.space.set_ballast(free.saturating_sub(keep));
             }
         }
+        self.pool.set_ballast(free_blocks.is_some());
     }
 
     /// Stores a bucket item (names sharing a hash or a parent, xattrs sharing a hash): removed
@@ -959,13 +1090,6 @@ impl Filesystem {
         self.with_tree(shard, false, |tree, io| tree.leaves_holding(io, start, end))
     }
 
-    /// Blocks of shard `shard` freed and waiting for a commit to be reusable.
-    pub(crate) fn pinned_blocks(&self, shard: u32) -> u64 {
-        self.shards[shard as usize]
-            .as_ref()
-            .map_or(0, |s| s.space.pinned_block_count())
-    }
-
     /// Dirty tree nodes in the running transaction, over all shards.
     pub fn dirty_nodes(&self) -> usize {
         self.held().map(|s| s.tree.dirty_nodes()).sum()
@@ -1008,9 +1132,23 @@ impl Filesystem {
         Ok(false)
     }
 
-    /// statfs: sizes in 4 KiB blocks.
+    /// statfs: sizes in 4 KiB blocks. Free is what files could still get: the pool's free
+    /// groups less its reserve, and what each shard's own groups hold beyond its commit floor
+    /// and reserve. A partition counts its shards only ([`Filesystem::statfs_held`]); the
+    /// pool is the whole filesystem's, added once by whoever sums the partitions.
     pub fn statfs(&self) -> StatFs {
-        let total: u64 = self.held().map(|s| s.space.region().1).sum();
+        let mut statfs = self.statfs_held();
+        if !self.mode.is_partitioned() {
+            statfs.total_blocks = self.sb.data_area_blocks();
+            statfs.free_blocks += self.pool.available_blocks();
+            statfs.free_inodes = statfs.free_blocks.saturating_mul(INODES_PER_FREE_BLOCK);
+        }
+        statfs
+    }
+
+    /// The shards held here: their inodes and the free blocks in the groups they own (total 0:
+    /// the device's size is the pool's, [`crate::space::Pool::stats`]).
+    pub fn statfs_held(&self) -> StatFs {
         let free: u64 = self
             .shards
             .iter()
@@ -1020,7 +1158,7 @@ impl Filesystem {
             .sum();
         StatFs {
             block_bytes: BLOCK_BYTES as u32,
-            total_blocks: total,
+            total_blocks: 0,
             free_blocks: free,
             inodes: self.held().map(|s| s.inodes).sum(),
             free_inodes: free.saturating_mul(INODES_PER_FREE_BLOCK),

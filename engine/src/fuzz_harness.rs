@@ -50,6 +50,7 @@ pub fn template() -> &'static [u8] {
             &MkfsOptions {
                 shards: 2,
                 label: "fuzz".into(),
+                ..Default::default()
             },
         )
         .expect("mkfs");

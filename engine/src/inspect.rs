@@ -182,24 +182,28 @@ pub fn format_superblocks(dev: &mut dyn BlockDevice) -> String {
                 let _ = writeln!(
                     out,
                     "superblock copy at block {addr}: generation {} label {:?} uuid {uuid}\n  \
-                     {} blocks of 4 KiB, LBA {} B, {} shards of {} blocks, log {} blocks per shard",
+                     {} blocks of 4 KiB, LBA {} B, {} shards, regions of {} blocks (log {}), \
+                     block groups of {} blocks",
                     sb.generation,
                     sb.label,
                     sb.total_blocks,
                     sb.lba_size_bytes,
                     sb.shards.len(),
                     sb.region_blocks,
-                    sb.log_blocks
+                    sb.log_blocks,
+                    sb.group_blocks
                 );
                 for (i, s) in sb.shards.iter().enumerate() {
                     let _ = writeln!(
                         out,
-                        "  shard {i:>2}: region {:>9}.. root {:>9} gen {:>6} level {} used {} blocks",
+                        "  shard {i:>2}: log {:>9}.. root {:>9} gen {:>6} level {} used {} blocks \
+                         in {} groups",
                         sb.region_start(i as u32),
                         s.tree.addr,
                         s.tree.generation,
                         s.level,
-                        s.used_blocks
+                        s.used_blocks,
+                        s.groups
                     );
                 }
             }
@@ -214,7 +218,17 @@ pub fn format_item(key: &Key, value: &[u8]) -> String {
     let body = match key.kind {
         _ if key.objectid == SPACE_OBJECTID => {
             let used: u32 = value.iter().map(|b| b.count_ones()).sum();
-            format!("space bitmap: {used} of {} blocks in use", value.len() * 8)
+            match key.kind {
+                ItemKind::GroupBitmap => format!(
+                    "block group {}: {used} of {} blocks in use",
+                    key.offset,
+                    value.len() * 8
+                ),
+                _ => format!(
+                    "space bitmap chunk: {used} of {} blocks in use",
+                    value.len() * 8
+                ),
+            }
         }
         _ if key.objectid == INO_COUNTER_OBJECTID => match value.get(..8) {
             Some(b) => format!(

@@ -1,4 +1,4 @@
-//! Deliberate breakages of the fsync log, for checking that the crash tests catch them
+//! Deliberate breakages of the fsync log and the space hand-over, for checking that the crash tests catch them
 //! (mutation testing). Compiled only with the `mutations` cargo feature, which the crash
 //! tester's tests turn on and nothing shipped does (`libcorefs` and the `corefs` tool's
 //! normal build carry none of this: `cargo tree -e features -i corefs-engine` shows the
@@ -36,15 +36,19 @@ pub enum Mutation {
     /// A record is reported durable when its flush is submitted, not when it completes (the
     /// waiter-release guard of the pipeline).
     AckAtFlushSubmit,
+    /// A commit does not record a block group its shard took in the generation (the
+    /// group's bitmap item is never written): the ownership record of a hand-over is lost.
+    DropGroupOwnership,
 }
 
 impl Mutation {
-    pub const ALL: [Mutation; 5] = [
+    pub const ALL: [Mutation; 6] = [
         Mutation::SkipRecordCrc,
         Mutation::ReplayPastGap,
         Mutation::AckBeforeCommit,
         Mutation::NoRelog,
         Mutation::AckAtFlushSubmit,
+        Mutation::DropGroupOwnership,
     ];
 
     /// The name `COREFS_MUTATION` takes.
@@ -55,6 +59,7 @@ impl Mutation {
             Mutation::AckBeforeCommit => "ack-before-commit",
             Mutation::NoRelog => "no-relog",
             Mutation::AckAtFlushSubmit => "ack-at-flush-submit",
+            Mutation::DropGroupOwnership => "drop-group-ownership",
         }
     }
 

@@ -219,6 +219,7 @@ impl Filesystem {
         let mut fs = Filesystem {
             dev: Box::new(crate::log::inflight::DeviceMux::new(dev)),
             sb: like.sb.clone(),
+            pool: like.pool.clone(),
             shards: (0..count).map(|_| None).collect(),
             mode: Mode::Partitioned(PartitionState::default()),
             commit: Committer::new(like.generation, true),
@@ -243,6 +244,7 @@ impl Filesystem {
     pub fn partition_template(&self, stream: u32) -> PartitionTemplate {
         PartitionTemplate {
             sb: self.sb.clone(),
+            pool: self.pool.clone(),
             generation: self.commit.generation,
             options: self.options.clone(),
             stream,
@@ -304,6 +306,8 @@ impl Filesystem {
 #[derive(Clone)]
 pub struct PartitionTemplate {
     pub sb: Superblock,
+    /// The filesystem's one pool of block groups: every partition draws from it.
+    pub pool: std::sync::Arc<crate::space::Pool>,
     pub generation: u64,
     pub options: MountOptions,
     pub stream: u32,

@@ -34,6 +34,7 @@ fn recorded() -> (Vec<u8>, Arc<WriteLog>, Filesystem, u64, u64, Vec<u8>) {
     let options = MkfsOptions {
         shards: 2,
         label: "atomic".into(),
+        ..Default::default()
     };
     let image = image_of(Filesystem::mkfs(Box::new(dev), &options).unwrap());
     let mut fs = mount(&image);

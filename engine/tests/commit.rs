@@ -33,6 +33,7 @@ fn mkfs_mem(bytes: u64, shards: u32) -> MemDevice {
     let options = MkfsOptions {
         shards,
         label: "test".into(),
+        ..Default::default()
     };
     let dev = Filesystem::mkfs(Box::new(dev), &options).unwrap();
     MemDevice::from_image(&image_of(dev), mem_config(bytes)).unwrap()

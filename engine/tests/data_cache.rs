@@ -19,6 +19,7 @@ fn mem() -> Box<dyn BlockDevice> {
     let options = MkfsOptions {
         shards: 2,
         label: "cache".into(),
+        ..Default::default()
     };
     Filesystem::mkfs(Box::new(dev), &options).unwrap()
 }

@@ -27,17 +27,20 @@ fn config(bytes: u64) -> MemConfig {
     }
 }
 
+/// A fresh filesystem; with the full 32-bit name hash its key (which lays out every
+/// directory) comes from the printed seed, so a failure replays with `COREFS_SEED`.
 fn mkfs(bytes: u64, shards: u32, hash_bits: u8) -> Box<dyn BlockDevice> {
     let dev = Box::new(MemDevice::new(config(bytes)).unwrap());
-    Filesystem::mkfs_with_name_hash_bits(
-        dev,
-        &MkfsOptions {
-            shards,
-            label: String::new(),
-        },
-        hash_bits,
-    )
-    .unwrap()
+    let options = MkfsOptions {
+        shards,
+        label: String::new(),
+        ..Default::default()
+    };
+    if hash_bits == 32 {
+        Filesystem::mkfs_seeded(dev, &options, nvme::wrap::seed_from_env()).unwrap()
+    } else {
+        Filesystem::mkfs_with_name_hash_bits(dev, &options, hash_bits).unwrap()
+    }
 }
 
 fn image_of(mut dev: Box<dyn BlockDevice>) -> Vec<u8> {
@@ -600,8 +603,13 @@ fn a_full_filesystem_keeps_committing_and_unmounts() {
             out
         };
         for name in names {
-            fs.unlink(dir, &name)
-                .unwrap_or_else(|e| panic!("unlink in d{i} of a full filesystem: {e}"));
+            fs.unlink(dir, &name).unwrap_or_else(|e| {
+                panic!(
+                    "unlink in d{i} of a full filesystem: {e}\n{:?}\n{:?}",
+                    fs.space_report(),
+                    fs.space_pool().stats()
+                )
+            });
         }
         let root = fs.root();
         fs.rmdir(root, format!("d{i}").as_bytes()).unwrap();

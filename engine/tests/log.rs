@@ -18,6 +18,7 @@ fn fresh(shards: u32) -> Vec<u8> {
     let options = MkfsOptions {
         shards,
         label: "log".into(),
+        ..Default::default()
     };
     image_of(Filesystem::mkfs(Box::new(dev), &options).unwrap())
 }
@@ -1039,68 +1040,6 @@ fn a_small_append_is_a_one_block_record_and_replays_with_its_zero_tail() {
     fs.check().unwrap();
 }
 
-/// Rewrites both superblock copies of `image` to say format version `version`.
-fn with_format_version(image: &[u8], version: u32) -> Vec<u8> {
-    let mut image = image.to_vec();
-    for addr in engine::format::SUPERBLOCK_ADDRS {
-        let at = addr as usize * 4096;
-        let block = &mut image[at..at + 4096];
-        block[12..16].copy_from_slice(&version.to_le_bytes());
-        let crc = engine::format::block_crc(block);
-        block[0..4].copy_from_slice(&crc.to_le_bytes());
-    }
-    image
-}
-
-/// The format version of the newest superblock copy of `image`.
-fn format_version(image: &[u8]) -> u32 {
-    engine::format::SUPERBLOCK_ADDRS
-        .iter()
-        .map(|&addr| &image[addr as usize * 4096..addr as usize * 4096 + 4096])
-        .max_by_key(|b| u64::from_le_bytes(b[16..24].try_into().unwrap()))
-        .map(engine::format::Superblock::version_of)
-        .unwrap()
-}
-
-/// A version 3 filesystem (records differ only in data ops) mounts, and mount marks it
-/// version 4 before anything is logged, so a version 3 corefs refuses it instead of taking a
-/// new record for the log's torn end; its files and its unreplayed records are kept. Versions
-/// this corefs does not read are refused by name.
-#[test]
-fn an_older_format_is_upgraded_at_mount_and_others_are_refused() {
-    let mut fs = mount(&fresh(2));
-    let root = fs.root();
-    let ino = fs.create(root, b"kept", 0o644, 0, 0).unwrap().ino;
-    fs.sync().unwrap();
-    fs.write(ino, 0, &block(3)).unwrap();
-    // Logged under version 3's rules: a whole block (no zero tail to leave out).
-    fs.fsync(ino).unwrap();
-    let image = image_of(fs.into_device());
-    assert_eq!(format_version(&image), engine::format::FORMAT_VERSION);
-    let old = with_format_version(&image, 3);
-
-    let mut fs = mount(&old);
-    assert_eq!(fs.log_stats().replayed_records, 1);
-    assert_eq!(fs.read(ino, 0, 4096).unwrap(), block(3));
-    let upgraded = image_of(fs.into_device());
-    assert_eq!(format_version(&upgraded), engine::format::FORMAT_VERSION);
-    let mut fs = mount(&upgraded);
-    assert_eq!(fs.read(ino, 0, 4096).unwrap(), block(3));
-    fs.check().unwrap();
-
-    for version in [2, engine::format::FORMAT_VERSION + 1] {
-        let dev = MemDevice::from_image(&with_format_version(&image, version), config()).unwrap();
-        let err = Filesystem::mount(Box::new(dev), MountOptions::default())
-            .err()
-            .expect("an unreadable version mounts");
-        assert!(
-            err.to_string()
-                .contains(&format!("format version {version}")),
-            "{err}"
-        );
-    }
-}
-
 /// mkfs gives each shard's log a sixteenth of its region, at most 32 MiB (fewer commits for
 /// a stream of small fsyncs; every fsync arriving during a commit waits for it).
 #[test]
@@ -1118,6 +1057,7 @@ fn mkfs_gives_each_log_a_sixteenth_of_its_region_up_to_32_mib() {
         let options = MkfsOptions {
             shards,
             label: "logsize".into(),
+            ..Default::default()
         };
         let dev = Filesystem::mkfs(Box::new(dev), &options).unwrap();
         let fs = Filesystem::mount(dev, MountOptions::default()).unwrap();

@@ -36,6 +36,7 @@ fn split() -> (Split, Vec<u64>) {
     let options = MkfsOptions {
         shards: 4,
         label: "parts".into(),
+        ..Default::default()
     };
     let dev = Filesystem::mkfs(Box::new(dev), &options).unwrap();
     let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();

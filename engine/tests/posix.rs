@@ -519,6 +519,7 @@ fn fresh(bytes: u64, shards: u32) -> Filesystem {
         &MkfsOptions {
             shards,
             label: String::new(),
+            ..Default::default()
         },
     )
     .unwrap();
@@ -545,6 +546,7 @@ fn model_check(dev: Box<dyn BlockDevice>, rounds: u32, steps: u32, hash_bits: u8
         &MkfsOptions {
             shards: 4,
             label: String::new(),
+            ..Default::default()
         },
         hash_bits,
     )
@@ -1097,6 +1099,7 @@ fn a_directory_holds_any_set_of_names_however_many_share_a_hash() {
         &MkfsOptions {
             shards: 2,
             label: String::new(),
+            ..Default::default()
         },
         2,
     )

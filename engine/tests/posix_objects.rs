@@ -41,6 +41,7 @@ fn fresh_with_bits(bits: u8) -> Filesystem {
         &MkfsOptions {
             shards: 4,
             label: String::new(),
+            ..Default::default()
         },
         bits,
     )

@@ -100,6 +100,7 @@ fn with_file_a() -> (Held, u64) {
     let options = MkfsOptions {
         shards: 2,
         label: "reads".into(),
+        ..Default::default()
     };
     let dev = Filesystem::mkfs(Box::new(dev), &options).unwrap();
     let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
@@ -124,6 +125,7 @@ fn fresh_mem(shards: u32) -> Filesystem {
     let options = MkfsOptions {
         shards,
         label: "reads".into(),
+        ..Default::default()
     };
     let dev = Filesystem::mkfs(Box::new(MemDevice::new(config()).unwrap()), &options).unwrap();
     Filesystem::mount(dev, MountOptions::default()).unwrap()
@@ -481,6 +483,7 @@ fn random_reads_match_the_model_across_split_device_reads_and_rotten_blocks() {
         &MkfsOptions {
             shards: 2,
             label: "model".into(),
+            ..Default::default()
         },
     )
     .unwrap();

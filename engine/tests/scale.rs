@@ -22,6 +22,7 @@ fn fresh(bytes: u64, shards: u32) -> Box<dyn BlockDevice> {
         &MkfsOptions {
             shards,
             label: String::new(),
+            ..Default::default()
         },
     )
     .unwrap()

@@ -19,6 +19,7 @@ fn mount_replay_and_commit_phases_open_spans_with_their_generation() {
     let options = MkfsOptions {
         shards: 2,
         label: "spans".into(),
+        ..Default::default()
     };
     let dev = Filesystem::mkfs(Box::new(dev), &options).unwrap();
     let recorder = SpanRecorder::default();

@@ -10,13 +10,13 @@ use crate::op::{Op, Reply};
 use engine::{EngineError, Filesystem};
 
 /// Runs one engine operation (not fsync, sync or stats, which the batch handles).
-pub(crate) fn execute_on(fs: &mut Filesystem, op: Op) -> Result<Reply, EngineError> {
-    Ok(match op {
-        Op::Resolve { path } => {
-            let ino = fs.resolve(&path)?;
+pub(crate) fn execute_on(fs: &mut Filesystem, op: &Op) -> Result<Reply, EngineError> {
+    Ok(match *op {
+        Op::Resolve { ref path } => {
+            let ino = fs.resolve(path)?;
             Reply::Stat(fs.stat(ino)?)
         }
-        Op::ResolveAt { dir, path } => {
+        Op::ResolveAt { dir, ref path } => {
             let mut ino = dir;
             for part in path.split('/').filter(|p| !p.is_empty()) {
                 ino = fs
@@ -25,68 +25,72 @@ pub(crate) fn execute_on(fs: &mut Filesystem, op: Op) -> Result<Reply, EngineErr
             }
             Reply::Stat(fs.stat(ino)?)
         }
-        Op::Lookup { dir, name } => Reply::Stat(fs.lookup(dir, &name)?),
+        Op::Lookup { dir, ref name } => Reply::Stat(fs.lookup(dir, name)?),
         Op::Create {
             dir,
-            name,
+            ref name,
             mode,
             owner,
-        } => Reply::Stat(fs.create(dir, &name, mode, owner.uid, owner.gid)?),
+        } => Reply::Stat(fs.create(dir, name, mode, owner.uid, owner.gid)?),
         Op::CreateHeld {
             dir,
-            name,
+            ref name,
             mode,
             owner,
         } => {
             // A new inode goes to a shard of the reactor holding `dir` (creates run where
             // their directory is), so its hold is counted where Op::Release will find it.
-            let stat = fs.create(dir, &name, mode, owner.uid, owner.gid)?;
+            let stat = fs.create(dir, name, mode, owner.uid, owner.gid)?;
             fs.hold(stat.ino)?;
             Reply::Stat(stat)
         }
         Op::Mkdir {
             dir,
-            name,
+            ref name,
             mode,
             owner,
-        } => Reply::Stat(fs.mkdir(dir, &name, mode, owner.uid, owner.gid)?),
+        } => Reply::Stat(fs.mkdir(dir, name, mode, owner.uid, owner.gid)?),
         Op::Symlink {
             dir,
-            name,
-            target,
+            ref name,
+            ref target,
             owner,
-        } => Reply::Stat(fs.symlink(dir, &name, &target, owner.uid, owner.gid)?),
+        } => Reply::Stat(fs.symlink(dir, name, target, owner.uid, owner.gid)?),
         Op::Mknod {
             dir,
-            name,
+            ref name,
             mode,
             rdev,
             owner,
-        } => Reply::Stat(fs.mknod(dir, &name, mode, rdev, owner.uid, owner.gid)?),
-        Op::Append { ino, data } => {
-            let (offset, written) = fs.append(ino, &data)?;
+        } => Reply::Stat(fs.mknod(dir, name, mode, rdev, owner.uid, owner.gid)?),
+        Op::Append { ino, ref data } => {
+            let (offset, written) = fs.append(ino, data)?;
             Reply::Appended { offset, written }
         }
         Op::Hold { ino } => fs.hold(ino).map(|()| Reply::Done)?,
         Op::Release { ino } => fs.release(ino).map(|()| Reply::Done)?,
         Op::Readlink { ino } => Reply::Data(fs.readlink(ino)?),
-        Op::Link { ino, dir, name } => Reply::Stat(fs.link(ino, dir, &name)?),
-        Op::Unlink { dir, name } => fs.unlink(dir, &name).map(|()| Reply::Done)?,
-        Op::Rmdir { dir, name } => fs.rmdir(dir, &name).map(|()| Reply::Done)?,
+        Op::Link { ino, dir, ref name } => Reply::Stat(fs.link(ino, dir, name)?),
+        Op::Unlink { dir, ref name } => fs.unlink(dir, name).map(|()| Reply::Done)?,
+        Op::Rmdir { dir, ref name } => fs.rmdir(dir, name).map(|()| Reply::Done)?,
         Op::Rename {
             from_dir,
-            from,
+            ref from,
             to_dir,
-            to,
+            ref to,
             flags,
         } => fs
-            .rename(from_dir, &from, to_dir, &to, flags)
+            .rename(from_dir, from, to_dir, to, flags)
             .map(|()| Reply::Done)?,
         Op::Readdir { dir, cookie, max } => Reply::Entries(fs.readdir(dir, cookie, max)?),
         Op::Stat { ino } => Reply::Stat(fs.stat(ino)?),
         Op::SetAttr { ino, change } => Reply::Stat(fs.setattr(ino, change)?),
         Op::Read { ino, offset, len } => Reply::Data(fs.read(ino, offset, len)?),
-        Op::Write { ino, offset, data } => Reply::Written(fs.write(ino, offset, &data)?),
+        Op::Write {
+            ino,
+            offset,
+            ref data,
+        } => Reply::Written(fs.write(ino, offset, data)?),
         Op::Truncate { ino, size } => fs.truncate(ino, size).map(|()| Reply::Done)?,
         Op::Fallocate {
             ino,
@@ -96,15 +100,13 @@ pub(crate) fn execute_on(fs: &mut Filesystem, op: Op) -> Result<Reply, EngineErr
         } => fs.fallocate(ino, mode, offset, len).map(|()| Reply::Done)?,
         Op::SetXattr {
             ino,
-            name,
-            value,
+            ref name,
+            ref value,
             flags,
-        } => fs
-            .setxattr(ino, &name, &value, flags)
-            .map(|()| Reply::Done)?,
-        Op::GetXattr { ino, name } => Reply::Data(fs.getxattr(ino, &name)?),
+        } => fs.setxattr(ino, name, value, flags).map(|()| Reply::Done)?,
+        Op::GetXattr { ino, ref name } => Reply::Data(fs.getxattr(ino, name)?),
         Op::ListXattr { ino } => Reply::Names(fs.listxattr(ino)?),
-        Op::RemoveXattr { ino, name } => fs.removexattr(ino, &name).map(|()| Reply::Done)?,
+        Op::RemoveXattr { ino, ref name } => fs.removexattr(ino, name).map(|()| Reply::Done)?,
         Op::Statfs => Reply::Statfs(fs.statfs()),
         Op::Fsync { .. } | Op::Fdatasync { .. } | Op::WriteAtomic { .. } | Op::Sync | Op::Stats => {
             return Err(EngineError::Invalid(

@@ -40,6 +40,11 @@ use std::sync::Arc;
 /// Parks of one request before it runs without deferring.
 pub(crate) const ROUNDS_MAX: u8 = 4;
 
+/// Commits a request refused for space waits for before its ENOSPC is final: groups a
+/// commit gives back reach the pool when the partition that gave them unpins, which may come
+/// a round after this reactor's.
+pub(crate) const SPACE_ROUNDS_MAX: u8 = 3;
+
 /// A client, by its reply queue's address.
 type ClientKey = usize;
 
@@ -73,10 +78,15 @@ pub(crate) struct MetaWaits {
     /// Clients whose fsync or write waits for a due commit to start
     /// ([`MetaWaits::park_for_commit`]).
     barrier: Vec<ClientKey>,
+    /// Clients whose request waits for space a commit gives back, with the generation that
+    /// commit must complete ([`MetaWaits::park_for_space`]), and each request's waits.
+    space: Vec<(ClientKey, u64)>,
+    space_rounds: HashMap<(ClientKey, u64), u8>,
     /// Requests parked so far, for nodes, for staging room and for a commit's start.
     pub parks: u64,
     pub room_parks: u64,
     pub barrier_parks: u64,
+    pub space_parks: u64,
 }
 
 impl MetaWaits {
@@ -179,6 +189,53 @@ impl MetaWaits {
         self.barrier.push(client);
     }
 
+    /// True when `request`, refused for space, may wait for a commit again
+    /// ([`SPACE_ROUNDS_MAX`]).
+    pub fn may_wait_for_space(&self, request: &Request) -> bool {
+        self.space_rounds
+            .get(&(client_of(&request.reply), request.token))
+            .is_none_or(|&r| r < SPACE_ROUNDS_MAX)
+    }
+
+    /// Parks `request`, refused for space that a commit would give back, until generation
+    /// `generation` is committed and its frees and groups are back ([`MetaWaits::space_made`]).
+    /// Its client's later requests wait behind it.
+    pub fn park_for_space(&mut self, request: Request, generation: u64) {
+        self.space_parks += 1;
+        *self
+            .space_rounds
+            .entry((client_of(&request.reply), request.token))
+            .or_default() += 1;
+        let client = self.block(request);
+        self.space.push((client, generation));
+    }
+
+    /// `request` ran to its answer: forgets its waits for space.
+    pub fn done_with_space(&mut self, request: &Request) {
+        if !self.space_rounds.is_empty() {
+            self.space_rounds
+                .remove(&(client_of(&request.reply), request.token));
+        }
+    }
+
+    /// The newest generation a request waits to see completed, if any waits for space.
+    pub fn space_wanted(&self) -> Option<u64> {
+        self.space.iter().map(|&(_, g)| g).max()
+    }
+
+    /// Generations up to `completed` are committed and unpinned: the requests that waited
+    /// for them run again, in order.
+    pub fn space_made(&mut self, completed: u64) {
+        if self.space.is_empty() {
+            return;
+        }
+        let (ready, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.space)
+            .into_iter()
+            .partition(|&(_, g)| g <= completed);
+        self.space = waiting;
+        self.resume(ready.into_iter().map(|(c, _)| c).collect());
+    }
+
     /// The due commit started: the requests parked for it run again, in order.
     pub fn commit_started(&mut self) {
         let clients = std::mem::take(&mut self.barrier);
@@ -251,9 +308,7 @@ fn probe(fs: &mut Filesystem, op: &Op) -> Deferred<Option<Result<Reply, EngineEr
         | Op::Readdir { .. }
         | Op::Stat { .. }
         | Op::GetXattr { .. }
-        | Op::ListXattr { .. } => {
-            fs.without_waiting(|fs| Some(crate::execute::execute_on(fs, op.clone())))
-        }
+        | Op::ListXattr { .. } => fs.without_waiting(|fs| Some(crate::execute::execute_on(fs, op))),
         Op::Create { dir, name, .. }
         | Op::CreateHeld { dir, name, .. }
         | Op::Mkdir { dir, name, .. }

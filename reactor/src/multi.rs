@@ -53,16 +53,24 @@ use std::time::{Duration, Instant};
 pub(crate) struct Router {
     pub reactors: Vec<Arc<Shared>>,
     pub shard_count: u32,
+    /// The filesystem's pool of block groups (several reactors: statfs adds its free groups
+    /// once to what the reactors publish of their shards).
+    pub pool: Option<Arc<engine::space::Pool>>,
     /// Set once, when a reactor or the coordinator panics: the whole runtime has failed
     /// ([`crate::runtime`]'s `serve` module says why and what each thread then does).
     failure: std::sync::OnceLock<EngineError>,
 }
 
 impl Router {
-    pub fn new(reactors: Vec<Arc<Shared>>, shard_count: u32) -> Router {
+    pub fn new(
+        reactors: Vec<Arc<Shared>>,
+        shard_count: u32,
+        pool: Option<Arc<engine::space::Pool>>,
+    ) -> Router {
         Router {
             reactors,
             shard_count,
+            pool,
             failure: std::sync::OnceLock::new(),
         }
     }
@@ -342,7 +350,8 @@ fn resolve_plan(
     }
 }
 
-/// statfs over every reactor's published figures.
+/// statfs over every reactor's published figures (the free blocks in the groups their
+/// shards own) and the pool's free groups.
 fn statfs(router: &Router) -> engine::fs::StatFs {
     let mut total = 0;
     let mut free = 0;
@@ -351,6 +360,10 @@ fn statfs(router: &Router) -> engine::fs::StatFs {
         total += r.total_blocks.load(Ordering::Relaxed);
         free += r.free_blocks.load(Ordering::Relaxed);
         inodes += r.inodes.load(Ordering::Relaxed);
+    }
+    if let Some(pool) = &router.pool {
+        total += pool.geometry().data_blocks();
+        free += pool.available_blocks();
     }
     engine::fs::StatFs {
         block_bytes: engine::format::BLOCK_BYTES as u32,
@@ -515,7 +528,7 @@ impl Coordinator {
                 ToCoordinator::CommitRequest => {
                     let _ = self.commit_all();
                 }
-                ToCoordinator::Span(request, place) => self.span(*request, place),
+                ToCoordinator::Span(request, place) => self.span(*request, place, false),
                 ToCoordinator::Stats(request) => self.stats(*request),
                 ToCoordinator::Drained(r) => {
                     self.drained[r] = true;
@@ -597,7 +610,7 @@ impl Coordinator {
     }
 
     /// Runs a request spanning reactors with every shard lent here.
-    fn span(&mut self, request: Request, place: Option<u32>) {
+    fn span(&mut self, request: Request, place: Option<u32>, retried: bool) {
         self.serving = Some((request.reply.clone(), request.token));
         self.broadcast(|| Control::Lend);
         let n = self.to_reactors.len();
@@ -632,10 +645,15 @@ impl Coordinator {
                 if let Some(shard) = place {
                     self.fs.place_next(shard);
                 }
-                execute_on(&mut self.fs, op.clone())
+                execute_on(&mut self.fs, &op)
             }
         };
         let needs_commit = result.is_ok() && renamed_a_directory(&mut self.fs, &op);
+        // Refused for space a commit gives back (frees pinned in the shards it held, groups
+        // emptied anywhere): once more after a coordinated commit, whose unpinning every
+        // partition finishes before it lends its shards again.
+        let retry_for_space =
+            !retried && matches!(result, Err(EngineError::NoSpace)) && self.fs.space_reclaimable();
         self.fs.mark_cross();
         for (r, ids) in lent {
             match self.fs.take_shards(&ids) {
@@ -646,9 +664,11 @@ impl Coordinator {
                 }
             }
         }
-        if needs_commit {
+        if needs_commit || retry_for_space {
             if let Err(e) = self.commit_all() {
                 result = Err(e);
+            } else if retry_for_space {
+                return self.span(request, place, true);
             }
         }
         self.answer(request, result);

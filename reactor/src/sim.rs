@@ -85,6 +85,10 @@ pub struct SimOutcome {
     pub readdirs_verified: u64,
     /// Tree nodes read ahead of a walk ([`engine::FetchStats::blocks_ahead`]).
     pub nodes_read_ahead: u64,
+    /// Block groups shards took from the pool and gave back to it (the image has small
+    /// groups, [`GROUP_BLOCKS`], so the seeded faults land around hand-overs too).
+    pub groups_taken: u64,
+    pub groups_returned: u64,
 }
 
 impl SimOutcome {
@@ -104,10 +108,16 @@ impl SimOutcome {
         self.room_parks += run.room_parks;
         self.readdirs_verified += run.readdirs_verified;
         self.nodes_read_ahead += run.nodes_read_ahead;
+        self.groups_taken += run.groups_taken;
+        self.groups_returned += run.groups_returned;
     }
 }
 
 const CAPACITY: u64 = 32 << 20;
+
+/// Block groups of the simulated image: 64 KiB, so clients' writes take groups from the pool
+/// and deletes give them back all through a run.
+pub const GROUP_BLOCKS: u64 = 16;
 const FILES: usize = 2;
 /// Files made before the run on odd seeds, so that the trees outgrow the small cache.
 const FILLER_FILES: usize = 1500;
@@ -185,6 +195,7 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
         &MkfsOptions {
             shards: 4,
             label: "sim".into(),
+            group_blocks: Some(GROUP_BLOCKS),
         },
         seed,
     )
@@ -244,7 +255,7 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
     let mut clients: Vec<SimClient> = (0..config.clients)
         .map(|_| SimClient {
             client: Client::new(
-                Arc::new(crate::multi::Router::new(vec![shared.clone()], 0)),
+                Arc::new(crate::multi::Router::new(vec![shared.clone()], 0, None)),
                 4,
             ),
             inos: Vec::new(),
@@ -429,6 +440,9 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
     outcome.meta_parks = reactor.meta.parks;
     outcome.room_parks = reactor.meta.room_parks;
     outcome.nodes_read_ahead = reactor.fetch_stats().blocks_ahead;
+    let pool = reactor.space_pool().stats();
+    outcome.groups_taken = pool.taken;
+    outcome.groups_returned = pool.returned;
     // A healthy filesystem commits at unmount; on a faulty device that commit may itself
     // meet an injected error, which must then be reported, as it is here.
     match reactor.unmount() {

@@ -19,6 +19,7 @@ fn config(dir: &tempfile::TempDir, reactors: usize) -> Config {
         mkfs: Some(MkfsOptions {
             shards: SHARDS,
             label: "no-crash".into(),
+            ..Default::default()
         }),
         idle: IdlePolicy::default(),
         ..Default::default()

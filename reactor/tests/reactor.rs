@@ -26,6 +26,7 @@ fn file_config_n(dir: &tempfile::TempDir, idle: IdlePolicy, reactors: usize) -> 
         mkfs: Some(MkfsOptions {
             shards: 8,
             label: "reactor".into(),
+            ..Default::default()
         }),
         idle,
         ..Default::default()
@@ -82,6 +83,7 @@ fn formatted_mem(
         &MkfsOptions {
             shards,
             label: "reactor".into(),
+            ..Default::default()
         },
     )
     .unwrap();
@@ -1066,6 +1068,7 @@ fn recorded_runtime(
         &MkfsOptions {
             shards: 4,
             label: label.into(),
+            ..Default::default()
         },
     )
     .unwrap();

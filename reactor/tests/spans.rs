@@ -20,6 +20,7 @@ fn an_fsync_group_opens_a_span_with_its_size() {
         mkfs: Some(MkfsOptions {
             shards: 4,
             label: "spans".into(),
+            ..Default::default()
         }),
         ..Default::default()
     })

@@ -180,6 +180,7 @@ impl CorefsTarget {
             mkfs: mkfs.then(|| MkfsOptions {
                 shards: self.shards,
                 label: "bench".into(),
+                ..Default::default()
             }),
             idle: match self.placement {
                 Placement::Dedicated { .. } => IdlePolicy::BusyPoll,

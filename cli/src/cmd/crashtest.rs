@@ -107,6 +107,12 @@ pub fn run(args: Args) -> Result<(), String> {
         outcome.fallback_commits,
         outcome.writeback_bytes >> 10
     );
+    println!(
+        "crashtest: block groups of {} blocks: {} taken from the pool, {} given back (engine schedules)",
+        crashtest::GROUP_BLOCKS,
+        outcome.groups_taken,
+        outcome.groups_returned
+    );
     Ok(())
 }
 

@@ -27,7 +27,11 @@ pub fn run(args: Args) -> Result<(), String> {
     } = args;
     let dev = open(&device, size)?;
     let bytes = dev.info().capacity_bytes();
-    let options = engine::MkfsOptions { shards, label };
+    let options = engine::MkfsOptions {
+        shards,
+        label,
+        ..Default::default()
+    };
     let dev = engine::Filesystem::mkfs(dev, &options).map_err(|e| e.to_string())?;
     let mut fs = engine::Filesystem::mount(dev, Default::default()).map_err(|e| e.to_string())?;
     // The root directory belongs to whoever makes the filesystem, as mke2fs does: a user who

@@ -56,8 +56,8 @@ pub fn run(args: Args) -> Result<(), String> {
         "sim: {seeds} seeds, 0 violations: {} batches, {} fsyncs acknowledged, {} failed under \
          {} injected device errors ({} runs failed stop), {} reads verified, {} reads \
          failed (detected), {} rewrites acknowledged, {} listings verified, {} requests parked for \
-         metadata, {} tree nodes read ahead, {} writes parked for staging room, {} crash states \
-         checked, {:.1} s",
+         metadata, {} tree nodes read ahead, {} writes parked for staging room, {} block groups \
+         taken and {} given back, {} crash states checked, {:.1} s",
         total.batches,
         total.fsyncs_acknowledged,
         total.fsyncs_failed,
@@ -70,6 +70,8 @@ pub fn run(args: Args) -> Result<(), String> {
         total.meta_parks,
         total.nodes_read_ahead,
         total.room_parks,
+        total.groups_taken,
+        total.groups_returned,
         total.crash_states,
         started.elapsed().as_secs_f64()
     );

@@ -20,10 +20,15 @@ pub enum ItemKind {
     ExtentData = 108,
     SymlinkTarget = 110,
     ExtentCsum = 128,
+    /// (1, SpaceBitmap, chunk): versions 3 and 4 only, one per 4096-block chunk of the
+    /// shard's own region. Read (and replaced by group bitmaps) when mount upgrades them.
     SpaceBitmap = 200,
     /// (ORPHAN_OBJECTID, OrphanIndex, ino), in the inode's shard: where mount finds the
     /// orphans to delete. Persisted by commits; replay rebuilds it from the marks it applies.
     OrphanIndex = 201,
+    /// (1, GroupBitmap, group): the shard owns block group `group`; one bit per block of it,
+    /// 1 = allocated ([`crate::space`]).
+    GroupBitmap = 202,
     /// Keys used by tests of the tree alone.
     Test = 255,
 }
@@ -43,6 +48,7 @@ impl ItemKind {
             128 => ItemKind::ExtentCsum,
             200 => ItemKind::SpaceBitmap,
             201 => ItemKind::OrphanIndex,
+            202 => ItemKind::GroupBitmap,
             255 => ItemKind::Test,
             _ => return None,
         })

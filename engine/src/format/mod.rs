@@ -1,4 +1,4 @@
-//! The on-disk format, version 3. Every integer on disk is fixed-width little-endian; every
+//! The on-disk format, version 5. Every integer on disk is fixed-width little-endian; every
 //! block carries a crc32c; every pointer to a block carries the block's address, generation and
 //! crc32c, so a reader detects bit rot, torn writes, lost writes and misdirected writes before
 //! it uses a byte (see docs/on-disk-format.md).
@@ -7,7 +7,8 @@
 //! - blocks 0 and 1: superblock copies, written alternately (commit N writes copy N % 2), so a
 //!   torn superblock write always leaves the previous generation intact;
 //! - blocks 2..: one equal region per shard: first the shard's fsync log area
-//!   ([`crate::log`]), then the blocks its allocator hands out for tree nodes and data extents.
+//!   ([`crate::log`]), then block groups, each owned by one shard at a time or free
+//!   ([`crate::space`]): any shard's tree nodes and data extents may live in any region.
 
 pub mod items;
 pub mod key;
@@ -22,12 +23,14 @@ pub use superblock::{ShardRoot, Superblock};
 pub const BLOCK_BYTES: usize = 4096;
 /// Version 2 added the per-shard fsync log area; version 3 places names with a keyed hash
 /// and chains the items of names sharing a hash; version 4 lets a log record carry a data
-/// block without its zero tail (`crate::log::record`).
-pub const FORMAT_VERSION: u32 = 4;
-/// The oldest version mount reads: a version 3 filesystem differs only in its log records,
-/// and mount commits at once to mark it version 4 before any record of the new kind is
-/// written (a version 3 corefs then refuses it, instead of taking such a record for the
-/// log's torn end).
+/// block without its zero tail (`crate::log::record`); version 5 turns the fixed shard
+/// regions into block groups that move between shards (`crate::space`).
+pub const FORMAT_VERSION: u32 = 5;
+/// The oldest version mount reads. Versions 3 and 4 differ in their log records and their
+/// space bitmap (one item per 4096-block chunk of a shard's own region); mount reads their
+/// chunks as groups of 4096 blocks and commits at once, rewriting them as group items and
+/// marking the filesystem version 5, before anything is logged (an older corefs then
+/// refuses it, instead of taking a record of a newer kind for the log's torn end).
 pub const FORMAT_VERSION_OLDEST: u32 = 3;
 /// Superblock copies live in these blocks.
 pub const SUPERBLOCK_ADDRS: [u64; 2] = [0, 1];

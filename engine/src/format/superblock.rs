@@ -3,9 +3,9 @@
 //! Layout: crc32c u32 (of bytes 4..4096) | magic u64 `CoreFSsb` | format version u32 |
 //! generation u64 | total blocks u64 | device LBA size u32 | shard count u32 | blocks per shard
 //! region u64 | uuid [16] | label [32] | log blocks per shard u64 | name hash key [16] | name
-//! hash bits u8 | 7 reserved | shard roots from byte 128, 48 bytes each:
-//! tree pointer (address u64, generation u64, crc32c u32) | tree level u8 | 3 reserved |
-//! used blocks u64 | inodes u64 | 8 reserved.
+//! hash bits u8 | 3 reserved | blocks per group u32 (version 5) | shard roots from byte 128,
+//! 48 bytes each: tree pointer (address u64, generation u64, crc32c u32) | tree level u8 |
+//! 3 reserved | used blocks u64 | inodes u64 | groups owned u32 (version 5) | 4 reserved.
 //!
 //! Decoding validates every field against the others (sizes, region bounds, levels) so that a
 //! corrupt superblock is reported by name and never trusted.
@@ -29,10 +29,13 @@ pub struct ShardRoot {
     /// Root of the shard's tree; address 0 means an empty tree (block 0 is never a node).
     pub tree: BlockPtr,
     pub level: u8,
-    /// Blocks of the shard's region in use (tree nodes and data).
+    /// Blocks the shard uses (tree nodes and data), in the groups it owns.
     pub used_blocks: u64,
     /// Inodes living in the shard (statfs's inode figures).
     pub inodes: u64,
+    /// Block groups the shard owns ([`crate::space`]): the bitmap items in its tree. Format
+    /// version 5; mount does not check it for older ones (0).
+    pub groups: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,8 +47,11 @@ pub struct Superblock {
     pub uuid: [u8; 16],
     pub label: String,
     /// The first blocks of every shard region are the shard's fsync log ([`crate::log`]); the
-    /// allocator owns the rest.
+    /// rest is cut into block groups that any shard may own ([`crate::space`]).
     pub log_blocks: u64,
+    /// Blocks per block group: a power of two from 8 to 4096 (4096 for filesystems made
+    /// before version 5, whose bitmap chunks are exactly these groups).
+    pub group_blocks: u64,
     /// The key of the hash that places names in directory and xattr items (random per
     /// filesystem, [`super::items::NameHasher`]), and how many bits of it are used: 32, or
     /// fewer when a test formats a filesystem whose names collide often.
@@ -72,19 +78,14 @@ impl Superblock {
         self.region_start(shard) + (generation % 2) * self.log_half_blocks()
     }
 
-    /// The shard whose region holds `block` (a block at or after the first region).
-    pub fn shard_of_block(&self, block: u64) -> u32 {
-        ((block - FIRST_REGION_BLOCK) / self.region_blocks) as u32
-    }
-
-    /// The first block the allocator of shard `shard` may hand out (after its log area).
-    pub fn data_start(&self, shard: u32) -> u64 {
-        self.region_start(shard) + self.log_blocks
-    }
-
-    /// Blocks of each shard region the allocator owns.
+    /// Blocks of each shard region after its log area: the region's block groups.
     pub fn data_blocks(&self) -> u64 {
         self.region_blocks - self.log_blocks
+    }
+
+    /// Blocks in every block group together: what files and trees may use.
+    pub fn data_area_blocks(&self) -> u64 {
+        self.shards.len() as u64 * self.data_blocks()
     }
 
     /// The hash placing names in this filesystem's directory and xattr items.
@@ -108,12 +109,14 @@ impl Superblock {
         b[96..104].copy_from_slice(&self.log_blocks.to_le_bytes());
         b[104..120].copy_from_slice(&self.hash_key);
         b[120] = self.name_hash_bits;
+        b[124..128].copy_from_slice(&(self.group_blocks as u32).to_le_bytes());
         for (i, shard) in self.shards.iter().enumerate() {
             let at = SHARD_ROOTS_AT + i * SHARD_ROOT_BYTES;
             shard.tree.encode(&mut b[at..]);
             b[at + 20] = shard.level;
             b[at + 24..at + 32].copy_from_slice(&shard.used_blocks.to_le_bytes());
             b[at + 32..at + 40].copy_from_slice(&shard.inodes.to_le_bytes());
+            b[at + 40..at + 44].copy_from_slice(&(shard.groups as u32).to_le_bytes());
         }
         let crc = block_crc(&b);
         b[0..4].copy_from_slice(&crc.to_le_bytes());
@@ -191,6 +194,19 @@ impl Superblock {
         if !(1..=32).contains(&name_hash_bits) {
             return Err(format!("name hash of {name_hash_bits} bits"));
         }
+        // Version 5 cuts the data area into groups of a size mkfs chose; older versions
+        // are read as groups of their bitmap chunks' size.
+        let group_blocks = if version >= 5 {
+            le_u32(b, 124) as u64
+        } else {
+            crate::space::GROUP_BLOCKS_MAX
+        };
+        if !group_blocks.is_power_of_two()
+            || !(crate::space::GROUP_BLOCKS_MIN..=crate::space::GROUP_BLOCKS_MAX)
+                .contains(&group_blocks)
+        {
+            return Err(format!("block groups of {group_blocks} blocks"));
+        }
         let label_bytes = &b[64..96];
         let label_len = label_bytes.iter().position(|&c| c == 0).unwrap_or(32);
         let label = String::from_utf8(label_bytes[..label_len].to_vec())
@@ -203,9 +219,18 @@ impl Superblock {
             uuid: b[48..64].try_into().expect("16 bytes"),
             label,
             log_blocks,
+            group_blocks,
             hash_key: b[104..120].try_into().expect("16 bytes"),
             name_hash_bits,
             shards: Vec::with_capacity(shard_count as usize),
+        };
+        let data_blocks = shard_count as u64 * sb.data_blocks();
+        let geo = crate::space::Geometry {
+            shards: shard_count,
+            region_blocks,
+            log_blocks,
+            group_blocks,
+            groups_per_region: sb.data_blocks().div_ceil(group_blocks),
         };
         for i in 0..shard_count {
             let at = SHARD_ROOTS_AT + i as usize * SHARD_ROOT_BYTES;
@@ -214,17 +239,22 @@ impl Superblock {
                 level: b[at + 20],
                 used_blocks: le_u64(b, at + 24),
                 inodes: le_u64(b, at + 32),
+                groups: if version >= 5 {
+                    le_u32(b, at + 40) as u64
+                } else {
+                    0
+                },
             };
-            let (start, end) = (sb.data_start(i), sb.region_start(i) + region_blocks);
-            if root.tree.addr != 0 && !(start..end).contains(&root.tree.addr) {
+            if root.tree.addr != 0 && geo.group_of(root.tree.addr).is_none() {
                 return Err(format!(
-                    "shard {i} root at block {} is outside its region",
+                    "shard {i} root at block {} is outside the block groups",
                     root.tree.addr
                 ));
             }
             if root.tree.generation > generation
                 || root.level > MAX_LEVEL
-                || root.used_blocks > region_blocks
+                || root.used_blocks > data_blocks
+                || root.groups > geo.group_count()
             {
                 return Err(format!("shard {i} root is impossible: {root:?}"));
             }
@@ -247,6 +277,7 @@ mod tests {
             uuid: [7; 16],
             label: "data".into(),
             log_blocks: 16,
+            group_blocks: 64,
             hash_key: [3; 16],
             name_hash_bits: 32,
             shards: (0..4)
@@ -259,6 +290,7 @@ mod tests {
                     level: 1,
                     used_blocks: 10,
                     inodes: 3,
+                    groups: 2,
                 })
                 .collect(),
         }
@@ -284,7 +316,20 @@ mod tests {
         bad.shards[2].tree.addr = 1;
         assert!(Superblock::decode(&bad.encode(), 10_000)
             .unwrap_err()
-            .contains("outside its region"));
+            .contains("outside the block groups"));
+        let mut bad = sample();
+        bad.shards[2].tree.addr = 2 + 1000 * 2 + 3;
+        assert!(
+            Superblock::decode(&bad.encode(), 10_000)
+                .unwrap_err()
+                .contains("outside the block groups"),
+            "a log block"
+        );
+        let mut bad = sample();
+        bad.group_blocks = 48;
+        assert!(Superblock::decode(&bad.encode(), 10_000)
+            .unwrap_err()
+            .contains("block groups of 48"));
         let mut bad = sample();
         bad.region_blocks = 5000;
         assert!(Superblock::decode(&bad.encode(), 10_000)

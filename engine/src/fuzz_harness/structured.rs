@@ -87,6 +87,7 @@ fn template() -> &'static Template {
             &MkfsOptions {
                 shards: 2,
                 label: "structured".into(),
+                ..Default::default()
             },
             32,
             [0x5e; 16],
@@ -332,7 +333,7 @@ fn put_u64(b: &mut [u8], at: usize, v: u64) {
 
 /// A key kind byte: mostly a known one, sometimes anything.
 fn kind_byte(input: &mut Input) -> u8 {
-    const KNOWN: [ItemKind; 10] = [
+    const KNOWN: [ItemKind; 11] = [
         ItemKind::InodeItem,
         ItemKind::InodeRef,
         ItemKind::XattrItem,
@@ -342,6 +343,7 @@ fn kind_byte(input: &mut Input) -> u8 {
         ItemKind::SymlinkTarget,
         ItemKind::ExtentCsum,
         ItemKind::SpaceBitmap,
+        ItemKind::GroupBitmap,
         ItemKind::Test,
     ];
     let pick = input.u8() as usize;
@@ -397,7 +399,7 @@ fn mutate_item(input: &mut Input, kind: u8, value: &mut [u8]) {
             &[(0, 8), (8, 1), (9, 2), (9, 2), (11, 1)]
         }
         Some(ItemKind::XattrItem) => &[(0, 2), (2, 2), (4, 1)],
-        Some(ItemKind::SpaceBitmap) => {
+        Some(ItemKind::SpaceBitmap | ItemKind::GroupBitmap) => {
             let set: Vec<usize> = (0..value.len() * 8)
                 .filter(|&bit| value[bit / 8] & (1 << (bit % 8)) != 0)
                 .collect();

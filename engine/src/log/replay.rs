@@ -24,9 +24,9 @@
 use super::record::{decode_header, decode_record, LogOp};
 use crate::error::{EngineError, Result};
 use crate::format::items::{decode_names, decode_xattrs, ExtentItem, InodeItem, MAX_INO};
-use crate::format::{ItemKind, Key, BLOCK_BYTES, FIRST_REGION_BLOCK};
+use crate::format::{ItemKind, Key, BLOCK_BYTES};
 use crate::fs::{block_lba, read_block, Filesystem, FIRST_INODE};
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 /// A validated record.
 struct Found {
@@ -190,13 +190,8 @@ impl Filesystem {
                 LogOp::Put(key, value) => (key, Some(value)),
                 LogOp::Delete(key) => (key, None),
                 LogOp::Data(block, _) => {
-                    let inside = *block >= FIRST_REGION_BLOCK && {
-                        let shard = self.sb.shard_of_block(*block);
-                        (shard as usize) < self.shards.len()
-                            && self.shard_space(shard).contains(*block, 1)
-                    };
-                    if !inside {
-                        return Some(format!("data for block {block}, outside every data region"));
+                    if self.pool.geometry().group_of(*block).is_none() {
+                        return Some(format!("data for block {block}, outside the block groups"));
                     }
                     continue;
                 }
@@ -215,17 +210,8 @@ impl Filesystem {
                 ItemKind::SymlinkTarget | ItemKind::XattrValue if !value.is_empty() => Ok(()),
                 ItemKind::OrphanMark if key.offset == 0 => Ok(()),
                 ItemKind::ExtentData if key.offset % BLOCK_BYTES as u64 == 0 => {
-                    ExtentItem::decode(value).and_then(|item| {
-                        let space = self.shard_space(self.shard_of(ino));
-                        if space.contains(item.disk_block, item.blocks as u64) {
-                            Ok(())
-                        } else {
-                            Err(format!(
-                                "blocks {}+{} outside the shard's data region",
-                                item.disk_block, item.blocks
-                            ))
-                        }
-                    })
+                    ExtentItem::decode(value)
+                        .and_then(|item| self.placeable(ino, item.disk_block, item.blocks as u64))
                 }
                 _ => Err("a kind or place the log never writes".into()),
             };
@@ -236,12 +222,29 @@ impl Filesystem {
         None
     }
 
-    /// The allocator of shard `shard`, which a whole-filesystem mount (replay) holds.
-    fn shard_space(&self, shard: u32) -> &crate::space::Space {
-        &self.shards[shard as usize]
-            .as_ref()
-            .expect("a whole-filesystem mount holds every shard")
-            .space
+    /// Why inode `ino`'s extent could not lie at blocks `addr..addr + len`, if it could
+    /// not: outside the block groups, or in a group another shard owns. A group no shard
+    /// owns in the durable state is one the inode's shard took in the running transaction
+    /// (a group given back reaches the pool only once that is durable, [`crate::space`]).
+    fn placeable(&self, ino: u64, addr: u64, len: u64) -> std::result::Result<(), String> {
+        let geo = self.pool.geometry();
+        if !geo.in_data_area(addr, len) {
+            return Err(format!("blocks {addr}+{len} outside the block groups"));
+        }
+        let shard = self.shard_of(ino);
+        let (first, last) = (
+            geo.group_of(addr).expect("in the data area"),
+            geo.group_of(addr + len - 1).expect("in the data area"),
+        );
+        for group in first..=last {
+            if let Some(owner) = self.pool.owner_of(group).filter(|&o| o != shard) {
+                return Err(format!(
+                    "blocks {addr}+{len} of shard {shard}'s inode in group {group}, which shard \
+                     {owner} owns"
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Why a record's data is not what it says, if it is not: checks the crc32c of every block
@@ -288,30 +291,22 @@ impl Filesystem {
     }
 
     fn check_in_region(&self, ino: u64, disk_block: u64, blocks: u64) -> Result<()> {
-        if !self
-            .shard_space(self.shard_of(ino))
-            .contains(disk_block, blocks)
-        {
-            return Err(EngineError::corrupt(
-                "logged extent",
-                ino,
-                format!("blocks {disk_block}+{blocks} are outside the shard's data region"),
-            ));
-        }
-        Ok(())
+        self.placeable(ino, disk_block, blocks)
+            .map_err(|why| EngineError::corrupt("logged extent", ino, why))
     }
 
-    /// The data blocks the extent at `key` references now; they must be allocated (replay
-    /// frees those no extent references afterwards).
-    fn extent_blocks(&mut self, key: &Key, out: &mut BTreeSet<u64>) -> Result<()> {
+    /// The data blocks the extent at `key` references now, with the shard whose groups hold
+    /// them; they must be allocated (replay frees those no extent references afterwards).
+    fn extent_blocks(&mut self, key: &Key, out: &mut BTreeMap<u64, u32>) -> Result<()> {
         let shard = self.shard_of(key.objectid);
         if let Some(value) = self.with_tree(shard, false, |tree, io| tree.get(io, key))? {
             let item = ExtentItem::decode(&value)
                 .map_err(|why| EngineError::corrupt_inode("extent item", key.objectid, why))?;
-            self.shard_space(shard)
+            self.shard_mut(shard)
+                .space
                 .check_allocated(item.disk_block, item.blocks as u64)
                 .map_err(|why| EngineError::corrupt_inode("extent item", key.objectid, why))?;
-            out.extend(item.disk_block..item.disk_block + item.blocks as u64);
+            out.extend((item.disk_block..item.disk_block + item.blocks as u64).map(|b| (b, shard)));
         }
         Ok(())
     }
@@ -326,11 +321,11 @@ impl Filesystem {
         // Blocks the durable extents of the changed keys hold, and blocks the records'
         // extents reference: the latter are claimed before any tree change allocates, so no
         // node lands on a block a record still needs.
-        let mut before = BTreeSet::new();
+        let mut before = BTreeMap::new();
         for key in &extent_keys {
             self.extent_blocks(key, &mut before)?;
         }
-        let mut referenced = BTreeSet::new();
+        let mut referenced = BTreeMap::new();
         for op in records.iter().flat_map(|r| r.ops.iter()) {
             if let LogOp::Put(key, value) = op {
                 if key.objectid < FIRST_INODE {
@@ -344,16 +339,18 @@ impl Filesystem {
                     let item = ExtentItem::decode(value)
                         .map_err(|why| EngineError::corrupt("logged extent", key.objectid, why))?;
                     self.check_in_region(key.objectid, item.disk_block, item.blocks as u64)?;
-                    referenced.extend(item.disk_block..item.disk_block + item.blocks as u64);
+                    let shard = self.shard_of(key.objectid);
+                    referenced.extend(
+                        (item.disk_block..item.disk_block + item.blocks as u64).map(|b| (b, shard)),
+                    );
                 }
             }
         }
-        let mut claimed = BTreeSet::new();
-        for &block in &referenced {
-            if before.contains(&block) {
+        let mut claimed = BTreeMap::new();
+        for (&block, &shard) in &referenced {
+            if before.contains_key(&block) {
                 continue;
             }
-            let shard = self.sb.shard_of_block(block);
             let space = &mut self.shard_mut(shard).space;
             if let Err(why) = space.check_claimable(block) {
                 return Err(EngineError::corrupt(
@@ -363,13 +360,13 @@ impl Filesystem {
                 ));
             }
             space.claim(block);
-            claimed.insert(block);
+            claimed.insert(block, shard);
         }
         // Carried data goes to its place now; the replay's commit flushes it before its
         // superblock. Only blocks a logged extent references are written.
         let carried: Vec<(u64, Vec<u8>)> = embedded
             .into_iter()
-            .filter(|(block, _)| referenced.contains(block))
+            .filter(|(block, _)| referenced.contains_key(block))
             .collect();
         crate::commit::write_blocks(&mut *self.dev, carried)?;
         let mut created: BTreeMap<u32, u64> = BTreeMap::new();
@@ -409,18 +406,18 @@ impl Filesystem {
                 LogOp::Data(..) => {}
             }
         }
-        let mut after = BTreeSet::new();
+        let mut after = BTreeMap::new();
         for key in &extent_keys {
             self.extent_blocks(key, &mut after)?;
         }
-        let unused: HashSet<u64> = before
-            .union(&claimed)
-            .filter(|b| !after.contains(b))
-            .copied()
+        let unused: HashMap<u64, u32> = before
+            .iter()
+            .chain(claimed.iter())
+            .filter(|(b, _)| !after.contains_key(b))
+            .map(|(&b, &s)| (b, s))
             .collect();
         let generation = self.commit.generation;
-        for block in unused {
-            let shard = self.sb.shard_of_block(block);
+        for (block, shard) in unused {
             let space = &mut self.shard_mut(shard).space;
             // A durable extent sharing a block with a tree node the replay copied on write
             // (freeing it) is corruption, not a double free.

@@ -188,6 +188,21 @@ impl Reactor {
                 syncs.push(request);
                 continue;
             }
+            let result = self.execute(&request.op);
+            // A partition's change refused for want of space that a commit would give back
+            // (blocks freed in the running transaction, groups emptied by any shard) waits,
+            // parked, for the next commit to complete and runs again; a few rounds at most.
+            // (A whole mount commits inline, in the engine.)
+            if matches!(result, Err(EngineError::NoSpace))
+                && self.multi.is_some()
+                && self.fs.space_reclaimable()
+                && self.meta.may_wait_for_space(&request)
+            {
+                let generation = self.fs.generation();
+                self.meta.park_for_space(request, generation);
+                continue;
+            }
+            self.meta.done_with_space(&request);
             let Request {
                 op,
                 token,
@@ -195,29 +210,27 @@ impl Reactor {
                 submitted,
             } = request;
             // With several reactors a directory rename commits before it returns.
-            let rename = match (&self.multi, &op) {
-                (Some(_), Op::Rename { .. }) => Some(op.clone()),
-                _ => None,
-            };
-            let result = self.execute(op);
-            if let (Some(rename), Ok(_)) = (&rename, &result) {
-                if crate::multi::renamed_a_directory(&mut self.fs, rename) {
+            match result {
+                Ok(renamed)
+                    if self.multi.is_some()
+                        && matches!(op, Op::Rename { .. })
+                        && crate::multi::renamed_a_directory(&mut self.fs, &op) =>
+                {
                     let generation = self.fs.generation();
                     self.commit_waiters.push(crate::multi::CommitWaiter {
                         request: Request {
-                            op: rename.clone(),
+                            op,
                             token,
                             reply,
                             submitted,
                         },
-                        reply: result.expect("checked"),
+                        reply: renamed,
                         fsync: None,
                         generation,
                     });
-                    continue;
                 }
+                result => done.push((reply, Completion { token, result })),
             }
-            done.push((reply, Completion { token, result }));
         }
         self.run_reads(&mut reads, &mut done);
         if !fsyncs.is_empty() {
@@ -527,7 +540,7 @@ impl Reactor {
         self.deliver(done);
     }
 
-    fn execute(&mut self, op: Op) -> Result<Reply, EngineError> {
+    fn execute(&mut self, op: &Op) -> Result<Reply, EngineError> {
         match op {
             Op::Stats => Ok(Reply::Stats(Box::new(self.snapshot()))),
             op => execute_on(&mut self.fs, op),

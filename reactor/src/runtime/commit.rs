@@ -46,6 +46,8 @@ impl Reactor {
         if self.fs.commit_in_flight().is_none() && !self.fs.unpin_waits_for_reads() {
             self.fs.complete_commit();
         }
+        // Requests refused for space a commit gives back run again once it is complete.
+        self.meta.space_made(self.fs.completed_generation());
         self.drive_commits();
         if let Some(m) = self.multi.as_ref() {
             publish_statfs(&self.fs, &m.router.reactors[m.index]);
@@ -77,7 +79,8 @@ impl Reactor {
             return;
         }
         let durable = self.fs.durable_generation();
-        let waited = self.commit_waiters.iter().any(|w| w.generation > durable);
+        let waited = self.commit_waiters.iter().any(|w| w.generation > durable)
+            || self.meta.space_wanted().is_some_and(|g| g > durable);
         if !waited && !self.fs.commit_due() {
             return;
         }

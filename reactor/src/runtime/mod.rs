@@ -249,7 +249,7 @@ impl Runtime {
             return Self::spawn_several(config, dev, auto);
         }
         let shared = Arc::new(Shared::with_reactors(config.queue_capacity, 1));
-        let router = Arc::new(Router::new(vec![shared.clone()], 0));
+        let router = Arc::new(Router::new(vec![shared.clone()], 0, None));
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
         let reactor_router = router.clone();
         let thread = std::thread::Builder::new()
@@ -374,7 +374,8 @@ impl Runtime {
         let reactors: Vec<Arc<Shared>> = (0..n)
             .map(|_| Arc::new(Shared::with_reactors(config.queue_capacity, n)))
             .collect();
-        let router = Arc::new(Router::new(reactors, shard_count));
+        let pool = parts.first().map(|(_, template, _)| template.pool.clone());
+        let router = Arc::new(Router::new(reactors, shard_count, pool));
         let coordinator_thread = coordinator.thread().clone();
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<(usize, Result<(), EngineError>)>();
         let mut threads = Vec::with_capacity(n);
@@ -751,6 +752,12 @@ impl Reactor {
     #[cfg(feature = "sim")]
     pub(crate) fn fetch_stats(&self) -> engine::FetchStats {
         self.fs.fetch_stats()
+    }
+
+    /// The filesystem's pool of block groups (the simulation reports hand-overs from it).
+    #[cfg(feature = "sim")]
+    pub(crate) fn space_pool(&self) -> std::sync::Arc<engine::space::Pool> {
+        self.fs.space_pool()
     }
 
     /// Unmounts (commits unless the filesystem failed) and gives the device back.
