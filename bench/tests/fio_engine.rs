@@ -222,6 +222,30 @@ fn a_sequential_write_verifies_in_the_run_and_after_a_remount() {
     );
 }
 
+/// A file may take most of the device, whatever the shards: with the library's default of 64
+/// (each held 1/64 of the device before, and the engine defaulted to 4 for that reason), a
+/// sequential write of 400 MiB into a 512 MiB image runs and verifies.
+#[test]
+fn a_file_larger_than_a_shard_share_is_written_and_verified() {
+    let dir = scratch();
+    let run = fio(
+        dir.path(),
+        &[
+            "--corefs_format=1",
+            "--name=big",
+            "--rw=write",
+            "--bs=1m",
+            "--iodepth=8",
+            "--size=400m",
+            "--verify=crc32c",
+            "--do_verify=1",
+        ],
+    );
+    let job = checked(&run);
+    assert_eq!(job["write"]["io_kbytes"].as_u64(), Some(400 << 10));
+    assert!(!run.stderr.contains("full"), "{}", run.stderr);
+}
+
 #[test]
 fn the_readme_job_file_runs_on_corefs() {
     let dir = scratch();

@@ -90,10 +90,10 @@ static struct fio_option options[] = {
 		.lname = "corefs shards",
 		.type = FIO_OPT_INT,
 		.off1 = offsetof(struct corefs_fio_options, shards),
-		/* Few by default: a file's data lives in its shard's region, 1/shards of the
-		 * device, and a benchmark's file is often large. */
-		.help = "Shards when formatting (a file's data lives in one shard: 1/shards of the device)",
-		.def = "4",
+		/* 0: the library's default. Shards share the device's space (block groups), so a
+		 * file may use all of it whatever their number. */
+		.help = "Shards when formatting (0: the library's default, 64)",
+		.def = "0",
 		.category = FIO_OPT_C_ENGINE,
 		.group = FIO_OPT_G_INVALID,
 	},
@@ -424,9 +424,8 @@ static int lay_out(struct thread_data *td, corefs_fs fs, const char *path, uint6
 		if (wrote != (int64_t)n) {
 			err = report(td, wrote < 0 ? (int)wrote : -EIO, "corefs_pwrite (layout)", path);
 			if (wrote == -ENOSPC)
-				log_err("corefs: a file's data lives in its shard's region, 1/shards of "
-					"the device: use a larger device or fewer shards (corefs_shards= "
-					"with corefs_format=1)\n");
+				log_err("corefs: the device is full: the job's files need a larger one "
+					"(corefs_dev=file:PATH,size=)\n");
 			break;
 		}
 		at += n;

@@ -1069,3 +1069,59 @@ fn a_poll_with_completions_in_hand_returns_them_without_waiting() {
     assert_eq!(corefs_release(fs, fd), 0);
     close(fs);
 }
+
+/// One file may take the whole device, whatever shard it lives in: on fresh default
+/// filesystems (64 shards; before, a file had 1/64 of the device) `corefs_pwrite` of 1 MiB
+/// pieces goes on until ENOSPC, by then the file holds ≥ 95% of what statfs showed free, and
+/// deleting it gives it all back. With one reactor and with two (shards on different
+/// reactors draw on one pool).
+#[test]
+fn one_file_takes_the_whole_device_through_pwrite() {
+    for reactors in [1, 2] {
+        let o = corefs_options {
+            format: 1,
+            reactors,
+            ..no_options()
+        };
+        let fs = mount_with("mem:256MiB", &o);
+        let start = statfs(fs);
+        let fd = create(fs, b"/big");
+        let piece = vec![0x5au8; 1 << 20];
+        let mut written = 0u64;
+        loop {
+            let n = pwrite(fs, fd, &piece, written);
+            if n == -28 {
+                break;
+            }
+            assert_eq!(
+                n,
+                piece.len() as i64,
+                "pwrite at {written}: {}",
+                last_error()
+            );
+            written += n as u64;
+        }
+        assert_eq!(corefs_fsync(fs, fd), 0, "{}", last_error());
+        let free_bytes = start.free_blocks * start.block_bytes;
+        assert!(
+            written * 100 >= free_bytes * 95,
+            "{reactors} reactors: {} MiB of {} MiB free",
+            written >> 20,
+            free_bytes >> 20
+        );
+        assert_eq!(pread(fs, fd, 4096, written - 4096), vec![0x5au8; 4096]);
+        release(fs, fd);
+        assert_eq!(unlink(fs, b"/big"), 0);
+        // The frees and the groups come back with the commits.
+        assert_eq!(corefs_sync(fs), 0);
+        assert_eq!(corefs_sync(fs), 0);
+        let end = statfs(fs);
+        assert!(
+            end.free_blocks + end.total_blocks / 100 >= start.free_blocks,
+            "{reactors} reactors: {} free after deleting, {} at the start",
+            end.free_blocks,
+            start.free_blocks
+        );
+        close(fs);
+    }
+}

@@ -66,16 +66,17 @@ pub const GROUP_BLOCKS_MAX: u64 = 4096;
 pub const GROUP_BLOCKS_MIN: u64 = 8;
 /// Groups mkfs aims for per shard, at least: with fewer, the groups shards keep partly used
 /// strand more of the device (64 shards holding a 16 MiB group each is a whole 1 GiB image).
-pub const GROUPS_PER_SHARD_TARGET: u64 = 8;
+pub const GROUPS_PER_SHARD_TARGET: u64 = 32;
 
 /// The smallest group mkfs picks by itself (64 KiB, on devices of a few MiB per shard);
 /// smaller only when asked.
 pub const GROUP_BLOCKS_AUTO_MIN: u64 = 16;
 
 /// A shard's own reserve: data keeps it, growing changes keep half of it, removals may use
-/// it (at least this, at most [`RESERVE_BLOCKS_LOCAL_MAX`]; scaled by the device).
-pub const RESERVE_BLOCKS_LOCAL_MIN: u64 = 16;
-pub const RESERVE_BLOCKS_LOCAL_MAX: u64 = 64;
+/// it: the first steps of a removal in a shard whose groups are full, before it takes a
+/// group from the pool's reserve. Small, since every shard holding anything keeps it (and
+/// its commit floor) out of what statfs can promise.
+pub const RESERVE_BLOCKS_LOCAL: u64 = 8;
 
 /// The pool's reserve: 2% of the data area, at most 256 MiB.
 pub const RESERVE_BLOCKS_POOL_MAX: u64 = 65_536;
@@ -618,8 +619,7 @@ impl Space {
     /// The allocator of shard `shard`, owning no group yet.
     pub fn new(shard: u32, pool: Arc<Pool>) -> Space {
         let geo = *pool.geometry();
-        let reserve_blocks = (geo.data_blocks() / (50 * geo.shards as u64))
-            .clamp(RESERVE_BLOCKS_LOCAL_MIN, RESERVE_BLOCKS_LOCAL_MAX);
+        let reserve_blocks = RESERVE_BLOCKS_LOCAL;
         Space {
             shard,
             hint: geo.group_start(geo.home_group(shard)),
@@ -917,8 +917,41 @@ impl Space {
         let (index, len) = g
             .find_run(from, want)
             .expect("a group with room has a free block");
-        let g = self.groups.get_mut(&group).expect("owned");
         let start = g.start + index;
+        self.mark_run(group, index, len);
+        let mut total = len;
+        if !meta {
+            // A run reaching the end of its group goes on into the next group of the region
+            // when this shard owns it too (groups a growing file took one after the other):
+            // large files keep extents of up to the largest, whatever the group size.
+            let (mut group, mut end) = (group, index + len);
+            while total < want
+                && end == self.groups[&group].len
+                && (group + 1) % self.geo.groups_per_region != 0
+            {
+                let next = group + 1;
+                let Some(n) = self.groups.get(&next) else {
+                    break;
+                };
+                let mut more = 0;
+                while more < want - total && more < n.len && !Group::bit(&n.busy, more) {
+                    more += 1;
+                }
+                if more == 0 {
+                    break;
+                }
+                self.mark_run(next, 0, more);
+                total += more;
+                (group, end) = (next, more);
+            }
+            self.hint = start + total;
+        }
+        (start, total)
+    }
+
+    /// Marks blocks `index..index + len` of owned group `group` allocated (they are free).
+    fn mark_run(&mut self, group: u64, index: u64, len: u64) {
+        let g = self.groups.get_mut(&group).expect("owned");
         for i in index..index + len {
             assert!(
                 !Group::bit(&g.allocated, i),
@@ -940,10 +973,6 @@ impl Space {
         self.allocated_count += len;
         self.busy_count += len;
         self.dirty.insert(group);
-        if !meta {
-            self.hint = start + len;
-        }
-        (start, len)
     }
 
     /// The group of `addr` if this shard owns it.
@@ -1085,6 +1114,11 @@ impl Space {
         keep_one: bool,
         headroom_blocks: u64,
     ) -> usize {
+        // A test that fixed every shard's free space (the pool's ballast) keeps it fixed:
+        // giving groups back would shrink it under the test.
+        if self.pool.lock().ballast {
+            return 0;
+        }
         let hint_group = self.geo.group_of(self.hint);
         let mut empty: Vec<u64> = self
             .groups
@@ -1416,7 +1450,7 @@ mod tests {
         }
         assert!(geo.in_data_area(118, 100) && !geo.in_data_area(118, 101));
         assert!(!geo.in_data_area(u64::MAX, 2));
-        assert_eq!(Geometry::auto_group_blocks(245_760, 64), 256);
+        assert_eq!(Geometry::auto_group_blocks(245_760, 64), 64);
         assert_eq!(Geometry::auto_group_blocks(1 << 28, 64), 4096);
         assert_eq!(Geometry::auto_group_blocks(100, 64), 16);
         assert_eq!(Geometry::auto_group_blocks(15_360, 64), 16);

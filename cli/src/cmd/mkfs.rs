@@ -11,9 +11,15 @@ pub struct Args {
     /// Create or grow a file image to this size (file: devices).
     #[arg(long, value_parser = parse_size)]
     size: Option<u64>,
-    /// Shards (1..=64): units of parallelism, each with its own tree and space.
+    /// Shards (1..=64): units of parallelism, each with its own tree, log and allocator.
+    /// They share the device's space: any file may use all of it.
     #[arg(long, default_value_t = engine::format::DEFAULT_SHARDS)]
     shards: u32,
+    /// Block group size (32KiB..16MiB, a power of two): the unit of space a shard takes
+    /// from the free pool and gives back. Default: by device size, at least eight per shard
+    /// (1 MiB on a 1 GiB device, 16 MiB from 8 GiB with 64 shards).
+    #[arg(long, value_parser = parse_size)]
+    group_size: Option<u64>,
     #[arg(long, default_value = "")]
     label: String,
 }
@@ -23,14 +29,21 @@ pub fn run(args: Args) -> Result<(), String> {
         device,
         size,
         shards,
+        group_size,
         label,
     } = args;
+    let group_blocks = match group_size {
+        Some(bytes) if bytes % 4096 != 0 => {
+            return Err(format!("--group-size {bytes}: not a multiple of 4 KiB"))
+        }
+        other => other.map(|bytes| bytes / 4096),
+    };
     let dev = open(&device, size)?;
     let bytes = dev.info().capacity_bytes();
     let options = engine::MkfsOptions {
         shards,
         label,
-        ..Default::default()
+        group_blocks,
     };
     let dev = engine::Filesystem::mkfs(dev, &options).map_err(|e| e.to_string())?;
     let mut fs = engine::Filesystem::mount(dev, Default::default()).map_err(|e| e.to_string())?;
@@ -48,11 +61,14 @@ pub fn run(args: Args) -> Result<(), String> {
         fs.sync().map_err(|e| e.to_string())?;
     }
     let sb = fs.superblock();
+    let groups = fs.space_pool().stats().groups;
     println!(
-        "corefs: {} MiB on {device}: {} shards of {} MiB, generation {}, label {:?}",
+        "corefs: {} MiB on {device}: {} shards sharing {groups} block groups of {} KiB \
+         ({} MiB for files and trees), generation {}, label {:?}",
         bytes >> 20,
         sb.shards.len(),
-        (sb.region_blocks * 4096) >> 20,
+        sb.group_blocks * 4,
+        (sb.data_area_blocks() * 4096) >> 20,
         sb.generation,
         sb.label
     );
