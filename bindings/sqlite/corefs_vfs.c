@@ -17,10 +17,8 @@
  *   COREFS_VFS_PROFILE  "1" (static builds): count and time the calls into corefs (see
  *                  corefs_vfs_profile).
  *   COREFS_COMMIT_INTERVAL_MS  the transaction commit interval (default 5000).
- *   COREFS_SHARDS  shards when formatting (default 64). A file's blocks all come from its
- *                  inode's shard, whose region is 1/shards of the device: on small images a
- *                  database or WAL larger than that fails with SQLITE_FULL unless fewer shards
- *                  are used.
+ *   COREFS_SHARDS  shards when formatting (default 64). Shards share the device's space:
+ *                  a database or WAL may use all of it.
  * The filesystem stays mounted until the process exits (an atexit handler closes it, which
  * commits everything).
  *

@@ -389,6 +389,15 @@ fn dump_shows_superblocks_trees_an_inode_logs_and_stats() {
         text.lines().any(|l| l.trim_start().starts_with("all")),
         "{text}"
     );
+    assert!(
+        text.contains("block groups of") && text.contains("owned"),
+        "{text}"
+    );
+    let text = dump(&image, &["trees", "--shard", "0"]);
+    assert!(
+        text.contains("block group"),
+        "group bitmaps decoded: {text}"
+    );
 
     // An fsync after the last commit leaves a record: dump shows it without replaying it,
     // fsck replays it (as mount does) and finds the filesystem clean with the data.

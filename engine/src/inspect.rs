@@ -95,11 +95,16 @@ pub fn format_stats(dev: &mut dyn BlockDevice) -> Result<String, String> {
     let mut total = ShardFigures::default();
     let _ = writeln!(
         out,
-        "generation {}, {} shards, {} blocks of 4 KiB\n{:>5} {:>8} {:>8} {:>9} {:>8} {:>8} {:>10} {:>10} {:>5}",
+        "generation {}, {} shards, {} blocks of 4 KiB, {} block groups of {} blocks ({} owned)\n\
+         {:>5} {:>7} {:>8} {:>8} {:>9} {:>8} {:>8} {:>10} {:>10} {:>5}",
         sb.generation,
         sb.shards.len(),
         sb.total_blocks,
+        crate::space::Geometry::of(&sb).group_count(),
+        sb.group_blocks,
+        sb.shards.iter().map(|s| s.groups).sum::<u64>(),
         "shard",
+        "groups",
         "nodes",
         "leaves",
         "items",
@@ -113,7 +118,8 @@ pub fn format_stats(dev: &mut dyn BlockDevice) -> Result<String, String> {
         let f = shard_figures(dev, &sb, shard);
         let _ = writeln!(
             out,
-            "{shard:>5} {:>8} {:>8} {:>9} {:>8} {:>8} {:>10} {:>10} {:>5}",
+            "{shard:>5} {:>7} {:>8} {:>8} {:>9} {:>8} {:>8} {:>10} {:>10} {:>5}",
+            sb.shards[shard as usize].groups,
             f.nodes,
             f.leaves,
             f.items,
@@ -134,8 +140,9 @@ pub fn format_stats(dev: &mut dyn BlockDevice) -> Result<String, String> {
     let used: u64 = sb.shards.iter().map(|s| s.used_blocks).sum();
     let _ = writeln!(
         out,
-        "{:>5} {:>8} {:>8} {:>9} {:>8} {:>8} {:>10} {:>10} {:>5}",
+        "{:>5} {:>7} {:>8} {:>8} {:>9} {:>8} {:>8} {:>10} {:>10} {:>5}",
         "all",
+        sb.shards.iter().map(|s| s.groups).sum::<u64>(),
         total.nodes,
         total.leaves,
         total.items,

@@ -88,6 +88,9 @@ pub struct ReactorStats {
     /// File data blocks reads took from the engine's block cache, and from the device.
     pub data_cache_hits: u64,
     pub data_blocks_read: u64,
+    /// The pool of block groups: free groups, and the groups shards took from it and gave
+    /// back since the mount (one pool for the whole filesystem, whatever the reactors).
+    pub space: engine::space::PoolStats,
 }
 
 impl ReactorStats {
@@ -115,6 +118,10 @@ impl ReactorStats {
     /// figures are the coordinator's and are set by the caller; latencies are recomputed from
     /// the merged histograms.
     pub(crate) fn absorb(&mut self, other: &ReactorStats) {
+        // Every reactor reports the one pool: the latest look at it stands.
+        if other.space.taken + other.space.returned >= self.space.taken + self.space.returned {
+            self.space = other.space;
+        }
         self.ops += other.ops;
         self.cpu_ns += other.cpu_ns;
         self.batches += other.batches;

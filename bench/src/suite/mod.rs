@@ -774,14 +774,14 @@ pub fn details(results: &SuiteResults) -> String {
     if !engine_runs.is_empty() {
         let _ = writeln!(
             out,
-            "\nengine figures (corefs runs; a commit's pause is the part that holds the reactor, a slice one serialization step after it; gap: the longest the reactor's loop did not look at its queue, host steal included; on cpu: of such a gap, the most the reactor can have spent running (its thread's CPU time; the rest it or its virtual CPU was descheduled; a host pause not reported as steal counts as running); steal: CPU time the hypervisor took from the machine's cores during the run; reply: the longest a request took inside corefs, submit to reply pushed (a client's max above it is its own wake-up); dev wait: the longest synchronous device wait inside an operation; data cache: the engine's data-block cache, off where a workload measures the device path)\n {:<22} {:<12} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9}  data cache",
-            "workload", "target", "commits", "avg ms", "max ms", "pause ms", "slice ms", "gap ms", "oncpu ms", "steal ms", "reply ms", "devwt ms", "log wr", "fallback", "groupmax", "unpin ms", "mount ms"
+            "\nengine figures (corefs runs; a commit's pause is the part that holds the reactor, a slice one serialization step after it; gap: the longest the reactor's loop did not look at its queue, host steal included; on cpu: of such a gap, the most the reactor can have spent running (its thread's CPU time; the rest it or its virtual CPU was descheduled; a host pause not reported as steal counts as running); steal: CPU time the hypervisor took from the machine's cores during the run; reply: the longest a request took inside corefs, submit to reply pushed (a client's max above it is its own wake-up); dev wait: the longest synchronous device wait inside an operation; groups: block groups shards took from the pool and gave back since the mount; data cache: the engine's data-block cache, off where a workload measures the device path)\n {:<22} {:<12} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>11}  data cache",
+            "workload", "target", "commits", "avg ms", "max ms", "pause ms", "slice ms", "gap ms", "oncpu ms", "steal ms", "reply ms", "devwt ms", "log wr", "fallback", "groupmax", "unpin ms", "mount ms", "groups"
         );
         for run in engine_runs {
             let e = run.engine.as_ref().expect("filtered");
             let _ = writeln!(
                 out,
-                " {:<22} {:<12} {:>7} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9} {:>9.2} {:>9.2} {:>9} {:>9} {:>9} {:>10.3} {:>9}  {}",
+                " {:<22} {:<12} {:>7} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9} {:>9.2} {:>9.2} {:>9} {:>9} {:>9} {:>10.3} {:>9} {:>11}  {}",
                 run.workload,
                 run.target,
                 e.commits,
@@ -803,6 +803,7 @@ pub fn details(results: &SuiteResults) -> String {
                 run.mount_ms
                     .map(|m| format!("{m:.1}"))
                     .unwrap_or_else(|| "-".into()),
+                format!("{}/{}", e.groups_taken, e.groups_returned),
                 data_cache_summary(e)
             );
         }

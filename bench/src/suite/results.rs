@@ -45,6 +45,12 @@ pub struct OpRow {
 /// The engine's own figures over a run (corefs targets only).
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct EngineFigures {
+    /// Block groups shards took from the pool and gave back, since the mount (absent from
+    /// results written before the pool).
+    #[serde(default)]
+    pub groups_taken: u64,
+    #[serde(default)]
+    pub groups_returned: u64,
     pub commits: u64,
     pub commit_ms_avg: f64,
     pub commit_ms_max: f64,

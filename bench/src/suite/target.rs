@@ -267,6 +267,8 @@ impl Target for CorefsTarget {
         };
         let c = &stats.commit;
         Ok(Some(EngineFigures {
+            groups_taken: stats.space.taken,
+            groups_returned: stats.space.returned,
             commits: c.commits,
             commit_ms_avg: if c.commits > 0 {
                 c.commit_ns_total as f64 / c.commits as f64 / 1e6

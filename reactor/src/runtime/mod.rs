@@ -745,6 +745,7 @@ impl Reactor {
         s.barrier_parks = self.meta.barrier_parks;
         s.fetch = self.fs.fetch_stats();
         (s.data_cache_hits, s.data_blocks_read) = self.fs.data_cache_hits();
+        s.space = self.fs.space_pool().stats();
         s
     }
 

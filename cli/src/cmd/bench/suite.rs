@@ -37,7 +37,7 @@ pub struct Args {
     /// corefs image and loop file size.
     #[arg(long, default_value = "1GiB", value_parser = parse_size)]
     image_size: u64,
-    /// corefs shards (a file's data lives in its inode's shard: fewer, larger shards).
+    /// corefs shards (units of parallelism; they share the device's space).
     #[arg(long, default_value_t = 2)]
     shards: u32,
     /// randwrite clients (fio numjobs).
