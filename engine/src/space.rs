@@ -584,8 +584,11 @@ pub struct Space {
     owned_blocks: u64,
     allocated_count: u64,
     busy_count: u64,
-    /// Where the next search starts (next-fit keeps new blocks close together).
+    /// Where the next data search starts (next-fit keeps a file's blocks together).
     hint: u64,
+    /// Where the next tree node search starts: next-fit too, apart from data, so a commit's
+    /// nodes lie side by side (its writes coalesce) and stay out of the groups files take.
+    meta_hint: u64,
     reserve_blocks: u64,
     /// Blocks promised to the operation in progress: metadata, and data blocks.
     op_meta_blocks: u64,
@@ -623,6 +626,7 @@ impl Space {
         Space {
             shard,
             hint: geo.group_start(geo.home_group(shard)),
+            meta_hint: geo.group_start(geo.home_group(shard)),
             pool,
             geo,
             groups: BTreeMap::new(),
@@ -886,19 +890,15 @@ impl Space {
         Ok(self.take_run(want.min(available), false))
     }
 
-    /// Takes a free run of up to `want` blocks in the owned groups: data from the next-fit
-    /// hint (a file's blocks follow each other), tree nodes (`meta`) at the first free block
-    /// of the lowest group with room, so they gather in few groups and do not keep the
-    /// groups of deleted files from going back to the pool. The caller has checked that
-    /// `want` blocks are free (reservations and ballast only count blocks), so a free block
-    /// exists.
+    /// Takes a free run of up to `want` blocks in the owned groups, next-fit from a hint:
+    /// data from the data hint (a file's blocks follow each other), tree nodes (`meta`) from
+    /// their own, so a commit's nodes lie side by side and apart from files: the groups of a
+    /// deleted file empty and go back to the pool. The caller has checked that `want`
+    /// blocks are free (reservations and ballast only count blocks), so a free block exists.
     fn take_run(&mut self, want: u64, meta: bool) -> (u64, u64) {
         assert!(want >= 1);
-        let hint_group = if meta {
-            self.room.first().copied().unwrap_or(0)
-        } else {
-            self.geo.group_of(self.hint).unwrap_or(0)
-        };
+        let hint = if meta { self.meta_hint } else { self.hint };
+        let hint_group = self.geo.group_of(hint).unwrap_or(0);
         // The first group with room from the hint's on; a group with room always has a run
         // (its search wraps around to the blocks before the hint).
         let group = self
@@ -909,8 +909,8 @@ impl Space {
             .copied()
             .expect("free blocks were counted but no group has room");
         let g = &self.groups[&group];
-        let from = if group == hint_group && !meta {
-            self.hint.saturating_sub(g.start)
+        let from = if group == hint_group {
+            hint.saturating_sub(g.start)
         } else {
             0
         };
@@ -945,6 +945,8 @@ impl Space {
                 (group, end) = (next, more);
             }
             self.hint = start + total;
+        } else {
+            self.meta_hint = start + total;
         }
         (start, total)
     }
@@ -1170,14 +1172,22 @@ impl Space {
             Some((g, groups)) if *g == generation => groups.extend(&empty),
             _ => self.releasing.push_back((generation, empty.clone())),
         }
+        let first = self
+            .groups
+            .values()
+            .next()
+            .map_or(self.geo.group_start(self.geo.home_group(self.shard)), |g| {
+                g.start
+            });
         if hint_group.is_some_and(|g| !self.groups.contains_key(&g)) {
-            self.hint = self
-                .groups
-                .values()
-                .next()
-                .map_or(self.geo.group_start(self.geo.home_group(self.shard)), |g| {
-                    g.start
-                });
+            self.hint = first;
+        }
+        if self
+            .geo
+            .group_of(self.meta_hint)
+            .is_some_and(|g| !self.groups.contains_key(&g))
+        {
+            self.meta_hint = first;
         }
         empty.len()
     }
