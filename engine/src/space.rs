@@ -78,7 +78,8 @@ pub const GROUP_BLOCKS_AUTO_MIN: u64 = 16;
 /// its commit floor) out of what statfs can promise.
 pub const RESERVE_BLOCKS_LOCAL: u64 = 8;
 
-/// The pool's reserve: 2% of the data area, at most 256 MiB.
+/// The pool's reserve: 2% of the data area, at most 256 MiB, at least two groups (but no
+/// more than a quarter of a tiny device).
 pub const RESERVE_BLOCKS_POOL_MAX: u64 = 65_536;
 
 /// Why blocks are wanted; decides how much of the reserves may be used.
@@ -258,7 +259,11 @@ impl Pool {
     /// [`Pool::assign`]).
     pub fn new(geo: Geometry) -> Pool {
         let count = geo.group_count();
-        let reserve_blocks = (geo.data_blocks() / 50).min(RESERVE_BLOCKS_POOL_MAX);
+        // At least two groups: a removal in a full shard takes a whole group.
+        let reserve_blocks = (geo.data_blocks() / 50)
+            .min(RESERVE_BLOCKS_POOL_MAX)
+            .max(2 * geo.group_blocks)
+            .min(geo.data_blocks() / 4);
         Pool {
             geo,
             reserve_blocks,

@@ -780,7 +780,14 @@ fn enospc_during_creates_and_writes_leaves_a_consistent_filesystem() {
     fs.commit().unwrap();
     // Deleting frees space; creating works again.
     for i in 0..created / 2 {
-        fs.unlink(root, format!("file-{i:05}").as_bytes()).unwrap();
+        fs.unlink(root, format!("file-{i:05}").as_bytes())
+            .unwrap_or_else(|e| {
+                panic!(
+                    "unlink {i} of {created}: {e} {:?} {:?}",
+                    fs.space_report(),
+                    fs.space_pool().stats()
+                )
+            });
     }
     fs.commit().unwrap();
     let st = fs.create(root, b"after", 0o644, 0, 0).unwrap();
