@@ -46,8 +46,8 @@
 //!   change or not at all. An allocation beyond the reservation (an estimate too low: a bug)
 //!   still succeeds while any block is free, and is counted in [`Space::overrun_blocks`],
 //!   which the tests require to stay 0.
-//! - **Reserves.** The pool keeps [`Pool::reserve_blocks`] back: data may not take a group
-//!   from it, changes that grow the trees may use half, removals and the commit all of it.
+//! - **Reserves.** The pool keeps [`Pool::reserve_blocks`] back: data and changes that grow
+//!   the trees may not take a group from it, removals and the commit may.
 //!   Each shard keeps a small reserve of its own ([`Space::reserve_blocks`]) from data, half
 //!   of it from growing changes: a full filesystem can always delete.
 
@@ -78,7 +78,7 @@ pub const GROUP_BLOCKS_AUTO_MIN: u64 = 16;
 /// its commit floor) out of what statfs can promise.
 pub const RESERVE_BLOCKS_LOCAL: u64 = 8;
 
-/// The pool's reserve: 2% of the data area, at most 256 MiB, at least two groups (but no
+/// The pool's reserve: 2% of the data area, at most 256 MiB, at least four groups (but no
 /// more than a quarter of a tiny device).
 pub const RESERVE_BLOCKS_POOL_MAX: u64 = 65_536;
 
@@ -259,10 +259,11 @@ impl Pool {
     /// [`Pool::assign`]).
     pub fn new(geo: Geometry) -> Pool {
         let count = geo.group_count();
-        // At least two groups: a removal in a full shard takes a whole group.
+        // At least four groups: a removal in a full shard takes whole groups, in up to two
+        // shards, and its reservation (a worst case) may want more than one group in each.
         let reserve_blocks = (geo.data_blocks() / 50)
             .min(RESERVE_BLOCKS_POOL_MAX)
-            .max(2 * geo.group_blocks)
+            .max(4 * geo.group_blocks)
             .min(geo.data_blocks() / 4);
         Pool {
             geo,
@@ -369,9 +370,10 @@ impl Pool {
         if p.ballast {
             return None;
         }
+        // Growing changes keep all of it too: a removal may need a group in two shards (the
+        // directory's and the inode's), and a group shared out to creates is one it lacks.
         let keep = match need {
-            MetaNeed::Data => self.reserve_blocks,
-            MetaNeed::Grow => self.reserve_blocks / 2,
+            MetaNeed::Data | MetaNeed::Grow => self.reserve_blocks,
             MetaNeed::Shrink | MetaNeed::Commit => 0,
         };
         let group = p
