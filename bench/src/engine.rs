@@ -56,7 +56,7 @@ fn group_handover_ns() -> f64 {
     for generation in 1..=rounds {
         // One block more than the shard has: it takes a group; its commit gives it back.
         assert!(space.ensure_meta(space.free_blocks() + 1, MetaNeed::Commit, 0));
-        assert_eq!(space.release_empty_groups(generation, false, 0), 1);
+        assert_eq!(space.release_empty_groups(generation, 0), 1);
         space.take_dirty();
         space.unpin(generation);
     }

@@ -560,12 +560,11 @@ impl Filesystem {
             };
             // Groups emptied give themselves back now, before any bitmap item is written (none
             // of those may land in a group leaving); they reach the pool once this generation
-            // is durable ([`crate::space`]). One is kept while the pool has plenty, so a shard
-            // that fills and empties a group over and over does not hand it back each time.
-            // Every tree change of the fixpoint first checks that its worst case is free.
+            // is durable ([`crate::space`]). Every tree change of the fixpoint first checks
+            // that its worst case is free: that much stays.
             let tree_op_blocks = 2 * (tree.level() as u64 + 1) + 2;
             io.space
-                .release_empty_groups(generation, self.pool.plentiful(), 2 * tree_op_blocks);
+                .release_empty_groups(generation, 2 * tree_op_blocks);
             // Persist the space bitmap until writing it changes it no more.
             let mut rounds = 0;
             loop {
