@@ -29,6 +29,8 @@ fn tiny_config(dir: &std::path::Path, targets: Vec<TargetSpec>) -> SuiteConfig {
         placement: Placement::Shared,
         reactors: 1,
         seed: 7,
+        neighbours: 0,
+        neighbours_pinned: false,
     }
 }
 
@@ -77,6 +79,42 @@ fn every_workload_runs_with_the_reactor_on_a_dedicated_core() {
 
 /// Every workload through two reactors (creates, renames, deltree spanning them; the reads
 /// after a remount of the memory device, whose queues the reactors share).
+/// The neighbour rows' smoke (no timing: the suite measures it): every workload runs on
+/// corefs and on a kernel directory with a CPU-bound process spinning beside it, in both
+/// placements, and the results say so; the spinner is gone afterwards.
+#[test]
+fn every_workload_runs_beside_a_cpu_bound_neighbour() {
+    for shared in [false, true] {
+        let dir = scratch();
+        let mut config = tiny_config(
+            dir.path(),
+            vec![
+                TargetSpec::CorefsMem,
+                TargetSpec::KernelDir(dir.path().to_path_buf()),
+            ],
+        );
+        config.placement = Placement::choose(1, shared);
+        config.neighbours = 1;
+        config.repeats = 2;
+        let results = suite::run(&config, &|line| eprintln!("{line}")).expect("suite runs");
+        assert_eq!(results.meta.neighbours, 1);
+        assert_eq!(results.runs.len(), 2 * 2 * 7);
+        assert!(results.runs.iter().all(|r| r.ops > 0), "{:?}", results.runs);
+        let table = suite::side_by_side(&results);
+        assert!(table.contains("with 1 CPU-bound neighbour"), "{table}");
+        assert!(table.contains("ratios over paired repeats"), "{table}");
+    }
+    let spinners = std::process::Command::new("pgrep")
+        .args(["-f", "while :; do :; done"])
+        .output()
+        .unwrap();
+    assert!(
+        spinners.stdout.is_empty(),
+        "a neighbour outlived the suite: {}",
+        String::from_utf8_lossy(&spinners.stdout)
+    );
+}
+
 #[test]
 fn every_workload_runs_on_two_reactors() {
     let dir = scratch();
@@ -537,4 +575,30 @@ fn the_fsync_benchmark_runs_on_a_given_device_with_commits_inside_the_timer() {
         corefs.latency.max_ns >= c.tick_commit_ns_max,
         "{c:?} {corefs:?}"
     );
+}
+
+/// A ratio over paired repeats is the median of the per-repeat ratios with its spread, and
+/// pairs only repeats both targets ran.
+#[test]
+fn ratios_pair_repeats_and_take_the_median() {
+    let mut runs = Vec::new();
+    for (repeat, (a, b)) in [(100.0, 50.0), (90.0, 100.0), (120.0, 40.0), (80.0, 0.0)]
+        .into_iter()
+        .enumerate()
+    {
+        let mut x = run_with("corefs-mem", a, 10);
+        x.repeat = repeat as u32;
+        runs.push(x);
+        if b > 0.0 {
+            let mut y = run_with("ext4", b, 20);
+            y.repeat = repeat as u32;
+            runs.push(y);
+        }
+    }
+    let results = results_of(runs);
+    let r = suite::paired_ratio(&results, "w", "corefs-mem", "ext4", |r| r.ops_per_sec).unwrap();
+    assert_eq!(r.pairs, 3, "the fourth repeat has no ext4 run");
+    assert_eq!(r.median, 2.0);
+    assert_eq!((r.min, r.max), (0.9, 3.0));
+    assert!(suite::paired_ratio(&results, "w", "corefs-mem", "xfs", |r| r.ops_per_sec).is_none());
 }

@@ -49,7 +49,7 @@ pub fn allowed_cores() -> Result<Vec<usize>, EngineError> {
 }
 
 /// `0-3,8,10-11`: a set of cores as Linux prints cpu lists.
-fn cpu_list(cores: &[usize]) -> String {
+pub fn cpu_list(cores: &[usize]) -> String {
     let mut out = String::new();
     let mut i = 0;
     while i < cores.len() {
@@ -102,6 +102,61 @@ pub fn consecutive_cores(first: usize, count: usize) -> Result<Vec<usize>, Engin
     Ok(cores)
 }
 
+/// Lets the calling thread run on any of `cores` (a pinned reactor spreading out while its core
+/// is shared, [`crate::contention`]).
+pub fn set_current_thread_cores(cores: &[usize]) -> Result<(), EngineError> {
+    check_cores(cores)?;
+    let words = cores.iter().max().map_or(1, |&c| c / 64 + 1);
+    let mut mask = vec![0u64; words];
+    for &core in cores {
+        mask[core / 64] |= 1 << (core % 64);
+    }
+    // SAFETY: as in `pin_current_thread`.
+    let rc =
+        unsafe { libc::sched_setaffinity(0, words * 8, mask.as_ptr().cast::<libc::cpu_set_t>()) };
+    if rc != 0 {
+        return Err(EngineError::Invalid(format!(
+            "setting the cores to {}: {}",
+            cpu_list(cores),
+            std::io::Error::last_os_error()
+        )));
+    }
+    Ok(())
+}
+
+/// The cores the kernel keeps from ordinary scheduling (`isolcpus=`, `nohz_full=`), from
+/// sysfs (empty where it says nothing).
+pub fn isolated_cores() -> Vec<usize> {
+    let mut out = Vec::new();
+    for file in [
+        "/sys/devices/system/cpu/isolated",
+        "/sys/devices/system/cpu/nohz_full",
+    ] {
+        if let Ok(text) = std::fs::read_to_string(file) {
+            out.extend(parse_cpu_list(text.trim()));
+        }
+    }
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+/// `0-3,8,10-11` as Linux prints CPU lists; what does not parse is left out.
+fn parse_cpu_list(text: &str) -> Vec<usize> {
+    let mut out = Vec::new();
+    for part in text.split(',').filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => {
+                if let (Ok(a), Ok(b)) = (a.parse::<usize>(), b.parse::<usize>()) {
+                    out.extend(a..=b.min(a + MASK_BITS_MAX));
+                }
+            }
+            None => out.extend(part.parse::<usize>()),
+        }
+    }
+    out
+}
+
 /// Pins the calling thread to `core`, after checking it ([`check_cores`]).
 pub fn pin_current_thread(core: usize) -> Result<(), EngineError> {
     check_cores(&[core])?;
@@ -124,6 +179,13 @@ pub fn pin_current_thread(core: usize) -> Result<(), EngineError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cpu_lists_parse_as_linux_prints_them() {
+        assert_eq!(parse_cpu_list("0-3,8,10-11"), vec![0, 1, 2, 3, 8, 10, 11]);
+        assert_eq!(parse_cpu_list(""), Vec::<usize>::new());
+        assert_eq!(parse_cpu_list("x,2"), vec![2]);
+    }
 
     #[test]
     fn cpu_lists_print_as_linux_prints_them() {

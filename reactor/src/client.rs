@@ -52,10 +52,14 @@ const SPIN_PASSES_PER_YIELD: u32 = 32;
 const SPIN_PASSES_PER_CLOCK: u32 = 64;
 const YIELD_PASSES_PER_CLOCK: u32 = 4;
 
-/// How a client waits: spin while the waiting clients (`waiting`, this one included) fit the
-/// cores the reactors leave (`spinners_max`), else yield for a quick operation, else sleep.
-fn wait_policy(waiting: usize, spinners_max: usize, quick: bool) -> Wait {
-    if waiting <= spinners_max {
+/// How a client waits: while the cores are shared with other work (`contended`,
+/// [`crate::contention`]) it sleeps at once; otherwise it spins while the waiting clients
+/// (`waiting`, this one included) fit the cores the reactors leave (`spinners_max`), else
+/// yields for a quick operation, else sleeps.
+fn wait_policy(waiting: usize, spinners_max: usize, quick: bool, contended: bool) -> Wait {
+    if contended {
+        Wait::Sleep
+    } else if waiting <= spinners_max {
         Wait::Spin
     } else if quick {
         Wait::Yield
@@ -312,7 +316,12 @@ impl Client {
         // only takes the cores from clients with work to do.
         let shared = &self.shared;
         let waiting = shared.waiters.fetch_add(1, Ordering::AcqRel) + 1;
-        let wait = wait_policy(waiting, shared.spinners_max, quick);
+        let wait = wait_policy(
+            waiting,
+            shared.spinners_max,
+            quick,
+            crate::contention::contended(),
+        );
         let replied = self.replies.wait_for_reply(deadline, wait, &shared.stopped);
         shared.waiters.fetch_sub(1, Ordering::AcqRel);
         replied
@@ -329,6 +338,7 @@ impl Client {
         }
         let token = self.next_token;
         self.next_token += 1;
+        let started = Instant::now();
         // A read is answered within the batch when its blocks are cached; when they are not,
         // the reactor says so (`note_device_wait`) and the client stops yielding and sleeps.
         let quick = op.is_quick() || matches!(op, Op::Read { .. });
@@ -351,6 +361,8 @@ impl Client {
             while let Some(c) = self.replies.done.pop() {
                 if c.token == token {
                     self.in_flight -= 1;
+                    // A slow call looks at whether this thread waited for a core.
+                    crate::contention::after_call(started.elapsed());
                     return c.result;
                 }
                 // Another submission's completion: still the caller's to collect.
@@ -378,11 +390,14 @@ mod tests {
 
     #[test]
     fn the_policy_spins_only_while_the_waiters_fit_the_cores_left() {
-        assert_eq!(wait_policy(1, 1, false), Wait::Spin);
-        assert_eq!(wait_policy(2, 1, true), Wait::Yield);
-        assert_eq!(wait_policy(2, 1, false), Wait::Sleep);
-        assert_eq!(wait_policy(1, 0, true), Wait::Yield);
-        assert_eq!(wait_policy(3, 3, false), Wait::Spin);
+        assert_eq!(wait_policy(1, 1, false, false), Wait::Spin);
+        assert_eq!(wait_policy(2, 1, true, false), Wait::Yield);
+        assert_eq!(wait_policy(2, 1, false, false), Wait::Sleep);
+        assert_eq!(wait_policy(1, 0, true, false), Wait::Yield);
+        assert_eq!(wait_policy(3, 3, false, false), Wait::Spin);
+        // Cores shared with other work: sleep at once, whatever else holds.
+        assert_eq!(wait_policy(1, 1, false, true), Wait::Sleep);
+        assert_eq!(wait_policy(2, 1, true, true), Wait::Sleep);
     }
 
     /// A sleeper and a waker race many times, each round's push landing anywhere in the

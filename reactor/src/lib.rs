@@ -25,6 +25,7 @@
 
 pub mod affinity;
 pub mod client;
+pub mod contention;
 mod delivery;
 mod doorbell;
 mod execute;

@@ -18,6 +18,7 @@ pub mod direct;
 pub mod fio_raw;
 pub mod loopdev;
 pub mod machine;
+pub mod neighbours;
 pub mod plot;
 pub mod results;
 pub mod rocksdb;
@@ -134,6 +135,10 @@ pub struct SuiteConfig {
     /// Reactors serving corefs (at most `shards`).
     pub reactors: usize,
     pub seed: u64,
+    /// CPU-bound processes spinning beside every run ([`neighbours`]), and whether each is
+    /// pinned to a core of its own.
+    pub neighbours: usize,
+    pub neighbours_pinned: bool,
 }
 
 impl Default for SuiteConfig {
@@ -150,6 +155,8 @@ impl Default for SuiteConfig {
             placement: Placement::Shared,
             reactors: 1,
             seed: 1,
+            neighbours: 0,
+            neighbours_pinned: false,
         }
     }
 }
@@ -457,6 +464,8 @@ pub fn run(config: &SuiteConfig, progress: &(dyn Fn(&str) + Sync)) -> R<SuiteRes
             corefs_commit: machine::corefs_commit(),
             load_avg_start: machine::load_avg_1min(),
             fio: String::new(),
+            neighbours: config.neighbours as u32,
+            neighbours_pinned: config.neighbours_pinned,
         },
         runs: Vec::new(),
     };
@@ -469,6 +478,20 @@ pub fn run(config: &SuiteConfig, progress: &(dyn Fn(&str) + Sync)) -> R<SuiteRes
         };
     }
     progress(&results.meta.placement);
+    // Started after the load average was read (they are the load this run asked for); they
+    // spin until `_neighbours` goes at the end of the run.
+    let _neighbours = neighbours::Neighbours::start(config.neighbours, config.neighbours_pinned)?;
+    if config.neighbours > 0 {
+        progress(&format!(
+            "{} CPU-bound neighbour process(es) spinning beside every run ({})",
+            config.neighbours,
+            if config.neighbours_pinned {
+                "pinned one per core"
+            } else {
+                "unpinned"
+            }
+        ));
+    }
     if let Some(load) = results.meta.load_avg_start {
         if load >= machine::BUSY_LOAD_AVG {
             progress(&format!(
@@ -651,6 +674,18 @@ pub fn side_by_side(results: &SuiteResults) -> String {
     if !results.meta.placement.is_empty() {
         let _ = writeln!(out, "{}", results.meta.placement);
     }
+    if results.meta.neighbours > 0 {
+        let _ = writeln!(
+            out,
+            "with {} CPU-bound neighbour process(es) spinning beside every run ({})",
+            results.meta.neighbours,
+            if results.meta.neighbours_pinned {
+                "pinned one per core"
+            } else {
+                "unpinned"
+            }
+        );
+    }
     let _ = writeln!(
         out,
         "{:<22} {:<14} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
@@ -729,6 +764,83 @@ pub fn side_by_side(results: &SuiteResults) -> String {
                 max(|r| r.latency.max_ns as f64),
                 ratio(&|r| r.cpu_ns_per_op),
             );
+        }
+    }
+    out.push_str(&paired_ratios(results, &reference));
+    out
+}
+
+/// The median and the spread of a ratio over paired repeats.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PairedRatio {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+    pub pairs: usize,
+}
+
+/// `f(reference) / f(target)` for each repeat both ran (the repeats interleave the targets,
+/// so a pair saw the same state of the disk and the machine): median, least and most.
+pub fn paired_ratio(
+    results: &SuiteResults,
+    workload: &str,
+    reference: &str,
+    target: &str,
+    f: impl Fn(&RunResult) -> f64,
+) -> Option<PairedRatio> {
+    let mut ratios: Vec<f64> = results
+        .runs_of(workload, reference)
+        .filter_map(|a| {
+            let b = results
+                .runs_of(workload, target)
+                .find(|b| b.repeat == a.repeat)?;
+            let (fa, fb) = (f(a), f(b));
+            (fb > 0.0).then_some(fa / fb)
+        })
+        .collect();
+    if ratios.is_empty() {
+        return None;
+    }
+    ratios.sort_by(f64::total_cmp);
+    let n = ratios.len();
+    let median = if n % 2 == 1 {
+        ratios[n / 2]
+    } else {
+        (ratios[n / 2 - 1] + ratios[n / 2]) / 2.0
+    };
+    Some(PairedRatio {
+        median,
+        min: ratios[0],
+        max: ratios[n - 1],
+        pairs: n,
+    })
+}
+
+/// With repeats, each ratio to the reference as the median of the paired repeats with its
+/// spread: what decides which side wins on a noisy disk (a mean of a few 5-second samples
+/// does not).
+fn paired_ratios(results: &SuiteResults, reference: &str) -> String {
+    use std::fmt::Write;
+    if results.meta.repeats < 2 {
+        return String::new();
+    }
+    let mut out = format!(
+        "\nratios over paired repeats ({reference} / target; median, least–most): throughput \
+         above 1 and p99 below 1 favour {reference}\n"
+    );
+    for workload in results.workloads() {
+        for target in results.targets().iter().filter(|t| *t != reference) {
+            let ops = paired_ratio(results, &workload, reference, target, |r| r.ops_per_sec);
+            let p99 = paired_ratio(results, &workload, reference, target, |r| {
+                r.latency.p99_ns as f64
+            });
+            if let (Some(ops), Some(p99)) = (ops, p99) {
+                let _ = writeln!(
+                    out,
+                    " {workload:<22} {target:<14} ops/s {:.2}x ({:.2}–{:.2})  p99 {:.2}x ({:.2}–{:.2})  {} pairs",
+                    ops.median, ops.min, ops.max, p99.median, p99.min, p99.max, ops.pairs
+                );
+            }
         }
     }
     out

@@ -198,6 +198,12 @@ pub struct Meta {
     /// corefs-file (and in results written before it was recorded).
     #[serde(default)]
     pub fio: String,
+    /// CPU-bound neighbour processes spinning beside every run, and whether pinned one per
+    /// core (0: a quiet run; absent from results written before).
+    #[serde(default)]
+    pub neighbours: u32,
+    #[serde(default)]
+    pub neighbours_pinned: bool,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]

@@ -200,14 +200,39 @@ fn raise_priority() {
     }
 }
 
-fn pin(core: Option<usize>) {
+/// A reactor pinned to a core of its own, and the cores it may spread to while that core is
+/// shared with other work ([`crate::contention`]): there a pinned thread waits out whole time
+/// slices, while the scheduler moves an unpinned one to a free core, or beside its client.
+pub(crate) struct Pinned {
+    core: usize,
+    wide: Vec<usize>,
+    widened: bool,
+}
+
+fn pin(core: Option<usize>) -> Option<Pinned> {
     raise_priority();
-    if let Some(core) = core {
-        // Checked when the runtime started: this fails only if the allowed set changed.
-        if let Err(e) = crate::affinity::pin_current_thread(core) {
-            tracing::warn!(core, "{e}; the reactor runs unpinned");
-        }
+    let core = core?;
+    // Before pinning: the cores the process may use.
+    let wide = crate::affinity::allowed_cores().unwrap_or_default();
+    // Checked when the runtime started: this fails only if the allowed set changed.
+    if let Err(e) = crate::affinity::pin_current_thread(core) {
+        tracing::warn!(core, "{e}; the reactor runs unpinned");
+        return None;
     }
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !crate::affinity::isolated_cores().contains(&core) && !SAID.swap(true, Ordering::Relaxed) {
+        tracing::info!(
+            "reactor core {core} is not isolated (no isolcpus= or nohz_full= for it): other \
+             work may run there. The reactor polls while it has its core to itself; while it \
+             does not, it sleeps in the kernel between requests and may run on cores {}",
+            crate::affinity::cpu_list(&wide)
+        );
+    }
+    Some(Pinned {
+        core,
+        wide,
+        widened: false,
+    })
 }
 
 impl Runtime {
@@ -258,7 +283,7 @@ impl Runtime {
                 let shared = reactor_router.reactors[0].clone();
                 shared.doorbell.bind_thread();
                 let _stopped = MarkStopped(reactor_router.clone());
-                pin(config.cores.first().copied().or(config.core));
+                let pinned = pin(config.cores.first().copied().or(config.core));
                 let fs = match open(&config, dev) {
                     Ok(fs) => fs,
                     Err(e) => {
@@ -267,7 +292,8 @@ impl Runtime {
                     }
                 };
                 let _ = ready_tx.send(Ok(()));
-                let reactor = Reactor::new(fs, config.mount.commit_interval);
+                let mut reactor = Reactor::new(fs, config.mount.commit_interval);
+                reactor.pinned = pinned;
                 serve(reactor, &shared, &reactor_router, &config, 0)
             })
             .map_err(|e| EngineError::Invalid(format!("starting the reactor thread: {e}")))?;
@@ -398,7 +424,7 @@ impl Runtime {
                     } else {
                         Some(config.cores[index % config.cores.len()])
                     };
-                    pin(core);
+                    let pinned = pin(core);
                     // The coordinator's queue holds the device's exclusive lock (it opened
                     // the device to mount it); each reactor's own queue shares that lock.
                     let dev = match queue {
@@ -424,6 +450,7 @@ impl Runtime {
                     publish_statfs(&fs, &shared);
                     let _ = ready_tx.send((index, Ok(())));
                     let mut reactor = Reactor::new(fs, config.mount.commit_interval);
+                    reactor.pinned = pinned;
                     let member_router = router.clone();
                     reactor.multi = Some(Member {
                         index,
@@ -634,6 +661,10 @@ fn open(config: &Config, dev: Option<Box<dyn BlockDevice>>) -> Result<Filesystem
 pub(crate) struct Reactor {
     fs: Filesystem,
     commit_interval: Duration,
+    /// The reactor thread's waits for a core ([`crate::contention`]), looked at as it turns.
+    run_delay: crate::contention::Meter,
+    /// The core the reactor is pinned to (None: not pinned).
+    pinned: Option<Pinned>,
     hist: Histograms,
     stats: ReactorStats,
     cpu_start_ns: u64,
@@ -696,6 +727,9 @@ impl Reactor {
         // Commits run in the background here; an fsync that needs one waits for it.
         fs.defer_commits(true);
         Reactor {
+            // Opened on the reactor's own thread (it measures the thread that opens it).
+            run_delay: crate::contention::Meter::new("a reactor"),
+            pinned: None,
             fs,
             commit_interval,
             hist: Histograms::new(),

@@ -48,6 +48,20 @@ const LOG_WAIT_SLICE: Duration = Duration::from_millis(1);
 const READ_SPIN: Duration = Duration::from_micros(500);
 const READ_WAIT_SLICE: Duration = Duration::from_micros(50);
 
+/// How a reactor idles this turn: its policy, or, while the cores are shared with other work
+/// ([`crate::contention`]), parking at once (no spin, no yield: a spinner sharing its core is
+/// preempted for whole slices, a sleeper is woken ahead of a CPU hog).
+fn idle_now(config: &Config) -> IdlePolicy {
+    if crate::contention::contended() {
+        IdlePolicy::SpinThenPark {
+            spin: Duration::ZERO,
+            durable_spin_max: Duration::ZERO,
+        }
+    } else {
+        config.idle
+    }
+}
+
 /// A busy-polling reactor gives its core away for a moment whenever it has nothing to do.
 /// Its core is not its alone: kernel work its own I/O depends on runs there too (a file
 /// image's FUA write completes through a kworker on the core that took the interrupt), and
@@ -77,12 +91,12 @@ pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, confi
     // The last turn spun for an fsync's record ([`durable_spin_budget`]).
     let mut durable_spinning = false;
     // Completions ring the doorbell too: waiting for the device, the reactor sleeps on it and
-    // still hears its clients. (Busy-poll never sleeps and needs no signal.)
-    let device_rings = config.idle != IdlePolicy::BusyPoll
-        && shared
-            .doorbell
-            .raw_fd()
-            .is_some_and(|fd| reactor.fs.signal_completions_to(fd));
+    // still hears its clients. (A busy-polling reactor sleeps too while its cores are shared
+    // with other work: it needs the signal as well.)
+    let device_rings = shared
+        .doorbell
+        .raw_fd()
+        .is_some_and(|fd| reactor.fs.signal_completions_to(fd));
     tracing::debug!(device_rings, "reactor doorbell");
     reactor.stats.device_ring_reactors = device_rings as u64;
     loop {
@@ -137,7 +151,7 @@ pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, confi
             // Records or a commit in flight and nothing queued: poll the device (busy-poll),
             // or sleep on it briefly (shared cores) and look at the queue again.
             let spun = device_idle_since.get_or_insert_with(Instant::now).elapsed();
-            match config.idle {
+            match idle_now(config) {
                 IdlePolicy::BusyPoll => {
                     reactor.poll_durable(None);
                     if reactor.only_reads_in_flight() && spun >= READ_SPIN {
@@ -203,7 +217,7 @@ pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, confi
             if reactor.pending_groups() == before
                 && !reactor.fs.device_busy()
                 && !reactor.fs.commit_slicing()
-                && config.idle != IdlePolicy::BusyPoll
+                && idle_now(config) != IdlePolicy::BusyPoll
             {
                 let _ = park_for_control(shared, LOG_WAIT_SLICE);
             }
@@ -233,11 +247,11 @@ pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, confi
             }
         }
         reactor.tick();
-        match config.idle {
+        match idle_now(config) {
             IdlePolicy::BusyPoll => yield_to_kernel_work(),
             IdlePolicy::SpinThenPark { spin, .. } => {
                 let since = *idle_since.get_or_insert_with(Instant::now);
-                if since.elapsed() < spin {
+                if since.elapsed() < spin && !spin.is_zero() {
                     // Yield, not spin: a client the scheduler put on this core (2 loaded
                     // cores) runs, where a spin at this thread's weight would hold it off.
                     std::thread::yield_now();
@@ -325,6 +339,35 @@ pub(super) fn park_for_control(shared: &Shared, timeout: Duration) -> bool {
 }
 
 impl Reactor {
+    /// A pinned reactor spreads over the process's cores while its own core is shared with
+    /// other work (it waited for it itself: where only its clients wait, its core is still
+    /// its own and moving to theirs would crowd them), and goes back when that ends
+    /// ([`super::Pinned`]).
+    fn adapt_affinity(&mut self, now: Instant) {
+        let Some(p) = self.pinned.as_mut() else {
+            return;
+        };
+        let contended = self.run_delay.own_contended(now);
+        if contended == p.widened {
+            return;
+        }
+        let set = if contended {
+            crate::affinity::set_current_thread_cores(&p.wide)
+        } else {
+            crate::affinity::pin_current_thread(p.core)
+        };
+        match set {
+            Ok(()) => {
+                p.widened = contended;
+                tracing::debug!(core = p.core, widened = contended, "reactor affinity");
+            }
+            Err(e) => {
+                tracing::warn!("{e}; the reactor stays where it is");
+                self.pinned = None;
+            }
+        }
+    }
+
     /// Work waiting on the device or on a commit: fsync groups whose records are not
     /// durable, a commit in flight, replies waiting for one.
     pub(crate) fn pending_groups(&self) -> usize {
@@ -343,7 +386,10 @@ impl Reactor {
     /// longest any request waited for the reactor's attention.
     pub(crate) fn looked(&mut self) {
         self.turn += 1;
-        self.gaps.look(Instant::now(), crate::stats::thread_cpu_ns);
+        let now = Instant::now();
+        self.run_delay.check(now);
+        self.adapt_affinity(now);
+        self.gaps.look(now, crate::stats::thread_cpu_ns);
         self.stats.loop_gap_ns_max = self.gaps.gap_ns_max;
         self.stats.loop_gap_on_cpu_ns_max = self.gaps.on_cpu_ns_max;
     }

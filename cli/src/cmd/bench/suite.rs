@@ -71,6 +71,13 @@ pub struct Args {
     reactors: usize,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// CPU-bound neighbour processes (`sh -c 'while :; do :; done'`) spinning beside every
+    /// run of every target: a user's machine is never empty.
+    #[arg(long, default_value_t = 0)]
+    neighbours: usize,
+    /// Pin the neighbours one per core (default: unpinned, placed by the scheduler).
+    #[arg(long)]
+    neighbours_pinned: bool,
     /// Where results.json, table.txt and the plots go (default: bench-results/<time>).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -97,6 +104,8 @@ pub fn run(args: Args) -> Result<(), String> {
         placement: Placement::choose(args.reactors, args.shared_cores),
         reactors: args.reactors,
         seed: args.seed,
+        neighbours: args.neighbours,
+        neighbours_pinned: args.neighbours_pinned,
     };
     for t in &args.targets {
         config.targets.push(TargetSpec::parse(t)?);
