@@ -4,8 +4,12 @@
 # fsync, 64 KiB fsync writers, file creates, a dbench-like mix, random reads at QD1 and QD32) on
 # corefs and on the kernel filesystem holding the image, prints the side-by-side table with
 # ratios, writes results.json, table.txt and SVG plots to bench-results/, and removes the
-# image. Extra arguments go to `corefs bench suite` (see --help), e.g. `--loops` (as root) to
-# add ext4, xfs and btrfs on loop devices, `--repeat 3`, `--seconds 10`.
+# image. By default each workload runs 3 times for 2 s on each target, interleaved, and every
+# ratio is the median of the paired repeats with its spread (a single 5-second sample per
+# target decided nothing on a noisy disk: ext4's append+fdatasync moved 2,670-14,776 ops/s
+# within an hour here). Extra arguments go to `corefs bench suite` (see --help), e.g.
+# `--loops` (as root) to add ext4, xfs and btrfs on loop devices, `--repeat 5`,
+# `--seconds 10`, `--neighbours 1` (a CPU-bound process beside every run).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [[ " $* " == *" --loops "* || " $* " == *xfs* || " $* " == *btrfs* ]]; then
@@ -23,4 +27,7 @@ if [[ " $* " == *" --loops "* || " $* " == *xfs* || " $* " == *btrfs* ]]; then
   fi
 fi
 cargo build --release --locked -p corefs-cli >&2
-exec target/release/corefs bench suite "$@"
+defaults=()
+[[ " $* " == *" --repeat"* ]] || defaults+=(--repeat 3)
+[[ " $* " == *" --seconds"* ]] || defaults+=(--seconds 2)
+exec target/release/corefs bench suite "${defaults[@]}" "$@"

@@ -15,12 +15,15 @@
 # tx/s, and the median of the n paired ratios (corefs and ext4 runs of one round, seconds
 # apart, see the same load: steadier than the ratio of medians on a shared machine).
 # KERNEL_DIR=/mnt/x compares with the filesystem mounted there instead of making one.
+# NEIGHBOURS=n spins n CPU-bound processes (`while :; do :; done`, unpinned) beside every run,
+# as `corefs bench suite --neighbours n` does: a user's machine is never empty.
 # Prints the load average before and after (the machine may be shared: figures are noisy).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 root=$PWD
 seconds=${1:-5}
 repeat=${REPEAT:-1}
+neighbours=${NEIGHBOURS:-0}
 dir=/var/tmp
 
 command -v dd >/dev/null || { echo "sqlite-bench.sh: dd not found" >&2; exit 1; }
@@ -29,7 +32,9 @@ test_bin=$root/target/release/test_sqlite
 
 image=$(mktemp "$dir/corefs-sqlite-bench.XXXXXX.img")
 loop_img= loop_dev= loop_mnt=
+spinners=()
 cleanup() {
+  for pid in "${spinners[@]}"; do kill "$pid" 2>/dev/null || true; done
   rm -f "$image"
   if [[ -n $loop_mnt ]]; then umount "$loop_mnt" 2>/dev/null || true; rmdir "$loop_mnt"; fi
   if [[ -n $loop_dev ]]; then losetup -d "$loop_dev" 2>/dev/null || true; fi
@@ -72,6 +77,10 @@ run() {
 declare -A runs
 wal_ratios= best_ratios=
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
+for ((i = 0; i < neighbours; i++)); do
+  sh -c 'while :; do :; done' &
+  spinners+=($!)
+done
 for ((r = 0; r < repeat; r++)); do
   declare -A tps=()
   for mode in wal delete batch; do
@@ -100,7 +109,7 @@ median() { sort -n <<<"${runs[$1]:-}" | sed '/^$/d' | awk '{ a[NR] = $0 } END { 
 
 echo "SQLite $("$test_bin" version) (test_sqlite), synchronous=FULL, one 100-byte row per transaction, ${seconds} s per run, median of $repeat"
 echo "corefs: file:$image (1 GiB, O_DIRECT); kernel: $kernel_name"
-echo "load average before: $load_before; after: $load_after; $(nproc) cores"
+echo "load average before: $load_before; after: $load_after; $(nproc) cores; $neighbours CPU-bound neighbour(s)"
 printf '%-7s | %9s %9s %9s | %9s %9s %9s | %6s\n' mode "corefs tx/s" p50_us p99_us "ext4 tx/s" p50_us p99_us ratio
 best_c=0 best_c_mode= best_k=0 best_k_mode=
 for mode in wal delete batch; do
