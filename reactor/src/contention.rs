@@ -17,9 +17,11 @@
 //!   descriptor, about a microsecond): past [`DELAY_PER_WINDOW`] of it within [`WINDOW`].
 //!   Alone, this also fires when our own threads crowd each other (eight dbench clients on
 //!   one core, a client yielding to the reactor), where polling is still right.
-//! - **Someone else uses the CPUs.** The machine's busy CPU time (`/proc/stat`) less the
+//! - **Someone else uses the CPUs.** The machine's user time (`/proc/stat`) less the
 //!   process's own (`getrusage`), over [`MACHINE_WINDOW`]: at least [`OTHERS_MIN`] of a core.
-//!   Alone, it also fires for a neighbour on cores we do not use.
+//!   User time only: the kernel's threads and interrupts mostly work for our own I/O (a
+//!   quiet run counted 0.3 cores of them once). Alone, it also fires for a neighbour on cores
+//!   we do not use.
 //!
 //! With both, the process is *contended* for [`HOLD`]: reactors and clients stop spinning and
 //! yielding, and sleep in the kernel between a request and its reply. The hold is renewed
@@ -141,7 +143,7 @@ pub fn others_cores() -> f64 {
     OTHERS_MILLICORES.load(Ordering::Relaxed) as f64 / 1000.0
 }
 
-/// Busy time of every CPU together (user, nice, system, irq, softirq), from /proc/stat.
+/// User time of every CPU together (user and nice), from /proc/stat.
 fn machine_busy_ns() -> Option<u64> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
     let line = stat.lines().next()?;
@@ -151,14 +153,13 @@ fn machine_busy_ns() -> Option<u64> {
         .filter_map(|f| f.parse().ok())
         .collect();
     // user nice system idle iowait irq softirq steal ...
-    let busy =
-        fields.first()? + fields.get(1)? + fields.get(2)? + fields.get(5)? + fields.get(6)?;
+    let busy = fields.first()? + fields.get(1)?;
     // SAFETY: sysconf reads a constant of the system.
     let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
     Some(busy * (1_000_000_000 / ticks))
 }
 
-/// The process's CPU time (all its threads), in ns.
+/// The process's user CPU time (all its threads), in ns.
 fn process_cpu_ns() -> Option<u64> {
     // SAFETY: getrusage writes one rusage through the pointer.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
@@ -167,7 +168,7 @@ fn process_cpu_ns() -> Option<u64> {
         return None;
     }
     let tv = |t: libc::timeval| t.tv_sec as u64 * 1_000_000_000 + t.tv_usec as u64 * 1000;
-    Some(tv(usage.ru_utime) + tv(usage.ru_stime))
+    Some(tv(usage.ru_utime))
 }
 
 /// One of the process's threads waited for a core: when other processes use the CPUs too,
