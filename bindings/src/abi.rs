@@ -20,8 +20,9 @@
 use crate::handles::{self, set_error, with_client, Error, FileRef, Fs, FsRef, OpenFile};
 use crate::path::{self, show, Entry, Last, Namespace};
 use engine::format::items::MAX_XATTR_VALUE_BYTES;
+use engine::inode::ROOT_INO;
 use engine::{FallocateMode, MkfsOptions, MountOptions, RenameFlags, SetAttr, Stat, XattrFlags};
-use reactor::{Config, IdlePolicy, Op, Owner, Reply, Runtime};
+use reactor::{Config, IdlePolicy, Op, OpenHow, Opened, Owner, Reply, Runtime};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, CStr};
@@ -374,8 +375,16 @@ fn call(fs: &Fs, op: Op) -> Result<Reply, Error> {
     with_client(fs, |c| c.call(op))?.map_err(Error::from)
 }
 
-/// Runs `op` on the inode `path` names.
+/// Runs `op` on the inode `path` names: one request (the reactor walks the path, then
+/// runs the op) for a path of plain names.
 fn call_at(fs: &Fs, path: &[u8], op: impl FnOnce(u64) -> Op) -> Result<Reply, Error> {
+    let parsed = path::parse(path)?;
+    // A trailing slash asks for a directory, which only a walk here checks.
+    if !parsed.trailing_slash {
+        if let Some(names) = path::plain(&parsed.parts) {
+            return call(fs, walk(&names, op(0)));
+        }
+    }
     let ino = resolve(fs, path)?.ino;
     call(fs, op(ino))
 }
@@ -415,14 +424,58 @@ impl Namespace for Names<'_> {
     fn stat(&mut self, ino: u64) -> Result<Stat, Error> {
         stat_of(call(self.0, Op::Stat { ino })?)
     }
-    fn resolve(&mut self, path: &str) -> Result<Stat, Error> {
-        stat_of(call(
-            self.0,
-            Op::Resolve {
-                path: path.to_string(),
-            },
-        )?)
+    fn walk(&mut self, names: &[&[u8]]) -> Result<Stat, Error> {
+        stat_of(call(self.0, walk(names, Op::Stat { ino: 0 }))?)
     }
+}
+
+/// `then` on what `names` (plain names from the root) lead to, in one request: a walk by
+/// the reactor, or `then` itself at the root.
+fn walk(names: &[&[u8]], mut then: Op) -> Op {
+    if names.is_empty() {
+        if let Some(target) = then.target_mut() {
+            *target = ROOT_INO;
+        }
+        return then;
+    }
+    Op::Walk {
+        from: ROOT_INO,
+        path: names.iter().map(|n| n.to_vec()).collect(),
+        then: Box::new(then),
+    }
+}
+
+/// Runs the name operation `op(dir, name)` on the entry `path` names, in one request when the
+/// reactor can walk to its directory itself: the path is plain names ending in a name,
+/// without a trailing slash unless `slash_ok` (mkdir and rmdir take `d/`). Otherwise the
+/// directory is walked here ([`entry`]) and `special` gives the error for a path ending in
+/// `/`, `.` or `..`; `check` runs on the entry walked before the operation (link's and
+/// symlink's rule for a trailing slash).
+fn call_entry(
+    fs: &Fs,
+    path: &[u8],
+    slash_ok: bool,
+    special: impl FnOnce(Last<'_>) -> Error,
+    check: impl FnOnce(&Fs, &Entry<'_>, &[u8]) -> Result<(), Error>,
+    op: impl Fn(u64, &[u8]) -> Op,
+) -> Result<Reply, Error> {
+    let parsed = path::parse(path)?;
+    if slash_ok || !parsed.trailing_slash {
+        if let Some(names) = path::plain(&parsed.parts) {
+            if let Some((last, dirs)) = names.split_last() {
+                return call(fs, walk(dirs, op(0, last)));
+            }
+        }
+    }
+    let e = entry(fs, path)?;
+    let name = e.name(special)?;
+    check(fs, &e, name)?;
+    call(fs, op(e.dir, name))
+}
+
+/// No check of an entry.
+fn any_entry(_: &Fs, _: &Entry<'_>, _: &[u8]) -> Result<(), Error> {
+    Ok(())
 }
 
 /// What `path` names (a trailing slash requires a directory).
@@ -478,11 +531,15 @@ fn no_trailing_slash_for_new(fs: &Fs, e: &Entry<'_>, path: &[u8]) -> Result<(), 
 /// The directory and name of `path` for a call that makes a new name (link(2), symlink(2),
 /// mknod(2)): `/`, `.` and `..` exist (-EEXIST), and a trailing slash is refused as
 /// [`no_trailing_slash_for_new`] says.
-fn new_name<'p>(fs: &Fs, path: &'p [u8]) -> Result<(u64, &'p [u8]), Error> {
-    let e = entry(fs, path)?;
-    let name = e.name(special(libc::EEXIST, path))?;
-    no_trailing_slash_for_new(fs, &e, path)?;
-    Ok((e.dir, name))
+fn call_new(fs: &Fs, path: &[u8], op: impl Fn(u64, &[u8]) -> Op) -> Result<Reply, Error> {
+    call_entry(
+        fs,
+        path,
+        false,
+        special(libc::EEXIST, path),
+        |fs, e, _| no_trailing_slash_for_new(fs, e, path),
+        op,
+    )
 }
 
 /// The handle `fd`, pinned while the result lives: keep it across the engine call that uses
@@ -722,28 +779,43 @@ pub unsafe extern "C" fn corefs_open(
         if flags & !known != 0 || flags & 3 == 3 {
             return Err(einval(format!("unsupported open flags {flags:#o}")));
         }
-        // An inode found can lose its last name and go before the hold reaches it (another
-        // thread's unlink): then the open starts over, as if it had come after that unlink.
-        // One it creates is held by the create itself.
-        let mut attempts = 0;
-        let stat = loop {
-            let (stat, held) = open_target(&fs, path, flags, mode)?;
-            if held {
-                break stat;
-            }
-            match call(&fs, Op::Hold { ino: stat.ino }) {
-                Ok(_) => break stat,
-                Err(e) if e.errno == libc::ENOENT && attempts < OPEN_ATTEMPTS => attempts += 1,
-                Err(e) => return Err(e),
-            }
+        let writable = flags & 3 != COREFS_O_RDONLY;
+        let how = OpenHow {
+            create: (flags & COREFS_O_CREAT != 0).then(|| (mode & 0o7777, handles::owner(&fs))),
+            exclusive: flags & COREFS_O_EXCL != 0,
+            writable,
+            truncate: flags & COREFS_O_TRUNC != 0,
+            directory: flags & COREFS_O_DIRECTORY != 0,
         };
-        let opened = open_held(&fs, path, flags, &stat);
-        if opened.is_err() {
-            // No handle took the hold: give it back (its error, if any, is the runtime's,
-            // and the open's own error says more).
-            let _ = call(&fs, Op::Release { ino: stat.ino });
+        // The reactor opens an inode by number only while it exists: one found by its name
+        // can lose that name and go before the open reaches it (another thread's unlink, a
+        // path with `..` walked here, an inode another reactor holds). Then the open starts
+        // over, as if it had come after that unlink.
+        for _ in 0..OPEN_ATTEMPTS {
+            let stat = match call(&fs, open_request(&fs, path, how)?) {
+                Ok(Reply::Opened(Opened::Found(stat) | Opened::Created(stat))) => stat,
+                Ok(Reply::Opened(Opened::Gone)) => continue,
+                Ok(other) => return Err(unexpected(other)),
+                Err(e) => return Err(e.about(path)),
+            };
+            return Ok(handles::enter_file(
+                &fs,
+                OpenFile {
+                    ino: stat.ino,
+                    dir: stat.is_dir(),
+                    readable: flags & 3 != COREFS_O_WRONLY,
+                    writable,
+                    append: flags & COREFS_O_APPEND != 0,
+                },
+            ));
         }
-        opened
+        Err(Error::new(
+            libc::ENOENT,
+            format!(
+                "{}: removed by others {OPEN_ATTEMPTS} times while opening",
+                show(path)
+            ),
+        ))
     })
 }
 
@@ -751,106 +823,50 @@ pub unsafe extern "C" fn corefs_open(
 /// thread removed the name in between): bounded, so a storm of such races ends in ENOENT.
 const OPEN_ATTEMPTS: u32 = 16;
 
-/// What `corefs_open` opens: the existing inode (not held yet: false), or the one it
-/// creates (held: true).
-fn open_target(fs: &Fs, path: &[u8], flags: c_int, mode: u32) -> Result<(Stat, bool), Error> {
-    if flags & COREFS_O_CREAT == 0 {
-        return Ok((resolve(fs, path)?, false));
-    }
-    let exclusive = flags & COREFS_O_EXCL != 0;
-    let e = entry(fs, path)?;
-    let name = e.name(|_| {
-        // `/`, `.` and `..` are directories, which exist.
-        if exclusive {
-            Error::new(libc::EEXIST, format!("{} exists", show(path)))
-        } else {
-            Error::new(libc::EISDIR, format!("{} is a directory", show(path)))
-        }
-    })?;
-    if e.trailing_slash {
-        return Err(Error::new(
-            libc::EISDIR,
-            format!("{}: O_CREAT with a trailing slash", show(path)),
-        ));
-    }
-    let existing_ok = |s: Stat| {
-        if s.is_dir() {
-            Err(Error::new(
+/// The one request that opens `path` ([`Op::Open`]): the reactor walks a path of plain
+/// names itself; a path with `.` or `..` is walked here first, a lookup per component.
+fn open_request(fs: &Fs, path: &[u8], mut how: OpenHow) -> Result<Op, Error> {
+    let parsed = path::parse(path)?;
+    if parsed.trailing_slash {
+        if how.create.is_some() {
+            return Err(Error::new(
                 libc::EISDIR,
-                format!("{} is a directory", show(path)),
-            ))
-        } else {
-            Ok((s, false))
+                format!("{}: O_CREAT with a trailing slash", show(path)),
+            ));
         }
-    };
-    for _ in 0..OPEN_ATTEMPTS {
-        if !exclusive {
-            if let Some(s) = lookup_entry(fs, e.dir, name)? {
-                return existing_ok(s);
+        how.directory = true;
+    }
+    if let Some(names) = path::plain(&parsed.parts) {
+        if let Some((last, dirs)) = names.split_last() {
+            let open = Op::Open {
+                dir: 0,
+                name: last.to_vec(),
+                how,
+            };
+            return Ok(walk(dirs, open));
+        }
+    }
+    if how.create.is_some() {
+        let e = entry(fs, path)?;
+        let name = e.name(|_| {
+            // `/`, `.` and `..` are directories, which exist.
+            if how.exclusive {
+                Error::new(libc::EEXIST, format!("{} exists", show(path)))
+            } else {
+                Error::new(libc::EISDIR, format!("{} is a directory", show(path)))
             }
-        }
-        // Created and held in one request: a separate hold could come after another
-        // thread's unlink of the new name had deleted the file.
-        let created = call(
-            fs,
-            Op::CreateHeld {
-                dir: e.dir,
-                name: name.to_vec(),
-                mode: mode & 0o7777,
-                owner: handles::owner(fs),
-            },
-        );
-        match created {
-            Ok(reply) => return Ok((stat_of(reply)?, true)),
-            // Another thread created it since the lookup: open that one (without O_EXCL).
-            Err(err) if err.errno == libc::EEXIST && !exclusive => continue,
-            Err(err) => return Err(err),
-        }
+        })?;
+        return Ok(Op::Open {
+            dir: e.dir,
+            name: name.to_vec(),
+            how,
+        });
     }
-    Err(Error::new(
-        libc::EEXIST,
-        format!(
-            "{}: created and removed by others {OPEN_ATTEMPTS} times while opening",
-            show(path)
-        ),
-    ))
-}
-
-/// Checks the open's flags against what it found (held) and enters the handle.
-fn open_held(fs: &Fs, path: &[u8], flags: c_int, stat: &Stat) -> Result<corefs_fd, Error> {
-    let dir = stat.is_dir();
-    if flags & COREFS_O_DIRECTORY != 0 && !dir {
-        return Err(Error::new(
-            libc::ENOTDIR,
-            format!("{} is not a directory", show(path)),
-        ));
-    }
-    let writable = flags & 3 != COREFS_O_RDONLY;
-    if dir && writable {
-        return Err(Error::new(
-            libc::EISDIR,
-            format!("{} is a directory", show(path)),
-        ));
-    }
-    if flags & COREFS_O_TRUNC != 0 && writable && !dir {
-        call(
-            fs,
-            Op::Truncate {
-                ino: stat.ino,
-                size: 0,
-            },
-        )?;
-    }
-    Ok(handles::enter_file(
-        fs,
-        OpenFile {
-            ino: stat.ino,
-            dir,
-            readable: flags & 3 != COREFS_O_WRONLY,
-            writable,
-            append: flags & COREFS_O_APPEND != 0,
-        },
-    ))
+    Ok(Op::Open {
+        dir: resolve(fs, path)?.ino,
+        name: Vec::new(),
+        how,
+    })
 }
 
 /// Closes a file handle (its data stays where it is: fsync first to make it durable). The
@@ -1186,16 +1202,19 @@ pub unsafe extern "C" fn corefs_mkdir(fs: corefs_fs, path: *const c_char, mode: 
     status("corefs_mkdir", || {
         // SAFETY: forwarded from this function's contract.
         let (fs, path) = unsafe { fs_and_path(fs, path) }?;
-        let e = entry(&fs, path)?;
+        let owner = handles::owner(&fs);
         // mkdir(2) of `/`, `.` or `..`: they exist.
-        let name = e.name(special(libc::EEXIST, path))?;
-        call(
+        call_entry(
             &fs,
-            Op::Mkdir {
-                dir: e.dir,
+            path,
+            true,
+            special(libc::EEXIST, path),
+            any_entry,
+            |dir, name| Op::Mkdir {
+                dir,
                 name: name.to_vec(),
                 mode: mode & 0o7777,
-                owner: handles::owner(&fs),
+                owner,
             },
         )
         .map(drop)
@@ -1211,15 +1230,17 @@ pub unsafe extern "C" fn corefs_rmdir(fs: corefs_fs, path: *const c_char) -> c_i
     status("corefs_rmdir", || {
         // SAFETY: forwarded from this function's contract.
         let (fs, path) = unsafe { fs_and_path(fs, path) }?;
-        let e = entry(&fs, path)?;
         // rmdir(2): the root is busy, `.` is invalid, and `..` is not empty (it holds `.`).
-        let name = e.name(|last| match last {
+        let special = |last: Last<'_>| match last {
             Last::Root => special(libc::EBUSY, path)(last),
             Last::Dot => special(libc::EINVAL, path)(last),
             _ => special(libc::ENOTEMPTY, path)(last),
-        })?;
-        let (dir, name) = (e.dir, name.to_vec());
-        call(&fs, Op::Rmdir { dir, name }).map(drop)
+        };
+        call_entry(&fs, path, true, special, any_entry, |dir, name| Op::Rmdir {
+            dir,
+            name: name.to_vec(),
+        })
+        .map(drop)
     })
 }
 
@@ -1233,20 +1254,31 @@ pub unsafe extern "C" fn corefs_unlink(fs: corefs_fs, path: *const c_char) -> c_
     status("corefs_unlink", || {
         // SAFETY: forwarded from this function's contract.
         let (fs, path) = unsafe { fs_and_path(fs, path) }?;
-        let e = entry(&fs, path)?;
-        let name = e.name(special(libc::EISDIR, path))?;
-        if e.trailing_slash {
-            // unlink(2) of `x/`: never removes anything; the error says what `x` is.
-            return Err(match lookup_entry(&fs, e.dir, name)? {
+        // unlink(2) of `x/`: never removes anything; the error says what `x` is.
+        let slash = |fs: &Fs, e: &Entry<'_>, name: &[u8]| {
+            if !e.trailing_slash {
+                return Ok(());
+            }
+            Err(match lookup_entry(fs, e.dir, name)? {
                 None => Error::new(libc::ENOENT, format!("{} does not exist", show(path))),
                 Some(s) if s.is_dir() => {
                     Error::new(libc::EISDIR, format!("{} is a directory", show(path)))
                 }
                 Some(_) => Error::new(libc::ENOTDIR, format!("{} is not a directory", show(path))),
-            });
-        }
-        let (dir, name) = (e.dir, name.to_vec());
-        call(&fs, Op::Unlink { dir, name }).map(drop)
+            })
+        };
+        call_entry(
+            &fs,
+            path,
+            false,
+            special(libc::EISDIR, path),
+            slash,
+            |dir, name| Op::Unlink {
+                dir,
+                name: name.to_vec(),
+            },
+        )
+        .map(drop)
     })
 }
 
@@ -1325,9 +1357,12 @@ pub unsafe extern "C" fn corefs_link(
         let (existing, path) = unsafe { (c_bytes(existing, "existing")?, c_bytes(path, "path")?) };
         let ino = resolve(&fs, existing)?.ino;
         // link(2) to `/`, `.` or `..`: they exist.
-        let (dir, name) = new_name(&fs, path)?;
-        let name = name.to_vec();
-        call(&fs, Op::Link { ino, dir, name }).map(drop)
+        call_new(&fs, path, |dir, name| Op::Link {
+            ino,
+            dir,
+            name: name.to_vec(),
+        })
+        .map(drop)
     })
 }
 
@@ -1360,16 +1395,13 @@ pub unsafe extern "C" fn corefs_symlink(
                 ),
             ));
         }
-        let (dir, name) = new_name(&fs, path)?;
-        call(
-            &fs,
-            Op::Symlink {
-                dir,
-                name: name.to_vec(),
-                target: target.to_vec(),
-                owner: handles::owner(&fs),
-            },
-        )
+        let owner = handles::owner(&fs);
+        call_new(&fs, path, |dir, name| Op::Symlink {
+            dir,
+            name: name.to_vec(),
+            target: target.to_vec(),
+            owner,
+        })
         .map(drop)
     })
 }
@@ -1428,17 +1460,14 @@ fn mknod(fs: &Fs, path: &[u8], mode: u32, rdev: u64) -> Result<(), Error> {
     let rdev = u32::try_from(rdev)
         .map_err(|_| einval(format!("device number {rdev:#x} is over 32 bits")))?;
     // mknod(2) of `/`, `.` or `..`: they exist.
-    let (dir, name) = new_name(fs, path)?;
-    call(
-        fs,
-        Op::Mknod {
-            dir,
-            name: name.to_vec(),
-            mode: mode & (libc::S_IFMT | 0o7777),
-            rdev: rdev as u64,
-            owner: handles::owner(fs),
-        },
-    )
+    let owner = handles::owner(fs);
+    call_new(fs, path, |dir, name| Op::Mknod {
+        dir,
+        name: name.to_vec(),
+        mode: mode & (libc::S_IFMT | 0o7777),
+        rdev: rdev as u64,
+        owner,
+    })
     .map(drop)
 }
 
@@ -1572,7 +1601,6 @@ pub unsafe extern "C" fn corefs_setxattr(
             return Err(einval(format!("unsupported xattr flags {flags:#x}")));
         }
         let name = xattr_name(name)?;
-        let ino = resolve(&fs, path)?.ino;
         let flags = match flags {
             0 => XattrFlags::Any,
             COREFS_XATTR_CREATE => XattrFlags::Create,
@@ -1580,15 +1608,12 @@ pub unsafe extern "C" fn corefs_setxattr(
             _ => return Err(einval("COREFS_XATTR_CREATE and _REPLACE together".into())),
         };
         let value = value.to_vec();
-        call(
-            &fs,
-            Op::SetXattr {
-                ino,
-                name,
-                value,
-                flags,
-            },
-        )
+        call_at(&fs, path, |ino| Op::SetXattr {
+            ino,
+            name,
+            value,
+            flags,
+        })
         .map(drop)
     })
 }
@@ -1988,6 +2013,14 @@ pub unsafe extern "C" fn corefs_buf_free(buf: *mut u8, len: usize) {
             unsafe { std::alloc::dealloc(buf, layout) };
         }
     })
+}
+
+/// Test hook (Rust only, not in the header): the requests this thread has sent to the
+/// reactors of filesystem `fs` (each a round trip), or None when `fs` is not open.
+#[doc(hidden)]
+pub fn test_hook_requests_sent(fs: corefs_fs) -> Option<u64> {
+    let fs = fs_of(fs).ok()?;
+    with_client(&fs, |c| c.requests_sent()).ok()
 }
 
 /// Test hook (Rust only, not in the header): reactor `reactor` of filesystem `fs` panics

@@ -617,6 +617,14 @@ impl Error {
     pub fn new(errno: i32, message: String) -> Error {
         Error { errno, message }
     }
+
+    /// The same error, its message saying which path it is about.
+    pub fn about(self, path: &[u8]) -> Error {
+        Error {
+            message: format!("{}: {}", crate::path::show(path), self.message),
+            ..self
+        }
+    }
 }
 
 impl From<EngineError> for Error {

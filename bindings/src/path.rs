@@ -15,9 +15,10 @@
 //!   accept `d/`, unlink of `file/` is ENOTDIR, ...), since the entry may not exist yet.
 //!
 //! # Invariants
-//! - A path of plain names (no `.` or `..`) that is UTF-8 is resolved by one request
-//!   ([`Namespace::resolve`], the reactor's walk); any other walks one lookup per component.
-//!   Both give the same answer for the paths they both accept.
+//! - A path of plain names (no `.` or `..`) is resolved by one request ([`Namespace::walk`],
+//!   the reactor's walk; the calls that act on what a path names send the walk and the act
+//!   as one request: [`plain`]); any other walks one lookup per component. Both give the
+//!   same answer for the paths they both accept.
 
 use crate::handles::Error;
 use engine::inode::ROOT_INO;
@@ -128,8 +129,8 @@ pub(crate) trait Namespace {
     /// `name` in directory `dir` (ENOENT if absent, ENOTDIR if `dir` is not a directory).
     fn lookup(&mut self, dir: u64, name: &[u8]) -> Result<Stat, Error>;
     fn stat(&mut self, ino: u64) -> Result<Stat, Error>;
-    /// A path of plain UTF-8 names from the root, in one request.
-    fn resolve(&mut self, path: &str) -> Result<Stat, Error>;
+    /// What a path of plain names from the root names, in one request.
+    fn walk(&mut self, names: &[&[u8]]) -> Result<Stat, Error>;
 }
 
 fn not_dir(path: &[u8]) -> Error {
@@ -139,20 +140,16 @@ fn not_dir(path: &[u8]) -> Error {
     )
 }
 
-/// The plain names of `parts` joined by `/`, when they are all plain UTF-8 names (the one
-/// request path).
-fn plain(parts: &[Part<'_>]) -> Option<String> {
-    let mut joined = String::new();
-    for part in parts {
-        let Part::Name(name) = part else {
-            return None;
-        };
-        if !joined.is_empty() {
-            joined.push('/');
-        }
-        joined.push_str(std::str::from_utf8(name).ok()?);
-    }
-    Some(joined)
+/// The names of `parts`, when every one is a plain name (no `.` or `..`): a path the
+/// reactor can walk in the request that acts on it.
+pub(crate) fn plain<'a>(parts: &[Part<'a>]) -> Option<Vec<&'a [u8]>> {
+    parts
+        .iter()
+        .map(|part| match part {
+            Part::Name(name) => Some(*name),
+            Part::Dot | Part::DotDot => None,
+        })
+        .collect()
 }
 
 /// The directory `parts` (every one a directory step) lead to from the root.
@@ -160,8 +157,8 @@ fn walk(ns: &mut impl Namespace, path: &[u8], parts: &[Part<'_>]) -> Result<u64,
     if parts.is_empty() {
         return Ok(ROOT_INO);
     }
-    if let Some(joined) = plain(parts) {
-        let stat = ns.resolve(&joined)?;
+    if let Some(names) = plain(parts) {
+        let stat = ns.walk(&names)?;
         if !stat.is_dir() {
             return Err(not_dir(path));
         }
@@ -197,7 +194,7 @@ pub(crate) fn lookup(ns: &mut impl Namespace, path: &[u8]) -> Result<Stat, Error
     let stat = match parts.last() {
         None => ns.stat(ROOT_INO)?,
         Some(Part::Name(name)) => match plain(parts) {
-            Some(joined) => ns.resolve(&joined)?,
+            Some(names) => ns.walk(&names)?,
             None => {
                 let dir = walk(ns, path, &parts[..parts.len() - 1])?;
                 ns.lookup(dir, name)?
@@ -326,11 +323,11 @@ mod tests {
         fn stat(&mut self, ino: u64) -> Result<Stat, Error> {
             Ok(self.stats[&ino])
         }
-        fn resolve(&mut self, path: &str) -> Result<Stat, Error> {
+        fn walk(&mut self, names: &[&[u8]]) -> Result<Stat, Error> {
             self.resolves += 1;
             let mut stat = self.stats[&ROOT_INO];
-            for part in path.split('/').filter(|p| !p.is_empty()) {
-                stat = self.find(stat.ino, part.as_bytes())?;
+            for name in names {
+                stat = self.find(stat.ino, name)?;
             }
             Ok(stat)
         }

@@ -46,7 +46,10 @@ use fuser::{
     ReplyEntry, ReplyIoctl, ReplyLseek, ReplyOpen, ReplyPoll, ReplyStatfs, ReplyWrite, ReplyXattr,
     Request, SessionACL, TimeOrNow, WriteFlags,
 };
-use reactor::{Client, Op, Reply, Runtime};
+use reactor::{Client, Op, OpenHow, Opened, Reply, Runtime};
+
+/// Times a create starts over when the inode it found went before its hold.
+const OPEN_ATTEMPTS: u32 = 16;
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
@@ -173,6 +176,25 @@ impl KernelRefs {
             }
         }
         Ok(())
+    }
+
+    /// Counts one reference to `ino`, which the engine already holds for it (an
+    /// [`Op::Open`]'s hold): the first reference keeps that hold; a later one gives it back,
+    /// the first's being enough.
+    fn adopt(&self, client: &mut Client, ino: u64) {
+        let mut counts = self.lock(ino);
+        match counts.get_mut(&ino) {
+            Some(count) => {
+                *count = count.saturating_add(1);
+                drop(counts);
+                if let Err(e) = call(client, Op::Release { ino }) {
+                    tracing::warn!("releasing a second hold of inode {ino}: errno {e}");
+                }
+            }
+            None => {
+                counts.insert(ino, 1);
+            }
+        }
     }
 
     /// The kernel forgot `nlookup` references to `ino`; the last one releases the hold (which
@@ -905,26 +927,37 @@ impl Filesystem for CorefsFuse {
         let name = name.as_bytes().to_vec();
         let owner = owner_of(req);
         let refs = self.refs.clone();
-        // The kernel sends O_CREAT without O_EXCL here only when the name did not exist at
-        // its lookup; a racing create found in between is opened, as open(2) would.
+        // One request creates (or, without O_EXCL, opens what a racing create made since the
+        // kernel's lookup, as open(2) would) and holds the file for the kernel's reference.
+        let how = OpenHow {
+            create: Some((mode & !umask & 0o7777, owner)),
+            exclusive: flags & libc::O_EXCL != 0,
+            writable: flags & libc::O_ACCMODE != libc::O_RDONLY,
+            truncate: flags & libc::O_TRUNC != 0,
+            directory: false,
+        };
         let work = move |c: &mut Client| {
-            let made = stat_reply(
-                c,
-                Op::Create {
-                    dir,
-                    name: name.clone(),
-                    mode: mode & !umask & 0o7777,
-                    owner,
-                },
-            );
-            let s = match made {
-                Err(libc::EEXIST) if flags & libc::O_EXCL == 0 => {
-                    stat_reply(c, Op::Lookup { dir, name })
+            let open = Op::Open {
+                dir,
+                name: name.clone(),
+                how,
+            };
+            // An inode another reactor holds can go between its lookup and its hold: the
+            // open then starts over (a few times at most, as the C ABI's open).
+            for _ in 0..OPEN_ATTEMPTS {
+                match call(c, open.clone())? {
+                    Reply::Opened(Opened::Found(s) | Opened::Created(s)) => {
+                        refs.adopt(c, s.ino);
+                        return Ok(s);
+                    }
+                    Reply::Opened(Opened::Gone) => continue,
+                    other => {
+                        tracing::error!("unexpected reply {other:?} to an open");
+                        return Err(libc::EIO);
+                    }
                 }
-                other => other,
-            }?;
-            refs.add(c, s.ino)?;
-            Ok(s)
+            }
+            Err(libc::ENOENT)
         };
         self.answer(reply, work, |reply, s| {
             reply.created(

@@ -43,8 +43,7 @@ impl Clients {
 
 impl Live for Clients {
     fn resolve(&mut self, path: &str) -> Result<u64, EngineError> {
-        self.stat_of(Op::Resolve { path: path.into() })
-            .map(|s| s.ino)
+        self.stat_of(Op::resolve(path)).map(|s| s.ino)
     }
     fn root(&self) -> u64 {
         engine::inode::ROOT_INO

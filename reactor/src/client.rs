@@ -232,6 +232,8 @@ pub struct Client {
     next_token: u64,
     /// Completions taken from the queue while waiting for a specific token.
     stash: VecDeque<Completion>,
+    /// Requests this client has submitted: a call's round trips to the reactors.
+    sent: u64,
 }
 
 impl Client {
@@ -245,7 +247,14 @@ impl Client {
             in_flight: 0,
             next_token: 1 << 63,
             stash: VecDeque::new(),
+            sent: 0,
         }
+    }
+
+    /// Requests submitted through this client so far (each a round trip to a reactor;
+    /// what a reactor hands on to another is not counted again).
+    pub fn requests_sent(&self) -> u64 {
+        self.sent
     }
 
     /// Operations submitted and not yet collected.
@@ -271,6 +280,7 @@ impl Client {
         match target.requests.push(request) {
             Ok(()) => {
                 self.in_flight += 1;
+                self.sent += 1;
                 target.wake_reactor();
                 Ok(())
             }

@@ -6,44 +6,30 @@
 //!   sync and stats are the batch's (`runtime::batch`) and are refused with Invalid.
 //! - The caller is the thread that owns `fs` (a reactor, or the coordinator running a span).
 
-use crate::op::{Op, Reply};
-use engine::{EngineError, Filesystem};
+use crate::op::{Op, OpenHow, Opened, Reply};
+use engine::{EngineError, Filesystem, Stat};
 
 /// Runs one engine operation (not fsync, sync or stats, which the batch handles).
 pub(crate) fn execute_on(fs: &mut Filesystem, op: &Op) -> Result<Reply, EngineError> {
     Ok(match *op {
-        Op::Resolve { ref path } => {
-            let ino = fs.resolve(path)?;
-            Reply::Stat(fs.stat(ino)?)
-        }
-        Op::ResolveAt { dir, ref path } => {
-            let mut ino = dir;
-            for part in path.split('/').filter(|p| !p.is_empty()) {
-                ino = fs
-                    .lookup_ino(ino, part.as_bytes())?
-                    .ok_or(EngineError::NotFound)?;
-            }
-            Reply::Stat(fs.stat(ino)?)
+        Op::Walk {
+            from,
+            ref path,
+            ref then,
+        } => {
+            // Here only where the whole walk is this engine's (one reactor, or a span's):
+            // reactors walk in their batch, handing walks on (`runtime::batch`).
+            let ino = walk(fs, from, path)?;
+            execute_on(fs, &walked(then, ino)?)?
         }
         Op::Lookup { dir, ref name } => Reply::Stat(fs.lookup(dir, name)?),
+        Op::Open { dir, ref name, how } => Reply::Opened(open(fs, dir, name, how)?),
         Op::Create {
             dir,
             ref name,
             mode,
             owner,
         } => Reply::Stat(fs.create(dir, name, mode, owner.uid, owner.gid)?),
-        Op::CreateHeld {
-            dir,
-            ref name,
-            mode,
-            owner,
-        } => {
-            // A new inode goes to a shard of the reactor holding `dir` (creates run where
-            // their directory is), so its hold is counted where Op::Release will find it.
-            let stat = fs.create(dir, name, mode, owner.uid, owner.gid)?;
-            fs.hold(stat.ino)?;
-            Reply::Stat(stat)
-        }
         Op::Mkdir {
             dir,
             ref name,
@@ -114,4 +100,95 @@ pub(crate) fn execute_on(fs: &mut Filesystem, op: &Op) -> Result<Reply, EngineEr
             ))
         }
     })
+}
+
+/// The inode `path`'s names lead to from directory `from` (each before the last must be a
+/// directory: ENOTDIR; a missing one: ENOENT).
+pub(crate) fn walk(fs: &mut Filesystem, from: u64, path: &[Vec<u8>]) -> Result<u64, EngineError> {
+    let mut ino = from;
+    for name in path {
+        ino = fs.lookup_ino(ino, name)?.ok_or(EngineError::NotFound)?;
+    }
+    Ok(ino)
+}
+
+/// A walk's operation with its target replaced by the inode the walk reached.
+pub(crate) fn walked(then: &Op, ino: u64) -> Result<Op, EngineError> {
+    let mut op = then.clone();
+    match op.target_mut() {
+        Some(target) => {
+            *target = ino;
+            Ok(op)
+        }
+        None => Err(EngineError::Invalid(format!(
+            "a walk cannot carry {then:?}: it has no inode to replace"
+        ))),
+    }
+}
+
+/// [`Op::Open`]: the lookup, the create, the checks, the hold and the truncate of open(2),
+/// with nothing between them.
+pub(crate) fn open(
+    fs: &mut Filesystem,
+    dir: u64,
+    name: &[u8],
+    how: OpenHow,
+) -> Result<Opened, EngineError> {
+    let found = if name.is_empty() {
+        match fs.stat(dir) {
+            Ok(stat) => stat,
+            Err(EngineError::NotFound) => return Ok(Opened::Gone),
+            Err(e) => return Err(e),
+        }
+    } else {
+        match fs.lookup(dir, name) {
+            Ok(stat) => stat,
+            Err(EngineError::NotFound) => {
+                let Some((mode, owner)) = how.create else {
+                    return Err(EngineError::NotFound);
+                };
+                if how.directory {
+                    // open(2): O_CREAT|O_DIRECTORY never creates; a missing name is ENOENT
+                    // there too, but a name to be created cannot be a directory.
+                    return Err(EngineError::NotDir);
+                }
+                // A new inode goes to a shard this engine holds (creates run where their
+                // directory is), so the hold is counted where Op::Release will find it.
+                let stat = fs.create(dir, name, mode & 0o7777, owner.uid, owner.gid)?;
+                fs.hold(stat.ino)?;
+                return Ok(Opened::Created(stat));
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    check_open(&found, how)?;
+    fs.hold(found.ino)?;
+    if how.truncate && how.writable && !found.is_dir() {
+        if let Err(e) = fs.truncate(found.ino, 0) {
+            // The open failed: it keeps no hold.
+            let _ = fs.release(found.ino);
+            return Err(e);
+        }
+        return Ok(Opened::Found(fs.stat(found.ino)?));
+    }
+    Ok(Opened::Found(found))
+}
+
+/// open(2)'s checks of an existing inode against its flags.
+fn check_open(stat: &Stat, how: OpenHow) -> Result<(), EngineError> {
+    if how.create.is_some() {
+        if how.exclusive {
+            return Err(EngineError::Exists);
+        }
+        if stat.is_dir() {
+            return Err(EngineError::IsDir);
+        }
+    }
+    if how.directory && !stat.is_dir() {
+        return Err(EngineError::NotDir);
+    }
+    if how.writable && stat.is_dir() {
+        return Err(EngineError::IsDir);
+    }
+    Ok(())
 }

@@ -301,16 +301,29 @@ impl MetaWaits {
 fn probe(fs: &mut Filesystem, op: &Op) -> Deferred<Option<Result<Reply, EngineError>>> {
     match op {
         // Read-only: the probe is the request.
-        Op::Resolve { .. }
-        | Op::ResolveAt { .. }
-        | Op::Lookup { .. }
+        Op::Lookup { .. }
         | Op::Readlink { .. }
         | Op::Readdir { .. }
         | Op::Stat { .. }
         | Op::GetXattr { .. }
         | Op::ListXattr { .. } => fs.without_waiting(|fs| Some(crate::execute::execute_on(fs, op))),
+        // Walks run deferred in the batch; one that reaches here runs whole (a span's).
+        Op::Walk { from, path, .. } => looked_up(fs, |fs| {
+            let _ = crate::execute::walk(fs, *from, path);
+        }),
+        Op::Open { dir, name, how } => looked_up(fs, |fs| {
+            let found = if name.is_empty() {
+                fs.stat(*dir).ok()
+            } else {
+                fs.lookup(*dir, name).ok()
+            };
+            if let Some(stat) = found {
+                if how.truncate {
+                    let _ = fs.probe_range(stat.ino, 0, 1);
+                }
+            }
+        }),
         Op::Create { dir, name, .. }
-        | Op::CreateHeld { dir, name, .. }
         | Op::Mkdir { dir, name, .. }
         | Op::Symlink { dir, name, .. }
         | Op::Mknod { dir, name, .. } => looked_up(fs, |fs| {

@@ -104,11 +104,10 @@ impl Router {
             return 0;
         }
         match op {
-            Op::Resolve { .. } => self.owner_of(engine::inode::ROOT_INO),
-            Op::ResolveAt { dir: ino, .. }
+            Op::Walk { from: ino, .. }
+            | Op::Open { dir: ino, .. }
             | Op::Lookup { dir: ino, .. }
             | Op::Create { dir: ino, .. }
-            | Op::CreateHeld { dir: ino, .. }
             | Op::Mkdir { dir: ino, .. }
             | Op::Symlink { dir: ino, .. }
             | Op::Mknod { dir: ino, .. }
@@ -256,11 +255,22 @@ pub(crate) fn plan(fs: &mut Filesystem, member: &mut Member, op: &Op) -> Plan {
 fn plan_inner(fs: &mut Filesystem, member: &mut Member, op: &Op) -> Result<Plan, EngineError> {
     let holds = |fs: &Filesystem, ino: u64| fs.holds(fs.shard_of(ino));
     Ok(match op {
-        Op::Resolve { path } => {
-            let root = fs.root();
-            return resolve_plan(fs, &member.router, root, path);
-        }
-        Op::ResolveAt { dir, path } => return resolve_plan(fs, &member.router, *dir, path),
+        // An open of a name whose inode another reactor holds is held there (by number: the
+        // name may go meanwhile, and then the client starts over).
+        Op::Open { dir, name, how } if !name.is_empty() => match fs.lookup_ino(*dir, name)? {
+            Some(_) if how.create.is_some() && how.exclusive => {
+                Plan::Answer(Err(EngineError::Exists))
+            }
+            Some(child) if !holds(fs, child) => Plan::Forward(
+                member.router.owner_of(child),
+                Op::Open {
+                    dir: child,
+                    name: Vec::new(),
+                    how: *how,
+                },
+            ),
+            _ => Plan::Local,
+        },
         Op::Lookup { dir, name } => match fs.lookup_ino(*dir, name)? {
             Some(child) if !holds(fs, child) => {
                 Plan::Forward(member.router.owner_of(child), Op::Stat { ino: child })
@@ -315,39 +325,6 @@ fn plan_inner(fs: &mut Filesystem, member: &mut Member, op: &Op) -> Result<Plan,
         Op::Statfs => Plan::Answer(Ok(Reply::Statfs(statfs(&member.router)))),
         _ => Plan::Local,
     })
-}
-
-/// Walks `path` from `dir` while the directories are held here; forwards the rest to the
-/// reactor holding the next one.
-fn resolve_plan(
-    fs: &mut Filesystem,
-    router: &Router,
-    dir: u64,
-    path: &str,
-) -> Result<Plan, EngineError> {
-    let mut ino = dir;
-    let mut parts = path.split('/').filter(|p| !p.is_empty()).peekable();
-    while parts.peek().is_some() {
-        if !fs.holds(fs.shard_of(ino)) {
-            let rest: Vec<&str> = parts.collect();
-            return Ok(Plan::Forward(
-                router.owner_of(ino),
-                Op::ResolveAt {
-                    dir: ino,
-                    path: rest.join("/"),
-                },
-            ));
-        }
-        let part = parts.next().expect("peeked");
-        ino = fs
-            .lookup_ino(ino, part.as_bytes())?
-            .ok_or(EngineError::NotFound)?;
-    }
-    if fs.holds(fs.shard_of(ino)) {
-        Ok(Plan::Answer(fs.stat(ino).map(Reply::Stat)))
-    } else {
-        Ok(Plan::Forward(router.owner_of(ino), Op::Stat { ino }))
-    }
 }
 
 /// statfs over every reactor's published figures (the free blocks in the groups their

@@ -16,18 +16,47 @@ impl Owner {
     pub const ROOT: Owner = Owner { uid: 0, gid: 0 };
 }
 
+/// What [`Op::Open`] does besides holding what it opens: open(2)'s flags.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OpenHow {
+    /// O_CREAT: a missing name is created as a regular file with this mode (permission bits)
+    /// and owner; an existing directory is EISDIR.
+    pub create: Option<(u32, Owner)>,
+    /// O_EXCL with O_CREAT: an existing name is EEXIST.
+    pub exclusive: bool,
+    /// Opened for writing: a directory is EISDIR.
+    pub writable: bool,
+    /// O_TRUNC (with `writable`): an existing file that is not a directory is cut to zero.
+    pub truncate: bool,
+    /// O_DIRECTORY, or a path ending in `/`: anything but a directory is ENOTDIR.
+    pub directory: bool,
+}
+
+/// What [`Op::Open`] opened.
+#[derive(Debug, Clone, Copy)]
+pub enum Opened {
+    /// An existing inode, held (and truncated if asked).
+    Found(Stat),
+    /// A new file, held.
+    Created(Stat),
+    /// The inode to open by number (an empty name) no longer exists: its last name went
+    /// after the caller (or the reactor that handed the open on) found it. Start over, as if
+    /// the open came after that unlink.
+    Gone,
+}
+
 /// One engine operation. Inode numbers and names are the engine's (see `engine`).
 #[derive(Debug, Clone)]
 pub enum Op {
-    /// A path from the root (`a/b/c`; leading and repeated slashes ignored) to its inode.
-    Resolve {
-        path: String,
-    },
-    /// A path relative to directory `dir` to its inode (what a reactor forwards to the one
-    /// holding the next directory of a path).
-    ResolveAt {
-        dir: u64,
-        path: String,
+    /// Walks `path` (names, each looked up in the directory before it) from directory
+    /// `from`, then runs `then` on the inode reached: its target ([`Op::target_mut`]: the
+    /// directory of a name operation, the inode of any other) is replaced by it. One request
+    /// for what a path names, however long the path: a reactor walks as far as it holds the
+    /// directories and hands the rest on to the reactor holding the next one.
+    Walk {
+        from: u64,
+        path: Vec<Vec<u8>>,
+        then: Box<Op>,
     },
     Lookup {
         dir: u64,
@@ -39,14 +68,15 @@ pub enum Op {
         mode: u32,
         owner: Owner,
     },
-    /// [`Op::Create`] and [`Op::Hold`] of the new file in one request, so nothing (an unlink
-    /// of the new name) runs between them: what open(2) with O_CREAT does, atomically.
-    /// Release the hold as after [`Op::Hold`].
-    CreateHeld {
+    /// open(2) of `name` in `dir` (an empty name: `dir` itself) in one request: looks it up,
+    /// creates it if absent and asked to, checks its kind against `how`, holds it, and cuts
+    /// it to zero if asked to. Answers [`Reply::Opened`]; the hold is released as after
+    /// [`Op::Hold`]. Nothing runs between the lookup and the hold, so the inode opened is the
+    /// one the name named.
+    Open {
         dir: u64,
         name: Vec<u8>,
-        mode: u32,
-        owner: Owner,
+        how: OpenHow,
     },
     Mkdir {
         dir: u64,
@@ -177,11 +207,71 @@ pub enum Op {
 }
 
 impl Op {
+    /// What an absolute path (`a/b/c`; leading and repeated slashes ignored, every component
+    /// a name) names: a [`Op::Walk`] to [`Op::Stat`].
+    pub fn resolve(path: &str) -> Op {
+        Op::Walk {
+            from: engine::inode::ROOT_INO,
+            path: path
+                .split('/')
+                .filter(|p| !p.is_empty())
+                .map(|p| p.as_bytes().to_vec())
+                .collect(),
+            then: Box::new(Op::Stat { ino: 0 }),
+        }
+    }
+
+    /// The inode a [`Op::Walk`] replaces: the directory a name operation works in, the
+    /// inode a path call (stat, chmod, truncate, xattrs) works on; a link's new name's
+    /// directory. None for what a walk does not carry: what acts on no inode (sync, statfs,
+    /// stats), a walk (walks do not nest), a rename (two directories: walked by its caller),
+    /// and what goes through an open handle (reads, writes, fsyncs: the batch runs them
+    /// apart from the rest).
+    pub fn target_mut(&mut self) -> Option<&mut u64> {
+        match self {
+            Op::Lookup { dir, .. }
+            | Op::Open { dir, .. }
+            | Op::Create { dir, .. }
+            | Op::Mkdir { dir, .. }
+            | Op::Symlink { dir, .. }
+            | Op::Mknod { dir, .. }
+            | Op::Unlink { dir, .. }
+            | Op::Rmdir { dir, .. }
+            | Op::Link { dir, .. }
+            | Op::Readdir { dir, .. } => Some(dir),
+            Op::Readlink { ino }
+            | Op::Stat { ino }
+            | Op::SetAttr { ino, .. }
+            | Op::Hold { ino }
+            | Op::Truncate { ino, .. }
+            | Op::SetXattr { ino, .. }
+            | Op::GetXattr { ino, .. }
+            | Op::ListXattr { ino }
+            | Op::RemoveXattr { ino, .. } => Some(ino),
+            Op::Walk { .. }
+            | Op::Read { .. }
+            | Op::Write { .. }
+            | Op::Append { .. }
+            | Op::Release { .. }
+            | Op::Fallocate { .. }
+            | Op::Fsync { .. }
+            | Op::Fdatasync { .. }
+            | Op::WriteAtomic { .. }
+            | Op::Rename { .. }
+            | Op::Sync
+            | Op::Statfs
+            | Op::Stats => None,
+        }
+    }
+
     /// True for operations that normally complete without waiting for the device (metadata
     /// changes, lookups, staged writes): a client waiting on one yields its core instead of
     /// sleeping, since a sleeping client costs the reactor a wake-up that takes longer than
     /// the operation.
     pub(crate) fn is_quick(&self) -> bool {
+        if let Op::Walk { then, .. } = self {
+            return then.is_quick();
+        }
         !matches!(
             self,
             Op::Fsync { .. }
@@ -215,6 +305,7 @@ pub enum Reply {
         written: usize,
     },
     Names(Vec<Vec<u8>>),
+    Opened(Opened),
     Statfs(StatFs),
     Stats(Box<crate::stats::ReactorStats>),
 }

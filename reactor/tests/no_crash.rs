@@ -195,9 +195,7 @@ fn a_panicking_reactor_fails_the_runtime(reactors: usize) {
         Op::Fsync {
             ino: bystander_file,
         },
-        Op::Resolve {
-            path: "d1/f".into(),
-        },
+        Op::resolve("d1/f"),
         Op::Sync,
         Op::Stats,
     ] {

@@ -1279,15 +1279,19 @@ fn owners_special_files_held_inodes_and_concurrent_appends() {
         for d in 0..4 {
             let parent = mkdir(&mut c, ROOT, &format!("held-{d}"));
             let held = match c
-                .call(Op::CreateHeld {
+                .call(Op::Open {
                     dir: parent,
                     name: b"f".to_vec(),
-                    mode: 0o600,
-                    owner,
+                    how: reactor::OpenHow {
+                        create: Some((0o600, owner)),
+                        exclusive: true,
+                        writable: true,
+                        ..Default::default()
+                    },
                 })
                 .unwrap()
             {
-                Reply::Stat(s) => s,
+                Reply::Opened(reactor::Opened::Created(s)) => s,
                 other => panic!("{other:?}"),
             };
             assert_eq!((held.uid, held.gid, held.nlink), (1000, 50, 1));

@@ -13,6 +13,7 @@
 //! `fio-raw-image`) right after corefs's run, while the image still exists and corefs has
 //! unmounted it; when fio is missing the suite says so, at the start and in the comparison.
 
+pub mod abi;
 pub mod compare;
 pub mod direct;
 pub mod fio_raw;
@@ -289,6 +290,9 @@ fn run_one(
 ) -> R<RunResult> {
     target.set_data_cache(!workload.measures_device_path());
     target.prepare()?;
+    if workload.through_c_abi() {
+        target.through_c_abi()?;
+    }
     {
         let mut session = target.session()?;
         workload.setup(&mut *session)?;

@@ -71,6 +71,12 @@ pub trait Target {
     fn remount(&mut self) -> R<Option<f64>>;
     /// Ends the workload: unmount or remove what it made.
     fn finish(&mut self) -> R<()>;
+    /// Serves the next sessions (until `finish`) through the target's C ABI, on a fresh
+    /// filesystem: corefs mounts through libcorefs; a kernel target's sessions are system
+    /// calls already.
+    fn through_c_abi(&mut self) -> R<()> {
+        Ok(())
+    }
     /// Cores the workload's clients are pinned to, round robin (empty: not pinned).
     fn client_cores(&self) -> Vec<usize> {
         Vec::new()
@@ -90,26 +96,26 @@ pub trait Target {
 /// A session's open files: a handle is an index, never reused while the table holds any open
 /// entry; the table empties when every handle is closed, so it stays as small as the most
 /// files a client holds open at once.
-struct Handles<T>(Vec<Option<T>>);
+pub(crate) struct Handles<T>(Vec<Option<T>>);
 
 impl<T> Handles<T> {
-    fn new() -> Handles<T> {
+    pub(crate) fn new() -> Handles<T> {
         Handles(Vec::new())
     }
 
-    fn add(&mut self, value: T) -> Fh {
+    pub(crate) fn add(&mut self, value: T) -> Fh {
         self.0.push(Some(value));
         self.0.len() - 1
     }
 
-    fn get(&self, fh: Fh) -> R<&T> {
+    pub(crate) fn get(&self, fh: Fh) -> R<&T> {
         self.0
             .get(fh)
             .and_then(Option::as_ref)
             .ok_or_else(|| format!("bad handle {fh}"))
     }
 
-    fn close(&mut self, fh: Fh) -> R<()> {
+    pub(crate) fn close(&mut self, fh: Fh) -> R<()> {
         self.get(fh)?;
         self.0[fh] = None;
         if self.0.iter().all(Option::is_none) {
@@ -144,6 +150,9 @@ pub struct CorefsTarget {
     data_cache_blocks: usize,
     /// The image file the suite made for this target (corefs-file only).
     image: Option<PathBuf>,
+    /// The mount through the C ABI that serves the sessions instead of `runtime`, while a
+    /// workload runs through it.
+    c_abi: Option<super::abi::CAbiMount>,
 }
 
 impl CorefsTarget {
@@ -164,6 +173,7 @@ impl CorefsTarget {
             kept_device: None,
             data_cache_blocks: engine::writeback::CACHE_BLOCKS,
             image: None,
+            c_abi: None,
         }
     }
 
@@ -208,6 +218,9 @@ impl CorefsTarget {
     }
 
     fn stop(&mut self) -> R<()> {
+        if let Some(mount) = self.c_abi.take() {
+            mount.close()?;
+        }
         if let Some(runtime) = self.runtime.take() {
             let (_, dev) = runtime
                 .shutdown_into_device()
@@ -249,7 +262,32 @@ impl Target for CorefsTarget {
         self.start(true).map(drop)
     }
 
+    fn through_c_abi(&mut self) -> R<()> {
+        // The prepared filesystem is closed and mounted again through libcorefs with the
+        // same placement; a memory device (which lives only as long as its mount) is
+        // formatted afresh by it.
+        self.stop()?;
+        let mem = self.device.starts_with("mem:");
+        self.kept_device = None;
+        let mount = super::abi::CAbiMount::mount(&super::abi::CAbiOptions {
+            device: &self.device,
+            format: mem,
+            shards: self.shards,
+            reactors: self.reactors,
+            pinned_from: match &self.placement {
+                Placement::Dedicated { reactor_cores, .. } => reactor_cores.first().copied(),
+                Placement::Shared => None,
+            },
+            data_cache_off: self.data_cache_blocks == 0,
+        })?;
+        self.c_abi = Some(mount);
+        Ok(())
+    }
+
     fn session(&mut self) -> R<Box<dyn Session>> {
+        if let Some(mount) = &self.c_abi {
+            return Ok(mount.session());
+        }
         let runtime = self.runtime.as_ref().ok_or("corefs target not prepared")?;
         Ok(Box::new(CorefsSession {
             client: runtime.client(64),
@@ -259,6 +297,10 @@ impl Target for CorefsTarget {
     }
 
     fn engine_figures(&mut self) -> R<Option<EngineFigures>> {
+        if self.c_abi.is_some() {
+            // libcorefs's own runtime: its figures are not the suite's to read.
+            return Ok(None);
+        }
         let runtime = self.runtime.as_ref().ok_or("corefs target not prepared")?;
         let mut client = runtime.client(1);
         let stats = match client.call(Op::Stats).map_err(|e| e.to_string())? {
@@ -296,6 +338,10 @@ impl Target for CorefsTarget {
     }
 
     fn remount(&mut self) -> R<Option<f64>> {
+        if self.c_abi.is_some() {
+            // Mounted through the C ABI: nothing of the suite's to remount.
+            return self.stop().map(|()| None);
+        }
         self.stop()?;
         self.start(false).map(Some)
     }
@@ -325,9 +371,7 @@ impl CorefsSession {
         if let Some(&ino) = self.dirs.get(path) {
             return Ok(ino);
         }
-        let ino = match self.call(Op::Resolve {
-            path: path.to_string(),
-        })? {
+        let ino = match self.call(Op::resolve(path))? {
             Reply::Stat(s) => s.ino,
             other => return Err(format!("unexpected reply {other:?}")),
         };

@@ -9,6 +9,10 @@
 //! - `dbench`: C clients each loop over a dbench-like mix in their own tree — mkdir, create,
 //!   write, close, stat, find, read, rename, flush (fsync), unlink, deltree — with dbench's
 //!   per-operation table;
+//! - `abi-open-close` and `abi-stat`: one client calling open(O_CREAT|O_EXCL)+close of new
+//!   files, and stat of existing ones, by path, through the C ABI on corefs (libcorefs's
+//!   `corefs_open`, `corefs_release`, `corefs_stat`: what an embedding database pays per
+//!   call) and through the system calls on the kernel targets;
 //! - `randread`: random 4 KiB reads of a file written and made durable beforehand, read after
 //!   a remount (cold), at queue depth 1 or 32, from the device on every target (kernel targets
 //!   read with O_DIRECT, corefs with its data-block cache off).
@@ -44,6 +48,13 @@ pub enum Kind {
     RandRead {
         qd: usize,
         file_bytes: u64,
+    },
+    /// open(O_CREAT|O_EXCL)+close of new files in a directory of the client's own, through
+    /// the C ABI.
+    AbiOpenClose,
+    /// stat of `files` existing files by path, in random order, through the C ABI.
+    AbiStat {
+        files: usize,
     },
 }
 
@@ -120,6 +131,16 @@ pub fn suite(sizes: &Sizes) -> Vec<Workload> {
             name: "dbench".into(),
             clients: sizes.dbench_clients,
             kind: Kind::Dbench,
+        },
+        Workload {
+            name: "abi-open-close".into(),
+            clients: 1,
+            kind: Kind::AbiOpenClose,
+        },
+        Workload {
+            name: "abi-stat".into(),
+            clients: 1,
+            kind: Kind::AbiStat { files: 1000 },
         },
         Workload {
             name: "randread-qd1".into(),
@@ -224,7 +245,15 @@ impl Workload {
             Kind::Creates { .. } => "create",
             Kind::Dbench => "all",
             Kind::RandRead { .. } => "read",
+            Kind::AbiOpenClose => "open+close",
+            Kind::AbiStat { .. } => "stat",
         }
+    }
+
+    /// Whether a corefs target serves the workload through its C ABI (libcorefs), as a
+    /// program embedding it calls it.
+    pub fn through_c_abi(&self) -> bool {
+        matches!(self.kind, Kind::AbiOpenClose | Kind::AbiStat { .. })
     }
 
     /// Whether the workload reads what setup wrote after a remount.
@@ -266,6 +295,20 @@ impl Workload {
                 }
             }
             Kind::RandRead { file_bytes, .. } => write_file(s, "rr", *file_bytes)?,
+            Kind::AbiOpenClose => {
+                for c in 0..self.clients {
+                    s.mkdir(&format!("abi{c}"))?;
+                }
+            }
+            Kind::AbiStat { files } => {
+                for c in 0..self.clients {
+                    s.mkdir(&format!("abi{c}"))?;
+                    for f in 0..*files {
+                        let fh = s.create(&format!("abi{c}/f{f}"))?;
+                        s.close(fh)?;
+                    }
+                }
+            }
         }
         Ok(())
     }
@@ -350,6 +393,28 @@ impl Workload {
                 while keep_going(&mut first, until) {
                     dbench_iteration(s, &mut rec, &mut rng, c, iteration)?;
                     iteration += 1;
+                }
+            }
+            Kind::AbiOpenClose => {
+                let mut i = 0u64;
+                let mut first = true;
+                while keep_going(&mut first, until) {
+                    let path = format!("abi{c}/f{i}");
+                    let started = Instant::now();
+                    let fh = s.create(&path)?;
+                    s.close(fh)?;
+                    rec.record(main, started.elapsed().as_nanos() as u64);
+                    i += 1;
+                }
+            }
+            Kind::AbiStat { files } => {
+                let mut first = true;
+                while keep_going(&mut first, until) {
+                    let path = format!("abi{c}/f{}", rng.random_range(0..*files));
+                    let size = rec.time(main, || s.stat(&path))?;
+                    if size != 0 {
+                        return Err(format!("{path}: size {size}, made empty"));
+                    }
                 }
             }
             Kind::RandRead { qd, file_bytes } => {

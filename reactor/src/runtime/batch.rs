@@ -35,6 +35,76 @@ pub(super) struct PendingGroup {
 }
 
 impl Reactor {
+    /// Walks [`Op::Walk`] `request` over the directories this reactor holds, deferred (a
+    /// node not in memory parks it). Returns the operation it carries, its target the
+    /// inode reached, when that runs here; None when it was answered (an error on the way),
+    /// parked, or handed on to the reactor holding the rest of the path or its target.
+    fn walk(
+        &mut self,
+        request: Request,
+        done: &mut Vec<(Arc<ReplyQueue>, Completion)>,
+        forwards: &mut Vec<(usize, Request)>,
+    ) -> Option<Request> {
+        let Op::Walk { from, path, then } = &request.op else {
+            return Some(request);
+        };
+        // How far the walk gets here: the inode reached and the names taken.
+        let step = |fs: &mut engine::Filesystem| -> Result<(u64, usize), EngineError> {
+            let mut ino = *from;
+            let mut taken = 0;
+            while taken < path.len() && fs.holds(fs.shard_of(ino)) {
+                ino = fs
+                    .lookup_ino(ino, &path[taken])?
+                    .ok_or(EngineError::NotFound)?;
+                taken += 1;
+            }
+            Ok((ino, taken))
+        };
+        let stepped = if self.meta.may_defer(&request) {
+            match self.fs.without_waiting(step) {
+                Deferred::Ready(stepped) => stepped,
+                Deferred::Fetching(set) => {
+                    self.meta.park(request, set);
+                    return None;
+                }
+            }
+        } else {
+            step(&mut self.fs)
+        };
+        let here = self.multi.as_ref().map(|m| (m.index, m.router.clone()));
+        let next = match stepped {
+            Ok((ino, taken)) if taken < path.len() => {
+                // A directory on the way is another reactor's: the rest of the walk is.
+                let (_, router) = here.as_ref().expect("one reactor holds every shard");
+                let rest = Op::Walk {
+                    from: ino,
+                    path: path[taken..].to_vec(),
+                    then: then.clone(),
+                };
+                Ok((router.owner_of(ino), rest))
+            }
+            Ok((ino, _)) => crate::execute::walked(then, ino).map(|op| {
+                let to = here.as_ref().map_or(0, |(_, router)| router.route(&op));
+                (to, op)
+            }),
+            Err(e) => Err(e),
+        };
+        self.meta.ran(&request);
+        match next {
+            Ok((to, op)) if here.as_ref().is_none_or(|(index, _)| *index == to) => {
+                Some(Request { op, ..request })
+            }
+            Ok((to, op)) => {
+                forwards.push((to, Request { op, ..request }));
+                None
+            }
+            Err(e) => {
+                done.push(crate::multi::completion(request, Err(e)));
+                None
+            }
+        }
+    }
+
     /// Runs a batch: every operation in order; the fsyncs are checked when reached and made
     /// durable together at the end; then completions go out and clients wake.
     pub(crate) fn run_batch(&mut self, batch: &mut Vec<Request>) {
@@ -87,6 +157,16 @@ impl Reactor {
                 reads.push(request);
                 continue;
             }
+            // A path's walk runs here as far as this reactor holds its directories; what
+            // it carries then goes on as if sent where the walk ended.
+            let request = if matches!(request.op, Op::Walk { .. }) {
+                match self.walk(request, &mut done, &mut forwards) {
+                    Some(request) => request,
+                    None => continue,
+                }
+            } else {
+                request
+            };
             if self.multi.is_some() && matches!(request.op, Op::Stats) {
                 self.hand_on(request, ToCoordinator::Stats);
                 continue;

@@ -1,0 +1,233 @@
+//! A corefs target seen through its C ABI (libcorefs, linked in as the `corefs` crate): the
+//! workloads that measure what an embedding program pays per call (`abi-open-close`,
+//! `abi-stat`) run here on corefs and through the system calls on the kernel targets.
+//!
+//! Invariants: a [`CAbiMount`] is the only mount of its device while it lives (the target
+//! stops its own runtime first); every call's result is checked, a negative errno ends the
+//! run with the call's name, the path and `corefs_last_error`; the mount is closed when the
+//! value is dropped.
+
+use super::target::{Fh, Handles, Session, R};
+use corefs::abi::*;
+use std::ffi::{CStr, CString};
+use std::time::Instant;
+
+/// A filesystem mounted through `corefs_mount`; closed on drop.
+pub struct CAbiMount {
+    fs: corefs_fs,
+}
+
+/// How the target mounts through the C ABI: its own options, translated.
+pub struct CAbiOptions<'a> {
+    pub device: &'a str,
+    /// Format first (a memory device lives only as long as its mount).
+    pub format: bool,
+    pub shards: u32,
+    pub reactors: usize,
+    /// Busy-polling reactors pinned from this core on (the dedicated placement).
+    pub pinned_from: Option<usize>,
+    pub data_cache_off: bool,
+}
+
+fn last_error() -> String {
+    // SAFETY: corefs_last_error returns a NUL-terminated string valid until the next call.
+    unsafe { CStr::from_ptr(corefs_last_error()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn checked(what: &str, path: &str, r: i64) -> R<i64> {
+    if r < 0 {
+        return Err(format!("{what} {path}: errno {} ({})", -r, last_error()));
+    }
+    Ok(r)
+}
+
+fn c_path(path: &str) -> R<CString> {
+    CString::new(path).map_err(|_| format!("{path:?}: a NUL in a path"))
+}
+
+impl CAbiMount {
+    pub fn mount(o: &CAbiOptions<'_>) -> R<CAbiMount> {
+        let device = c_path(o.device)?;
+        let options = corefs_options {
+            format: o.format as u8,
+            busy_poll: o.pinned_from.is_some() as u8,
+            pin: o.pinned_from.is_some() as u8,
+            reactors: u8::try_from(o.reactors).map_err(|_| "too many reactors")?,
+            shards: o.shards,
+            core: o.pinned_from.unwrap_or(0) as u32,
+            commit_interval_ms: 0,
+            label: std::ptr::null(),
+            owner_uid: 0,
+            owner_gid: 0,
+            owner_set: 0,
+            data_cache_off: o.data_cache_off as u8,
+            reserved: [0; 6],
+        };
+        // SAFETY: a NUL-terminated device string and options without a label.
+        let fs = unsafe { corefs_mount(device.as_ptr(), &options) };
+        checked("corefs_mount", o.device, fs)?;
+        Ok(CAbiMount { fs })
+    }
+
+    pub fn session(&self) -> Box<dyn Session> {
+        Box::new(CAbiSession {
+            fs: self.fs,
+            files: Handles::new(),
+        })
+    }
+
+    /// Unmounts, reporting what `corefs_close` says.
+    pub fn close(self) -> R<()> {
+        let fs = self.fs;
+        std::mem::forget(self);
+        checked("corefs_close", "", corefs_close(fs) as i64).map(drop)
+    }
+}
+
+impl Drop for CAbiMount {
+    fn drop(&mut self) {
+        let _ = corefs_close(self.fs);
+    }
+}
+
+/// One client's calls through the C ABI (each thread gets its own reactor client inside
+/// libcorefs).
+struct CAbiSession {
+    fs: corefs_fs,
+    files: Handles<corefs_fd>,
+}
+
+impl CAbiSession {
+    fn open_flags(&mut self, path: &str, flags: i32) -> R<Fh> {
+        let p = c_path(path)?;
+        // SAFETY: a NUL-terminated path.
+        let fd = unsafe { corefs_open(self.fs, p.as_ptr(), flags, 0o644) };
+        Ok(self.files.add(checked("corefs_open", path, fd)?))
+    }
+
+    fn path_call(
+        &mut self,
+        what: &str,
+        path: &str,
+        f: unsafe extern "C" fn(corefs_fs, *const std::ffi::c_char) -> i32,
+    ) -> R<()> {
+        let p = c_path(path)?;
+        // SAFETY: a NUL-terminated path.
+        checked(what, path, unsafe { f(self.fs, p.as_ptr()) } as i64).map(drop)
+    }
+}
+
+impl Session for CAbiSession {
+    fn create(&mut self, path: &str) -> R<Fh> {
+        self.open_flags(path, COREFS_O_CREAT | COREFS_O_EXCL | COREFS_O_RDWR)
+    }
+
+    fn open(&mut self, path: &str) -> R<Fh> {
+        self.open_flags(path, COREFS_O_RDWR)
+    }
+
+    fn close(&mut self, fh: Fh) -> R<()> {
+        let fd = *self.files.get(fh)?;
+        self.files.close(fh)?;
+        checked("corefs_release", "", corefs_release(self.fs, fd) as i64).map(drop)
+    }
+
+    fn pwrite(&mut self, fh: Fh, offset: u64, data: &[u8]) -> R<()> {
+        let fd = *self.files.get(fh)?;
+        // SAFETY: a live buffer of the length given.
+        let n = unsafe { corefs_pwrite(self.fs, fd, data.as_ptr(), data.len(), offset) };
+        match checked("corefs_pwrite", "", n)? {
+            n if n as usize == data.len() => Ok(()),
+            n => Err(format!("short write: {n} of {}", data.len())),
+        }
+    }
+
+    fn pread(&mut self, fh: Fh, offset: u64, len: usize) -> R<usize> {
+        let fd = *self.files.get(fh)?;
+        let mut buf = vec![0u8; len];
+        // SAFETY: a live buffer of the length given.
+        let n = unsafe { corefs_pread(self.fs, fd, buf.as_mut_ptr(), len, offset) };
+        checked("corefs_pread", "", n).map(|n| n as usize)
+    }
+
+    fn fsync(&mut self, fh: Fh) -> R<()> {
+        let fd = *self.files.get(fh)?;
+        checked("corefs_fsync", "", corefs_fsync(self.fs, fd) as i64).map(drop)
+    }
+
+    fn fdatasync(&mut self, fh: Fh) -> R<()> {
+        let fd = *self.files.get(fh)?;
+        checked("corefs_fdatasync", "", corefs_fdatasync(self.fs, fd) as i64).map(drop)
+    }
+
+    fn mkdir(&mut self, path: &str) -> R<()> {
+        let p = c_path(path)?;
+        // SAFETY: a NUL-terminated path.
+        let r = unsafe { corefs_mkdir(self.fs, p.as_ptr(), 0o755) };
+        checked("corefs_mkdir", path, r as i64).map(drop)
+    }
+
+    fn rmdir(&mut self, path: &str) -> R<()> {
+        self.path_call("corefs_rmdir", path, corefs_rmdir)
+    }
+
+    fn unlink(&mut self, path: &str) -> R<()> {
+        self.path_call("corefs_unlink", path, corefs_unlink)
+    }
+
+    fn rename(&mut self, from: &str, to: &str) -> R<()> {
+        let (f, t) = (c_path(from)?, c_path(to)?);
+        // SAFETY: NUL-terminated paths.
+        let r = unsafe { corefs_rename(self.fs, f.as_ptr(), t.as_ptr(), 0) };
+        checked("corefs_rename", from, r as i64).map(drop)
+    }
+
+    fn stat(&mut self, path: &str) -> R<u64> {
+        let p = c_path(path)?;
+        // SAFETY: all-zero is a valid corefs_stat; a NUL-terminated path and a live output.
+        let mut out: corefs_stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let r = unsafe { corefs_stat(self.fs, p.as_ptr(), &mut out) };
+        checked("corefs_stat", path, r as i64)?;
+        Ok(out.size)
+    }
+
+    fn readdir(&mut self, path: &str) -> R<Vec<(String, bool)>> {
+        let p = c_path(path)?;
+        let mut out = Vec::new();
+        let mut cookie = 0;
+        // SAFETY: all-zero is a valid corefs_dirent.
+        let mut entries: Vec<corefs_dirent> = vec![unsafe { std::mem::zeroed() }; 256];
+        loop {
+            // SAFETY: a NUL-terminated path and a live output of `entries.len()` entries.
+            let n =
+                unsafe { corefs_readdir(self.fs, p.as_ptr(), cookie, entries.as_mut_ptr(), 256) };
+            let n = checked("corefs_readdir", path, n)? as usize;
+            if n == 0 {
+                return Ok(out);
+            }
+            for e in &entries[..n] {
+                let name = &e.name[..e.name_len as usize];
+                out.push((
+                    String::from_utf8_lossy(name).into_owned(),
+                    e.kind == (libc::S_IFDIR >> 12) as u8,
+                ));
+            }
+            cookie = entries[n - 1].cookie;
+        }
+    }
+
+    fn random_reads(
+        &mut self,
+        _fh: Fh,
+        _file_bytes: u64,
+        _qd: usize,
+        _until: Instant,
+        _seed: u64,
+        _record: &mut dyn FnMut(u64),
+    ) -> R<u64> {
+        Err("the random-read workloads run through the reactor client, not the C ABI".into())
+    }
+}

@@ -1,0 +1,248 @@
+//! Every C ABI call is one round trip to the reactors: a call that acts on a path of plain
+//! names sends the walk and the act as one request (the reactors walk, handing the walk on
+//! where a directory is another reactor's), open(O_CREAT|O_TRUNC) included. Counted by the
+//! requests this thread's client submitted (`test_hook_requests_sent`), over a deep path
+//! whose directories lie on every reactor, with one and with two reactors; the results are
+//! checked too, so a call that got cheaper by doing less fails here.
+
+use corefs::abi::*;
+use std::ffi::{CStr, CString};
+
+fn last_error() -> String {
+    // SAFETY: corefs_last_error returns a NUL-terminated string valid until the next call.
+    unsafe { CStr::from_ptr(corefs_last_error()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn c(path: &str) -> CString {
+    CString::new(path).expect("no NUL in a test path")
+}
+
+fn fresh(reactors: u8) -> corefs_fs {
+    // SAFETY: all-zero is a valid corefs_options (NULL label, defaults).
+    let o = corefs_options {
+        format: 1,
+        shards: 4,
+        reactors,
+        ..unsafe { std::mem::zeroed() }
+    };
+    // SAFETY: a NUL-terminated device string and options without a label.
+    let fs = unsafe { corefs_mount(c"mem:64MiB".as_ptr(), &o) };
+    assert!(fs > 0, "mount: {fs} {}", last_error());
+    fs
+}
+
+fn sent(fs: corefs_fs) -> u64 {
+    test_hook_requests_sent(fs).expect("the filesystem is open")
+}
+
+/// Runs `call` and asserts it sent exactly one request; returns its result.
+fn once<T>(fs: corefs_fs, what: &str, call: impl FnOnce() -> T) -> T {
+    let before = sent(fs);
+    let result = call();
+    let requests = sent(fs) - before;
+    assert_eq!(requests, 1, "{what} sent {requests} requests");
+    result
+}
+
+fn open(fs: corefs_fs, path: &str, flags: i32) -> i64 {
+    let p = c(path);
+    // SAFETY: a NUL-terminated path.
+    unsafe { corefs_open(fs, p.as_ptr(), flags, 0o644) }
+}
+
+fn stat(fs: corefs_fs, path: &str) -> Result<corefs_stat, i32> {
+    let p = c(path);
+    // SAFETY: all-zero is a valid corefs_stat; a NUL-terminated path and a live output.
+    let mut out: corefs_stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    match unsafe { corefs_stat(fs, p.as_ptr(), &mut out) } {
+        0 => Ok(out),
+        e => Err(e),
+    }
+}
+
+fn path_call(
+    fs: corefs_fs,
+    path: &str,
+    f: unsafe extern "C" fn(corefs_fs, *const std::ffi::c_char) -> i32,
+) -> i32 {
+    let p = c(path);
+    // SAFETY: a NUL-terminated path.
+    unsafe { f(fs, p.as_ptr()) }
+}
+
+fn calls_are_one_request_each(reactors: u8) {
+    let fs = fresh(reactors);
+    // Directories go round-robin over the shards: with two reactors, the walk to `a/b/c`
+    // crosses from one reactor to the other and back.
+    let mut dir = String::new();
+    for name in ["a", "b", "c"] {
+        dir = if dir.is_empty() {
+            name.to_string()
+        } else {
+            format!("{dir}/{name}")
+        };
+        let p = c(&dir);
+        // SAFETY: a NUL-terminated path.
+        let made = once(fs, "mkdir", || unsafe {
+            corefs_mkdir(fs, p.as_ptr(), 0o755)
+        });
+        assert_eq!(made, 0, "mkdir {dir}: {}", last_error());
+    }
+    let file = format!("{dir}/f");
+    let creat = COREFS_O_CREAT | COREFS_O_EXCL | COREFS_O_RDWR;
+    let fd = once(fs, "open(O_CREAT|O_EXCL) of a new file", || {
+        open(fs, &file, creat)
+    });
+    assert!(fd >= 0, "create {file}: {}", last_error());
+    let data = [7u8; 5000];
+    // SAFETY: a live buffer of the length given.
+    let wrote = once(fs, "pwrite", || unsafe {
+        corefs_pwrite(fs, fd, data.as_ptr(), data.len(), 0)
+    });
+    assert_eq!(wrote, data.len() as i64, "{}", last_error());
+    assert_eq!(once(fs, "fsync", || corefs_fsync(fs, fd)), 0);
+    let mut back = [0u8; 5000];
+    // SAFETY: a live buffer of the length given.
+    let read = once(fs, "pread", || unsafe {
+        corefs_pread(fs, fd, back.as_mut_ptr(), back.len(), 0)
+    });
+    assert_eq!((read, back), (data.len() as i64, data));
+    // SAFETY: all-zero is a valid corefs_stat; a live output.
+    let mut st: corefs_stat = unsafe { std::mem::zeroed() };
+    // SAFETY: a live output.
+    let r = once(fs, "fstat", || unsafe { corefs_fstat(fs, fd, &mut st) });
+    assert_eq!((r, st.size), (0, 5000));
+    assert_eq!(once(fs, "release", || corefs_release(fs, fd)), 0);
+
+    // Opens of what exists, with each flag that adds work.
+    let again = once(fs, "open(O_CREAT|O_EXCL) of an existing file", || {
+        open(fs, &file, creat)
+    });
+    assert_eq!(again, -(libc::EEXIST as i64));
+    let fd = once(fs, "open(O_CREAT) of an existing file", || {
+        open(fs, &file, COREFS_O_CREAT | COREFS_O_RDWR)
+    });
+    assert!(fd >= 0, "{}", last_error());
+    assert_eq!(once(fs, "release", || corefs_release(fs, fd)), 0);
+    let fd = once(fs, "open(O_RDONLY)", || open(fs, &file, COREFS_O_RDONLY));
+    assert!(fd >= 0, "{}", last_error());
+    assert_eq!(corefs_release(fs, fd), 0);
+    let s = once(fs, "stat", || stat(fs, &file)).expect("stat");
+    assert_eq!(s.size, 5000);
+    let fd = once(fs, "open(O_TRUNC)", || {
+        open(fs, &file, COREFS_O_WRONLY | COREFS_O_TRUNC)
+    });
+    assert!(fd >= 0, "{}", last_error());
+    assert_eq!(stat(fs, &file).expect("stat").size, 0, "truncated");
+    assert_eq!(corefs_release(fs, fd), 0);
+    let fd = once(fs, "open(O_CREAT|O_TRUNC) of an existing file", || {
+        open(fs, &file, COREFS_O_CREAT | COREFS_O_TRUNC | COREFS_O_RDWR)
+    });
+    assert!(fd >= 0, "{}", last_error());
+    assert_eq!(corefs_release(fs, fd), 0);
+    let fd = once(fs, "open(O_DIRECTORY) of a directory", || {
+        open(fs, &dir, COREFS_O_DIRECTORY)
+    });
+    assert!(fd >= 0, "{}", last_error());
+    assert_eq!(corefs_release(fs, fd), 0);
+
+    // Errors are one request too, and the right ones.
+    let missing = format!("{dir}/missing");
+    assert_eq!(
+        once(fs, "open of a missing file", || open(fs, &missing, 0)),
+        -(libc::ENOENT as i64)
+    );
+    assert_eq!(
+        once(fs, "open(O_DIRECTORY) of a file", || {
+            open(fs, &file, COREFS_O_DIRECTORY)
+        }),
+        -(libc::ENOTDIR as i64)
+    );
+    assert_eq!(
+        once(fs, "open(O_CREAT) of a directory", || {
+            open(fs, &dir, COREFS_O_CREAT | COREFS_O_RDONLY)
+        }),
+        -(libc::EISDIR as i64)
+    );
+    assert_eq!(
+        once(fs, "open(O_RDWR) of a directory", || {
+            open(fs, &dir, COREFS_O_RDWR)
+        }),
+        -(libc::EISDIR as i64)
+    );
+    assert_eq!(
+        once(fs, "open through a file", || {
+            open(fs, &format!("{file}/x"), COREFS_O_CREAT | COREFS_O_RDWR)
+        }),
+        -(libc::ENOTDIR as i64)
+    );
+    assert!(
+        stat(fs, &format!("{dir}/missing")).is_err(),
+        "nothing was created by the failed opens"
+    );
+
+    // A file whose inode another reactor holds (a hard link from a directory elsewhere):
+    // the open is handed on to it, still one request from here.
+    let elsewhere = "a/linked";
+    let (from, to) = (c(&file), c(elsewhere));
+    // SAFETY: NUL-terminated paths.
+    assert_eq!(unsafe { corefs_link(fs, from.as_ptr(), to.as_ptr()) }, 0);
+    let fd = once(fs, "open of a name in another reactor's directory", || {
+        open(fs, elsewhere, COREFS_O_RDWR | COREFS_O_TRUNC)
+    });
+    assert!(fd >= 0, "{}", last_error());
+    assert_eq!(
+        stat(fs, &file).expect("stat").ino,
+        stat(fs, elsewhere).unwrap().ino
+    );
+    assert_eq!(corefs_release(fs, fd), 0);
+
+    // The path calls.
+    let p = c(&file);
+    // SAFETY: NUL-terminated paths and live buffers of the lengths given.
+    unsafe {
+        assert_eq!(once(fs, "chmod", || corefs_chmod(fs, p.as_ptr(), 0o600)), 0);
+        let (name, value) = (c"user.k", b"v");
+        let set = once(fs, "setxattr", || {
+            corefs_setxattr(fs, p.as_ptr(), name.as_ptr(), value.as_ptr(), 1, 0)
+        });
+        assert_eq!(set, 0, "{}", last_error());
+        let mut got = [0u8; 8];
+        let n = once(fs, "getxattr", || {
+            corefs_getxattr(fs, p.as_ptr(), name.as_ptr(), got.as_mut_ptr(), got.len())
+        });
+        assert_eq!(&got[..n as usize], value);
+        let link = c(&format!("{dir}/sym"));
+        let target = c"f";
+        let made = once(fs, "symlink", || {
+            corefs_symlink(fs, target.as_ptr(), link.as_ptr())
+        });
+        assert_eq!(made, 0, "{}", last_error());
+        let mut buf = [0u8; 8];
+        let n = once(fs, "readlink", || {
+            corefs_readlink(fs, link.as_ptr(), buf.as_mut_ptr(), buf.len())
+        });
+        assert_eq!(&buf[..n as usize], b"f");
+    }
+    assert_eq!(stat(fs, &file).unwrap().mode & 0o7777, 0o600);
+    for (what, path) in [("unlink", format!("{dir}/sym")), ("unlink", file.clone())] {
+        assert_eq!(once(fs, what, || path_call(fs, &path, corefs_unlink)), 0);
+    }
+    assert_eq!(path_call(fs, elsewhere, corefs_unlink), 0);
+    assert_eq!(once(fs, "rmdir", || path_call(fs, &dir, corefs_rmdir)), 0);
+    assert_eq!(stat(fs, &dir).unwrap_err(), -libc::ENOENT);
+    assert_eq!(corefs_close(fs), 0, "{}", last_error());
+}
+
+#[test]
+fn every_call_is_one_request_with_one_reactor() {
+    calls_are_one_request_each(1);
+}
+
+#[test]
+fn every_call_is_one_request_with_two_reactors() {
+    calls_are_one_request_each(2);
+}
