@@ -2015,6 +2015,17 @@ pub unsafe extern "C" fn corefs_buf_free(buf: *mut u8, len: usize) {
     })
 }
 
+/// For Rust programs measuring libcorefs (not in the header): the reactors' statistics as
+/// the runtime keeps them (`corefs_get_stats` gives C programs a summary).
+#[doc(hidden)]
+pub fn reactor_stats(fs: corefs_fs) -> Option<reactor::ReactorStats> {
+    let fs = fs_of(fs).ok()?;
+    match call(&fs, Op::Stats) {
+        Ok(Reply::Stats(stats)) => Some(*stats),
+        _ => None,
+    }
+}
+
 /// Test hook (Rust only, not in the header): the requests this thread has sent to the
 /// reactors of filesystem `fs` (each a round trip), or None when `fs` is not open.
 #[doc(hidden)]

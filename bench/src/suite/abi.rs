@@ -71,6 +71,11 @@ impl CAbiMount {
         Ok(CAbiMount { fs })
     }
 
+    /// The reactors' statistics (None when the filesystem cannot give them).
+    pub fn stats(&self) -> Option<reactor::ReactorStats> {
+        corefs::abi::reactor_stats(self.fs)
+    }
+
     pub fn session(&self) -> Box<dyn Session> {
         Box::new(CAbiSession {
             fs: self.fs,

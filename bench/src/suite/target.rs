@@ -297,15 +297,15 @@ impl Target for CorefsTarget {
     }
 
     fn engine_figures(&mut self) -> R<Option<EngineFigures>> {
-        if self.c_abi.is_some() {
-            // libcorefs's own runtime: its figures are not the suite's to read.
-            return Ok(None);
-        }
-        let runtime = self.runtime.as_ref().ok_or("corefs target not prepared")?;
-        let mut client = runtime.client(1);
-        let stats = match client.call(Op::Stats).map_err(|e| e.to_string())? {
-            Reply::Stats(s) => *s,
-            other => return Err(format!("unexpected reply {other:?}")),
+        let stats = if let Some(mount) = &self.c_abi {
+            mount.stats().ok_or("statistics through the C ABI")?
+        } else {
+            let runtime = self.runtime.as_ref().ok_or("corefs target not prepared")?;
+            let mut client = runtime.client(1);
+            match client.call(Op::Stats).map_err(|e| e.to_string())? {
+                Reply::Stats(s) => *s,
+                other => return Err(format!("unexpected reply {other:?}")),
+            }
         };
         let c = &stats.commit;
         Ok(Some(EngineFigures {
@@ -338,11 +338,11 @@ impl Target for CorefsTarget {
     }
 
     fn remount(&mut self) -> R<Option<f64>> {
-        if self.c_abi.is_some() {
-            // Mounted through the C ABI: nothing of the suite's to remount.
-            return self.stop().map(|()| None);
-        }
         self.stop()?;
+        if self.device.starts_with("mem:") && self.kept_device.is_none() {
+            // Mounted through the C ABI: the memory device went with that mount.
+            return Ok(None);
+        }
         self.start(false).map(Some)
     }
 
