@@ -727,7 +727,6 @@ unsafe fn mkfs(device: *const c_char, options: *const corefs_options) -> c_int {
 pub extern "C" fn corefs_close(fs: corefs_fs) -> c_int {
     status("corefs_close", || {
         let fs = handles::unregister(fs)?;
-        crate::atomic::forget_fs(fs.id);
         // Released here rather than left to the next mount (which deletes the orphans a
         // crash leaves): a closed image then holds no orphan, and their space is free now.
         // A failure is the runtime's, which the shutdown below reports.
@@ -876,9 +875,8 @@ pub extern "C" fn corefs_release(fs: corefs_fs, fd: corefs_fd) -> c_int {
     status("corefs_release", || {
         let fs = fs_of(fs)?;
         // Returns once no call still uses the handle (see handles' module doc).
-        let f = handles::remove_file(&fs, fd)?;
         // An open atomic batch goes with its handle, uncommitted.
-        drop(crate::atomic::take(fs.id, fd));
+        let f = handles::remove_file(&fs, fd)?;
         // The handle is gone whatever this says, as after close(2).
         call(&fs, Op::Release { ino: f.ino }).map(drop)
     })
@@ -912,7 +910,8 @@ pub unsafe extern "C" fn corefs_pread(
         let mut data = expect_reply!(call(&fs, read)?, Reply::Data(d) => d)?;
         // Through a handle with an atomic batch open, the batch's writes are read back (SQLite
         // reads pages it wrote); at most `len` bytes.
-        crate::atomic::with(fs.id, fd, |batch| batch.overlay(offset, len, &mut data));
+        f.batch()
+            .with(|batch| batch.overlay(offset, len, &mut data));
         out[..data.len()].copy_from_slice(&data);
         Ok(data.len() as i64)
     })
@@ -941,7 +940,7 @@ pub unsafe extern "C" fn corefs_pwrite(
         // SAFETY: forwarded from this function's contract (`len` only shrank).
         let data = unsafe { bytes(buf, len, "buf") }?;
         // Staged, not written, while an atomic batch is open on the handle.
-        if let Some(staged) = crate::atomic::with(fs.id, fd, |batch| batch.stage(offset, data)) {
+        if let Some(staged) = f.batch().with(|batch| batch.stage(offset, data)) {
             return staged.map(|()| len as i64).map_err(Error::from);
         }
         let reply = call(&fs, write_op(&f, offset, data.to_vec()))?;
@@ -1007,8 +1006,8 @@ pub extern "C" fn corefs_fdatasync(fs: corefs_fs, fd: corefs_fd) -> c_int {
 
 /// -EINVAL when an atomic batch is open on the handle: the calls that would mix with it
 /// (truncate, fallocate, the asynchronous reads and writes) wait for its commit or abort.
-fn no_batch(fs: &Fs, fd: corefs_fd) -> Result<(), Error> {
-    if crate::atomic::is_open(fs.id, fd) {
+fn no_batch(f: &FileRef, fd: corefs_fd) -> Result<(), Error> {
+    if f.batch().is_open() {
         return Err(einval(format!(
             "an atomic batch is open on {fd}: commit or abort it first"
         )));
@@ -1037,7 +1036,7 @@ pub extern "C" fn corefs_atomic_begin(fs: corefs_fs, fd: corefs_fd) -> c_int {
                 "{fd} is an append handle: an atomic batch writes at offsets"
             )));
         }
-        if !crate::atomic::begin(fs.id, fd) {
+        if !f.batch().begin() {
             return Err(einval(format!("an atomic batch is open on {fd} already")));
         }
         Ok(())
@@ -1057,7 +1056,9 @@ pub extern "C" fn corefs_atomic_commit(fs: corefs_fs, fd: corefs_fd) -> c_int {
     status("corefs_atomic_commit", || {
         let fs = fs_of(fs)?;
         let f = writable(&fs, fd)?;
-        let mut batch = crate::atomic::take(fs.id, fd)
+        let mut batch = f
+            .batch()
+            .take()
             .ok_or_else(|| einval(format!("no atomic batch is open on {fd}")))?;
         let writes = batch.take_writes();
         call(&fs, Op::WriteAtomic { ino: f.ino, writes }).map(drop)
@@ -1071,8 +1072,9 @@ pub extern "C" fn corefs_atomic_commit(fs: corefs_fs, fd: corefs_fd) -> c_int {
 pub extern "C" fn corefs_atomic_abort(fs: corefs_fs, fd: corefs_fd) -> c_int {
     status("corefs_atomic_abort", || {
         let fs = fs_of(fs)?;
-        file(&fs, fd)?;
-        crate::atomic::take(fs.id, fd)
+        file(&fs, fd)?
+            .batch()
+            .take()
             .map(drop)
             .ok_or_else(|| einval(format!("no atomic batch is open on {fd}")))
     })
@@ -1090,7 +1092,7 @@ pub extern "C" fn corefs_ftruncate(fs: corefs_fs, fd: corefs_fd, size: u64) -> c
     status("corefs_ftruncate", || {
         let fs = fs_of(fs)?;
         let f = writable(&fs, fd)?;
-        no_batch(&fs, fd)?;
+        no_batch(&f, fd)?;
         call(&fs, Op::Truncate { ino: f.ino, size }).map(drop)
     })
 }
@@ -1109,7 +1111,7 @@ pub extern "C" fn corefs_fallocate(
     status("corefs_fallocate", || {
         let fs = fs_of(fs)?;
         let f = writable(&fs, fd)?;
-        no_batch(&fs, fd)?;
+        no_batch(&f, fd)?;
         let known = COREFS_FALLOC_KEEP_SIZE | COREFS_FALLOC_PUNCH_HOLE | COREFS_FALLOC_ZERO_RANGE;
         if mode & !known != 0 {
             return Err(einval(format!("unsupported fallocate mode {mode:#x}")));
@@ -1148,7 +1150,7 @@ pub unsafe extern "C" fn corefs_fstat(
             let f = file(fs, fd)?;
             let mut s = stat_of(call(fs, Op::Stat { ino: f.ino })?)?;
             // Through a handle with an atomic batch open, the size the batch's writes give it.
-            if let Some(end) = crate::atomic::with(fs.id, fd, |batch| batch.end()) {
+            if let Some(end) = f.batch().with(|batch| batch.end()) {
                 s.size = s.size.max(end);
             }
             Ok(to_c_stat(&s))
@@ -1828,7 +1830,7 @@ pub unsafe extern "C" fn corefs_submit_pread(
         }
         let len = io_len(offset, len)?;
         let f = regular(&*fs_of(fs)?, fd)?;
-        no_batch(&*fs_of(fs)?, fd)?;
+        no_batch(&f, fd)?;
         need_readable(&f, fd)?;
         submit(
             fs,
@@ -1860,7 +1862,7 @@ pub unsafe extern "C" fn corefs_submit_pwrite(
 ) -> c_int {
     status("corefs_submit_pwrite", || {
         let f = writable(&*fs_of(fs)?, fd)?;
-        no_batch(&*fs_of(fs)?, fd)?;
+        no_batch(&f, fd)?;
         // Bounded before the copy: a huge `len` never sizes an allocation.
         let len = io_len(if f.append { 0 } else { offset }, len)?;
         // SAFETY: forwarded from this function's contract (`len` only shrank).

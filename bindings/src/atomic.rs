@@ -1,68 +1,89 @@
-//! The atomic batches open on file handles (`corefs_atomic_begin` ... `corefs_atomic_commit`
+//! The atomic batch a file handle may have open (`corefs_atomic_begin` ... `corefs_atomic_commit`
 //! or `corefs_atomic_abort`; engine `atomic` says what a batch guarantees).
 //!
 //! # Invariants
-//! - At most one batch per (filesystem, file handle); it goes with its commit, its abort, the
-//!   handle's release or the filesystem's close, whichever comes first.
-//! - The table's mutex is held only to look up, stage into or take out a batch, never across a
-//!   reactor call; [`OPEN`] counts the batches, so handles without one (every handle of a
-//!   program that never opens a batch) pay one atomic load per read or write, not the lock.
+//! - At most one batch per file handle. It lives in the handle's own [`BatchSlot`] (owned by
+//!   the handle's entry in its filesystem's table) and goes with its commit, its abort, or
+//!   the handle itself (its release, or the filesystem's close), whichever comes first.
+//! - Nothing is shared between handles: a read, write or fstat through a handle without an
+//!   open batch reads one flag of that handle ([`BatchSlot::open`], written only by begin,
+//!   commit and abort); the slot's mutex is taken only while that handle has a batch open,
+//!   by the calls through that handle (which must see the batch anyway), and never across a
+//!   reactor call.
 
 use engine::AtomicBatch;
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
-/// (filesystem id, file handle) → its open batch.
-static BATCHES: Mutex<Option<HashMap<(i64, i64), AtomicBatch>>> = Mutex::new(None);
-/// Batches in [`BATCHES`].
-static OPEN: AtomicUsize = AtomicUsize::new(0);
-
-fn table<T>(f: impl FnOnce(&mut HashMap<(i64, i64), AtomicBatch>) -> T) -> T {
-    // A panic while the lock was held left the map consistent (every change is one insert or
-    // remove): the poison is ignored rather than turning every later call into a panic.
-    let mut guard = BATCHES.lock().unwrap_or_else(|p| p.into_inner());
-    let map = guard.get_or_insert_with(HashMap::new);
-    let result = f(map);
-    OPEN.store(map.len(), Ordering::Release);
-    result
+/// A file handle's atomic batch, if one is open.
+#[derive(Default)]
+pub(crate) struct BatchSlot {
+    /// Set while `batch` holds a batch (set after it is put in, cleared before it is taken
+    /// out, both under the lock): a call that reads it clear skips the lock.
+    open: AtomicBool,
+    batch: Mutex<Option<AtomicBatch>>,
 }
 
-/// Opens a batch on `(fs, fd)`; false when one is open already.
-pub(crate) fn begin(fs: i64, fd: i64) -> bool {
-    table(|m| match m.entry((fs, fd)) {
-        std::collections::hash_map::Entry::Occupied(_) => false,
-        std::collections::hash_map::Entry::Vacant(e) => {
-            e.insert(AtomicBatch::new());
-            true
+impl BatchSlot {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<AtomicBatch>> {
+        // A panic while the lock was held left the slot consistent (every change is one
+        // assignment): the poison is ignored rather than turning later calls into panics.
+        self.batch.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Opens a batch; false when one is open already.
+    pub fn begin(&self) -> bool {
+        let mut slot = self.lock();
+        if slot.is_some() {
+            return false;
         }
-    })
-}
-
-/// The batch of `(fs, fd)`, taken out (closed), if one is open.
-pub(crate) fn take(fs: i64, fd: i64) -> Option<AtomicBatch> {
-    if OPEN.load(Ordering::Acquire) == 0 {
-        return None;
+        *slot = Some(AtomicBatch::new());
+        self.open.store(true, Ordering::Release);
+        true
     }
-    table(|m| m.remove(&(fs, fd)))
-}
 
-/// True when `(fs, fd)` has a batch open.
-pub(crate) fn is_open(fs: i64, fd: i64) -> bool {
-    OPEN.load(Ordering::Acquire) != 0 && table(|m| m.contains_key(&(fs, fd)))
-}
-
-/// Runs `f` on the batch of `(fs, fd)` when one is open (None otherwise).
-pub(crate) fn with<T>(fs: i64, fd: i64, f: impl FnOnce(&mut AtomicBatch) -> T) -> Option<T> {
-    if OPEN.load(Ordering::Acquire) == 0 {
-        return None;
+    /// The batch, taken out (closed), if one is open.
+    pub fn take(&self) -> Option<AtomicBatch> {
+        if !self.open.load(Ordering::Acquire) {
+            return None;
+        }
+        let mut slot = self.lock();
+        self.open.store(false, Ordering::Release);
+        slot.take()
     }
-    table(|m| m.get_mut(&(fs, fd)).map(f))
+
+    /// True when a batch is open.
+    pub fn is_open(&self) -> bool {
+        self.open.load(Ordering::Acquire)
+    }
+
+    /// Runs `f` on the batch when one is open (None otherwise).
+    pub fn with<T>(&self, f: impl FnOnce(&mut AtomicBatch) -> T) -> Option<T> {
+        if !self.open.load(Ordering::Acquire) {
+            return None;
+        }
+        self.lock().as_mut().map(f)
+    }
 }
 
-/// Drops every batch of filesystem `fs` (it is closing).
-pub(crate) fn forget_fs(fs: i64) {
-    if OPEN.load(Ordering::Acquire) != 0 {
-        table(|m| m.retain(|&(id, _), _| id != fs));
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slot_holds_one_batch_from_begin_to_take() {
+        let slot = BatchSlot::default();
+        assert!(!slot.is_open());
+        assert!(slot.with(|_| ()).is_none(), "no batch: nothing to run on");
+        assert!(slot.take().is_none());
+        assert!(slot.begin());
+        assert!(!slot.begin(), "one batch at a time");
+        assert!(slot.is_open());
+        assert_eq!(slot.with(|b| b.stage(0, b"abc").is_ok()), Some(true));
+        let mut batch = slot.take().expect("the open batch");
+        assert!(!slot.is_open());
+        assert_eq!(batch.take_writes(), vec![(0, b"abc".to_vec())]);
+        assert!(slot.take().is_none(), "taken once");
+        assert!(slot.begin(), "a new batch after the last one closed");
     }
 }

@@ -41,11 +41,13 @@
 //!   records number at most the threads alive at once. Without thread-locals (an `atexit`
 //!   handler) a call borrows a free record for its length.
 
+use crate::atomic::BatchSlot;
 use engine::EngineError;
 use reactor::{Client, Owner, Runtime};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::ffi::CString;
+use std::ptr::NonNull;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -60,11 +62,43 @@ pub(crate) struct OpenFile {
     pub append: bool,
 }
 
+/// A file handle in its filesystem's table: what it opened, and its atomic batch's slot
+/// (boxed, so the address cached entries point to stays put while the handle exists).
+struct Handle {
+    file: OpenFile,
+    batch: Box<BatchSlot>,
+}
+
+/// A handle's entry as a call sees it: copied into threads' caches with a pointer to the
+/// handle's batch slot, which [`FileRef::batch`] reads while the call pins the handle.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    file: OpenFile,
+    batch: NonNull<BatchSlot>,
+}
+
+// SAFETY: `batch` points into the `Box<BatchSlot>` of the handle's table entry, which is
+// dropped only after the handle left the table and every call pinning it ended (the
+// pin protocol in the module doc); it is dereferenced only through a pinned `FileRef` whose
+// entry was valid under the epoch it read after pinning. BatchSlot itself is Sync.
+unsafe impl Send for Entry {}
+// SAFETY: as above.
+unsafe impl Sync for Entry {}
+
+impl Handle {
+    fn entry(&self) -> Entry {
+        Entry {
+            file: self.file,
+            batch: NonNull::from(&*self.batch),
+        }
+    }
+}
+
 pub(crate) struct Fs {
     pub id: i64,
     pub runtime: Mutex<Option<Runtime>>,
     /// The file handles (the table of record; threads cache entries, see the module doc).
-    files: Mutex<HashMap<i64, OpenFile>>,
+    files: Mutex<HashMap<i64, Handle>>,
     /// Bumped after every removal from `files`: a cached entry is valid while it is unchanged.
     files_epoch: AtomicU64,
     /// Set once, when `corefs_close` takes the filesystem out of the registry.
@@ -87,14 +121,14 @@ pub(crate) struct Local {
 /// `files_epoch` is `epoch`.
 struct FileCache {
     epoch: u64,
-    entries: HashMap<i64, OpenFile>,
+    entries: HashMap<i64, Entry>,
 }
 
 /// Entries one thread caches per filesystem; past it the cache starts over (bounded memory).
 const FILE_CACHE_ENTRIES_MAX: usize = 4096;
 
 impl FileCache {
-    fn get(&mut self, epoch: u64, fd: i64) -> Option<OpenFile> {
+    fn get(&mut self, epoch: u64, fd: i64) -> Option<Entry> {
         if self.epoch != epoch {
             self.entries.clear();
             self.epoch = epoch;
@@ -104,7 +138,7 @@ impl FileCache {
     }
 
     /// Caches `f`, read from the table after `epoch` was read (so valid under it).
-    fn put(&mut self, epoch: u64, fd: i64, f: OpenFile) {
+    fn put(&mut self, epoch: u64, fd: i64, f: Entry) {
         if self.epoch != epoch {
             self.entries.clear();
             self.epoch = epoch;
@@ -309,14 +343,23 @@ fn wait_for_pinned_calls(fs_id: i64, fd: Option<i64>) {
 /// A file handle resolved for one call: the entry, and the pin that keeps its inode held
 /// until the call drops this (hold it across the engine call, not only the lookup).
 pub(crate) struct FileRef {
-    file: OpenFile,
+    entry: Entry,
     _pin: Pin,
 }
 
 impl std::ops::Deref for FileRef {
     type Target = OpenFile;
     fn deref(&self) -> &OpenFile {
-        &self.file
+        &self.entry.file
+    }
+}
+
+impl FileRef {
+    /// The handle's atomic batch slot.
+    pub fn batch(&self) -> &BatchSlot {
+        // SAFETY: the slot is owned by the handle's table entry, which outlives this pinned
+        // call (see `Entry`).
+        unsafe { self.entry.batch.as_ref() }
     }
 }
 
@@ -339,7 +382,7 @@ pub(crate) fn file(fs: &Fs, fd: i64) -> Result<FileRef, Error> {
     let cached = local
         .as_ref()
         .and_then(|l| l.files.try_borrow_mut().ok()?.get(epoch, fd));
-    let file = match cached {
+    let entry = match cached {
         Some(f) => f,
         None => {
             let found = fs
@@ -347,7 +390,7 @@ pub(crate) fn file(fs: &Fs, fd: i64) -> Result<FileRef, Error> {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .get(&fd)
-                .copied()
+                .map(Handle::entry)
                 .ok_or_else(|| ebadf_file(fd))?;
             if let Some(Ok(mut cache)) = local.as_ref().map(|l| l.files.try_borrow_mut()) {
                 cache.put(epoch, fd, found);
@@ -359,7 +402,7 @@ pub(crate) fn file(fs: &Fs, fd: i64) -> Result<FileRef, Error> {
     if pause_us > 0 {
         std::thread::sleep(std::time::Duration::from_micros(pause_us));
     }
-    Ok(FileRef { file, _pin: pin })
+    Ok(FileRef { entry, _pin: pin })
 }
 
 /// See [`test_hook_pause_after_resolve`]; zero (read, never written) outside tests.
@@ -377,15 +420,18 @@ pub fn test_hook_pause_after_resolve(us: u64) {
 pub(crate) fn enter_file(fs: &Fs, f: OpenFile) -> i64 {
     let fd = fs.next_fd.fetch_add(1, Ordering::Relaxed);
     assert!(fd > 0, "file handles of a filesystem ran out");
-    fs.files
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert(fd, f);
+    fs.files.lock().unwrap_or_else(|p| p.into_inner()).insert(
+        fd,
+        Handle {
+            file: f,
+            batch: Box::default(),
+        },
+    );
     fd
 }
 
-/// Removes file handle `fd` and returns its entry once no call can still be using it: the
-/// caller then releases the inode.
+/// Removes file handle `fd` and returns its entry once no call can still be using it (its
+/// atomic batch, if one is open, goes with it then): the caller then releases the inode.
 pub(crate) fn remove_file(fs: &Fs, fd: i64) -> Result<OpenFile, Error> {
     let removed = {
         let mut files = fs.files.lock().unwrap_or_else(|p| p.into_inner());
@@ -397,20 +443,20 @@ pub(crate) fn remove_file(fs: &Fs, fd: i64) -> Result<OpenFile, Error> {
     };
     let removed = removed.ok_or_else(|| ebadf_file(fd))?;
     wait_for_pinned_calls(fs.id, Some(fd));
-    Ok(removed)
+    Ok(removed.file)
 }
 
 /// Removes every file handle of a closing filesystem and returns them once no call can
 /// still be using one.
 pub(crate) fn drain_files(fs: &Fs) -> Vec<OpenFile> {
-    let open: Vec<OpenFile> = {
+    let open: Vec<Handle> = {
         let mut files = fs.files.lock().unwrap_or_else(|p| p.into_inner());
         let open = files.drain().map(|(_, f)| f).collect();
         fs.files_epoch.fetch_add(1, Ordering::SeqCst);
         open
     };
     wait_for_pinned_calls(fs.id, None);
-    open
+    open.into_iter().map(|handle| handle.file).collect()
 }
 
 /// One of a thread's owner ids on one filesystem: its own, or the mount's default.
