@@ -293,8 +293,10 @@ int corefs_sync(corefs_fs fs);
 int corefs_ftruncate(corefs_fs fs, corefs_fd fd, uint64_t size);
 
 // Allocates (mode 0 or COREFS_FALLOC_KEEP_SIZE), punches (COREFS_FALLOC_PUNCH_HOLE |
-// COREFS_FALLOC_KEEP_SIZE) or zeroes (COREFS_FALLOC_ZERO_RANGE) a range. -EBADF through a
-// handle not open for writing.
+// COREFS_FALLOC_KEEP_SIZE) or zeroes (COREFS_FALLOC_ZERO_RANGE) a range. As fallocate(2):
+// -EBADF through a handle not open for writing, -EINVAL for a zero length, -EFBIG for a
+// range past the largest file, -EOPNOTSUPP for a punch without COREFS_FALLOC_KEEP_SIZE or
+// a mode bit corefs does not know.
 int corefs_fallocate(corefs_fs fs, corefs_fd fd, int mode, uint64_t offset, uint64_t len);
 
 // Attributes of an open file.

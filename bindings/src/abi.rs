@@ -1098,8 +1098,10 @@ pub extern "C" fn corefs_ftruncate(fs: corefs_fs, fd: corefs_fd, size: u64) -> c
 }
 
 /// Allocates (mode 0 or COREFS_FALLOC_KEEP_SIZE), punches (COREFS_FALLOC_PUNCH_HOLE |
-/// COREFS_FALLOC_KEEP_SIZE) or zeroes (COREFS_FALLOC_ZERO_RANGE) a range. -EBADF through a
-/// handle not open for writing.
+/// COREFS_FALLOC_KEEP_SIZE) or zeroes (COREFS_FALLOC_ZERO_RANGE) a range. As fallocate(2):
+/// -EBADF through a handle not open for writing, -EINVAL for a zero length, -EFBIG for a
+/// range past the largest file, -EOPNOTSUPP for a punch without COREFS_FALLOC_KEEP_SIZE or
+/// a mode bit corefs does not know.
 #[no_mangle]
 pub extern "C" fn corefs_fallocate(
     fs: corefs_fs,
@@ -1114,7 +1116,10 @@ pub extern "C" fn corefs_fallocate(
         no_batch(&f, fd)?;
         let known = COREFS_FALLOC_KEEP_SIZE | COREFS_FALLOC_PUNCH_HOLE | COREFS_FALLOC_ZERO_RANGE;
         if mode & !known != 0 {
-            return Err(einval(format!("unsupported fallocate mode {mode:#x}")));
+            return Err(Error::new(
+                libc::EOPNOTSUPP,
+                format!("unsupported fallocate mode {mode:#x}"),
+            ));
         }
         let mode = FallocateMode {
             keep_size: mode & COREFS_FALLOC_KEEP_SIZE != 0,

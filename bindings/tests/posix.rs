@@ -1125,3 +1125,41 @@ fn one_file_takes_the_whole_device_through_pwrite() {
         close(fs);
     }
 }
+
+/// The errors Linux's filesystems give where corefs once said EINVAL: a hard link to a
+/// directory (EPERM), fallocate past the largest file (EFBIG), a hole punch without
+/// KEEP_SIZE or an unknown mode (EOPNOTSUPP), and an attribute name that is a namespace's
+/// prefix alone (EINVAL, which it already was, now also for reads and removes).
+#[test]
+fn errnos_follow_linux_for_links_fallocate_and_xattr_names() {
+    let fs = fresh(1);
+    assert_eq!(mkdir(fs, b"d"), 0);
+    assert_eq!(
+        link(fs, b"d", b"d2"),
+        -libc::EPERM as i64,
+        "{}",
+        last_error()
+    );
+    let fd = create(fs, b"f");
+    let keep = COREFS_FALLOC_KEEP_SIZE;
+    assert_eq!(corefs_fallocate(fs, fd, keep, 0, 0), -libc::EINVAL);
+    assert_eq!(corefs_fallocate(fs, fd, keep, 1 << 50, 1), -libc::EFBIG);
+    assert_eq!(
+        corefs_fallocate(fs, fd, COREFS_FALLOC_PUNCH_HOLE, 0, 4096),
+        -libc::EOPNOTSUPP
+    );
+    assert_eq!(corefs_fallocate(fs, fd, 0x8, 0, 4096), -libc::EOPNOTSUPP);
+    release(fs, fd);
+    let path = c(b"f");
+    for prefix in [c"user.", c"trusted.", c"security."] {
+        // SAFETY: NUL-terminated strings and a live value and buffer.
+        unsafe {
+            let set = corefs_setxattr(fs, path.as_ptr(), prefix.as_ptr(), b"v".as_ptr(), 1, 0);
+            assert_eq!(set, -libc::EINVAL, "{prefix:?}: {}", last_error());
+            let mut buf = [0u8; 4];
+            let got = corefs_getxattr(fs, path.as_ptr(), prefix.as_ptr(), buf.as_mut_ptr(), 4);
+            assert_eq!(got, -libc::EINVAL as i64, "{prefix:?}");
+        }
+    }
+    close(fs);
+}

@@ -521,7 +521,8 @@ impl Filesystem {
             check_name(name)?;
             let mut item = fs.load_inode(ino)?;
             if item.mode & S_IFMT == S_IFDIR {
-                return Err(EngineError::Invalid(
+                // link(2): EPERM, "oldpath is a directory".
+                return Err(EngineError::NotPermitted(
                     "hard links to directories are not allowed".into(),
                 ));
             }

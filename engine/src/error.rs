@@ -24,6 +24,13 @@ pub enum EngineError {
     Invalid(String),
     #[error("no such file or directory")]
     NotFound,
+    /// What no one may do (EPERM), as a hard link to a directory.
+    #[error("operation not permitted: {0}")]
+    NotPermitted(String),
+    /// A mode of an operation the engine does not implement (EOPNOTSUPP), as fallocate's
+    /// hole punch that would change the size.
+    #[error("operation not supported: {0}")]
+    NotSupported(String),
     #[error("file exists")]
     Exists,
     #[error("directory not empty")]
@@ -83,6 +90,8 @@ impl EngineError {
             EngineError::ReadOnly(_) => 30,     // EROFS
             EngineError::Invalid(_) => 22,      // EINVAL
             EngineError::NotFound => 2,         // ENOENT
+            EngineError::NotPermitted(_) => 1,  // EPERM
+            EngineError::NotSupported(_) => 95, // EOPNOTSUPP
             EngineError::Exists => 17,          // EEXIST
             EngineError::NotEmpty => 39,        // ENOTEMPTY
             EngineError::NotDir => 20,          // ENOTDIR

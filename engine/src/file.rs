@@ -737,12 +737,24 @@ impl Filesystem {
         offset: u64,
         len: u64,
     ) -> Result<()> {
+        // fallocate(2): a zero length is EINVAL; a range past the largest file size (or
+        // past what a 64-bit offset holds) is EFBIG; a hole punch must keep the size
+        // (FALLOC_FL_KEEP_SIZE), EOPNOTSUPP otherwise.
+        if len == 0 {
+            return Err(EngineError::Invalid("fallocate of 0 bytes".into()));
+        }
         let end = offset
             .checked_add(len)
-            .filter(|&e| len > 0 && e <= MAX_FILE_BYTES)
-            .ok_or_else(|| EngineError::Invalid("fallocate range".into()))?;
+            .filter(|&e| e <= MAX_FILE_BYTES)
+            .ok_or_else(|| {
+                EngineError::TooBig(format!(
+                    "fallocate to {offset} + {len} bytes, past the largest file ({MAX_FILE_BYTES})"
+                ))
+            })?;
         if mode.punch_hole && !mode.keep_size {
-            return Err(EngineError::Invalid("punch hole needs KEEP_SIZE".into()));
+            return Err(EngineError::NotSupported(
+                "a hole punch without KEEP_SIZE".into(),
+            ));
         }
         // Only regular files have extents (EISDIR for directories, EINVAL for symlinks).
         let size = self.file_inode(ino)?.size;

@@ -38,6 +38,9 @@ fn piece_key(ino: u64, hash: u32, slot: u16, piece: usize) -> Key {
     )
 }
 
+/// The namespaces of Linux's extended attributes, each with its dot.
+const XATTR_NAMESPACES: [&[u8]; 4] = [b"user.", b"trusted.", b"security.", b"system."];
+
 fn pieces_of(len: usize) -> usize {
     len.div_ceil(XATTR_PIECE_BYTES)
 }
@@ -55,6 +58,14 @@ impl Filesystem {
         }
         if name.is_empty() || name.contains(&0) {
             return Err(EngineError::Invalid("empty or NUL in xattr name".into()));
+        }
+        // Linux's rule (fs/xattr.c, xattr_resolve_name): a namespace's prefix alone names
+        // no attribute.
+        if XATTR_NAMESPACES.contains(&name) {
+            return Err(EngineError::Invalid(format!(
+                "xattr name {:?} has an empty suffix",
+                String::from_utf8_lossy(name)
+            )));
         }
         Ok(())
     }

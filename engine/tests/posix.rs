@@ -649,8 +649,8 @@ fn errors_for_bad_names_and_types() {
     assert_eq!(errno(fs.write(dir, 0, b"x")), Err(EISDIR));
     assert_eq!(
         errno(fs.link(dir, root, b"d2")),
-        Err(EINVAL),
-        "no hard links to directories"
+        Err(libc::EPERM),
+        "no hard links to directories (link(2): EPERM)"
     );
     let link = fs.symlink(root, b"l", b"f", 0, 0).unwrap().ino;
     let keep = FallocateMode {
@@ -668,6 +668,36 @@ fn errors_for_bad_names_and_types() {
         "fallocate of a directory"
     );
     assert_eq!(errno(fs.truncate(link, 0)), Err(EINVAL));
+    // fallocate(2)'s errors: a zero length, a range past the largest file, a hole punch
+    // that would change the size.
+    assert_eq!(errno(fs.fallocate(file, keep, 0, 0)), Err(EINVAL), "len 0");
+    for (offset, len) in [(engine::file::MAX_FILE_BYTES, 1), (1, u64::MAX)] {
+        assert_eq!(
+            errno(fs.fallocate(file, keep, offset, len)),
+            Err(libc::EFBIG),
+            "fallocate at {offset} + {len}"
+        );
+    }
+    let punch = FallocateMode {
+        punch_hole: true,
+        ..Default::default()
+    };
+    assert_eq!(
+        errno(fs.fallocate(file, punch, 0, 4096)),
+        Err(libc::EOPNOTSUPP),
+        "a punch without KEEP_SIZE"
+    );
+    // A namespace's prefix alone names no attribute (EINVAL, as Linux's filesystems).
+    for prefix in [&b"user."[..], b"trusted.", b"security.", b"system."] {
+        assert_eq!(
+            errno(fs.setxattr(file, prefix, b"1", XattrFlags::Any)),
+            Err(EINVAL),
+            "setxattr {prefix:?}"
+        );
+        assert_eq!(errno(fs.getxattr(file, prefix)), Err(EINVAL));
+        assert_eq!(errno(fs.removexattr(file, prefix)), Err(EINVAL));
+    }
+    assert!(fs.listxattr(file).unwrap().is_empty(), "nothing was stored");
     assert_eq!(errno(fs.lookup(root, b"missing")), Err(ENOENT));
     assert_eq!(
         errno(fs.rename(root, b"d", dir, b"inside", RenameFlags::default())),
