@@ -481,6 +481,44 @@ impl Filesystem {
         Ok(freed)
     }
 
+    /// The extent that ends at file block `at`, grown by `next` (a new extent at `at`), when
+    /// `next` continues it on disk and both fit one item; keyed by its own first block, so
+    /// inserting it replaces the old item.
+    fn grown_extent(
+        &mut self,
+        ino: u64,
+        at: u64,
+        next: &ExtentItem,
+    ) -> Result<Option<(u64, ExtentItem)>> {
+        if at == 0 || next.prealloc {
+            return Ok(None);
+        }
+        let before = self.extents_in(ino, at - 1, at)?;
+        let [prev] = before.as_slice() else {
+            return Ok(None);
+        };
+        let item = &prev.item;
+        let continues = prev.end() == at
+            && !item.prealloc
+            && item.disk_block + item.blocks as u64 == next.disk_block
+            && item.blocks + next.blocks <= MAX_EXTENT_BLOCKS;
+        if !continues {
+            return Ok(None);
+        }
+        let mut crcs = Vec::with_capacity((item.blocks + next.blocks) as usize);
+        crcs.extend_from_slice(&item.crcs);
+        crcs.extend_from_slice(&next.crcs);
+        Ok(Some((
+            prev.file_block,
+            ExtentItem {
+                disk_block: item.disk_block,
+                blocks: item.blocks + next.blocks,
+                prealloc: false,
+                crcs,
+            },
+        )))
+    }
+
     /// Allocates and writes `data` (whole blocks) as new extents at file block `first`,
     /// replacing whatever covered that range. Returns the net change in allocated blocks.
     ///
@@ -531,7 +569,20 @@ impl Filesystem {
             ));
             done += got;
         }
-        let freed = self.punch_extents(ino, overlapping, first, first + count, Some(first))?;
+        // A write that continues the extent before it on disk (an append, which the
+        // allocator's next-fit places right after the file's last blocks) grows that extent
+        // instead of adding one: a file written 4 KiB at a time is then made of 256-block
+        // extents, not one item per block (whose removal, a tree operation each, held the
+        // reactor 8.6 ms to unlink a 64 MiB file).
+        let mut replaced_at = Some(first);
+        if let Some(first_item) = items.first_mut() {
+            if let Some(grown) = self.grown_extent(ino, first_item.0, &first_item.1)? {
+                *first_item = grown;
+                // Nothing is inserted at `first` now: an extent there goes.
+                replaced_at = None;
+            }
+        }
+        let freed = self.punch_extents(ino, overlapping, first, first + count, replaced_at)?;
         self.with_tree(shard, true, |tree, io| {
             for (file_block, item) in items {
                 tree.insert(io, extent_key(ino, file_block), item.encode())?;

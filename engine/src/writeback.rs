@@ -237,9 +237,28 @@ impl BlockCache {
 
 #[derive(Default)]
 pub(crate) struct Staged {
-    /// Per inode: (first disk block, whole blocks of data).
-    by_ino: BTreeMap<u64, Vec<(u64, Vec<u8>)>>,
+    /// Per inode: its staged pieces, oldest first.
+    by_ino: BTreeMap<u64, Vec<Run>>,
     bytes: usize,
+}
+
+/// A staged piece of an inode's data.
+pub(crate) struct Run {
+    /// Its first disk block.
+    disk: u64,
+    /// Whole blocks of data.
+    data: Vec<u8>,
+    /// Every block of it is carried by an fsync record of this generation (a record that
+    /// references one of them later needs not carry it again: replay writes it from the
+    /// earlier record, which replays first). Commits take every run, so a mark never
+    /// outlives its generation.
+    logged: bool,
+}
+
+impl Run {
+    fn blocks(&self) -> u64 {
+        (self.data.len() / BLOCK_BYTES) as u64
+    }
 }
 
 impl Staged {
@@ -256,8 +275,8 @@ pub(crate) const STAGE_PIECE_BYTES: usize = 64 << 10;
 
 /// Moves staged runs into `out`, each a piece of whole blocks (at most
 /// [`STAGE_PIECE_BYTES`]), without copying them.
-fn move_pieces(runs: Vec<(u64, Vec<u8>)>, out: &mut Vec<(u64, Vec<u8>)>) {
-    for (disk, data) in runs {
+fn move_pieces(runs: Vec<Run>, out: &mut Vec<(u64, Vec<u8>)>) {
+    for Run { disk, data, .. } in runs {
         assert!(
             data.len() % BLOCK_BYTES == 0 && data.len() <= STAGE_PIECE_BYTES,
             "staged data is kept in pieces of whole blocks"
@@ -281,7 +300,11 @@ impl Filesystem {
         let runs = self.staged.by_ino.entry(ino).or_default();
         for (i, piece) in data.chunks(STAGE_PIECE_BYTES).enumerate() {
             let first = disk + (i * STAGE_PIECE_BYTES / BLOCK_BYTES) as u64;
-            runs.push((first, piece.to_vec()));
+            runs.push(Run {
+                disk: first,
+                data: piece.to_vec(),
+                logged: false,
+            });
         }
         if self.staged.bytes > self.options.staged_park_bytes + STAGED_HEADROOM_BYTES {
             let blocks = self.take_all_staged();
@@ -373,7 +396,7 @@ impl Filesystem {
             let runs = entry.get_mut();
             let mut n = 0;
             while n < runs.len() && bytes < max_bytes {
-                bytes += runs[n].1.len();
+                bytes += runs[n].data.len();
                 n += 1;
             }
             taken.extend(runs.drain(..n));
@@ -395,7 +418,7 @@ impl Filesystem {
         let mut out = Vec::new();
         for ino in inos {
             if let Some(runs) = self.staged.by_ino.remove(ino) {
-                self.staged.bytes -= runs.iter().map(|(_, d)| d.len()).sum::<usize>();
+                self.staged.bytes -= runs.iter().map(|r| r.data.len()).sum::<usize>();
                 move_pieces(runs, &mut out);
             }
         }
@@ -406,13 +429,59 @@ impl Filesystem {
     pub(crate) fn staged_block(&self, ino: u64, disk: u64) -> Option<&[u8]> {
         let runs = self.staged.by_ino.get(&ino)?;
         // The newest run covering the block wins (a block is staged once per allocation).
-        runs.iter().rev().find_map(|(start, data)| {
-            let blocks = (data.len() / BLOCK_BYTES) as u64;
-            (*start..*start + blocks).contains(&disk).then(|| {
-                let at = ((disk - start) as usize) * BLOCK_BYTES;
-                &data[at..at + BLOCK_BYTES]
-            })
+        runs.iter().rev().find_map(|run| {
+            (run.disk..run.disk + run.blocks())
+                .contains(&disk)
+                .then(|| {
+                    let at = ((disk - run.disk) as usize) * BLOCK_BYTES;
+                    &run.data[at..at + BLOCK_BYTES]
+                })
         })
+    }
+
+    /// The staged blocks of `ino` among disk blocks `first..first + count` that no fsync
+    /// record of this generation carries yet, each with its bytes, into `out`; the runs all
+    /// of whose blocks are among them into `whole` (as indices for
+    /// [`Filesystem::mark_logged`], valid until staging changes).
+    pub(crate) fn unlogged_staged<'a>(
+        &'a self,
+        ino: u64,
+        first: u64,
+        count: u64,
+        out: &mut Vec<(u64, &'a [u8])>,
+        whole: &mut Vec<(u64, usize)>,
+    ) {
+        let Some(runs) = self.staged.by_ino.get(&ino) else {
+            return;
+        };
+        let end = first + count;
+        for (index, run) in runs.iter().enumerate() {
+            let (from, to) = (run.disk.max(first), (run.disk + run.blocks()).min(end));
+            if run.logged || from >= to {
+                continue;
+            }
+            for block in from..to {
+                let at = ((block - run.disk) as usize) * BLOCK_BYTES;
+                out.push((block, &run.data[at..at + BLOCK_BYTES]));
+            }
+            if from == run.disk && to == run.disk + run.blocks() {
+                whole.push((ino, index));
+            }
+        }
+    }
+
+    /// Marks staged runs (from [`Filesystem::unlogged_staged`]) as carried by a record.
+    pub(crate) fn mark_logged(&mut self, runs: &[(u64, usize)]) {
+        for &(ino, index) in runs {
+            if let Some(run) = self
+                .staged
+                .by_ino
+                .get_mut(&ino)
+                .and_then(|runs| runs.get_mut(index))
+            {
+                run.logged = true;
+            }
+        }
     }
 
     /// Takes every staged block.
@@ -441,7 +510,7 @@ impl Filesystem {
     /// Drops `ino`'s staged data (the inode is gone; its blocks were freed).
     pub(crate) fn drop_staged(&mut self, ino: u64) {
         if let Some(runs) = self.staged.by_ino.remove(&ino) {
-            self.staged.bytes -= runs.iter().map(|(_, d)| d.len()).sum::<usize>();
+            self.staged.bytes -= runs.iter().map(|r| r.data.len()).sum::<usize>();
         }
     }
 
@@ -493,7 +562,7 @@ impl Filesystem {
 }
 
 /// Staged runs of some inodes, moved between partitions ([`crate::partition`]).
-pub(crate) type StagedRuns = Vec<(u64, Vec<(u64, Vec<u8>)>)>;
+pub(crate) type StagedRuns = Vec<(u64, Vec<Run>)>;
 
 impl Staged {
     /// Takes the staged data of every inode `pick` selects.
@@ -502,7 +571,7 @@ impl Staged {
         let mut out = Vec::with_capacity(inos.len());
         for ino in inos {
             let runs = self.by_ino.remove(&ino).expect("listed");
-            self.bytes -= runs.iter().map(|(_, d)| d.len()).sum::<usize>();
+            self.bytes -= runs.iter().map(|r| r.data.len()).sum::<usize>();
             out.push((ino, runs));
         }
         out
@@ -510,8 +579,14 @@ impl Staged {
 
     /// Adds staged data taken by [`Staged::take_inodes`].
     pub(crate) fn put_inodes(&mut self, inodes: StagedRuns) {
-        for (ino, runs) in inodes {
-            self.bytes += runs.iter().map(|(_, d)| d.len()).sum::<usize>();
+        for (ino, mut runs) in inodes {
+            self.bytes += runs.iter().map(|r| r.data.len()).sum::<usize>();
+            // A mark speaks for this partition's stream of records: replay orders a stream's
+            // records but not one stream's against another's, so here the data is carried
+            // again by the next record that references it.
+            for run in &mut runs {
+                run.logged = false;
+            }
             self.by_ino.entry(ino).or_default().extend(runs);
         }
     }

@@ -380,6 +380,10 @@ pub(crate) fn only_times_differ(old: &InodeItem, new: &InodeItem) -> bool {
     old == *new
 }
 
+/// What a record carries of the staged data: its data ops, and the staged runs (inode, index)
+/// they cover whole.
+type CarriedData = (Vec<LogOp>, Vec<(u64, usize)>);
+
 impl Filesystem {
     /// fsync: makes the inode's data and metadata durable, and its names and the path to it.
     /// Writes one log record and flushes, or nothing when nothing changed since the inode was
@@ -485,7 +489,8 @@ impl Filesystem {
         // same batch as the record.
         let embedded = self.staged_data_ops(&ops)?;
         let embedding = embedded.is_some();
-        ops.extend(embedded.unwrap_or_default());
+        let (data_ops, carried_runs) = embedded.unwrap_or_default();
+        ops.extend(data_ops);
         // Any log held here will do (a record's ops name their own shards, and replay reads
         // every log in sequence order): the emptiest one, so one busy file spreads its records
         // over every shard's log instead of filling its own and forcing a commit (SQLite's WAL
@@ -544,6 +549,8 @@ impl Filesystem {
         } else {
             self.submit_record(record_and_data(at, bytes, data))?
         };
+        // The runs this record carries whole need not be carried again in this generation.
+        self.mark_logged(&carried_runs);
         // Logged (durable once the ticket is): the coupled set's tracking starts over. Until
         // then an fsync finding nothing new waits for the newest ticket, so it cannot return
         // before the record holding its changes is durable.
@@ -588,10 +595,16 @@ impl Filesystem {
             .expect("a partition that logs holds a shard")
     }
 
-    /// Data ops for every staged block the record's extents reference, or None when there
-    /// are more than [`EMBED_MAX_BLOCKS`] (then the data is written in place instead).
-    fn staged_data_ops(&self, ops: &[LogOp]) -> Result<Option<Vec<LogOp>>> {
+    /// Data ops for every staged block the record's extents reference that no earlier
+    /// record of this generation carries, and the staged runs they cover whole (to mark
+    /// once the record is on its way); None when there are more than [`EMBED_MAX_BLOCKS`]
+    /// (then the data is written in place instead). An extent grown by an append references
+    /// its earlier blocks again: those an earlier record carried replay from that record,
+    /// which comes first in the stream.
+    fn staged_data_ops(&self, ops: &[LogOp]) -> Result<Option<CarriedData>> {
         let mut data = Vec::new();
+        let mut whole = Vec::new();
+        let mut staged = Vec::new();
         for op in ops {
             let LogOp::Put(key, value) = op else { continue };
             if key.kind != ItemKind::ExtentData {
@@ -602,16 +615,22 @@ impl Filesystem {
             if item.prealloc {
                 continue;
             }
-            for block in item.disk_block..item.disk_block + item.blocks as u64 {
-                if let Some(bytes) = self.staged_block(key.objectid, block) {
-                    if data.len() == EMBED_MAX_BLOCKS {
-                        return Ok(None);
-                    }
-                    data.push(LogOp::Data(block, bytes.to_vec()));
+            staged.clear();
+            self.unlogged_staged(
+                key.objectid,
+                item.disk_block,
+                item.blocks as u64,
+                &mut staged,
+                &mut whole,
+            );
+            for &(block, bytes) in &staged {
+                if data.len() == EMBED_MAX_BLOCKS {
+                    return Ok(None);
                 }
+                data.push(LogOp::Data(block, bytes.to_vec()));
             }
         }
-        Ok(Some(data))
+        Ok(Some((data, whole)))
     }
 
     /// The parents of `ino` (the directories holding its names). In a partition, an inode
