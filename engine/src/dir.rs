@@ -617,13 +617,25 @@ impl Filesystem {
     }
 
     /// True when `ancestor` is `ino` or one of its ancestors (walking `..` back-references).
-    fn is_ancestor(&mut self, ancestor: u64, mut ino: u64) -> Result<bool> {
+    fn is_ancestor(&mut self, ancestor: u64, ino: u64) -> Result<bool> {
+        let mut found = false;
+        self.walk_up(ino, |dir| {
+            found = dir == ancestor;
+            !found
+        })?;
+        Ok(found)
+    }
+
+    /// Calls `visit` on `ino` and each directory above it up to the root, while it returns
+    /// true (a directory's parent is its one back-reference, read from its own shard).
+    pub(crate) fn walk_up(
+        &mut self,
+        mut ino: u64,
+        mut visit: impl FnMut(u64) -> bool,
+    ) -> Result<()> {
         for _ in 0..4096 {
-            if ino == ancestor {
-                return Ok(true);
-            }
-            if ino == self.root() {
-                return Ok(false);
+            if !visit(ino) || ino == self.root() {
+                return Ok(());
             }
             let shard = self.shard_of(ino);
             let parent = self.with_tree(shard, false, |tree, io| {
@@ -633,7 +645,7 @@ impl Filesystem {
                 Some((key, _)) if key.objectid == ino && key.kind == ItemKind::InodeRef => {
                     ino = key.offset
                 }
-                _ => return Ok(false),
+                _ => return Ok(()),
             }
         }
         Err(EngineError::corrupt(

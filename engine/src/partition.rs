@@ -295,6 +295,20 @@ impl Filesystem {
         (0..self.shard_count()).filter(|&s| self.holds(s)).collect()
     }
 
+    /// True when `dir` and every directory above it are held here: what a rename of a
+    /// directory walks (up from its new parent, to refuse a move into its own subtree) is
+    /// then this partition's to read.
+    pub fn ancestry_held(&mut self, dir: u64) -> Result<bool> {
+        let held_shards: Vec<bool> = (0..self.shard_count()).map(|s| self.holds(s)).collect();
+        let count = held_shards.len() as u64;
+        let mut held = true;
+        self.walk_up(dir, |ino| {
+            held = held_shards[(ino % count) as usize];
+            held
+        })?;
+        Ok(held)
+    }
+
     /// The child `name` of `dir` names, without reading the child (the directory's shard
     /// only): how a partition's owner finds which shards an operation touches.
     pub fn lookup_ino(&mut self, dir: u64, name: &[u8]) -> Result<Option<u64>> {

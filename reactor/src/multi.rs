@@ -308,14 +308,17 @@ fn plan_inner(fs: &mut Filesystem, member: &mut Member, op: &Op) -> Result<Plan,
             from,
             to_dir,
             to,
-            ..
+            flags,
         } => {
             if !holds(fs, *to_dir) {
                 Plan::Span(None)
             } else {
                 let child = fs.lookup_ino(*from_dir, from)?;
                 let target = fs.lookup_ino(*to_dir, to)?;
-                if held_or_absent(fs, child) && held_or_absent(fs, target) {
+                if held_or_absent(fs, child)
+                    && held_or_absent(fs, target)
+                    && loop_check_local(fs, *from_dir, from, *to_dir, to, flags.exchange)?
+                {
                     Plan::Local
                 } else {
                     Plan::Span(None)
@@ -325,6 +328,33 @@ fn plan_inner(fs: &mut Filesystem, member: &mut Member, op: &Op) -> Result<Plan,
         Op::Statfs => Plan::Answer(Ok(Reply::Statfs(statfs(&member.router)))),
         _ => Plan::Local,
     })
+}
+
+/// True when what a rename walks to refuse a loop is held here: moving a directory walks up
+/// from its new parent (is it moving into its own subtree?), and an exchange that moves a
+/// directory the other way walks up from the old parent too. A walk that would leave the
+/// partition makes the rename a span (read there, it failed: EINVAL for renames of
+/// directories whose new parent had an ancestor on another reactor).
+fn loop_check_local(
+    fs: &mut Filesystem,
+    from_dir: u64,
+    from: &[u8],
+    to_dir: u64,
+    to: &[u8],
+    exchange: bool,
+) -> Result<bool, EngineError> {
+    let is_dir = |fs: &mut Filesystem, dir: u64, name: &[u8]| match fs.lookup(dir, name) {
+        Ok(stat) => Ok(stat.is_dir()),
+        Err(EngineError::NotFound) => Ok(false),
+        Err(e) => Err(e),
+    };
+    if is_dir(fs, from_dir, from)? && !fs.ancestry_held(to_dir)? {
+        return Ok(false);
+    }
+    if exchange && is_dir(fs, to_dir, to)? && !fs.ancestry_held(from_dir)? {
+        return Ok(false);
+    }
+    Ok(true)
 }
 
 /// statfs over every reactor's published figures (the free blocks in the groups their
