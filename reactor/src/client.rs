@@ -78,7 +78,14 @@ enum Wait {
 
 /// A client's completion queue, shared with the reactor.
 pub(crate) struct ReplyQueue {
-    pub done: ArrayQueue<Completion>,
+    /// Bounded by the client's capacity: a client never has more in flight.
+    done: ArrayQueue<Completion>,
+    /// Completions that found `done` full. Empty unless an accounting slip let a client
+    /// have more in flight than its capacity: they wait here (the reactor never blocks and
+    /// never panics for it) and the client takes them after `done`'s, in order.
+    overflow: std::sync::Mutex<std::collections::VecDeque<Completion>>,
+    /// `overflow` holds completions (set under its lock): only then is it locked.
+    overflowed: AtomicBool,
     /// The futex word: 1 while the client sleeps (or is about to) on it, else 0.
     sleeping: AtomicU32,
     /// Set by the reactor when a read of this client's went to the device (its reply is a
@@ -91,9 +98,61 @@ impl ReplyQueue {
     pub fn new(capacity: usize) -> ReplyQueue {
         ReplyQueue {
             done: ArrayQueue::new(capacity.max(1)),
+            overflow: std::sync::Mutex::new(std::collections::VecDeque::new()),
+            overflowed: AtomicBool::new(false),
             sleeping: AtomicU32::new(0),
             device_wait: AtomicBool::new(false),
         }
+    }
+
+    fn overflow(&self) -> std::sync::MutexGuard<'_, std::collections::VecDeque<Completion>> {
+        self.overflow.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues a completion (the reactor, before [`ReplyQueue::wake`]). Never fails: past the
+    /// capacity it waits in the overflow, logged, since only a bug gets there.
+    pub fn push(&self, completion: Completion) {
+        if !self.overflowed.load(Ordering::Acquire) {
+            match self.done.push(completion) {
+                Ok(()) => return,
+                Err(back) => {
+                    tracing::error!(
+                        token = back.token,
+                        "a client's completion queue is full: it has more in flight than its \
+                         capacity (a bug); the completion waits in its overflow"
+                    );
+                    let mut overflow = self.overflow();
+                    overflow.push_back(back);
+                    self.overflowed.store(true, Ordering::Release);
+                    return;
+                }
+            }
+        }
+        // Behind what overflowed already, in order.
+        let mut overflow = self.overflow();
+        overflow.push_back(completion);
+        self.overflowed.store(true, Ordering::Release);
+    }
+
+    /// The oldest completion, if any.
+    pub fn pop(&self) -> Option<Completion> {
+        if let Some(c) = self.done.pop() {
+            return Some(c);
+        }
+        if !self.overflowed.load(Ordering::Acquire) {
+            return None;
+        }
+        let mut overflow = self.overflow();
+        let c = overflow.pop_front();
+        if overflow.is_empty() {
+            self.overflowed.store(false, Ordering::Release);
+        }
+        c
+    }
+
+    /// True when no completion is queued.
+    pub fn is_empty(&self) -> bool {
+        self.done.is_empty() && !self.overflowed.load(Ordering::Acquire)
     }
 
     /// Called by the reactor after pushing completions: wakes the client if it sleeps.
@@ -122,7 +181,7 @@ impl ReplyQueue {
         self.sleeping.store(1, Ordering::SeqCst);
         // Pairs with the fence in `wake` (store `sleeping`, then load the queue).
         std::sync::atomic::fence(Ordering::SeqCst);
-        if self.done.is_empty() {
+        if self.is_empty() {
             futex_wait(&self.sleeping, 1, timeout);
         }
         self.sleeping.store(0, Ordering::SeqCst);
@@ -141,7 +200,7 @@ impl ReplyQueue {
             let until = until.min(deadline);
             let mut pass = 0u32;
             loop {
-                if !replies.done.is_empty() {
+                if !replies.is_empty() {
                     return true;
                 }
                 pass = pass.wrapping_add(1);
@@ -163,12 +222,12 @@ impl ReplyQueue {
             }
         }
         loop {
-            if !replies.done.is_empty() {
+            if !replies.is_empty() {
                 return true;
             }
             let now = Instant::now();
             if now >= deadline || stopped.load(Ordering::Acquire) {
-                return !replies.done.is_empty();
+                return !replies.is_empty();
             }
             replies.sleep((deadline - now).min(Duration::from_millis(100)));
         }
@@ -292,7 +351,7 @@ impl Client {
     pub fn poll(&mut self, out: &mut Vec<Completion>) -> usize {
         let before = out.len();
         out.extend(self.stash.drain(..));
-        while let Some(c) = self.replies.done.pop() {
+        while let Some(c) = self.replies.pop() {
             out.push(c);
         }
         let n = out.len() - before;
@@ -368,7 +427,7 @@ impl Client {
             }
         }
         loop {
-            while let Some(c) = self.replies.done.pop() {
+            while let Some(c) = self.replies.pop() {
                 if c.token == token {
                     self.in_flight -= 1;
                     // A slow call looks at whether this thread waited for a core.
@@ -432,7 +491,7 @@ mod tests {
                     if started.elapsed() >= slice {
                         lost += 1;
                     }
-                    let c = queue.done.pop().expect("a completion after a true wait");
+                    let c = queue.pop().expect("a completion after a true wait");
                     assert_eq!(c.token, round);
                 }
                 lost
@@ -441,13 +500,13 @@ mod tests {
         for round in 0..ROUNDS {
             // Wait until the sleeper took the last one (queue of one), then vary the moment
             // of the push against its publish and check.
-            while !queue.done.is_empty() {
+            while !queue.is_empty() {
                 std::hint::spin_loop();
             }
             for _ in 0..(round % 64) {
                 std::hint::spin_loop();
             }
-            queue.done.push(completion(round)).expect("room");
+            queue.push(completion(round));
             queue.wake();
         }
         let lost = sleeper.join().expect("sleeper");
@@ -463,12 +522,33 @@ mod tests {
     fn a_wake_clears_the_sleeping_word_once() {
         let queue = ReplyQueue::new(2);
         queue.sleeping.store(1, Ordering::SeqCst);
-        queue.done.push(completion(1)).expect("room");
+        queue.push(completion(1));
         queue.wake();
         assert_eq!(queue.sleeping.load(Ordering::SeqCst), 0);
         // A second wake finds no sleeper and changes nothing.
         queue.wake();
         assert_eq!(queue.sleeping.load(Ordering::SeqCst), 0);
+    }
+
+    /// More completions than the queue's capacity (an accounting slip) neither panic nor
+    /// get lost: they wait in the overflow and come out after the others, in order, and
+    /// the queue reads empty only once all are taken.
+    #[test]
+    fn completions_past_the_capacity_wait_in_order_and_nothing_panics() {
+        let queue = ReplyQueue::new(2);
+        for token in 0..5 {
+            queue.push(completion(token));
+        }
+        assert!(!queue.is_empty());
+        assert_eq!(queue.pop().map(|c| c.token), Some(0));
+        // Room again in the bounded part, but what overflowed stays ahead of a new one.
+        queue.push(completion(5));
+        let tokens: Vec<u64> = std::iter::from_fn(|| queue.pop().map(|c| c.token)).collect();
+        assert_eq!(tokens, vec![1, 2, 3, 4, 5]);
+        assert!(queue.is_empty());
+        queue.push(completion(6));
+        assert_eq!(queue.pop().map(|c| c.token), Some(6));
+        assert!(queue.is_empty());
     }
 
     /// A reply already queued ends a sleep at once, whatever the wait.
@@ -477,7 +557,7 @@ mod tests {
         let stopped = AtomicBool::new(false);
         for wait in [Wait::Spin, Wait::Yield, Wait::Sleep] {
             let queue = ReplyQueue::new(1);
-            queue.done.push(completion(7)).expect("room");
+            queue.push(completion(7));
             let deadline = Instant::now() + Duration::from_secs(30);
             assert!(queue.wait_for_reply(deadline, wait, &stopped), "{wait:?}");
             assert_eq!(queue.sleeping.load(Ordering::SeqCst), 0);
