@@ -778,6 +778,10 @@ pub unsafe extern "C" fn corefs_open(
         if flags & !known != 0 || flags & 3 == 3 {
             return Err(einval(format!("unsupported open flags {flags:#o}")));
         }
+        // Linux (since 6.4) refuses O_CREAT with O_DIRECTORY before it looks at the path.
+        if flags & COREFS_O_CREAT != 0 && flags & COREFS_O_DIRECTORY != 0 {
+            return Err(einval("O_CREAT with O_DIRECTORY".into()));
+        }
         let writable = flags & 3 != COREFS_O_RDONLY;
         let how = OpenHow {
             create: (flags & COREFS_O_CREAT != 0).then(|| (mode & 0o7777, handles::owner(&fs))),

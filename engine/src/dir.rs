@@ -520,6 +520,12 @@ impl Filesystem {
         self.run_op(|fs| {
             check_name(name)?;
             let mut item = fs.load_inode(ino)?;
+            // Linux's order: the new name must not exist (EEXIST), then the old must not
+            // be a directory (EPERM).
+            let (slot, existing) = fs.name_slot(dir, name)?;
+            if existing.is_some() {
+                return Err(EngineError::Exists);
+            }
             if item.mode & S_IFMT == S_IFDIR {
                 // link(2): EPERM, "oldpath is a directory".
                 return Err(EngineError::NotPermitted(
@@ -528,10 +534,6 @@ impl Filesystem {
             }
             if item.nlink >= MAX_LINKS {
                 return Err(EngineError::TooManyLinks);
-            }
-            let (slot, existing) = fs.name_slot(dir, name)?;
-            if existing.is_some() {
-                return Err(EngineError::Exists);
             }
             fs.check_ref_room(ino, dir, name, None)?;
             let mut needs = Needs::default();
@@ -694,10 +696,29 @@ impl Filesystem {
                 Ok(())
             };
         }
+        // Linux's order (do_renameat2): an exchange needs its target and NOREPLACE refuses
+        // an existing one before a move into the source's own subtree is refused.
+        if flags.exchange && dst.is_none() {
+            return Err(EngineError::NotFound);
+        }
+        if flags.noreplace && dst.is_some() {
+            return Err(EngineError::Exists);
+        }
         if src_is_dir && self.is_ancestor(src, dst_dir)? {
             return Err(EngineError::Invalid(
                 "cannot move a directory into itself".into(),
             ));
+        }
+        // A target directory above the source is not empty (it holds the source): Linux
+        // says so before it compares the two's types.
+        if let Some((dst_ino, dst_kind)) = dst {
+            if !flags.exchange
+                && is_dir_kind(dst_kind)
+                && dst_ino != src
+                && self.is_ancestor(dst_ino, src_dir)?
+            {
+                return Err(EngineError::NotEmpty);
+            }
         }
         let mut needs = Needs::default();
         let now = Timespec::now();

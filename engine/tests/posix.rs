@@ -425,8 +425,21 @@ fn model_rename(
     if sd == dd && sn == dn {
         return if flags.noreplace { Err(EEXIST) } else { Ok(()) };
     }
+    // Linux's order (do_renameat2): the target's presence, then loops, then types.
+    if flags.exchange && dst.is_none() {
+        return Err(ENOENT);
+    }
+    if flags.noreplace && dst.is_some() {
+        return Err(EEXIST);
+    }
     if m.is_dir(src) && m.is_ancestor(src, dd) {
         return Err(EINVAL);
+    }
+    if let Some(dst) = dst {
+        // A target directory above the source holds it: not empty.
+        if !flags.exchange && dst != src && m.is_dir(dst) && m.is_ancestor(dst, sd) {
+            return Err(ENOTEMPTY);
+        }
     }
     if flags.exchange {
         let dst = dst.ok_or(ENOENT)?;

@@ -148,9 +148,9 @@ pub(crate) fn open(
                     return Err(EngineError::NotFound);
                 };
                 if how.directory {
-                    // open(2): O_CREAT|O_DIRECTORY never creates; a missing name is ENOENT
-                    // there too, but a name to be created cannot be a directory.
-                    return Err(EngineError::NotDir);
+                    // O_CREAT|O_DIRECTORY never creates (Linux refuses the pair with
+                    // EINVAL before the path; the C ABI does too).
+                    return Err(EngineError::Invalid("O_CREAT with O_DIRECTORY".into()));
                 }
                 // A new inode goes to a shard this engine holds (creates run where their
                 // directory is), so the hold is counted where Op::Release will find it.

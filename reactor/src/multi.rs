@@ -308,7 +308,7 @@ fn plan_inner(fs: &mut Filesystem, member: &mut Member, op: &Op) -> Result<Plan,
             from,
             to_dir,
             to,
-            flags,
+            ..
         } => {
             if !holds(fs, *to_dir) {
                 Plan::Span(None)
@@ -317,7 +317,7 @@ fn plan_inner(fs: &mut Filesystem, member: &mut Member, op: &Op) -> Result<Plan,
                 let target = fs.lookup_ino(*to_dir, to)?;
                 if held_or_absent(fs, child)
                     && held_or_absent(fs, target)
-                    && loop_check_local(fs, *from_dir, from, *to_dir, to, flags.exchange)?
+                    && loop_check_local(fs, *from_dir, from, *to_dir, to)?
                 {
                     Plan::Local
                 } else {
@@ -331,8 +331,9 @@ fn plan_inner(fs: &mut Filesystem, member: &mut Member, op: &Op) -> Result<Plan,
 }
 
 /// True when what a rename walks to refuse a loop is held here: moving a directory walks up
-/// from its new parent (is it moving into its own subtree?), and an exchange that moves a
-/// directory the other way walks up from the old parent too. A walk that would leave the
+/// from its new parent (is it moving into its own subtree?), and a target directory is
+/// looked for above the old parent (an exchange would move it into its own subtree; a
+/// rename over it finds it not empty). A walk that would leave the
 /// partition makes the rename a span (read there, it failed: EINVAL for renames of
 /// directories whose new parent had an ancestor on another reactor).
 fn loop_check_local(
@@ -341,7 +342,6 @@ fn loop_check_local(
     from: &[u8],
     to_dir: u64,
     to: &[u8],
-    exchange: bool,
 ) -> Result<bool, EngineError> {
     let is_dir = |fs: &mut Filesystem, dir: u64, name: &[u8]| match fs.lookup(dir, name) {
         Ok(stat) => Ok(stat.is_dir()),
@@ -351,7 +351,7 @@ fn loop_check_local(
     if is_dir(fs, from_dir, from)? && !fs.ancestry_held(to_dir)? {
         return Ok(false);
     }
-    if exchange && is_dir(fs, to_dir, to)? && !fs.ancestry_held(from_dir)? {
+    if is_dir(fs, to_dir, to)? && !fs.ancestry_held(from_dir)? {
         return Ok(false);
     }
     Ok(true)
