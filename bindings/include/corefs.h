@@ -225,7 +225,8 @@ int corefs_close(corefs_fs fs);
 // another thread creates it at the same time); COREFS_O_CREAT on a directory, or on a path
 // ending in `/`, is -EISDIR (-EEXIST with COREFS_O_EXCL on a directory); a path ending in
 // `/` opens only a directory (-ENOTDIR); COREFS_O_CREAT with COREFS_O_DIRECTORY is -EINVAL
-// (as Linux since 6.4). Writes through a COREFS_O_APPEND handle are atomic appends. The new
+// (as Linux since 6.4); a symbolic link is -ELOOP (corefs never follows one: open(2) with
+// O_NOFOLLOW). Writes through a COREFS_O_APPEND handle are atomic appends. The new
 // file's owner is the caller's (see `corefs_set_owner`). One request to the reactors
 // whatever the flags, for a path of plain names (no `.` or `..`).
 //

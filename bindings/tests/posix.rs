@@ -1163,3 +1163,29 @@ fn errnos_follow_linux_for_links_fallocate_and_xattr_names() {
     }
     close(fs);
 }
+
+/// corefs never follows a symbolic link: opening one is ELOOP, as open(2) with O_NOFOLLOW,
+/// after the checks Linux makes first (O_EXCL's EEXIST, O_DIRECTORY's ENOTDIR).
+#[test]
+fn opening_a_symbolic_link_is_eloop() {
+    let fs = fresh(1);
+    assert_eq!(symlink(fs, b"target", b"l"), 0);
+    for flags in [
+        COREFS_O_RDONLY,
+        COREFS_O_RDWR,
+        COREFS_O_CREAT | COREFS_O_WRONLY,
+        COREFS_O_TRUNC | COREFS_O_WRONLY,
+    ] {
+        assert_eq!(
+            open(fs, b"l", flags),
+            -libc::ELOOP as i64,
+            "flags {flags:#o}"
+        );
+    }
+    assert_eq!(
+        open(fs, b"l", COREFS_O_CREAT | COREFS_O_EXCL | COREFS_O_RDWR),
+        -libc::EEXIST as i64
+    );
+    assert_eq!(open(fs, b"l", COREFS_O_DIRECTORY), -libc::ENOTDIR as i64);
+    close(fs);
+}

@@ -27,6 +27,10 @@ pub enum EngineError {
     /// What no one may do (EPERM), as a hard link to a directory.
     #[error("operation not permitted: {0}")]
     NotPermitted(String),
+    /// The call would have to follow a symbolic link, which corefs never does (ELOOP, as
+    /// open(2) with O_NOFOLLOW answers for one).
+    #[error("a symbolic link (corefs never follows one)")]
+    SymlinkNotFollowed,
     /// A mode of an operation the engine does not implement (EOPNOTSUPP), as fallocate's
     /// hole punch that would change the size.
     #[error("operation not supported: {0}")]
@@ -92,6 +96,7 @@ impl EngineError {
             EngineError::NotFound => 2,         // ENOENT
             EngineError::NotPermitted(_) => 1,  // EPERM
             EngineError::NotSupported(_) => 95, // EOPNOTSUPP
+            EngineError::SymlinkNotFollowed => 40, // ELOOP
             EngineError::Exists => 17,          // EEXIST
             EngineError::NotEmpty => 39,        // ENOTEMPTY
             EngineError::NotDir => 20,          // ENOTDIR

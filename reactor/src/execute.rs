@@ -190,5 +190,10 @@ fn check_open(stat: &Stat, how: OpenHow) -> Result<(), EngineError> {
     if how.writable && stat.is_dir() {
         return Err(EngineError::IsDir);
     }
+    // Opening a symbolic link would follow it: ELOOP, as open(2) with O_NOFOLLOW (Linux's
+    // order: after EEXIST, EISDIR and ENOTDIR).
+    if stat.mode & libc::S_IFMT == libc::S_IFLNK {
+        return Err(EngineError::SymlinkNotFollowed);
+    }
     Ok(())
 }
