@@ -493,6 +493,16 @@ impl Filesystem {
         if at == 0 || next.prealloc {
             return Ok(None);
         }
+        // The block before `at` first, decoded alone: only when it sits right before
+        // `next` on disk (an append, rarely an overwrite) is its whole item read, which
+        // copies up to 1 KiB of checksums.
+        let neighbour = self.extents_for_read(ino, at - 1, at)?;
+        let [block] = neighbour.as_slice() else {
+            return Ok(None);
+        };
+        if block.item.prealloc || block.item.disk_block + 1 != next.disk_block {
+            return Ok(None);
+        }
         let before = self.extents_in(ino, at - 1, at)?;
         let [prev] = before.as_slice() else {
             return Ok(None);

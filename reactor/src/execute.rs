@@ -19,7 +19,12 @@ pub(crate) fn execute_on(fs: &mut Filesystem, op: &Op) -> Result<Reply, EngineEr
         } => {
             // Here only where the whole walk is this engine's (one reactor, or a span's):
             // reactors walk in their batch, handing walks on (`runtime::batch`).
-            let ino = walk(fs, from, path)?;
+            let (ino, taken) = walk(fs, from, path)?;
+            if taken < path.len() {
+                return Err(EngineError::Invalid(
+                    "a walk reached a directory another partition holds".into(),
+                ));
+            }
             execute_on(fs, &walked(then, ino)?)?
         }
         Op::Lookup { dir, ref name } => Reply::Stat(fs.lookup(dir, name)?),
@@ -102,14 +107,23 @@ pub(crate) fn execute_on(fs: &mut Filesystem, op: &Op) -> Result<Reply, EngineEr
     })
 }
 
-/// The inode `path`'s names lead to from directory `from` (each before the last must be a
-/// directory: ENOTDIR; a missing one: ENOENT).
-pub(crate) fn walk(fs: &mut Filesystem, from: u64, path: &[Vec<u8>]) -> Result<u64, EngineError> {
+/// Walks `path`'s names from directory `from` while the directories are held here (each
+/// before the last must be a directory: ENOTDIR; a missing one: ENOENT): the inode reached
+/// and the names taken (all of them on a whole mount).
+pub(crate) fn walk(
+    fs: &mut Filesystem,
+    from: u64,
+    path: &[Vec<u8>],
+) -> Result<(u64, usize), EngineError> {
     let mut ino = from;
-    for name in path {
-        ino = fs.lookup_ino(ino, name)?.ok_or(EngineError::NotFound)?;
+    let mut taken = 0;
+    while taken < path.len() && fs.holds(fs.shard_of(ino)) {
+        ino = fs
+            .lookup_ino(ino, &path[taken])?
+            .ok_or(EngineError::NotFound)?;
+        taken += 1;
     }
-    Ok(ino)
+    Ok((ino, taken))
 }
 
 /// A walk's operation with its target replaced by the inode the walk reached.

@@ -49,17 +49,7 @@ impl Reactor {
             return Some(request);
         };
         // How far the walk gets here: the inode reached and the names taken.
-        let step = |fs: &mut engine::Filesystem| -> Result<(u64, usize), EngineError> {
-            let mut ino = *from;
-            let mut taken = 0;
-            while taken < path.len() && fs.holds(fs.shard_of(ino)) {
-                ino = fs
-                    .lookup_ino(ino, &path[taken])?
-                    .ok_or(EngineError::NotFound)?;
-                taken += 1;
-            }
-            Ok((ino, taken))
-        };
+        let step = |fs: &mut engine::Filesystem| crate::execute::walk(fs, *from, path);
         let stepped = if self.meta.may_defer(&request) {
             match self.fs.without_waiting(step) {
                 Deferred::Ready(stepped) => stepped,
