@@ -67,6 +67,15 @@
 // `corefs_set_owner`: this id is the mount's default again.
 #define COREFS_OWNER_DEFAULT UINT32_MAX
 
+// `corefs_options.atime`: Linux's relatime (the default).
+#define COREFS_ATIME_RELATIME 0
+
+// `corefs_options.atime`: reads never move the access time (Linux's noatime).
+#define COREFS_ATIME_NOATIME 1
+
+// `corefs_options.atime`: every read moves the access time (Linux's strictatime).
+#define COREFS_ATIME_STRICT 2
+
 // A mounted filesystem (≥ 1).
 typedef int64_t corefs_fs;
 
@@ -103,8 +112,13 @@ struct corefs_options {
   // database with a cache of its own wants, and what a fair read benchmark needs). Zero:
   // the engine caches data blocks it reads.
   uint8_t data_cache_off;
+  // When reads move a file's access time: `COREFS_ATIME_RELATIME` (zero, the default:
+  // when it is not after the last modification or change, or is a day old),
+  // `COREFS_ATIME_NOATIME` (never), `COREFS_ATIME_STRICT` (every read); anything else is
+  // -EINVAL.
+  uint8_t atime;
   // Zero (room for later options).
-  uint8_t reserved[6];
+  uint8_t reserved[5];
 };
 
 // An open file or directory of one filesystem (≥ 1).
@@ -128,6 +142,11 @@ struct corefs_stat {
   // The device number of a character or block device (the kernel's 32-bit encoding, as
   // makedev(3) gives for majors below 4096); 0 otherwise.
   uint32_t rdev;
+  // Birth time: when the file was created (statx's btime).
+  int64_t btime_sec;
+  uint32_t btime_nsec;
+  // Zero.
+  uint32_t reserved;
 };
 
 // One directory entry.

@@ -94,9 +94,21 @@ pub struct corefs_options {
     /// database with a cache of its own wants, and what a fair read benchmark needs). Zero:
     /// the engine caches data blocks it reads.
     pub data_cache_off: u8,
+    /// When reads move a file's access time: `COREFS_ATIME_RELATIME` (zero, the default:
+    /// when it is not after the last modification or change, or is a day old),
+    /// `COREFS_ATIME_NOATIME` (never), `COREFS_ATIME_STRICT` (every read); anything else is
+    /// -EINVAL.
+    pub atime: u8,
     /// Zero (room for later options).
-    pub reserved: [u8; 6],
+    pub reserved: [u8; 5],
 }
+
+/// `corefs_options.atime`: Linux's relatime (the default).
+pub const COREFS_ATIME_RELATIME: u8 = 0;
+/// `corefs_options.atime`: reads never move the access time (Linux's noatime).
+pub const COREFS_ATIME_NOATIME: u8 = 1;
+/// `corefs_options.atime`: every read moves the access time (Linux's strictatime).
+pub const COREFS_ATIME_STRICT: u8 = 2;
 
 /// Filesystem statistics (statvfs(3)'s figures).
 #[repr(C)]
@@ -135,6 +147,11 @@ pub struct corefs_stat {
     /// The device number of a character or block device (the kernel's 32-bit encoding, as
     /// makedev(3) gives for majors below 4096); 0 otherwise.
     pub rdev: u32,
+    /// Birth time: when the file was created (statx's btime).
+    pub btime_sec: i64,
+    pub btime_nsec: u32,
+    /// Zero.
+    pub reserved: u32,
 }
 
 /// One directory entry.
@@ -198,7 +215,8 @@ impl Default for corefs_options {
             owner_gid: 0,
             owner_set: 0,
             data_cache_off: 0,
-            reserved: [0; 6],
+            atime: 0,
+            reserved: [0; 5],
         }
     }
 }
@@ -206,9 +224,12 @@ const _: () = assert!(std::mem::offset_of!(corefs_options, label) == 16);
 const _: () = assert!(std::mem::offset_of!(corefs_options, owner_uid) == 24);
 const _: () = assert!(std::mem::offset_of!(corefs_options, owner_set) == 32);
 const _: () = assert!(std::mem::offset_of!(corefs_options, data_cache_off) == 33);
+const _: () = assert!(std::mem::offset_of!(corefs_options, atime) == 34);
+const _: () = assert!(std::mem::size_of::<corefs_options>() == 40);
 const _: () = assert!(std::mem::size_of::<corefs_statfs>() == 48);
-const _: () = assert!(std::mem::size_of::<corefs_stat>() == 80);
+const _: () = assert!(std::mem::size_of::<corefs_stat>() == 96);
 const _: () = assert!(std::mem::offset_of!(corefs_stat, rdev) == 76);
+const _: () = assert!(std::mem::offset_of!(corefs_stat, btime_sec) == 80);
 const _: () = assert!(std::mem::size_of::<corefs_dirent>() == 280);
 const _: () = assert!(std::mem::size_of::<corefs_completion>() == 16);
 const _: () = assert!(std::mem::size_of::<corefs_stats>() == 112);
@@ -597,6 +618,9 @@ fn to_c_stat(s: &Stat) -> corefs_stat {
         // Only corefs_mknod and the FUSE mount set rdev, both to 32-bit numbers; a wider one
         // (written by some other tool) shows as 0 rather than as a wrong number.
         rdev: u32::try_from(s.rdev).unwrap_or(0),
+        btime_sec: s.crtime.sec,
+        btime_nsec: s.crtime.nsec,
+        reserved: 0,
     }
 }
 
@@ -679,6 +703,17 @@ pub unsafe extern "C" fn corefs_mount(
             if o.data_cache_off != 0 {
                 mount.data_cache_blocks = 0;
             }
+            mount.atime = match o.atime {
+                COREFS_ATIME_RELATIME => engine::Atime::Relative,
+                COREFS_ATIME_NOATIME => engine::Atime::Never,
+                COREFS_ATIME_STRICT => engine::Atime::Strict,
+                other => {
+                    return Err(einval(format!(
+                        "options.atime {other}: use COREFS_ATIME_RELATIME (0), \
+                         COREFS_ATIME_NOATIME (1) or COREFS_ATIME_STRICT (2)"
+                    )))
+                }
+            };
         }
         config.mount = mount;
         let runtime = Runtime::start(config)?;

@@ -292,6 +292,7 @@ mod tests {
             atime: now,
             mtime: now,
             ctime: now,
+            crtime: now,
         }
     }
 

@@ -1189,3 +1189,88 @@ fn opening_a_symbolic_link_is_eloop() {
     assert_eq!(open(fs, b"l", COREFS_O_DIRECTORY), -libc::ENOTDIR as i64);
     close(fs);
 }
+
+/// A read moves the access time as `options.atime` says (relatime by default), through the
+/// reactor like any inode change; the birth time is the creation's and stays; an unknown
+/// `atime` value is -EINVAL naming the choices.
+#[test]
+fn atime_moves_on_a_read_after_a_write_and_btime_stays() {
+    let fs = fresh(1);
+    let fd = create(fs, b"f");
+    assert_eq!(pwrite(fs, fd, &[5u8; 4096], 0), 4096);
+    let before = fstat(fs, fd).unwrap();
+    assert!(before.btime_sec > 0, "{before:?}");
+    assert_eq!(pread(fs, fd, 4096, 0).len(), 4096);
+    let after = fstat(fs, fd).unwrap();
+    let time = |sec: i64, nsec: u32| (sec, nsec);
+    assert!(
+        time(after.atime_sec, after.atime_nsec) > time(before.atime_sec, before.atime_nsec),
+        "relatime: the first read after a write moves atime ({before:?} -> {after:?})"
+    );
+    assert_eq!(pread(fs, fd, 10, 0).len(), 10);
+    let again = fstat(fs, fd).unwrap();
+    assert_eq!(
+        (again.atime_sec, again.atime_nsec),
+        (after.atime_sec, after.atime_nsec),
+        "a second read before any change leaves it"
+    );
+    assert_eq!(
+        (again.btime_sec, again.btime_nsec),
+        (before.btime_sec, before.btime_nsec)
+    );
+    release(fs, fd);
+    close(fs);
+
+    let strict = corefs_options {
+        format: 1,
+        shards: 4,
+        atime: COREFS_ATIME_STRICT,
+        ..no_options()
+    };
+    let fs = mount_with("mem:64MiB", &strict);
+    let fd = create(fs, b"f");
+    assert_eq!(pwrite(fs, fd, b"abc", 0), 3);
+    let mut last = fstat(fs, fd).unwrap();
+    for _ in 0..3 {
+        pread(fs, fd, 3, 0);
+        let now = fstat(fs, fd).unwrap();
+        assert!(
+            (now.atime_sec, now.atime_nsec) > (last.atime_sec, last.atime_nsec),
+            "strictatime: every read"
+        );
+        last = now;
+    }
+    release(fs, fd);
+    close(fs);
+
+    let never = corefs_options {
+        format: 1,
+        shards: 4,
+        atime: COREFS_ATIME_NOATIME,
+        ..no_options()
+    };
+    let fs = mount_with("mem:64MiB", &never);
+    let fd = create(fs, b"f");
+    assert_eq!(pwrite(fs, fd, b"abc", 0), 3);
+    let before = fstat(fs, fd).unwrap();
+    pread(fs, fd, 3, 0);
+    let after = fstat(fs, fd).unwrap();
+    assert_eq!(
+        (after.atime_sec, after.atime_nsec),
+        (before.atime_sec, before.atime_nsec),
+        "noatime"
+    );
+    release(fs, fd);
+    close(fs);
+
+    let bad = corefs_options {
+        format: 1,
+        atime: 3,
+        ..no_options()
+    };
+    let device = c(b"mem:64MiB");
+    // SAFETY: a NUL-terminated device string and options without a label.
+    let got = unsafe { corefs_mount(device.as_ptr(), &bad) };
+    assert_eq!(got, -libc::EINVAL as i64, "atime 3");
+    assert!(last_error().contains("atime"), "{}", last_error());
+}

@@ -453,7 +453,8 @@ fn attr(s: &Stat) -> FileAttr {
         atime: time_of(s.atime),
         mtime: time_of(s.mtime),
         ctime: time_of(s.ctime),
-        crtime: time_of(s.ctime),
+        // Linux's FUSE protocol carries no birth time (statx shows none); macOS shows it.
+        crtime: time_of(s.crtime),
         kind: kind_of(s.mode),
         perm: (s.mode & 0o7777) as u16,
         nlink: s.nlink,

@@ -355,6 +355,18 @@ impl Outcome {
 
 const CAPACITY: u64 = 4 << 20;
 
+/// How every mount of the tester is made: noatime. The oracle reads every file at every
+/// persistence point; with access times moving, those reads would change the inodes between
+/// the workload's operations and so what its fsyncs log, and the workload run would no
+/// longer be the one named. (An access time is an inode change like a chmod, which the
+/// workloads' xattr changes stand for; atimes are not compared.)
+pub(crate) fn mount_options() -> MountOptions {
+    MountOptions {
+        atime: engine::Atime::Never,
+        ..MountOptions::default()
+    }
+}
+
 /// Block groups of the base image: 32 KiB, the smallest mkfs makes, so that the workloads'
 /// writes take groups from the pool and their truncates, unlinks and overwrites give groups
 /// back at the commits the workloads make (a sync, a fallback, the full log): every crash
@@ -396,7 +408,7 @@ pub fn base_image() -> Vec<u8> {
         0xace,
     )
     .expect("mkfs");
-    let mut fs = Filesystem::mount(dev, MountOptions::default()).expect("mount");
+    let mut fs = Filesystem::mount(dev, mount_options()).expect("mount");
     for d in ["A", "B", "A/C"] {
         let (parent, name) = split(d);
         let p = fs.resolve(parent).expect("parent");
@@ -676,12 +688,12 @@ pub fn run_schedule(
         writeback_start_bytes: if schedule == Schedule::Writeback {
             0
         } else {
-            MountOptions::default().writeback_start_bytes
+            mount_options().writeback_start_bytes
         },
         // A commit's trees are written a node per slice, so the workload's changes land
         // between any two of its nodes.
         commit_slice_nodes: 1,
-        ..MountOptions::default()
+        ..mount_options()
     };
     let mut fs = Filesystem::mount(dev, options).map_err(|e| e.to_string())?;
     let mut points = vec![base_point(&mut fs)?];
@@ -839,8 +851,7 @@ fn lbas_of(record: &Record) -> Option<std::ops::Range<u64>> {
 /// the workload generator's model of names is checked against.
 pub fn live_paths_after(base: &[u8], ops: &[Step]) -> Result<Vec<String>, String> {
     let dev = MemDevice::from_image(base, config()).map_err(|e| e.to_string())?;
-    let mut fs =
-        Filesystem::mount(Box::new(dev), MountOptions::default()).map_err(|e| e.to_string())?;
+    let mut fs = Filesystem::mount(Box::new(dev), mount_options()).map_err(|e| e.to_string())?;
     for op in ops {
         let _ = apply(&mut fs, op);
     }
@@ -1334,7 +1345,7 @@ impl Checker {
         context: &str,
     ) -> Result<(), String> {
         let dev = self.device.take().expect("a device");
-        let mut fs = Filesystem::mount(dev, MountOptions::default())
+        let mut fs = Filesystem::mount(dev, mount_options())
             .map_err(|e| format!("{context}: mount failed: {e}"))?;
         let result = check_mounted(&mut fs, promised, in_flight, context);
         let mut dev = fs.into_device();

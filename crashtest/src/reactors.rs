@@ -206,6 +206,7 @@ pub fn run_on_reactors(
             device: "recorded mem".into(),
             reactors,
             queue_capacity: 64,
+            mount: crate::mount_options(),
             ..Default::default()
         },
         Box::new(recording),

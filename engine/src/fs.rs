@@ -92,6 +92,8 @@ pub struct MountOptions {
     /// simulation use 1, so the running transaction changes the tree between every two
     /// nodes of the commit being written.
     pub commit_slice_nodes: usize,
+    /// When reads move access times ([`crate::inode::Atime`]; relatime by default).
+    pub atime: crate::inode::Atime,
 }
 
 impl Default for MountOptions {
@@ -104,6 +106,7 @@ impl Default for MountOptions {
             staged_park_bytes: crate::writeback::STAGED_PARK_BYTES,
             data_cache_blocks: crate::writeback::CACHE_BLOCKS,
             commit_slice_nodes: crate::commit::COMMIT_SLICE_NODES,
+            atime: crate::inode::Atime::Relative,
         }
     }
 }
@@ -936,7 +939,10 @@ impl Filesystem {
         }
     }
 
-    fn run_op_once<T>(&mut self, f: &mut impl FnMut(&mut Self) -> Result<T>) -> Result<T> {
+    pub(crate) fn run_op_once<T>(
+        &mut self,
+        f: &mut impl FnMut(&mut Self) -> Result<T>,
+    ) -> Result<T> {
         self.op.depth = 1;
         let changes = self.op.changes;
         let result = f(self);

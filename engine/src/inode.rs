@@ -45,6 +45,49 @@ pub struct Stat {
     pub atime: Timespec,
     pub mtime: Timespec,
     pub ctime: Timespec,
+    /// Birth time: when the inode was created (statx's btime).
+    pub crtime: Timespec,
+}
+
+/// When a read moves a file's access time (mount option; Linux's `relatime`, `noatime`,
+/// `strictatime`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Atime {
+    /// Only when the access time is not after the last modification or change, or is a day
+    /// old: a program can still tell whether a file was read since it was written (mail
+    /// readers, tmpwatch), and a file read over and over changes once a day, not once a
+    /// read.
+    #[default]
+    Relative,
+    /// Never.
+    Never,
+    /// On every read (each one dirties the inode, which the next commit writes).
+    Strict,
+}
+
+impl Atime {
+    /// Whether a read at `now` moves `item`'s access time.
+    pub fn moves(self, item: &InodeItem, now: Timespec) -> bool {
+        const DAY_SECS: i64 = 24 * 60 * 60;
+        match self {
+            Atime::Never => false,
+            Atime::Strict => item.atime != now,
+            Atime::Relative => {
+                item.atime <= item.mtime
+                    || item.atime <= item.ctime
+                    || now.sec.saturating_sub(item.atime.sec) >= DAY_SECS
+            }
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Atime> {
+        match name {
+            "relatime" => Some(Atime::Relative),
+            "noatime" => Some(Atime::Never),
+            "strictatime" => Some(Atime::Strict),
+            _ => None,
+        }
+    }
 }
 
 impl Stat {
@@ -269,6 +312,35 @@ impl Filesystem {
             atime: item.atime,
             mtime: item.mtime,
             ctime: item.ctime,
+            crtime: item.crtime,
+        }
+    }
+
+    /// Moves `ino`'s access time after a read of it, as the mount's [`Atime`] says. An
+    /// access time is an inode change like any other: the running transaction carries it and
+    /// the next commit (or an fsync of the file) writes it, so reads never commit. Best
+    /// effort: with the filesystem read-only, or no room left for the inode's leaf, the read
+    /// is answered and the time stays (what a full ext4 does too).
+    pub(crate) fn touch_atime(&mut self, ino: u64) {
+        if self.options.atime == Atime::Never || self.failed.is_some() || self.op.depth > 0 {
+            return;
+        }
+        let now = Timespec::now();
+        match self.load_inode(ino) {
+            Ok(item) if self.options.atime.moves(&item, now) => {}
+            _ => return,
+        }
+        let result = self.run_op_once(&mut |fs: &mut Filesystem| {
+            let shard = fs.shard_of(ino);
+            let mut needs = crate::fs::Needs::default();
+            needs.meta(shard, fs.tree_op_blocks(shard));
+            fs.reserve(&needs, crate::space::MetaNeed::Grow)?;
+            let mut item = fs.load_inode(ino)?;
+            item.atime = now;
+            fs.store_inode(ino, &item)
+        });
+        if let Err(e) = result {
+            tracing::debug!(ino, "access time left as it was: {e}");
         }
     }
 
@@ -455,4 +527,48 @@ impl Filesystem {
 /// Where mount finds orphan `ino`: its index item, in its own shard.
 pub(crate) fn orphan_index_key(ino: u64) -> Key {
     Key::new(ORPHAN_OBJECTID, ItemKind::OrphanIndex, ino)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Atime;
+    use crate::format::items::{InodeItem, Timespec};
+
+    fn at(sec: i64) -> Timespec {
+        Timespec { sec, nsec: 0 }
+    }
+
+    /// relatime's three reasons to move, and its one reason not to.
+    #[test]
+    fn relatime_moves_when_not_after_a_change_or_a_day_old() {
+        let now = at(1_000_000);
+        let item = |atime: i64, mtime: i64, ctime: i64| InodeItem {
+            atime: at(atime),
+            mtime: at(mtime),
+            ctime: at(ctime),
+            ..Default::default()
+        };
+        let r = Atime::Relative;
+        assert!(r.moves(&item(10, 10, 5), now), "atime == mtime");
+        assert!(r.moves(&item(10, 5, 20), now), "atime before ctime");
+        assert!(
+            !r.moves(&item(999_000, 5, 5), now),
+            "read since the last change"
+        );
+        assert!(r.moves(&item(1_000_000 - 86_400, 5, 5), now), "a day old");
+        assert!(
+            !r.moves(&item(1_000_000 - 86_399, 5, 5), now),
+            "not quite a day"
+        );
+        assert!(!Atime::Never.moves(&item(10, 10, 10), now));
+        assert!(Atime::Strict.moves(&item(999_999, 5, 5), now));
+        assert!(
+            !Atime::Strict.moves(&item(1_000_000, 5, 5), now),
+            "same instant"
+        );
+        for name in ["relatime", "noatime", "strictatime"] {
+            assert!(Atime::from_name(name).is_some(), "{name}");
+        }
+        assert_eq!(Atime::from_name("atime"), None);
+    }
 }

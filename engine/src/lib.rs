@@ -62,7 +62,7 @@ pub use error::{EngineError, Result};
 pub use fetch::{Deferred, FetchStats};
 pub use file::FallocateMode;
 pub use fs::{Filesystem, MkfsOptions, MountOptions};
-pub use inode::{SetAttr, Stat};
+pub use inode::{Atime, SetAttr, Stat};
 pub use log::inflight::DeviceWaitStats;
 pub use log::LogStats;
 pub use reads::{ReadResult, ReadStart, ReadStats, ReadsStarted};

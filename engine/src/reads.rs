@@ -270,6 +270,10 @@ impl Filesystem {
         }
         for (ino, offset, len) in followed {
             self.follow_stream(ino, offset, len);
+            // Not for a read a lookup makes on the way (deferred), nor an empty one (as Linux).
+            if !self.fetch.deferring && len > 0 {
+                self.touch_atime(ino);
+            }
         }
         if pieces.is_empty() || self.failed.is_some() {
             // Nothing for the device, or a failed filesystem, which reads no more from it.

@@ -63,7 +63,9 @@ impl CAbiMount {
             owner_gid: 0,
             owner_set: 0,
             data_cache_off: o.data_cache_off as u8,
-            reserved: [0; 6],
+            // relatime, as the kernel filesystems it is compared with are mounted.
+            atime: 0,
+            reserved: [0; 5],
         };
         // SAFETY: a NUL-terminated device string and options without a label.
         let fs = unsafe { corefs_mount(device.as_ptr(), &options) };

@@ -28,6 +28,15 @@ pub struct Args {
     /// (fusermount3 refuses the option otherwise).
     #[arg(long)]
     allow_other: bool,
+    /// When reads move a file's access time: relatime (when it is not after the last
+    /// modification or change, or is a day old), noatime (never), strictatime (every read).
+    #[arg(long, default_value = "relatime", value_parser = parse_atime)]
+    atime: engine::Atime,
+}
+
+fn parse_atime(text: &str) -> Result<engine::Atime, String> {
+    engine::Atime::from_name(text)
+        .ok_or_else(|| format!("{text}: use relatime, noatime or strictatime"))
 }
 
 pub fn run(args: Args) -> Result<(), String> {
@@ -38,6 +47,7 @@ pub fn run(args: Args) -> Result<(), String> {
         reactors,
         busy_poll,
         allow_other,
+        atime,
     } = args;
     let cores = match core {
         // One core per reactor from `core` on, each one the process may run on (with
@@ -55,6 +65,10 @@ pub fn run(args: Args) -> Result<(), String> {
             reactor::IdlePolicy::BusyPoll
         } else {
             reactor::IdlePolicy::default()
+        },
+        mount: engine::MountOptions {
+            atime,
+            ..Default::default()
         },
         ..reactor::Config::default()
     })
