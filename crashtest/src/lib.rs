@@ -1,8 +1,10 @@
 //! Crash-consistency testing in the style of CrashMonkey/ACE and xfstests' dm-log-writes.
 //!
-//! A workload ([`workload`]) runs on a recording device, on an aged image (stale records of
-//! earlier generations in both halves of every log area) after a prelude that logs `foo` in
-//! the running generation, under each [`Schedule`]: the engine's synchronous calls; fsyncs
+//! A workload ([`workload`]) runs on a recording device, from an aged image (stale records of
+//! earlier generations in both halves of every log area; [`Base`]: clean, or recovering —
+//! records its first mount replays, so the run is a crash, a recovery, the workload and a
+//! second crash) after a prelude that logs `foo` in the running generation, under each
+//! [`Schedule`]: the engine's synchronous calls; fsyncs
 //! pipelined as a reactor runs them (several records in flight); a commit in flight while
 //! the workload's fsyncs log; full logs (every fsync falls back to a commit); background
 //! write-back; two reactors. The crash state is rebuilt from the write log at every
@@ -21,7 +23,8 @@
 //!
 //! The oracle's expected states are snapshots of the live filesystem taken when each
 //! persistence operation started (what it persists) and acknowledged, so the crash test
-//! checks durability; the POSIX model tests check semantics.
+//! checks durability; the POSIX model tests check semantics. The starting state is the tree
+//! the base's builder held, not what the base's mount shows (the first check compares them).
 //!
 //! Mutation checks (`tests/mutations.rs`, and `corefs crashtest` built with
 //! `--features mutations` and run with `COREFS_MUTATION=NAME`): each guard of the fsync log
@@ -390,12 +393,67 @@ fn mem_image(dev: Box<dyn nvme::BlockDevice>) -> Vec<u8> {
     image
 }
 
-/// The image every workload starts from (built once): ACE's setup (directories `A`, `B`,
-/// `A/C`; files `foo` and `A/foo` with 16 KiB each), on an *aged* filesystem: before the
-/// setup's last commit, three generations logged fsync records — creates, appends, xattrs,
-/// renames and unlinks much like the workloads' — so both halves of every shard's log area hold
-/// stale records, and a record torn by a crash lies over old record bytes, not zeroes.
-pub fn base_image() -> Vec<u8> {
+/// An image runs start from, with the tree its first mount must show.
+#[derive(Debug, Clone)]
+pub struct Base {
+    pub kind: BaseKind,
+    pub image: Vec<u8>,
+    /// What the filesystem that wrote the image held when it was unmounted or crashed: the
+    /// oracle's starting state, computed from the operations that built the image rather than
+    /// read from the image's own mount, which the first check of every run compares with it.
+    pub tree: Tree,
+}
+
+/// Which starting image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BaseKind {
+    /// The setup, synced and unmounted.
+    Clean,
+    /// The clean image mounted, changed with every change fsynced, and crashed with the
+    /// records written and no commit: its first mount replays them. A run from it is a second
+    /// crash after a recovery: crash, recovery mount, more operations and fsyncs, crash again.
+    Recovering,
+}
+
+impl BaseKind {
+    pub const ALL: [BaseKind; 2] = [BaseKind::Clean, BaseKind::Recovering];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            BaseKind::Clean => "clean",
+            BaseKind::Recovering => "recovering",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<BaseKind> {
+        BaseKind::ALL.into_iter().find(|k| k.name() == name)
+    }
+}
+
+impl Base {
+    /// The base image of `kind`, built once per process.
+    pub fn get(kind: BaseKind) -> &'static Base {
+        static CLEAN: std::sync::OnceLock<Base> = std::sync::OnceLock::new();
+        static RECOVERING: std::sync::OnceLock<Base> = std::sync::OnceLock::new();
+        match kind {
+            BaseKind::Clean => CLEAN.get_or_init(|| build_base(BaseKind::Clean)),
+            BaseKind::Recovering => RECOVERING.get_or_init(|| build_base(BaseKind::Recovering)),
+        }
+    }
+}
+
+/// The clean image ([`Base::get`]).
+pub fn base_image() -> &'static Base {
+    Base::get(BaseKind::Clean)
+}
+
+/// Builds a base: ACE's setup (directories `A`, `B`, `A/C`; files `foo` and `A/foo` with 16
+/// KiB each) and the deep files (`A/C/E/`, `A/C/baz`, `A/C/E/baz` with 8 KiB each), on an
+/// *aged* filesystem: before the setup's last commit, three generations logged fsync records —
+/// creates, appends, xattrs, renames and unlinks much like the workloads' — so both halves of
+/// every shard's log area hold stale records, and a record torn by a crash lies over old
+/// record bytes, not zeroes. The recovering kind then logs [`RECOVERY_CHANGES`] and crashes.
+fn build_base(kind: BaseKind) -> Base {
     let dev = MemDevice::new(config()).expect("memory device");
     // Fixed keys: the same directories in every process, so a seed replays the same trees.
     let dev = Filesystem::mkfs_seeded(
@@ -409,19 +467,24 @@ pub fn base_image() -> Vec<u8> {
     )
     .expect("mkfs");
     let mut fs = Filesystem::mount(dev, mount_options()).expect("mount");
-    for d in ["A", "B", "A/C"] {
+    for d in ["A", "B", "A/C", "A/C/E"] {
         let (parent, name) = split(d);
         let p = fs.resolve(parent).expect("parent");
         fs.mkdir(p, name.as_bytes(), 0o755, 0, 0).expect("mkdir");
     }
-    for f in ["foo", "A/foo"] {
+    for (f, len) in [
+        ("foo", 16384),
+        ("A/foo", 16384),
+        ("A/C/baz", 8192),
+        ("A/C/E/baz", 8192),
+    ] {
         let (parent, name) = split(f);
         let p = fs.resolve(parent).expect("parent");
         let ino = fs
             .create(p, name.as_bytes(), 0o644, 0, 0)
             .expect("create")
             .ino;
-        fs.write(ino, 0, &pattern(f, 16384)).expect("write");
+        fs.write(ino, 0, &pattern(f, len)).expect("write");
     }
     fs.sync().expect("sync");
     age(&mut fs).expect("aging the image");
@@ -431,8 +494,68 @@ pub fn base_image() -> Vec<u8> {
         fs.log_stats().log_writes >= 12,
         "aging wrote too few records"
     );
-    mem_image(fs.unmount().expect("unmount"))
+    if kind == BaseKind::Clean {
+        let tree = snapshot(&mut fs).expect("snapshot of the clean base");
+        let image = mem_image(fs.unmount().expect("unmount"));
+        return Base { kind, image, tree };
+    }
+    // A fresh mount, so the records below are the first of their generation.
+    let mut fs = Filesystem::mount(fs.unmount().expect("unmount"), mount_options()).expect("mount");
+    let logged = fs.log_stats().log_writes;
+    for op in RECOVERY_CHANGES {
+        apply(&mut fs, &op).unwrap_or_else(|e| panic!("recovering base: {op:?}: {e}"));
+    }
+    let records = fs.log_stats().log_writes - logged;
+    assert!(
+        records >= 6 && fs.log_stats().fallback_commits() == 0,
+        "recovering base: {records} records, {} commits: every change must be logged",
+        fs.log_stats().fallback_commits()
+    );
+    // Every change was fsynced, so the tree after replay is this one.
+    let tree = snapshot(&mut fs).expect("snapshot of the recovering base");
+    fs.drain_log().expect("records durable");
+    let image = mem_image(fs.into_device());
+    Base { kind, image, tree }
 }
+
+/// What the recovering base logs after the clean one and then loses to a crash: each change
+/// fsynced (so its mount has one right answer), in records of several kinds — data carried in
+/// the record and written in place, an xattr of a directory, a file created, moved between
+/// directories and removed, a truncate — that leave the names as the setup made them (the
+/// workloads' model of names starts from those).
+pub const RECOVERY_CHANGES: [Step; 16] = [
+    Step::Write {
+        path: "foo",
+        offset: 0,
+        len: 4096,
+        append: true,
+    },
+    Step::Fsync("foo"),
+    Step::Write {
+        path: "A/C/baz",
+        offset: 8192,
+        len: 16 * 4096,
+        append: false,
+    },
+    Step::Fsync("A/C/baz"),
+    Step::SetXattr("A/C/E", 3),
+    Step::Fsync("A/C/E"),
+    Step::Creat("B/bar"),
+    Step::Write {
+        path: "B/bar",
+        offset: 0,
+        len: 4096,
+        append: true,
+    },
+    Step::Fsync("B/bar"),
+    Step::Rename("B/bar", "A/bar"),
+    Step::Fsync("A/bar"),
+    Step::Fsync("B"),
+    Step::Unlink("A/bar"),
+    Step::Fsync("A"),
+    Step::Truncate("A/foo", 10_000),
+    Step::Fsync("A/foo"),
+];
 
 /// Fills both halves of the log areas with records of earlier generations, leaving the tree
 /// as the setup made it.
@@ -653,13 +776,13 @@ fn data_of(entry: Option<&Entry>) -> Option<Vec<u8>> {
 
 /// Runs one workload under every [`Schedule`] and checks every crash state. `Err` describes
 /// the first violation, with the schedule.
-pub fn run(base: &[u8], ops: &[Step], seed: u64) -> Result<Outcome, String> {
+pub fn run(base: &Base, ops: &[Step], seed: u64) -> Result<Outcome, String> {
     run_schedules(base, ops, seed, &Schedule::ALL)
 }
 
 /// [`run`] under the given schedules.
 pub fn run_schedules(
-    base: &[u8],
+    base: &Base,
     ops: &[Step],
     seed: u64,
     schedules: &[Schedule],
@@ -675,7 +798,7 @@ pub fn run_schedules(
 
 /// Runs one workload under one schedule and checks every crash state.
 pub fn run_schedule(
-    base: &[u8],
+    base: &Base,
     ops: &[Step],
     seed: u64,
     schedule: Schedule,
@@ -683,7 +806,7 @@ pub fn run_schedule(
     if schedule == Schedule::Reactors {
         return reactors::run_on_reactors(base, ops, seed, 2);
     }
-    let (dev, log) = RunDevice::take(base)?;
+    let (dev, log) = RunDevice::take(&base.image)?;
     let options = MountOptions {
         writeback_start_bytes: if schedule == Schedule::Writeback {
             0
@@ -696,7 +819,8 @@ pub fn run_schedule(
         ..mount_options()
     };
     let mut fs = Filesystem::mount(dev, options).map_err(|e| e.to_string())?;
-    let mut points = vec![base_point(&mut fs)?];
+    let mounted = log.len();
+    let mut points = vec![base_point(&mut fs, base)?];
     let mut outcome = Outcome {
         runs: 1,
         ..Default::default()
@@ -766,12 +890,20 @@ pub fn run_schedule(
     let stats = fs.log_stats();
     let pool = fs.space_pool().stats();
     let (records, submissions) = log.take();
-    RunDevice::give_back(base, fs.into_device(), log, &submissions);
+    RunDevice::give_back(&base.image, fs.into_device(), log, &submissions);
     let mut outcome = outcome.with_log(&stats);
     outcome.groups_taken += pool.taken;
     outcome.groups_returned += pool.returned;
-    skip.push(0..from);
-    check_points(base, &records, &submissions, &points, &skip, seed, outcome)
+    skip.push(unchecked_prelude(base, mounted, from));
+    check_points(
+        &base.image,
+        &records,
+        &submissions,
+        &points,
+        &skip,
+        seed,
+        outcome,
+    )
 }
 
 /// The recording memory device runs use, kept per thread between runs and put back to the
@@ -849,8 +981,8 @@ fn lbas_of(record: &Record) -> Option<std::ops::Range<u64>> {
 
 /// The paths that exist after `ops` run on `base` (errors ignored, as in a workload): what
 /// the workload generator's model of names is checked against.
-pub fn live_paths_after(base: &[u8], ops: &[Step]) -> Result<Vec<String>, String> {
-    let dev = MemDevice::from_image(base, config()).map_err(|e| e.to_string())?;
+pub fn live_paths_after(base: &Base, ops: &[Step]) -> Result<Vec<String>, String> {
+    let dev = MemDevice::from_image(&base.image, config()).map_err(|e| e.to_string())?;
     let mut fs = Filesystem::mount(Box::new(dev), mount_options()).map_err(|e| e.to_string())?;
     for op in ops {
         let _ = apply(&mut fs, op);
@@ -859,15 +991,51 @@ pub fn live_paths_after(base: &[u8], ops: &[Step]) -> Result<Vec<String>, String
     Ok(tree.into_keys().collect())
 }
 
-/// The synced image a run starts from: a promise of the whole tree at cut 0.
-fn base_point(fs: &mut Filesystem) -> Result<Point, String> {
+/// The image a run starts from: a promise of the whole tree at cut 0, the tree the base was
+/// built with; the first mount must show exactly that (a recovering base's first mount
+/// replays every record of it).
+pub(crate) fn base_point<F: Live>(fs: &mut F, base: &Base) -> Result<Point, String> {
     let tree = snapshot(fs).map_err(|e| format!("snapshot of the base: {e}"))?;
+    if tree != base.tree {
+        let differs: Vec<String> = base
+            .tree
+            .keys()
+            .chain(tree.keys())
+            .filter(|p| base.tree.get(*p) != tree.get(*p))
+            .map(|p| {
+                format!(
+                    "{p}: {} (built) vs {} (mounted)",
+                    summarize(base.tree.get(p)),
+                    summarize(tree.get(p))
+                )
+            })
+            .collect();
+        return Err(format!(
+            "the {} base's first mount is not the tree that wrote it: {}",
+            base.kind.name(),
+            differs.join("; ")
+        ));
+    }
     Ok(Point {
         at: 0,
         started_at: 0,
-        promise: Promise::All(tree.clone()),
+        promise: Promise::All(base.tree.clone()),
         tree,
     })
+}
+
+/// The cuts a run does not check: the prelude's (the same for every workload). A recovering
+/// base's first mount (its replay and the replay's commit, from cut 0 to `mounted`) is
+/// checked: a crash there must replay to the same tree.
+pub(crate) fn unchecked_prelude(
+    base: &Base,
+    mounted: usize,
+    from: usize,
+) -> std::ops::Range<usize> {
+    match base.kind {
+        BaseKind::Clean => 0..from,
+        BaseKind::Recovering => mounted..from,
+    }
 }
 
 /// Logs one-block records (an xattr of the root changed, fsynced: the root is never renamed,

@@ -5,8 +5,8 @@
 
 use crate::workload::Step;
 use crate::{
-    check_points, config, run_ops, run_ops_committing, snapshot, Live, Outcome, Point, Promise,
-    PRELUDE,
+    base_point, check_points, config, run_ops, run_ops_committing, unchecked_prelude, Base, Live,
+    Outcome, PRELUDE,
 };
 use engine::{DirEntry, EngineError, FallocateMode, RenameFlags, Stat, XattrFlags};
 use nvme::backend::mem::MemDevice;
@@ -193,12 +193,12 @@ impl Live for Clients {
 
 /// Runs one workload through `reactors` reactors and checks every crash state.
 pub fn run_on_reactors(
-    base: &[u8],
+    base: &Base,
     ops: &[Step],
     seed: u64,
     reactors: usize,
 ) -> Result<Outcome, String> {
-    let dev = MemDevice::from_image(base, config()).map_err(|e| e.to_string())?;
+    let dev = MemDevice::from_image(&base.image, config()).map_err(|e| e.to_string())?;
     let recording = RecordingDevice::new(dev);
     let log = recording.log();
     let runtime = Runtime::start_with_device(
@@ -212,14 +212,9 @@ pub fn run_on_reactors(
         Box::new(recording),
     )
     .map_err(|e| format!("starting {reactors} reactors: {e}"))?;
+    let mounted = log.len();
     let mut live = Clients(runtime.client(4));
-    let tree = snapshot(&mut live).map_err(|e| format!("snapshot of the base: {e}"))?;
-    let mut points = vec![Point {
-        at: 0,
-        started_at: 0,
-        promise: Promise::All(tree.clone()),
-        tree,
-    }];
+    let mut points = vec![base_point(&mut live, base)?];
     points.extend(run_ops(&mut live, &PRELUDE, &log)?);
     let from = log.len();
     // With several reactors a directory rename commits before it returns (docs/reactors.md):
@@ -242,9 +237,9 @@ pub fn run_on_reactors(
     }
     .with_log(&stats.log);
     // The prelude's cuts are the same for every workload: not checked.
-    let prelude = 0..from;
+    let prelude = unchecked_prelude(base, mounted, from);
     check_points(
-        base,
+        &base.image,
         &log.snapshot(),
         &log.submissions(),
         &points,

@@ -6,6 +6,12 @@
 //! `A/foo` with 16 KiB of data; synced), then runs core operations, each followed by a
 //! persistence operation (fsync or fdatasync of a file or directory, or sync). Sequences of one
 //! and of two core operations are enumerated exhaustively; [`sample`] draws from the same space.
+//!
+//! Beyond ACE, the setup holds files two and three levels below `A` (`A/C/baz`, `A/C/E/baz`,
+//! [`DEEP_FILES`]), the core operations change them wherever a directory rename above them
+//! moved them, and a directory rename is followed by an fsync of each file it moved: the
+//! shapes in which an fsync's walk up its ancestors must pass directories whose own names
+//! are durable to reach one renamed in this generation (`rename A B/D; fsync B/D/C/baz`).
 
 use rand::{Rng, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
@@ -14,6 +20,18 @@ pub const FILES: [&str; 8] = [
     "foo", "bar", "A/foo", "A/bar", "B/foo", "B/bar", "A/C/foo", "A/C/bar",
 ];
 pub const DIRS: [&str; 5] = ["", "A", "B", "A/C", "B/D"];
+
+/// The deep files of the setup, at every place the core directory renames (`A/C -> B/C`,
+/// `A -> B/D`) can move them; the new name created beside the three-level one.
+pub const DEEP_FILES: [&str; 6] = [
+    "A/C/baz",
+    "A/C/E/baz",
+    "B/C/baz",
+    "B/C/E/baz",
+    "B/D/C/baz",
+    "B/D/C/E/baz",
+];
+pub const DEEP_NEW: [&str; 3] = ["A/C/E/qux", "B/C/E/qux", "B/D/C/E/qux"];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Falloc {
@@ -134,6 +152,19 @@ pub fn core_ops() -> Vec<Step> {
         ops.push(Step::Truncate(f, 0));
         ops.push(Step::Symlink(f));
     }
+    // Changes to files below a directory a rename may have moved, named at each place.
+    for f in DEEP_FILES {
+        ops.push(Step::Write {
+            path: f,
+            offset: 0,
+            len: 4096,
+            append: true,
+        });
+        ops.push(Step::SetXattr(f, 2));
+    }
+    for f in DEEP_NEW {
+        ops.push(Step::Creat(f));
+    }
     for d in ["A", "B", "A/C", "B/D"] {
         ops.push(Step::Mkdir(d));
         ops.push(Step::Remove(d));
@@ -155,7 +186,8 @@ pub fn core_ops() -> Vec<Step> {
 }
 
 /// Persistence choices after `op`: fsync and fdatasync of what it touched, fsync of their
-/// parents, and sync. Each names a path that exists after `op` ([`Namespace::existing`]).
+/// parents, and sync; after a directory rename, also fsync and fdatasync of each file it moved
+/// two or more levels down. Each names a path that exists after `op` ([`Namespace::existing`]).
 fn persistence_after(op: &Step, names: &Namespace) -> Vec<Step> {
     let mut out = vec![Step::Sync];
     for p in op.touched() {
@@ -164,6 +196,12 @@ fn persistence_after(op: &Step, names: &Namespace) -> Vec<Step> {
         out.push(Step::Fsync(parent(p)));
     }
     out.dedup();
+    if let Step::Rename(_, to) = *op {
+        for moved in names.files_below(to).filter(|p| parent(p) != to) {
+            out.push(Step::Fsync(moved));
+            out.push(Step::Fdatasync(moved));
+        }
+    }
     // Retargeted after the dedup, so every operation has as many choices whatever it did
     // (578 workloads of length one, 578² of length two).
     for persist in &mut out {
@@ -203,16 +241,24 @@ impl Default for Namespace {
 
 /// Every path a workload can name (the files, the directories, their renamed places).
 fn all_paths() -> impl Iterator<Item = &'static str> {
-    FILES.into_iter().chain(DIRS).chain([
-        "B/C",
-        "B/D/foo",
-        "B/D/bar",
-        "B/D/C",
-        "B/D/C/foo",
-        "B/D/C/bar",
-        "B/C/foo",
-        "B/C/bar",
-    ])
+    FILES
+        .into_iter()
+        .chain(DIRS)
+        .chain([
+            "B/C",
+            "B/D/foo",
+            "B/D/bar",
+            "B/D/C",
+            "B/D/C/foo",
+            "B/D/C/bar",
+            "B/C/foo",
+            "B/C/bar",
+            "A/C/E",
+            "B/C/E",
+            "B/D/C/E",
+        ])
+        .chain(DEEP_FILES)
+        .chain(DEEP_NEW)
 }
 
 /// The `&'static str` for a path that is one of [`all_paths`].
@@ -221,7 +267,8 @@ fn interned(path: &str) -> Option<&'static str> {
 }
 
 impl Namespace {
-    /// The setup every workload starts from: `A`, `B`, `A/C`, `foo`, `A/foo`.
+    /// The setup every workload starts from: `A`, `B`, `A/C`, `A/C/E`, `foo`, `A/foo`,
+    /// `A/C/baz`, `A/C/E/baz`.
     pub fn setup() -> Namespace {
         let mut names = Namespace {
             paths: Default::default(),
@@ -232,8 +279,11 @@ impl Namespace {
             ("A", Kind::Dir),
             ("B", Kind::Dir),
             ("A/C", Kind::Dir),
+            ("A/C/E", Kind::Dir),
             ("foo", Kind::File),
             ("A/foo", Kind::File),
+            ("A/C/baz", Kind::File),
+            ("A/C/E/baz", Kind::File),
         ] {
             names.add(path, kind);
         }
@@ -269,6 +319,18 @@ impl Namespace {
             p = parent(p);
         }
         p
+    }
+
+    /// The regular files below directory `dir` (its descendants at any depth).
+    fn files_below<'a>(&'a self, dir: &'a str) -> impl Iterator<Item = &'static str> + 'a {
+        self.paths
+            .iter()
+            .filter(move |(p, (kind, _))| {
+                *kind == Kind::File && p.len() > dir.len() + 1 && p.starts_with(dir) && {
+                    p.as_bytes()[dir.len()] == b'/'
+                }
+            })
+            .map(|(p, _)| *p)
     }
 
     fn is_empty_dir(&self, path: &str) -> bool {

@@ -1,27 +1,39 @@
 //! Mutation checks: each guard of the fsync log (and the space hand-over) removed on purpose (`engine::mutation`, the
 //! `mutations` feature, which the dev-dependency turns on for these tests only) makes the crash
 //! tester report a violation within a bounded run — the length-one exhaustive run for the
-//! record crc, the gap, the commit in flight and the flush's completion, a length-two subset
-//! of fsync, change, fsync of one file for the inode logged once — and
+//! record crc, the gap, the commit in flight, the flush's completion, the group hand-over and
+//! the ancestor walk; the same from the recovering image (a second crash after a recovery)
+//! for the replay's commit; a length-two subset of fsync, change, fsync of one file for the
+//! inode logged once — and
 //! the workload that exposed it passes with the guard in place. A guard whose removal no test
 //! notices is a guard nothing checks. `COREFS_SEED` replays (the seed picks the torn and
 //! damaged sectors).
 
 use crashtest::workload::{self, Step};
-use crashtest::Schedule;
+use crashtest::{Base, BaseKind, Schedule};
 use engine::mutation::{self, Mutation};
 
-/// Runs `workloads` under `schedules` with `mutation` on (this thread only) until the
-/// first violation; asserts there is one, and that the same workload and seed pass with the
-/// guard in place. Returns the violation.
+/// Runs `workloads` from the clean base under `schedules` with `mutation` on (this thread
+/// only) until the first violation; asserts there is one, and that the same workload and seed
+/// pass with the guard in place. Returns the violation.
 fn assert_caught(mutation: Mutation, workloads: &[Vec<Step>], schedules: &[Schedule]) -> String {
+    assert_caught_from(BaseKind::Clean, mutation, workloads, schedules)
+}
+
+/// [`assert_caught`] from the base of `kind`.
+fn assert_caught_from(
+    kind: BaseKind,
+    mutation: Mutation,
+    workloads: &[Vec<Step>],
+    schedules: &[Schedule],
+) -> String {
     let seed = nvme::wrap::seed_from_env();
     // The base image is built with every guard in place (its aging logs and commits).
     mutation::set_for_thread(None);
-    let base = crashtest::base_image();
+    let base = Base::get(kind);
     mutation::set_for_thread(Some(mutation));
     let found = workloads.iter().enumerate().find_map(|(i, w)| {
-        crashtest::run_schedules(&base, w, seed ^ i as u64, schedules)
+        crashtest::run_schedules(base, w, seed ^ i as u64, schedules)
             .err()
             .map(|why| (i, why))
     });
@@ -38,7 +50,7 @@ fn assert_caught(mutation: Mutation, workloads: &[Vec<Step>], schedules: &[Sched
         mutation.name(),
         workloads[i]
     );
-    if let Err(other) = crashtest::run_schedules(&base, &workloads[i], seed ^ i as u64, schedules) {
+    if let Err(other) = crashtest::run_schedules(base, &workloads[i], seed ^ i as u64, schedules) {
         panic!(
             "seed {seed}: workload {i} {:?} fails with every guard in place too: {other}",
             workloads[i]
@@ -124,6 +136,32 @@ fn dropping_the_ownership_record_of_a_group_hand_over_is_caught() {
     assert!(
         why.contains("group") || why.contains("bitmap") || why.contains("space"),
         "{why}"
+    );
+}
+
+/// An fsync must log a directory renamed in this generation however far above the fsynced
+/// file it is, past directories whose own names are durable: `rename A B/D; fsync
+/// B/D/C/baz` with the walk stopped at `C` leaves `B/D/C/baz` missing after a crash.
+#[test]
+fn an_ancestor_walk_stopping_below_a_renamed_directory_is_caught() {
+    let why = assert_caught(
+        Mutation::AncestorWalkStopsEarly,
+        &workload::exhaustive(1),
+        &Schedule::ALL,
+    );
+    assert!(why.contains("B/D/C") || why.contains("B/C/"), "{why}");
+}
+
+/// A recovery mount must make the replayed state durable before new records overwrite the
+/// ones it came from: from the recovering base (whose first mount replays), the second
+/// crash loses what the first mount recovered.
+#[test]
+fn a_replay_left_uncommitted_is_caught_at_the_second_crash() {
+    assert_caught_from(
+        BaseKind::Recovering,
+        Mutation::ReplayNotCommitted,
+        &workload::exhaustive(1),
+        &Schedule::ALL,
     );
 }
 

@@ -1,6 +1,7 @@
 //! A seeded sample of the ACE workloads run through two reactors (partitions, their own log
 //! streams, spans, coordinated commits): every crash state at every persistence point and
-//! flush is mounted and checked. `COREFS_SEED` replays; `COREFS_CRASH_SAMPLE_REACTORS` sets the
+//! flush is mounted and checked, from each base in turn (clean; recovering, whose first
+//! mount replays records before the workload runs). `COREFS_SEED` replays; `COREFS_CRASH_SAMPLE_REACTORS` sets the
 //! sample's size (the whole space runs with `corefs crashtest --reactors 2`).
 
 #[test]
@@ -10,11 +11,17 @@ fn ace_sample_on_two_reactors_every_crash_state_passes() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(300);
-    let base = crashtest::base_image();
     let mut total = crashtest::Outcome::default();
     for (i, workload) in crashtest::workload::sample(count, seed).iter().enumerate() {
-        let outcome = crashtest::reactors::run_on_reactors(&base, workload, seed ^ i as u64, 2)
-            .unwrap_or_else(|why| panic!("seed {seed} workload {i} {workload:?}: {why}"));
+        let kind = crashtest::BaseKind::ALL[i % crashtest::BaseKind::ALL.len()];
+        let base = crashtest::Base::get(kind);
+        let outcome = crashtest::reactors::run_on_reactors(base, workload, seed ^ i as u64, 2)
+            .unwrap_or_else(|why| {
+                panic!(
+                    "seed {seed} workload {i} {workload:?} ({} base): {why}",
+                    kind.name()
+                )
+            });
         total.add(&outcome);
     }
     eprintln!(

@@ -6,14 +6,18 @@
 
 use crashtest::workload::{Falloc, Step};
 
+/// Runs `ops` from each base (clean, and recovering: after a crash and its replay) under
+/// every schedule.
 fn check(name: &str, ops: &[Step]) {
-    let base = crashtest::base_image();
     let seed = nvme::wrap::seed_from_env();
-    let outcome = crashtest::run(&base, ops, seed).unwrap_or_else(|why| panic!("{name}: {why}"));
-    assert!(
-        outcome.persistence_points > 0 && outcome.crash_states > 0,
-        "{name}: nothing was checked"
-    );
+    for kind in crashtest::BaseKind::ALL {
+        let outcome = crashtest::run(crashtest::Base::get(kind), ops, seed)
+            .unwrap_or_else(|why| panic!("{name} ({} base): {why}", kind.name()));
+        assert!(
+            outcome.persistence_points > 0 && outcome.crash_states > 0,
+            "{name}: nothing was checked"
+        );
+    }
 }
 
 const APPEND: Step = Step::Write {
@@ -211,6 +215,28 @@ fn rename_of_an_ancestor_then_fsync_of_an_old_file_by_its_new_path() {
                 persist,
             ],
         );
+    }
+}
+
+#[test]
+fn rename_two_levels_above_a_file_then_fsync_of_it_by_its_new_path() {
+    // Issue 36's smallest case: `create A/C/foo; sync; rename A B/D; fsync B/D/C/foo`. Neither
+    // the file nor its parent `C` changed; the directory above `C` moved, so the walk up must
+    // pass `C` (whose own name is durable) to log `A`'s move. Three levels too, and a new
+    // file below the moved directory.
+    for tail in [
+        vec![Step::Fsync("B/D/C/foo")],
+        vec![Step::Fsync("B/D/C/E/baz")],
+        vec![Step::Creat("B/D/C/E/qux"), Step::Fsync("B/D/C/E/qux")],
+        vec![
+            Step::SetXattr("B/D/C/E/baz", 4),
+            Step::Fdatasync("B/D/C/E/baz"),
+            Step::Fsync("B/D/C/E/baz"),
+        ],
+    ] {
+        let mut ops = vec![Step::Creat("A/C/foo"), Step::Sync, Step::Rename("A", "B/D")];
+        ops.extend(tail);
+        check("deep renamed ancestor", &ops);
     }
 }
 

@@ -1,10 +1,11 @@
 //! A seeded sample of the ACE length-one and length-two workload space (the whole space runs
 //! with `corefs crashtest`), each workload under one schedule in turn (plain, pipelined, a
-//! commit in flight, full logs, write-back, two reactors). Every crash state at every
-//! persistence point, flush and FUA write is mounted and checked. `COREFS_SEED` replays a
-//! sample; `COREFS_CRASH_SAMPLE` sets its size.
+//! commit in flight, full logs, write-back, two reactors), from each base in turn (clean;
+//! recovering: a crash, a recovery mount, the workload, a second crash). Every crash state
+//! at every persistence point, flush and FUA write is mounted and checked. `COREFS_SEED`
+//! replays a sample; `COREFS_CRASH_SAMPLE` sets its size.
 
-use crashtest::Schedule;
+use crashtest::{Base, BaseKind, Schedule};
 
 #[test]
 fn ace_sample_every_crash_state_passes() {
@@ -14,15 +15,16 @@ fn ace_sample_every_crash_state_passes() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(2000);
     eprintln!("{count} workloads");
-    let base = crashtest::base_image();
     let mut total = crashtest::Outcome::default();
     for (i, workload) in crashtest::workload::sample(count, seed).iter().enumerate() {
         let schedule = Schedule::ALL[i % Schedule::ALL.len()];
-        let outcome = crashtest::run_schedule(&base, workload, seed ^ i as u64, schedule)
+        let kind = BaseKind::ALL[(i / Schedule::ALL.len()) % BaseKind::ALL.len()];
+        let outcome = crashtest::run_schedule(Base::get(kind), workload, seed ^ i as u64, schedule)
             .unwrap_or_else(|why| {
                 panic!(
-                    "seed {seed} workload {i} {workload:?} [{}]: {why}",
-                    schedule.name()
+                    "seed {seed} workload {i} {workload:?} [{}, {} base]: {why}",
+                    schedule.name(),
+                    kind.name()
                 )
             });
         total.add(&outcome);
@@ -53,12 +55,12 @@ fn ace_sample_every_crash_state_passes() {
 #[test]
 fn the_exhaustive_spaces_have_the_expected_size() {
     let one = crashtest::workload::exhaustive(1);
-    assert_eq!(one.len(), 578, "length-one workloads");
+    assert_eq!(one.len(), 644, "length-one workloads");
     assert!(one.iter().all(|w| w.len() == 2 && w[1].is_persistence()));
     let core = crashtest::workload::core_ops().len();
-    assert_eq!(core, 134, "core operations");
+    assert_eq!(core, 149, "core operations");
     let two = crashtest::workload::exhaustive(2);
-    assert_eq!(two.len(), 334_084, "length-two workloads");
+    assert_eq!(two.len(), 414_714, "length-two workloads");
     assert!(two.iter().all(|w| w.len() == 4 && w[3].is_persistence()));
 }
 
@@ -101,7 +103,7 @@ fn every_fsync_of_a_workload_names_an_existing_path() {
     }
     for ops in sequences {
         let names = Namespace::after(&ops);
-        let live = crashtest::live_paths_after(&base, &ops)
+        let live = crashtest::live_paths_after(base, &ops)
             .unwrap_or_else(|e| panic!("seed {seed}: {ops:?}: {e}"));
         assert_eq!(
             names.paths(),
@@ -109,6 +111,12 @@ fn every_fsync_of_a_workload_names_an_existing_path() {
             "seed {seed}: after {ops:?} the model's paths (left) are not the engine's"
         );
     }
+    // The recovering base's changes leave the setup's names (the model starts from them).
+    assert_eq!(
+        Namespace::setup().paths(),
+        crashtest::live_paths_after(Base::get(BaseKind::Recovering), &[]).unwrap(),
+        "the recovering base's names"
+    );
     for w in crashtest::workload::exhaustive(1)
         .iter()
         .chain(&crashtest::workload::sample(2000, seed))

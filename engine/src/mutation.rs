@@ -39,16 +39,24 @@ pub enum Mutation {
     /// A commit does not record a block group its shard took in the generation (the
     /// group's bitmap item is never written): the ownership record of a hand-over is lost.
     DropGroupOwnership,
+    /// An fsync's walk up the ancestors of what it logs stops at the first directory whose
+    /// own name did not change, so a directory renamed above that one is never logged.
+    AncestorWalkStopsEarly,
+    /// Mount replays the records into the trees but does not commit them: the replayed state
+    /// lives in memory only, and the next records overwrite the ones it came from.
+    ReplayNotCommitted,
 }
 
 impl Mutation {
-    pub const ALL: [Mutation; 6] = [
+    pub const ALL: [Mutation; 8] = [
         Mutation::SkipRecordCrc,
         Mutation::ReplayPastGap,
         Mutation::AckBeforeCommit,
         Mutation::NoRelog,
         Mutation::AckAtFlushSubmit,
         Mutation::DropGroupOwnership,
+        Mutation::AncestorWalkStopsEarly,
+        Mutation::ReplayNotCommitted,
     ];
 
     /// The name `COREFS_MUTATION` takes.
@@ -60,6 +68,8 @@ impl Mutation {
             Mutation::NoRelog => "no-relog",
             Mutation::AckAtFlushSubmit => "ack-at-flush-submit",
             Mutation::DropGroupOwnership => "drop-group-ownership",
+            Mutation::AncestorWalkStopsEarly => "ancestor-walk-stops-early",
+            Mutation::ReplayNotCommitted => "replay-not-committed",
         }
     }
 

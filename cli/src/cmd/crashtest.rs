@@ -4,7 +4,7 @@
 
 use super::clock_seed;
 use crashtest::workload::Step;
-use crashtest::{Outcome, Schedule};
+use crashtest::{Base, BaseKind, Outcome, Schedule};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
@@ -36,6 +36,11 @@ pub struct Args {
     /// a long run can be done in pieces whose counts and times add up.
     #[arg(long, value_parser = parse_part)]
     part: Option<(usize, usize)>,
+    /// The images each workload starts from (default: both): clean (the setup, synced), and
+    /// recovering (the setup with fsync records its first mount replays: every run is a
+    /// crash, a recovery, more operations and a second crash).
+    #[arg(long, value_delimiter = ',')]
+    bases: Option<Vec<String>>,
 }
 
 pub fn run(args: Args) -> Result<(), String> {
@@ -47,7 +52,16 @@ pub fn run(args: Args) -> Result<(), String> {
         reactors,
         schedules,
         part,
+        bases,
     } = args;
+    let bases: Vec<BaseKind> = match bases {
+        None => BaseKind::ALL.to_vec(),
+        Some(names) => names
+            .iter()
+            .map(|n| BaseKind::from_name(n).ok_or(n))
+            .collect::<Result<_, _>>()
+            .map_err(|n| format!("--bases: no base {n} (clean, recovering)"))?,
+    };
     let seed = seed.unwrap_or_else(clock_seed);
     let schedules: Vec<Schedule> = match schedules {
         None => Schedule::ALL.to_vec(),
@@ -77,8 +91,9 @@ pub fn run(args: Args) -> Result<(), String> {
             .unwrap_or(1)
     });
     eprintln!(
-        "crashtest: {} workloads (from index {first} of {all}) on {threads} threads, seed {seed}, schedules {}",
+        "crashtest: {} workloads (from index {first} of {all}) from the {} base(s) on {threads} threads, seed {seed}, schedules {}",
         workloads.len(),
+        bases.iter().map(|b| b.name()).collect::<Vec<_>>().join(" and "),
         match reactors {
             Some(n) => format!("{n} reactors"),
             None => schedules
@@ -89,10 +104,16 @@ pub fn run(args: Args) -> Result<(), String> {
         }
     );
     let start = std::time::Instant::now();
-    let (count, outcome) = run_workloads(workloads, first, seed, threads, reactors, &schedules)?;
+    let mut count = 0;
+    let mut outcome = Outcome::default();
+    for &base in &bases {
+        let (n, o) = run_workloads(&workloads, first, seed, threads, reactors, &schedules, base)?;
+        count += n;
+        outcome.add(&o);
+    }
     let states = outcome.crash_states;
     println!(
-        "crashtest: {count} workloads, {} runs, {states} crash states checked ({} with writes in flight), 0 violations, {:.1} s (seed {seed})",
+        "crashtest: {count} workload runs, {} runs, {states} crash states checked ({} with writes in flight), 0 violations, {:.1} s (seed {seed})",
         outcome.runs,
         outcome.in_flight_states,
         start.elapsed().as_secs_f64()
@@ -140,17 +161,19 @@ fn announce_mutation() -> Result<(), String> {
     ))
 }
 
-/// Runs crash-consistency workloads on `threads` threads, stopping at the first failure;
-/// returns the workload count and the summed outcome.
+/// Runs crash-consistency workloads from the `base` image on `threads` threads, stopping at
+/// the first failure; returns the workload count and the summed outcome.
 fn run_workloads(
-    workloads: Vec<Vec<Step>>,
+    workloads: &[Vec<Step>],
     first: usize,
     seed: u64,
     threads: usize,
     reactors: Option<usize>,
     schedules: &[Schedule],
+    base: BaseKind,
 ) -> Result<(u64, Outcome), String> {
-    let base = crashtest::base_image();
+    let kind = base;
+    let base = Base::get(kind);
     let total = workloads.len();
     let next = AtomicUsize::new(0);
     let sum = Mutex::new(Outcome::default());
@@ -167,13 +190,13 @@ fn run_workloads(
                 let index = first + i;
                 let outcome = match reactors {
                     None => crashtest::run_schedules(
-                        &base,
+                        base,
                         &workloads[i],
                         seed ^ index as u64,
                         schedules,
                     ),
                     Some(n) => crashtest::reactors::run_on_reactors(
-                        &base,
+                        base,
                         &workloads[i],
                         seed ^ index as u64,
                         n,
@@ -184,8 +207,11 @@ fn run_workloads(
                         sum.lock().expect("lock").add(&outcome);
                     }
                     Err(why) => {
-                        *failure.lock().expect("lock") =
-                            Some(format!("workload {index} {:?}: {why}", workloads[i]));
+                        *failure.lock().expect("lock") = Some(format!(
+                            "workload {index} {:?} from the {} base: {why}",
+                            workloads[i],
+                            kind.name()
+                        ));
                         return;
                     }
                 }

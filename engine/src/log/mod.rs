@@ -10,8 +10,10 @@
 //!   child's back-reference key names both), so the directory's items, its size, link count and
 //!   index counter, and the child's back-references and link count are always logged together;
 //! - **reachability**: every ancestor of a logged inode whose own name changed since it was
-//!   last logged is logged too (a new directory, a renamed one), up to one whose name is
-//!   durable, so an fsynced path exists after replay.
+//!   last logged is logged too (a new directory, a renamed one), so an fsynced path exists
+//!   after replay. The walk goes up to the root: a directory whose own name is durable may
+//!   sit below one renamed in this generation (`rename A B/D; fsync B/D/C/foo` must log `A`'s
+//!   move though `C` and `foo` are unchanged).
 //!
 //! # Invariants
 //! - Replaying the durable tree plus the accepted records gives a state in which every
@@ -662,6 +664,10 @@ impl Filesystem {
             if self.log.own_name_changed(dir) {
                 return Ok(true);
             }
+            if mutated!(AncestorWalkStopsEarly) {
+                // Mutation check: stop at the first directory whose own name is durable.
+                continue;
+            }
             stack.extend(self.parents_of(dir)?);
         }
         Ok(false)
@@ -694,6 +700,9 @@ impl Filesystem {
                 }
                 if self.log.own_name_changed(dir) {
                     stack.push(dir);
+                } else if mutated!(AncestorWalkStopsEarly) {
+                    // Mutation check: stop at the first directory whose own name is durable.
+                    continue;
                 }
                 up.extend(self.parents_of(dir)?);
             }

@@ -119,7 +119,11 @@ impl Filesystem {
         let count = accepted.len() as u64;
         let applied = self.apply_records(&accepted, embedded);
         self.fail_stop_on_error(applied)?;
-        self.commit()?;
+        // The replayed state must be durable before any new record is written: new records
+        // start at the head of the log areas, over the ones replayed here.
+        if !mutated!(ReplayNotCommitted) {
+            self.commit()?;
+        }
         self.log.stats.replayed_records += count;
         tracing::info!(
             records = count,
