@@ -1274,3 +1274,29 @@ fn atime_moves_on_a_read_after_a_write_and_btime_stays() {
     assert_eq!(got, -libc::EINVAL as i64, "atime 3");
     assert!(last_error().contains("atime"), "{}", last_error());
 }
+
+/// pjdfstest's `link::link_count_max` through the C functions (the suite itself skips it on
+/// every FUSE mount: glibc's pathconf answers 127, "unknown", there): a file takes names in
+/// one directory up to ext4's 65,000 links, and the next link is EMLINK with nothing changed.
+#[test]
+fn a_file_takes_sixty_five_thousand_names_in_one_directory_then_emlink() {
+    let fs = fresh(1);
+    assert_eq!(mkdir(fs, b"d"), 0);
+    let fd = create(fs, b"d/f");
+    release(fs, fd);
+    for i in 1..65_000 {
+        let path = format!("d/{i}");
+        assert_eq!(
+            link(fs, b"d/f", path.as_bytes()),
+            0,
+            "link {i}: {}",
+            last_error()
+        );
+    }
+    assert_eq!(stat(fs, b"d/f").unwrap().nlink, 65_000);
+    assert_eq!(link(fs, b"d/f", b"d/more"), -libc::EMLINK as i64);
+    assert_eq!(stat(fs, b"d/more").err(), Some(-libc::ENOENT as i64));
+    assert_eq!(unlink(fs, b"d/64999"), 0);
+    assert_eq!(link(fs, b"d/f", b"d/more"), 0, "{}", last_error());
+    close(fs);
+}

@@ -17,8 +17,8 @@
 
 use crate::error::{EngineError, Result};
 use crate::format::items::{
-    chain_hash, chain_offset, decode_names, decode_xattrs, encode_names, encode_xattrs, NameEntry,
-    Xattr, XattrValue,
+    chain_hash, chain_offset, decode_ext_refs, decode_names, decode_xattrs, encode_ext_refs,
+    encode_names, encode_xattrs, ExtRef, NameEntry, Xattr, XattrValue,
 };
 use crate::format::node::MAX_ITEM_BYTES;
 use crate::format::{ItemKind, Key};
@@ -53,6 +53,22 @@ impl Entry for NameEntry {
     }
     fn encode_all(entries: &[Self]) -> Vec<u8> {
         encode_names(entries)
+    }
+}
+
+impl Entry for ExtRef {
+    const WHAT: &'static str = "extended back-reference";
+    fn name(&self) -> &[u8] {
+        self.id()
+    }
+    fn encoded_len(&self) -> usize {
+        crate::format::items::EXT_REF_HEADER_BYTES + self.name().len()
+    }
+    fn decode_all(bytes: &[u8]) -> std::result::Result<Vec<Self>, String> {
+        decode_ext_refs(bytes)
+    }
+    fn encode_all(entries: &[Self]) -> Vec<u8> {
+        encode_ext_refs(entries)
     }
 }
 

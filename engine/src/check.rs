@@ -15,7 +15,7 @@
 
 use crate::error::{EngineError, Result};
 use crate::format::items::{
-    chain_hash, decode_names, decode_xattrs, ExtentItem, InodeItem, XattrValue,
+    chain_hash, decode_ext_refs, decode_names, decode_xattrs, ExtentItem, InodeItem, XattrValue,
 };
 use crate::format::{ItemKind, Key, BLOCK_BYTES};
 use crate::fs::{Filesystem, ShardIo, FIRST_INODE, SPACE_OBJECTID};
@@ -236,7 +236,33 @@ impl Filesystem {
                         for e in decode_names(&value)
                             .map_err(|why| bad("inode back-reference", ino, why))?
                         {
-                            back_refs.insert((ino, key.offset, e.name), e.target);
+                            if back_refs
+                                .insert((ino, key.offset, e.name), e.target)
+                                .is_some()
+                            {
+                                return Err(bad("inode back-reference", ino, "a name twice"));
+                            }
+                        }
+                    }
+                    ItemKind::InodeExtRef => {
+                        let refs = decode_ext_refs(&value)
+                            .map_err(|why| bad("extended back-reference", ino, why))?;
+                        if refs.is_empty() {
+                            return Err(bad("extended back-reference", ino, "an empty chain link"));
+                        }
+                        for e in refs {
+                            if hasher.hash(e.id()) != chain_hash(key.offset) {
+                                return Err(bad(
+                                    "extended back-reference",
+                                    ino,
+                                    "name in the wrong hash chain",
+                                ));
+                            }
+                            // Also a name its InodeRef item holds: one name, two references.
+                            let at = (ino, e.dir(), e.name().to_vec());
+                            if back_refs.insert(at, e.index).is_some() {
+                                return Err(bad("extended back-reference", ino, "a name twice"));
+                            }
                         }
                     }
                     ItemKind::ExtentData => {

@@ -6,23 +6,29 @@
 //! directory index item `(dir, DirIndex, seq)` for readdir in creation order with stable
 //! cookies, and an inode back-reference `(child, InodeRef, dir)` listing the child's names in
 //! that directory with their sequence numbers (for link counts, rename and log replay). All
-//! three change together in one transaction.
+//! three change together in one transaction. Names of one inode in one directory past what
+//! its InodeRef item holds (about 60 of 20 bytes) are extended back-references
+//! `(child, InodeExtRef, chain_offset(hash(dir ‖ name), link))`, a chain per hash as directory
+//! items are, so a file may have [`MAX_LINKS`] names in one directory, as on ext4.
 //!
 //! Every operation here is all or nothing ([`Filesystem::run_op`]): it looks up and checks
-//! everything it needs (names, types, emptiness, the room in every item it will grow) and
+//! everything it needs (names, types, emptiness, link counts) and
 //! reserves the worst case of the blocks it may allocate in every shard it touches, then
 //! changes the trees. ENOSPC, EEXIST, EMLINK and the like come back with nothing changed.
 //!
 //! # Invariants
 //! - A name appears in exactly one directory-item chain link, one index item and one
-//!   back-reference of its child; the checker verifies the three agree.
+//!   back-reference of its child (its InodeRef item in that directory, or one extended
+//!   back-reference); the checker verifies the three agree.
 //! - A directory's `nlink` is 2 + its subdirectories; a file's `nlink` is its back-reference
 //!   count. Readdir cookies are index sequences: 0 and 1 are `.` and `..`, names start at 2.
 
 use crate::bucket::Chain;
 use crate::delayed::DELAYED_ITEM_BLOCKS_MAX;
 use crate::error::{EngineError, Result};
-use crate::format::items::{decode_names, encode_names, push_name, InodeItem, NameEntry, Timespec};
+use crate::format::items::{
+    decode_names, encode_names, push_name, ExtRef, InodeItem, NameEntry, Timespec,
+};
 use crate::format::node::MAX_ITEM_BYTES;
 use crate::format::{ItemKind, Key};
 use crate::fs::{Filesystem, Needs};
@@ -192,28 +198,31 @@ impl Filesystem {
         Ok(())
     }
 
-    /// EMLINK unless `child`'s back-reference list in `dir` has room for `adding` once
-    /// `removing` (a name of it in the same directory, for a rename there) is gone. Checked
-    /// before an operation changes anything.
-    fn check_ref_room(
-        &mut self,
-        child: u64,
-        dir: u64,
-        adding: &[u8],
-        removing: Option<&[u8]>,
-    ) -> Result<()> {
-        let shard = self.shard_of(child);
-        let key = Key::new(child, ItemKind::InodeRef, dir);
-        let bytes = self
-            .with_tree(shard, false, |tree, io| {
-                tree.get_with(io, &key, <[u8]>::len)
-            })?
-            .unwrap_or(0);
-        let freed = removing.map_or(0, |name| 11 + name.len());
-        if bytes.saturating_sub(freed) + 11 + adding.len() > MAX_ITEM_BYTES {
-            return Err(EngineError::TooManyLinks);
-        }
+    /// Adds an extended back-reference: `child`'s name `name` (index `index`) in `dir`, for
+    /// a name its InodeRef item in `dir` has no room for. One chain link changes.
+    fn add_ext_ref(&mut self, child: u64, dir: u64, index: u64, name: &[u8]) -> Result<()> {
+        let id = ExtRef::id_of(dir, name);
+        let hash = self.name_hash(&id);
+        let mut chain: Chain<ExtRef> = self.read_chain(child, ItemKind::InodeExtRef, hash)?;
+        chain.insert(ExtRef::new(dir, index, name));
+        self.write_chain(&chain)?;
+        // The chain's key names no directory: couple them as an InodeRef change would.
+        self.log.couple(child, dir);
         Ok(())
+    }
+
+    /// Removes `child`'s extended back-reference for `name` in `dir`; its index, or None
+    /// when there is none.
+    fn remove_ext_ref(&mut self, child: u64, dir: u64, name: &[u8]) -> Result<Option<u64>> {
+        let id = ExtRef::id_of(dir, name);
+        let hash = self.name_hash(&id);
+        let mut chain: Chain<ExtRef> = self.read_chain(child, ItemKind::InodeExtRef, hash)?;
+        let Some(entry) = chain.remove(&id) else {
+            return Ok(None);
+        };
+        self.write_chain(&chain)?;
+        self.log.couple(child, dir);
+        Ok(Some(entry.index))
     }
 
     /// Adds `name` → `child` to `dir`: directory item, index item (delayed), back-reference;
@@ -269,8 +278,14 @@ impl Filesystem {
             self.with_tree(child_shard, false, |tree, io| tree.get(io, &ref_key))?
                 .unwrap_or_default()
         };
-        push_name(&mut refs, index, 0, name);
-        self.put_encoded(child_shard, ref_key, refs)?;
+        if refs.len() + 11 + name.len() <= MAX_ITEM_BYTES {
+            push_name(&mut refs, index, 0, name);
+            self.put_encoded(child_shard, ref_key, refs)?;
+        } else {
+            // The names of `child` in `dir` fill their item (about 60 of 20 bytes): the rest
+            // go to extended back-references, as btrfs's INODE_EXTREF.
+            self.add_ext_ref(child, dir, index, name)?;
+        }
         self.store_inode(dir, &dir_item)
     }
 
@@ -310,15 +325,20 @@ impl Filesystem {
         let child_shard = self.shard_of(child);
         let ref_key = Key::new(child, ItemKind::InodeRef, dir);
         let mut refs = self.list_at(child_shard, ref_key)?;
-        let ref_at = refs.iter().position(|r| r.name == name).ok_or_else(|| {
-            EngineError::corrupt(
-                "inode back-reference",
-                child,
-                format!("no back-reference for a name in {dir}"),
-            )
-        })?;
-        let index = refs.remove(ref_at).target;
-        self.put_list(child_shard, ref_key, &refs)?;
+        let index = match refs.iter().position(|r| r.name == name) {
+            Some(at) => {
+                let index = refs.remove(at).target;
+                self.put_list(child_shard, ref_key, &refs)?;
+                index
+            }
+            None => self.remove_ext_ref(child, dir, name)?.ok_or_else(|| {
+                EngineError::corrupt(
+                    "inode back-reference",
+                    child,
+                    format!("no back-reference for a name in {dir}"),
+                )
+            })?,
+        };
         self.log.note(Key::new(dir, ItemKind::DirIndex, index));
         if self.namespace.delayed.take(dir, index).is_none() {
             self.with_tree(dir_shard, true, |tree, io| {
@@ -535,7 +555,6 @@ impl Filesystem {
             if item.nlink >= MAX_LINKS {
                 return Err(EngineError::TooManyLinks);
             }
-            fs.check_ref_room(ino, dir, name, None)?;
             let mut needs = Needs::default();
             fs.need_add_name(&mut needs, dir, ino);
             fs.need_ops(&mut needs, fs.shard_of(ino), 1);
@@ -731,9 +750,6 @@ impl Filesystem {
                 ));
             }
             // Each takes the other's name; within one directory, each loses its own first.
-            let same_dir = src_dir == dst_dir;
-            self.check_ref_room(src, dst_dir, dst_name, same_dir.then_some(src_name))?;
-            self.check_ref_room(dst_ino, src_dir, src_name, same_dir.then_some(dst_name))?;
             self.need_remove_name(&mut needs, src_dir, src);
             self.need_remove_name(&mut needs, dst_dir, dst_ino);
             self.need_add_name(&mut needs, dst_dir, src);
@@ -779,12 +795,6 @@ impl Filesystem {
             self.need_ops(&mut needs, self.shard_of(dst_dir), 1);
             self.need_drop_link(&mut needs, dst_ino, &dst_item)?;
         }
-        self.check_ref_room(
-            src,
-            dst_dir,
-            dst_name,
-            (src_dir == dst_dir).then_some(src_name),
-        )?;
         self.need_remove_name(&mut needs, src_dir, src);
         self.need_add_name(&mut needs, dst_dir, src);
         self.need_ops(&mut needs, self.shard_of(src_dir), 1);

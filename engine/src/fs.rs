@@ -680,7 +680,12 @@ impl Filesystem {
             tracing::info!(
                 from = best_version,
                 to = FORMAT_VERSION,
-                "upgrading the filesystem's format version (space bitmaps become block groups)"
+                "upgrading the filesystem's format version{}",
+                if best_version < 5 {
+                    " (space bitmaps become block groups)"
+                } else {
+                    ""
+                }
             );
             fs.rewrite_ino_counter(0)?;
             fs.commit()?;

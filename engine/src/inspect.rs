@@ -259,6 +259,21 @@ pub fn format_item(key: &Key, value: &[u8]) -> String {
             ),
             Err(why) => format!("inode: BAD: {why}"),
         },
+        ItemKind::InodeExtRef => match crate::format::items::decode_ext_refs(value) {
+            Ok(refs) => refs
+                .iter()
+                .map(|e| {
+                    format!(
+                        "{:?} in {} (index {})",
+                        String::from_utf8_lossy(e.name()),
+                        e.dir(),
+                        e.index
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(", "),
+            Err(why) => format!("extended back-reference: BAD: {why}"),
+        },
         ItemKind::DirItem | ItemKind::DirIndex | ItemKind::InodeRef => match decode_names(value) {
             Ok(names) => names
                 .iter()

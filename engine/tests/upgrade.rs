@@ -147,7 +147,7 @@ fn assert_contents(fs: &mut Filesystem) {
 
 /// A version 3 or 4 filesystem left by a crash mounts: its logged fsyncs replay, its space
 /// bitmap chunks become block groups of the shards that held them (the chunks no item
-/// named are free for any shard), and mount commits the result as version 5 at once. The
+/// named are free for any shard), and mount commits the result in this version at once. The
 /// upgraded filesystem checks clean, remounts, and its groups move: the big file's go back
 /// to the pool when it is deleted, and another shard can take them.
 #[test]
@@ -165,7 +165,7 @@ fn a_version_4_or_3_filesystem_left_by_a_crash_is_upgraded_at_mount() {
         );
         assert_contents(&mut fs);
         fs.check().unwrap();
-        // Rewritten as version 5 by mount's commit, before anything was logged.
+        // Rewritten in this version by mount's commit, before anything was logged.
         let upgraded = image_of(fs.into_device());
         let (sb, v) = superblock(&upgraded);
         assert_eq!(v, engine::format::FORMAT_VERSION);
@@ -235,4 +235,37 @@ fn versions_this_corefs_does_not_read_are_refused_by_name() {
             "{err}"
         );
     }
+}
+
+/// A version 5 filesystem (block groups, no extended back-references) left by a crash
+/// mounts, replays its records (their format did not change) and is marked version 6 by
+/// mount's commit; a file then takes more names in one directory than version 5 could hold.
+#[test]
+fn a_version_5_filesystem_left_by_a_crash_is_upgraded_at_mount() {
+    let mut fs = Filesystem::mount(device(&fixture()), MountOptions::default()).unwrap();
+    let root = fs.root();
+    let file = fs.create(root, b"v5", 0o644, 0, 0).unwrap().ino;
+    fs.write(file, 0, b"five").unwrap();
+    fs.fsync(file).unwrap();
+    // What a crashed version 5 corefs leaves: this image has nothing version 6 added.
+    let image = with_format_version(&image_of(fs.into_device()), 5);
+    let mut fs = Filesystem::mount(device(&image), MountOptions::default()).unwrap();
+    assert!(fs.log_stats().replayed_records >= 1, "{:?}", fs.log_stats());
+    assert_contents(&mut fs);
+    assert_eq!(fs.read(file, 0, 10).unwrap(), b"five");
+    fs.check().unwrap();
+    let upgraded = image_of(fs.into_device());
+    assert_eq!(superblock(&upgraded).1, engine::format::FORMAT_VERSION);
+    let mut fs = Filesystem::mount(device(&upgraded), MountOptions::default()).unwrap();
+    for i in 0..200 {
+        fs.link(
+            file,
+            root,
+            format!("name-{i:03}-{}", "x".repeat(24)).as_bytes(),
+        )
+        .unwrap_or_else(|e| panic!("link {i}: {e}"));
+    }
+    let mut fs = Filesystem::mount(fs.unmount().unwrap(), MountOptions::default()).unwrap();
+    assert_eq!(fs.stat(file).unwrap().nlink, 201);
+    fs.check().unwrap();
 }

@@ -210,6 +210,98 @@ pub fn decode_names(b: &[u8]) -> Result<Vec<NameEntry>, String> {
     Ok(out)
 }
 
+/// One name of an inode in an extended back-reference item
+/// (`(ino, InodeExtRef, chain_offset(hash(dir ‖ name), link))`, a chain as directory items
+/// are, [`crate::bucket`]): the names of an inode in one directory that no longer fit its
+/// [`ItemKind::InodeRef`](super::ItemKind::InodeRef) item. Encoded as index u64 · dir u64 ·
+/// name length u16 · name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExtRef {
+    /// The name's directory-index sequence in its directory.
+    pub index: u64,
+    /// The directory (8 bytes, little-endian) then the name: what the chain hashes, and what
+    /// tells two entries apart.
+    id: Vec<u8>,
+}
+
+/// Bytes an extended back-reference entry takes besides its name.
+pub const EXT_REF_HEADER_BYTES: usize = 18;
+
+impl ExtRef {
+    pub fn new(dir: u64, index: u64, name: &[u8]) -> ExtRef {
+        ExtRef {
+            index,
+            id: ExtRef::id_of(dir, name),
+        }
+    }
+
+    /// What the chain hashes and compares for (`dir`, `name`).
+    pub fn id_of(dir: u64, name: &[u8]) -> Vec<u8> {
+        let mut id = Vec::with_capacity(8 + name.len());
+        id.extend_from_slice(&dir.to_le_bytes());
+        id.extend_from_slice(name);
+        id
+    }
+
+    pub fn dir(&self) -> u64 {
+        le_u64(&self.id, 0)
+    }
+
+    pub fn name(&self) -> &[u8] {
+        &self.id[8..]
+    }
+
+    pub fn id(&self) -> &[u8] {
+        &self.id
+    }
+}
+
+pub fn encode_ext_refs(entries: &[ExtRef]) -> Vec<u8> {
+    let mut b = Vec::new();
+    for e in entries {
+        b.extend_from_slice(&e.index.to_le_bytes());
+        b.extend_from_slice(&e.dir().to_le_bytes());
+        b.extend_from_slice(&(e.name().len() as u16).to_le_bytes());
+        b.extend_from_slice(e.name());
+    }
+    b
+}
+
+/// Decodes an extended back-reference item, checking each entry: inside the item, a name the
+/// engine would accept, a directory that is an inode number and an index in range.
+pub fn decode_ext_refs(b: &[u8]) -> Result<Vec<ExtRef>, String> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at < b.len() {
+        if at + EXT_REF_HEADER_BYTES > b.len() {
+            return Err("truncated extended back-reference".into());
+        }
+        let (index, dir) = (le_u64(b, at), le_u64(b, at + 8));
+        let len = le_u16(b, at + 16) as usize;
+        let start = at + EXT_REF_HEADER_BYTES;
+        if len == 0 || len > 255 || start + len > b.len() {
+            return Err(format!(
+                "extended back-reference name of length {len} overruns its item"
+            ));
+        }
+        let name = &b[start..start + len];
+        if name == b"." || name == b".." || name.contains(&b'/') || name.contains(&0) {
+            return Err(format!(
+                "impossible name {:?}",
+                String::from_utf8_lossy(name)
+            ));
+        }
+        if !(crate::fs::FIRST_INODE..=MAX_INO).contains(&dir) || index > MAX_INDEX {
+            return Err(format!(
+                "extended back-reference to directory {dir} index {index}"
+            ));
+        }
+        out.push(ExtRef::new(dir, index, name));
+        at = start + len;
+    }
+    Ok(out)
+}
+
 /// A file extent item: (ino, ExtentData, file offset in bytes, block aligned).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExtentItem {

@@ -11,6 +11,10 @@ pub enum ItemKind {
     /// last holder lets go, or at the next mount. Logged with the inode.
     OrphanMark = 2,
     InodeRef = 12,
+    /// (ino, InodeExtRef, chain_offset(hash(dir ‖ name), link)): names of the inode that did
+    /// not fit its InodeRef item in their directory ([`crate::format::items::ExtRef`]).
+    /// Version 6 on.
+    InodeExtRef = 13,
     XattrItem = 24,
     /// (ino, XattrValue, hash << 32 | slot << 16 | piece): a piece of an xattr value too large
     /// to sit in its chain link.
@@ -39,6 +43,7 @@ impl ItemKind {
             1 => ItemKind::InodeItem,
             2 => ItemKind::OrphanMark,
             12 => ItemKind::InodeRef,
+            13 => ItemKind::InodeExtRef,
             24 => ItemKind::XattrItem,
             25 => ItemKind::XattrValue,
             84 => ItemKind::DirItem,

@@ -24,13 +24,17 @@ pub const BLOCK_BYTES: usize = 4096;
 /// Version 2 added the per-shard fsync log area; version 3 places names with a keyed hash
 /// and chains the items of names sharing a hash; version 4 lets a log record carry a data
 /// block without its zero tail (`crate::log::record`); version 5 turns the fixed shard
-/// regions into block groups that move between shards (`crate::space`).
-pub const FORMAT_VERSION: u32 = 5;
+/// regions into block groups that move between shards (`crate::space`); version 6 adds
+/// extended back-references (`ItemKind::InodeExtRef`), so one file may have thousands of
+/// names in one directory.
+pub const FORMAT_VERSION: u32 = 6;
 /// The oldest version mount reads. Versions 3 and 4 differ in their log records and their
 /// space bitmap (one item per 4096-block chunk of a shard's own region); mount reads their
 /// chunks as groups of 4096 blocks and commits at once, rewriting them as group items and
-/// marking the filesystem version 5, before anything is logged (an older corefs then
-/// refuses it, instead of taking a record of a newer kind for the log's torn end).
+/// marking the filesystem with this version, before anything is logged (an older corefs
+/// then refuses it, instead of taking a record of a newer kind for the log's torn end).
+/// Version 5 differs only in having no extended back-references: its first mount marks it
+/// version 6 the same way.
 pub const FORMAT_VERSION_OLDEST: u32 = 3;
 /// Superblock copies live in these blocks.
 pub const SUPERBLOCK_ADDRS: [u64; 2] = [0, 1];

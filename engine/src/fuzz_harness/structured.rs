@@ -333,9 +333,10 @@ fn put_u64(b: &mut [u8], at: usize, v: u64) {
 
 /// A key kind byte: mostly a known one, sometimes anything.
 fn kind_byte(input: &mut Input) -> u8 {
-    const KNOWN: [ItemKind; 11] = [
+    const KNOWN: [ItemKind; 12] = [
         ItemKind::InodeItem,
         ItemKind::InodeRef,
+        ItemKind::InodeExtRef,
         ItemKind::XattrItem,
         ItemKind::DirItem,
         ItemKind::DirIndex,
@@ -398,6 +399,7 @@ fn mutate_item(input: &mut Input, kind: u8, value: &mut [u8]) {
         Some(ItemKind::DirItem | ItemKind::DirIndex | ItemKind::InodeRef) => {
             &[(0, 8), (8, 1), (9, 2), (9, 2), (11, 1)]
         }
+        Some(ItemKind::InodeExtRef) => &[(0, 8), (8, 8), (16, 2), (16, 2), (18, 1)],
         Some(ItemKind::XattrItem) => &[(0, 2), (2, 2), (4, 1)],
         Some(ItemKind::SpaceBitmap | ItemKind::GroupBitmap) => {
             let set: Vec<usize> = (0..value.len() * 8)

@@ -309,6 +309,16 @@ impl LogState {
         }
     }
 
+    /// A name of `child` in `dir` changed in an item whose key does not name `dir` (an
+    /// extended back-reference): couples the two as [`LogState::note`] does for an InodeRef
+    /// key.
+    pub fn couple(&mut self, child: u64, dir: u64) {
+        let tracked = self.inodes.entry(child).or_default();
+        tracked.name_changed = true;
+        tracked.links.insert(dir);
+        self.inodes.entry(dir).or_default().links.insert(child);
+    }
+
     /// An inode item changed in more than its timestamps.
     pub fn note_data(&mut self, ino: u64) {
         self.inodes.entry(ino).or_default().data = true;
@@ -650,7 +660,26 @@ impl Filesystem {
                 Key::new(ino, ItemKind::XattrItem, 0),
             )
         })?;
-        Ok(refs.into_iter().map(|(k, _)| k.offset).collect())
+        let mut parents = Vec::new();
+        for (key, value) in refs {
+            match key.kind {
+                ItemKind::InodeRef => parents.push(key.offset),
+                // Names past a full InodeRef item; their directory may have no InodeRef item
+                // left once the names there are removed.
+                ItemKind::InodeExtRef => parents.extend(
+                    crate::format::items::decode_ext_refs(&value)
+                        .map_err(|why| {
+                            EngineError::corrupt_inode("extended back-reference", ino, why)
+                        })?
+                        .iter()
+                        .map(|e| e.dir()),
+                ),
+                _ => {}
+            }
+        }
+        parents.sort_unstable();
+        parents.dedup();
+        Ok(parents)
     }
 
     /// True when some ancestor of `ino` has an unlogged change of its own name.

@@ -23,7 +23,9 @@
 
 use super::record::{decode_header, decode_record, LogOp};
 use crate::error::{EngineError, Result};
-use crate::format::items::{decode_names, decode_xattrs, ExtentItem, InodeItem, MAX_INO};
+use crate::format::items::{
+    decode_ext_refs, decode_names, decode_xattrs, ExtentItem, InodeItem, MAX_INO,
+};
 use crate::format::{ItemKind, Key, BLOCK_BYTES};
 use crate::fs::{block_lba, read_block, Filesystem, FIRST_INODE};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -210,6 +212,7 @@ impl Filesystem {
                 ItemKind::InodeRef | ItemKind::DirItem | ItemKind::DirIndex => {
                     decode_names(value).map(drop)
                 }
+                ItemKind::InodeExtRef => decode_ext_refs(value).map(drop),
                 ItemKind::XattrItem => decode_xattrs(value).map(drop),
                 ItemKind::SymlinkTarget | ItemKind::XattrValue if !value.is_empty() => Ok(()),
                 ItemKind::OrphanMark if key.offset == 0 => Ok(()),
