@@ -254,7 +254,9 @@ int corefs_close(corefs_fs fs);
 corefs_fd corefs_open(corefs_fs fs, const char *path, int flags, uint32_t mode);
 
 // Closes a file handle (its data stays where it is: fsync first to make it durable). The
-// last handle of a file with no name left deletes it.
+// last handle of a file with no name left deletes it; asynchronous operations submitted
+// through the handle and not yet polled keep the file until the last of them is polled
+// (their completions report what they did, not -ENOENT).
 int corefs_release(corefs_fs fs, corefs_fd fd);
 
 // Reads up to `len` bytes at `offset`. Returns the bytes read (0 at end of file). As

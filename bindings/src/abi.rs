@@ -911,16 +911,29 @@ fn open_request(fs: &Fs, path: &[u8], mut how: OpenHow) -> Result<Op, Error> {
 }
 
 /// Closes a file handle (its data stays where it is: fsync first to make it durable). The
-/// last handle of a file with no name left deletes it.
+/// last handle of a file with no name left deletes it; asynchronous operations submitted
+/// through the handle and not yet polled keep the file until the last of them is polled
+/// (their completions report what they did, not -ENOENT).
 #[no_mangle]
 pub extern "C" fn corefs_release(fs: corefs_fs, fd: corefs_fd) -> c_int {
     status("corefs_release", || {
         let fs = fs_of(fs)?;
         // Returns once no call still uses the handle (see handles' module doc).
         // An open atomic batch goes with its handle, uncommitted.
-        let f = handles::remove_file(&fs, fd)?;
+        let removed = handles::remove_file(&fs, fd)?;
+        // Asynchronous operations still in flight hold the file: the last one's poll
+        // releases it ([`handles::InFlight`]).
+        if !removed.in_flight.release() {
+            return Ok(());
+        }
         // The handle is gone whatever this says, as after close(2).
-        call(&fs, Op::Release { ino: f.ino }).map(drop)
+        call(
+            &fs,
+            Op::Release {
+                ino: removed.file.ino,
+            },
+        )
+        .map(drop)
     })
 }
 
@@ -1816,6 +1829,8 @@ struct Pending {
     user_token: u64,
     /// Reads: where the data goes (the caller keeps the buffer alive until the completion).
     read_into: Option<(*mut u8, usize)>,
+    /// Its hold on the handle's file, and the file.
+    holds: (std::sync::Arc<handles::InFlight>, u64),
 }
 
 thread_local! {
@@ -1823,33 +1838,46 @@ thread_local! {
     static NEXT_TOKEN: std::cell::Cell<u64> = const { std::cell::Cell::new(1) };
 }
 
+/// Submits `op` on file handle `f` (pinned for this call); the operation holds the file
+/// until its completion is polled, so a release meanwhile does not delete it under the
+/// operation ([`handles::InFlight`]).
 fn submit(
-    fs: corefs_fs,
+    fs: &FsRef,
+    f: &handles::FileRef,
     op: Op,
     user_token: u64,
     read_into: Option<(*mut u8, usize)>,
 ) -> Result<(), Error> {
-    let fs = fs_of(fs)?;
     let token = NEXT_TOKEN.with(|t| {
         let v = t.get();
         t.set(v + 1);
         v
     });
-    with_client(&fs, |c| c.submit(op, token))?.map_err(|e| match e {
-        reactor::SubmitError::Full(_) => Error::new(
-            libc::EAGAIN,
-            "queue full: poll completions and submit again".into(),
-        ),
-        reactor::SubmitError::Stopped(_) => {
-            Error::new(libc::EBADF, "the filesystem is closing".into())
-        }
-    })?;
+    let in_flight = f.in_flight();
+    in_flight.begin();
+    let submitted = with_client(fs, |c| c.submit(op, token)).and_then(|r| {
+        r.map_err(|e| match e {
+            reactor::SubmitError::Full(_) => Error::new(
+                libc::EAGAIN,
+                "queue full: poll completions and submit again".into(),
+            ),
+            reactor::SubmitError::Stopped(_) => {
+                Error::new(libc::EBADF, "the filesystem is closing".into())
+            }
+        })
+    });
+    if let Err(e) = submitted {
+        // The pin keeps the handle from being released during this call.
+        assert!(!in_flight.end(), "a handle released under a pinned call");
+        return Err(e);
+    }
     PENDING.with(|p| {
         p.borrow_mut().insert(
             (fs.id, token),
             Pending {
                 user_token,
                 read_into,
+                holds: (in_flight, f.ino),
             },
         )
     });
@@ -1876,11 +1904,13 @@ pub unsafe extern "C" fn corefs_submit_pread(
             return Err(efault("buf"));
         }
         let len = io_len(offset, len)?;
-        let f = regular(&*fs_of(fs)?, fd)?;
+        let fs = fs_of(fs)?;
+        let f = regular(&fs, fd)?;
         no_batch(&f, fd)?;
         need_readable(&f, fd)?;
         submit(
-            fs,
+            &fs,
+            &f,
             Op::Read {
                 ino: f.ino,
                 offset,
@@ -1908,13 +1938,14 @@ pub unsafe extern "C" fn corefs_submit_pwrite(
     token: u64,
 ) -> c_int {
     status("corefs_submit_pwrite", || {
-        let f = writable(&*fs_of(fs)?, fd)?;
+        let fs = fs_of(fs)?;
+        let f = writable(&fs, fd)?;
         no_batch(&f, fd)?;
         // Bounded before the copy: a huge `len` never sizes an allocation.
         let len = io_len(if f.append { 0 } else { offset }, len)?;
         // SAFETY: forwarded from this function's contract (`len` only shrank).
         let data = unsafe { bytes(buf, len, "buf") }?.to_vec();
-        submit(fs, write_op(&f, offset, data), token, None)
+        submit(&fs, &f, write_op(&f, offset, data), token, None)
     })
 }
 
@@ -1929,8 +1960,9 @@ pub extern "C" fn corefs_submit_fsync(
     token: u64,
 ) -> c_int {
     status("corefs_submit_fsync", || {
-        let f = file(&*fs_of(fs)?, fd)?;
-        submit(fs, sync_op(f.ino, datasync != 0), token, None)
+        let fs = fs_of(fs)?;
+        let f = file(&fs, fd)?;
+        submit(&fs, &f, sync_op(f.ino, datasync != 0), token, None)
     })
 }
 
@@ -1980,6 +2012,7 @@ pub unsafe extern "C" fn corefs_poll(
         })?;
         // Completions past `max` wait in this thread's overflow list for the next poll.
         let mut written = 0usize;
+        let mut released_after = Vec::new();
         OVERFLOW.with(|o| {
             let mut overflow = o.borrow_mut();
             let list = overflow.entry(fs.id).or_default();
@@ -1991,6 +2024,10 @@ pub unsafe extern "C" fn corefs_poll(
                 let Some(pending) = PENDING.with(|p| p.borrow_mut().remove(&(fs.id, token))) else {
                     continue; // a synchronous call's completion never lands here
                 };
+                let (in_flight, ino) = &pending.holds;
+                if in_flight.end() {
+                    released_after.push(*ino);
+                }
                 let value = match result {
                     Ok(Reply::Data(data)) => {
                         let (buf, len) = pending.read_into.unwrap_or((std::ptr::null_mut(), 0));
@@ -2016,6 +2053,17 @@ pub unsafe extern "C" fn corefs_poll(
                 written += 1;
             }
         });
+        // Files whose handle was released while these were in flight: released now that
+        // their last operation is answered (outside the thread-local borrows above).
+        for ino in released_after {
+            if let Err(e) = call(&fs, Op::Release { ino }) {
+                tracing::warn!(
+                    ino,
+                    "releasing a file after its last asynchronous operation: {}",
+                    e.message
+                );
+            }
+        }
         Ok(written as i64)
     })
 }

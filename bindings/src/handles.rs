@@ -62,25 +62,77 @@ pub(crate) struct OpenFile {
     pub append: bool,
 }
 
-/// A file handle in its filesystem's table: what it opened, and its atomic batch's slot
-/// (boxed, so the address cached entries point to stays put while the handle exists).
+/// A file handle in its filesystem's table: what it opened, its atomic batch's slot (boxed,
+/// so the address cached entries point to stays put while the handle exists), and its
+/// asynchronous operations in flight.
 struct Handle {
     file: OpenFile,
     batch: Box<BatchSlot>,
+    in_flight: Arc<InFlight>,
 }
 
-/// A handle's entry as a call sees it: copied into threads' caches with a pointer to the
-/// handle's batch slot, which [`FileRef::batch`] reads while the call pins the handle.
+/// A handle's entry as a call sees it: copied into threads' caches with pointers to the
+/// handle's batch slot and in-flight count, which [`FileRef`] reads while the call pins the
+/// handle.
 #[derive(Debug, Clone, Copy)]
 struct Entry {
     file: OpenFile,
     batch: NonNull<BatchSlot>,
+    in_flight: NonNull<InFlight>,
 }
 
-// SAFETY: `batch` points into the `Box<BatchSlot>` of the handle's table entry, which is
-// dropped only after the handle left the table and every call pinning it ended (the
-// pin protocol in the module doc); it is dereferenced only through a pinned `FileRef` whose
-// entry was valid under the epoch it read after pinning. BatchSlot itself is Sync.
+/// A handle's asynchronous operations submitted and not yet polled, and whether the handle
+/// was released meanwhile. A pin lasts one call; an asynchronous operation outlives its
+/// call, so its hold on the file is this count instead: the inode is released (which deletes
+/// it if it has no name left) when the handle is released with nothing in flight, or else
+/// when the last operation in flight is polled (its completion runs after the release then).
+/// Exactly one of the two sees both conditions, so the inode is released once.
+#[derive(Debug, Default)]
+pub(crate) struct InFlight {
+    /// Operations in flight, with [`InFlight::RELEASED`] set once the handle is released.
+    state: AtomicU64,
+}
+
+impl InFlight {
+    const RELEASED: u64 = 1 << 63;
+
+    /// An operation is being submitted (under the handle's pin, so before any release).
+    pub fn begin(&self) {
+        let before = self.state.fetch_add(1, Ordering::AcqRel);
+        assert!(
+            before & Self::RELEASED == 0,
+            "an asynchronous operation submitted through a released handle"
+        );
+    }
+
+    /// An operation's completion was polled (or its submission failed); true when it was the
+    /// last one of a released handle: the caller releases the inode.
+    pub fn end(&self) -> bool {
+        let before = self.state.fetch_sub(1, Ordering::AcqRel);
+        assert!(before & !Self::RELEASED > 0, "more ends than begins");
+        before == Self::RELEASED | 1
+    }
+
+    /// The handle is released; true when nothing is in flight: the caller releases the
+    /// inode now (else the last [`InFlight::end`] does).
+    pub fn release(&self) -> bool {
+        let before = self.state.fetch_or(Self::RELEASED, Ordering::AcqRel);
+        assert!(before & Self::RELEASED == 0, "a handle released twice");
+        before == 0
+    }
+}
+
+/// A file handle taken out of its table ([`remove_file`]).
+pub(crate) struct Removed {
+    pub file: OpenFile,
+    pub in_flight: Arc<InFlight>,
+}
+
+// SAFETY: `batch` and `in_flight` point into the `Box<BatchSlot>` and the `Arc<InFlight>` of
+// the handle's table entry, which is dropped only after the handle left the table and every
+// call pinning it ended (the pin protocol in the module doc); they are dereferenced only
+// through a pinned `FileRef` whose entry was valid under the epoch it read after pinning.
+// BatchSlot and InFlight are Sync.
 unsafe impl Send for Entry {}
 // SAFETY: as above.
 unsafe impl Sync for Entry {}
@@ -90,6 +142,7 @@ impl Handle {
         Entry {
             file: self.file,
             batch: NonNull::from(&*self.batch),
+            in_flight: NonNull::from(&*self.in_flight),
         }
     }
 }
@@ -361,6 +414,18 @@ impl FileRef {
         // call (see `Entry`).
         unsafe { self.entry.batch.as_ref() }
     }
+
+    /// The handle's in-flight count, for an asynchronous operation to hold past this call.
+    pub fn in_flight(&self) -> Arc<InFlight> {
+        let ptr = self.entry.in_flight.as_ptr().cast_const();
+        // SAFETY: `ptr` is `Arc::as_ptr` of the `Arc` the handle's table entry owns, which
+        // outlives this pinned call (see `Entry`): the count is at least one while this
+        // takes another.
+        unsafe {
+            Arc::increment_strong_count(ptr);
+            Arc::from_raw(ptr)
+        }
+    }
 }
 
 fn ebadf_file(fd: i64) -> Error {
@@ -425,6 +490,7 @@ pub(crate) fn enter_file(fs: &Fs, f: OpenFile) -> i64 {
         Handle {
             file: f,
             batch: Box::default(),
+            in_flight: Arc::default(),
         },
     );
     fd
@@ -432,7 +498,7 @@ pub(crate) fn enter_file(fs: &Fs, f: OpenFile) -> i64 {
 
 /// Removes file handle `fd` and returns its entry once no call can still be using it (its
 /// atomic batch, if one is open, goes with it then): the caller then releases the inode.
-pub(crate) fn remove_file(fs: &Fs, fd: i64) -> Result<OpenFile, Error> {
+pub(crate) fn remove_file(fs: &Fs, fd: i64) -> Result<Removed, Error> {
     let removed = {
         let mut files = fs.files.lock().unwrap_or_else(|p| p.into_inner());
         let removed = files.remove(&fd);
@@ -443,7 +509,10 @@ pub(crate) fn remove_file(fs: &Fs, fd: i64) -> Result<OpenFile, Error> {
     };
     let removed = removed.ok_or_else(|| ebadf_file(fd))?;
     wait_for_pinned_calls(fs.id, Some(fd));
-    Ok(removed.file)
+    Ok(Removed {
+        file: removed.file,
+        in_flight: removed.in_flight,
+    })
 }
 
 /// Removes every file handle of a closing filesystem and returns them once no call can
@@ -676,5 +745,53 @@ impl Error {
 impl From<EngineError> for Error {
     fn from(e: EngineError) -> Error {
         Error::new(e.errno(), e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::InFlight;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Arc, Barrier};
+
+    /// The inode is released exactly once: by the release when nothing is in flight, else by
+    /// the last end after it; ends before the release release nothing.
+    #[test]
+    fn exactly_one_of_release_and_the_last_end_releases() {
+        let idle = InFlight::default();
+        assert!(idle.release());
+
+        let busy = InFlight::default();
+        busy.begin();
+        busy.begin();
+        assert!(!busy.end(), "an end before the release");
+        assert!(!busy.release(), "one still in flight");
+        assert!(busy.end(), "the last end after the release");
+
+        // Racing: one thread releases while others end their operations; one release
+        // whatever the interleaving.
+        for round in 0..200 {
+            let state = Arc::new(InFlight::default());
+            let ops = 1 + round % 4;
+            (0..ops).for_each(|_| state.begin());
+            let releases = Arc::new(AtomicUsize::new(0));
+            let start = Arc::new(Barrier::new(ops + 1));
+            let mut threads = Vec::new();
+            for _ in 0..ops {
+                let (state, releases, start) = (state.clone(), releases.clone(), start.clone());
+                threads.push(std::thread::spawn(move || {
+                    start.wait();
+                    if state.end() {
+                        releases.fetch_add(1, Ordering::SeqCst);
+                    }
+                }));
+            }
+            start.wait();
+            if state.release() {
+                releases.fetch_add(1, Ordering::SeqCst);
+            }
+            threads.into_iter().for_each(|t| t.join().unwrap());
+            assert_eq!(releases.load(Ordering::SeqCst), 1, "round {round}");
+        }
     }
 }

@@ -1300,3 +1300,61 @@ fn a_file_takes_sixty_five_thousand_names_in_one_directory_then_emlink() {
     assert_eq!(link(fs, b"d/f", b"d/more"), 0, "{}", last_error());
     close(fs);
 }
+
+/// Asynchronous operations keep their file: a handle released while writes submitted through
+/// it are still in flight (parked behind write-back, past 12 MiB staged) does not delete the
+/// open-unlinked file under them, even from another thread. Every write completes with its
+/// length, and the file is deleted once the last completion is polled.
+#[test]
+fn release_waits_for_asynchronous_operations_in_flight() {
+    const CHUNK: usize = 1 << 20;
+    const CHUNKS: u64 = 64;
+    // A file image: write-back takes real device time, so writes past the staging bound
+    // park while the release from the other thread runs.
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let device = format!("file:{}/async.img,size=512MiB", dir.path().display());
+    let fs = mount_with(
+        &device,
+        &corefs_options {
+            format: 1,
+            shards: 4,
+            ..no_options()
+        },
+    );
+    let used_before = statfs(fs).inodes_used;
+    let fd = create(fs, b"f");
+    assert_eq!(unlink(fs, b"f"), 0);
+    assert_eq!(statfs(fs).inodes_used, used_before + 1, "held while open");
+    let data = vec![0x5au8; CHUNK];
+    for i in 0..CHUNKS {
+        // SAFETY: `data` is valid for CHUNK bytes during the call (the write copies it).
+        let got = unsafe {
+            corefs_submit_pwrite(fs, fd, data.as_ptr(), CHUNK, i * CHUNK as u64, 100 + i)
+        };
+        assert_eq!(got, 0, "submit {i}: {}", last_error());
+    }
+    let fsync = corefs_submit_fsync(fs, fd, 0, 999);
+    assert_eq!(fsync, 0, "{}", last_error());
+    // Released by another thread (its own client, so nothing orders it after the writes).
+    std::thread::spawn(move || release(fs, fd)).join().unwrap();
+    let mut seen = std::collections::BTreeMap::new();
+    while seen.len() < CHUNKS as usize + 1 {
+        let mut out = [corefs_completion::default(); 8];
+        // SAFETY: `out` holds 8 completions.
+        let n = unsafe { corefs_poll(fs, out.as_mut_ptr(), out.len(), 1_000_000) };
+        assert!(n > 0, "poll: {n} {}", last_error());
+        for c in &out[..n as usize] {
+            seen.insert(c.token, c.result);
+        }
+    }
+    for (token, result) in &seen {
+        let want = if *token == 999 { 0 } else { CHUNK as i64 };
+        assert_eq!(*result, want, "token {token}: {seen:?}");
+    }
+    assert_eq!(
+        statfs(fs).inodes_used,
+        used_before,
+        "the file is deleted once its last operation completed"
+    );
+    close(fs);
+}
