@@ -59,6 +59,10 @@ pub struct FetchStats {
     pub blocks_dropped: u64,
     /// Node blocks read ahead of a walk ([`crate::tree::READ_AHEAD_NODES`] at a time).
     pub blocks_ahead: u64,
+    /// Runs deferred for the data blocks a partial write lays its bytes over
+    /// ([`Filesystem::probe_write_edges`]), and those blocks.
+    pub edge_deferred: u64,
+    pub edge_blocks: u64,
 }
 
 /// The engine's state for deferred lookups.
@@ -68,6 +72,9 @@ pub(crate) struct NodeFetch {
     pub deferring: bool,
     /// Node blocks the current deferred run missed.
     pub missing: Vec<u64>,
+    /// Data blocks the current deferred run needs in the block cache (a partial write's
+    /// edges), once its nodes are all in memory.
+    pub missing_data: Vec<crate::file::ReadPiece>,
     /// Node blocks a tree walk in the current deferred run will likely want next
     /// ([`crate::tree::NodeIo::read_ahead`]): read in the background, waited for by nobody.
     pub ahead: Vec<u64>,
@@ -147,8 +154,16 @@ impl Filesystem {
         let out = f(self);
         self.fetch.deferring = false;
         let ahead = std::mem::take(&mut self.fetch.ahead);
+        let data = std::mem::take(&mut self.fetch.missing_data);
         if self.fetch.missing.is_empty() {
-            return Deferred::Ready(out);
+            if data.is_empty() {
+                return Deferred::Ready(out);
+            }
+            // Only data blocks: read into the block cache, where the run finds them next time.
+            drop(out);
+            self.fetch.stats.edge_deferred += 1;
+            self.fetch.stats.edge_blocks += data.len() as u64;
+            return Deferred::Fetching(self.start_fill(data));
         }
         drop(out);
         self.fetch.stats.deferred += 1;
@@ -201,6 +216,32 @@ impl Filesystem {
     pub fn probe_range(&mut self, ino: u64, offset: u64, len: usize) -> crate::Result<()> {
         let len = crate::file::rw_len(offset, len)?;
         self.probe_extents(ino, offset, len as u64)
+    }
+
+    /// Deferred, as [`Filesystem::probe_range`], for a write of `len` bytes at `offset` of
+    /// file `ino` (`None`: an append, at the end of the file): also notes the edge blocks the
+    /// write reads (the blocks it covers only in part) that memory does not hold, so the run
+    /// defers until they are in the block cache instead of the write reading them while the
+    /// reactor waits. With the block cache off there is nowhere to keep them: the write
+    /// reads them itself.
+    pub fn probe_write_edges(
+        &mut self,
+        ino: u64,
+        offset: Option<u64>,
+        len: usize,
+    ) -> crate::Result<()> {
+        let offset = match offset {
+            Some(offset) => offset,
+            None => self.stat(ino)?.size,
+        };
+        let len = crate::file::rw_len(offset, len)?;
+        self.probe_extents(ino, offset, len as u64)?;
+        if !self.fetch.deferring || self.block_cache.capacity_blocks() == 0 {
+            return Ok(());
+        }
+        let pieces = self.edge_reads(ino, offset, offset + len as u64)?;
+        self.fetch.missing_data.extend(pieces);
+        Ok(())
     }
 }
 

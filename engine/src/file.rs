@@ -693,6 +693,47 @@ impl Filesystem {
         Ok(data.len())
     }
 
+    /// The edge blocks a write of `offset..end` of file `ino` reads (the blocks it covers only
+    /// in part, inside the file and on the device) that memory does not hold: the reads it
+    /// would wait for, as read pieces. Lookups only, so it runs deferred.
+    pub(crate) fn edge_reads(&mut self, ino: u64, offset: u64, end: u64) -> Result<Vec<ReadPiece>> {
+        let item = self.file_inode(ino)?;
+        let first = offset / BLOCK;
+        let mut edges = Vec::with_capacity(2);
+        if offset % BLOCK != 0 {
+            edges.push(first);
+        }
+        if end % BLOCK != 0 && (end.div_ceil(BLOCK) - 1 != first || offset % BLOCK == 0) {
+            edges.push(end / BLOCK);
+        }
+        let mut pieces = Vec::new();
+        for block in edges {
+            if block * BLOCK >= item.size {
+                continue; // past the end: reads as zeroes
+            }
+            for extent in self.extents_in(ino, block, block + 1)? {
+                if extent.item.prealloc {
+                    continue;
+                }
+                let skip = (block - extent.file_block) as usize;
+                let disk = extent.item.disk_block + skip as u64;
+                if self.block_cache.get(disk).is_some() || self.staged_block(ino, disk).is_some() {
+                    continue;
+                }
+                pieces.push(ReadPiece {
+                    request: usize::MAX,
+                    ino,
+                    disk,
+                    count: 1,
+                    crcs: vec![extent.item.crcs[skip]],
+                    src: 0..0,
+                    dst: 0..0,
+                });
+            }
+        }
+        Ok(pieces)
+    }
+
     /// A write that starts or ends inside a block: the old content of the edge blocks is read
     /// and the new bytes laid over it.
     fn write_partial(&mut self, ino: u64, offset: u64, end: u64, data: &[u8]) -> Result<i64> {

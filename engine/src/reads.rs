@@ -130,6 +130,9 @@ enum SetKind {
     Nodes,
     /// Read-ahead into the block cache.
     Ahead,
+    /// Blocks a deferred write waits for, into the block cache ([`crate::fetch`]): answered
+    /// with no results, so the write runs again.
+    Fill,
 }
 
 /// One followed file: where its next sequential read starts, and how far read-ahead went.
@@ -380,6 +383,12 @@ impl Filesystem {
         self.queue_set(Vec::new(), pieces, SetKind::Ahead);
     }
 
+    /// Starts reading `pieces` into the block cache for a deferred run that waits for them;
+    /// returns the set's number, answered (with no results) when they are in.
+    pub(crate) fn start_fill(&mut self, pieces: Vec<ReadPiece>) -> u64 {
+        self.queue_set(Vec::new(), pieces, SetKind::Fill)
+    }
+
     /// Queues a set's device reads (each piece cut at the device's largest I/O), records
     /// the set, submits what has room, and returns its number.
     fn queue_set(&mut self, outs: Vec<ReadResult>, pieces: Vec<ReadPiece>, kind: SetKind) -> u64 {
@@ -587,7 +596,7 @@ impl Filesystem {
                     SetKind::Nodes => {
                         set.data[io.piece][io.at..io.at + len].copy_from_slice(buf.as_slice())
                     }
-                    SetKind::Data | SetKind::Ahead => {
+                    SetKind::Data | SetKind::Ahead | SetKind::Fill => {
                         take_blocks(set, &io, buf.as_slice(), &mut self.block_cache)
                     }
                 }
@@ -623,7 +632,7 @@ impl Filesystem {
                 }
                 Vec::new()
             }
-            SetKind::Ahead => Vec::new(),
+            SetKind::Ahead | SetKind::Fill => Vec::new(),
             SetKind::Data => {
                 let ReadSet {
                     mut outs,

@@ -346,8 +346,12 @@ fn probe(fs: &mut Filesystem, op: &Op) -> Deferred<Option<Result<Reply, EngineEr
             let _ = fs.lookup(*from_dir, from);
             let _ = fs.lookup(*to_dir, to);
         }),
+        // A write inside a block reads the rest of it: parked until it is in memory.
         Op::Write { ino, offset, data } => looked_up(fs, |fs| {
-            let _ = fs.probe_range(*ino, *offset, data.len());
+            let _ = fs.probe_write_edges(*ino, Some(*offset), data.len());
+        }),
+        Op::Append { ino, data } => looked_up(fs, |fs| {
+            let _ = fs.probe_write_edges(*ino, None, data.len());
         }),
         // A read maps its extents once, deferred, in `Filesystem::read_start_deferred`.
         Op::Read { .. } => unreachable!("reads are mapped deferred by read_start_deferred"),
@@ -359,8 +363,7 @@ fn probe(fs: &mut Filesystem, op: &Op) -> Deferred<Option<Result<Reply, EngineEr
         Op::SetXattr { ino, name, .. } | Op::RemoveXattr { ino, name } => looked_up(fs, |fs| {
             let _ = fs.getxattr(*ino, name);
         }),
-        Op::Append { ino, .. }
-        | Op::WriteAtomic { ino, .. }
+        Op::WriteAtomic { ino, .. }
         | Op::Hold { ino }
         | Op::Release { ino }
         | Op::SetAttr { ino, .. }

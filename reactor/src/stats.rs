@@ -159,6 +159,9 @@ impl ReactorStats {
         f.blocks_used += o.blocks_used;
         f.blocks_stale += o.blocks_stale;
         f.blocks_dropped += o.blocks_dropped;
+        f.blocks_ahead += o.blocks_ahead;
+        f.edge_deferred += o.edge_deferred;
+        f.edge_blocks += o.edge_blocks;
         self.reads.node_sets += other.reads.node_sets;
         self.commit.pause_ns_max = self.commit.pause_ns_max.max(other.commit.pause_ns_max);
         let (a, b) = (&mut self.log, &other.log);

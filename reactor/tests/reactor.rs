@@ -1950,3 +1950,76 @@ fn a_slow_metadata_read_parks_its_request_not_the_reactor() {
     drop((fast, slow));
     runtime.shutdown().unwrap();
 }
+
+/// A write inside a block whose data is not in memory parks until the block is read into the
+/// block cache, instead of reading it while the reactor waits: while a latency spike holds
+/// that read, another client's cached reads are answered and nothing of the writer's is.
+/// The write then lays its bytes over the block's old content.
+#[test]
+fn a_write_inside_an_uncached_block_parks_until_the_block_is_in() {
+    let (fs, cold) = filesystem_with_cold_files(|i| i.to_le_bytes().repeat(2048));
+    let (runtime, faults, mut fast, hot) = spiky_runtime_with_a_hot_file(fs);
+    let target = cold[2500];
+    let mut slow = runtime.client(4);
+    // The file's inode and extents in memory (a read of its second block), its first block
+    // not.
+    let second = slow
+        .call(Op::Read {
+            ino: target,
+            offset: 4096,
+            len: 4096,
+        })
+        .unwrap();
+    let old = 2500u32.to_le_bytes().repeat(2048);
+    assert!(matches!(&second, Reply::Data(d) if d[..] == old[4096..]));
+    let waits_before = stats_of(&mut fast).device_waits;
+    // The next device read (the write's edge block) is held until released below.
+    faults.delay_next(nvme::OpKind::Read, 1, Duration::from_secs(600));
+    slow.submit(
+        Op::Write {
+            ino: target,
+            offset: 100,
+            data: b"in the middle".to_vec(),
+        },
+        8,
+    )
+    .unwrap();
+    let mut slow_done = Vec::new();
+    cached_requests_pass_a_parked_one(
+        &mut fast,
+        &mut slow,
+        &faults,
+        &mut slow_done,
+        || Op::Read {
+            ino: hot,
+            offset: 0,
+            len: HOT_BYTES.len(),
+        },
+        |reply| matches!(reply, Reply::Data(d) if d == HOT_BYTES),
+    );
+    while slow_done.is_empty() {
+        slow.wait(&mut slow_done, Duration::from_secs(5));
+    }
+    assert!(
+        matches!(slow_done[0].result, Ok(Reply::Written(13))),
+        "{slow_done:?}"
+    );
+    let mut want = old.clone();
+    want[100..113].copy_from_slice(b"in the middle");
+    let got = slow
+        .call(Op::Read {
+            ino: target,
+            offset: 0,
+            len: want.len(),
+        })
+        .unwrap();
+    assert!(matches!(&got, Reply::Data(d) if *d == want), "{got:?}");
+    let stats = stats_of(&mut fast);
+    assert_eq!(
+        stats.device_waits.waits, waits_before.waits,
+        "the write waited for the device on the reactor"
+    );
+    assert!(stats.fetch.edge_deferred >= 1, "{:?}", stats.fetch);
+    drop((fast, slow));
+    runtime.shutdown().unwrap();
+}
