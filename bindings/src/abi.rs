@@ -771,6 +771,8 @@ pub extern "C" fn corefs_close(fs: corefs_fs) -> c_int {
         }
         handles::forget_client(fs.id);
         let runtime = fs.runtime.lock().expect("runtime").take();
+        // Other threads' clients go now, not when each next calls in (if ever).
+        handles::take_thread_clients(&fs);
         match runtime {
             Some(runtime) => runtime.shutdown().map(drop).map_err(Error::from),
             None => Err(Error::new(libc::EBADF, "already closed".into())),
@@ -2129,6 +2131,13 @@ pub fn reactor_stats(fs: corefs_fs) -> Option<reactor::ReactorStats> {
 pub fn test_hook_requests_sent(fs: corefs_fs) -> Option<u64> {
     let fs = fs_of(fs).ok()?;
     with_client(&fs, |c| c.requests_sent()).ok()
+}
+
+/// Test hook (Rust only, not in the header): the per-thread clients alive in this process,
+/// over every filesystem.
+#[doc(hidden)]
+pub fn test_hook_thread_clients() -> i64 {
+    handles::thread_clients()
 }
 
 /// Test hook (Rust only, not in the header): reactor `reactor` of filesystem `fs` panics

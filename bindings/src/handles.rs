@@ -160,14 +160,59 @@ pub(crate) struct Fs {
     /// Who creates inodes unless the calling thread said otherwise ([`set_thread_owner`]):
     /// the mount's owner, or (`None`) the process's effective ids at each call.
     pub owner: Option<Owner>,
+    /// Every thread's client slot, for the close to empty ([`take_thread_clients`]); dead
+    /// entries (threads gone) are pruned as new ones come.
+    clients: Mutex<Vec<std::sync::Weak<ClientSlot>>>,
 }
 
 /// One thread's view of one filesystem: the filesystem, the thread's client of it (created at
 /// its first engine call), and the file handles it looked up.
 pub(crate) struct Local {
     fs: Arc<Fs>,
-    client: RefCell<Option<Client>>,
+    client: Arc<ClientSlot>,
     files: RefCell<FileCache>,
+}
+
+/// A thread's client of one filesystem, where [`take_thread_clients`] can reach it from
+/// the closing thread: a client holds the runtime's request queues, which an idle thread
+/// would otherwise keep until it next calls in. Locked by its thread for each call
+/// (uncontended but at close).
+#[derive(Default)]
+pub(crate) struct ClientSlot {
+    client: Mutex<Option<Client>>,
+}
+
+/// Thread clients alive, in every filesystem (a test hook reads it).
+static THREAD_CLIENTS: AtomicI64 = AtomicI64::new(0);
+
+impl ClientSlot {
+    fn put(&self, slot: &mut Option<Client>, client: Client) {
+        if slot.replace(client).is_none() {
+            THREAD_CLIENTS.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Drops the client, if there is one.
+    fn take(&self) {
+        let taken = self.client.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if taken.is_some() {
+            THREAD_CLIENTS.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for ClientSlot {
+    fn drop(&mut self) {
+        let client = self.client.get_mut().unwrap_or_else(|p| p.into_inner());
+        if client.take().is_some() {
+            THREAD_CLIENTS.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The thread clients alive now, over every filesystem (test hook).
+pub(crate) fn thread_clients() -> i64 {
+    THREAD_CLIENTS.load(Ordering::Relaxed)
 }
 
 /// A thread's cached file handles of one filesystem, valid while the filesystem's
@@ -625,6 +670,7 @@ pub(crate) fn register(runtime: Runtime, owner: Option<Owner>) -> i64 {
         closed: AtomicBool::new(false),
         next_fd: AtomicI64::new(1),
         owner,
+        clients: Mutex::new(Vec::new()),
     });
     FILESYSTEMS
         .lock()
@@ -651,9 +697,15 @@ pub(crate) fn lookup(id: i64) -> Result<FsRef, Error> {
         .find(|(i, _)| *i == id)
         .map(|(_, fs)| fs.clone())
         .ok_or_else(|| ebadf_fs(id))?;
+    let slot = Arc::new(ClientSlot::default());
+    {
+        let mut clients = fs.clients.lock().unwrap_or_else(|p| p.into_inner());
+        clients.retain(|c| c.strong_count() > 0);
+        clients.push(Arc::downgrade(&slot));
+    }
     let local = Rc::new(Local {
         fs: fs.clone(),
-        client: RefCell::new(None),
+        client: slot,
         files: RefCell::new(FileCache {
             epoch: 0,
             entries: HashMap::new(),
@@ -697,10 +749,17 @@ pub(crate) fn with_client<T>(fs: &Fs, f: impl FnOnce(&mut Client) -> T) -> Resul
             .ok_or_else(|| Error::new(libc::EBADF, "the filesystem is closing".into()))
     };
     if let Some(local) = local_of(fs.id) {
-        // Not borrowed unless a call nests in another's engine call, which none does.
-        if let Ok(mut client) = local.client.try_borrow_mut() {
+        // Not held unless a call nests in another's engine call, which none does, or the
+        // filesystem is closing.
+        let held = match local.client.client.try_lock() {
+            Ok(guard) => Some(guard),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        };
+        if let Some(mut client) = held {
             if client.is_none() {
-                *client = Some(new_client()?);
+                let new = new_client()?;
+                local.client.put(&mut client, new);
             }
             if let Some(client) = client.as_mut() {
                 return Ok(f(client));
@@ -709,6 +768,16 @@ pub(crate) fn with_client<T>(fs: &Fs, f: impl FnOnce(&mut Client) -> T) -> Resul
     }
     let mut client = new_client()?;
     Ok(f(&mut client))
+}
+
+/// Drops every thread's client of closing filesystem `fs`, whose runtime is taken (so no
+/// thread makes a new one): idle threads do not keep the runtime's queues after the close.
+/// A thread inside a call finishes it first (its slot is locked meanwhile).
+pub(crate) fn take_thread_clients(fs: &Fs) {
+    let slots: Vec<_> = std::mem::take(&mut *fs.clients.lock().unwrap_or_else(|p| p.into_inner()));
+    for slot in slots.iter().filter_map(std::sync::Weak::upgrade) {
+        slot.take();
+    }
 }
 
 /// Drops this thread's view of a closed filesystem (its client and cached handles), and its
