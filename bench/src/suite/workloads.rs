@@ -15,7 +15,12 @@
 //!   call) and through the system calls on the kernel targets;
 //! - `randread`: random 4 KiB reads of a file written and made durable beforehand, read after
 //!   a remount (cold), at queue depth 1 or 32, from the device on every target (kernel targets
-//!   read with O_DIRECT, corefs with its data-block cache off).
+//!   read with O_DIRECT, corefs with its data-block cache off);
+//! - `seq-write-1m`: one client writes 1 MiB blocks sequentially (`dd bs=1M`), fsyncing every
+//!   64 MiB, and starts a new file (the old one unlinked) every 256 MiB;
+//! - `seq-read-1m`: one client reads a 512 MiB file written beforehand in 1 MiB blocks from
+//!   start to end once, after a remount (cold), buffered as `dd` and `cp` read: kernel targets
+//!   through their page cache and read-ahead, corefs through its block cache and read-ahead.
 //!
 //! Invariants: setup is not timed; each client touches only its own files and directories, so
 //! no two clients contend on a name; every operation's result is checked (a short read or a
@@ -56,6 +61,18 @@ pub enum Kind {
     AbiStat {
         files: usize,
     },
+    /// Sequential writes of `block_bytes`, fsync every `fsync_bytes`, a new file every
+    /// `file_bytes`.
+    SeqWrite {
+        block_bytes: usize,
+        fsync_bytes: u64,
+        file_bytes: u64,
+    },
+    /// One sequential pass over a cold file of `file_bytes` in `block_bytes` reads.
+    SeqRead {
+        block_bytes: usize,
+        file_bytes: u64,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -78,6 +95,8 @@ pub struct Sizes {
     pub create_dirs: usize,
     pub dbench_clients: usize,
     pub read_file_bytes: u64,
+    /// The sequential workloads' file.
+    pub seq_file_bytes: u64,
 }
 
 impl Default for Sizes {
@@ -90,6 +109,7 @@ impl Default for Sizes {
             create_dirs: 4,
             dbench_clients: 8,
             read_file_bytes: 192 << 20,
+            seq_file_bytes: 512 << 20,
         }
     }
 }
@@ -156,6 +176,23 @@ pub fn suite(sizes: &Sizes) -> Vec<Workload> {
             kind: Kind::RandRead {
                 qd: 32,
                 file_bytes: sizes.read_file_bytes,
+            },
+        },
+        Workload {
+            name: "seq-write-1m".into(),
+            clients: 1,
+            kind: Kind::SeqWrite {
+                block_bytes: 1 << 20,
+                fsync_bytes: 64 << 20,
+                file_bytes: (sizes.seq_file_bytes / 2).max(64 << 20),
+            },
+        },
+        Workload {
+            name: "seq-read-1m".into(),
+            clients: 1,
+            kind: Kind::SeqRead {
+                block_bytes: 1 << 20,
+                file_bytes: sizes.seq_file_bytes,
             },
         },
     ]
@@ -247,6 +284,8 @@ impl Workload {
             Kind::RandRead { .. } => "read",
             Kind::AbiOpenClose => "open+close",
             Kind::AbiStat { .. } => "stat",
+            Kind::SeqWrite { .. } => "write",
+            Kind::SeqRead { .. } => "read",
         }
     }
 
@@ -258,7 +297,7 @@ impl Workload {
 
     /// Whether the workload reads what setup wrote after a remount.
     pub fn reads_cold(&self) -> bool {
-        matches!(self.kind, Kind::RandRead { .. })
+        matches!(self.kind, Kind::RandRead { .. } | Kind::SeqRead { .. })
     }
 
     /// Whether the workload measures the device path: then no target may serve its reads
@@ -309,6 +348,8 @@ impl Workload {
                     }
                 }
             }
+            Kind::SeqWrite { .. } => {}
+            Kind::SeqRead { file_bytes, .. } => write_file(s, "seq", *file_bytes)?,
         }
         Ok(())
     }
@@ -416,6 +457,56 @@ impl Workload {
                         return Err(format!("{path}: size {size}, made empty"));
                     }
                 }
+            }
+            Kind::SeqWrite {
+                block_bytes,
+                fsync_bytes,
+                file_bytes,
+            } => {
+                let block = pattern(*block_bytes, seed);
+                let mut generation = 0u32;
+                let mut path = format!("seq-{c}");
+                let mut fh = s.create(&path)?;
+                let mut offset = 0u64;
+                let mut first = true;
+                while keep_going(&mut first, until) {
+                    rec.time(main, || s.pwrite(fh, offset, &block))?;
+                    offset += *block_bytes as u64;
+                    rec.bytes += *block_bytes as u64;
+                    if offset % fsync_bytes == 0 {
+                        rec.time("fsync", || s.fsync(fh))?;
+                    }
+                    if offset >= *file_bytes {
+                        // A new file, as a log or an export rotates; the old one goes.
+                        s.close(fh)?;
+                        s.unlink(&path)?;
+                        generation += 1;
+                        path = format!("seq-{c}-{generation}");
+                        fh = s.create(&path)?;
+                        offset = 0;
+                    }
+                }
+                // What was written is durable before the run ends, as `dd conv=fsync`.
+                rec.time("fsync", || s.fsync(fh))?;
+                s.close(fh)?;
+            }
+            Kind::SeqRead {
+                block_bytes,
+                file_bytes,
+            } => {
+                let fh = s.open("seq")?;
+                let mut offset = 0u64;
+                let mut first = true;
+                // One pass: what a second one read would come from memory on some targets.
+                while offset < *file_bytes && keep_going(&mut first, until) {
+                    let got = rec.time(main, || s.pread(fh, offset, *block_bytes))?;
+                    if got != *block_bytes {
+                        return Err(format!("seq: read {got} of {block_bytes} at {offset}"));
+                    }
+                    offset += got as u64;
+                    rec.bytes += got as u64;
+                }
+                s.close(fh)?;
             }
             Kind::RandRead { qd, file_bytes } => {
                 let fh = s.open("rr")?;

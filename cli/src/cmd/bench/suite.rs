@@ -60,6 +60,10 @@ pub struct Args {
     /// The random-read file.
     #[arg(long, default_value = "192MiB", value_parser = parse_size)]
     read_file_size: u64,
+    /// The sequential workloads' file (seq-read-1m reads it once; seq-write-1m starts a new
+    /// file every half of it).
+    #[arg(long, default_value = "512MiB", value_parser = parse_size)]
+    seq_file_size: u64,
     /// corefs reactors share the cores with the clients (unpinned; reactors spin, then
     /// park). The default, when there are more cores than reactors: each reactor pinned to
     /// a core of its own (the last ones), busy-polling, and corefs's clients on the
@@ -100,6 +104,7 @@ pub fn run(args: Args) -> Result<(), String> {
             create_dirs: args.create_dirs.max(1),
             dbench_clients: args.dbench_clients,
             read_file_bytes: args.read_file_size,
+            seq_file_bytes: args.seq_file_size,
         },
         placement: Placement::choose(args.reactors, args.shared_cores),
         reactors: args.reactors,
