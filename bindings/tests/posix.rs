@@ -1190,6 +1190,17 @@ fn opening_a_symbolic_link_is_eloop() {
     close(fs);
 }
 
+/// A fresh memory filesystem over 4 shards whose reads move access times as `atime` says.
+fn fresh_with_atime(atime: u8) -> corefs_fs {
+    let o = corefs_options {
+        format: 1,
+        shards: 4,
+        atime,
+        ..no_options()
+    };
+    mount_with("mem:64MiB", &o)
+}
+
 /// A read moves the access time as `options.atime` says (relatime by default), through the
 /// reactor like any inode change; the birth time is the creation's and stays; an unknown
 /// `atime` value is -EINVAL naming the choices.
@@ -1221,13 +1232,7 @@ fn atime_moves_on_a_read_after_a_write_and_btime_stays() {
     release(fs, fd);
     close(fs);
 
-    let strict = corefs_options {
-        format: 1,
-        shards: 4,
-        atime: COREFS_ATIME_STRICT,
-        ..no_options()
-    };
-    let fs = mount_with("mem:64MiB", &strict);
+    let fs = fresh_with_atime(COREFS_ATIME_STRICT);
     let fd = create(fs, b"f");
     assert_eq!(pwrite(fs, fd, b"abc", 0), 3);
     let mut last = fstat(fs, fd).unwrap();
@@ -1243,13 +1248,7 @@ fn atime_moves_on_a_read_after_a_write_and_btime_stays() {
     release(fs, fd);
     close(fs);
 
-    let never = corefs_options {
-        format: 1,
-        shards: 4,
-        atime: COREFS_ATIME_NOATIME,
-        ..no_options()
-    };
-    let fs = mount_with("mem:64MiB", &never);
+    let fs = fresh_with_atime(COREFS_ATIME_NOATIME);
     let fd = create(fs, b"f");
     assert_eq!(pwrite(fs, fd, b"abc", 0), 3);
     let before = fstat(fs, fd).unwrap();
