@@ -669,11 +669,14 @@ fn take_blocks(
         "a device read stays inside its piece"
     );
     let data = set.kind == SetKind::Data;
+    let ahead = set.kind == SetKind::Ahead;
     let mut bad = None;
     for (k, block) in bytes.chunks(BLOCK_BYTES).enumerate() {
         let i = first + k;
         let crc = crc32c::crc32c(block);
-        if crc == piece.crcs[i] {
+        if crc == piece.crcs[i] && ahead {
+            cache.insert_ahead(piece.disk + i as u64, block);
+        } else if crc == piece.crcs[i] {
             cache.insert(piece.disk + i as u64, block);
         } else if data && bad.is_none() {
             bad = Some(EngineError::corrupt(

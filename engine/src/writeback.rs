@@ -77,7 +77,18 @@ pub const PRECOMMIT_STAGED_BYTES: usize = 256 << 10;
 /// Data blocks the cache keeps by default (16 MiB).
 pub const CACHE_BLOCKS: usize = 4096;
 
-/// Recently written or read data blocks by disk block, evicted oldest first.
+/// Recently written or read data blocks by disk block, in two segments so that streaming
+/// I/O does not flush what is read again (scan resistance, as 2Q and Linux's inactive and
+/// active lists):
+/// - **probation**: every block enters here, first in, first out. A block read from here
+///   is promoted; a block read ahead ([`BlockCache::insert_ahead`]) is promoted only at its
+///   second read, since the streaming reader it was fetched for reads it once.
+/// - **protected**: blocks read again, least recently read out first, at most three
+///   quarters of the capacity (the oldest go back to probation past that).
+///
+/// Eviction takes probation's oldest first, so a file streamed through the cache (read
+/// ahead, read once; or written once) only ever displaces other probation blocks: a 64 MiB
+/// stream through a 16 MiB cache left none of a small hot set in memory before.
 ///
 /// The bytes live in slots of a slab allocated a chunk at a time as the cache first fills and
 /// reused after, never per block: a 4 KiB allocation and free per cached block (an insert
@@ -88,12 +99,16 @@ pub const CACHE_BLOCKS: usize = 4096;
 /// # Invariants
 /// - At most `capacity_blocks` blocks are held, each in a slot of its own; a slot is in the
 ///   map or on the free list, never both.
-/// - `order` holds an entry for every held block with the block's current stamp (older
-///   entries for it are stale and skipped), so eviction always finds a block to evict.
+/// - Every held block has one current entry, `(disk, its stamp)`, in the queue of its
+///   segment (older entries for it are stale and skipped), so eviction always finds a block
+///   to evict; `protected_blocks` counts the protected ones, at most `protected_max()`.
 pub(crate) struct BlockCache {
     blocks: HashMap<u64, Cached>,
-    /// (disk block, insertion stamp); an entry re-inserted since is skipped at eviction.
+    /// Probation's entries, oldest first: (disk block, stamp).
     order: VecDeque<(u64, u64)>,
+    /// Protected entries, least recently read first.
+    protected: VecDeque<(u64, u64)>,
+    protected_blocks: usize,
     stamp: u64,
     /// Most blocks kept; 0: none (the cache is off).
     capacity_blocks: usize,
@@ -112,10 +127,22 @@ const SLAB_CHUNK_BLOCKS: usize = 64;
 /// this as it fills, rather than allocating it all at mount.
 const RESERVE_BLOCKS_MAX: usize = 1 << 16;
 
-/// A cached block: its slot, its insertion stamp, and its crc32c once computed.
+/// Which segment a cached block is in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Segment {
+    /// `ahead`: read ahead and not read yet (its first read does not promote it).
+    Probation {
+        ahead: bool,
+    },
+    Protected,
+}
+
+/// A cached block: its slot, the stamp of its current queue entry, its segment, and its
+/// crc32c once computed.
 struct Cached {
     slot: u32,
     stamp: u64,
+    segment: Segment,
     crc: Option<u32>,
 }
 
@@ -124,6 +151,8 @@ impl BlockCache {
         BlockCache {
             blocks: HashMap::with_capacity(capacity_blocks.min(RESERVE_BLOCKS_MAX)),
             order: VecDeque::new(),
+            protected: VecDeque::new(),
+            protected_blocks: 0,
             stamp: 0,
             capacity_blocks,
             chunks: Vec::new(),
@@ -133,50 +162,134 @@ impl BlockCache {
         }
     }
 
+    /// Caches a block written or read on demand.
     pub fn insert(&mut self, disk: u64, data: &[u8]) {
+        self.insert_as(disk, data, false);
+    }
+
+    /// Caches a block read ahead of a streaming reader ([`crate::reads`]).
+    pub fn insert_ahead(&mut self, disk: u64, data: &[u8]) {
+        self.insert_as(disk, data, true);
+    }
+
+    fn insert_as(&mut self, disk: u64, data: &[u8], ahead: bool) {
         assert_eq!(data.len(), BLOCK_BYTES);
         if self.capacity_blocks == 0 {
             return;
         }
         self.stamp += 1;
         let stamp = self.stamp;
-        let slot = match self.blocks.get_mut(&disk) {
+        let (slot, segment) = match self.blocks.get_mut(&disk) {
             Some(cached) => {
                 cached.stamp = stamp;
                 cached.crc = None;
-                cached.slot
+                // New bytes for a block read ahead are no longer the read-ahead's.
+                if let Segment::Probation { ahead: was } = cached.segment {
+                    cached.segment = Segment::Probation {
+                        ahead: was && ahead,
+                    };
+                }
+                (cached.slot, cached.segment)
             }
             None => {
                 while self.blocks.len() >= self.capacity_blocks && self.evict_oldest() {}
                 let slot = self.take_slot();
+                let segment = Segment::Probation { ahead };
                 self.blocks.insert(
                     disk,
                     Cached {
                         slot,
                         stamp,
+                        segment,
                         crc: None,
                     },
                 );
-                slot
+                (slot, segment)
             }
         };
         self.slot_mut(slot).copy_from_slice(data);
-        self.order.push_back((disk, stamp));
-        // Re-inserted blocks leave stale entries behind: the list stays bounded too.
-        while self.order.len() > self.capacity_blocks.saturating_mul(4) && self.evict_oldest() {}
+        match segment {
+            Segment::Protected => self.protected.push_back((disk, stamp)),
+            Segment::Probation { .. } => self.order.push_back((disk, stamp)),
+        }
+        self.bound_stale_entries();
     }
 
-    /// Drops the oldest entry of `order`, and its block when the entry is current. False when
-    /// `order` is empty.
+    /// Re-stamped blocks leave stale entries behind: the queues stay bounded too.
+    fn bound_stale_entries(&mut self) {
+        while self.order.len() + self.protected.len() > self.capacity_blocks.saturating_mul(4)
+            && self.evict_oldest()
+        {}
+    }
+
+    /// The most blocks the protected segment holds.
+    fn protected_max(&self) -> usize {
+        self.capacity_blocks * 3 / 4
+    }
+
+    /// Drops the oldest entry of probation (of the protected queue when probation has
+    /// none), and its block when the entry is current. False when both queues are empty.
     fn evict_oldest(&mut self) -> bool {
-        let Some((old, stamp)) = self.order.pop_front() else {
-            return false;
+        let (queue_protected, (old, stamp)) = match self.order.pop_front() {
+            Some(entry) => (false, entry),
+            None => match self.protected.pop_front() {
+                Some(entry) => (true, entry),
+                None => return false,
+            },
         };
-        if self.blocks.get(&old).is_some_and(|c| c.stamp == stamp) {
+        let current = self.blocks.get(&old).is_some_and(|c| {
+            c.stamp == stamp && (c.segment == Segment::Protected) == queue_protected
+        });
+        if current {
             let cached = self.blocks.remove(&old).expect("checked");
+            if cached.segment == Segment::Protected {
+                self.protected_blocks -= 1;
+            }
             self.free_slots.push(cached.slot);
         }
         true
+    }
+
+    /// Block `disk` was read from the cache: promoted out of probation (a block read ahead
+    /// at its second read), or made the most recently read of the protected segment.
+    fn touch(&mut self, disk: u64) {
+        self.stamp += 1;
+        let stamp = self.stamp;
+        let Some(cached) = self.blocks.get_mut(&disk) else {
+            return;
+        };
+        match cached.segment {
+            Segment::Probation { ahead: true } => {
+                cached.segment = Segment::Probation { ahead: false };
+                return;
+            }
+            Segment::Probation { ahead: false } => {
+                cached.segment = Segment::Protected;
+                self.protected_blocks += 1;
+            }
+            Segment::Protected => {}
+        }
+        cached.stamp = stamp;
+        self.protected.push_back((disk, stamp));
+        // Past its share, the protected segment's least recently read go back to probation.
+        while self.protected_blocks > self.protected_max() {
+            let Some((old, old_stamp)) = self.protected.pop_front() else {
+                break;
+            };
+            self.stamp += 1;
+            let demoted = self.stamp;
+            if let Some(c) = self
+                .blocks
+                .get_mut(&old)
+                .filter(|c| c.stamp == old_stamp && c.segment == Segment::Protected)
+            {
+                c.segment = Segment::Probation { ahead: false };
+                c.stamp = demoted;
+                self.protected_blocks -= 1;
+                self.order.push_back((old, demoted));
+            }
+        }
+        self.bound_stale_entries();
     }
 
     /// A free slot, making a chunk of them when none is left (only while the cache first
@@ -217,7 +330,8 @@ impl BlockCache {
         self.blocks.get(&disk).map(|c| self.slot(c.slot))
     }
 
-    /// Block `disk` if it is cached and its crc32c is `crc`.
+    /// Block `disk` if it is cached and its crc32c is `crc`: a read of it, which promotes it
+    /// (see the type's doc).
     fn get_checked(&mut self, disk: u64, crc: u32) -> Option<&[u8]> {
         let (slot, known) = {
             let cached = self.blocks.get(&disk)?;
@@ -231,7 +345,11 @@ impl BlockCache {
                 have
             }
         };
-        (have == crc).then(|| self.slot(slot))
+        if have != crc {
+            return None;
+        }
+        self.touch(disk);
+        Some(self.slot(slot))
     }
 }
 
@@ -594,7 +712,7 @@ impl Staged {
 
 #[cfg(test)]
 mod tests {
-    use super::BlockCache;
+    use super::{BlockCache, Segment};
     use crate::format::BLOCK_BYTES;
     use proptest::prelude::*;
     use std::collections::HashMap;
@@ -623,6 +741,7 @@ mod tests {
                 cache.insert(disk, &block(disk, version));
                 latest.insert(disk, version);
                 prop_assert!(cache.blocks.len() <= capacity);
+                prop_assert!(cache.protected_blocks <= cache.protected_max());
                 prop_assert!(cache.get(disk).is_some(), "the block just inserted is held");
                 let want = block(disk, version);
                 let crc = crc32c::crc32c(&want);
@@ -636,6 +755,53 @@ mod tests {
             }
             prop_assert!(cache.chunks.len() * super::SLAB_CHUNK_BLOCKS < capacity + super::SLAB_CHUNK_BLOCKS);
         }
+    }
+
+    /// Scan resistance: a small set read twice survives any amount of data streamed through
+    /// the cache once, whether read ahead and read, or written; the protected segment stays
+    /// within its share; blocks nobody reads again still go first in, first out.
+    #[test]
+    fn a_stream_through_the_cache_leaves_blocks_read_again_in_it() {
+        let mut cache = BlockCache::new(64);
+        let crc = |disk: u64| crc32c::crc32c(&block(disk, 0));
+        for hot in 0..16 {
+            cache.insert(hot, &block(hot, 0));
+            assert!(cache.get_checked(hot, crc(hot)).is_some());
+        }
+        for disk in 1000..3000u64 {
+            if disk % 2 == 0 {
+                // Read ahead, then read once by the streaming reader.
+                cache.insert_ahead(disk, &block(disk, 0));
+                assert!(cache.get_checked(disk, crc(disk)).is_some());
+            } else {
+                // Written once (a streaming writer).
+                cache.insert(disk, &block(disk, 0));
+            }
+            assert!(cache.blocks.len() <= 64);
+        }
+        for hot in 0..16 {
+            assert!(cache.get(hot).is_some(), "hot block {hot} was streamed out");
+        }
+        // Everything read twice: protected holds at most three quarters, the rest stays on
+        // probation, and the count agrees with the segments.
+        for disk in 5000..5064u64 {
+            cache.insert(disk, &block(disk, 0));
+            cache.get_checked(disk, crc(disk));
+        }
+        let protected = cache
+            .blocks
+            .values()
+            .filter(|c| c.segment == Segment::Protected)
+            .count();
+        assert_eq!(protected, cache.protected_blocks);
+        assert!(protected <= 48, "{protected} protected of 64");
+        // Blocks never read again leave in the order they came.
+        let mut fifo = BlockCache::new(8);
+        for disk in 0..12u64 {
+            fifo.insert(disk, &block(disk, 0));
+        }
+        assert!((0..4).all(|d| fifo.get(d).is_none()));
+        assert!((4..12).all(|d| fifo.get(d).is_some()));
     }
 
     /// Off means off: nothing is held and no slab is made.
