@@ -326,6 +326,21 @@ impl BlockCache {
         self.capacity_blocks
     }
 
+    /// Drops the cached blocks in `range` (their queue entries go stale).
+    pub fn forget(&mut self, range: std::ops::Range<u64>) {
+        if self.blocks.is_empty() {
+            return;
+        }
+        for disk in range {
+            if let Some(cached) = self.blocks.remove(&disk) {
+                if cached.segment == Segment::Protected {
+                    self.protected_blocks -= 1;
+                }
+                self.free_slots.push(cached.slot);
+            }
+        }
+    }
+
     pub fn get(&self, disk: u64) -> Option<&[u8]> {
         self.blocks.get(&disk).map(|c| self.slot(c.slot))
     }
@@ -391,6 +406,10 @@ impl Staged {
 /// byte once more: 8 MiB of a large file's fsync cost about 2 ms of the reactor for it.
 pub(crate) const STAGE_PIECE_BYTES: usize = 64 << 10;
 
+/// Writes of at least this many bytes stream: their blocks are staged but not cached
+/// ([`Filesystem::stage_data`]).
+pub const STREAM_WRITE_BYTES: usize = 256 << 10;
+
 /// Moves staged runs into `out`, each a piece of whole blocks (at most
 /// [`STAGE_PIECE_BYTES`]), without copying them.
 fn move_pieces(runs: Vec<Run>, out: &mut Vec<(u64, Vec<u8>)>) {
@@ -409,10 +428,20 @@ pub(crate) fn pieces_bytes(pieces: &[(u64, Vec<u8>)]) -> usize {
 }
 
 impl Filesystem {
-    /// Stages whole blocks of `ino`'s data for disk block `disk`.
+    /// Stages whole blocks of `ino`'s data for disk block `disk`. A small write's blocks are
+    /// cached too (a database page, a file written and read back); a streaming one's
+    /// ([`STREAM_WRITE_BYTES`] or more) are not: reads find them staged until they are on the
+    /// device, and copying them into the cache would cost a pass over every byte to keep
+    /// blocks nobody reads again.
     pub(crate) fn stage_data(&mut self, ino: u64, disk: u64, data: &[u8]) -> Result<()> {
-        for (i, block) in data.chunks(BLOCK_BYTES).enumerate() {
-            self.block_cache.insert(disk + i as u64, block);
+        let blocks = (data.len() / BLOCK_BYTES) as u64;
+        if data.len() < STREAM_WRITE_BYTES {
+            for (i, block) in data.chunks(BLOCK_BYTES).enumerate() {
+                self.block_cache.insert(disk + i as u64, block);
+            }
+        } else {
+            // What an earlier use of these blocks left in the cache is stale now.
+            self.block_cache.forget(disk..disk + blocks);
         }
         self.staged.bytes += data.len();
         let runs = self.staged.by_ino.entry(ino).or_default();
