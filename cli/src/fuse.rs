@@ -1110,6 +1110,39 @@ pub enum Access {
     Everyone,
 }
 
+/// The read-ahead window the mount asks for: one FUSE request (the kernel's 256-page cap on
+/// a request, which fuser negotiates).
+pub const READAHEAD_KB: u32 = 1024;
+
+/// Widens the kernel's read-ahead for the mount at `mountpoint` to [`READAHEAD_KB`]. FUSE's
+/// init caps a mount's window at the kernel's default (128 KiB), so a 1 MiB `dd` of a cold
+/// 1 GiB file ran at half a kernel filesystem's speed (1.99 s, ext4 0.98 s); with 1 MiB it
+/// took 0.92 s (4 MiB: 1.01 s). The window lives in sysfs (`/sys/class/bdi/MAJ:MIN/
+/// read_ahead_kb`), writable by root only: a mount by another user keeps the kernel's and
+/// says how to widen it.
+fn widen_readahead(mountpoint: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let dev = match std::fs::metadata(mountpoint) {
+        Ok(meta) => meta.dev(),
+        Err(e) => {
+            tracing::info!("read-ahead left as the kernel set it ({}: {e})", mountpoint.display());
+            return;
+        }
+    };
+    let knob = format!(
+        "/sys/class/bdi/{}:{}/read_ahead_kb",
+        libc::major(dev),
+        libc::minor(dev)
+    );
+    match std::fs::write(&knob, READAHEAD_KB.to_string()) {
+        Ok(()) => tracing::debug!("{knob}: {READAHEAD_KB}"),
+        Err(e) => tracing::info!(
+            "read-ahead left at the kernel's 128 KiB ({knob}: {e}); as root: echo \
+             {READAHEAD_KB} > {knob}"
+        ),
+    }
+}
+
 /// Mounts `runtime`'s filesystem at `mountpoint` and serves it until unmounted.
 pub fn serve(runtime: Runtime, mountpoint: &Path, access: Access) -> std::io::Result<()> {
     // Default permissions: the kernel checks modes against the caller, as for a kernel
@@ -1126,6 +1159,7 @@ pub fn serve(runtime: Runtime, mountpoint: &Path, access: Access) -> std::io::Re
     };
     let mountpoint = std::fs::canonicalize(mountpoint)?;
     let mut session = fuser::spawn_mount(CorefsFuse::new(runtime), &mountpoint, &config)?;
+    widen_readahead(&mountpoint);
     // The session ends when the kernel's connection does (after `destroy` has committed).
     // The handle is swapped for a finished thread's so `session`, which unmounts when
     // dropped, stays whole until it is decided below whether it should.

@@ -264,6 +264,19 @@ fn through_the_mount(reactors: usize) {
         return;
     };
 
+    // As root, the server widened the kernel's read-ahead for the mount to one FUSE request.
+    if is_root() {
+        use std::os::unix::fs::MetadataExt;
+        let dev = std::fs::metadata(&mountpoint).unwrap().dev();
+        let knob = format!(
+            "/sys/class/bdi/{}:{}/read_ahead_kb",
+            libc::major(dev),
+            libc::minor(dev)
+        );
+        let window = std::fs::read_to_string(&knob).unwrap();
+        assert_eq!(window.trim(), "1024", "{knob}");
+    }
+
     // cp -a, tar and find round-trip a tree exactly.
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
     let src = work.path().join("src");
