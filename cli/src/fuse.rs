@@ -1125,7 +1125,10 @@ fn widen_readahead(mountpoint: &Path) {
     let dev = match std::fs::metadata(mountpoint) {
         Ok(meta) => meta.dev(),
         Err(e) => {
-            tracing::info!("read-ahead left as the kernel set it ({}: {e})", mountpoint.display());
+            tracing::info!(
+                "read-ahead left as the kernel set it ({}: {e})",
+                mountpoint.display()
+            );
             return;
         }
     };

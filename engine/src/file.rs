@@ -564,10 +564,12 @@ impl Filesystem {
         };
         let mut done = 0u64;
         let mut items = Vec::with_capacity(runs.len());
+        // The write as a whole decides, not each allocation run it lands in.
+        let streaming = data.len() >= crate::writeback::STREAM_WRITE_BYTES;
         for &(disk, got) in &runs {
             let bytes = &data[(done * BLOCK) as usize..((done + got) * BLOCK) as usize];
             let crcs = bytes.chunks(BLOCK_BYTES).map(crc32c::crc32c).collect();
-            self.stage_data(ino, disk, bytes)?;
+            self.stage_data(ino, disk, bytes, streaming)?;
             items.push((
                 first + done,
                 ExtentItem {

@@ -407,7 +407,7 @@ impl Staged {
 pub(crate) const STAGE_PIECE_BYTES: usize = 64 << 10;
 
 /// Writes of at least this many bytes stream: their blocks are staged but not cached
-/// ([`Filesystem::stage_data`]).
+/// ([`Filesystem::stage_data`]), whatever allocation runs they land in.
 pub const STREAM_WRITE_BYTES: usize = 256 << 10;
 
 /// Moves staged runs into `out`, each a piece of whole blocks (at most
@@ -429,13 +429,19 @@ pub(crate) fn pieces_bytes(pieces: &[(u64, Vec<u8>)]) -> usize {
 
 impl Filesystem {
     /// Stages whole blocks of `ino`'s data for disk block `disk`. A small write's blocks are
-    /// cached too (a database page, a file written and read back); a streaming one's
-    /// ([`STREAM_WRITE_BYTES`] or more) are not: reads find them staged until they are on the
-    /// device, and copying them into the cache would cost a pass over every byte to keep
-    /// blocks nobody reads again.
-    pub(crate) fn stage_data(&mut self, ino: u64, disk: u64, data: &[u8]) -> Result<()> {
+    /// cached too (a database page, a file written and read back); a `streaming` one's
+    /// (a write of [`STREAM_WRITE_BYTES`] or more) are not: reads find them staged until they
+    /// are on the device, and copying them into the cache would cost a pass over every byte
+    /// to keep blocks nobody reads again.
+    pub(crate) fn stage_data(
+        &mut self,
+        ino: u64,
+        disk: u64,
+        data: &[u8],
+        streaming: bool,
+    ) -> Result<()> {
         let blocks = (data.len() / BLOCK_BYTES) as u64;
-        if data.len() < STREAM_WRITE_BYTES {
+        if !streaming {
             for (i, block) in data.chunks(BLOCK_BYTES).enumerate() {
                 self.block_cache.insert(disk + i as u64, block);
             }
@@ -695,6 +701,11 @@ impl Filesystem {
         }
         self.block_cache.hits += (last - first) as u64;
         true
+    }
+
+    /// Data blocks the block cache holds now.
+    pub fn data_cache_held(&self) -> usize {
+        self.block_cache.blocks.len()
     }
 
     /// Data blocks reads took from the block cache, and from the device, since mount.
