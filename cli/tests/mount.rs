@@ -264,7 +264,7 @@ fn through_the_mount(reactors: usize) {
         return;
     };
 
-    // As root, the server widened the kernel's read-ahead for the mount to one FUSE request.
+    // As root, the server widens the kernel's read-ahead for the mount to one FUSE request.
     if is_root() {
         use std::os::unix::fs::MetadataExt;
         let dev = std::fs::metadata(&mountpoint).unwrap().dev();
@@ -273,8 +273,10 @@ fn through_the_mount(reactors: usize) {
             libc::major(dev),
             libc::minor(dev)
         );
-        let window = std::fs::read_to_string(&knob).unwrap();
-        assert_eq!(window.trim(), "1024", "{knob}");
+        // The server sets it just after the mount is made: give it the time to.
+        wait_until(&format!("{knob} at 1024"), || {
+            std::fs::read_to_string(&knob).is_ok_and(|w| w.trim() == "1024")
+        });
     }
 
     // cp -a, tar and find round-trip a tree exactly.
@@ -598,7 +600,8 @@ fn used_inodes(path: &Path) -> u64 {
     st.f_files - st.f_ffree
 }
 
-/// Waits (up to 20 s) for `cond`, which the kernel's asynchronous forgets make true.
+/// Waits (up to 20 s) for `cond`, which something asynchronous makes true (the kernel's
+/// forgets, the server's setup after the mount is made).
 fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while !cond() {
