@@ -1119,24 +1119,18 @@ pub const READAHEAD_KB: u32 = 1024;
 /// 1 GiB file ran at half a kernel filesystem's speed (1.99 s, ext4 0.98 s); with 1 MiB it
 /// took 0.92 s (4 MiB: 1.01 s). The window lives in sysfs (`/sys/class/bdi/MAJ:MIN/
 /// read_ahead_kb`), writable by root only: a mount by another user keeps the kernel's and
-/// says how to widen it.
+/// says how to widen it. The mount's device number comes from /proc/self/mountinfo, not
+/// from a stat of the mountpoint: a stat would hold the new mount while the server answers
+/// it, and an unmount right after the mount then failed as busy.
 fn widen_readahead(mountpoint: &Path) {
-    use std::os::unix::fs::MetadataExt;
-    let dev = match std::fs::metadata(mountpoint) {
-        Ok(meta) => meta.dev(),
-        Err(e) => {
-            tracing::info!(
-                "read-ahead left as the kernel set it ({}: {e})",
-                mountpoint.display()
-            );
-            return;
-        }
+    let Some(dev) = mount_device(mountpoint) else {
+        tracing::info!(
+            "read-ahead left as the kernel set it ({} not in /proc/self/mountinfo)",
+            mountpoint.display()
+        );
+        return;
     };
-    let knob = format!(
-        "/sys/class/bdi/{}:{}/read_ahead_kb",
-        libc::major(dev),
-        libc::minor(dev)
-    );
+    let knob = format!("/sys/class/bdi/{dev}/read_ahead_kb");
     match std::fs::write(&knob, READAHEAD_KB.to_string()) {
         Ok(()) => tracing::debug!("{knob}: {READAHEAD_KB}"),
         Err(e) => tracing::info!(
@@ -1144,6 +1138,29 @@ fn widen_readahead(mountpoint: &Path) {
              {READAHEAD_KB} > {knob}"
         ),
     }
+}
+
+/// The `MAJ:MIN` of the newest mount at `mountpoint` (canonical), from /proc/self/mountinfo
+/// (whose paths escape space, tab, newline and backslash as octal).
+fn mount_device(mountpoint: &Path) -> Option<String> {
+    use std::os::unix::ffi::OsStrExt;
+    let mut want = Vec::new();
+    for &b in mountpoint.as_os_str().as_bytes() {
+        match b {
+            b' ' | b'\t' | b'\n' | b'\\' => want.extend(format!("\\{b:03o}").bytes()),
+            _ => want.push(b),
+        }
+    }
+    let info = std::fs::read("/proc/self/mountinfo").ok()?;
+    info.split(|&b| b == b'\n').rev().find_map(|line| {
+        let fields: Vec<&[u8]> = line.split(|&b| b == b' ').collect();
+        if fields.get(4) != Some(&want.as_slice()) {
+            return None;
+        }
+        fields
+            .get(2)
+            .map(|dev| String::from_utf8_lossy(dev).into_owned())
+    })
 }
 
 /// Mounts `runtime`'s filesystem at `mountpoint` and serves it until unmounted.
