@@ -49,10 +49,10 @@ if scripts/nvme-guest/run.sh "target/$target/release/corefs" --lba 4096 --ns-mib
     --timeout 400 -- bench suite --targets corefs:nvme:/dev/ng0n1 --seconds 0.3 \
     --write-file-size 1MiB --read-file-size 8MiB --seq-file-size 32MiB --writers 2 \
     --dbench-clients 2 --create-clients 2 --out /tmp/out --dir /tmp >"$log" 2>&1 &&
-  rows=$(grep -cE '^(append-fdatasync|randwrite-4k-fsync8|fsync-writers-64k|creates|dbench|abi-open-close|abi-stat|randread-qd1|randread-qd32|seq-write-1m|seq-read-1m) +corefs-nvme +[0-9]' "$log") &&
-  [[ $rows == 11 ]]; then
+  rows=$(grep -cE '^(append-fdatasync|randwrite-4k-fsync8|fsync-writers-64k|creates|dbench|abi-open-close|abi-stat|randread-qd1|randread-qd32|seq-write-1m|seq-read-1m|copy-tree) +corefs-nvme +[0-9]' "$log") &&
+  [[ $rows == 12 ]]; then
   passed=$((passed + 1))
-  echo "ok   bench suite on NVMe passthrough in guest: 11 workloads reported"
+  echo "ok   bench suite on NVMe passthrough in guest: 12 workloads reported"
 else
   failed=$((failed + 1))
   echo "FAIL bench suite on NVMe passthrough in guest:"

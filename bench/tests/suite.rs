@@ -73,7 +73,7 @@ fn every_workload_runs_with_the_reactor_on_a_dedicated_core() {
     let mut config = tiny_config(dir.path(), vec![TargetSpec::CorefsMem]);
     config.placement = placement.clone();
     let results = suite::run(&config, &|line| eprintln!("{line}")).expect("suite runs");
-    assert_eq!(results.runs.len(), 11);
+    assert_eq!(results.runs.len(), 12);
     assert!(results.runs.iter().all(|r| r.ops > 0), "every workload ran");
     assert_eq!(results.meta.placement, placement.describe());
 }
@@ -99,7 +99,7 @@ fn every_workload_runs_beside_a_cpu_bound_neighbour() {
         config.repeats = 2;
         let results = suite::run(&config, &|line| eprintln!("{line}")).expect("suite runs");
         assert_eq!(results.meta.neighbours, 1);
-        assert_eq!(results.runs.len(), 2 * 2 * 11);
+        assert_eq!(results.runs.len(), 2 * 2 * 12);
         assert!(results.runs.iter().all(|r| r.ops > 0), "{:?}", results.runs);
         let table = suite::side_by_side(&results);
         assert!(table.contains("with 1 CPU-bound neighbour"), "{table}");
@@ -122,7 +122,7 @@ fn every_workload_runs_on_two_reactors() {
     let mut config = tiny_config(dir.path(), vec![TargetSpec::CorefsMem]);
     config.reactors = 2;
     let results = suite::run(&config, &|line| eprintln!("{line}")).expect("suite runs");
-    assert_eq!(results.runs.len(), 11);
+    assert_eq!(results.runs.len(), 12);
     for run in &results.runs {
         assert!(
             run.ops > 0,
@@ -152,7 +152,7 @@ fn every_workload_runs_on_corefs_and_a_kernel_directory() {
     );
     let results = suite::run(&config, &|line| eprintln!("{line}")).expect("suite runs");
     let workloads = results.workloads();
-    assert_eq!(workloads.len(), 11, "{workloads:?}");
+    assert_eq!(workloads.len(), 12, "{workloads:?}");
     // With fio installed, the two random-read workloads also have fio's rows on corefs-file's
     // image; without it, the results say why there are none.
     let fio = suite::fio_raw::version().is_ok();
@@ -163,7 +163,7 @@ fn every_workload_runs_on_corefs_and_a_kernel_directory() {
         "{:?}",
         results.targets()
     );
-    assert_eq!(results.runs.len(), 33 + fio_rows);
+    assert_eq!(results.runs.len(), 36 + fio_rows);
     let comparison = suite::fio_raw::comparison(&results);
     if fio {
         assert!(results.meta.fio.starts_with("fio-"), "{}", results.meta.fio);
@@ -261,7 +261,7 @@ fn every_workload_runs_on_corefs_and_a_kernel_directory() {
     let files = suite::write_outputs(&results, &out).expect("outputs");
     let loaded = SuiteResults::load(&out.join("results.json")).expect("load");
     assert!(loaded == results, "results.json does not load back equal");
-    assert_eq!(files.len(), 2 + 11 + 11 * 3 + fio_rows, "{files:?}");
+    assert_eq!(files.len(), 2 + 12 + 12 * 3 + fio_rows, "{files:?}");
     for file in files
         .iter()
         .filter(|f| f.extension().is_some_and(|e| e == "svg"))

@@ -20,7 +20,10 @@
 //!   64 MiB, and starts a new file (the old one unlinked) every 256 MiB;
 //! - `seq-read-1m`: one client reads a 512 MiB file written beforehand in 1 MiB blocks from
 //!   start to end once, after a remount (cold), buffered as `dd` and `cp` read: kernel targets
-//!   through their page cache and read-ahead, corefs through its block cache and read-ahead.
+//!   through their page cache and read-ahead, corefs through its block cache and read-ahead;
+//! - `copy-tree`: one client copies a tree in and back out, over and over: a directory of 64
+//!   files of mixed sizes (1 KiB to 1 MiB, log-uniform) in 4 subdirectories is written, each
+//!   file fsynced (what `cp -a` and a `sync` make durable), read back whole, and deleted.
 //!
 //! Invariants: setup is not timed; each client touches only its own files and directories, so
 //! no two clients contend on a name; every operation's result is checked (a short read or a
@@ -72,6 +75,12 @@ pub enum Kind {
     SeqRead {
         block_bytes: usize,
         file_bytes: u64,
+    },
+    /// A tree of `files` files of mixed sizes in `dirs` directories written, fsynced, read
+    /// back and deleted, over and over.
+    CopyTree {
+        files: usize,
+        dirs: usize,
     },
 }
 
@@ -195,6 +204,11 @@ pub fn suite(sizes: &Sizes) -> Vec<Workload> {
                 file_bytes: sizes.seq_file_bytes,
             },
         },
+        Workload {
+            name: "copy-tree".into(),
+            clients: 1,
+            kind: Kind::CopyTree { files: 64, dirs: 4 },
+        },
     ]
 }
 
@@ -286,6 +300,7 @@ impl Workload {
             Kind::AbiStat { .. } => "stat",
             Kind::SeqWrite { .. } => "write",
             Kind::SeqRead { .. } => "read",
+            Kind::CopyTree { .. } => "tree",
         }
     }
 
@@ -350,6 +365,7 @@ impl Workload {
             }
             Kind::SeqWrite { .. } => {}
             Kind::SeqRead { file_bytes, .. } => write_file(s, "seq", *file_bytes)?,
+            Kind::CopyTree { .. } => {}
         }
         Ok(())
     }
@@ -507,6 +523,46 @@ impl Workload {
                     rec.bytes += got as u64;
                 }
                 s.close(fh)?;
+            }
+            Kind::CopyTree { files, dirs } => {
+                let data = pattern(1 << 20, seed);
+                let mut iteration = 0u64;
+                let mut first = true;
+                while keep_going(&mut first, until) {
+                    let started = Instant::now();
+                    let base = format!("tree-{c}-{iteration}");
+                    s.mkdir(&base)?;
+                    for d in 0..*dirs {
+                        s.mkdir(&format!("{base}/d{d}"))?;
+                    }
+                    // Log-uniform sizes from 1 KiB to 1 MiB: many small files, a few large.
+                    let sizes: Vec<usize> = (0..*files)
+                        .map(|_| {
+                            let top = 1usize << rng.random_range(10..=20u32);
+                            rng.random_range(top / 2..=top)
+                        })
+                        .collect();
+                    let path = |f: usize| format!("{base}/d{}/f{f}", f % dirs);
+                    for (f, &size) in sizes.iter().enumerate() {
+                        let fh = rec.time("create", || s.create(&path(f)))?;
+                        rec.time("write", || s.pwrite(fh, 0, &data[..size]))?;
+                        rec.time("fsync", || s.fsync(fh))?;
+                        s.close(fh)?;
+                        rec.bytes += size as u64;
+                    }
+                    for (f, &size) in sizes.iter().enumerate() {
+                        let fh = s.open(&path(f))?;
+                        let got = rec.time("read", || s.pread(fh, 0, size))?;
+                        if got != size {
+                            return Err(format!("{}: read {got} of {size} bytes", path(f)));
+                        }
+                        s.close(fh)?;
+                        rec.bytes += size as u64;
+                    }
+                    rec.time("deltree", || deltree(s, &base))?;
+                    rec.record(main, started.elapsed().as_nanos() as u64);
+                    iteration += 1;
+                }
             }
             Kind::RandRead { qd, file_bytes } => {
                 let fh = s.open("rr")?;
