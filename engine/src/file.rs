@@ -56,6 +56,10 @@ pub(crate) struct ReadMap {
     offset: u64,
     end: u64,
     extents: Vec<Extent>,
+    /// The read moves the file's access time ([`crate::inode::Atime`]), decided from the
+    /// inode item the mapping read anyway, so a read that moves nothing looks nothing up
+    /// again.
+    pub moves_atime: bool,
 }
 
 /// A device read one request of a read set ([`crate::reads`]) waits for: `count` blocks at
@@ -337,12 +341,17 @@ impl Filesystem {
         // buffer is at most MAX_RW_BYTES (and the file's size) long.
         let len = rw_len(offset, len)?;
         let item = self.file_inode(ino)?;
+        // An empty read is no access (as on Linux).
+        let moves_atime = len > 0
+            && self.options.atime != crate::inode::Atime::Never
+            && self.options.atime.moves(&item, Timespec::now());
         if offset >= item.size || len == 0 {
             return Ok(ReadMap {
                 ino,
                 offset,
                 end: offset,
                 extents: Vec::new(),
+                moves_atime,
             });
         }
         let end = (offset + len as u64).min(item.size);
@@ -352,6 +361,7 @@ impl Filesystem {
             offset,
             end,
             extents,
+            moves_atime,
         })
     }
 
@@ -369,6 +379,7 @@ impl Filesystem {
             offset,
             end,
             extents,
+            ..
         } = map;
         if end == offset {
             return Ok(Vec::new());
@@ -699,7 +710,6 @@ impl Filesystem {
     /// in part, inside the file and on the device) that memory does not hold: the reads it
     /// would wait for, as read pieces. Lookups only, so it runs deferred.
     pub(crate) fn edge_reads(&mut self, ino: u64, offset: u64, end: u64) -> Result<Vec<ReadPiece>> {
-        let item = self.file_inode(ino)?;
         let first = offset / BLOCK;
         let mut edges = Vec::with_capacity(2);
         if offset % BLOCK != 0 {
@@ -708,6 +718,11 @@ impl Filesystem {
         if end % BLOCK != 0 && (end.div_ceil(BLOCK) - 1 != first || offset % BLOCK == 0) {
             edges.push(end / BLOCK);
         }
+        // A write of whole blocks (the common case) reads nothing: no lookup either.
+        if edges.is_empty() {
+            return Ok(Vec::new());
+        }
+        let item = self.file_inode(ino)?;
         let mut pieces = Vec::new();
         for block in edges {
             if block * BLOCK >= item.size {

@@ -246,9 +246,10 @@ impl Filesystem {
             // Split, each request needing the device is a set of its own (its result is
             // the set's first); unsplit, the request's place in the one set.
             let place = if split { 0 } else { outs.len() };
+            let moves_atime = map.as_ref().is_ok_and(|m| m.moves_atime);
             let planned = map.and_then(|map| self.plan_read(place, map, &mut mine));
             if planned.is_ok() {
-                followed.push((ino, offset, len as u64));
+                followed.push((ino, offset, len as u64, moves_atime));
             }
             if split {
                 match (&planned, &self.failed) {
@@ -271,10 +272,10 @@ impl Filesystem {
             outs.push(planned);
             answers.push(index);
         }
-        for (ino, offset, len) in followed {
+        for (ino, offset, len, moves_atime) in followed {
             self.follow_stream(ino, offset, len);
-            // Not for a read a lookup makes on the way (deferred), nor an empty one (as Linux).
-            if !self.fetch.deferring && len > 0 {
+            // Not for a read a lookup makes on the way (deferred).
+            if moves_atime && !self.fetch.deferring {
                 self.touch_atime(ino);
             }
         }

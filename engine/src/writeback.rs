@@ -102,6 +102,8 @@ pub const CACHE_BLOCKS: usize = 4096;
 /// - Every held block has one current entry, `(disk, its stamp)`, in the queue of its
 ///   segment (older entries for it are stale and skipped), so eviction always finds a block
 ///   to evict; `protected_blocks` counts the protected ones, at most `protected_max()`.
+/// - The queues hold at most four entries per block of capacity (stale ones are dropped
+///   past that, never blocks).
 pub(crate) struct BlockCache {
     blocks: HashMap<u64, Cached>,
     /// Probation's entries, oldest first: (disk block, stamp).
@@ -215,11 +217,23 @@ impl BlockCache {
         self.bound_stale_entries();
     }
 
-    /// Re-stamped blocks leave stale entries behind: the queues stay bounded too.
+    /// Re-stamped blocks (rewritten, read again, moved between segments) leave stale entries
+    /// behind: past four entries per block of capacity the queues drop them, keeping every
+    /// block (evicting blocks to shorten the queues made a hot set read over and over push
+    /// out the rest of the cache). A compaction leaves at most one entry per block, so the
+    /// next is a capacity's worth of entries away: O(1) per entry, amortized.
     fn bound_stale_entries(&mut self) {
-        while self.order.len() + self.protected.len() > self.capacity_blocks.saturating_mul(4)
-            && self.evict_oldest()
-        {}
+        if self.order.len() + self.protected.len() <= self.capacity_blocks.saturating_mul(4) {
+            return;
+        }
+        let blocks = &self.blocks;
+        let current = |disk: &u64, stamp: &u64, protected: bool| {
+            blocks.get(disk).is_some_and(|c| {
+                c.stamp == *stamp && (c.segment == Segment::Protected) == protected
+            })
+        };
+        self.order.retain(|(d, s)| current(d, s, false));
+        self.protected.retain(|(d, s)| current(d, s, true));
     }
 
     /// The most blocks the protected segment holds.
@@ -835,6 +849,19 @@ mod tests {
             .count();
         assert_eq!(protected, cache.protected_blocks);
         assert!(protected <= 48, "{protected} protected of 64");
+        // A hot block read over and over leaves stale queue entries, never evictions.
+        let mut steady = BlockCache::new(16);
+        for disk in 0..16u64 {
+            steady.insert(disk, &block(disk, 0));
+        }
+        for _ in 0..1000 {
+            assert!(steady.get_checked(3, crc(3)).is_some());
+        }
+        assert!(
+            (0..16).all(|d| steady.get(d).is_some()),
+            "a hot block evicted others"
+        );
+        assert!(steady.order.len() + steady.protected.len() <= 64);
         // Blocks never read again leave in the order they came.
         let mut fifo = BlockCache::new(8);
         for disk in 0..12u64 {

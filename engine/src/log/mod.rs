@@ -298,20 +298,15 @@ impl LogState {
         }
         if key.kind == ItemKind::InodeRef {
             tracked.name_changed = true;
-        }
-        if key.kind == ItemKind::InodeRef && key.offset != key.objectid {
-            tracked.links.insert(key.offset);
-            self.inodes
-                .entry(key.offset)
-                .or_default()
-                .links
-                .insert(key.objectid);
+            if key.offset != key.objectid {
+                self.couple(key.objectid, key.offset);
+            }
         }
     }
 
-    /// A name of `child` in `dir` changed in an item whose key does not name `dir` (an
-    /// extended back-reference): couples the two as [`LogState::note`] does for an InodeRef
-    /// key.
+    /// A name of `child` in `dir` changed: the two are logged together from now on (name
+    /// coupling). An InodeRef key names both ([`LogState::note`]); an extended
+    /// back-reference's key does not, so its writer calls this itself.
     pub fn couple(&mut self, child: u64, dir: u64) {
         let tracked = self.inodes.entry(child).or_default();
         tracked.name_changed = true;
