@@ -186,7 +186,8 @@ pub(crate) struct ClientSlot {
 static THREAD_CLIENTS: AtomicI64 = AtomicI64::new(0);
 
 impl ClientSlot {
-    fn put(&self, slot: &mut Option<Client>, client: Client) {
+    /// Puts `client` in `slot` (this slot's contents, locked), counting it.
+    fn fill(slot: &mut Option<Client>, client: Client) {
         if slot.replace(client).is_none() {
             THREAD_CLIENTS.fetch_add(1, Ordering::Relaxed);
         }
@@ -758,8 +759,7 @@ pub(crate) fn with_client<T>(fs: &Fs, f: impl FnOnce(&mut Client) -> T) -> Resul
         };
         if let Some(mut client) = held {
             if client.is_none() {
-                let new = new_client()?;
-                local.client.put(&mut client, new);
+                ClientSlot::fill(&mut client, new_client()?);
             }
             if let Some(client) = client.as_mut() {
                 return Ok(f(client));

@@ -161,7 +161,7 @@ fn announce_mutation() -> Result<(), String> {
     ))
 }
 
-/// Runs crash-consistency workloads from the `base` image on `threads` threads, stopping at
+/// Runs crash-consistency workloads from the `kind` image on `threads` threads, stopping at
 /// the first failure; returns the workload count and the summed outcome.
 fn run_workloads(
     workloads: &[Vec<Step>],
@@ -170,9 +170,8 @@ fn run_workloads(
     threads: usize,
     reactors: Option<usize>,
     schedules: &[Schedule],
-    base: BaseKind,
+    kind: BaseKind,
 ) -> Result<(u64, Outcome), String> {
-    let kind = base;
     let base = Base::get(kind);
     let total = workloads.len();
     let next = AtomicUsize::new(0);
