@@ -2133,6 +2133,14 @@ pub fn test_hook_requests_sent(fs: corefs_fs) -> Option<u64> {
     with_client(&fs, |c| c.requests_sent()).ok()
 }
 
+/// Test hook (Rust only, not in the header): the requests this thread ran itself on the
+/// reactor's engine while the reactor slept (no round trip), or None when `fs` is not open.
+#[doc(hidden)]
+pub fn test_hook_requests_ran_here(fs: corefs_fs) -> Option<u64> {
+    let fs = fs_of(fs).ok()?;
+    with_client(&fs, |c| c.requests_ran_here()).ok()
+}
+
 /// Test hook (Rust only, not in the header): the per-thread clients alive in this process,
 /// over every filesystem.
 #[doc(hidden)]

@@ -63,6 +63,9 @@ pub struct FetchStats {
     /// ([`Filesystem::probe_write_edges`]), and those blocks.
     pub edge_deferred: u64,
     pub edge_blocks: u64,
+    /// Runs from memory alone ([`Filesystem::from_memory`]) that missed and were left to
+    /// the device's owner.
+    pub from_memory_misses: u64,
 }
 
 /// The engine's state for deferred lookups.
@@ -75,6 +78,9 @@ pub(crate) struct NodeFetch {
     /// Data blocks the current deferred run needs in the block cache (a partial write's
     /// edges), once its nodes are all in memory.
     pub missing_data: Vec<crate::file::ReadPiece>,
+    /// The current run from memory alone ([`Filesystem::from_memory`]) met something only
+    /// the device's owner may do (a read that moves the access time): it is left to it.
+    pub declined: bool,
     /// Node blocks a tree walk in the current deferred run will likely want next
     /// ([`crate::tree::NodeIo::read_ahead`]): read in the background, waited for by nobody.
     pub ahead: Vec<u64>,
@@ -203,6 +209,39 @@ impl Filesystem {
             }
         }
         Deferred::Fetching(wait_for.expect("a miss was noted"))
+    }
+
+    /// Runs `f` — lookups only, never a change — from memory alone, for a thread that is
+    /// not the device's owner (a client running a request while its reactor sleeps): if
+    /// anything `f` needs is not in memory, nothing is read (the device stays untouched:
+    /// [`crate::log::inflight::DeviceMux`] asserts so) and the result is `None`; the caller
+    /// then sends the request to the owner. A failed filesystem gives `None` too (its
+    /// operations may read synchronously).
+    ///
+    /// # Panics
+    /// If `f` changes a tree or reaches the device (contract violations).
+    pub fn from_memory<T>(&mut self, f: impl FnOnce(&mut Self) -> T) -> Option<T> {
+        if self.failed.is_some() || self.fetch.deferring {
+            return None;
+        }
+        self.fetch.deferring = true;
+        self.fetch.declined = false;
+        self.dev.lend(true);
+        let out = f(self);
+        self.dev.lend(false);
+        self.fetch.deferring = false;
+        // Read-ahead hints are the owner's to act on when it misses itself.
+        self.fetch.ahead.clear();
+        let missed = !self.fetch.missing.is_empty()
+            || !self.fetch.missing_data.is_empty()
+            || std::mem::take(&mut self.fetch.declined);
+        self.fetch.missing.clear();
+        self.fetch.missing_data.clear();
+        if missed {
+            self.fetch.stats.from_memory_misses += 1;
+            return None;
+        }
+        Some(out)
     }
 
     /// Counters of deferred lookups.

@@ -407,9 +407,7 @@ impl Filesystem {
             ) {
                 continue;
             }
-            // Staged blocks reach the device first, so the device read returns them.
-            self.write_back(ino)?;
-            pieces.push(ReadPiece {
+            let piece = ReadPiece {
                 request,
                 ino,
                 disk,
@@ -417,7 +415,15 @@ impl Filesystem {
                 crcs: crcs[..(to - from) as usize].to_vec(),
                 src,
                 dst,
-            });
+            };
+            if self.fetch.deferring {
+                // A run that must not wait notes the blocks it would read, changing nothing.
+                self.fetch.missing_data.push(piece);
+                continue;
+            }
+            // Staged blocks reach the device first, so the device read returns them.
+            self.write_back(ino)?;
+            pieces.push(piece);
         }
         Ok(out)
     }

@@ -318,6 +318,62 @@ impl Filesystem {
         self.queue_set(Vec::new(), pieces, SetKind::Nodes)
     }
 
+    /// A read of `len` bytes at `offset` of file `ino` answered from memory alone, for a
+    /// thread that is not the device's owner ([`Filesystem::from_memory`]): `None` when it
+    /// needs the device (blocks or nodes not in memory), when it moves the access time, or
+    /// when it continues a sequential stream whose read-ahead is due — the owner then runs
+    /// it and reads ahead. Otherwise it is what [`Filesystem::read`] returns, and the stream
+    /// is followed as the owner would.
+    pub fn read_from_memory(
+        &mut self,
+        ino: u64,
+        offset: u64,
+        len: usize,
+    ) -> Option<Result<Vec<u8>>> {
+        if self.stream_fetch_due(ino, offset, len as u64) {
+            return None;
+        }
+        let out = self.from_memory(|fs| {
+            let map = fs.map_read(ino, offset, len)?;
+            if map.moves_atime {
+                fs.fetch.declined = true;
+                return Err(crate::EngineError::WouldBlock);
+            }
+            let mut pieces = Vec::new();
+            let out = fs.plan_read(0, map, &mut pieces);
+            assert!(pieces.is_empty(), "a run from memory plans no device read");
+            out
+        })?;
+        if out.is_ok() {
+            // Still lent: a read-ahead started here by mistake trips the device's assertion
+            // before it reaches the queue.
+            let fetches = self.reads.stats.ahead_sets;
+            self.dev.lend(true);
+            self.follow_stream(ino, offset, len as u64);
+            self.dev.lend(false);
+            assert_eq!(
+                fetches, self.reads.stats.ahead_sets,
+                "a read from memory started no read-ahead"
+            );
+        }
+        Some(out)
+    }
+
+    /// Whether [`Filesystem::follow_stream`] would read ahead for this read (changing
+    /// nothing).
+    fn stream_fetch_due(&self, ino: u64, offset: u64, len: u64) -> bool {
+        if self.block_cache.capacity_blocks() == 0 || len == 0 || self.failed.is_some() {
+            return false;
+        }
+        let end = offset.saturating_add(len);
+        self.reads.streams.iter().any(|s| {
+            s.ino == ino
+                && s.last_used > 0
+                && s.next == offset
+                && s.ahead_to < end + READAHEAD_BYTES / 2
+        })
+    }
+
     /// Notes a read of `len` bytes at `offset` of file `ino`; when it continues the file's
     /// last read, fetches the next [`READAHEAD_BYTES`] past it into the block cache in the
     /// background (what is not cached or fetched already).

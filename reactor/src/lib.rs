@@ -17,6 +17,9 @@
 //! phase, a shutdown that drains, commits and unmounts, and `sim` (with the `sim` feature),
 //! the same batch code driven in one thread by a seeded scheduler for deterministic simulation.
 //!
+//! A reactor with nothing to do lends its engine (`caller`): a client that finds it lent
+//! runs a lookup or a read itself when memory answers it, with no hop between threads.
+//!
 //! By default one reactor owns every shard. Several (`Config::reactors`, `multi`) each own
 //! every N-th shard as a partition of the engine on a device queue of their own, with a
 //! coordinator thread that runs the coordinated commits (each reactor serving generation N+1
@@ -24,6 +27,7 @@
 //! it. See docs/reactors.md.
 
 pub mod affinity;
+mod caller;
 pub mod client;
 pub mod contention;
 mod delivery;

@@ -282,6 +282,23 @@ impl Op {
         )
     }
 
+    /// Lookups and reads a client may run itself from memory while the reactor sleeps
+    /// ([`crate::caller`]): they change nothing but caches (a read that would move an
+    /// access time is left to the reactor).
+    pub(crate) fn runs_from_memory(&self) -> bool {
+        match self {
+            Op::Walk { then, .. } => then.runs_from_memory(),
+            Op::Lookup { .. }
+            | Op::Stat { .. }
+            | Op::Readlink { .. }
+            | Op::Readdir { .. }
+            | Op::Read { .. }
+            | Op::GetXattr { .. }
+            | Op::ListXattr { .. } => true,
+            _ => false,
+        }
+    }
+
     pub(crate) fn is_fsync(&self) -> Option<(u64, bool)> {
         match self {
             Op::Fsync { ino } => Some((*ino, false)),

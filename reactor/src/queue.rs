@@ -47,6 +47,8 @@ pub(crate) struct Shared {
     pub total_blocks: std::sync::atomic::AtomicU64,
     pub free_blocks: std::sync::atomic::AtomicU64,
     pub inodes: std::sync::atomic::AtomicU64,
+    /// Where the reactor lends its engine to clients while it sleeps ([`crate::caller`]).
+    pub(crate) caller: crate::caller::CallerRuns,
     /// Test hook ([`Runtime::panic_on_next_request`]): the reactor panics when it next
     /// runs a request.
     #[cfg(any(test, feature = "test-hooks"))]
@@ -56,11 +58,17 @@ pub(crate) struct Shared {
 impl Shared {
     #[cfg(feature = "sim")]
     pub(crate) fn new(queue_capacity: usize) -> Shared {
-        Shared::with_reactors(queue_capacity, 1)
+        Shared::with_reactors(queue_capacity, 1, false)
     }
 
-    /// The queue of one of `reactors` reactors (clients spin only on the cores they leave).
-    pub(crate) fn with_reactors(queue_capacity: usize, reactors: usize) -> Shared {
+    /// The queue of one of `reactors` reactors (clients spin only on the cores they leave);
+    /// `callers_run`: the reactor lends its engine to clients while it sleeps
+    /// ([`crate::caller`]; one reactor only).
+    pub(crate) fn with_reactors(
+        queue_capacity: usize,
+        reactors: usize,
+        callers_run: bool,
+    ) -> Shared {
         Shared {
             requests: ArrayQueue::new(queue_capacity.max(1)),
             stopping: AtomicBool::new(false),
@@ -75,6 +83,7 @@ impl Shared {
             total_blocks: std::sync::atomic::AtomicU64::new(0),
             free_blocks: std::sync::atomic::AtomicU64::new(0),
             inodes: std::sync::atomic::AtomicU64::new(0),
+            caller: crate::caller::CallerRuns::new(callers_run && reactors == 1),
             #[cfg(any(test, feature = "test-hooks"))]
             panic_next: Arc::new(AtomicBool::new(false)),
         }

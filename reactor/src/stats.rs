@@ -35,6 +35,10 @@ pub struct ReactorStats {
     /// Batches drained from the request queue; times the reactor parked when idle.
     pub batches: u64,
     pub parks: u64,
+    /// Requests clients ran themselves while the reactor slept ([`crate::caller`]), and
+    /// those they tried but memory did not answer (sent to the reactor instead).
+    pub caller_ran: u64,
+    pub caller_missed: u64,
     /// Reactors whose device queue rings their doorbell on completion ([`crate::doorbell`]),
     /// and the times one slept on it waiting for its device (hearing its clients meanwhile).
     pub device_ring_reactors: u64,

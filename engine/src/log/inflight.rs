@@ -103,6 +103,9 @@ pub struct DeviceMux {
     /// [`SPARE_BLOCKS_MAX`]). Allocating them afresh each commit cost its pause a page fault
     /// per node: the allocator gives the freed megabytes back to the kernel between commits.
     pub(crate) spare_blocks: Vec<Vec<u8>>,
+    /// Lent to a thread that must not reach the device ([`crate::Filesystem::from_memory`]):
+    /// every submission, poll and wait asserts it is not.
+    lent: bool,
 }
 
 /// Background write bytes one [`DeviceMux::pump`] hands to the device. Every copy into a DMA
@@ -131,7 +134,22 @@ impl DeviceMux {
             backlog: VecDeque::new(),
             scratch: Vec::new(),
             spare_blocks: Vec::new(),
+            lent: false,
         }
+    }
+
+    /// Lends the engine to (or takes it back from) a thread that must not reach the device.
+    pub(crate) fn lend(&mut self, lent: bool) {
+        self.lent = lent;
+    }
+
+    /// The contract of [`DeviceMux::lend`]: a device request made by a thread that does not
+    /// own the device's queue would fail (an io_uring ring admits one submitter) or race.
+    fn assert_owner(&self) {
+        assert!(
+            !self.lent,
+            "the device was reached by a thread running from memory alone"
+        );
     }
 
     /// The device itself. Requests still in flight stay in flight (what a crash leaves).
@@ -183,6 +201,7 @@ impl DeviceMux {
                 self.reads_after_writes.push_back((tokens, request));
                 continue;
             }
+            self.assert_owner();
             match self.inner.submit(request) {
                 Ok(()) => {}
                 Err(Rejected {
@@ -275,6 +294,7 @@ impl DeviceMux {
     /// A synchronous wait for the device, counted in [`DeviceMux::waits`].
     fn wait_inner(&mut self, timeout: Duration) -> std::result::Result<usize, DevError> {
         let started = Instant::now();
+        self.assert_owner();
         let result = self.inner.wait(&mut self.scratch, timeout);
         let ns = started.elapsed().as_nanos() as u64;
         self.waits.waits += 1;
@@ -311,6 +331,7 @@ impl DeviceMux {
     /// it to complete first (its completions are kept for the pipeline).
     fn submit_foreground(&mut self, mut request: Request) -> std::result::Result<(), Rejected> {
         loop {
+            self.assert_owner();
             match self.inner.submit(request) {
                 Err(Rejected {
                     request: back,
@@ -371,6 +392,7 @@ impl DeviceMux {
             if let Err(reason) = self.drain_background() {
                 return Err(Rejected { request, reason });
             }
+            self.assert_owner();
             return self.inner.submit(request);
         };
         let (first, end) = (byte / block_bytes, (byte + bytes).div_ceil(block_bytes));
@@ -443,6 +465,7 @@ impl DeviceMux {
         if !is_read(request.token) {
             return self.submit_foreground(request);
         }
+        self.assert_owner();
         self.inner.submit(request)?;
         self.reads_in_flight += 1;
         Ok(())
@@ -463,6 +486,7 @@ impl DeviceMux {
     /// submissions otherwise go at its next poll or wait.
     pub(crate) fn submit_now(&mut self) -> std::result::Result<(), DevError> {
         let mut foreground = Vec::new();
+        self.assert_owner();
         self.inner.poll(&mut self.scratch)?;
         self.route(&mut foreground);
         self.answered.append(&mut foreground);
@@ -485,10 +509,12 @@ impl DeviceMux {
         self.pump()?;
         if self.reads_done.is_empty() && (self.reads_in_flight > 0 || self.background_in_flight > 0)
         {
+            self.assert_owner();
             self.inner.poll(&mut self.scratch)?;
             self.route(&mut foreground);
             if let (Some(timeout), true) = (wait, self.reads_done.is_empty()) {
                 if self.reads_in_flight > 0 {
+                    self.assert_owner();
                     self.inner.wait(&mut self.scratch, timeout)?;
                     self.route(&mut foreground);
                 }
@@ -560,6 +586,7 @@ impl DeviceMux {
                 token,
                 op: IoOp::Write { lba, buf, fua },
             };
+            self.assert_owner();
             match self.inner.submit(request) {
                 Ok(()) => {
                     self.background_in_flight += 1;
@@ -581,6 +608,7 @@ impl DeviceMux {
     /// Submits a background request; a full queue hands it back.
     fn submit_background(&mut self, request: Request) -> std::result::Result<(), Rejected> {
         assert!(is_background(request.token));
+        self.assert_owner();
         self.inner.submit(request)?;
         self.background_in_flight += 1;
         Ok(())
@@ -596,10 +624,12 @@ impl DeviceMux {
         let mut foreground = Vec::new();
         self.pump()?;
         if self.background_in_flight > 0 {
+            self.assert_owner();
             self.inner.poll(&mut self.scratch)?;
             self.route(&mut foreground);
             if let Some(timeout) = wait {
                 if self.background.is_empty() {
+                    self.assert_owner();
                     self.inner.wait(&mut self.scratch, timeout)?;
                     self.route(&mut foreground);
                 }
@@ -636,6 +666,7 @@ impl BlockDevice for DeviceMux {
     fn poll(&mut self, out: &mut Vec<IoCompletion>) -> std::result::Result<usize, DevError> {
         let answered = self.answered.len();
         out.append(&mut self.answered);
+        self.assert_owner();
         self.inner.poll(&mut self.scratch)?;
         Ok(answered + self.route(out))
     }

@@ -134,6 +134,11 @@ pub struct Config {
     pub queue_capacity: usize,
     /// Requests run per batch (and so the most fsyncs one record groups).
     pub batch_max: usize,
+    /// While the reactor sleeps, waits for its device or polls an empty queue, a client
+    /// runs a lookup or a read itself when memory answers it, instead of waking the reactor
+    /// ([`crate::caller`]; one reactor only). On by default; `COREFS_CALLERS_RUN=0` in the
+    /// environment turns it off, to compare.
+    pub callers_run: bool,
 }
 
 impl Default for Config {
@@ -148,6 +153,7 @@ impl Default for Config {
             idle: IdlePolicy::default(),
             queue_capacity: 4096,
             batch_max: 256,
+            callers_run: std::env::var("COREFS_CALLERS_RUN").map_or(true, |v| v != "0"),
         }
     }
 }
@@ -273,7 +279,11 @@ impl Runtime {
         if config.reactors > 1 {
             return Self::spawn_several(config, dev, auto);
         }
-        let shared = Arc::new(Shared::with_reactors(config.queue_capacity, 1));
+        let shared = Arc::new(Shared::with_reactors(
+            config.queue_capacity,
+            1,
+            config.callers_run,
+        ));
         let router = Arc::new(Router::new(vec![shared.clone()], 0, None));
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
         let reactor_router = router.clone();
@@ -398,7 +408,7 @@ impl Runtime {
         };
         n = parts.len();
         let reactors: Vec<Arc<Shared>> = (0..n)
-            .map(|_| Arc::new(Shared::with_reactors(config.queue_capacity, n)))
+            .map(|_| Arc::new(Shared::with_reactors(config.queue_capacity, n, false)))
             .collect();
         let pool = parts.first().map(|(_, template, _)| template.pool.clone());
         let router = Arc::new(Router::new(reactors, shard_count, pool));

@@ -1,0 +1,331 @@
+//! Clients run lookups themselves while the reactor sleeps (`reactor/src/caller.rs`), and
+//! what they get is what the reactor would have answered.
+//!
+//! A file image with a node cache far smaller than its trees, so that runs from memory miss
+//! often and must hand the request to the reactor untouched (a run that reached the device
+//! would trip the engine's assertion and poison the runtime). Writer threads change their
+//! own files and directories and check, after each change, that a path lookup, a stat, a
+//! readdir and an xattr read made by themselves see it (read-your-writes through whichever
+//! side answers); reader threads check files nobody changes. Seeds print; `COREFS_SEED=N`
+//! replays.
+
+use engine::{EngineError, MkfsOptions, MountOptions, XattrFlags};
+use rand::{Rng, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
+use reactor::{Client, Config, Op, Owner, Reply, Runtime};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+const ROOT: u64 = 256;
+
+fn config(dir: &tempfile::TempDir) -> Config {
+    Config {
+        device: format!("file:{}/fs.img,size=128MiB", dir.path().display()),
+        mkfs: Some(MkfsOptions {
+            shards: 4,
+            label: "callers".into(),
+            ..Default::default()
+        }),
+        mount: MountOptions {
+            // Far fewer nodes than the trees hold: lookups miss all the time.
+            cache_nodes: 48,
+            ..Default::default()
+        },
+        ..Default::default()
+    }
+}
+
+fn stat_of(reply: Result<Reply, EngineError>, what: &str) -> engine::Stat {
+    match reply {
+        Ok(Reply::Stat(s)) => s,
+        other => panic!("{what}: expected a stat, got {other:?}"),
+    }
+}
+
+fn walk_stat(client: &mut Client, path: &[&str]) -> Result<Reply, EngineError> {
+    client.call(Op::Walk {
+        from: ROOT,
+        path: path.iter().map(|p| p.as_bytes().to_vec()).collect(),
+        then: Box::new(Op::Stat { ino: 0 }),
+    })
+}
+
+fn mkdir(client: &mut Client, dir: u64, name: &str) -> u64 {
+    stat_of(
+        client.call(Op::Mkdir {
+            dir,
+            name: name.as_bytes().to_vec(),
+            mode: 0o755,
+            owner: Owner::ROOT,
+        }),
+        name,
+    )
+    .ino
+}
+
+fn create(client: &mut Client, dir: u64, name: &str) -> u64 {
+    stat_of(
+        client.call(Op::Create {
+            dir,
+            name: name.as_bytes().to_vec(),
+            mode: 0o644,
+            owner: Owner::ROOT,
+        }),
+        name,
+    )
+    .ino
+}
+
+/// Every name in directory `dir`, by readdir.
+fn names_in(client: &mut Client, dir: u64) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    let mut cookie = 0;
+    loop {
+        let entries = match client.call(Op::Readdir {
+            dir,
+            cookie,
+            max: 64,
+        }) {
+            Ok(Reply::Entries(e)) => e,
+            other => panic!("readdir: {other:?}"),
+        };
+        let Some(last) = entries.last() else {
+            return out;
+        };
+        cookie = last.cookie;
+        for e in entries {
+            let name = String::from_utf8(e.name).expect("test names are UTF-8");
+            if name != "." && name != ".." {
+                out.insert(name, e.ino);
+            }
+        }
+    }
+}
+
+/// One writer: its own directory, files it creates, grows, tags and removes, each change
+/// checked at once through lookups that may run in this thread.
+/// Returns its steps and the reads it ran itself.
+fn writer(client: &mut Client, seed: u64, index: usize, deadline: Instant) -> (u64, u64) {
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed ^ ((index as u64 + 1) * 0x9e37));
+    let dir_name = format!("w{index}");
+    let dir = mkdir(client, ROOT, &dir_name);
+    // name -> (ino, size, tag)
+    let mut files: BTreeMap<String, (u64, u64, u8)> = BTreeMap::new();
+    // What each file holds: every write lays its tag's byte.
+    let mut contents: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
+    let mut next = 0u64;
+    let mut steps = 0u64;
+    let mut reads_here = 0;
+    while Instant::now() < deadline {
+        steps += 1;
+        let what = format!("seed {seed} writer {index} step {steps}");
+        match rng.random_range(0..10) {
+            0..=3 => {
+                let name = format!("f{next:05}");
+                next += 1;
+                let ino = create(client, dir, &name);
+                files.insert(name, (ino, 0, 0));
+                contents.insert(ino, Vec::new());
+            }
+            4..=6 if !files.is_empty() => {
+                let at = rng.random_range(0..files.len());
+                let (name, entry) = files.iter_mut().nth(at).expect("in range");
+                let grow = rng.random_range(1..9000u64);
+                entry.2 = entry.2.wrapping_add(1);
+                client
+                    .call(Op::Write {
+                        ino: entry.0,
+                        offset: entry.1,
+                        data: vec![entry.2; grow as usize],
+                    })
+                    .unwrap_or_else(|e| panic!("{what}: write {name}: {e}"));
+                entry.1 += grow;
+                let content = contents.get_mut(&entry.0).expect("every file has contents");
+                content.resize(entry.1 as usize, entry.2);
+                let tag = [entry.2];
+                client
+                    .call(Op::SetXattr {
+                        ino: entry.0,
+                        name: b"user.tag".to_vec(),
+                        value: tag.to_vec(),
+                        flags: XattrFlags::default(),
+                    })
+                    .unwrap_or_else(|e| panic!("{what}: setxattr {name}: {e}"));
+                let got = client.call(Op::Walk {
+                    from: ROOT,
+                    path: vec![dir_name.clone().into_bytes(), name.clone().into_bytes()],
+                    then: Box::new(Op::GetXattr {
+                        ino: 0,
+                        name: b"user.tag".to_vec(),
+                    }),
+                });
+                match got {
+                    Ok(Reply::Data(d)) => assert_eq!(d, tag, "{what}: xattr of {name}"),
+                    other => panic!("{what}: getxattr {name}: {other:?}"),
+                }
+            }
+            7 if !files.is_empty() => {
+                // Two reads of a random range: the first after a write moves the access
+                // time (the reactor's), the second may run here.
+                let at = rng.random_range(0..files.len());
+                let (name, &(ino, size, _)) = files.iter().nth(at).expect("in range");
+                let offset = rng.random_range(0..=size);
+                let len = rng.random_range(0..20_000usize);
+                let content = &contents[&ino];
+                let want = &content[offset as usize..(offset as usize + len).min(content.len())];
+                for _ in 0..2 {
+                    let before = client.requests_ran_here();
+                    let read = client.call(Op::Read { ino, offset, len });
+                    reads_here += client.requests_ran_here() - before;
+                    match read {
+                        Ok(Reply::Data(d)) => {
+                            assert!(d == want, "{what}: read {len} at {offset} of {name}")
+                        }
+                        other => panic!("{what}: read of {name}: {other:?}"),
+                    }
+                }
+            }
+            8 if !files.is_empty() => {
+                let at = rng.random_range(0..files.len());
+                let name = files.keys().nth(at).expect("in range").clone();
+                client
+                    .call(Op::Unlink {
+                        dir,
+                        name: name.clone().into_bytes(),
+                    })
+                    .unwrap_or_else(|e| panic!("{what}: unlink {name}: {e}"));
+                let (ino, ..) = files.remove(&name).expect("present");
+                contents.remove(&ino);
+                match walk_stat(client, &[&dir_name, &name]) {
+                    Err(EngineError::NotFound) => {}
+                    other => panic!("{what}: {name} after its unlink: {other:?}"),
+                }
+            }
+            _ => {
+                let listed = names_in(client, dir);
+                let want: BTreeMap<String, u64> =
+                    files.iter().map(|(n, e)| (n.clone(), e.0)).collect();
+                assert_eq!(listed, want, "{what}: readdir of {dir_name}");
+            }
+        }
+        // Every file this writer has, as it left it.
+        if let Some((name, &(ino, size, _))) = files.iter().nth(steps as usize % files.len().max(1))
+        {
+            let s = stat_of(walk_stat(client, &[&dir_name, name]), &what);
+            assert_eq!((s.ino, s.size), (ino, size), "{what}: stat of {name}");
+            let s = stat_of(client.call(Op::Stat { ino }), &what);
+            assert_eq!(s.size, size, "{what}: fstat of {name}");
+        }
+    }
+    (steps, reads_here)
+}
+
+/// One reader: files nobody changes, looked up over and over.
+fn reader(client: &mut Client, seed: u64, fixed: &[(String, u64, u64)], deadline: Instant) -> u64 {
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed ^ 0x5eed);
+    let mut steps = 0;
+    while Instant::now() < deadline {
+        steps += 1;
+        let (name, ino, size) = &fixed[rng.random_range(0..fixed.len())];
+        let s = stat_of(
+            walk_stat(client, &["fixed", name]),
+            &format!("seed {seed} reader step {steps}"),
+        );
+        assert_eq!((s.ino, s.size), (*ino, *size), "seed {seed}: {name}");
+        match walk_stat(client, &["fixed", "no-such-name"]) {
+            Err(EngineError::NotFound) => {}
+            other => panic!("seed {seed}: a missing name: {other:?}"),
+        }
+        if steps % 64 == 0 {
+            // Let the reactor fall asleep now and then: that is when callers run.
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+    steps
+}
+
+#[test]
+fn lookups_run_by_callers_see_every_answered_change() {
+    let seed = nvme::wrap::seed_from_env();
+    let dir = tempfile::tempdir().unwrap();
+    let runtime = Runtime::start(config(&dir)).expect("start");
+    let mut setup = runtime.client(64);
+    let fixed_dir = mkdir(&mut setup, ROOT, "fixed");
+    let fixed: Vec<(String, u64, u64)> = (0..600)
+        .map(|i| {
+            let name = format!("file-with-a-long-name-{i:04}");
+            let ino = create(&mut setup, fixed_dir, &name);
+            let size = (i % 7) as u64 * 100;
+            if size > 0 {
+                setup
+                    .call(Op::Write {
+                        ino,
+                        offset: 0,
+                        data: vec![1; size as usize],
+                    })
+                    .unwrap();
+            }
+            (name, ino, size)
+        })
+        .collect();
+    // A commit first, so the trees are on the device and the small cache must re-read them.
+    setup.call(Op::Sync).expect("sync");
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let ((writes, reads_here), reads) = std::thread::scope(|s| {
+        let writers: Vec<_> = (0..2)
+            .map(|i| {
+                let mut c = runtime.client(64);
+                s.spawn(move || writer(&mut c, seed, i, deadline))
+            })
+            .collect();
+        let readers: Vec<_> = (0..2)
+            .map(|_| {
+                let mut c = runtime.client(64);
+                let fixed = &fixed;
+                s.spawn(move || reader(&mut c, seed, fixed, deadline))
+            })
+            .collect();
+        let w = writers
+            .into_iter()
+            .map(|t| t.join().unwrap())
+            .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+        let r: u64 = readers.into_iter().map(|t| t.join().unwrap()).sum();
+        (w, r)
+    });
+    let stats = match setup.call(Op::Stats) {
+        Ok(Reply::Stats(s)) => s,
+        other => panic!("stats: {other:?}"),
+    };
+    println!(
+        "writer steps {writes} ({reads_here} reads ran in the writer), reader steps {reads}; clients ran {} requests themselves, \
+         {} missed memory and went to the reactor; reactor ops {}",
+        stats.caller_ran, stats.caller_missed, stats.ops
+    );
+    assert!(stats.caller_ran > 0, "no client ever ran a request itself");
+    assert!(reads_here > 0, "no read ever ran in its caller");
+    assert!(
+        stats.caller_missed > 0,
+        "a cache of 48 nodes never missed: the test does not reach the hand-over"
+    );
+    runtime.shutdown().expect("clean shutdown");
+}
+
+#[test]
+fn a_runtime_that_does_not_lend_runs_every_request_itself() {
+    let dir = tempfile::tempdir().unwrap();
+    let runtime = Runtime::start(Config {
+        callers_run: false,
+        ..config(&dir)
+    })
+    .expect("start");
+    let mut client = runtime.client(64);
+    create(&mut client, ROOT, "a");
+    for _ in 0..200 {
+        stat_of(walk_stat(&mut client, &["a"]), "stat");
+        std::thread::sleep(Duration::from_micros(100));
+    }
+    assert_eq!(client.requests_ran_here(), 0);
+    let sent = client.requests_sent();
+    assert_eq!(sent, 201, "every call is one request");
+    runtime.shutdown().expect("clean shutdown");
+}
