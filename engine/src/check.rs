@@ -154,6 +154,7 @@ impl Filesystem {
                 for_commit: false,
                 commit_floor: 0,
                 fetch: None,
+                unsubmitted: self.commit.in_flight.as_ref().map_or(&[], |c| &c.chunk),
             };
             let (count, mut blocks) = tree.check(&mut io)?;
             report.items += count;

@@ -557,6 +557,8 @@ impl Filesystem {
                 for_commit: true,
                 commit_floor: 0,
                 fetch: None,
+                // Before the commit is in flight: nothing serialized yet.
+                unsubmitted: &[],
             };
             // Groups emptied give themselves back now, before any bitmap item is written (none
             // of those may land in a group leaving); they reach the pool once this generation

@@ -299,6 +299,13 @@ pub(crate) struct ShardIo<'a> {
     /// Node blocks fetched in the background, and whether a miss defers instead of
     /// reading ([`crate::fetch`]); `None` outside operations (mount, check, the commit).
     pub fetch: Option<&'a mut crate::fetch::NodeFetch>,
+    /// Blocks the commit in flight has serialized and not yet handed to the device (its
+    /// chunk, [`crate::commit`]): the newest bytes of those addresses, which a node read must
+    /// take from here. Once a shard's frozen tree is written its nodes are clean and may be
+    /// evicted while the commit still slices the other shards; read back from the device
+    /// they would be the block's previous contents (an older node, or data from before the
+    /// block was freed).
+    pub unsubmitted: &'a [(u64, Vec<u8>)],
 }
 
 impl NodeIo for ShardIo<'_> {
@@ -309,6 +316,11 @@ impl NodeIo for ShardIo<'_> {
                 ptr.addr,
                 format!("pointer outside shard {owner}'s block groups"),
             ));
+        }
+        if let Some((_, block)) = self.unsubmitted.iter().rev().find(|(a, _)| *a == ptr.addr) {
+            return decode_node(block, ptr, owner, Some(level))
+                .map(|(_, body)| body)
+                .map_err(|why| EngineError::corrupt("tree node", ptr.addr, why));
         }
         if let Some(fetch) = self.fetch.as_deref_mut() {
             if let Some(block) = fetch.take(ptr.addr) {
@@ -595,6 +607,7 @@ impl Filesystem {
                     for_commit: false,
                     commit_floor: 0,
                     fetch: None,
+                    unsubmitted: &[],
                 };
                 tree.range(
                     &mut io,
@@ -785,6 +798,7 @@ impl Filesystem {
             for_commit: self.commit.in_commit,
             commit_floor,
             fetch: Some(&mut self.fetch),
+            unsubmitted: self.commit.in_flight.as_ref().map_or(&[], |c| &c.chunk),
         };
         let loaded_before = tree.loaded_nodes();
         let changes_before = tree.changes();

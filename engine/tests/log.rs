@@ -1155,3 +1155,46 @@ fn fs_after_appends(image: &[u8], ino: u64, appends: u8) -> Filesystem {
     }
     fs
 }
+
+/// Background work the pipeline has not counted is work still waiting: a write-back whose
+/// completion another poll took from the device (a synchronous read routes every completion
+/// it meets) is done on the device but still in the pipeline until the pipeline counts it,
+/// so the device must still report busy. Reported idle, a reactor with no fsync waiting never
+/// advanced the pipeline again, and a due commit waited for it forever with the writes it
+/// had parked (found by `reactor/tests/caller_runs.rs`, a hang in one run of four).
+#[test]
+fn a_write_back_completion_another_poll_took_keeps_the_device_busy_until_counted() {
+    let image = fresh(1);
+    let dev = MemDevice::from_image(&image, config()).unwrap();
+    let options = MountOptions {
+        // Write-back starts at once, and reads come from the device.
+        writeback_start_bytes: 4096,
+        data_cache_blocks: 0,
+        ..Default::default()
+    };
+    let mut fs = Filesystem::mount(Box::new(dev), options).unwrap();
+    let root = fs.root();
+    let cold = fs.create(root, b"cold", 0o644, 0, 0).unwrap().ino;
+    fs.write(cold, 0, &block(3)).unwrap();
+    fs.commit().unwrap();
+    let hot = fs.create(root, b"hot", 0o644, 0, 0).unwrap().ino;
+    let mut written_back = false;
+    for i in 0..64u64 {
+        fs.write(hot, i * 4096, &block(i as u8 + 1)).unwrap();
+        // A read from the device: its poll meets the write-backs' completions.
+        assert_eq!(fs.read(cold, 0, 4096).unwrap(), block(3));
+        if fs.log_in_flight() > 0 {
+            written_back = true;
+            assert!(
+                fs.device_busy(),
+                "write {i}: a write-back is in the pipeline but the device says idle"
+            );
+        }
+        while fs.device_busy() {
+            fs.log_progress(Some(std::time::Duration::from_millis(10)))
+                .unwrap();
+        }
+        assert_eq!(fs.log_in_flight(), 0, "write {i}: the pipeline drained");
+    }
+    assert!(written_back, "the test never wrote back in the background");
+}

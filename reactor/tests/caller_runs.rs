@@ -29,6 +29,9 @@ fn config(dir: &tempfile::TempDir) -> Config {
         mount: MountOptions {
             // Far fewer nodes than the trees hold: lookups miss all the time.
             cache_nodes: 48,
+            // Commits all the time: lookups and changes run between the slices of a commit
+            // and beside its writes in flight, with nodes evicted and read back meanwhile.
+            commit_interval: Duration::from_millis(20),
             ..Default::default()
         },
         ..Default::default()

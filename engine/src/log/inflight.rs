@@ -975,9 +975,15 @@ impl Filesystem {
                 .any(|f| f.ticket == ticket && f.flushed)
     }
 
-    /// True while background writes or flushes are in flight or queued.
+    /// True while background writes or flushes are in flight or queued, or completed with
+    /// their completions not yet counted by the pipeline ([`Filesystem::log_progress`]): a
+    /// synchronous read or a data-read poll routes every completion it meets, so a
+    /// write-back may be done on the device and still hold its pipeline entry (and a due
+    /// commit behind it) until the pipeline is advanced once more.
     pub fn device_busy(&self) -> bool {
-        self.dev.background_in_flight > 0 || !self.dev.backlog.is_empty()
+        self.dev.background_in_flight > 0
+            || !self.dev.backlog.is_empty()
+            || !self.dev.background.is_empty()
     }
 
     /// Waits until `ticket` is durable.
