@@ -66,6 +66,10 @@ pub struct FetchStats {
     /// Runs from memory alone ([`Filesystem::from_memory`]) that missed and were left to
     /// the device's owner.
     pub from_memory_misses: u64,
+    /// Changes run by a thread the engine was lent to ([`Filesystem::change_lent`]), and
+    /// those refused for space and left to the owner.
+    pub lent_changes: u64,
+    pub lent_no_space: u64,
 }
 
 /// The engine's state for deferred lookups.
@@ -226,9 +230,9 @@ impl Filesystem {
         }
         self.fetch.deferring = true;
         self.fetch.declined = false;
-        self.dev.lend(true);
+        self.dev.lend(crate::log::inflight::Lent::Nothing);
         let out = f(self);
-        self.dev.lend(false);
+        self.dev.lend(crate::log::inflight::Lent::No);
         self.fetch.deferring = false;
         // Read-ahead hints are the owner's to act on when it misses itself.
         self.fetch.ahead.clear();
@@ -241,6 +245,44 @@ impl Filesystem {
             self.fetch.stats.from_memory_misses += 1;
             return None;
         }
+        Some(out)
+    }
+
+    /// True when a thread that does not own the device may run changes on this engine
+    /// ([`Filesystem::change_lent`]): the device can read beside its queue.
+    pub fn changes_lendable(&self) -> bool {
+        self.dev.reads_beside_queue()
+    }
+
+    /// Runs the change `f` for a thread that does not own the device's queue (a client
+    /// running a request while its reactor sleeps), after the caller checked from memory
+    /// that what the change looks up is there. A tree node it still misses is read
+    /// synchronously beside the queue ([`nvme::AnyThreadReader`]); the queue itself is never
+    /// touched (the device asserts so). `None`: not run, nothing changed, the owner must run
+    /// it — the engine has failed, cannot read beside its queue, or the change was refused
+    /// for space before it changed anything (the owner commits and tries again).
+    ///
+    /// # Panics
+    /// If `f` reaches the device's queue: only changes that write nothing to the device
+    /// themselves may run here (names, links, attributes, holds; not data).
+    pub fn change_lent<T>(
+        &mut self,
+        f: impl FnOnce(&mut Self) -> crate::Result<T>,
+    ) -> Option<crate::Result<T>> {
+        if self.failed.is_some() || self.fetch.deferring || !self.dev.reads_beside_queue() {
+            return None;
+        }
+        let changes = self.op.changes;
+        self.dev.lend(crate::log::inflight::Lent::Reads);
+        self.op.lent = true;
+        let out = f(self);
+        self.op.lent = false;
+        self.dev.lend(crate::log::inflight::Lent::No);
+        if matches!(out, Err(crate::EngineError::NoSpace)) && self.op.changes == changes {
+            self.fetch.stats.lent_no_space += 1;
+            return None;
+        }
+        self.fetch.stats.lent_changes += 1;
         Some(out)
     }
 

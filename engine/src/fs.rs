@@ -221,6 +221,9 @@ pub(crate) struct OpState {
     /// Tree changes so far (every insert or removal): an operation that fails after this
     /// moved has changed the filesystem halfway.
     pub changes: u64,
+    /// The engine is lent to a thread that does not own the device's queue
+    /// ([`Filesystem::change_lent`]): a change refused for space does not commit inline.
+    pub lent: bool,
 }
 
 /// Metadata and data blocks an operation may allocate, per shard: its worst case, reserved
@@ -949,7 +952,7 @@ impl Filesystem {
         }
         match self.run_op_once(&mut f) {
             Err(EngineError::NoSpace)
-                if !self.mode.is_partitioned() && self.space_reclaimable() =>
+                if !self.mode.is_partitioned() && !self.op.lent && self.space_reclaimable() =>
             {
                 self.commit()?;
                 self.run_op_once(&mut f)

@@ -348,9 +348,9 @@ impl Filesystem {
             // Still lent: a read-ahead started here by mistake trips the device's assertion
             // before it reaches the queue.
             let fetches = self.reads.stats.ahead_sets;
-            self.dev.lend(true);
+            self.dev.lend(crate::log::inflight::Lent::Nothing);
             self.follow_stream(ino, offset, len as u64);
-            self.dev.lend(false);
+            self.dev.lend(crate::log::inflight::Lent::No);
             assert_eq!(
                 fetches, self.reads.stats.ahead_sets,
                 "a read from memory started no read-ahead"

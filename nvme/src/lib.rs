@@ -225,6 +225,15 @@ pub trait BlockDevice: Send {
         false
     }
 
+    /// A reader that any thread may use for synchronous reads beside this queue, seeing every
+    /// write this queue has completed (a client running a change on an engine its reactor
+    /// lent reads the tree nodes it misses through it: the queue itself is the reactor's).
+    /// `None` where the device has none (wrappers that model a cache or inject faults: a
+    /// read beside them would see what they hide).
+    fn any_thread_reader(&self) -> Option<Box<dyn AnyThreadReader>> {
+        None
+    }
+
     /// Another queue on the same storage that any thread may take, if the device can make
     /// one here (the memory device). An io_uring device cannot (its rings belong to the thread
     /// that made them): each reactor opens its own from the device string.
@@ -277,6 +286,17 @@ impl<D: BlockDevice + ?Sized> BlockDevice for Box<D> {
     fn new_queue(&self) -> Option<Result<Box<dyn BlockDevice>, DevError>> {
         (**self).new_queue()
     }
+    fn any_thread_reader(&self) -> Option<Box<dyn AnyThreadReader>> {
+        (**self).any_thread_reader()
+    }
+}
+
+/// Synchronous reads beside a device's queue, from any thread
+/// ([`BlockDevice::any_thread_reader`]). Slow by design (a system call or a lock per read):
+/// for the rare node a lent engine misses, never a data path.
+pub trait AnyThreadReader: Send {
+    /// Reads `out.len()` bytes (whole LBAs, at most the device's largest transfer) at `lba`.
+    fn read_at(&mut self, lba: u64, out: &mut [u8]) -> Result<(), DevError>;
 }
 
 /// Checks a request against the queue's geometry before it reaches a device: alignment,

@@ -1,6 +1,6 @@
 //! A client runs a request itself while its reactor sleeps ([`CallerRuns`]): the engine is
-//! lent to whichever thread takes it, so a lookup or a stat answered from memory costs no
-//! wake-up on either side.
+//! lent to whichever thread takes it, so a lookup, a read or a change of names answered
+//! from memory costs no wake-up on either side.
 //!
 //! Why: every request crosses threads twice (the reactor's wake-up, then the client's). On
 //! a quiet machine a hop is a few microseconds; beside a CPU-bound neighbour both sides
@@ -16,12 +16,21 @@
 //!   with a Release, so each holder sees everything the one before it did.
 //! - The engine pointer is published by the reactor before it lends and is valid until it
 //!   takes the engine back: the reactor does not touch its engine while it is lent.
-//! - A caller runs only lookups and reads, from memory alone ([`engine::Filesystem::from_memory`]):
-//!   nothing changes, nothing is read from the device (whose queue only the reactor may
-//!   use), and a miss gives the request back to be sent to the reactor as usual. So the
-//!   reactor finds its engine as it left it, but for caches and the read-ahead streams a
-//!   read follows. A read that would move an access time or start a read-ahead is the
+//! - The device's queue is the reactor's alone (an io_uring ring admits one submitter):
+//!   while the engine is lent, the device multiplexer asserts on any use of it.
+//! - Lookups and reads run from memory alone ([`engine::Filesystem::from_memory`]): nothing
+//!   changes, nothing is read, and a miss gives the request back, untouched, to be sent to
+//!   the reactor. A read that would move an access time or start a read-ahead is the
 //!   reactor's.
+//! - Changes of names, links, attributes and holds ([`Op::caller_run`]) run once their
+//!   walk and lookups were found in memory, with the engine lent for reads
+//!   ([`engine::Filesystem::change_lent`]): a change cannot be declined halfway, so a tree
+//!   node it still misses (a split's sibling, the leaf a new inode lands in) is read
+//!   synchronously beside the queue, answered from the background writes in flight where
+//!   they hold it. Changes that write to the device themselves (data, truncation) and
+//!   fsyncs are never run here. A change refused for space before it changed anything goes
+//!   to the reactor, which commits and tries again. A change that makes a commit due rings
+//!   the reactor.
 //! - Only with one reactor: with several, a walk may need another reactor's directories.
 //! - The reactor waiting to take its engine back (`reclaiming`) stops new callers from
 //!   taking it, so callers cannot starve the reactor.
@@ -33,8 +42,9 @@
 //! so running ahead of them is what any concurrent caller may see. A client with requests
 //! of its own in flight does not run one itself (it would overtake them).
 
-use crate::execute::execute_on;
-use crate::op::{Op, Reply};
+use crate::execute::{execute_on, walk};
+use crate::meta_wait::lookups;
+use crate::op::{CallerRun, Op, Reply};
 use engine::{EngineError, Filesystem};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, Ordering};
 
@@ -62,8 +72,10 @@ pub(crate) struct CallerRuns {
     /// callers cannot keep the reactor from its queue.
     reclaiming: AtomicBool,
     fs: AtomicPtr<Filesystem>,
-    /// Whether the reactor lends at all (`Config::callers_run`, one reactor).
+    /// Whether the reactor lends at all (`Config::callers_run`, one reactor), and whether
+    /// clients may run changes (`Config::callers_change`).
     enabled: bool,
+    changes: AtomicBool,
     /// Requests clients ran themselves, and those they tried and gave to the reactor (a
     /// miss in memory).
     pub ran: AtomicU64,
@@ -77,9 +89,16 @@ impl CallerRuns {
             reclaiming: AtomicBool::new(false),
             fs: AtomicPtr::new(std::ptr::null_mut()),
             enabled,
+            changes: AtomicBool::new(true),
             ran: AtomicU64::new(0),
             missed: AtomicU64::new(0),
         }
+    }
+
+    /// Whether clients may run changes, not only lookups and reads (before the reactor
+    /// starts).
+    pub(crate) fn allow_changes(&self, allowed: bool) {
+        self.changes.store(allowed, Ordering::Relaxed);
     }
 
     /// The reactor lends its engine while it runs `wait` (a sleep or a yield that does not
@@ -127,10 +146,20 @@ impl CallerRuns {
         true
     }
 
-    /// Runs `op` in the calling thread if the reactor lends its engine now and `op` is
-    /// answered from memory: `None` otherwise (send it to the reactor).
-    pub(crate) fn try_run(&self, op: &Op) -> Option<Result<Reply, EngineError>> {
-        if !self.enabled || !op.runs_from_memory() || self.reclaiming.load(Ordering::Relaxed) {
+    /// Runs `op` in the calling thread if the reactor lends its engine now and `op` may run
+    /// here ([`Op::caller_run`]): `None` otherwise (send it to the reactor). `wake` rings the
+    /// reactor: a change that made a commit due calls it, so the reactor commits soon.
+    pub(crate) fn try_run(
+        &self,
+        op: &Op,
+        wake: impl FnOnce(),
+    ) -> Option<Result<Reply, EngineError>> {
+        let kind = op.caller_run();
+        if !self.enabled
+            || kind == CallerRun::No
+            || (kind == CallerRun::Change && !self.changes.load(Ordering::Relaxed))
+            || self.reclaiming.load(Ordering::Relaxed)
+        {
             return None;
         }
         if self
@@ -147,10 +176,17 @@ impl CallerRuns {
         // published the pointer before it lent the engine and uses the engine only after it
         // takes it back (module invariants), so this is the only reference to it now.
         let fs = unsafe { &mut *fs };
-        let out = match *op {
-            Op::Read { ino, offset, len } => fs
+        let out = match (kind, op) {
+            (_, &Op::Read { ino, offset, len }) => fs
                 .read_from_memory(ino, offset, len)
                 .map(|r| r.map(Reply::Data)),
+            (CallerRun::Change, op) => {
+                let out = change(fs, op);
+                if out.is_some() && fs.commit_due() {
+                    wake();
+                }
+                out
+            }
             _ => fs.from_memory(|fs| execute_on(fs, op)),
         };
         drop(held);
@@ -165,6 +201,29 @@ impl CallerRuns {
             }
         }
     }
+}
+
+/// A change run by a client: its walk and its lookups from memory (a miss hands it to the
+/// reactor, which parks it while the nodes are read), then the change itself
+/// ([`Filesystem::change_lent`]).
+fn change(fs: &mut Filesystem, op: &Op) -> Option<Result<Reply, EngineError>> {
+    let walked;
+    let op = match op {
+        Op::Walk { from, path, then } => match fs.from_memory(|fs| walk(fs, *from, path))? {
+            Ok((ino, taken)) => {
+                assert_eq!(taken, path.len(), "one reactor holds every directory");
+                walked = match crate::execute::walked(then, ino) {
+                    Ok(op) => op,
+                    Err(e) => return Some(Err(e)),
+                };
+                &walked
+            }
+            Err(e) => return Some(Err(e)),
+        },
+        op => op,
+    };
+    fs.from_memory(|fs| lookups(fs, op))?;
+    fs.change_lent(|fs| execute_on(fs, op))
 }
 
 /// The engine held by a caller: given back on drop, poisoned if the caller panicked.

@@ -417,7 +417,8 @@ impl Client {
         // With nothing of its own in flight, a lookup memory answers runs here while the
         // reactor sleeps: no wake-up on either side ([`crate::caller`]).
         if self.in_flight == 0 {
-            if let Some(result) = self.shared.caller.try_run(&op) {
+            let shared = &self.shared;
+            if let Some(result) = shared.caller.try_run(&op, || shared.doorbell.ring()) {
                 self.ran_here += 1;
                 return result;
             }

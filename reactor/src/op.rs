@@ -282,20 +282,38 @@ impl Op {
         )
     }
 
-    /// Lookups and reads a client may run itself from memory while the reactor sleeps
-    /// ([`crate::caller`]): they change nothing but caches (a read that would move an
-    /// access time is left to the reactor).
-    pub(crate) fn runs_from_memory(&self) -> bool {
+    /// Whether and how a client may run this request itself while the reactor sleeps
+    /// ([`crate::caller`]).
+    pub(crate) fn caller_run(&self) -> CallerRun {
         match self {
-            Op::Walk { then, .. } => then.runs_from_memory(),
+            Op::Walk { then, .. } => then.caller_run(),
+            // They change nothing but caches (a read that would move an access time is
+            // left to the reactor).
             Op::Lookup { .. }
             | Op::Stat { .. }
             | Op::Readlink { .. }
             | Op::Readdir { .. }
             | Op::Read { .. }
             | Op::GetXattr { .. }
-            | Op::ListXattr { .. } => true,
-            _ => false,
+            | Op::ListXattr { .. } => CallerRun::FromMemory,
+            // Names, links, attributes and holds: tree items only, nothing the change itself
+            // writes to the device. Data (writes, truncation, an open that truncates) and
+            // fsyncs are the reactor's.
+            Op::Create { .. }
+            | Op::Mkdir { .. }
+            | Op::Symlink { .. }
+            | Op::Mknod { .. }
+            | Op::Link { .. }
+            | Op::Unlink { .. }
+            | Op::Rmdir { .. }
+            | Op::Rename { .. }
+            | Op::SetXattr { .. }
+            | Op::RemoveXattr { .. }
+            | Op::Hold { .. }
+            | Op::Release { .. } => CallerRun::Change,
+            Op::Open { how, .. } if !how.truncate => CallerRun::Change,
+            Op::SetAttr { change, .. } if change.size.is_none() => CallerRun::Change,
+            _ => CallerRun::No,
         }
     }
 
@@ -306,6 +324,18 @@ impl Op {
             _ => None,
         }
     }
+}
+
+/// How a client may run a request itself ([`Op::caller_run`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CallerRun {
+    /// A lookup or a read, from memory alone ([`engine::Filesystem::from_memory`]).
+    FromMemory,
+    /// A change, once its lookups were found in memory
+    /// ([`engine::Filesystem::change_lent`]).
+    Change,
+    /// Only the reactor runs it.
+    No,
 }
 
 /// A successful operation's result.

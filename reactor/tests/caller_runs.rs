@@ -1,5 +1,6 @@
-//! Clients run lookups themselves while the reactor sleeps (`reactor/src/caller.rs`), and
-//! what they get is what the reactor would have answered.
+//! Clients run lookups, reads and changes of names themselves while the reactor sleeps
+//! (`reactor/src/caller.rs`), and what they get and leave is what the reactor would have
+//! answered and left.
 //!
 //! A file image with a node cache far smaller than its trees, so that runs from memory miss
 //! often and must hand the request to the reactor untouched (a run that reached the device
@@ -7,7 +8,8 @@
 //! own files and directories and check, after each change, that a path lookup, a stat, a
 //! readdir and an xattr read made by themselves see it (read-your-writes through whichever
 //! side answers); reader threads check files nobody changes. Seeds print; `COREFS_SEED=N`
-//! replays.
+//! replays. After the run the image is mounted again and every writer's files are checked:
+//! the changes clients ran reached the device with the reactor's commits.
 
 use engine::{EngineError, MkfsOptions, MountOptions, XattrFlags};
 use rand::{Rng, SeedableRng};
@@ -107,8 +109,11 @@ fn names_in(client: &mut Client, dir: u64) -> BTreeMap<String, u64> {
 
 /// One writer: its own directory, files it creates, grows, tags and removes, each change
 /// checked at once through lookups that may run in this thread.
-/// Returns its steps and the reads it ran itself.
-fn writer(client: &mut Client, seed: u64, index: usize, deadline: Instant) -> (u64, u64) {
+/// What a writer leaves: its files' names, sizes and tags.
+type Left = BTreeMap<String, (u64, u8)>;
+
+/// Returns its steps, the reads it ran itself and what it leaves.
+fn writer(client: &mut Client, seed: u64, index: usize, deadline: Instant) -> (u64, u64, Left) {
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed ^ ((index as u64 + 1) * 0x9e37));
     let dir_name = format!("w{index}");
     let dir = mkdir(client, ROOT, &dir_name);
@@ -220,7 +225,11 @@ fn writer(client: &mut Client, seed: u64, index: usize, deadline: Instant) -> (u
             assert_eq!(s.size, size, "{what}: fstat of {name}");
         }
     }
-    (steps, reads_here)
+    let left = files
+        .into_iter()
+        .map(|(name, (_, size, tag))| (name, (size, tag)))
+        .collect();
+    (steps, reads_here, left)
 }
 
 /// One reader: files nobody changes, looked up over and over.
@@ -274,7 +283,7 @@ fn lookups_run_by_callers_see_every_answered_change() {
     // A commit first, so the trees are on the device and the small cache must re-read them.
     setup.call(Op::Sync).expect("sync");
     let deadline = Instant::now() + Duration::from_secs(3);
-    let ((writes, reads_here), reads) = std::thread::scope(|s| {
+    let ((writes, reads_here, left), reads) = std::thread::scope(|s| {
         let writers: Vec<_> = (0..2)
             .map(|i| {
                 let mut c = runtime.client(64);
@@ -288,10 +297,13 @@ fn lookups_run_by_callers_see_every_answered_change() {
                 s.spawn(move || reader(&mut c, seed, fixed, deadline))
             })
             .collect();
-        let w = writers
-            .into_iter()
-            .map(|t| t.join().unwrap())
-            .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+        let mut w = (0, 0, Vec::new());
+        for t in writers {
+            let (steps, here, left) = t.join().unwrap();
+            w.0 += steps;
+            w.1 += here;
+            w.2.push(left);
+        }
         let r: u64 = readers.into_iter().map(|t| t.join().unwrap()).sum();
         (w, r)
     });
@@ -300,9 +312,20 @@ fn lookups_run_by_callers_see_every_answered_change() {
         other => panic!("stats: {other:?}"),
     };
     println!(
-        "writer steps {writes} ({reads_here} reads ran in the writer), reader steps {reads}; clients ran {} requests themselves, \
-         {} missed memory and went to the reactor; reactor ops {}",
-        stats.caller_ran, stats.caller_missed, stats.ops
+        "writer steps {writes} ({reads_here} reads ran in the writer), reader steps {reads}; \
+         clients ran {} requests themselves ({} changes; {} nodes read beside the queue, {} \
+         of them from writes in flight), {} missed memory and went to the reactor; reactor \
+         ops {}",
+        stats.caller_ran,
+        stats.fetch.lent_changes,
+        stats.device_waits.lent_reads,
+        stats.device_waits.lent_reads_from_writes,
+        stats.caller_missed,
+        stats.ops
+    );
+    assert!(
+        stats.fetch.lent_changes > 0,
+        "no change ever ran in a client"
     );
     assert!(stats.caller_ran > 0, "no client ever ran a request itself");
     assert!(reads_here > 0, "no read ever ran in its caller");
@@ -310,6 +333,35 @@ fn lookups_run_by_callers_see_every_answered_change() {
         stats.caller_missed > 0,
         "a cache of 48 nodes never missed: the test does not reach the hand-over"
     );
+    runtime.shutdown().expect("clean shutdown");
+
+    // Mounted again: every change a client ran is on the device, as its writer left it.
+    let runtime = Runtime::start(Config {
+        mkfs: None,
+        ..config(&dir)
+    })
+    .expect("remount");
+    let mut client = runtime.client(64);
+    for (index, left) in left.iter().enumerate() {
+        let dir_name = format!("w{index}");
+        let dir = stat_of(walk_stat(&mut client, &[&dir_name]), &dir_name).ino;
+        let listed: Vec<String> = names_in(&mut client, dir).into_keys().collect();
+        let want: Vec<String> = left.keys().cloned().collect();
+        assert_eq!(listed, want, "seed {seed}: {dir_name} after the remount");
+        for (name, &(size, tag)) in left {
+            let s = stat_of(walk_stat(&mut client, &[&dir_name, name]), name);
+            assert_eq!(s.size, size, "seed {seed}: size of {dir_name}/{name}");
+            if tag > 0 {
+                match client.call(Op::GetXattr {
+                    ino: s.ino,
+                    name: b"user.tag".to_vec(),
+                }) {
+                    Ok(Reply::Data(d)) => assert_eq!(d, [tag], "seed {seed}: {name}'s tag"),
+                    other => panic!("seed {seed}: {name}'s tag: {other:?}"),
+                }
+            }
+        }
+    }
     runtime.shutdown().expect("clean shutdown");
 }
 

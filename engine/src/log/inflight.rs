@@ -65,6 +65,10 @@ pub struct DeviceWaitStats {
     pub waits: u64,
     pub wait_ns_total: u64,
     pub wait_ns_max: u64,
+    /// Reads a lent engine made beside the queue ([`Lent::Reads`]), and those answered from
+    /// the background writes in flight.
+    pub lent_reads: u64,
+    pub lent_reads_from_writes: u64,
 }
 
 /// Records in flight at once.
@@ -103,9 +107,26 @@ pub struct DeviceMux {
     /// [`SPARE_BLOCKS_MAX`]). Allocating them afresh each commit cost its pause a page fault
     /// per node: the allocator gives the freed megabytes back to the kernel between commits.
     pub(crate) spare_blocks: Vec<Vec<u8>>,
-    /// Lent to a thread that must not reach the device ([`crate::Filesystem::from_memory`]):
-    /// every submission, poll and wait asserts it is not.
-    lent: bool,
+    /// Lent to a thread that is not the queue's owner ([`Lent`]).
+    lent: Lent,
+    /// Synchronous reads beside the queue, from any thread ([`BlockDevice::any_thread_reader`]):
+    /// what a lent engine that runs a change reads its missed nodes through.
+    reader: Option<Box<dyn nvme::AnyThreadReader>>,
+}
+
+/// Whether the engine is lent to a thread that does not own the device's queue, and what that
+/// thread may do with the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Lent {
+    /// The owner runs: anything.
+    No,
+    /// Nothing at all ([`crate::Filesystem::from_memory`]): every submission, poll and wait
+    /// asserts.
+    Nothing,
+    /// Synchronous reads only, through the any-thread reader, answered from the background
+    /// writes in flight where they cover the blocks ([`crate::Filesystem::change_lent`]).
+    /// Anything else asserts.
+    Reads,
 }
 
 /// Background write bytes one [`DeviceMux::pump`] hands to the device. Every copy into a DMA
@@ -120,6 +141,7 @@ pub const SPARE_BLOCKS_MAX: usize = 4096;
 
 impl DeviceMux {
     pub fn new(inner: Box<dyn BlockDevice>) -> DeviceMux {
+        let reader = inner.any_thread_reader();
         DeviceMux {
             inner,
             background: Vec::new(),
@@ -134,22 +156,81 @@ impl DeviceMux {
             backlog: VecDeque::new(),
             scratch: Vec::new(),
             spare_blocks: Vec::new(),
-            lent: false,
+            lent: Lent::No,
+            reader,
         }
     }
 
-    /// Lends the engine to (or takes it back from) a thread that must not reach the device.
-    pub(crate) fn lend(&mut self, lent: bool) {
+    /// Lends the engine to (or takes it back from, with [`Lent::No`]) a thread that does
+    /// not own the device's queue.
+    pub(crate) fn lend(&mut self, lent: Lent) {
+        assert!(
+            lent != Lent::Reads || self.reader.is_some(),
+            "reads while lent need an any-thread reader"
+        );
         self.lent = lent;
+    }
+
+    /// True when a lent engine can read beside the queue ([`Lent::Reads`]).
+    pub(crate) fn reads_beside_queue(&self) -> bool {
+        self.reader.is_some()
     }
 
     /// The contract of [`DeviceMux::lend`]: a device request made by a thread that does not
     /// own the device's queue would fail (an io_uring ring admits one submitter) or race.
     fn assert_owner(&self) {
         assert!(
-            !self.lent,
-            "the device was reached by a thread running from memory alone"
+            self.lent == Lent::No,
+            "the device's queue was reached by a thread the engine was lent to ({:?})",
+            self.lent
         );
+    }
+
+    /// A synchronous read made by a lent engine ([`Lent::Reads`]): answered from the
+    /// background writes in flight when they hold its blocks (the device may not have them
+    /// yet), else read beside the queue; its completion waits in `answered` for the next poll.
+    fn submit_lent(&mut self, request: Request) -> std::result::Result<(), Rejected> {
+        assert_eq!(
+            self.lent,
+            Lent::Reads,
+            "the device's queue was reached by a thread running from memory alone"
+        );
+        let Request { token, op } = request;
+        let IoOp::Read { lba, mut buf } = op else {
+            panic!("a lent engine may only read: {:?}", op.kind());
+        };
+        let lba_bytes = self.inner.info().lba_size_bytes as u64;
+        let block_bytes = crate::format::BLOCK_BYTES as u64;
+        let (byte, bytes) = (lba * lba_bytes, buf.as_slice().len() as u64);
+        let (first, end) = (byte / block_bytes, (byte + bytes).div_ceil(block_bytes));
+        self.waits.lent_reads += 1;
+        let result = if self.overlapping_writes(first, end - first).is_empty() {
+            let reader = self.reader.as_mut().expect("checked when lent");
+            reader.read_at(lba, buf.as_mut_slice())
+        } else {
+            self.waits.lent_reads_from_writes += 1;
+            // A node is one block: written in the background whole, or not at all.
+            assert!(
+                byte % block_bytes == 0
+                    && bytes % block_bytes == 0
+                    && (first..end).all(|b| self.writing_block(b).is_some()),
+                "a lent engine read blocks a background write holds only in part"
+            );
+            let dst = buf.as_mut_slice();
+            for (i, b) in (first..end).enumerate() {
+                let at = i * crate::format::BLOCK_BYTES;
+                dst[at..at + crate::format::BLOCK_BYTES]
+                    .copy_from_slice(self.writing_block(b).expect("checked"));
+            }
+            Ok(())
+        };
+        self.answered.push(IoCompletion {
+            token,
+            kind: nvme::OpKind::Read,
+            result,
+            buf: Some(buf),
+        });
+        Ok(())
     }
 
     /// The device itself. Requests still in flight stay in flight (what a crash leaves).
@@ -540,6 +621,12 @@ impl DeviceMux {
             run.addr,
             (run.len_bytes() / crate::format::BLOCK_BYTES) as u64,
         );
+        let overlap = self.overlapping_writes(addr, blocks);
+        assert!(
+            overlap.is_empty(),
+            "a background write of blocks {addr}+{blocks} overlaps writes in flight \
+             {overlap:?}: the allocator reused a block with a write pending"
+        );
         let previous = self
             .writing
             .insert(addr, (blocks, token, run.into_pieces()));
@@ -660,12 +747,19 @@ impl BlockDevice for DeviceMux {
             !is_background(request.token) && !is_read(request.token),
             "foreground tokens must not carry the background or read tag"
         );
+        if self.lent != Lent::No {
+            return self.submit_lent(request);
+        }
         self.submit_ordered(request)
     }
 
     fn poll(&mut self, out: &mut Vec<IoCompletion>) -> std::result::Result<usize, DevError> {
         let answered = self.answered.len();
         out.append(&mut self.answered);
+        if self.lent == Lent::Reads {
+            // A lent engine's reads are answered at submit; the queue is not its to poll.
+            return Ok(answered);
+        }
         self.assert_owner();
         self.inner.poll(&mut self.scratch)?;
         Ok(answered + self.route(out))
@@ -676,7 +770,7 @@ impl BlockDevice for DeviceMux {
         out: &mut Vec<IoCompletion>,
         timeout: Duration,
     ) -> std::result::Result<usize, DevError> {
-        if !self.answered.is_empty() {
+        if !self.answered.is_empty() || self.lent == Lent::Reads {
             return self.poll(out);
         }
         let deadline = Instant::now() + timeout;
@@ -691,6 +785,9 @@ impl BlockDevice for DeviceMux {
     }
 
     fn in_flight(&self) -> u32 {
+        if self.lent == Lent::Reads {
+            return self.answered.len() as u32;
+        }
         self.inner.in_flight() - self.background_in_flight - self.reads_in_flight
             + self.answered.len() as u32
     }

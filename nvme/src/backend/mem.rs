@@ -202,6 +202,13 @@ impl BlockDevice for MemDevice {
         Some(MemDevice::new_queue(self).map(|q| Box::new(q) as Box<dyn BlockDevice>))
     }
 
+    fn any_thread_reader(&self) -> Option<Box<dyn crate::AnyThreadReader>> {
+        Some(Box::new(MemReader {
+            store: self.store.clone(),
+            info: self.info.clone(),
+        }))
+    }
+
     fn info(&self) -> &DeviceInfo {
         &self.info
     }
@@ -278,5 +285,39 @@ impl SimAccess for MemDevice {
     fn sim_write(&mut self, lba: u64, data: &[u8]) {
         let range = self.byte_range(lba, data.len());
         self.store()[range].copy_from_slice(data);
+    }
+}
+
+/// [`BlockDevice::any_thread_reader`] of a memory device: a copy under the store's lock.
+struct MemReader {
+    store: Arc<Mutex<MmapMut>>,
+    info: DeviceInfo,
+}
+
+impl crate::AnyThreadReader for MemReader {
+    fn read_at(&mut self, lba: u64, out: &mut [u8]) -> Result<(), DevError> {
+        let lba_size = self.info.lba_size_bytes as u64;
+        let lbas = out.len() as u64 / lba_size;
+        if out.is_empty() || out.len() as u64 % lba_size != 0 {
+            return Err(DevError::BadLength {
+                len_bytes: out.len() as u64,
+                lba_size_bytes: self.info.lba_size_bytes,
+                max_io_bytes: self.info.max_io_bytes,
+            });
+        }
+        if lba
+            .checked_add(lbas)
+            .is_none_or(|end| end > self.info.capacity_lbas)
+        {
+            return Err(DevError::OutOfRange {
+                lba,
+                lbas,
+                capacity_lbas: self.info.capacity_lbas,
+            });
+        }
+        let start = (lba * lba_size) as usize;
+        let store = self.store.lock().expect("memory device lock");
+        out.copy_from_slice(&store[start..start + out.len()]);
+        Ok(())
     }
 }

@@ -375,6 +375,18 @@ impl BlockDevice for FileDevice {
         &self.info
     }
 
+    fn any_thread_reader(&self) -> Option<Box<dyn crate::AnyThreadReader>> {
+        // Its own open file description (O_DIRECT, read-only) and a page-aligned bounce
+        // buffer: O_DIRECT reads the device as this queue's completed writes left it.
+        let file = reopen_for_ring(&self.file, true).ok()?;
+        let bounce = memmap2::MmapMut::map_anon(self.info.max_io_bytes as usize).ok()?;
+        Some(Box::new(FileReader {
+            file,
+            bounce,
+            info: self.info.clone(),
+        }))
+    }
+
     fn pool(&self) -> &DmaPool {
         &self.pool
     }
@@ -439,6 +451,63 @@ impl BlockDevice for FileDevice {
     fn signal_completions_to(&mut self, eventfd: std::os::fd::RawFd) -> bool {
         let name = self.info.name.clone();
         self.ring.register_eventfd(eventfd, &name)
+    }
+}
+
+/// [`BlockDevice::any_thread_reader`] of a file device: pread(2) through a bounce buffer.
+struct FileReader {
+    file: File,
+    bounce: memmap2::MmapMut,
+    info: DeviceInfo,
+}
+
+impl crate::AnyThreadReader for FileReader {
+    fn read_at(&mut self, lba: u64, out: &mut [u8]) -> Result<(), DevError> {
+        use std::os::unix::fs::FileExt;
+        let lba_size = self.info.lba_size_bytes as u64;
+        let lbas = out.len() as u64 / lba_size;
+        if out.is_empty() || out.len() as u64 % lba_size != 0 || out.len() > self.bounce.len() {
+            return Err(DevError::BadLength {
+                len_bytes: out.len() as u64,
+                lba_size_bytes: self.info.lba_size_bytes,
+                max_io_bytes: self.info.max_io_bytes,
+            });
+        }
+        if lba
+            .checked_add(lbas)
+            .is_none_or(|end| end > self.info.capacity_lbas)
+        {
+            return Err(DevError::OutOfRange {
+                lba,
+                lbas,
+                capacity_lbas: self.info.capacity_lbas,
+            });
+        }
+        let buf = &mut self.bounce[..out.len()];
+        let io = |e: std::io::Error| DevError::Io {
+            op: crate::OpKind::Read,
+            errno: e.raw_os_error().unwrap_or(libc::EIO),
+        };
+        let mut done = 0;
+        while done < buf.len() {
+            match self
+                .file
+                .read_at(&mut buf[done..], lba * lba_size + done as u64)
+            {
+                Ok(0) => {
+                    return Err(DevError::ShortTransfer {
+                        op: crate::OpKind::Read,
+                        expected_bytes: buf.len() as u32,
+                        got_bytes: done as u32,
+                    })
+                }
+                Ok(n) => done += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(io(e)),
+            }
+        }
+        out.copy_from_slice(buf);
+        Ok(())
     }
 }
 

@@ -186,6 +186,10 @@ impl<D: BlockDevice> BlockDevice for RecordingDevice<D> {
             }) as Box<dyn BlockDevice>
         }))
     }
+    fn any_thread_reader(&self) -> Option<Box<dyn crate::AnyThreadReader>> {
+        // Reads need no recording: they pass to the device as the queue's own do.
+        self.inner.any_thread_reader()
+    }
     fn info(&self) -> &DeviceInfo {
         self.inner.info()
     }

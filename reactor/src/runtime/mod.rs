@@ -139,6 +139,9 @@ pub struct Config {
     /// ([`crate::caller`]; one reactor only). On by default; `COREFS_CALLERS_RUN=0` in the
     /// environment turns it off, to compare.
     pub callers_run: bool,
+    /// With `callers_run`: changes of names, links, attributes and holds too, not only
+    /// lookups and reads. On by default; `COREFS_CALLERS_RUN=lookups` turns it off.
+    pub callers_change: bool,
 }
 
 impl Default for Config {
@@ -154,6 +157,7 @@ impl Default for Config {
             queue_capacity: 4096,
             batch_max: 256,
             callers_run: std::env::var("COREFS_CALLERS_RUN").map_or(true, |v| v != "0"),
+            callers_change: std::env::var("COREFS_CALLERS_RUN").map_or(true, |v| v != "lookups"),
         }
     }
 }
@@ -284,6 +288,7 @@ impl Runtime {
             1,
             config.callers_run,
         ));
+        shared.caller.allow_changes(config.callers_change);
         let router = Arc::new(Router::new(vec![shared.clone()], 0, None));
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
         let reactor_router = router.clone();
