@@ -291,6 +291,37 @@ impl<D: BlockDevice + ?Sized> BlockDevice for Box<D> {
     }
 }
 
+/// Checks a synchronous read of `len_bytes` at `lba` beside the queue
+/// ([`AnyThreadReader::read_at`]): whole LBAs, at most the device's largest transfer, inside
+/// the device.
+pub(crate) fn check_any_thread_read(
+    info: &DeviceInfo,
+    lba: u64,
+    len_bytes: usize,
+) -> Result<(), DevError> {
+    let lba_size = info.lba_size_bytes as u64;
+    let len = len_bytes as u64;
+    if len == 0 || len % lba_size != 0 || len > info.max_io_bytes as u64 {
+        return Err(DevError::BadLength {
+            len_bytes: len,
+            lba_size_bytes: info.lba_size_bytes,
+            max_io_bytes: info.max_io_bytes,
+        });
+    }
+    let lbas = len / lba_size;
+    if lba
+        .checked_add(lbas)
+        .is_none_or(|end| end > info.capacity_lbas)
+    {
+        return Err(DevError::OutOfRange {
+            lba,
+            lbas,
+            capacity_lbas: info.capacity_lbas,
+        });
+    }
+    Ok(())
+}
+
 /// Synchronous reads beside a device's queue, from any thread
 /// ([`BlockDevice::any_thread_reader`]). Slow by design (a system call or a lock per read):
 /// for the rare node a lent engine misses, never a data path.

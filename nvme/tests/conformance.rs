@@ -491,3 +491,44 @@ fn a_dropped_file_device_releases_its_lock_at_once() {
         );
     }
 }
+
+/// A reader beside the queue ([`BlockDevice::any_thread_reader`]), used from another thread,
+/// sees what the queue's completed writes left, and refuses what the queue refuses (bad
+/// lengths, ranges outside the device) by name.
+fn any_thread_reader_sees_completed_writes(dev: &mut dyn BlockDevice) {
+    let lba_size = dev.info().lba_size_bytes as usize;
+    let data: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
+    let lba = 3 * 4096 / lba_size as u64;
+    nvme::write_sync(dev, lba, &data, false).unwrap();
+    let mut reader = dev.any_thread_reader().expect("the backend has a reader");
+    let got = std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut out = vec![0u8; data.len()];
+            reader.read_at(lba, &mut out).unwrap();
+            let capacity_lbas = CAPACITY_BYTES / lba_size as u64;
+            let mut one = vec![0u8; lba_size];
+            assert!(matches!(
+                reader.read_at(capacity_lbas, &mut one),
+                Err(DevError::OutOfRange { .. })
+            ));
+            let mut odd = vec![0u8; lba_size + 1];
+            assert!(matches!(
+                reader.read_at(0, &mut odd),
+                Err(DevError::BadLength { .. })
+            ));
+            out
+        })
+        .join()
+        .unwrap()
+    });
+    assert!(got == data, "the reader returns the written bytes");
+}
+
+#[test]
+fn mem_and_file_readers_beside_the_queue_see_completed_writes() {
+    any_thread_reader_sees_completed_writes(&mut mem(4096));
+    let dir = tempfile::tempdir().unwrap();
+    any_thread_reader_sees_completed_writes(&mut file(&dir, 512, false));
+    let dir = tempfile::tempdir().unwrap();
+    any_thread_reader_sees_completed_writes(&mut file(&dir, 4096, false));
+}

@@ -296,26 +296,8 @@ struct MemReader {
 
 impl crate::AnyThreadReader for MemReader {
     fn read_at(&mut self, lba: u64, out: &mut [u8]) -> Result<(), DevError> {
-        let lba_size = self.info.lba_size_bytes as u64;
-        let lbas = out.len() as u64 / lba_size;
-        if out.is_empty() || out.len() as u64 % lba_size != 0 {
-            return Err(DevError::BadLength {
-                len_bytes: out.len() as u64,
-                lba_size_bytes: self.info.lba_size_bytes,
-                max_io_bytes: self.info.max_io_bytes,
-            });
-        }
-        if lba
-            .checked_add(lbas)
-            .is_none_or(|end| end > self.info.capacity_lbas)
-        {
-            return Err(DevError::OutOfRange {
-                lba,
-                lbas,
-                capacity_lbas: self.info.capacity_lbas,
-            });
-        }
-        let start = (lba * lba_size) as usize;
+        crate::check_any_thread_read(&self.info, lba, out.len())?;
+        let start = (lba * self.info.lba_size_bytes as u64) as usize;
         let store = self.store.lock().expect("memory device lock");
         out.copy_from_slice(&store[start..start + out.len()]);
         Ok(())

@@ -464,25 +464,8 @@ struct FileReader {
 impl crate::AnyThreadReader for FileReader {
     fn read_at(&mut self, lba: u64, out: &mut [u8]) -> Result<(), DevError> {
         use std::os::unix::fs::FileExt;
+        crate::check_any_thread_read(&self.info, lba, out.len())?;
         let lba_size = self.info.lba_size_bytes as u64;
-        let lbas = out.len() as u64 / lba_size;
-        if out.is_empty() || out.len() as u64 % lba_size != 0 || out.len() > self.bounce.len() {
-            return Err(DevError::BadLength {
-                len_bytes: out.len() as u64,
-                lba_size_bytes: self.info.lba_size_bytes,
-                max_io_bytes: self.info.max_io_bytes,
-            });
-        }
-        if lba
-            .checked_add(lbas)
-            .is_none_or(|end| end > self.info.capacity_lbas)
-        {
-            return Err(DevError::OutOfRange {
-                lba,
-                lbas,
-                capacity_lbas: self.info.capacity_lbas,
-            });
-        }
         let buf = &mut self.bounce[..out.len()];
         let io = |e: std::io::Error| DevError::Io {
             op: crate::OpKind::Read,
