@@ -352,12 +352,14 @@ pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, confi
 }
 
 /// The longest an idle reactor polls its queue with its engine lent before it takes the
-/// engine back for a turn (the commit timer, its statistics). While lent, a client runs a
-/// lookup itself ([`crate::caller`]); a reactor that went round its loop between polls held
-/// the engine most of the time and clients found it taken (a stat's round trip on a quiet
-/// machine is about 2 µs, a lookup run by the client about 1 µs). Short enough that the
-/// loop's turns and its gap statistics are not disturbed.
-const IDLE_LEND_MAX: Duration = Duration::from_micros(100);
+/// engine back for a turn (the commit timer, the device pipeline, its statistics). While lent,
+/// a client runs a request itself ([`crate::caller`]); a reactor that went round its loop
+/// between polls held the engine most of the time and clients found it taken. Longer lends
+/// delay the reactor's own timed work: at 100 µs the kill test's due commits started late
+/// enough that its mutation (an fsync acknowledged at its flush's submission) escaped 2 runs
+/// in 5 of its 10 kills, none at 10 µs; clients' rates were the same at both (abi-stat 1.26×
+/// and 1.27× ext4, abi-open-close 2.45× and 2.32×, within their spread).
+const IDLE_LEND_MAX: Duration = Duration::from_micros(10);
 
 /// Polls the queue (pausing between looks with `pause`) until a request, a control message
 /// or the stop arrives, or `max` passes. Touches nothing but the queue: the engine may be
