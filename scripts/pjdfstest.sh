@@ -2,7 +2,7 @@
 # pjdfstest, the POSIX conformance suite, on `corefs mount --allow-other` and, for comparison,
 # on ext4 (a loop device) with the same configuration; prints both summaries and the tests
 # that fail on corefs but pass on ext4, and exits non-zero if there is one that is not a
-# listed exception (README.md, "POSIX conformance").
+# listed exception (docs/usage.md, "POSIX conformance").
 #
 # The suite is pjdfstest's Rust rewrite (crates.io `pjdfstest`, pinned below): the project's
 # machines reach package registries only, not the C suite's git repository. It runs as root;
@@ -21,7 +21,7 @@ cd "$(dirname "$0")/.."
 REPO=$PWD
 WORK=${COREFS_PJDFSTEST_WORK:-/var/tmp/corefs-pjdfstest}
 # Test cases that may fail or be skipped on corefs although they pass on ext4, each with its
-# reason in README.md ("POSIX conformance"). link_count_max: pjdfstest's own guard skips it
+# reason in docs/usage.md ("POSIX conformance"). link_count_max: pjdfstest's own guard skips it
 # on FUSE (pathconf answers 127 there); corefs passes the same check through its C ABI.
 EXCEPTIONS=(link::link_count_max)
 

@@ -2,7 +2,7 @@
 //! against the installed fio's headers) runs real fio jobs: random reads that keep the job's
 //! queue depth in flight, random writes with an fsync after each, a sequential write that fio
 //! verifies (crc32c) in the same run and again in a new process after a remount, and the
-//! README's job file. Each checks fio's JSON output.
+//! job file docs/benchmarks.md shows. Each checks fio's JSON output.
 //!
 //! fio and a C compiler are required (the test command installs them); a missing one fails
 //! the test, never skips it. The engine links the libcorefs.so of this test run's profile:
@@ -249,16 +249,16 @@ fn a_file_larger_than_a_shard_share_is_written_and_verified() {
 #[test]
 fn the_readme_job_file_runs_on_corefs() {
     let dir = scratch();
-    // The README's job, shortened: 1 s on a 64 MiB file instead of 10 s on 1 GiB.
+    // The documented job, shortened: 1 s on a 64 MiB file instead of 10 s on 1 GiB.
     let text = std::fs::read_to_string(workspace().join("bindings/fio/examples/randread.fio"))
-        .expect("the README's job file");
+        .expect("the documented job file");
     assert!(text.contains("runtime=10") && text.contains("size=1g"));
-    // The README shows the job as the file holds it.
+    // docs/benchmarks.md shows the job as the file holds it.
     let job = &text[text.find("[randread]").expect("the job's section")..];
-    let readme = std::fs::read_to_string(workspace().join("README.md")).unwrap();
+    let readme = std::fs::read_to_string(workspace().join("docs/benchmarks.md")).unwrap();
     assert!(
         readme.contains(job.trim_end()),
-        "README.md does not show bindings/fio/examples/randread.fio's job"
+        "docs/benchmarks.md does not show bindings/fio/examples/randread.fio's job"
     );
     let short = text
         .replace("runtime=10", "runtime=1")

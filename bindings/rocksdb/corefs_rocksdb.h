@@ -6,7 +6,7 @@
 //     ObjectLibrary::Default() when this file's object is linked in):
 //       corefs://DEVICE[?OPTION&OPTION...]
 //     DEVICE is corefs's device string (file:/var/tmp/x.img,size=4GiB, nvme:/dev/ng0n1,
-//     mem:1GiB; README "Devices"). OPTIONs: format=new (format when the device holds no
+//     mem:1GiB; docs/usage.md "Devices"). OPTIONs: format=new (format when the device holds no
 //     corefs filesystem yet), format=always (format at every mount: destroys the content),
 //     shards=N (shards when formatting), busy_poll=1. Because RocksDB's option parser splits
 //     a plain "a,b=c" string into options, a device string holding '=' is passed to

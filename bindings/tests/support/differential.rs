@@ -7,7 +7,7 @@
 //! under test and through the system calls on a directory of the machine's filesystem.
 //! Every call's result or errno, every file's bytes and the final trees must agree.
 //!
-//! Not compared, because corefs differs by design (README, "Paths"): calls whose path the
+//! Not compared, because corefs differs by design (docs/embedding.md: how the C ABI treats paths): calls whose path the
 //! kernel would resolve through a symbolic link (corefs never follows one); they are
 //! skipped and counted. Opens name a symbolic link as their last component freely: the
 //! kernel side opens with O_NOFOLLOW, and both answer ELOOP. Extended attributes of a
