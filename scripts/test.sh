@@ -44,6 +44,12 @@ fi
 echo "== cargo test" >&2
 # The C example links the shared library, which cargo test does not build by itself.
 cargo build --locked -p corefs-bindings
+# Built without `sim` (a workspace build), libcorefs exports the C ABI and nothing else.
+if foreign=$(nm -D --defined-only target/debug/libcorefs.so | awk '{print $3}' | grep -v '^corefs_'); then
+  echo "test.sh: libcorefs exports symbols outside the C ABI:" >&2
+  echo "$foreign" >&2
+  exit 1
+fi
 cargo test --locked --workspace
 # The device layer without `sim`: the simulation options are refused by name.
 cargo test --locked -p corefs-nvme --no-default-features --lib

@@ -2128,6 +2128,7 @@ pub fn reactor_stats(fs: corefs_fs) -> Option<reactor::ReactorStats> {
 /// Test hook (Rust only, not in the header): the requests this thread has sent to the
 /// reactors of filesystem `fs` (each a round trip), or None when `fs` is not open.
 #[doc(hidden)]
+#[cfg(feature = "sim")]
 pub fn test_hook_requests_sent(fs: corefs_fs) -> Option<u64> {
     let fs = fs_of(fs).ok()?;
     with_client(&fs, |c| c.requests_sent()).ok()
@@ -2136,6 +2137,7 @@ pub fn test_hook_requests_sent(fs: corefs_fs) -> Option<u64> {
 /// Test hook (Rust only, not in the header): the requests this thread ran itself on the
 /// reactor's engine while the reactor slept (no round trip), or None when `fs` is not open.
 #[doc(hidden)]
+#[cfg(feature = "sim")]
 pub fn test_hook_requests_ran_here(fs: corefs_fs) -> Option<u64> {
     let fs = fs_of(fs).ok()?;
     with_client(&fs, |c| c.requests_ran_here()).ok()
@@ -2144,6 +2146,7 @@ pub fn test_hook_requests_ran_here(fs: corefs_fs) -> Option<u64> {
 /// Test hook (Rust only, not in the header): the per-thread clients alive in this process,
 /// over every filesystem.
 #[doc(hidden)]
+#[cfg(feature = "sim")]
 pub fn test_hook_thread_clients() -> i64 {
     handles::thread_clients()
 }
@@ -2152,6 +2155,7 @@ pub fn test_hook_thread_clients() -> i64 {
 /// when it next runs a request. Does nothing and returns false unless the library was
 /// built with the reactor's `test-hooks` feature, which only tests turn on.
 #[doc(hidden)]
+#[cfg(feature = "sim")]
 pub fn test_hook_panic_on_next_request(fs: corefs_fs, reactor: usize) -> bool {
     let Ok(fs) = fs_of(fs) else {
         return false;

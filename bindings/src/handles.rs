@@ -212,6 +212,7 @@ impl Drop for ClientSlot {
 }
 
 /// The thread clients alive now, over every filesystem (test hook).
+#[cfg(feature = "sim")]
 pub(crate) fn thread_clients() -> i64 {
     THREAD_CLIENTS.load(Ordering::Relaxed)
 }
@@ -509,20 +510,25 @@ pub(crate) fn file(fs: &Fs, fd: i64) -> Result<FileRef, Error> {
             found
         }
     };
-    let pause_us = PAUSE_AFTER_RESOLVE_US.load(Ordering::Relaxed);
-    if pause_us > 0 {
-        std::thread::sleep(std::time::Duration::from_micros(pause_us));
+    #[cfg(feature = "sim")]
+    {
+        let pause_us = PAUSE_AFTER_RESOLVE_US.load(Ordering::Relaxed);
+        if pause_us > 0 {
+            std::thread::sleep(std::time::Duration::from_micros(pause_us));
+        }
     }
     Ok(FileRef { entry, _pin: pin })
 }
 
-/// See [`test_hook_pause_after_resolve`]; zero (read, never written) outside tests.
+/// See [`test_hook_pause_after_resolve`] (test machinery: only with `sim`).
+#[cfg(feature = "sim")]
 static PAUSE_AFTER_RESOLVE_US: AtomicU64 = AtomicU64::new(0);
 
 /// Test hook (Rust only, not in the header): every call on a file handle pauses `us`
 /// microseconds between resolving the handle and using it, which widens the window a
 /// release racing it must get right (0: no pause).
 #[doc(hidden)]
+#[cfg(feature = "sim")]
 pub fn test_hook_pause_after_resolve(us: u64) {
     PAUSE_AFTER_RESOLVE_US.store(us, Ordering::Relaxed);
 }

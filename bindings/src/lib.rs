@@ -23,4 +23,5 @@ mod logging;
 mod path;
 
 #[doc(hidden)]
+#[cfg(feature = "sim")]
 pub use handles::test_hook_pause_after_resolve;
