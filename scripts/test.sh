@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-need_packages=(qemu-system-x86 busybox-static cpio kmod fio libc6-dev gcc pkg-config sqlite3 libsqlite3-dev e2fsprogs fuse3 rsync g++ librocksdb-dev)
+need_packages=(qemu-system-x86 busybox-static cpio kmod fio libc6-dev gcc binutils pkg-config python3 sqlite3 libsqlite3-dev e2fsprogs fuse3 rsync g++ librocksdb-dev)
 missing=()
 for p in "${need_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -32,6 +32,12 @@ cargo clippy --locked --all-targets -- -D warnings
 # The builds without the test machinery (`sim`): libcorefs, and each crate that has the feature.
 cargo clippy --locked -p corefs-bindings --lib -- -D warnings
 cargo clippy --locked -p corefs-nvme -p corefs-engine -p corefs-reactor --lib --no-default-features -- -D warnings
+echo "== module cycles may only shrink" >&2
+# Modules that import each other in a circle (scripts/module-cycles.py). The largest circle
+# per crate may not grow past what it is today; the engine's 13 are issue 39's to break up.
+for allowed in engine:13 reactor:6 nvme:5 bindings:2 bench:2 cli:1 crashtest:1; do
+  scripts/module-cycles.py "${allowed%%:*}" --allow "${allowed##*:}"
+done
 echo "== libcorefs carries no test machinery" >&2
 # Its dependency tree (no dev-dependencies) must enable no crate's `sim` (or `default`, which
 # holds it) and pull in no rand.
