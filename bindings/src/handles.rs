@@ -42,7 +42,7 @@
 //!   handler) a call borrows a free record for its length.
 
 use crate::atomic::BatchSlot;
-use engine::EngineError;
+pub(crate) use crate::error::Error;
 use reactor::{Client, Owner, Runtime};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -795,33 +795,6 @@ pub(crate) fn forget_client(id: i64) {
 
 /// Operations one thread may have in flight on one filesystem (asynchronous calls).
 pub(crate) const CLIENT_CAPACITY: usize = 256;
-
-/// An error on its way to C: the errno and a message.
-#[derive(Debug)]
-pub(crate) struct Error {
-    pub errno: i32,
-    pub message: String,
-}
-
-impl Error {
-    pub fn new(errno: i32, message: String) -> Error {
-        Error { errno, message }
-    }
-
-    /// The same error, its message saying which path it is about.
-    pub fn about(self, path: &[u8]) -> Error {
-        Error {
-            message: format!("{}: {}", crate::path::show(path), self.message),
-            ..self
-        }
-    }
-}
-
-impl From<EngineError> for Error {
-    fn from(e: EngineError) -> Error {
-        Error::new(e.errno(), e.to_string())
-    }
-}
 
 #[cfg(test)]
 mod tests {

@@ -15,6 +15,7 @@
 
 pub mod abi;
 mod atomic;
+mod error;
 #[cfg(feature = "sim")]
 #[doc(hidden)]
 pub mod fuzz_harness;

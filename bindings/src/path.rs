@@ -20,7 +20,7 @@
 //!   as one request: [`plain`]); any other walks one lookup per component. Both give the
 //!   same answer for the paths they both accept.
 
-use crate::handles::Error;
+use crate::error::Error;
 use engine::inode::ROOT_INO;
 use engine::Stat;
 
@@ -229,6 +229,16 @@ pub(crate) fn entry<'p>(ns: &mut impl Namespace, path: &'p [u8]) -> Result<Entry
         last,
         trailing_slash: parsed.trailing_slash,
     })
+}
+
+impl Error {
+    /// The same error, its message saying which path it is about.
+    pub fn about(self, path: &[u8]) -> Error {
+        Error {
+            message: format!("{}: {}", show(path), self.message),
+            ..self
+        }
+    }
 }
 
 #[cfg(test)]

@@ -62,7 +62,7 @@ pub fn check_geometry(buf_bytes: usize, buf_count: u32) -> Result<usize, String>
     if buf_bytes == 0 || buf_bytes % BUF_ALIGN_BYTES != 0 || buf_bytes > BUF_BYTES_MAX {
         return Err(format!(
             "buf={buf_bytes} must be a multiple of 4KiB from 4KiB to {}",
-            crate::spec::format_size(BUF_BYTES_MAX as u64)
+            crate::limits::format_size(BUF_BYTES_MAX as u64)
         ));
     }
     if buf_count == 0 || buf_count > MAX_BUFFERS {
@@ -75,7 +75,7 @@ pub fn check_geometry(buf_bytes: usize, buf_count: u32) -> Result<usize, String>
             format!(
                 "buf={buf_bytes} x bufs={buf_count} is more than the {} a queue's DMA pool may \
                  take: use fewer or smaller buffers",
-                crate::spec::format_size(POOL_BYTES_MAX as u64)
+                crate::limits::format_size(POOL_BYTES_MAX as u64)
             )
         })?;
     // Cannot overflow: pool_bytes is at most 1 GiB.

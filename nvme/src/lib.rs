@@ -33,6 +33,7 @@
 pub mod backend;
 pub mod dma;
 pub mod error;
+pub mod limits;
 pub mod lock;
 pub mod probe;
 pub mod spec;

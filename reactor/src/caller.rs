@@ -42,8 +42,7 @@
 //! so running ahead of them is what any concurrent caller may see. A client with requests
 //! of its own in flight does not run one itself (it would overtake them).
 
-use crate::execute::{execute_on, walk};
-use crate::meta_wait::lookups;
+use crate::execute::{execute_on, lookups, walk};
 use crate::op::{CallerRun, Op, Reply};
 use engine::{EngineError, Filesystem};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, Ordering};

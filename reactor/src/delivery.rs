@@ -9,8 +9,8 @@
 //!   waits in the queue's overflow, logged ([`ReplyQueue::push`]): delivery never panics,
 //!   never blocks and never loses a completion.
 
-use crate::client::ReplyQueue;
 use crate::op::Completion;
+use crate::reply::ReplyQueue;
 use engine::EngineError;
 use std::sync::Arc;
 

@@ -126,6 +126,83 @@ pub(crate) fn walk(
     Ok((ino, taken))
 }
 
+/// What a request that changes the filesystem looks up first (the name in its directory,
+/// its inode, the extents or blocks it covers), ignoring the answers: run deferred or from
+/// memory, a miss says the request would wait for the device.
+pub(crate) fn lookups(fs: &mut Filesystem, op: &Op) {
+    match op {
+        // Walks run deferred in the batch; one that reaches here runs whole (a span's).
+        Op::Walk { from, path, .. } => {
+            let _ = walk(fs, *from, path);
+        }
+        Op::Open { dir, name, how } => {
+            let found = if name.is_empty() {
+                fs.stat(*dir).ok()
+            } else {
+                fs.lookup(*dir, name).ok()
+            };
+            if let Some(stat) = found {
+                if how.truncate {
+                    let _ = fs.probe_range(stat.ino, 0, 1);
+                }
+            }
+        }
+        Op::Create { dir, name, .. }
+        | Op::Mkdir { dir, name, .. }
+        | Op::Symlink { dir, name, .. }
+        | Op::Mknod { dir, name, .. }
+        | Op::Unlink { dir, name }
+        | Op::Rmdir { dir, name } => {
+            let _ = fs.lookup(*dir, name);
+        }
+        Op::Link { ino, dir, name } => {
+            let _ = fs.stat(*ino);
+            let _ = fs.lookup(*dir, name);
+        }
+        Op::Rename {
+            from_dir,
+            from,
+            to_dir,
+            to,
+            ..
+        } => {
+            let _ = fs.lookup(*from_dir, from);
+            let _ = fs.lookup(*to_dir, to);
+        }
+        // A write inside a block reads the rest of it: parked until it is in memory.
+        Op::Write { ino, offset, data } => {
+            let _ = fs.probe_write_edges(*ino, Some(*offset), data.len());
+        }
+        Op::Append { ino, data } => {
+            let _ = fs.probe_write_edges(*ino, None, data.len());
+        }
+        Op::Truncate { ino, size: offset } | Op::Fallocate { ino, offset, .. } => {
+            let _ = fs.probe_range(*ino, *offset, 1);
+        }
+        Op::SetXattr { ino, name, .. } | Op::RemoveXattr { ino, name } => {
+            let _ = fs.getxattr(*ino, name);
+        }
+        Op::WriteAtomic { ino, .. }
+        | Op::Hold { ino }
+        | Op::Release { ino }
+        | Op::SetAttr { ino, .. }
+        | Op::Fsync { ino }
+        | Op::Fdatasync { ino } => {
+            let _ = fs.stat(*ino);
+        }
+        Op::Lookup { .. }
+        | Op::Readlink { .. }
+        | Op::Readdir { .. }
+        | Op::Stat { .. }
+        | Op::GetXattr { .. }
+        | Op::ListXattr { .. }
+        | Op::Read { .. }
+        | Op::Statfs
+        | Op::Sync
+        | Op::Stats => {}
+    }
+}
+
 /// A walk's operation with its target replaced by the inode the walk reached.
 pub(crate) fn walked(then: &Op, ino: u64) -> Result<Op, EngineError> {
     let mut op = then.clone();

@@ -38,6 +38,7 @@ mod multi;
 pub mod op;
 mod owed;
 mod queue;
+mod reply;
 mod runtime;
 #[cfg(feature = "sim")]
 pub mod sim;

@@ -30,9 +30,9 @@
 //!   ([`MetaWaits::park_for_commit`]).
 //! - Bounded by the requests owed (each client's capacity).
 
-use crate::client::ReplyQueue;
 use crate::op::{Op, Reply};
 use crate::queue::Request;
+use crate::reply::ReplyQueue;
 use engine::{Deferred, EngineError, Filesystem};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -310,84 +310,7 @@ fn probe(fs: &mut Filesystem, op: &Op) -> Deferred<Option<Result<Reply, EngineEr
         // A read maps its extents once, deferred, in `Filesystem::read_start_deferred`.
         Op::Read { .. } => unreachable!("reads are mapped deferred by read_start_deferred"),
         Op::Statfs | Op::Sync | Op::Stats => Deferred::Ready(None),
-        op => looked_up(fs, |fs| lookups(fs, op)),
-    }
-}
-
-/// What a request that changes the filesystem looks up first (the name in its directory,
-/// its inode, the extents or blocks it covers), ignoring the answers: run deferred or from
-/// memory, a miss says the request would wait for the device.
-pub(crate) fn lookups(fs: &mut Filesystem, op: &Op) {
-    match op {
-        // Walks run deferred in the batch; one that reaches here runs whole (a span's).
-        Op::Walk { from, path, .. } => {
-            let _ = crate::execute::walk(fs, *from, path);
-        }
-        Op::Open { dir, name, how } => {
-            let found = if name.is_empty() {
-                fs.stat(*dir).ok()
-            } else {
-                fs.lookup(*dir, name).ok()
-            };
-            if let Some(stat) = found {
-                if how.truncate {
-                    let _ = fs.probe_range(stat.ino, 0, 1);
-                }
-            }
-        }
-        Op::Create { dir, name, .. }
-        | Op::Mkdir { dir, name, .. }
-        | Op::Symlink { dir, name, .. }
-        | Op::Mknod { dir, name, .. }
-        | Op::Unlink { dir, name }
-        | Op::Rmdir { dir, name } => {
-            let _ = fs.lookup(*dir, name);
-        }
-        Op::Link { ino, dir, name } => {
-            let _ = fs.stat(*ino);
-            let _ = fs.lookup(*dir, name);
-        }
-        Op::Rename {
-            from_dir,
-            from,
-            to_dir,
-            to,
-            ..
-        } => {
-            let _ = fs.lookup(*from_dir, from);
-            let _ = fs.lookup(*to_dir, to);
-        }
-        // A write inside a block reads the rest of it: parked until it is in memory.
-        Op::Write { ino, offset, data } => {
-            let _ = fs.probe_write_edges(*ino, Some(*offset), data.len());
-        }
-        Op::Append { ino, data } => {
-            let _ = fs.probe_write_edges(*ino, None, data.len());
-        }
-        Op::Truncate { ino, size: offset } | Op::Fallocate { ino, offset, .. } => {
-            let _ = fs.probe_range(*ino, *offset, 1);
-        }
-        Op::SetXattr { ino, name, .. } | Op::RemoveXattr { ino, name } => {
-            let _ = fs.getxattr(*ino, name);
-        }
-        Op::WriteAtomic { ino, .. }
-        | Op::Hold { ino }
-        | Op::Release { ino }
-        | Op::SetAttr { ino, .. }
-        | Op::Fsync { ino }
-        | Op::Fdatasync { ino } => {
-            let _ = fs.stat(*ino);
-        }
-        Op::Lookup { .. }
-        | Op::Readlink { .. }
-        | Op::Readdir { .. }
-        | Op::Stat { .. }
-        | Op::GetXattr { .. }
-        | Op::ListXattr { .. }
-        | Op::Read { .. }
-        | Op::Statfs
-        | Op::Sync
-        | Op::Stats => {}
+        op => looked_up(fs, |fs| crate::execute::lookups(fs, op)),
     }
 }
 

@@ -34,11 +34,11 @@
 //! Fault model: a failed commit or span makes every partition fail-stop with the error
 //! (sticky, read-only); waiters of that commit get the error.
 
-use crate::client::ReplyQueue;
 use crate::delivery::{deliver, deliver_failed};
 use crate::execute::execute_on;
 use crate::op::{Completion, Op, Reply};
 use crate::queue::{Request, Shared};
+use crate::reply::ReplyQueue;
 use crate::stats::{Histograms, ReactorStats};
 use engine::format::{ShardRoot, Superblock};
 use engine::partition::Lent;

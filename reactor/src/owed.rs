@@ -13,7 +13,7 @@
 //! - An entry keeps the earliest submit time of its requests: the reply latency the reactor
 //!   reports ([`crate::ReactorStats::reply`]) is measured from it when the entry settles.
 
-use crate::client::ReplyQueue;
+use crate::reply::ReplyQueue;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;

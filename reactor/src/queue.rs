@@ -9,9 +9,9 @@
 //!   stores `parked`, fences, then checks the queue: one of the two sees the other, so no
 //!   request waits for a reactor that sleeps through it.
 
-use crate::client::ReplyQueue;
 use crate::doorbell::Doorbell;
 use crate::op::Op;
+use crate::reply::ReplyQueue;
 use crossbeam_queue::ArrayQueue;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -65,14 +65,14 @@ impl MemDevice {
             spec: spec.clone(),
             why,
         };
-        let lba = crate::spec::check_lba_size(config.lba_size_bytes as u64).map_err(bad)?;
-        crate::spec::check_queue_depth(config.queue_depth as u64).map_err(bad)?;
+        let lba = crate::limits::check_lba_size(config.lba_size_bytes as u64).map_err(bad)?;
+        crate::limits::check_queue_depth(config.queue_depth as u64).map_err(bad)?;
         crate::dma::check_geometry(config.buf_bytes, config.buf_count).map_err(bad)?;
-        if config.capacity_bytes > crate::spec::SIZE_BYTES_MAX {
+        if config.capacity_bytes > crate::limits::SIZE_BYTES_MAX {
             return Err(bad(format!(
                 "size={} is more than {}",
                 config.capacity_bytes,
-                crate::spec::format_size(crate::spec::SIZE_BYTES_MAX)
+                crate::limits::format_size(crate::limits::SIZE_BYTES_MAX)
             )));
         }
         let capacity_lbas = config.capacity_bytes / lba as u64;
@@ -88,7 +88,7 @@ impl MemDevice {
             info: DeviceInfo {
                 name: format!(
                     "mem:{}",
-                    crate::spec::format_size(capacity_lbas * lba as u64)
+                    crate::limits::format_size(capacity_lbas * lba as u64)
                 ),
                 lba_size_bytes: lba,
                 capacity_lbas,

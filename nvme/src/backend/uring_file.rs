@@ -109,16 +109,16 @@ impl FileDevice {
         };
         // The sizes are checked before anything is opened or created: each may come from a
         // device string or a C caller, and a wrapped one would size a pool or a ring wrongly.
-        crate::spec::check_queue_depth(config.queue_depth as u64).map_err(bad)?;
+        crate::limits::check_queue_depth(config.queue_depth as u64).map_err(bad)?;
         crate::dma::check_geometry(config.buf_bytes, config.buf_count).map_err(bad)?;
         if let Some(ms) = config.sqpoll_idle_ms {
-            crate::spec::check_sqpoll_idle_ms(ms as u64).map_err(bad)?;
+            crate::limits::check_sqpoll_idle_ms(ms as u64).map_err(bad)?;
         }
         if let Some(bytes) = config.create_bytes {
-            if bytes > crate::spec::SIZE_BYTES_MAX {
+            if bytes > crate::limits::SIZE_BYTES_MAX {
                 return Err(bad(format!(
                     "size={bytes} is more than {}",
-                    crate::spec::format_size(crate::spec::SIZE_BYTES_MAX)
+                    crate::limits::format_size(crate::limits::SIZE_BYTES_MAX)
                 )));
             }
         }

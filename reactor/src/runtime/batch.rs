@@ -15,13 +15,13 @@
 //!   handed on; completions go out after the batch has run ([`crate::delivery`]).
 
 use super::{publish_statfs, Reactor};
-use crate::client::ReplyQueue;
 use crate::delivery::deliver_failed;
 use crate::execute::execute_on;
 use crate::meta_wait::Probed;
 use crate::multi::{Plan, ToCoordinator};
 use crate::op::{Completion, Op, Reply};
 use crate::queue::Request;
+use crate::reply::ReplyQueue;
 use engine::log::FsyncStart;
 use engine::{Deferred, EngineError, ReadResult};
 use std::sync::Arc;

@@ -32,13 +32,14 @@ mod commit;
 mod run_loop;
 mod serve;
 
-use crate::client::{Client, ReplyQueue};
+use crate::client::Client;
 use crate::delivery::deliver;
 use crate::meta_wait::MetaWaits;
 use crate::multi::{Control, Coordinator, Member, Router};
 use crate::op::Completion;
 use crate::owed::Owed;
 use crate::queue::{Request, Shared};
+use crate::reply::ReplyQueue;
 use crate::stats::{thread_cpu_ns, Histograms, ReactorStats};
 use batch::PendingGroup;
 use engine::partition::{Lent, PartitionTemplate};

@@ -112,7 +112,7 @@ impl PassthroughDevice {
             spec: format!("nvme:{path_text}"),
             why,
         };
-        crate::spec::check_queue_depth(config.queue_depth as u64).map_err(bad)?;
+        crate::limits::check_queue_depth(config.queue_depth as u64).map_err(bad)?;
         crate::dma::check_geometry(config.buf_bytes, config.buf_count).map_err(bad)?;
         let read_only = config.access == Access::ReadShared;
         let file = OpenOptions::new()
