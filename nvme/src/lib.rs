@@ -293,26 +293,35 @@ impl<D: BlockDevice + ?Sized> BlockDevice for Box<D> {
 }
 
 /// Checks a synchronous read of `len_bytes` at `lba` beside the queue
-/// ([`AnyThreadReader::read_at`]): whole LBAs, at most the device's largest transfer, inside
-/// the device.
+/// ([`AnyThreadReader::read_at`]): as [`validate`] checks a queued one.
 pub(crate) fn check_any_thread_read(
     info: &DeviceInfo,
     lba: u64,
     len_bytes: usize,
 ) -> Result<(), DevError> {
+    check_len(info, len_bytes as u64)?;
+    check_lbas(info, lba, len_bytes as u64 / info.lba_size_bytes as u64)
+}
+
+/// A transfer's length: whole LBAs, at least one, at most the device's largest transfer.
+fn check_len(info: &DeviceInfo, len_bytes: u64) -> Result<(), DevError> {
     let lba_size = info.lba_size_bytes as u64;
-    let len = len_bytes as u64;
-    if len == 0 || len % lba_size != 0 || len > info.max_io_bytes as u64 {
+    if len_bytes == 0 || len_bytes % lba_size != 0 || len_bytes > info.max_io_bytes as u64 {
         return Err(DevError::BadLength {
-            len_bytes: len,
+            len_bytes,
             lba_size_bytes: info.lba_size_bytes,
             max_io_bytes: info.max_io_bytes,
         });
     }
-    let lbas = len / lba_size;
-    if lba
-        .checked_add(lbas)
-        .is_none_or(|end| end > info.capacity_lbas)
+    Ok(())
+}
+
+/// An LBA range: at least one LBA, all inside the device.
+fn check_lbas(info: &DeviceInfo, lba: u64, lbas: u64) -> Result<(), DevError> {
+    if lbas == 0
+        || lba
+            .checked_add(lbas)
+            .is_none_or(|end| end > info.capacity_lbas)
     {
         return Err(DevError::OutOfRange {
             lba,
@@ -335,32 +344,14 @@ pub trait AnyThreadReader: Send {
 /// length, range. Cheap, so it runs on every submit of every backend; a device never sees a
 /// request that could scribble outside the namespace.
 pub fn validate(info: &DeviceInfo, pool: &DmaPool, op: &IoOp) -> Result<(), DevError> {
-    let lba_size = info.lba_size_bytes;
     if let IoOp::Read { buf, .. } | IoOp::Write { buf, .. } = op {
         if !buf.belongs_to(pool) {
             return Err(DevError::ForeignBuffer);
         }
-        let len = buf.len();
-        if len == 0 || len % lba_size as usize != 0 || len > info.max_io_bytes as usize {
-            return Err(DevError::BadLength {
-                len_bytes: len as u64,
-                lba_size_bytes: lba_size,
-                max_io_bytes: info.max_io_bytes,
-            });
-        }
+        check_len(info, buf.len() as u64)?;
     }
-    if let Some((lba, lbas)) = op.lba_range(lba_size) {
-        if lbas == 0
-            || lba
-                .checked_add(lbas)
-                .is_none_or(|end| end > info.capacity_lbas)
-        {
-            return Err(DevError::OutOfRange {
-                lba,
-                lbas,
-                capacity_lbas: info.capacity_lbas,
-            });
-        }
+    if let Some((lba, lbas)) = op.lba_range(info.lba_size_bytes) {
+        check_lbas(info, lba, lbas)?;
     }
     Ok(())
 }
