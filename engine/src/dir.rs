@@ -245,12 +245,21 @@ impl Filesystem {
             mut dir_item,
             mut chain,
         } = slot;
+        // Callers refuse a full directory before they change anything (EMLINK); past these
+        // limits only a damaged image gets, which is reported, never wrapped around.
+        let at_limit = |what: &str| {
+            EngineError::corrupt_inode("directory", dir, format!("{what} at its limit"))
+        };
         let index = dir_item.next_index.max(FIRST_INDEX);
-        dir_item.next_index = index + 1;
-        dir_item.size += name.len() as u64;
+        dir_item.next_index = index.checked_add(1).ok_or_else(|| at_limit("name index"))?;
+        dir_item.size = (dir_item.size)
+            .checked_add(name.len() as u64)
+            .ok_or_else(|| at_limit("size"))?;
         dir_item.mtime = now;
         dir_item.ctime = now;
-        dir_item.nlink += dir_nlink_delta;
+        dir_item.nlink = (dir_item.nlink)
+            .checked_add(dir_nlink_delta)
+            .ok_or_else(|| at_limit("link count"))?;
         chain.insert(NameEntry {
             target: child,
             kind,
@@ -375,6 +384,11 @@ impl Filesystem {
                 return Err(EngineError::Exists);
             }
             let is_dir = mode & S_IFMT == S_IFDIR;
+            // A new subdirectory's ".." links the parent: at [`MAX_LINKS`] it is full (EMLINK,
+            // as link(2) for files), refused before anything changes.
+            if is_dir && slot.dir_item.nlink >= MAX_LINKS {
+                return Err(EngineError::TooManyLinks);
+            }
             let mut gid = owner.1;
             if slot.dir_item.mode & S_ISGID != 0 {
                 gid = slot.dir_item.gid;
