@@ -389,13 +389,14 @@ impl Filesystem {
     /// Creates an empty filesystem on `dev`, destroying what was there: superblocks, then the
     /// root directory in a first commit. Returns the device.
     pub fn mkfs(dev: Box<dyn BlockDevice>, options: &MkfsOptions) -> Result<Box<dyn BlockDevice>> {
-        Self::mkfs_with_name_hash_bits(dev, options, 32)
+        Self::mkfs_keyed(dev, options, 32, random_bytes(), random_bytes())
     }
 
     /// [`Filesystem::mkfs`] with a name hash of `bits` bits (1..=32): with few bits, names
     /// share hashes all the time, so tests reach the chains of directory and xattr items
     /// that otherwise only names colliding by chance (or by attack) need.
     #[doc(hidden)]
+    #[cfg(feature = "sim")]
     pub fn mkfs_with_name_hash_bits(
         dev: Box<dyn BlockDevice>,
         options: &MkfsOptions,
@@ -411,6 +412,7 @@ impl Filesystem {
     /// a failure printed with its seed would not replay. Not for a filesystem that keeps
     /// data: a key anyone can derive lets names be chosen to collide.
     #[doc(hidden)]
+    #[cfg(feature = "sim")]
     pub fn mkfs_seeded(
         dev: Box<dyn BlockDevice>,
         options: &MkfsOptions,
@@ -1028,6 +1030,7 @@ impl Filesystem {
     /// operations at every level of fullness a filesystem can reach (the floor is always
     /// free).
     #[doc(hidden)]
+    #[cfg(feature = "sim")]
     pub fn limit_free_blocks(&mut self, free_blocks: Option<u64>) {
         self.pool.set_ballast(false);
         for id in 0..self.shards.len() as u32 {
@@ -1081,6 +1084,7 @@ impl Filesystem {
         result
     }
 
+    #[cfg(feature = "sim")]
     fn check_key(key: &Key) -> Result<()> {
         if key.objectid < FIRST_INODE {
             return Err(EngineError::Invalid(format!(
@@ -1091,13 +1095,17 @@ impl Filesystem {
         Ok(())
     }
 
-    /// Inserts or replaces an item in shard `shard`'s tree (joins the running transaction).
+    /// Inserts or replaces an item in shard `shard`'s tree (joins the running transaction),
+    /// bypassing every operation's checks and reservations: test machinery (`sim`).
+    #[cfg(feature = "sim")]
     pub fn insert_item(&mut self, shard: u32, key: Key, value: Vec<u8>) -> Result<Option<Vec<u8>>> {
         self.check_writable()?;
         Self::check_key(&key)?;
         self.with_tree(shard, true, |tree, io| tree.insert(io, key, value))
     }
 
+    /// Removes an item from shard `shard`'s tree, as [`Filesystem::insert_item`] inserts.
+    #[cfg(feature = "sim")]
     pub fn remove_item(&mut self, shard: u32, key: &Key) -> Result<Option<Vec<u8>>> {
         self.check_writable()?;
         Self::check_key(key)?;
