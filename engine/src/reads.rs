@@ -144,6 +144,14 @@ struct Stream {
     last_used: u64,
 }
 
+impl Stream {
+    /// Whether a read of `offset..end` continues this stream and leaves less than half a
+    /// window read ahead of it: read-ahead then fetches the next window.
+    fn fetch_due(&self, offset: u64, end: u64) -> bool {
+        self.next == offset && self.ahead_to < end + READAHEAD_BYTES / 2
+    }
+}
+
 /// One device read of a set: `blocks` blocks at `block` into piece `piece` at byte `at`.
 #[derive(Debug, Clone, Copy)]
 struct ReadIo {
@@ -366,12 +374,10 @@ impl Filesystem {
             return false;
         }
         let end = offset.saturating_add(len);
-        self.reads.streams.iter().any(|s| {
-            s.ino == ino
-                && s.last_used > 0
-                && s.next == offset
-                && s.ahead_to < end + READAHEAD_BYTES / 2
-        })
+        self.reads
+            .streams
+            .iter()
+            .any(|s| s.ino == ino && s.last_used > 0 && s.fetch_due(offset, end))
     }
 
     /// Notes a read of `len` bytes at `offset` of file `ino`; when it continues the file's
@@ -408,13 +414,13 @@ impl Filesystem {
         let stream = &mut streams[at];
         stream.last_used = clock;
         let sequential = stream.next == offset;
+        let due = stream.fetch_due(offset, end);
         stream.next = end;
         if !sequential {
             stream.ahead_to = end;
             return;
         }
-        // Fetch when less than half a window is ahead of the reader, a window at a time.
-        if stream.ahead_to >= end + READAHEAD_BYTES / 2 {
+        if !due {
             return;
         }
         let from = stream.ahead_to.max(end);

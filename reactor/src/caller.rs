@@ -74,7 +74,7 @@ pub(crate) struct CallerRuns {
     /// Whether the reactor lends at all (`Config::callers_run`, one reactor), and whether
     /// clients may run changes (`Config::callers_change`).
     enabled: bool,
-    changes: AtomicBool,
+    changes: bool,
     /// Requests clients ran themselves, and those they tried and gave to the reactor (a
     /// miss in memory).
     pub ran: AtomicU64,
@@ -82,22 +82,16 @@ pub(crate) struct CallerRuns {
 }
 
 impl CallerRuns {
-    pub(crate) fn new(enabled: bool) -> CallerRuns {
+    pub(crate) fn new(enabled: bool, changes: bool) -> CallerRuns {
         CallerRuns {
             state: AtomicU8::new(REACTOR),
             reclaiming: AtomicBool::new(false),
             fs: AtomicPtr::new(std::ptr::null_mut()),
             enabled,
-            changes: AtomicBool::new(true),
+            changes,
             ran: AtomicU64::new(0),
             missed: AtomicU64::new(0),
         }
-    }
-
-    /// Whether clients may run changes, not only lookups and reads (before the reactor
-    /// starts).
-    pub(crate) fn allow_changes(&self, allowed: bool) {
-        self.changes.store(allowed, Ordering::Relaxed);
     }
 
     /// The reactor lends its engine while it runs `wait` (a sleep or a yield that does not
@@ -156,7 +150,7 @@ impl CallerRuns {
         let kind = op.caller_run();
         if !self.enabled
             || kind == CallerRun::No
-            || (kind == CallerRun::Change && !self.changes.load(Ordering::Relaxed))
+            || (kind == CallerRun::Change && !self.changes)
             || self.reclaiming.load(Ordering::Relaxed)
         {
             return None;
@@ -247,7 +241,7 @@ mod tests {
 
     #[test]
     fn a_caller_takes_only_a_lent_engine_and_the_reactor_waits_for_it() {
-        let slot = CallerRuns::new(true);
+        let slot = CallerRuns::new(true, true);
         // Not lent: the caller must not take it.
         assert!(slot
             .state

@@ -56,29 +56,32 @@ fn walk_stat(client: &mut Client, path: &[&str]) -> Result<Reply, EngineError> {
 }
 
 fn mkdir(client: &mut Client, dir: u64, name: &str) -> u64 {
-    stat_of(
-        client.call(Op::Mkdir {
-            dir,
-            name: name.as_bytes().to_vec(),
-            mode: 0o755,
-            owner: Owner::ROOT,
-        }),
-        name,
-    )
-    .ino
+    make(client, dir, name, 0o755, true)
 }
 
 fn create(client: &mut Client, dir: u64, name: &str) -> u64 {
-    stat_of(
-        client.call(Op::Create {
+    make(client, dir, name, 0o644, false)
+}
+
+/// A new directory or file `name` in `dir`; its inode.
+fn make(client: &mut Client, dir: u64, name: &str, mode: u32, is_dir: bool) -> u64 {
+    let name_bytes = name.as_bytes().to_vec();
+    let op = if is_dir {
+        Op::Mkdir {
             dir,
-            name: name.as_bytes().to_vec(),
-            mode: 0o644,
+            name: name_bytes,
+            mode,
             owner: Owner::ROOT,
-        }),
-        name,
-    )
-    .ino
+        }
+    } else {
+        Op::Create {
+            dir,
+            name: name_bytes,
+            mode,
+            owner: Owner::ROOT,
+        }
+    };
+    stat_of(client.call(op), name).ino
 }
 
 /// Every name in directory `dir`, by readdir.

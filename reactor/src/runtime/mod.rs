@@ -145,6 +145,14 @@ pub struct Config {
     pub callers_change: bool,
 }
 
+/// `COREFS_CALLERS_RUN`, read once: `0` turns lending off, `lookups` keeps changes on the
+/// reactor (to compare; [`crate::caller`]).
+fn callers_env() -> Option<&'static str> {
+    static ENV: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    ENV.get_or_init(|| std::env::var("COREFS_CALLERS_RUN").ok())
+        .as_deref()
+}
+
 impl Default for Config {
     fn default() -> Self {
         Config {
@@ -157,8 +165,8 @@ impl Default for Config {
             idle: IdlePolicy::default(),
             queue_capacity: 4096,
             batch_max: 256,
-            callers_run: std::env::var("COREFS_CALLERS_RUN").map_or(true, |v| v != "0"),
-            callers_change: std::env::var("COREFS_CALLERS_RUN").map_or(true, |v| v != "lookups"),
+            callers_run: callers_env() != Some("0"),
+            callers_change: !matches!(callers_env(), Some("0" | "lookups")),
         }
     }
 }
@@ -287,9 +295,8 @@ impl Runtime {
         let shared = Arc::new(Shared::with_reactors(
             config.queue_capacity,
             1,
-            config.callers_run,
+            (config.callers_run, config.callers_change),
         ));
-        shared.caller.allow_changes(config.callers_change);
         let router = Arc::new(Router::new(vec![shared.clone()], 0, None));
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
         let reactor_router = router.clone();
@@ -414,7 +421,13 @@ impl Runtime {
         };
         n = parts.len();
         let reactors: Vec<Arc<Shared>> = (0..n)
-            .map(|_| Arc::new(Shared::with_reactors(config.queue_capacity, n, false)))
+            .map(|_| {
+                Arc::new(Shared::with_reactors(
+                    config.queue_capacity,
+                    n,
+                    (false, false),
+                ))
+            })
             .collect();
         let pool = parts.first().map(|(_, template, _)| template.pool.clone());
         let router = Arc::new(Router::new(reactors, shard_count, pool));
