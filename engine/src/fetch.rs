@@ -225,6 +225,19 @@ impl Filesystem {
     /// # Panics
     /// If `f` changes a tree or reaches the device (contract violations).
     pub fn from_memory<T>(&mut self, f: impl FnOnce(&mut Self) -> T) -> Option<T> {
+        let (out, data) = self.run_from_memory(f, false)?;
+        debug_assert!(data.is_empty(), "a miss of data is a miss");
+        Some(out)
+    }
+
+    /// [`Filesystem::from_memory`]; with `data_allowed`, data blocks the run missed (its
+    /// tree nodes all found) are not a miss but handed back, for the caller to read beside
+    /// the queue ([`Filesystem::read_lent`]).
+    pub(crate) fn run_from_memory<T>(
+        &mut self,
+        f: impl FnOnce(&mut Self) -> T,
+        data_allowed: bool,
+    ) -> Option<(T, Vec<crate::file::ReadPiece>)> {
         if self.failed.is_some() || self.fetch.deferring {
             return None;
         }
@@ -236,16 +249,16 @@ impl Filesystem {
         self.fetch.deferring = false;
         // Read-ahead hints are the owner's to act on when it misses itself.
         self.fetch.ahead.clear();
+        let data = std::mem::take(&mut self.fetch.missing_data);
         let missed = !self.fetch.missing.is_empty()
-            || !self.fetch.missing_data.is_empty()
+            || (!data.is_empty() && !data_allowed)
             || std::mem::take(&mut self.fetch.declined);
         self.fetch.missing.clear();
-        self.fetch.missing_data.clear();
         if missed {
             self.fetch.stats.from_memory_misses += 1;
             return None;
         }
-        Some(out)
+        Some((out, data))
     }
 
     /// True when a thread that does not own the device may run changes on this engine

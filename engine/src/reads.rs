@@ -91,7 +91,16 @@ pub struct ReadStats {
     /// Read-ahead sets started, and the blocks they fetched.
     pub ahead_sets: u64,
     pub ahead_blocks: u64,
+    /// Reads a lent engine made in its caller's thread beside the queue
+    /// ([`Filesystem::read_lent`]), and the data blocks they read.
+    pub lent_reads: u64,
+    pub lent_read_blocks: u64,
 }
+
+/// The longest read a lent engine makes beside the queue in its caller's thread
+/// ([`Filesystem::read_lent`]): its reactor waits for the engine meanwhile, so a long read
+/// goes to the reactor, which overlaps it with other work.
+pub const LENT_READ_BYTES_MAX: usize = 128 << 10;
 
 /// A set of reads waiting for the device.
 struct ReadSet {
@@ -341,30 +350,95 @@ impl Filesystem {
         if self.stream_fetch_due(ino, offset, len as u64) {
             return None;
         }
-        let out = self.from_memory(|fs| {
-            let map = fs.map_read(ino, offset, len)?;
-            if map.moves_atime {
-                fs.fetch.declined = true;
-                return Err(crate::EngineError::WouldBlock);
-            }
-            let mut pieces = Vec::new();
-            let out = fs.plan_read(0, map, &mut pieces);
-            assert!(pieces.is_empty(), "a run from memory plans no device read");
-            out
-        })?;
+        let (out, _) = self.run_from_memory(|fs| fs.plan_from_memory(ino, offset, len), false)?;
         if out.is_ok() {
-            // Still lent: a read-ahead started here by mistake trips the device's assertion
-            // before it reaches the queue.
-            let fetches = self.reads.stats.ahead_sets;
-            self.dev.lend(crate::log::inflight::Lent::Nothing);
-            self.follow_stream(ino, offset, len as u64);
-            self.dev.lend(crate::log::inflight::Lent::No);
-            assert_eq!(
-                fetches, self.reads.stats.ahead_sets,
-                "a read from memory started no read-ahead"
-            );
+            self.follow_stream_lent(ino, offset, len);
         }
         Some(out)
+    }
+
+    /// As [`Filesystem::read_from_memory`], and when what misses is data blocks alone (the
+    /// file's inode and extents are in memory), reads them synchronously beside the device's
+    /// queue ([`nvme::AnyThreadReader`]) in the calling thread: for a client whose reactor
+    /// sleeps, one system call on its own core instead of two wake-ups (docs/reactors.md).
+    /// Blocks a background write holds come from it. Each block is checked against its
+    /// extent's crc as the reactor's reads check it, and cached. `None`, untouched, as
+    /// [`Filesystem::read_from_memory`], and also when the file has data staged (the owner
+    /// writes it back before reading the device), or when the read is longer than
+    /// [`LENT_READ_BYTES_MAX`]. A device error fails the filesystem, as on the owner's path.
+    pub fn read_lent(&mut self, ino: u64, offset: u64, len: usize) -> Option<Result<Vec<u8>>> {
+        if !self.dev.reads_beside_queue() || len > LENT_READ_BYTES_MAX {
+            return self.read_from_memory(ino, offset, len);
+        }
+        if self.stream_fetch_due(ino, offset, len as u64) {
+            return None;
+        }
+        let (out, pieces) =
+            self.run_from_memory(|fs| fs.plan_from_memory(ino, offset, len), true)?;
+        let mut out = match out {
+            Ok(out) if pieces.is_empty() => {
+                self.follow_stream_lent(ino, offset, len);
+                return Some(Ok(out));
+            }
+            Ok(out) => out,
+            Err(e) => return Some(Err(e)),
+        };
+        if self.has_staged(ino) {
+            self.fetch.stats.from_memory_misses += 1;
+            return None;
+        }
+        self.dev.lend(crate::log::inflight::Lent::Reads);
+        let mut result = Ok(());
+        for piece in &pieces {
+            let mut bytes = vec![0u8; piece.count as usize * BLOCK_BYTES];
+            if let Err(e) = self.dev.read_blocks_beside(piece.disk, &mut bytes) {
+                let e = EngineError::Device(e);
+                self.failed.get_or_insert(e.clone());
+                result = Err(e);
+                break;
+            }
+            self.reads.stats.lent_read_blocks += piece.count;
+            self.block_cache.device_blocks += piece.count;
+            if let Some(bad) = check_blocks(piece, 0, &bytes, &mut self.block_cache, false) {
+                result = Err(bad);
+                break;
+            }
+            copy_piece(piece, 0, &bytes, &mut out);
+        }
+        self.dev.lend(crate::log::inflight::Lent::No);
+        self.reads.stats.lent_reads += 1;
+        if result.is_ok() {
+            self.follow_stream_lent(ino, offset, len);
+        }
+        Some(result.map(|()| out))
+    }
+
+    /// The plan of a read from memory alone (run by [`Filesystem::run_from_memory`]):
+    /// what memory holds, copied; the data blocks it misses noted; declined when the read
+    /// would move the access time (a change for the owner).
+    fn plan_from_memory(&mut self, ino: u64, offset: u64, len: usize) -> Result<Vec<u8>> {
+        let map = self.map_read(ino, offset, len)?;
+        if map.moves_atime {
+            self.fetch.declined = true;
+            return Err(crate::EngineError::WouldBlock);
+        }
+        let mut pieces = Vec::new();
+        let out = self.plan_read(0, map, &mut pieces);
+        assert!(pieces.is_empty(), "a run from memory plans no device read");
+        out
+    }
+
+    /// [`Filesystem::follow_stream`] for a read a lent engine answered: a read-ahead it
+    /// started by mistake trips the device's assertion before it reaches the queue.
+    fn follow_stream_lent(&mut self, ino: u64, offset: u64, len: usize) {
+        let fetches = self.reads.stats.ahead_sets;
+        self.dev.lend(crate::log::inflight::Lent::Nothing);
+        self.follow_stream(ino, offset, len as u64);
+        self.dev.lend(crate::log::inflight::Lent::No);
+        assert_eq!(
+            fetches, self.reads.stats.ahead_sets,
+            "a read from memory started no read-ahead"
+        );
     }
 
     /// Whether [`Filesystem::follow_stream`] would read ahead for this read (changing
@@ -731,8 +805,30 @@ fn take_blocks(
         first + io.blocks as usize <= piece.count as usize,
         "a device read stays inside its piece"
     );
-    let data = set.kind == SetKind::Data;
     let ahead = set.kind == SetKind::Ahead;
+    let bad = check_blocks(piece, first, bytes, cache, ahead);
+    if set.kind != SetKind::Data {
+        return;
+    }
+    cache.device_blocks += io.blocks;
+    match (bad, &mut set.outs[piece.request]) {
+        (Some(e), out @ Ok(_)) => *out = Err(e),
+        (None, Ok(out)) => copy_piece(piece, io.at, bytes, out),
+        // The request failed already (another piece's block): nothing to copy.
+        (_, Err(_)) => {}
+    }
+}
+
+/// Checks the blocks `bytes` brought (blocks `first..` of `piece`) against their extent's
+/// crcs and caches each that matches (`ahead`: as read-ahead); returns the first mismatch
+/// as the error a read of them reports.
+fn check_blocks(
+    piece: &ReadPiece,
+    first: usize,
+    bytes: &[u8],
+    cache: &mut crate::writeback::BlockCache,
+    ahead: bool,
+) -> Option<EngineError> {
     let mut bad = None;
     for (k, block) in bytes.chunks(BLOCK_BYTES).enumerate() {
         let i = first + k;
@@ -741,7 +837,7 @@ fn take_blocks(
             cache.insert_ahead(piece.disk + i as u64, block);
         } else if crc == piece.crcs[i] {
             cache.insert(piece.disk + i as u64, block);
-        } else if data && bad.is_none() {
+        } else if bad.is_none() {
             bad = Some(EngineError::corrupt(
                 "data block",
                 piece.disk + i as u64,
@@ -752,24 +848,16 @@ fn take_blocks(
             ));
         }
     }
-    if !data {
-        return;
-    }
-    cache.device_blocks += io.blocks;
-    let out = &mut set.outs[piece.request];
-    match (bad, out) {
-        (Some(e), out @ Ok(_)) => *out = Err(e),
-        (None, Ok(out)) => {
-            // This read's bytes of the piece, [io.at, io.at + len), against the range of the
-            // piece the request wants (`src`, landing at `dst` in its output).
-            let lo = piece.src.start.max(io.at);
-            let hi = piece.src.end.min(io.at + bytes.len());
-            if lo < hi {
-                let to = piece.dst.start + (lo - piece.src.start);
-                out[to..to + (hi - lo)].copy_from_slice(&bytes[lo - io.at..hi - io.at]);
-            }
-        }
-        // The request failed already (another piece's block): nothing to copy.
-        (_, Err(_)) => {}
+    bad
+}
+
+/// Copies what `bytes` (the piece's bytes from `at` on) hold of the range of the piece a
+/// request wants (`src`, landing at `dst` in its output `out`).
+fn copy_piece(piece: &ReadPiece, at: usize, bytes: &[u8], out: &mut [u8]) {
+    let lo = piece.src.start.max(at);
+    let hi = piece.src.end.min(at + bytes.len());
+    if lo < hi {
+        let to = piece.dst.start + (lo - piece.src.start);
+        out[to..to + (hi - lo)].copy_from_slice(&bytes[lo - at..hi - at]);
     }
 }

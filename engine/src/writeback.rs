@@ -592,6 +592,11 @@ impl Filesystem {
         out
     }
 
+    /// True when file `ino` has data staged and not yet written back.
+    pub(crate) fn has_staged(&self, ino: u64) -> bool {
+        self.staged.by_ino.contains_key(&ino)
+    }
+
     /// The staged (not yet written) content of `ino`'s disk block `disk`, if it is staged.
     pub(crate) fn staged_block(&self, ino: u64, disk: u64) -> Option<&[u8]> {
         let runs = self.staged.by_ino.get(&ino)?;

@@ -461,7 +461,9 @@ fn a_directory_walk_over_a_cold_tree_reads_its_next_leaves_ahead() {
 /// The class the asynchronous read path must get right, generated: random files (holes,
 /// unaligned tails, several extents), random batches of random ranges, pieces cut into
 /// several device reads (a 2-block DMA buffer), rotten blocks, the data-block cache on and
-/// off, batches split per request (as a reactor reads) and unsplit (`read_many`). Each
+/// off, batches split per request (as a reactor reads), unsplit (`read_many`), and each
+/// request read in its caller's thread beside the queue (`read_lent`, as a client whose
+/// reactor sleeps reads; blocks cut at the device's largest transfer there too). Each
 /// request must return exactly the model's bytes, or fail as corrupt exactly when its
 /// range touches a rotten block of its file. Seeded (`COREFS_SEED`); the seed is printed.
 #[test]
@@ -570,7 +572,8 @@ fn random_reads_match_the_model_across_split_device_reads_and_rotten_blocks() {
             options,
         )
         .unwrap();
-        for round in 0..60 {
+        let mut lent_answered = 0;
+        for round in 0..90 {
             let batch: Vec<(usize, u64, usize)> = (0..rng.random_range(1..9))
                 .map(|_| {
                     let file = rng.random_range(0..files.len());
@@ -583,8 +586,21 @@ fn random_reads_match_the_model_across_split_device_reads_and_rotten_blocks() {
                 .iter()
                 .map(|&(file, offset, len)| (files[file].0, offset, len))
                 .collect();
-            let results: Vec<Result<Vec<u8>, engine::EngineError>> = if round % 2 == 0 {
+            let results: Vec<Result<Vec<u8>, engine::EngineError>> = if round % 3 == 0 {
                 fs.read_many(&requests)
+            } else if round % 3 == 2 {
+                // As a client whose reactor sleeps reads: in its own thread, data blocks
+                // beside the queue; what it declines goes the owner's way.
+                requests
+                    .iter()
+                    .map(|&(ino, offset, len)| match fs.read_lent(ino, offset, len) {
+                        Some(result) => {
+                            lent_answered += 1;
+                            result
+                        }
+                        None => fs.read(ino, offset, len),
+                    })
+                    .collect()
             } else {
                 // As a reactor reads: split, each request answered as its own reads return.
                 let started = fs.read_start_deferred(&requests, &vec![false; requests.len()]);
@@ -634,9 +650,154 @@ fn random_reads_match_the_model_across_split_device_reads_and_rotten_blocks() {
             stats.device_reads > stats.sets_async,
             "seed {seed}: pieces were cut into several device reads ({stats:?})"
         );
+        assert!(
+            lent_answered > 0 && stats.lent_reads > 0 && stats.lent_read_blocks > 0,
+            "seed {seed}, cache {cache}: no read was answered beside the queue \
+             ({lent_answered} answered lent; {stats:?})"
+        );
     }
     assert!(
         corrupt_seen > 0 && bytes_seen > 0,
         "seed {seed}: {corrupt_seen} corrupt requests, {bytes_seen} bytes read"
+    );
+}
+
+/// Passes everything to a memory device but writes, which it keeps unsubmitted while `hold`
+/// is set (the device does not have their bytes: writes in flight). Its any-thread reader
+/// reads the memory device itself, so a read beside the queue sees what the device holds.
+struct HoldWrites {
+    inner: MemDevice,
+    held: Vec<Request>,
+    hold: Arc<AtomicBool>,
+}
+
+impl HoldWrites {
+    fn release(&mut self) {
+        for request in self.held.drain(..) {
+            self.inner
+                .submit(request)
+                .expect("room for a released write");
+        }
+    }
+}
+
+impl BlockDevice for HoldWrites {
+    fn info(&self) -> &DeviceInfo {
+        self.inner.info()
+    }
+    fn pool(&self) -> &DmaPool {
+        self.inner.pool()
+    }
+    fn submit(&mut self, request: Request) -> Result<(), Rejected> {
+        if matches!(request.op, IoOp::Write { .. }) && self.hold.load(Ordering::SeqCst) {
+            self.held.push(request);
+            return Ok(());
+        }
+        self.inner.submit(request)
+    }
+    fn poll(&mut self, out: &mut Vec<IoCompletion>) -> Result<usize, DevError> {
+        if !self.hold.load(Ordering::SeqCst) {
+            self.release();
+        }
+        self.inner.poll(out)
+    }
+    fn wait(&mut self, out: &mut Vec<IoCompletion>, timeout: Duration) -> Result<usize, DevError> {
+        self.release();
+        self.inner.wait(out, timeout)
+    }
+    fn in_flight(&self) -> u32 {
+        self.inner.in_flight() + self.held.len() as u32
+    }
+    fn any_thread_reader(&self) -> Option<Box<dyn nvme::AnyThreadReader>> {
+        self.inner.any_thread_reader()
+    }
+}
+
+/// A read in the caller's thread beside the queue (`read_lent`, what a client runs while
+/// its reactor sleeps) of blocks whose write-back is still in flight takes them from the
+/// write, not from the device, which has the blocks' older bytes (a fresh allocation: a
+/// crc mismatch). A file with data still staged is declined, untouched: the owner writes it
+/// back first (an fsync's record carries staged data without writing it back).
+#[test]
+fn a_read_beside_the_queue_takes_blocks_a_write_in_flight_holds_from_that_write() {
+    let hold = Arc::new(AtomicBool::new(false));
+    let dev = HoldWrites {
+        inner: MemDevice::new(config()).unwrap(),
+        held: Vec::new(),
+        hold: hold.clone(),
+    };
+    let options = MkfsOptions {
+        shards: 2,
+        label: "reads".into(),
+        ..Default::default()
+    };
+    let dev = Filesystem::mkfs(Box::new(dev), &options).unwrap();
+    // No data cache: every block not staged comes from the device or a write in flight.
+    let mut fs = Filesystem::mount(
+        dev,
+        MountOptions {
+            data_cache_blocks: 0,
+            ..MountOptions::default()
+        },
+    )
+    .unwrap();
+    let root = fs.root();
+    let a = fs.create(root, b"a", 0o644, 0, 0).unwrap().ino;
+    fs.write(a, 0, &[0x11; 65536]).unwrap();
+    fs.commit().unwrap();
+    // Read once by the owner: the access time moves now, not in the lent reads below.
+    assert_eq!(fs.read(a, 0, 4096).unwrap(), [0x11; 4096]);
+
+    let before = fs.device_wait_stats();
+    let got = fs
+        .read_lent(a, 8192, 8192)
+        .expect("answered beside the queue");
+    assert_eq!(got.unwrap(), [0x11; 8192]);
+    let after = fs.device_wait_stats();
+    assert_eq!(
+        after.lent_reads,
+        before.lent_reads + 1,
+        "one read of the device"
+    );
+
+    hold.store(true, Ordering::SeqCst);
+    // Copy-on-write: new blocks for 4096..12288, staged.
+    fs.write(a, 4096, &[0x22; 8192]).unwrap();
+    assert!(
+        fs.read_lent(a, 0, 16384).is_none(),
+        "a file with staged data is the owner's to read"
+    );
+    // The owner's read hands the staged blocks to the device (held in flight) and is
+    // answered from them.
+    assert_eq!(fs.read(a, 4096, 4096).unwrap(), [0x22; 4096]);
+    let before = fs.device_wait_stats();
+    let got = fs
+        .read_lent(a, 0, 16384)
+        .expect("answered beside the queue")
+        .expect("the bytes of the write in flight");
+    assert_eq!(got[..4096], [0x11; 4096]);
+    assert_eq!(got[4096..12288], [0x22; 8192]);
+    assert_eq!(got[12288..], [0x11; 4096]);
+    let after = fs.device_wait_stats();
+    assert_eq!(
+        after.lent_reads_from_writes,
+        before.lent_reads_from_writes + 2,
+        "the two rewritten blocks came from the write in flight"
+    );
+    assert_eq!(
+        after.lent_reads,
+        before.lent_reads + 2,
+        "the blocks on either side came from the device"
+    );
+
+    // Released and completed, the same read comes from the device alone.
+    hold.store(false, Ordering::SeqCst);
+    fs.commit().unwrap();
+    let before = fs.device_wait_stats();
+    let got = fs.read_lent(a, 0, 16384).unwrap().unwrap();
+    assert_eq!(got[4096..12288], [0x22; 8192]);
+    assert_eq!(
+        fs.device_wait_stats().lent_reads_from_writes,
+        before.lent_reads_from_writes
     );
 }

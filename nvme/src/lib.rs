@@ -333,8 +333,9 @@ fn check_lbas(info: &DeviceInfo, lba: u64, lbas: u64) -> Result<(), DevError> {
 }
 
 /// Synchronous reads beside a device's queue, from any thread
-/// ([`BlockDevice::any_thread_reader`]). Slow by design (a system call or a lock per read):
-/// for the rare node a lent engine misses, never a data path.
+/// ([`BlockDevice::any_thread_reader`]): a system call or a lock per read, with no queue
+/// depth. For a lent engine in a client's thread while the queue's owner sleeps: the node
+/// it misses, the data blocks of a short read.
 pub trait AnyThreadReader: Send {
     /// Reads `out.len()` bytes (whole LBAs, at most the device's largest transfer) at `lba`.
     fn read_at(&mut self, lba: u64, out: &mut [u8]) -> Result<(), DevError>;

@@ -18,10 +18,15 @@
 //!   takes the engine back: the reactor does not touch its engine while it is lent.
 //! - The device's queue is the reactor's alone (an io_uring ring admits one submitter):
 //!   while the engine is lent, the device multiplexer asserts on any use of it.
-//! - Lookups and reads run from memory alone ([`engine::Filesystem::from_memory`]): nothing
-//!   changes, nothing is read, and a miss gives the request back, untouched, to be sent to
-//!   the reactor. A read that would move an access time or start a read-ahead is the
-//!   reactor's.
+//! - Lookups run from memory alone ([`engine::Filesystem::from_memory`]): nothing changes,
+//!   nothing is read, and a miss gives the request back, untouched, to be sent to the
+//!   reactor. A read that would move an access time or start a read-ahead, or whose tree
+//!   nodes are not in memory, is the reactor's.
+//! - A read whose inode and extents are in memory but whose data blocks are not reads them
+//!   synchronously beside the queue ([`engine::Filesystem::read_lent`]): one system call
+//!   on the client's core, as a kernel filesystem's read would be, instead of a wake-up of
+//!   the reactor and one of the client. Not for reads longer than
+//!   [`engine::reads::LENT_READ_BYTES_MAX`] (the reactor waits for its engine meanwhile).
 //! - Changes of names, links, attributes and holds ([`Op::caller_run`]) run once their
 //!   walk and lookups were found in memory, with the engine lent for reads
 //!   ([`engine::Filesystem::change_lent`]): a change cannot be declined halfway, so a tree
@@ -170,6 +175,11 @@ impl CallerRuns {
         // takes it back (module invariants), so this is the only reference to it now.
         let fs = unsafe { &mut *fs };
         let out = match (kind, op) {
+            // Data blocks memory misses are read beside the queue only where changes may
+            // run too (`COREFS_CALLERS_RUN=lookups` keeps a caller to memory).
+            (_, &Op::Read { ino, offset, len }) if self.changes => {
+                fs.read_lent(ino, offset, len).map(|r| r.map(Reply::Data))
+            }
             (_, &Op::Read { ino, offset, len }) => fs
                 .read_from_memory(ino, offset, len)
                 .map(|r| r.map(Reply::Data)),

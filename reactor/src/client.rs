@@ -45,6 +45,9 @@ pub struct Client {
     sent: u64,
     /// Requests this client ran itself while the reactor slept ([`crate::caller`]).
     ran_here: u64,
+    /// Operations in flight when the last [`Client::submit`] came: 0 for a program that
+    /// submits one at a time.
+    submitted_behind: usize,
 }
 
 impl Client {
@@ -60,6 +63,7 @@ impl Client {
             stash: VecDeque::new(),
             sent: 0,
             ran_here: 0,
+            submitted_behind: 0,
         }
     }
 
@@ -81,6 +85,12 @@ impl Client {
     }
 
     /// Submits `op` with the caller's `token`; its completion carries the token back.
+    ///
+    /// With nothing of this client's in flight (nor at its last submit) and the reactor
+    /// asleep, the operation may run here and now ([`crate::caller`]: a lookup, a change of names, a short read whose
+    /// blocks this thread reads beside the queue); its completion is then ready at the next
+    /// poll. A program that submits one read at a time pays no wake-up on either side, as
+    /// with [`Client::call`].
     pub fn submit(&mut self, op: Op, token: u64) -> Result<(), SubmitError> {
         if self.shared.stopping.load(Ordering::Acquire) {
             return Err(SubmitError::Stopped(op));
@@ -88,6 +98,26 @@ impl Client {
         if self.in_flight >= self.capacity {
             return Err(SubmitError::Full(op));
         }
+        // Only for a program that submits one at a time: one that keeps a queue deep and
+        // just drained it would hold the rest of its batch behind a read run here (at
+        // queue depth 32, 0.84x the reads per second of sending every one).
+        let alone = self.in_flight == 0 && self.submitted_behind == 0;
+        self.submitted_behind = self.in_flight;
+        if alone {
+            let shared = &self.shared;
+            if let Some(result) = shared.caller.try_run(&op, || shared.doorbell.ring()) {
+                self.ran_here += 1;
+                self.in_flight += 1;
+                self.stash.push_back(Completion { token, result });
+                return Ok(());
+            }
+        }
+        self.send(op, token)
+    }
+
+    /// Sends `op` to the reactor that owns it (never runs it here), once the caller checked
+    /// the client's capacity and the runtime's state.
+    fn send(&mut self, op: Op, token: u64) -> Result<(), SubmitError> {
         let request = Request {
             op,
             token,
@@ -120,10 +150,17 @@ impl Client {
 
     /// As [`Client::poll`], sleeping up to `timeout` until at least one completion arrives.
     pub fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> usize {
-        let deadline = Instant::now() + timeout;
+        let started = Instant::now();
+        let deadline = started + timeout;
         loop {
             let n = self.poll(out);
             if n > 0 || self.in_flight == 0 || !self.sleep_until_reply(deadline, false) {
+                // A slow wait looks at whether this thread waited for a core, as a slow
+                // call does: a program driving the queue itself must not spin beside a
+                // neighbour unnoticed.
+                if n > 0 {
+                    crate::contention::after_call(started.elapsed());
+                }
                 return n;
             }
         }
@@ -182,7 +219,12 @@ impl Client {
         self.replies.device_wait.store(false, Ordering::Relaxed);
         let mut op = op;
         loop {
-            match self.submit(op, token) {
+            // Sent, not submitted: the run here was tried above, and a completion must come
+            // back through the queue this call waits on.
+            if self.shared.stopping.load(Ordering::Acquire) {
+                return Err(EngineError::ReadOnly("the reactor has stopped".into()));
+            }
+            match self.send(op, token) {
                 Ok(()) => break,
                 // The reactor's queue is full: it drains it continuously.
                 Err(SubmitError::Full(back)) => {

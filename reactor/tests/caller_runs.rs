@@ -387,3 +387,225 @@ fn a_runtime_that_does_not_lend_runs_every_request_itself() {
     assert_eq!(sent, 201, "every call is one request");
     runtime.shutdown().expect("clean shutdown");
 }
+
+/// Data reads a client runs itself: with the data cache off, a read whose nodes are in
+/// memory reads its blocks beside the queue in the client's thread. One thread rewrites its
+/// own file (random blocks, an fdatasync now and then: write-backs and commits in flight
+/// under the reads) and checks each range it reads against its model; readers check a file
+/// nobody changes. After a remount the rewritten file holds the model's bytes.
+#[test]
+fn data_reads_run_by_callers_return_the_bytes_the_reactor_would() {
+    const FILE_BYTES: usize = 1 << 20;
+    let seed = nvme::wrap::seed_from_env();
+    let dir = tempfile::tempdir().unwrap();
+    let data_config = || {
+        let mut c = config(&dir);
+        c.mount.data_cache_blocks = 0;
+        // Nodes for the file's extents stay in memory; the data never does.
+        c.mount.cache_nodes = 4096;
+        c
+    };
+    let runtime = Runtime::start(data_config()).expect("start");
+    let mut setup = runtime.client(64);
+    let pattern = |salt: u64| -> Vec<u8> {
+        let mut r = Xoshiro256PlusPlus::seed_from_u64(seed ^ salt);
+        (0..FILE_BYTES).map(|_| r.random()).collect()
+    };
+    let fixed_bytes = pattern(1);
+    let mut model = pattern(2);
+    let fixed = create(&mut setup, ROOT, "fixed");
+    let rewritten = create(&mut setup, ROOT, "rewritten");
+    for (ino, bytes) in [(fixed, &fixed_bytes), (rewritten, &model)] {
+        for (i, chunk) in bytes.chunks(128 << 10).enumerate() {
+            setup
+                .call(Op::Write {
+                    ino,
+                    offset: (i * (128 << 10)) as u64,
+                    data: chunk.to_vec(),
+                })
+                .unwrap();
+        }
+    }
+    setup.call(Op::Sync).expect("sync");
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let random_range = |rng: &mut Xoshiro256PlusPlus| {
+        let offset = rng.random_range(0..FILE_BYTES as u64);
+        let len = rng.random_range(1..20_000usize);
+        (offset, len)
+    };
+    let check =
+        |got: Result<Reply, EngineError>, want: &[u8], offset: u64, len: usize, who: &str| {
+            let end = (offset as usize + len).min(want.len());
+            match got {
+                Ok(Reply::Data(d)) => assert!(
+                    d == want[offset as usize..end],
+                    "seed {seed}: {who} read {len} at {offset}: wrong bytes"
+                ),
+                other => panic!("seed {seed}: {who} read {len} at {offset}: {other:?}"),
+            }
+        };
+    let (writer_reads_here, reader_steps) = std::thread::scope(|s| {
+        let readers: Vec<_> = (0..2u64)
+            .map(|index| {
+                let mut c = runtime.client(64);
+                let want = &fixed_bytes;
+                s.spawn(move || {
+                    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed ^ (index + 10));
+                    let mut steps = 0u64;
+                    while Instant::now() < deadline {
+                        steps += 1;
+                        let (offset, len) = random_range(&mut rng);
+                        let got = c.call(Op::Read {
+                            ino: fixed,
+                            offset,
+                            len,
+                        });
+                        check(got, want, offset, len, "a reader");
+                        if steps % 32 == 0 {
+                            std::thread::sleep(Duration::from_micros(200));
+                        }
+                    }
+                    steps
+                })
+            })
+            .collect();
+        let mut c = runtime.client(64);
+        let model = &mut model;
+        let writer = s.spawn(move || {
+            let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed ^ 3);
+            let mut steps = 0u64;
+            while Instant::now() < deadline {
+                steps += 1;
+                if rng.random_ratio(1, 3) {
+                    let (offset, len) = random_range(&mut rng);
+                    let len = len.min(FILE_BYTES - offset as usize);
+                    let data: Vec<u8> = (0..len).map(|_| rng.random()).collect();
+                    model[offset as usize..offset as usize + len].copy_from_slice(&data);
+                    c.call(Op::Write {
+                        ino: rewritten,
+                        offset,
+                        data,
+                    })
+                    .unwrap();
+                    if rng.random_ratio(1, 4) {
+                        c.call(Op::Fdatasync { ino: rewritten }).unwrap();
+                    }
+                }
+                let (offset, len) = random_range(&mut rng);
+                let got = c.call(Op::Read {
+                    ino: rewritten,
+                    offset,
+                    len,
+                });
+                check(got, model, offset, len, "the writer");
+                if steps % 32 == 0 {
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+            }
+            c.requests_ran_here()
+        });
+        let steps: u64 = readers.into_iter().map(|t| t.join().unwrap()).sum();
+        (writer.join().unwrap(), steps)
+    });
+    let stats = match setup.call(Op::Stats) {
+        Ok(Reply::Stats(s)) => s,
+        other => panic!("stats: {other:?}"),
+    };
+    println!(
+        "reader steps {reader_steps}, writer ran {writer_reads_here} requests itself; reads \
+         beside the queue {} ({} blocks; {} device reads of them, {} blocks from writes in \
+         flight); reactor device reads {}",
+        stats.reads.lent_reads,
+        stats.reads.lent_read_blocks,
+        stats.device_waits.lent_reads,
+        stats.device_waits.lent_reads_from_writes,
+        stats.reads.device_reads_done,
+    );
+    assert!(
+        stats.reads.lent_reads > 0 && stats.reads.lent_read_blocks > 0,
+        "no data read ran beside the queue"
+    );
+    runtime.shutdown().expect("clean shutdown");
+
+    let runtime = Runtime::start(Config {
+        mkfs: None,
+        ..data_config()
+    })
+    .expect("remount");
+    let mut client = runtime.client(64);
+    for offset in (0..FILE_BYTES).step_by(128 << 10) {
+        let got = client.call(Op::Read {
+            ino: rewritten,
+            offset: offset as u64,
+            len: 128 << 10,
+        });
+        check(got, &model, offset as u64, 128 << 10, "after the remount");
+    }
+    runtime.shutdown().expect("clean shutdown");
+}
+
+/// A submit made with nothing else of the client's in flight may run in the client while the
+/// reactor sleeps: its completion comes at the next poll with its token, calls and submits
+/// mixed keep their answers apart, and the submits that went to the reactor still come back.
+#[test]
+fn submits_run_by_their_caller_complete_at_the_next_poll() {
+    let dir = tempfile::tempdir().unwrap();
+    let runtime = Runtime::start(config(&dir)).expect("start");
+    let mut client = runtime.client(64);
+    let ino = create(&mut client, ROOT, "f");
+    let bytes: Vec<u8> = (0..16384u32).map(|i| (i % 251) as u8).collect();
+    client
+        .call(Op::Write {
+            ino,
+            offset: 0,
+            data: bytes.clone(),
+        })
+        .unwrap();
+    client.call(Op::Sync).expect("sync");
+    let mut out = Vec::new();
+    for round in 0..400u64 {
+        let offset = (round * 1000) % 12000;
+        // One alone (may run here), then four at once (the rest go to the reactor).
+        let depth = if round % 2 == 0 { 1 } else { 4 };
+        for k in 0..depth {
+            client
+                .submit(
+                    Op::Read {
+                        ino,
+                        offset: offset + k,
+                        len: 3000,
+                    },
+                    round * 10 + k,
+                )
+                .expect("room");
+        }
+        let mut seen = Vec::new();
+        while seen.len() < depth as usize {
+            out.clear();
+            client.wait(&mut out, Duration::from_secs(5));
+            assert!(!out.is_empty(), "round {round}: a completion went missing");
+            for c in out.drain(..) {
+                let k = c.token - round * 10;
+                assert!(k < depth, "round {round}: a stranger's token {}", c.token);
+                let at = (offset + k) as usize;
+                match c.result {
+                    Ok(Reply::Data(d)) => assert_eq!(d, bytes[at..at + 3000], "round {round}"),
+                    other => panic!("round {round}: {other:?}"),
+                }
+                seen.push(k);
+            }
+        }
+        assert_eq!(client.in_flight(), 0);
+        // A call between submits gets its own answer.
+        let s = stat_of(client.call(Op::Stat { ino }), "stat");
+        assert_eq!(s.size, bytes.len() as u64);
+        if round % 8 == 0 {
+            std::thread::sleep(Duration::from_micros(300));
+        }
+    }
+    assert!(
+        client.requests_ran_here() > 0,
+        "no submit or call ever ran in its caller"
+    );
+    runtime.shutdown().expect("clean shutdown");
+}

@@ -233,6 +233,54 @@ impl DeviceMux {
         Ok(())
     }
 
+    /// Reads data blocks `first..first + dst.len() / BLOCK_BYTES` synchronously beside the
+    /// queue, for a lent engine ([`Lent::Reads`]) reading file data in its caller's thread
+    /// ([`crate::Filesystem::read_lent`]): each block a background write in flight holds is
+    /// copied from it (the device may not have it yet); the runs between are read through
+    /// the any-thread reader, at most the device's largest transfer at a time.
+    pub(crate) fn read_blocks_beside(
+        &mut self,
+        first: u64,
+        dst: &mut [u8],
+    ) -> std::result::Result<(), DevError> {
+        const BLOCK: usize = crate::format::BLOCK_BYTES;
+        assert_eq!(
+            self.lent,
+            Lent::Reads,
+            "only a lent engine reads beside the queue"
+        );
+        assert!(
+            !dst.is_empty() && dst.len() % BLOCK == 0,
+            "whole blocks beside the queue"
+        );
+        let count = dst.len() / BLOCK;
+        let max_blocks = (self.inner.info().max_io_bytes as usize / BLOCK).max(1);
+        let mut at = 0;
+        while at < count {
+            let block = first + at as u64;
+            if let Some(bytes) = self.writing_block(block) {
+                dst[at * BLOCK..(at + 1) * BLOCK].copy_from_slice(bytes);
+                self.waits.lent_reads_from_writes += 1;
+                at += 1;
+                continue;
+            }
+            // A run of blocks no background write holds.
+            let mut end = at + 1;
+            while end < count
+                && end - at < max_blocks
+                && self.writing_block(first + end as u64).is_none()
+            {
+                end += 1;
+            }
+            let lba = block * (BLOCK as u64 / self.inner.info().lba_size_bytes as u64);
+            let reader = self.reader.as_mut().expect("checked when lent");
+            reader.read_at(lba, &mut dst[at * BLOCK..end * BLOCK])?;
+            self.waits.lent_reads += 1;
+            at = end;
+        }
+        Ok(())
+    }
+
     /// The device itself. Requests still in flight stay in flight (what a crash leaves).
     pub fn into_inner(self) -> Box<dyn BlockDevice> {
         self.inner
