@@ -70,6 +70,8 @@ pub struct FetchStats {
     /// those refused for space and left to the owner.
     pub lent_changes: u64,
     pub lent_no_space: u64,
+    /// Of the lent changes, writes ([`Filesystem::write_lent`]).
+    pub lent_writes: u64,
 }
 
 /// The engine's state for deferred lookups.

@@ -701,7 +701,7 @@ impl Filesystem {
             // Whole blocks: written as they are, no staging copy.
             self.write_blocks(ino, first, data)?
         } else {
-            self.write_partial(ino, offset, end, data)?
+            self.write_partial(ino, offset, end, data, item.size)?
         };
         item.blocks = item.blocks.saturating_add_signed(delta);
         item.size = item.size.max(end);
@@ -710,6 +710,48 @@ impl Filesystem {
         item.ctime = now;
         self.store_inode(ino, &item)?;
         Ok(data.len())
+    }
+
+    /// A write run by a thread the engine is lent to (a client while its reactor sleeps):
+    /// only one that stages its bytes and reads nothing. Its lookups (the inode, the extents
+    /// it replaces) are in memory; no block it covers in part lies inside the file (whole
+    /// blocks, or edges at or past the end: nothing to read under them); and staging keeps
+    /// room below the write-back threshold, so no write-back starts (the device's queue is
+    /// the owner's). `None`, untouched, otherwise: the owner runs it. What runs is
+    /// [`Filesystem::write`], through [`Filesystem::change_lent`].
+    pub fn write_lent(&mut self, ino: u64, offset: u64, data: &[u8]) -> Option<Result<usize>> {
+        if !self.dev.reads_beside_queue() || self.failed.is_some() {
+            return None;
+        }
+        let staged_after = self.staged_bytes() + data.len().next_multiple_of(BLOCK_BYTES);
+        if staged_after > self.writeback_threshold_bytes()
+            || staged_after > self.options.staged_park_bytes
+        {
+            self.fetch.stats.from_memory_misses += 1;
+            return None;
+        }
+        let reads_nothing = self.from_memory(|fs| -> Result<bool> {
+            let len = rw_len(offset, data.len())? as u64;
+            let size = fs.file_inode(ino)?.size;
+            fs.probe_extents(ino, offset, len)?;
+            let end = offset + len;
+            let inside = |block: u64| block * BLOCK < size;
+            let head = offset % BLOCK != 0 && inside(offset / BLOCK);
+            let tail = end % BLOCK != 0 && inside(end / BLOCK);
+            Ok(!head && !tail)
+        })?;
+        match reads_nothing {
+            Ok(true) => {
+                let out = self.change_lent(|fs| fs.write(ino, offset, data));
+                self.fetch.stats.lent_writes += out.is_some() as u64;
+                out
+            }
+            Ok(false) => {
+                self.fetch.stats.from_memory_misses += 1;
+                None
+            }
+            Err(e) => Some(Err(e)),
+        }
     }
 
     /// The edge blocks a write of `offset..end` of file `ino` reads (the blocks it covers only
@@ -758,18 +800,26 @@ impl Filesystem {
     }
 
     /// A write that starts or ends inside a block: the old content of the edge blocks is read
-    /// and the new bytes laid over it.
-    fn write_partial(&mut self, ino: u64, offset: u64, end: u64, data: &[u8]) -> Result<i64> {
+    /// and the new bytes laid over it. An edge block at or past the file's end (`size`)
+    /// holds nothing to read: it starts as zeroes.
+    fn write_partial(
+        &mut self,
+        ino: u64,
+        offset: u64,
+        end: u64,
+        data: &[u8],
+        size: u64,
+    ) -> Result<i64> {
         let first = offset / BLOCK;
         let last = end.div_ceil(BLOCK);
         let mut blocks = vec![0u8; ((last - first) * BLOCK) as usize];
         let head = (offset - first * BLOCK) as usize;
-        if head != 0 {
+        if head != 0 && first * BLOCK < size {
             let old = self.read(ino, first * BLOCK, BLOCK_BYTES)?;
             blocks[..old.len()].copy_from_slice(&old);
         }
         let tail_block = last - 1;
-        if end % BLOCK != 0 && (tail_block != first || head == 0) {
+        if end % BLOCK != 0 && (tail_block != first || head == 0) && tail_block * BLOCK < size {
             let old = self.read(ino, tail_block * BLOCK, BLOCK_BYTES)?;
             let at = ((tail_block - first) * BLOCK) as usize;
             blocks[at..at + old.len()].copy_from_slice(&old);

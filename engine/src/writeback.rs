@@ -489,7 +489,7 @@ impl Filesystem {
 
     /// Staged bytes past which write-back starts: the mount's threshold, or
     /// [`PRECOMMIT_STAGED_BYTES`] once a commit is near.
-    fn writeback_threshold_bytes(&self) -> usize {
+    pub(crate) fn writeback_threshold_bytes(&self) -> usize {
         if self.commit_near() {
             PRECOMMIT_STAGED_BYTES.min(self.options.writeback_start_bytes)
         } else {

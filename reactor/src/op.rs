@@ -297,8 +297,8 @@ impl Op {
             | Op::GetXattr { .. }
             | Op::ListXattr { .. } => CallerRun::FromMemory,
             // Names, links, attributes and holds: tree items only, nothing the change itself
-            // writes to the device. Data (writes, truncation, an open that truncates) and
-            // fsyncs are the reactor's.
+            // writes to the device. Truncation, an open that truncates, appends, atomic
+            // batches and fsyncs are the reactor's.
             Op::Create { .. }
             | Op::Mkdir { .. }
             | Op::Symlink { .. }
@@ -312,6 +312,8 @@ impl Op {
             | Op::Hold { .. }
             | Op::Release { .. } => CallerRun::Change,
             Op::Open { how, .. } if !how.truncate => CallerRun::Change,
+            // A write that only stages its bytes ([`engine::Filesystem::write_lent`]).
+            Op::Write { .. } => CallerRun::Write,
             Op::SetAttr { change, .. } if change.size.is_none() => CallerRun::Change,
             _ => CallerRun::No,
         }
@@ -334,6 +336,9 @@ pub(crate) enum CallerRun {
     /// A change, once its lookups were found in memory
     /// ([`engine::Filesystem::change_lent`]).
     Change,
+    /// A write that only stages its bytes ([`engine::Filesystem::write_lent`]), when the
+    /// reactor holds no writes back for a commit.
+    Write,
     /// Only the reactor runs it.
     No,
 }

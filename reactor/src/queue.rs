@@ -58,16 +58,16 @@ pub(crate) struct Shared {
 impl Shared {
     #[cfg(feature = "sim")]
     pub(crate) fn new(queue_capacity: usize) -> Shared {
-        Shared::with_reactors(queue_capacity, 1, (false, false))
+        Shared::with_reactors(queue_capacity, 1, crate::caller::CallerPolicy::OFF)
     }
 
     /// The queue of one of `reactors` reactors (clients spin only on the cores they leave);
-    /// `callers`: whether the reactor lends its engine to clients while it sleeps, and for
-    /// changes too ([`crate::caller`]; one reactor only).
+    /// `callers`: what clients may run themselves while the reactor sleeps
+    /// ([`crate::caller`]; one reactor only).
     pub(crate) fn with_reactors(
         queue_capacity: usize,
         reactors: usize,
-        callers: (bool, bool),
+        callers: crate::caller::CallerPolicy,
     ) -> Shared {
         Shared {
             requests: ArrayQueue::new(queue_capacity.max(1)),
@@ -83,7 +83,10 @@ impl Shared {
             total_blocks: std::sync::atomic::AtomicU64::new(0),
             free_blocks: std::sync::atomic::AtomicU64::new(0),
             inodes: std::sync::atomic::AtomicU64::new(0),
-            caller: crate::caller::CallerRuns::new(callers.0 && reactors == 1, callers.1),
+            caller: crate::caller::CallerRuns::new(crate::caller::CallerPolicy {
+                run: callers.run && reactors == 1,
+                ..callers
+            }),
             #[cfg(any(test, feature = "test-hooks"))]
             panic_next: Arc::new(AtomicBool::new(false)),
         }

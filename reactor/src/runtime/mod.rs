@@ -143,6 +143,11 @@ pub struct Config {
     /// With `callers_run`: changes of names, links, attributes and holds too, not only
     /// lookups and reads. On by default; `COREFS_CALLERS_RUN=lookups` turns it off.
     pub callers_change: bool,
+    /// With `callers_change`: a client reads data blocks memory misses beside the queue
+    /// whenever it runs a read, not only while the cores are shared with other work (where
+    /// it saves two wake-ups; on a quiet machine the polling reactor's ring read is faster).
+    /// Off by default; tests turn it on to reach that path on a quiet machine.
+    pub callers_read_device_always: bool,
 }
 
 /// `COREFS_CALLERS_RUN`, read once: `0` turns lending off, `lookups` keeps changes on the
@@ -167,6 +172,7 @@ impl Default for Config {
             batch_max: 256,
             callers_run: callers_env() != Some("0"),
             callers_change: !matches!(callers_env(), Some("0" | "lookups")),
+            callers_read_device_always: false,
         }
     }
 }
@@ -295,7 +301,11 @@ impl Runtime {
         let shared = Arc::new(Shared::with_reactors(
             config.queue_capacity,
             1,
-            (config.callers_run, config.callers_change),
+            crate::caller::CallerPolicy {
+                run: config.callers_run,
+                changes: config.callers_change,
+                device_reads_always: config.callers_read_device_always,
+            },
         ));
         let router = Arc::new(Router::new(vec![shared.clone()], 0, None));
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
@@ -425,7 +435,7 @@ impl Runtime {
                 Arc::new(Shared::with_reactors(
                     config.queue_capacity,
                     n,
-                    (false, false),
+                    crate::caller::CallerPolicy::OFF,
                 ))
             })
             .collect();
