@@ -104,3 +104,55 @@ fn an_fsync_after_a_lent_write_makes_it_durable() {
     let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
     assert_eq!(fs.read(a, 0, 20_000).unwrap(), bytes);
 }
+
+/// A write refused for space runs nowhere lent: it goes to the owner untouched (the owner
+/// commits, which unpins what earlier writes freed, and tries again), and the filesystem
+/// stays writable. A small device filled by overwrites whose old blocks stay pinned until a
+/// commit.
+#[test]
+fn a_lent_write_refused_for_space_is_left_to_the_owner_untouched() {
+    let config = MemConfig {
+        capacity_bytes: 16 << 20,
+        lba_size_bytes: 4096,
+        queue_depth: 32,
+        buf_bytes: 128 << 10,
+        buf_count: 64,
+    };
+    let mkfs = MkfsOptions {
+        shards: 4,
+        label: "lent".into(),
+        ..Default::default()
+    };
+    let dev = Filesystem::mkfs(Box::new(MemDevice::new(config).unwrap()), &mkfs).unwrap();
+    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    let root = fs.root();
+    let a = fs.create(root, b"a", 0o644, 0, 0).unwrap().ino;
+    let (mut lent, mut declined) = (0, 0);
+    for i in 0..20_000u64 {
+        let offset = (i % 64) * 65536;
+        let data = vec![i as u8; 65536];
+        match fs.write_lent(a, offset, &data) {
+            Some(result) => {
+                result.unwrap_or_else(|e| panic!("write {i} ran lent and failed: {e}"));
+                lent += 1;
+            }
+            None => {
+                declined += 1;
+                fs.write(a, offset, &data)
+                    .unwrap_or_else(|e| panic!("write {i} by the owner: {e}"));
+            }
+        }
+        if i % 16 == 15 {
+            fs.fsync(a).unwrap();
+        }
+    }
+    let no_space = fs.fetch_stats().lent_no_space;
+    assert!(
+        lent > 0 && no_space > 0,
+        "{lent} ran lent, {declined} declined, {no_space} of them for space"
+    );
+    assert_eq!(
+        fs.read(a, 0, 4096).unwrap(),
+        vec![(19_968u64 % 256) as u8; 4096]
+    );
+}
