@@ -36,7 +36,7 @@ echo "== module cycles may only shrink" >&2
 # Modules that import each other in a circle (scripts/module-cycles.py). The largest circle
 # per crate may not grow past what it is today; the engine's 13 and the bench's 2 are still
 # to break up.
-for allowed in engine:13 bench:2 reactor:1 nvme:1 bindings:1 cli:1 crashtest:1; do
+for allowed in engine:11 bench:2 reactor:1 nvme:1 bindings:1 cli:1 crashtest:1; do
   scripts/module-cycles.py "${allowed%%:*}" --allow "${allowed##*:}"
 done
 echo "== libcorefs carries no test machinery" >&2

@@ -86,7 +86,7 @@ impl Filesystem {
                     .iter()
                     .map(|(_, e)| (e.disk_block, e.blocks as u64))
                     .collect();
-                let data = crate::commit::read_runs(&mut *self.dev, &runs)?;
+                let data = crate::blocks::read_runs(&mut *self.dev, &runs)?;
                 for ((ino, extent), bytes) in chunk.iter().zip(data) {
                     for (i, block) in bytes.chunks(BLOCK_BYTES).enumerate() {
                         let crc = crc32c::crc32c(block);

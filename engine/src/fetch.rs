@@ -220,7 +220,7 @@ impl Filesystem {
     /// Runs `f` — lookups only, never a change — from memory alone, for a thread that is
     /// not the device's owner (a client running a request while its reactor sleeps): if
     /// anything `f` needs is not in memory, nothing is read (the device stays untouched:
-    /// [`crate::log::inflight::DeviceMux`] asserts so) and the result is `None`; the caller
+    /// [`crate::mux::DeviceMux`] asserts so) and the result is `None`; the caller
     /// then sends the request to the owner. A failed filesystem gives `None` too (its
     /// operations may read synchronously).
     ///
@@ -245,9 +245,9 @@ impl Filesystem {
         }
         self.fetch.deferring = true;
         self.fetch.declined = false;
-        self.dev.lend(crate::log::inflight::Lent::Nothing);
+        self.dev.lend(crate::mux::Lent::Nothing);
         let out = f(self);
-        self.dev.lend(crate::log::inflight::Lent::No);
+        self.dev.lend(crate::mux::Lent::No);
         self.fetch.deferring = false;
         // Read-ahead hints are the owner's to act on when it misses itself.
         self.fetch.ahead.clear();
@@ -288,11 +288,11 @@ impl Filesystem {
             return None;
         }
         let changes = self.op.changes;
-        self.dev.lend(crate::log::inflight::Lent::Reads);
+        self.dev.lend(crate::mux::Lent::Reads);
         self.op.lent = true;
         let out = f(self);
         self.op.lent = false;
-        self.dev.lend(crate::log::inflight::Lent::No);
+        self.dev.lend(crate::mux::Lent::No);
         if matches!(out, Err(crate::EngineError::NoSpace)) && self.op.changes == changes {
             self.fetch.stats.lent_no_space += 1;
             return None;

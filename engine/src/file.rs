@@ -22,8 +22,8 @@ use crate::inode::{S_IFDIR, S_IFMT, S_IFREG};
 use crate::space::MetaNeed;
 
 const BLOCK: u64 = BLOCK_BYTES as u64;
-/// Largest file offset (keeps every byte offset and block count in range).
-pub const MAX_FILE_BYTES: u64 = 1 << 50;
+/// Largest file offset (keeps every byte offset and block count in range): the format's.
+pub use crate::format::items::MAX_FILE_BYTES;
 
 /// The most bytes one read or write moves: Linux's `MAX_RW_COUNT` (`INT_MAX & PAGE_MASK`).
 /// A longer request is shortened to it, as read(2) and write(2) shorten theirs, so no

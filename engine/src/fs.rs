@@ -13,6 +13,7 @@
 //! commit fails with it, and a remount recovers the last durable generation. Mount never
 //! writes.
 
+use crate::blocks::{block_lba, read_block};
 use crate::commit::Committer;
 use crate::error::{EngineError, Result};
 use crate::format::items::{InodeItem, Timespec};
@@ -28,7 +29,7 @@ use nvme::BlockDevice;
 /// Object id of the space bitmap items in every shard tree. Object ids below
 /// [`FIRST_INODE`] are the engine's own.
 pub const SPACE_OBJECTID: u64 = 1;
-pub const FIRST_INODE: u64 = 256;
+pub use crate::format::items::FIRST_INODE;
 
 #[derive(Debug, Clone)]
 pub struct MkfsOptions {
@@ -150,7 +151,7 @@ pub(crate) struct Shard {
 
 pub struct Filesystem {
     /// The device, with the fsync log's background I/O kept apart ([`crate::log::inflight`]).
-    pub(crate) dev: Box<crate::log::inflight::DeviceMux>,
+    pub(crate) dev: Box<crate::mux::DeviceMux>,
     /// The last durable superblock.
     pub(crate) sb: Superblock,
     /// The block groups no shard owns, shared by every engine of the filesystem
@@ -274,19 +275,6 @@ fn random_bytes() -> [u8; 16] {
         half.copy_from_slice(&h.finish().to_le_bytes());
     }
     out
-}
-
-/// The device LBAs of filesystem block `block`.
-pub(crate) fn block_lba(dev: &dyn BlockDevice, block: u64) -> u64 {
-    block * (BLOCK_BYTES as u64 / dev.info().lba_size_bytes as u64)
-}
-
-/// Reads one filesystem block.
-pub(crate) fn read_block(dev: &mut dyn BlockDevice, block: u64) -> Result<Vec<u8>> {
-    let mut out = vec![0u8; BLOCK_BYTES];
-    let lba = block_lba(dev, block);
-    nvme::read_sync(dev, lba, &mut out)?;
-    Ok(out)
 }
 
 /// What a shard's tree uses to reach the device and the shard's allocator.
@@ -662,7 +650,7 @@ impl Filesystem {
         let data_cache_blocks = options.data_cache_blocks;
         let mut fs = Filesystem {
             commit: Committer::new(sb.generation + 1, false),
-            dev: Box::new(crate::log::inflight::DeviceMux::new(dev)),
+            dev: Box::new(crate::mux::DeviceMux::new(dev)),
             sb,
             pool,
             shards,

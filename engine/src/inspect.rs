@@ -7,11 +7,12 @@
 //! generation, owner, level against the parent pointer); a block that fails is printed as
 //! such, with the reason, and the walk goes on with its siblings.
 
+use crate::blocks::read_block;
 use crate::format::items::{decode_names, decode_xattrs, ExtentItem, InodeItem, XattrValue};
 use crate::format::{
     decode_node, BlockPtr, ItemKind, Key, NodeBody, Superblock, BLOCK_BYTES, SUPERBLOCK_ADDRS,
 };
-use crate::fs::{read_block, SPACE_OBJECTID};
+use crate::fs::SPACE_OBJECTID;
 use crate::inode::INO_COUNTER_OBJECTID;
 use crate::log::record::{decode_header, decode_record, LogOp};
 use nvme::BlockDevice;
@@ -45,7 +46,7 @@ pub fn rewrite_superblock(
     );
     let bytes = sb.encode();
     assert_eq!(bytes.len(), BLOCK_BYTES);
-    let lba = crate::fs::block_lba(dev, addr);
+    let lba = crate::blocks::block_lba(dev, addr);
     nvme::write_sync(dev, lba, &bytes, false).map_err(|e| e.to_string())?;
     nvme::flush_sync(dev).map_err(|e| e.to_string())
 }

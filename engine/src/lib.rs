@@ -12,6 +12,7 @@
 //! - [`check`]: the checker behind `corefs fsck` and every test.
 
 pub mod atomic;
+mod blocks;
 mod bucket;
 
 /// True when the named [`mutation::Mutation`] is in force; always false (and nothing of the
@@ -45,6 +46,7 @@ pub mod log;
 #[cfg(feature = "mutations")]
 #[doc(hidden)]
 pub mod mutation;
+mod mux;
 pub mod partition;
 pub mod reads;
 pub mod refs;
@@ -63,7 +65,7 @@ pub use fetch::{Deferred, FetchStats};
 pub use file::FallocateMode;
 pub use fs::{Filesystem, MkfsOptions, MountOptions};
 pub use inode::{Atime, SetAttr, Stat};
-pub use log::inflight::DeviceWaitStats;
 pub use log::LogStats;
+pub use mux::DeviceWaitStats;
 pub use reads::{ReadResult, ReadStart, ReadStats, ReadsStarted};
 pub use xattr::XattrFlags;

@@ -217,7 +217,7 @@ impl Filesystem {
         let mut log = crate::log::LogState::new(count);
         log.stream = like.stream;
         let mut fs = Filesystem {
-            dev: Box::new(crate::log::inflight::DeviceMux::new(dev)),
+            dev: Box::new(crate::mux::DeviceMux::new(dev)),
             sb: like.sb.clone(),
             pool: like.pool.clone(),
             shards: (0..count).map(|_| None).collect(),

@@ -4,7 +4,7 @@
 //! [`Filesystem::read_start`] plans a set of reads — maps their extents, copies what memory
 //! holds (staged data, the block cache, blocks being written back) — and submits the data
 //! blocks left to fetch as device reads of the mux's read class
-//! ([`crate::log::inflight::READ`]), whose completions no synchronous path ever sees.
+//! ([`crate::mux::READ`]), whose completions no synchronous path ever sees.
 //! [`Filesystem::read_progress`] reaps completions, verifies every block against its
 //! extent's crc, and hands back each set that finished. A data block goes from its DMA
 //! buffer to the request's output (and the block cache) in one copy, as its device read
@@ -34,11 +34,12 @@
 //! that waited for it and makes the filesystem fail-stop; a block whose crc mismatches
 //! fails its own request alone. Nothing is retried.
 
+use crate::blocks::block_lba;
 use crate::error::{EngineError, Result};
 use crate::fetch::Deferred;
 use crate::file::ReadPiece;
 use crate::format::BLOCK_BYTES;
-use crate::fs::{block_lba, Filesystem};
+use crate::fs::Filesystem;
 use nvme::{BlockDevice, IoOp, Request};
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
@@ -387,7 +388,7 @@ impl Filesystem {
             self.fetch.stats.from_memory_misses += 1;
             return None;
         }
-        self.dev.lend(crate::log::inflight::Lent::Reads);
+        self.dev.lend(crate::mux::Lent::Reads);
         let mut result = Ok(());
         for piece in &pieces {
             let mut bytes = vec![0u8; piece.count as usize * BLOCK_BYTES];
@@ -405,7 +406,7 @@ impl Filesystem {
             }
             copy_piece(piece, 0, &bytes, &mut out);
         }
-        self.dev.lend(crate::log::inflight::Lent::No);
+        self.dev.lend(crate::mux::Lent::No);
         self.reads.stats.lent_reads += 1;
         if result.is_ok() {
             self.follow_stream_lent(ino, offset, len);
@@ -432,9 +433,9 @@ impl Filesystem {
     /// started by mistake trips the device's assertion before it reaches the queue.
     fn follow_stream_lent(&mut self, ino: u64, offset: u64, len: usize) {
         let fetches = self.reads.stats.ahead_sets;
-        self.dev.lend(crate::log::inflight::Lent::Nothing);
+        self.dev.lend(crate::mux::Lent::Nothing);
         self.follow_stream(ino, offset, len as u64);
-        self.dev.lend(crate::log::inflight::Lent::No);
+        self.dev.lend(crate::mux::Lent::No);
         assert_eq!(
             fetches, self.reads.stats.ahead_sets,
             "a read from memory started no read-ahead"
@@ -599,8 +600,8 @@ impl Filesystem {
         self.reads.stats
     }
 
-    /// Synchronous waits for the device so far ([`crate::log::inflight::DeviceWaitStats`]).
-    pub fn device_wait_stats(&self) -> crate::log::inflight::DeviceWaitStats {
+    /// Synchronous waits for the device so far ([`crate::mux::DeviceWaitStats`]).
+    pub fn device_wait_stats(&self) -> crate::mux::DeviceWaitStats {
         self.dev.waits
     }
 
@@ -651,10 +652,10 @@ impl Filesystem {
             };
             self.reads.queued.pop_front();
             let number = self.reads.next_io;
-            self.reads.next_io = (self.reads.next_io + 1) & !crate::log::inflight::TAG_MASK;
+            self.reads.next_io = (self.reads.next_io + 1) & !crate::mux::TAG_MASK;
             let lba = block_lba(&*self.dev, io.block);
             let request = Request {
-                token: crate::log::inflight::READ | number,
+                token: crate::mux::READ | number,
                 op: IoOp::Read { lba, buf },
             };
             match self.dev.submit_read(request) {
@@ -682,7 +683,7 @@ impl Filesystem {
         };
         let reaped_at = std::time::Instant::now();
         for c in completions {
-            let number = c.token & !crate::log::inflight::TAG_MASK;
+            let number = c.token & !crate::mux::TAG_MASK;
             let (io, submitted_at) = self
                 .reads
                 .in_flight

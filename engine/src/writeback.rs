@@ -415,7 +415,7 @@ impl Staged {
 }
 
 /// Largest piece staged data is kept in: a write's data is staged in pieces this size, which
-/// go to the device as they are ([`crate::commit::coalesce`] joins neighbours up to the
+/// go to the device as they are ([`crate::blocks::coalesce`] joins neighbours up to the
 /// largest I/O). Splitting staged runs into single blocks when they were taken copied every
 /// byte once more: 8 MiB of a large file's fsync cost about 2 ms of the reactor for it.
 pub(crate) const STAGE_PIECE_BYTES: usize = 64 << 10;
@@ -434,11 +434,6 @@ fn move_pieces(runs: Vec<Run>, out: &mut Vec<(u64, Vec<u8>)>) {
         );
         out.push((disk, data));
     }
-}
-
-/// Bytes of whole-block pieces (what a write-back or a commit chunk hands the device).
-pub(crate) fn pieces_bytes(pieces: &[(u64, Vec<u8>)]) -> usize {
-    pieces.iter().map(|(_, d)| d.len()).sum()
 }
 
 impl Filesystem {
@@ -477,7 +472,7 @@ impl Filesystem {
             let blocks = self.take_all_staged();
             // Durable only at the next flush: no FUA-only record until then.
             self.log.unflushed_writes = true;
-            let written = crate::commit::write_blocks(&mut *self.dev, blocks);
+            let written = crate::blocks::write_blocks(&mut *self.dev, blocks);
             self.fail_stop_on_error(written)?;
         } else if self.staged.bytes > PRECOMMIT_STAGED_BYTES.min(self.options.writeback_start_bytes)
             && self.staged.bytes > self.writeback_threshold_bytes()
@@ -541,7 +536,7 @@ impl Filesystem {
                 !blocks.is_empty(),
                 "staged bytes are counted with their runs"
             );
-            self.log.stats.writeback_bytes += pieces_bytes(&blocks) as u64;
+            self.log.stats.writeback_bytes += crate::blocks::pieces_bytes(&blocks) as u64;
             self.submit_writeback(blocks)?;
         }
         Ok(())
@@ -675,7 +670,7 @@ impl Filesystem {
         }
         self.check_writable()?;
         let blocks = self.take_staged(std::iter::once(&ino));
-        self.log.stats.writeback_bytes += pieces_bytes(&blocks) as u64;
+        self.log.stats.writeback_bytes += crate::blocks::pieces_bytes(&blocks) as u64;
         self.submit_writeback(blocks).map(drop)
     }
 

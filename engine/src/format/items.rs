@@ -4,12 +4,19 @@
 //!
 //! Decoding also checks what the engine later does arithmetic with or trusts, so a
 //! checksum-valid but impossible value is reported where it is read: file types, sizes and
-//! block counts within [`crate::file::MAX_FILE_BYTES`], counters with room to grow, names as
+//! block counts within [`MAX_FILE_BYTES`], counters with room to grow, names as
 //! the engine accepts them, extents that neither wrap the block numbers nor start in the
 //! superblocks.
 
 use super::{le_u16, le_u32, le_u64, FIRST_REGION_BLOCK};
-use crate::file::MAX_FILE_BYTES;
+
+/// Largest file offset (keeps every byte offset and block count in range); an inode item
+/// past it is damaged. The file layer's limit too ([`crate::file::MAX_FILE_BYTES`]).
+pub const MAX_FILE_BYTES: u64 = 1 << 50;
+
+/// The first inode number files may have; object ids below it are the engine's own (the
+/// space bitmap items, [`crate::fs::SPACE_OBJECTID`]).
+pub const FIRST_INODE: u64 = 256;
 
 /// A timestamp: seconds and nanoseconds since the epoch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, PartialOrd, Ord)]
@@ -291,7 +298,7 @@ pub fn decode_ext_refs(b: &[u8]) -> Result<Vec<ExtRef>, String> {
                 String::from_utf8_lossy(name)
             ));
         }
-        if !(crate::fs::FIRST_INODE..=MAX_INO).contains(&dir) || index > MAX_INDEX {
+        if !(FIRST_INODE..=MAX_INO).contains(&dir) || index > MAX_INDEX {
             return Err(format!(
                 "extended back-reference to directory {dir} index {index}"
             ));

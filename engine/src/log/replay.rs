@@ -22,12 +22,13 @@
 //! torn, stale or garbage record ends the replay at that record, with a log line.
 
 use super::record::{decode_header, decode_record, LogOp};
+use crate::blocks::{block_lba, read_block};
 use crate::error::{EngineError, Result};
 use crate::format::items::{
     decode_ext_refs, decode_names, decode_xattrs, ExtentItem, InodeItem, MAX_INO,
 };
 use crate::format::{ItemKind, Key, BLOCK_BYTES};
-use crate::fs::{block_lba, read_block, Filesystem, FIRST_INODE};
+use crate::fs::{Filesystem, FIRST_INODE};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 /// A validated record.
@@ -375,7 +376,7 @@ impl Filesystem {
             .into_iter()
             .filter(|(block, _)| referenced.contains_key(block))
             .collect();
-        crate::commit::write_blocks(&mut *self.dev, carried)?;
+        crate::blocks::write_blocks(&mut *self.dev, carried)?;
         let mut created: BTreeMap<u32, u64> = BTreeMap::new();
         for op in records.iter().flat_map(|r| r.ops.iter()) {
             let Some(&key) = op.key() else { continue };
