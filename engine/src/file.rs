@@ -723,10 +723,17 @@ impl Filesystem {
         if !self.dev.reads_beside_queue() || self.failed.is_some() {
             return None;
         }
-        let staged_after = self.staged_bytes() + data.len().next_multiple_of(BLOCK_BYTES);
-        if staged_after > self.writeback_threshold_bytes()
-            || staged_after > self.options.staged_park_bytes
-        {
+        // What the write stages: every block it covers, whole (an unaligned write of 100
+        // bytes across a block boundary stages two). Below the lowest threshold write-back
+        // has (the one a near commit drops to), so that no write-back starts inside it
+        // whatever the write changes about the commit's timing.
+        let covered_blocks = (offset % BLOCK + data.len() as u64).div_ceil(BLOCK);
+        let staged_after = self.staged_bytes() as u64 + covered_blocks * BLOCK;
+        let bound = crate::writeback::PRECOMMIT_STAGED_BYTES
+            .min(self.options.writeback_start_bytes)
+            .min(self.writeback_threshold_bytes())
+            .min(self.options.staged_park_bytes);
+        if staged_after > bound as u64 {
             self.fetch.stats.from_memory_misses += 1;
             return None;
         }

@@ -468,6 +468,12 @@ impl Filesystem {
                 logged: false,
             });
         }
+        if self.op.lent {
+            // A lent engine never reaches the device's queue ([`Filesystem::write_lent`]
+            // keeps staging below every threshold; this holds even if it did not): the
+            // owner's next write or room check starts the write-back.
+            return Ok(());
+        }
         if self.staged.bytes > self.options.staged_park_bytes + STAGED_HEADROOM_BYTES {
             let blocks = self.take_all_staged();
             // Durable only at the next flush: no FUA-only record until then.
