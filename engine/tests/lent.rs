@@ -7,15 +7,20 @@ use engine::{Filesystem, MkfsOptions, MountOptions};
 use nvme::backend::mem::{MemConfig, MemDevice};
 
 fn fresh(options: MountOptions) -> Filesystem {
+    fresh_sized(64 << 20, 2, options)
+}
+
+/// A fresh filesystem of `shards` shards on a memory device of `capacity_bytes`, mounted.
+fn fresh_sized(capacity_bytes: u64, shards: u32, options: MountOptions) -> Filesystem {
     let config = MemConfig {
-        capacity_bytes: 64 << 20,
+        capacity_bytes,
         lba_size_bytes: 4096,
         queue_depth: 32,
         buf_bytes: 128 << 10,
         buf_count: 64,
     };
     let mkfs = MkfsOptions {
-        shards: 2,
+        shards,
         label: "lent".into(),
         ..Default::default()
     };
@@ -111,20 +116,7 @@ fn an_fsync_after_a_lent_write_makes_it_durable() {
 /// commit.
 #[test]
 fn a_lent_write_refused_for_space_is_left_to_the_owner_untouched() {
-    let config = MemConfig {
-        capacity_bytes: 16 << 20,
-        lba_size_bytes: 4096,
-        queue_depth: 32,
-        buf_bytes: 128 << 10,
-        buf_count: 64,
-    };
-    let mkfs = MkfsOptions {
-        shards: 4,
-        label: "lent".into(),
-        ..Default::default()
-    };
-    let dev = Filesystem::mkfs(Box::new(MemDevice::new(config).unwrap()), &mkfs).unwrap();
-    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    let mut fs = fresh_sized(16 << 20, 4, MountOptions::default());
     let root = fs.root();
     let a = fs.create(root, b"a", 0o644, 0, 0).unwrap().ino;
     let (mut lent, mut declined) = (0, 0);
