@@ -245,7 +245,14 @@ fn a_mixed_fill_to_enospc_gives_every_block_back() {
          blocks at the start, {} at the end",
         start.free_blocks, start.total_blocks, full.free_blocks
     );
-    assert!(small > 1000 && names_made > 1000);
+    // The names the large directory still gets depend on where its shard's space stands
+    // when the small files hit ENOSPC (seeded): 871 to 4,192 over a dozen seeds, so a floor
+    // of 1,000 failed one seed in ten (1796504314958776498: 871) before and after the
+    // session that found it. What matters is that a full filesystem still takes hundreds.
+    assert!(
+        small > 1000 && names_made > 500,
+        "{small} small files, {names_made} names"
+    );
     // What the other shards' partly used groups hold is all statfs still counts.
     assert!(
         full.free_blocks * 100 <= full.total_blocks * 2,
