@@ -55,8 +55,8 @@ pub struct DeviceWaitStats {
     pub waits: u64,
     pub wait_ns_total: u64,
     pub wait_ns_max: u64,
-    /// Reads a lent engine made beside the queue ([`Lent::Reads`]), and those answered from
-    /// the background writes in flight.
+    /// Device reads a lent engine made beside the queue ([`Lent::Reads`]), and the blocks
+    /// it took from the background writes in flight instead.
     pub lent_reads: u64,
     pub lent_reads_from_writes: u64,
 }
@@ -186,31 +186,15 @@ impl DeviceMux {
         let IoOp::Read { lba, mut buf } = op else {
             panic!("a lent engine may only read: {:?}", op.kind());
         };
-        let lba_bytes = self.inner.info().lba_size_bytes as u64;
+        // A lent engine's synchronous reads are tree nodes: whole blocks, read as the data
+        // reads beside the queue are (blocks a background write holds come from it).
+        let byte = lba * self.inner.info().lba_size_bytes as u64;
         let block_bytes = crate::format::BLOCK_BYTES as u64;
-        let (byte, bytes) = (lba * lba_bytes, buf.as_slice().len() as u64);
-        let (first, end) = (byte / block_bytes, (byte + bytes).div_ceil(block_bytes));
-        self.waits.lent_reads += 1;
-        let result = if self.overlapping_writes(first, end - first).is_empty() {
-            let reader = self.reader.as_mut().expect("checked when lent");
-            reader.read_at(lba, buf.as_mut_slice())
-        } else {
-            self.waits.lent_reads_from_writes += 1;
-            // A node is one block: written in the background whole, or not at all.
-            assert!(
-                byte % block_bytes == 0
-                    && bytes % block_bytes == 0
-                    && (first..end).all(|b| self.writing_block(b).is_some()),
-                "a lent engine read blocks a background write holds only in part"
-            );
-            let dst = buf.as_mut_slice();
-            for (i, b) in (first..end).enumerate() {
-                let at = i * crate::format::BLOCK_BYTES;
-                dst[at..at + crate::format::BLOCK_BYTES]
-                    .copy_from_slice(self.writing_block(b).expect("checked"));
-            }
-            Ok(())
-        };
+        assert!(
+            byte % block_bytes == 0 && buf.as_slice().len() as u64 % block_bytes == 0,
+            "a lent engine reads whole blocks"
+        );
+        let result = self.read_blocks_beside(byte / block_bytes, buf.as_mut_slice());
         self.answered.push(IoCompletion {
             token,
             kind: nvme::OpKind::Read,
