@@ -87,10 +87,10 @@ impl Client {
     /// Submits `op` with the caller's `token`; its completion carries the token back.
     ///
     /// With nothing of this client's in flight (nor at its last submit) and the reactor
-    /// asleep, the operation may run here and now ([`crate::caller`]: a lookup, a change of names, a short read whose
-    /// blocks this thread reads beside the queue); its completion is then ready at the next
-    /// poll. A program that submits one read at a time pays no wake-up on either side, as
-    /// with [`Client::call`].
+    /// asleep, the operation may run here and now ([`crate::caller`]: a lookup, a change of
+    /// names, a staging write, a short read whose blocks this thread reads beside the
+    /// queue); its completion is then ready at the next poll. A program that submits one
+    /// read at a time pays no wake-up on either side, as with [`Client::call`].
     pub fn submit(&mut self, op: Op, token: u64) -> Result<(), SubmitError> {
         if self.shared.stopping.load(Ordering::Acquire) {
             return Err(SubmitError::Stopped(op));
