@@ -1201,6 +1201,15 @@ impl Filesystem {
         nvme::BlockDevice::signal_completions_to(&mut *self.dev, eventfd)
     }
 
+    /// Where the kernel runs the device queue's blocking work
+    /// ([`BlockDevice::run_blocking_work_on`]); from the thread that owns the queue.
+    pub fn run_blocking_work_on(
+        &mut self,
+        cores: &[usize],
+    ) -> std::result::Result<bool, nvme::DevError> {
+        nvme::BlockDevice::run_blocking_work_on(&mut *self.dev, cores)
+    }
+
     /// Gives the device back without committing: what a crash leaves (tests, tools).
     pub fn into_device(self) -> Box<dyn BlockDevice> {
         self.dev.into_inner()

@@ -103,9 +103,19 @@ pub fn consecutive_cores(first: usize, count: usize) -> Result<Vec<usize>, Engin
 }
 
 /// Lets the calling thread run on any of `cores` (a pinned reactor spreading out while its core
-/// is shared, [`crate::contention`]).
+/// is shared, [`crate::contention`]): cores taken from [`allowed_cores`] before the thread
+/// pinned itself. Not checked against the thread's mask now: that is the one core it is
+/// pinned to, and the check refused every wider set (the pinned reactor never spread, and
+/// gave up trying at its first attempt). The kernel refuses cores the process may not use.
 pub fn set_current_thread_cores(cores: &[usize]) -> Result<(), EngineError> {
-    check_cores(cores)?;
+    if cores.is_empty() {
+        return Err(EngineError::Invalid("no cores to run on".into()));
+    }
+    if let Some(core) = cores.iter().find(|&&c| c >= MASK_BITS_MAX) {
+        return Err(EngineError::Invalid(format!(
+            "core {core} is past the largest core id a mask here holds"
+        )));
+    }
     let words = cores.iter().max().map_or(1, |&c| c / 64 + 1);
     let mut mask = vec![0u64; words];
     for &core in cores {
@@ -209,5 +219,23 @@ mod tests {
         }
         assert!(consecutive_cores(usize::MAX, 2).is_err());
         assert_eq!(consecutive_cores(allowed[0], 1).unwrap(), vec![allowed[0]]);
+    }
+
+    /// A pinned reactor spreads over the cores the process had before it pinned itself: its
+    /// own mask, one core, must not decide what it may spread to.
+    #[test]
+    fn a_pinned_thread_spreads_back_over_the_cores_it_had() {
+        std::thread::spawn(|| {
+            let wide = allowed_cores().unwrap();
+            pin_current_thread(*wide.last().unwrap()).unwrap();
+            assert_eq!(allowed_cores().unwrap(), vec![*wide.last().unwrap()]);
+            set_current_thread_cores(&wide).unwrap();
+            assert_eq!(allowed_cores().unwrap(), wide);
+            assert!(set_current_thread_cores(&[]).is_err());
+            assert!(set_current_thread_cores(&[usize::MAX]).is_err());
+            assert!(set_current_thread_cores(&[MASK_BITS_MAX + 1]).is_err());
+        })
+        .join()
+        .unwrap();
     }
 }

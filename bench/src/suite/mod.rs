@@ -890,14 +890,14 @@ pub fn details(results: &SuiteResults) -> String {
     if !engine_runs.is_empty() {
         let _ = writeln!(
             out,
-            "\nengine figures (corefs runs; a commit's pause is the part that holds the reactor, a slice one serialization step after it; gap: the longest the reactor's loop did not look at its queue, host steal included; on cpu: of such a gap, the most the reactor can have spent running (its thread's CPU time; the rest it or its virtual CPU was descheduled; a host pause not reported as steal counts as running); steal: CPU time the hypervisor took from the machine's cores during the run; reply: the longest a request took inside corefs, submit to reply pushed (a client's max above it is its own wake-up); dev wait: the longest synchronous device wait inside an operation; groups: block groups shards took from the pool and gave back since the mount; data cache: the engine's data-block cache, off where a workload measures the device path)\n {:<22} {:<12} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>11}  data cache",
-            "workload", "target", "commits", "avg ms", "max ms", "pause ms", "slice ms", "gap ms", "oncpu ms", "steal ms", "reply ms", "devwt ms", "log wr", "fallback", "groupmax", "unpin ms", "mount ms", "groups"
+            "\nengine figures (corefs runs; a commit's pause is the part that holds the reactor, a slice one serialization step after it; gap: the longest the reactor's loop did not look at its queue, host steal included; on cpu: of such a gap, the most the reactor can have spent running (its thread's CPU time; the rest it or its virtual CPU was descheduled; a host pause not reported as steal counts as running); steal: CPU time the hypervisor took from the machine's cores during the run; reply: the longest a request took inside corefs, submit to reply pushed (a client's max above it is its own wake-up); dev wait: the longest synchronous device wait inside an operation; fsq99/fsl99: fsync's p99 waiting in the reactor's queue and in its record's write and flush; groups: block groups shards took from the pool and gave back since the mount; data cache: the engine's data-block cache, off where a workload measures the device path)\n {:<22} {:<12} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>11}  data cache",
+            "workload", "target", "commits", "avg ms", "max ms", "pause ms", "slice ms", "gap ms", "oncpu ms", "steal ms", "reply ms", "devwt ms", "fsq99 ms", "fsl99 ms", "log wr", "fallback", "groupmax", "unpin ms", "mount ms", "groups"
         );
         for run in engine_runs {
             let e = run.engine.as_ref().expect("filtered");
             let _ = writeln!(
                 out,
-                " {:<22} {:<12} {:>7} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9} {:>9.2} {:>9.2} {:>9} {:>9} {:>9} {:>10.3} {:>9} {:>11}  {}",
+                " {:<22} {:<12} {:>7} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9} {:>9} {:>9} {:>10.3} {:>9} {:>11}  {}",
                 run.workload,
                 run.target,
                 e.commits,
@@ -912,6 +912,8 @@ pub fn details(results: &SuiteResults) -> String {
                     .unwrap_or_else(|| "-".into()),
                 e.reply_ms_max,
                 e.device_wait_ms_max,
+                e.fsync_queue_p99_ms,
+                e.fsync_log_p99_ms,
                 e.log_writes,
                 e.fallback_commits,
                 e.fsync_group_max,

@@ -93,6 +93,13 @@ pub struct EngineFigures {
     /// own wake-up or scheduling.
     #[serde(default)]
     pub reply_ms_max: f64,
+    /// fsync's phases at the 99th percentile ([`reactor::ReactorStats::fsync_queue_wait`],
+    /// `fsync_log_write`): waiting in the reactor's queue, and its group's log record write
+    /// and flush. What an fsync's p99 is made of, inside corefs.
+    #[serde(default)]
+    pub fsync_queue_p99_ms: f64,
+    #[serde(default)]
+    pub fsync_log_p99_ms: f64,
 }
 
 /// (percentile, latency ns) points.

@@ -334,6 +334,8 @@ impl Target for CorefsTarget {
             loop_gap_on_cpu_ms_max: stats.loop_gap_on_cpu_ns_max as f64 / 1e6,
             device_wait_ms_max: stats.device_waits.wait_ns_max as f64 / 1e6,
             reply_ms_max: stats.reply.max_ns as f64 / 1e6,
+            fsync_queue_p99_ms: stats.fsync_queue_wait.p99_ns as f64 / 1e6,
+            fsync_log_p99_ms: stats.fsync_log_write.p99_ns as f64 / 1e6,
         }))
     }
 

@@ -830,6 +830,10 @@ impl BlockDevice for DeviceMux {
         self.inner.signal_completions_to(eventfd)
     }
 
+    fn run_blocking_work_on(&mut self, cores: &[usize]) -> Result<bool, nvme::DevError> {
+        self.inner.run_blocking_work_on(cores)
+    }
+
     #[cfg(feature = "sim")]
     fn sim_access(&mut self) -> Option<&mut dyn nvme::SimAccess> {
         self.inner.sim_access()

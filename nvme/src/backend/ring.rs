@@ -59,6 +59,9 @@ pub(crate) struct Ring<S: squeue::EntryMarker, C: cqueue::EntryMarker> {
     pub fixed_buffers: bool,
     /// The device's descriptor is registered as fixed file 0 ([`Ring::register_file`]).
     pub fixed_file: bool,
+    /// The submitting thread has an io_uring context (it has submitted): io-wq can be placed
+    /// without a no-op first ([`Ring::run_workers_on`]).
+    io_context: bool,
 }
 
 /// How the kernel runs completion work for a ring, best first.
@@ -135,6 +138,7 @@ impl<S: squeue::EntryMarker, C: cqueue::EntryMarker> Ring<S, C> {
             enabled: mode != TaskRun::Deferred,
             fixed_buffers: false,
             fixed_file: false,
+            io_context: false,
         })
     }
 
@@ -186,6 +190,101 @@ impl<S: squeue::EntryMarker, C: cqueue::EntryMarker> Ring<S, C> {
                 tracing::debug!(device = what, error = %e, "descriptor not registered with the ring; requests name it directly");
             }
         }
+    }
+
+    /// Has io-wq, the kernel's workers for the blocking requests of the calling thread's
+    /// rings, run on `cores` (`IORING_REGISTER_IOWQ_AFF` for the workers to come, and
+    /// `sched_setaffinity` for those already running). The registration needs the thread's
+    /// io_uring context, which its first submission creates: before any, a no-op is submitted
+    /// and reaped here (the completion queue must then hold nothing else). A worker is born
+    /// with the cores the registration names *and* the submitting thread's own affinity where
+    /// they meet (Linux 6.2+ keeps a thread's requested affinity through later changes), so a
+    /// thread pinned to one core gets workers elsewhere only by naming cores it is not pinned
+    /// to. `Ok(false)`: no core below the 1024 a `cpu_set_t` holds, or the kernel refused (an
+    /// older one, or cores outside the thread's cpuset) — said in the log once, not fatal,
+    /// since the workers then run where they would have anyway.
+    pub fn run_workers_on(&mut self, cores: &[usize]) -> Result<bool, DevError> {
+        const NOP_USER_DATA: u64 = u64::MAX;
+        // SAFETY: cpu_set_t is a plain bit array; all zeroes is the empty set.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        let set_bytes = std::mem::size_of::<libc::cpu_set_t>();
+        let mut any = false;
+        {
+            // SAFETY: `set` is `set_bytes` long and nothing else refers to it meanwhile.
+            let bits = unsafe {
+                std::slice::from_raw_parts_mut(
+                    (&mut set as *mut libc::cpu_set_t).cast::<u8>(),
+                    set_bytes,
+                )
+            };
+            // Bits by hand: libc's CPU_SET indexes its array unchecked.
+            for &core in cores.iter().filter(|&&core| core < set_bytes * 8) {
+                bits[core / 8] |= 1 << (core % 8);
+                any = true;
+            }
+        }
+        if !any {
+            return Ok(false);
+        }
+        if !self.io_context {
+            assert_eq!(
+                self.unsubmitted, 0,
+                "io-wq placed before the first submission"
+            );
+            assert!(
+                self.ring.completion().is_empty(),
+                "io-wq placed before the first completion"
+            );
+            let nop = io_uring::opcode::Nop::new()
+                .build()
+                .user_data(NOP_USER_DATA);
+            self.push(&S::from(nop))?;
+            while self.ring.completion().is_empty() {
+                self.enter(1, None)?;
+            }
+            let cqe = self
+                .ring
+                .completion()
+                .next()
+                .expect("a completion is there");
+            assert_eq!(
+                cqe.user_data(),
+                NOP_USER_DATA,
+                "only the no-op was in flight"
+            );
+        }
+        if let Err(e) = self.ring.submitter().register_iowq_aff(&set) {
+            static SAID: AtomicBool = AtomicBool::new(false);
+            if !SAID.swap(true, Ordering::Relaxed) {
+                tracing::info!(
+                    "the kernel's io_uring workers stay where they were born ({e}): a blocking \
+                     request (a file image's flush) may wait for a pinned reactor's time slice"
+                );
+            }
+            return Ok(false);
+        }
+        // Workers already running keep the cores they were born with: move them too. They
+        // are this thread's (`iou-wrk-<its thread id>`, as io-wq names them); one that ends
+        // meanwhile is simply not found.
+        // SAFETY: gettid has no preconditions.
+        let me = unsafe { libc::gettid() };
+        let name = format!("iou-wrk-{me}");
+        if let Ok(tasks) = std::fs::read_dir("/proc/self/task") {
+            for task in tasks.flatten() {
+                let is_ours = std::fs::read_to_string(task.path().join("comm"))
+                    .is_ok_and(|comm| comm.trim_end() == name);
+                let tid = task
+                    .file_name()
+                    .to_str()
+                    .and_then(|t| t.parse::<libc::pid_t>().ok());
+                if let (true, Some(tid)) = (is_ours, tid) {
+                    // SAFETY: `set` is a valid cpu_set_t of the size passed. A refusal leaves
+                    // that worker where it was, which is only slower.
+                    unsafe { libc::sched_setaffinity(tid, set_bytes, &set) };
+                }
+            }
+        }
+        Ok(true)
     }
 
     /// Queues one SQE; the ring's SQ has as many entries as the queue depth, and the caller never
@@ -249,6 +348,7 @@ impl<S: squeue::EntryMarker, C: cqueue::EntryMarker> Ring<S, C> {
         };
         match result {
             Ok(_) => {
+                self.io_context = true;
                 self.unsubmitted = self.ring.submission().len() as u32;
                 Ok(())
             }

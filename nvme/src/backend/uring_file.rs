@@ -452,6 +452,11 @@ impl BlockDevice for FileDevice {
         let name = self.info.name.clone();
         self.ring.register_eventfd(eventfd, &name)
     }
+
+    fn run_blocking_work_on(&mut self, cores: &[usize]) -> Result<bool, DevError> {
+        self.failed.check()?;
+        self.ring.run_workers_on(cores)
+    }
 }
 
 /// [`BlockDevice::any_thread_reader`] of a file device: pread(2) through a bounce buffer.

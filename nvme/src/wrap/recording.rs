@@ -271,6 +271,10 @@ impl<D: BlockDevice> BlockDevice for RecordingDevice<D> {
         self.inner.signal_completions_to(eventfd)
     }
 
+    fn run_blocking_work_on(&mut self, cores: &[usize]) -> Result<bool, DevError> {
+        self.inner.run_blocking_work_on(cores)
+    }
+
     fn sim_access(&mut self) -> Option<&mut dyn SimAccess> {
         self.inner.sim_access()
     }

@@ -424,11 +424,29 @@ impl Reactor {
     /// A pinned reactor spreads over the process's cores while its own core is shared with
     /// other work (it waited for it itself: where only its clients wait, its core is still
     /// its own and moving to theirs would crowd them), and goes back when that ends
-    /// ([`super::Pinned`]).
+    /// ([`super::Pinned`]). The kernel's workers for its queue, kept off the reactors' cores,
+    /// may use every core while the process is contended ([`super::place_blocking_work`]).
     fn adapt_affinity(&mut self, now: Instant) {
         let Some(p) = self.pinned.as_mut() else {
             return;
         };
+        let workers_wide = crate::contention::contended();
+        if !p.quiet_workers.is_empty() && workers_wide != p.workers_wide {
+            let cores = if workers_wide {
+                &p.wide
+            } else {
+                &p.quiet_workers
+            };
+            match self.fs.run_blocking_work_on(cores) {
+                Ok(true) => p.workers_wide = workers_wide,
+                Ok(false) => p.quiet_workers.clear(),
+                Err(e) => {
+                    // The queue failed: its next I/O reports it.
+                    tracing::warn!("placing the kernel's workers: {e}");
+                    p.quiet_workers.clear();
+                }
+            }
+        }
         let contended = self.run_delay.own_contended(now);
         if contended == p.widened {
             return;

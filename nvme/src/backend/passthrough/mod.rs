@@ -507,6 +507,14 @@ impl BlockDevice for PassthroughDevice {
         self.data_ring.register_eventfd(eventfd, &name)
             && self.dataless_ring.register_eventfd(eventfd, &name)
     }
+
+    fn run_blocking_work_on(&mut self, cores: &[usize]) -> Result<bool, DevError> {
+        // The workers belong to the submitting thread, shared by both its rings: one
+        // registration places them for both. Passthrough commands reach io-wq only when the
+        // controller's tags run out, but then they are placed as a file's flushes are.
+        self.failed.check()?;
+        self.data_ring.run_workers_on(cores)
+    }
 }
 
 impl Drop for PassthroughDevice {
