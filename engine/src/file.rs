@@ -713,12 +713,12 @@ impl Filesystem {
     }
 
     /// A write run by a thread the engine is lent to (a client while its reactor sleeps):
-    /// only one that stages its bytes and reads nothing. Its lookups (the inode, the extents
-    /// it replaces) are in memory; no block it covers in part lies inside the file (whole
-    /// blocks, or edges at or past the end: nothing to read under them); and staging keeps
-    /// room below the write-back threshold, so no write-back starts (the device's queue is
-    /// the owner's). `None`, untouched, otherwise: the owner runs it. What runs is
-    /// [`Filesystem::write`], through [`Filesystem::change_lent`].
+    /// only one that stages its bytes and reads nothing from the device. Its lookups (the
+    /// inode, the extents it replaces) are in memory; every block it covers in part and that
+    /// lies inside the file is in the block cache (an append to a log or a WAL, whose last
+    /// block the previous append left there; [`Filesystem::edges_cached`]); and staging keeps room below the write-back threshold, so no write-back
+    /// starts (the device's queue is the owner's). `None`, untouched, otherwise: the owner
+    /// runs it. What runs is [`Filesystem::write`], through [`Filesystem::change_lent`].
     pub fn write_lent(&mut self, ino: u64, offset: u64, data: &[u8]) -> Option<Result<usize>> {
         if !self.dev.reads_beside_queue() || self.failed.is_some() {
             return None;
@@ -739,15 +739,14 @@ impl Filesystem {
             self.fetch.stats.from_memory_misses += 1;
             return None;
         }
+        // Until 2026-12-05 any edge inside the file sent the write to the owner, in memory or
+        // not: every SQLite WAL frame (24 bytes, then a page, each starting inside the
+        // block the previous one ended in) was a round trip to the reactor.
         let reads_nothing = self.from_memory(|fs| -> Result<bool> {
             let len = rw_len(offset, data.len())? as u64;
-            let size = fs.file_inode(ino)?.size;
+            fs.file_inode(ino)?;
             fs.probe_extents(ino, offset, len)?;
-            let end = offset + len;
-            let inside = |block: u64| block * BLOCK < size;
-            let head = offset % BLOCK != 0 && inside(offset / BLOCK);
-            let tail = end % BLOCK != 0 && inside(end / BLOCK);
-            Ok(!head && !tail)
+            fs.edges_cached(ino, offset, offset + len)
         })?;
         match reads_nothing {
             Ok(true) => {
@@ -765,8 +764,42 @@ impl Filesystem {
 
     /// The edge blocks a write of `offset..end` of file `ino` reads (the blocks it covers only
     /// in part, inside the file and on the device) that memory does not hold: the reads it
-    /// would wait for, as read pieces. Lookups only, so it runs deferred.
+    /// would wait for, as read pieces. Lookups only, so it runs deferred. A staged block
+    /// counts as held: a read of it from the device would find the old bytes (the write
+    /// writes it back first, [`Filesystem::write_partial`] through the read path).
     pub(crate) fn edge_reads(&mut self, ino: u64, offset: u64, end: u64) -> Result<Vec<ReadPiece>> {
+        let mut pieces = Vec::new();
+        for (disk, crc) in self.edge_disk_blocks(ino, offset, end)? {
+            if self.block_cache.get(disk).is_some() || self.staged_block(ino, disk).is_some() {
+                continue;
+            }
+            pieces.push(ReadPiece {
+                request: usize::MAX,
+                ino,
+                disk,
+                count: 1,
+                crcs: vec![crc],
+                src: 0..0,
+                dst: 0..0,
+            });
+        }
+        Ok(pieces)
+    }
+
+    /// True when every edge block of a write of `offset..end` (see [`Filesystem::edge_reads`])
+    /// is in the block cache, where the write's read of it finds it: a staged block that is
+    /// not is written back and read from the device first ([`Filesystem::write_partial`]).
+    fn edges_cached(&mut self, ino: u64, offset: u64, end: u64) -> Result<bool> {
+        let edges = self.edge_disk_blocks(ino, offset, end)?;
+        Ok(edges
+            .iter()
+            .all(|&(disk, crc)| self.block_cache.get_checked(disk, crc).is_some()))
+    }
+
+    /// The device blocks (and their crc32c) under the blocks a write of `offset..end` covers
+    /// only in part and that lie inside the file with data on the device (not past the end,
+    /// not a hole, not preallocated: those read as zeroes). Lookups only.
+    fn edge_disk_blocks(&mut self, ino: u64, offset: u64, end: u64) -> Result<Vec<(u64, u32)>> {
         let first = offset / BLOCK;
         let mut edges = Vec::with_capacity(2);
         if offset % BLOCK != 0 {
@@ -780,7 +813,7 @@ impl Filesystem {
             return Ok(Vec::new());
         }
         let item = self.file_inode(ino)?;
-        let mut pieces = Vec::new();
+        let mut out = Vec::with_capacity(2);
         for block in edges {
             if block * BLOCK >= item.size {
                 continue; // past the end: reads as zeroes
@@ -790,22 +823,10 @@ impl Filesystem {
                     continue;
                 }
                 let skip = (block - extent.file_block) as usize;
-                let disk = extent.item.disk_block + skip as u64;
-                if self.block_cache.get(disk).is_some() || self.staged_block(ino, disk).is_some() {
-                    continue;
-                }
-                pieces.push(ReadPiece {
-                    request: usize::MAX,
-                    ino,
-                    disk,
-                    count: 1,
-                    crcs: vec![extent.item.crcs[skip]],
-                    src: 0..0,
-                    dst: 0..0,
-                });
+                out.push((extent.item.disk_block + skip as u64, extent.item.crcs[skip]));
             }
         }
-        Ok(pieces)
+        Ok(out)
     }
 
     /// A write that starts or ends inside a block: the old content of the edge blocks is read
@@ -824,17 +845,43 @@ impl Filesystem {
         let mut blocks = vec![0u8; ((last - first) * BLOCK) as usize];
         let head = (offset - first * BLOCK) as usize;
         if head != 0 && first * BLOCK < size {
-            let old = self.read(ino, first * BLOCK, BLOCK_BYTES)?;
+            let old = self.edge_bytes(ino, first, size)?;
             blocks[..old.len()].copy_from_slice(&old);
         }
         let tail_block = last - 1;
         if end % BLOCK != 0 && (tail_block != first || head == 0) && tail_block * BLOCK < size {
-            let old = self.read(ino, tail_block * BLOCK, BLOCK_BYTES)?;
+            let old = self.edge_bytes(ino, tail_block, size)?;
             let at = ((tail_block - first) * BLOCK) as usize;
             blocks[at..at + old.len()].copy_from_slice(&old);
         }
         blocks[head..head + data.len()].copy_from_slice(data);
         self.write_blocks(ino, first, &blocks)
+    }
+
+    /// The old bytes of file block `block` (inside the file of `size` bytes, up to its end)
+    /// under a write that covers it in part: from the block cache when it holds the block,
+    /// checked against its crc, else through the read path. Not the read path first: that
+    /// also follows read streams and starts read-ahead, device reads a write never needed
+    /// and a thread the engine is lent to must not make ([`Filesystem::write_lent`] runs
+    /// only writes whose edge blocks are cached, [`Filesystem::edges_cached`]).
+    fn edge_bytes(&mut self, ino: u64, block: u64, size: u64) -> Result<Vec<u8>> {
+        let len = (size - block * BLOCK).min(BLOCK) as usize;
+        match self.extents_in(ino, block, block + 1)?.as_slice() {
+            // A hole, or space preallocated and never written: zeroes.
+            [] => return Ok(vec![0u8; len]),
+            [extent] if extent.item.prealloc => return Ok(vec![0u8; len]),
+            [extent] => {
+                let skip = (block - extent.file_block) as usize;
+                let disk = extent.item.disk_block + skip as u64;
+                let crc = extent.item.crcs[skip];
+                let mut out = vec![0u8; len];
+                if self.copy_cached(disk, &[crc], 0..len, &mut out) {
+                    return Ok(out);
+                }
+            }
+            _ => {}
+        }
+        self.read(ino, block * BLOCK, BLOCK_BYTES)
     }
 
     /// Sets the file size: shrinking frees the blocks past the end and zeroes the tail of the

@@ -361,7 +361,7 @@ impl BlockCache {
 
     /// Block `disk` if it is cached and its crc32c is `crc`: a read of it, which promotes it
     /// (see the type's doc).
-    fn get_checked(&mut self, disk: u64, crc: u32) -> Option<&[u8]> {
+    pub(crate) fn get_checked(&mut self, disk: u64, crc: u32) -> Option<&[u8]> {
         let (slot, known) = {
             let cached = self.blocks.get(&disk)?;
             (cached.slot, cached.crc)
