@@ -5,34 +5,11 @@
 //! `corefs bench suite --neighbours N`). Its own test binary: the contention state is the
 //! process's.
 
+mod support;
+
 use reactor::{Config, IdlePolicy, Op, Reply, Runtime};
 use std::time::{Duration, Instant};
-
-/// Spinning processes, killed when dropped: a failing test must not leave them behind to
-/// slow down (and mislead) everything that runs after it.
-struct Hogs(Vec<std::process::Child>);
-
-impl Drop for Hogs {
-    fn drop(&mut self) {
-        for n in &mut self.0 {
-            let _ = n.kill();
-            let _ = n.wait();
-        }
-    }
-}
-
-fn hogs(count: usize) -> Hogs {
-    Hogs(
-        (0..count)
-            .map(|_| {
-                std::process::Command::new("sh")
-                    .args(["-c", "while :; do :; done"])
-                    .spawn()
-                    .expect("sh")
-            })
-            .collect(),
-    )
-}
+use support::hogs;
 
 fn ino(reply: Reply) -> u64 {
     match reply {

@@ -6,8 +6,11 @@
 //! they waited behind a neighbour while the reactor's core sat idle). No timing is asserted.
 //! Its own test binary: the workers and the contention state are the process's.
 
+mod support;
+
 use reactor::{Client, Config, IdlePolicy, Op, Owner, Reply, Runtime};
 use std::time::{Duration, Instant};
+use support::hogs;
 
 /// Every io_uring worker thread of this process and the cores it may run on.
 fn io_workers() -> Vec<(String, Vec<usize>)> {
@@ -48,18 +51,6 @@ fn parse_cpu_list(text: &str) -> Vec<usize> {
         }
     }
     cores
-}
-
-/// Spinning processes, killed when dropped (a failing test must not leave them behind).
-struct Hogs(Vec<std::process::Child>);
-
-impl Drop for Hogs {
-    fn drop(&mut self) {
-        for n in &mut self.0 {
-            let _ = n.kill();
-            let _ = n.wait();
-        }
-    }
 }
 
 /// 64 KiB fsyncs: the data goes in place and the record needs a flush, which on a file
@@ -130,16 +121,7 @@ fn a_pinned_reactors_flushes_run_off_its_core_unless_contended() {
 
     // CPU-bound neighbours on every core: once the process is contended, the workers may
     // run anywhere, those running already included.
-    let _hogs = Hogs(
-        (0..allowed.len())
-            .map(|_| {
-                std::process::Command::new("sh")
-                    .args(["-c", "while :; do :; done"])
-                    .spawn()
-                    .expect("sh")
-            })
-            .collect(),
-    );
+    let _hogs = hogs(allowed.len());
     let deadline = Instant::now() + Duration::from_secs(20);
     while !reactor::contention::contended() {
         assert!(
