@@ -7,7 +7,7 @@
 //! run with the call's name, the path and `corefs_last_error`; the mount is closed when the
 //! value is dropped.
 
-use super::target::{Fh, Handles, Session, R};
+use super::session::{Fh, Handles, Session, R};
 use corefs::abi::*;
 use std::ffi::{CStr, CString};
 use std::time::Instant;

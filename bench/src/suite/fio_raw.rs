@@ -23,7 +23,7 @@
 //! is an error naming the workload and the target, as any other target's failed run is.
 
 use super::results::{Buckets, Cdf, Percentiles, RunResult, SuiteResults};
-use super::target::R;
+use super::session::R;
 use super::workloads::{self, Kind};
 use crate::stats::fmt_ns;
 use serde_json::Value;

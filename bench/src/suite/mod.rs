@@ -23,14 +23,16 @@ pub mod neighbours;
 pub mod plot;
 pub mod results;
 pub mod rocksdb;
+pub mod session;
 pub mod target;
 pub mod workloads;
 
 use crate::stats::fmt_ns;
 use results::{Meta, OpRow, Percentiles, RunResult, SuiteResults};
+use session::{Target, R};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-use target::{CorefsTarget, KernelTarget, Target, R};
+use target::{CorefsTarget, KernelTarget};
 use workloads::{Recorder, Sizes, Workload};
 
 /// A target named on the command line.

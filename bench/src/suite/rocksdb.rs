@@ -11,7 +11,7 @@
 //! naming it, never a silent gap.
 
 use super::results::{Percentiles, RunResult};
-use super::target::R;
+use super::session::R;
 use super::SuiteConfig;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};

@@ -30,7 +30,7 @@
 //! failed call ends the run with an error, never a sample).
 
 use super::results::new_histogram;
-use super::target::{Session, R};
+use super::session::{Session, R};
 use hdrhistogram::Histogram;
 use rand::{Rng, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
