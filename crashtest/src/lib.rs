@@ -106,6 +106,11 @@ impl Live for Filesystem {
         Filesystem::fallocate(self, ino, mode, offset, len)
     }
     fn write(&mut self, ino: u64, offset: u64, data: &[u8]) -> Result<(), EngineError> {
+        if callers::on() {
+            if let Some(written) = self.write_lent_reading_edges(ino, offset, data) {
+                return written.map(drop);
+            }
+        }
         Filesystem::write(self, ino, offset, data).map(drop)
     }
     fn link(&mut self, ino: u64, dir: u64, name: &[u8]) -> Result<(), EngineError> {
@@ -130,9 +135,19 @@ impl Live for Filesystem {
         Filesystem::truncate(self, ino, size)
     }
     fn fsync(&mut self, ino: u64) -> Result<(), EngineError> {
+        if callers::on() {
+            if let Some(done) = callers::fsync(self, ino, false) {
+                return done;
+            }
+        }
         Filesystem::fsync(self, ino)
     }
     fn fdatasync(&mut self, ino: u64) -> Result<(), EngineError> {
+        if callers::on() {
+            if let Some(done) = callers::fsync(self, ino, true) {
+                return done;
+            }
+        }
         Filesystem::fdatasync(self, ino)
     }
     fn sync(&mut self) -> Result<(), EngineError> {
@@ -152,6 +167,53 @@ impl Live for Filesystem {
     }
     fn read(&mut self, ino: u64, offset: u64, len: usize) -> Result<Vec<u8>, EngineError> {
         Filesystem::read(self, ino, offset, len)
+    }
+}
+
+/// The [`Schedule::Callers`] switch: while on (in this thread), the engine's synchronous
+/// writes and fsyncs run as a client runs them on an engine its reactor lent it
+/// ([`Filesystem::write_lent`], [`Filesystem::fsync_beside`]: records written and flushed
+/// beside the queue), falling back to the owner's calls where those decline.
+mod callers {
+    use std::cell::Cell;
+
+    thread_local! {
+        static ON: Cell<bool> = const { Cell::new(false) };
+    }
+
+    pub(crate) fn on() -> bool {
+        ON.with(Cell::get)
+    }
+
+    /// An fsync as a client runs it ([`Filesystem::fsync_beside`]): the record built, the
+    /// engine given back, its writes made beside the queue. `None`: declined, the owner's.
+    pub(crate) fn fsync(
+        fs: &mut engine::Filesystem,
+        ino: u64,
+        datasync: bool,
+    ) -> Option<Result<(), engine::EngineError>> {
+        let mut io = fs.side_io()?;
+        Some(match fs.fsync_beside(&[(ino, datasync)])? {
+            Ok(Some(record)) => record.run(io.as_mut()).0,
+            Ok(None) => Ok(()),
+            Err(e) => Err(e),
+        })
+    }
+
+    /// On until the guard drops.
+    pub(crate) struct Guard;
+
+    impl Guard {
+        pub(crate) fn set(on: bool) -> Guard {
+            ON.with(|c| c.set(on));
+            Guard
+        }
+    }
+
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            ON.with(|c| c.set(false));
+        }
     }
 }
 
@@ -265,16 +327,21 @@ pub enum Schedule {
     Writeback,
     /// Two reactors, through the client API ([`reactors`]).
     Reactors,
+    /// As `Plain`, with every write and fsync run as a client runs them on a lent engine:
+    /// staged by the caller, records written and flushed synchronously beside the device's
+    /// queue ([`Filesystem::fsync_beside`]), the owner's path where those decline.
+    Callers,
 }
 
 impl Schedule {
-    pub const ALL: [Schedule; 6] = [
+    pub const ALL: [Schedule; 7] = [
         Schedule::Plain,
         Schedule::Pipelined,
         Schedule::CommitInFlight,
         Schedule::Fallback,
         Schedule::Writeback,
         Schedule::Reactors,
+        Schedule::Callers,
     ];
 
     pub fn name(self) -> &'static str {
@@ -285,6 +352,7 @@ impl Schedule {
             Schedule::Fallback => "fallback",
             Schedule::Writeback => "writeback",
             Schedule::Reactors => "reactors",
+            Schedule::Callers => "callers",
         }
     }
 
@@ -324,6 +392,8 @@ pub struct Outcome {
     /// was in flight.
     pub pipelined_records: u64,
     pub records_during_commit: u64,
+    /// fsyncs run by a caller, their records written beside the queue (callers schedule).
+    pub lent_fsyncs: u64,
     /// Staged data written back in the background.
     pub writeback_bytes: u64,
     /// Block groups shards took from the pool and gave back to it (engine schedules).
@@ -342,6 +412,7 @@ impl Outcome {
         self.fallback_commits += other.fallback_commits;
         self.pipelined_records += other.pipelined_records;
         self.records_during_commit += other.records_during_commit;
+        self.lent_fsyncs += other.lent_fsyncs;
         self.writeback_bytes += other.writeback_bytes;
         self.groups_taken += other.groups_taken;
         self.groups_returned += other.groups_returned;
@@ -819,6 +890,7 @@ pub fn run_schedule(
         ..mount_options()
     };
     let mut fs = Filesystem::mount(dev, options).map_err(|e| e.to_string())?;
+    let _callers = callers::Guard::set(schedule == Schedule::Callers);
     let mounted = log.len();
     let mut points = vec![base_point(&mut fs, base)?];
     let mut outcome = Outcome {
@@ -889,6 +961,15 @@ pub fn run_schedule(
     };
     let stats = fs.log_stats();
     let pool = fs.space_pool().stats();
+    outcome.lent_fsyncs = fs.fetch_stats().lent_fsyncs;
+    if schedule == Schedule::Callers
+        && outcome.lent_fsyncs == 0
+        && ops
+            .iter()
+            .any(|op| matches!(op, Step::Fsync(_) | Step::Fdatasync(_)))
+    {
+        return Err("no fsync ran beside the queue".into());
+    }
     let (records, submissions) = log.take();
     RunDevice::give_back(&base.image, fs.into_device(), log, &submissions);
     let mut outcome = outcome.with_log(&stats);

@@ -70,8 +70,15 @@ pub struct FetchStats {
     /// those refused for space and left to the owner.
     pub lent_changes: u64,
     pub lent_no_space: u64,
-    /// Of the lent changes, writes ([`Filesystem::write_lent`]).
+    /// Of the lent changes, writes ([`Filesystem::write_lent`]), and the edge blocks they
+    /// read beside the queue ([`Filesystem::write_lent_reading_edges`]).
     pub lent_writes: u64,
+    pub lent_write_edge_reads: u64,
+    /// fsyncs run by a thread the engine was lent to, their records written beside the
+    /// queue ([`Filesystem::fsync_beside`]), and those it gave back to the owner (a fallback
+    /// to a commit, or too much data to write in place).
+    pub lent_fsyncs: u64,
+    pub lent_fsyncs_declined: u64,
 }
 
 /// The engine's state for deferred lookups.
@@ -272,7 +279,7 @@ impl Filesystem {
     /// Runs the change `f` for a thread that does not own the device's queue (a client
     /// running a request while its reactor sleeps), after the caller checked from memory
     /// that what the change looks up is there. A tree node it still misses is read
-    /// synchronously beside the queue ([`nvme::AnyThreadReader`]); the queue itself is never
+    /// synchronously beside the queue ([`nvme::AnyThreadIo`]); the queue itself is never
     /// touched (the device asserts so). `None`: not run, nothing changed, the owner must run
     /// it — the engine has failed, cannot read beside its queue, or the change was refused
     /// for space before it changed anything (the owner commits and tries again).

@@ -716,10 +716,35 @@ impl Filesystem {
     /// only one that stages its bytes and reads nothing from the device. Its lookups (the
     /// inode, the extents it replaces) are in memory; every block it covers in part and that
     /// lies inside the file is in the block cache (an append to a log or a WAL, whose last
-    /// block the previous append left there; [`Filesystem::edges_cached`]); and staging keeps room below the write-back threshold, so no write-back
+    /// block the previous append left there; [`Filesystem::edges_to_read`]); and staging keeps room below the write-back threshold, so no write-back
     /// starts (the device's queue is the owner's). `None`, untouched, otherwise: the owner
     /// runs it. What runs is [`Filesystem::write`], through [`Filesystem::change_lent`].
     pub fn write_lent(&mut self, ino: u64, offset: u64, data: &[u8]) -> Option<Result<usize>> {
+        self.write_lent_edges(ino, offset, data, false)
+    }
+
+    /// [`Filesystem::write_lent`], and an edge block memory does not hold (a partial
+    /// overwrite of data on the device: a SQLite WAL written again from its start after a
+    /// checkpoint) is read synchronously beside the queue first, checked against its
+    /// extent's crc and cached, as a kernel filesystem reads the block a partial write
+    /// covers. A staged edge not in the cache still goes to the owner (reading it means
+    /// writing it back first). A device error fails the filesystem, as on the owner's path.
+    pub fn write_lent_reading_edges(
+        &mut self,
+        ino: u64,
+        offset: u64,
+        data: &[u8],
+    ) -> Option<Result<usize>> {
+        self.write_lent_edges(ino, offset, data, true)
+    }
+
+    fn write_lent_edges(
+        &mut self,
+        ino: u64,
+        offset: u64,
+        data: &[u8],
+        read_edges: bool,
+    ) -> Option<Result<usize>> {
         if !self.dev.reads_beside_queue() || self.failed.is_some() {
             return None;
         }
@@ -742,24 +767,57 @@ impl Filesystem {
         // Until 2026-12-05 any edge inside the file sent the write to the owner, in memory or
         // not: every SQLite WAL frame (24 bytes, then a page, each starting inside the
         // block the previous one ended in) was a round trip to the reactor.
-        let reads_nothing = self.from_memory(|fs| -> Result<bool> {
+        let edges = self.from_memory(|fs| -> Result<Option<Vec<ReadPiece>>> {
             let len = rw_len(offset, data.len())? as u64;
             fs.file_inode(ino)?;
             fs.probe_extents(ino, offset, len)?;
-            fs.edges_cached(ino, offset, offset + len)
+            fs.edges_to_read(ino, offset, offset + len)
         })?;
-        match reads_nothing {
-            Ok(true) => {
-                let out = self.change_lent(|fs| fs.write(ino, offset, data));
-                self.fetch.stats.lent_writes += out.is_some() as u64;
-                out
+        let reads = match edges {
+            Ok(Some(reads))
+                if reads.is_empty() || (read_edges && self.block_cache.capacity_blocks() > 0) =>
+            {
+                reads
             }
-            Ok(false) => {
+            Ok(_) => {
                 self.fetch.stats.from_memory_misses += 1;
-                None
+                return None;
             }
-            Err(e) => Some(Err(e)),
+            Err(e) => return Some(Err(e)),
+        };
+        let out = self.change_lent(|fs| {
+            fs.read_edges_beside(&reads)?;
+            fs.write(ino, offset, data)
+        });
+        self.fetch.stats.lent_writes += out.is_some() as u64;
+        self.fetch.stats.lent_write_edge_reads += reads.len() as u64;
+        out
+    }
+
+    /// The edge blocks of a write of `offset..end` of file `ino` (see
+    /// [`Filesystem::edge_disk_blocks`]) that the block cache does not hold, as read pieces;
+    /// `None` when one is staged and not cached (the owner writes it back before reading
+    /// it). Lookups only.
+    fn edges_to_read(&mut self, ino: u64, offset: u64, end: u64) -> Result<Option<Vec<ReadPiece>>> {
+        let mut pieces = Vec::new();
+        for (disk, crc) in self.edge_disk_blocks(ino, offset, end)? {
+            if self.block_cache.get_checked(disk, crc).is_some() {
+                continue;
+            }
+            if self.staged_block(ino, disk).is_some() {
+                return Ok(None);
+            }
+            pieces.push(ReadPiece {
+                request: usize::MAX,
+                ino,
+                disk,
+                count: 1,
+                crcs: vec![crc],
+                src: 0..0,
+                dst: 0..0,
+            });
         }
+        Ok(Some(pieces))
     }
 
     /// The edge blocks a write of `offset..end` of file `ino` reads (the blocks it covers only
@@ -784,16 +842,6 @@ impl Filesystem {
             });
         }
         Ok(pieces)
-    }
-
-    /// True when every edge block of a write of `offset..end` (see [`Filesystem::edge_reads`])
-    /// is in the block cache, where the write's read of it finds it: a staged block that is
-    /// not is written back and read from the device first ([`Filesystem::write_partial`]).
-    fn edges_cached(&mut self, ino: u64, offset: u64, end: u64) -> Result<bool> {
-        let edges = self.edge_disk_blocks(ino, offset, end)?;
-        Ok(edges
-            .iter()
-            .all(|&(disk, crc)| self.block_cache.get_checked(disk, crc).is_some()))
     }
 
     /// The device blocks (and their crc32c) under the blocks a write of `offset..end` covers
@@ -863,7 +911,7 @@ impl Filesystem {
     /// checked against its crc, else through the read path. Not the read path first: that
     /// also follows read streams and starts read-ahead, device reads a write never needed
     /// and a thread the engine is lent to must not make ([`Filesystem::write_lent`] runs
-    /// only writes whose edge blocks are cached, [`Filesystem::edges_cached`]).
+    /// only writes whose edge blocks are cached or read beside the queue).
     fn edge_bytes(&mut self, ino: u64, block: u64, size: u64) -> Result<Vec<u8>> {
         let len = (size - block * BLOCK).min(BLOCK) as usize;
         match self.extents_in(ino, block, block + 1)?.as_slice() {

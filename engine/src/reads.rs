@@ -360,7 +360,7 @@ impl Filesystem {
 
     /// As [`Filesystem::read_from_memory`], and when what misses is data blocks alone (the
     /// file's inode and extents are in memory), reads them synchronously beside the device's
-    /// queue ([`nvme::AnyThreadReader`]) in the calling thread: for a client whose reactor
+    /// queue ([`nvme::AnyThreadIo`]) in the calling thread: for a client whose reactor
     /// sleeps, one system call on its own core instead of two wake-ups (docs/reactors.md).
     /// Blocks a background write holds come from it. Each block is checked against its
     /// extent's crc as the reactor's reads check it, and cached. `None`, untouched, as
@@ -412,6 +412,25 @@ impl Filesystem {
             self.follow_stream_lent(ino, offset, len);
         }
         Some(result.map(|()| out))
+    }
+
+    /// Reads `pieces` (single edge blocks of a lent write, [`Filesystem::write_lent_reading_edges`])
+    /// beside the queue into the block cache, each checked against its crc. A device error
+    /// fails the filesystem; a block that fails its crc is an error (nothing was changed).
+    pub(crate) fn read_edges_beside(&mut self, pieces: &[ReadPiece]) -> Result<()> {
+        for piece in pieces {
+            let mut bytes = vec![0u8; piece.count as usize * BLOCK_BYTES];
+            if let Err(e) = self.dev.read_blocks_beside(piece.disk, &mut bytes) {
+                let e = EngineError::Device(e);
+                self.failed.get_or_insert(e.clone());
+                return Err(e);
+            }
+            self.block_cache.device_blocks += piece.count;
+            if let Some(bad) = check_blocks(piece, 0, &bytes, &mut self.block_cache, false) {
+                return Err(bad);
+            }
+        }
+        Ok(())
     }
 
     /// The plan of a read from memory alone (run by [`Filesystem::run_from_memory`]):

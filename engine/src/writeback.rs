@@ -593,6 +593,14 @@ impl Filesystem {
         out
     }
 
+    /// Bytes of file `ino`'s data staged and not yet written back.
+    pub(crate) fn staged_bytes_of(&self, ino: u64) -> usize {
+        self.staged
+            .by_ino
+            .get(&ino)
+            .map_or(0, |runs| runs.iter().map(|r| r.data.len()).sum())
+    }
+
     /// True when file `ino` has data staged and not yet written back.
     pub(crate) fn has_staged(&self, ino: u64) -> bool {
         self.staged.by_ino.contains_key(&ino)

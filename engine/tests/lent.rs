@@ -310,3 +310,204 @@ fn a_lent_write_counts_every_block_it_covers_against_the_write_back_threshold() 
     model.extend_from_slice(&[2u8; 100]);
     assert_eq!(fs.read(a, 0, 10 * 4096).unwrap(), model);
 }
+
+/// A filesystem with one file `a` (committed) on a recording memory device, and the image
+/// the recording starts from: crash states are that image with a prefix of the log applied.
+fn recorded(
+    options: MountOptions,
+) -> (
+    Filesystem,
+    u64,
+    Vec<u8>,
+    std::sync::Arc<nvme::wrap::WriteLog>,
+) {
+    const CAPACITY: usize = 64 << 20;
+    let mut fs = fresh(MountOptions::default());
+    let root = fs.root();
+    let a = fs.create(root, b"a", 0o644, 0, 0).unwrap().ino;
+    fs.commit().unwrap();
+    let mut dev = fs.into_device();
+    let mut base = vec![0u8; CAPACITY];
+    dev.sim_access()
+        .expect("a memory device")
+        .sim_read(0, &mut base);
+    let recording = nvme::wrap::RecordingDevice::new(dev);
+    let log = recording.log();
+    let fs = Filesystem::mount(Box::new(recording), options).unwrap();
+    (fs, a, base, log)
+}
+
+/// The filesystem a power cut leaves after every record logged so far, keeping only what
+/// flushes and FUA writes made durable.
+fn crashed(base: &[u8], log: &nvme::wrap::WriteLog) -> Filesystem {
+    use nvme::wrap::crash::{crash_image, CrashMode};
+    let records = log.snapshot();
+    let image = crash_image(base, 4096, &records, records.len(), CrashMode::DurableOnly);
+    let config = MemConfig {
+        capacity_bytes: image.len() as u64,
+        lba_size_bytes: 4096,
+        queue_depth: 32,
+        buf_bytes: 128 << 10,
+        buf_count: 64,
+    };
+    let dev = MemDevice::from_image(&image, config).unwrap();
+    Filesystem::mount(Box::new(dev), MountOptions::default()).unwrap()
+}
+
+/// An fsync as a client runs it: the record built on the lent engine, then written beside
+/// the queue through the caller's own handle. `None`: declined, the owner's.
+fn fsync_as_caller(fs: &mut Filesystem, ino: u64, datasync: bool) -> Option<engine::Result<()>> {
+    let mut io = fs
+        .side_io()
+        .expect("a memory device writes beside its queue");
+    Some(match fs.fsync_beside(&[(ino, datasync)])? {
+        Ok(Some(record)) => record.run(io.as_mut()).0,
+        Ok(None) => Ok(()),
+        Err(e) => Err(e),
+    })
+}
+
+/// An fsync run by a caller writes its record beside the device's queue and is durable
+/// when it returns: a power cut right then keeps the data it covered (a small record
+/// carrying its data, then a large one writing 64 KiB in place), with no queue use (the
+/// device asserts on any).
+#[test]
+fn an_fsync_run_by_a_caller_is_durable_when_it_returns() {
+    let (mut fs, a, base, log) = recorded(MountOptions::default());
+    let small: Vec<u8> = (0..12_345u32).map(|i| (i * 7 % 251) as u8).collect();
+    fs.write(a, 0, &small).unwrap();
+    fsync_as_caller(&mut fs, a, true)
+        .expect("runs in the caller")
+        .unwrap();
+    assert_eq!(fs.fetch_stats().lent_fsyncs, 1);
+    assert_eq!(crashed(&base, &log).read(a, 0, 1 << 20).unwrap(), small);
+
+    // Past EMBED_MAX_BLOCKS: the data goes in place beside the record.
+    let large: Vec<u8> = (0..65_536u32).map(|i| (i * 13 % 253) as u8).collect();
+    fs.write(a, 4096, &large).unwrap();
+    let writes = |log: &nvme::wrap::WriteLog| {
+        log.snapshot()
+            .iter()
+            .filter(|r| matches!(r, nvme::wrap::Record::Write { .. }))
+            .count()
+    };
+    let writes_before = writes(&log);
+    fsync_as_caller(&mut fs, a, false)
+        .expect("runs in the caller")
+        .unwrap();
+    // The memory device has native FUA: every write FUA, no flush (a file image flushes).
+    assert!(
+        writes(&log) >= writes_before + 2,
+        "the data in place and the record"
+    );
+    let mut want = small.clone();
+    want.resize(4096, 0);
+    want.extend_from_slice(&large);
+    assert_eq!(crashed(&base, &log).read(a, 0, 1 << 20).unwrap(), want);
+    assert!(fs.device_wait_stats().lent_writes >= 2);
+    fs.check().expect("a consistent filesystem");
+}
+
+/// An fsync a lent engine cannot finish alone is left to the owner with nothing written
+/// and nothing counted: one with a record still in flight on the queue (a write beside the
+/// queue would not be ordered against it), and one with more data to write in place than a
+/// caller may while its reactor waits.
+#[test]
+fn an_fsync_that_needs_the_queue_or_much_writing_is_left_to_the_owner() {
+    let options = MountOptions {
+        // Staged data stays staged until its fsync.
+        writeback_start_bytes: usize::MAX,
+        ..MountOptions::default()
+    };
+    let (mut fs, a, _base, log) = recorded(options);
+    fs.write(a, 0, &[1u8; 5000]).unwrap();
+    let started = fs.fsync_group_start(&[(a, false)]).unwrap();
+    assert!(matches!(started, engine::log::FsyncStart::Pending(_)));
+    fs.write(a, 0, &[2u8; 5000]).unwrap();
+    let logged = log.len();
+    assert!(
+        fsync_as_caller(&mut fs, a, false).is_none(),
+        "a record in flight: the owner's"
+    );
+    assert_eq!(log.len(), logged, "nothing written");
+    fs.drain_log().unwrap();
+
+    let big = vec![3u8; engine::log::LENT_FSYNC_BYTES_MAX * 2];
+    fs.write(a, 0, &big).unwrap();
+    assert!(!fs.device_busy());
+    let (fsyncs, logged) = (fs.log_stats().fsyncs, log.len());
+    assert!(
+        fsync_as_caller(&mut fs, a, false).is_none(),
+        "more than LENT_FSYNC_BYTES_MAX in place: the owner's"
+    );
+    assert_eq!(log.len(), logged, "nothing written");
+    assert_eq!(fs.log_stats().fsyncs, fsyncs, "nothing counted");
+    assert_eq!(fs.fetch_stats().lent_fsyncs_declined, 1);
+    assert_eq!(fs.fetch_stats().lent_fsyncs, 0);
+    fs.fsync(a).unwrap();
+    assert_eq!(fs.read(a, 0, 1 << 20).unwrap(), big);
+}
+
+/// While a caller's record is being written beside the queue (built, the engine given
+/// back, not yet written): the owner reads the file's new bytes from memory, another
+/// caller's fsync goes to the owner (the queue is not idle), the owner's own fsync waits
+/// for it in order, and the next caller's fsync counts its completions and runs. A record
+/// dropped unwritten (a caller that panicked) fails the filesystem instead of hanging it.
+#[test]
+fn a_record_written_beside_the_queue_is_counted_by_whoever_holds_the_engine_next() {
+    let (mut fs, a, base, log) = recorded(MountOptions::default());
+    let root = fs.root();
+    let b = fs.create(root, b"b", 0o644, 0, 0).unwrap().ino;
+    let mut io = fs.side_io().unwrap();
+    fs.write(a, 0, &[7u8; 6000]).unwrap();
+    let record = fs
+        .fsync_beside(&[(a, false)])
+        .expect("runs in the caller")
+        .unwrap()
+        .expect("something to log");
+    assert_eq!(fs.log_in_flight(), 1, "the record is in flight");
+    assert!(
+        !fs.device_busy(),
+        "not on the queue: nothing for its owner to poll"
+    );
+    assert_eq!(fs.read(a, 0, 6000).unwrap(), vec![7u8; 6000]);
+    fs.write(b, 0, &[8u8; 100]).unwrap();
+    assert!(fsync_as_caller(&mut fs, b, false).is_none(), "not idle");
+    let started = fs.fsync_group_start(&[(b, false)]).unwrap();
+    let engine::log::FsyncStart::Pending(ticket) = started else {
+        panic!("{started:?}")
+    };
+    assert_eq!(
+        fs.log_progress(None).unwrap(),
+        ticket - 1,
+        "behind the caller's"
+    );
+    let (written, _) = record.run(io.as_mut());
+    written.unwrap();
+    fs.wait_durable(ticket).unwrap();
+    let crashed_fs = &mut crashed(&base, &log);
+    assert_eq!(crashed_fs.read(a, 0, 6000).unwrap(), vec![7u8; 6000]);
+    assert_eq!(crashed_fs.read(b, 0, 100).unwrap(), vec![8u8; 100]);
+
+    fs.write(a, 0, &[9u8; 10]).unwrap();
+    let record = fs
+        .fsync_beside(&[(a, true)])
+        .expect("idle again")
+        .unwrap()
+        .expect("something to log");
+    record.run(io.as_mut()).0.unwrap();
+    fs.write(a, 0, &[10u8; 10]).unwrap();
+    fsync_as_caller(&mut fs, a, true)
+        .expect("the last record's completions counted first")
+        .unwrap();
+    assert_eq!(fs.fetch_stats().lent_fsyncs, 3);
+
+    fs.write(a, 0, &[11u8; 10]).unwrap();
+    let record = fs.fsync_beside(&[(a, true)]).unwrap().unwrap().unwrap();
+    drop(record);
+    assert!(fs.log_progress(None).is_err(), "fail-stop");
+    assert!(
+        fs.write(a, 0, &[12u8; 10]).is_err(),
+        "read-only after the failure"
+    );
+}

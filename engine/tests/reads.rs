@@ -708,8 +708,8 @@ impl BlockDevice for HoldWrites {
     fn in_flight(&self) -> u32 {
         self.inner.in_flight() + self.held.len() as u32
     }
-    fn any_thread_reader(&self) -> Option<Box<dyn nvme::AnyThreadReader>> {
-        self.inner.any_thread_reader()
+    fn any_thread_io(&self) -> Option<Box<dyn nvme::AnyThreadIo>> {
+        self.inner.any_thread_io()
     }
 }
 

@@ -238,12 +238,14 @@ pub trait BlockDevice: Send {
         Ok(false)
     }
 
-    /// A reader that any thread may use for synchronous reads beside this queue, seeing every
+    /// A handle that any thread may use for synchronous reads (and, where
+    /// [`AnyThreadIo::writes`] says so, writes and flushes) beside this queue, seeing every
     /// write this queue has completed (a client running a change on an engine its reactor
-    /// lent reads the tree nodes it misses through it: the queue itself is the reactor's).
-    /// `None` where the device has none (wrappers that model a cache or inject faults: a
-    /// read beside them would see what they hide).
-    fn any_thread_reader(&self) -> Option<Box<dyn AnyThreadReader>> {
+    /// lent reads the tree nodes it misses through it, and writes an fsync's record through
+    /// it: the queue itself is the reactor's). `None` where the device has none (wrappers
+    /// that model a cache or inject faults: I/O beside them would see or skip what they
+    /// hide).
+    fn any_thread_io(&self) -> Option<Box<dyn AnyThreadIo>> {
         None
     }
 
@@ -302,14 +304,15 @@ impl<D: BlockDevice + ?Sized> BlockDevice for Box<D> {
     fn new_queue(&self) -> Option<Result<Box<dyn BlockDevice>, DevError>> {
         (**self).new_queue()
     }
-    fn any_thread_reader(&self) -> Option<Box<dyn AnyThreadReader>> {
-        (**self).any_thread_reader()
+    fn any_thread_io(&self) -> Option<Box<dyn AnyThreadIo>> {
+        (**self).any_thread_io()
     }
 }
 
-/// Checks a synchronous read of `len_bytes` at `lba` beside the queue
-/// ([`AnyThreadReader::read_at`]): as [`validate`] checks a queued one.
-pub(crate) fn check_any_thread_read(
+/// Checks a synchronous read or write of `len_bytes` at `lba` beside the queue
+/// ([`AnyThreadIo::read_at`], [`AnyThreadIo::write_at`]): as [`validate`] checks a queued
+/// one.
+pub(crate) fn check_any_thread_io(
     info: &DeviceInfo,
     lba: u64,
     len_bytes: usize,
@@ -347,13 +350,40 @@ fn check_lbas(info: &DeviceInfo, lba: u64, lbas: u64) -> Result<(), DevError> {
     Ok(())
 }
 
-/// Synchronous reads beside a device's queue, from any thread
-/// ([`BlockDevice::any_thread_reader`]): a system call or a lock per read, with no queue
-/// depth. For a lent engine in a client's thread while the queue's owner sleeps: the node
-/// it misses, the data blocks of a short read.
-pub trait AnyThreadReader: Send {
+/// Synchronous I/O beside a device's queue, from any thread ([`BlockDevice::any_thread_io`]):
+/// a system call or a lock per request, with no queue depth. For a lent engine in a
+/// client's thread while the queue's owner sleeps: the node it misses, the data blocks of a
+/// short read, an fsync's record and its flush.
+///
+/// Ordering: a read sees every write the queue or this handle completed. A write here and a
+/// write in flight on the queue are not ordered; the engine writes here only while its
+/// queue has nothing in flight. A flush here covers every write completed, on the queue or
+/// here, before it was called, as a flush on the queue does (an NVMe flush covers the
+/// namespace; `fdatasync` covers the file).
+pub trait AnyThreadIo: Send {
     /// Reads `out.len()` bytes (whole LBAs, at most the device's largest transfer) at `lba`.
     fn read_at(&mut self, lba: u64, out: &mut [u8]) -> Result<(), DevError>;
+
+    /// True when [`AnyThreadIo::write_at`] and [`AnyThreadIo::flush`] work here.
+    fn writes(&self) -> bool {
+        false
+    }
+
+    /// Writes `data` (whole LBAs, at most the device's largest transfer) at `lba`; with
+    /// `fua`, durable when this returns. Fails on a device opened read-only.
+    fn write_at(&mut self, lba: u64, data: &[u8], fua: bool) -> Result<(), DevError> {
+        let _ = (lba, data, fua);
+        Err(DevError::Unsupported {
+            what: "writes beside the queue",
+        })
+    }
+
+    /// Makes every write completed before this call durable.
+    fn flush(&mut self) -> Result<(), DevError> {
+        Err(DevError::Unsupported {
+            what: "flushes beside the queue",
+        })
+    }
 }
 
 /// Checks a request against the queue's geometry before it reaches a device: alignment,

@@ -492,15 +492,15 @@ fn a_dropped_file_device_releases_its_lock_at_once() {
     }
 }
 
-/// A reader beside the queue ([`BlockDevice::any_thread_reader`]), used from another thread,
+/// A reader beside the queue ([`BlockDevice::any_thread_io`]), used from another thread,
 /// sees what the queue's completed writes left, and refuses what the queue refuses (bad
 /// lengths, ranges outside the device) by name.
-fn any_thread_reader_sees_completed_writes(dev: &mut dyn BlockDevice) {
+fn any_thread_io_sees_completed_writes(dev: &mut dyn BlockDevice) {
     let lba_size = dev.info().lba_size_bytes as usize;
     let data: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
     let lba = 3 * 4096 / lba_size as u64;
     nvme::write_sync(dev, lba, &data, false).unwrap();
-    let mut reader = dev.any_thread_reader().expect("the backend has a reader");
+    let mut reader = dev.any_thread_io().expect("the backend has a reader");
     let got = std::thread::scope(|s| {
         s.spawn(|| {
             let mut out = vec![0u8; data.len()];
@@ -522,13 +522,37 @@ fn any_thread_reader_sees_completed_writes(dev: &mut dyn BlockDevice) {
         .unwrap()
     });
     assert!(got == data, "the reader returns the written bytes");
+
+    // Writes beside the queue, from another thread: the queue reads them back, FUA or
+    // followed by a flush; bad ranges are refused as the queue refuses them.
+    assert!(reader.writes(), "the backend writes beside its queue");
+    let other: Vec<u8> = data.iter().map(|b| b ^ 0x5a).collect();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            reader.write_at(lba, &other[..4096], true).unwrap();
+            reader
+                .write_at(lba + (4096 / lba_size) as u64, &other[4096..], false)
+                .unwrap();
+            reader.flush().unwrap();
+            let capacity_lbas = CAPACITY_BYTES / lba_size as u64;
+            assert!(matches!(
+                reader.write_at(capacity_lbas, &other[..lba_size], false),
+                Err(DevError::OutOfRange { .. })
+            ));
+        })
+        .join()
+        .unwrap()
+    });
+    let mut back = vec![0u8; other.len()];
+    nvme::read_sync(dev, lba, &mut back).unwrap();
+    assert!(back == other, "the queue reads what was written beside it");
 }
 
 #[test]
 fn mem_and_file_readers_beside_the_queue_see_completed_writes() {
-    any_thread_reader_sees_completed_writes(&mut mem(4096));
+    any_thread_io_sees_completed_writes(&mut mem(4096));
     let dir = tempfile::tempdir().unwrap();
-    any_thread_reader_sees_completed_writes(&mut file(&dir, 512, false));
+    any_thread_io_sees_completed_writes(&mut file(&dir, 512, false));
     let dir = tempfile::tempdir().unwrap();
-    any_thread_reader_sees_completed_writes(&mut file(&dir, 4096, false));
+    any_thread_io_sees_completed_writes(&mut file(&dir, 4096, false));
 }

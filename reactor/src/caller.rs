@@ -32,10 +32,20 @@
 //!   ([`engine::Filesystem::change_lent`]): a change cannot be declined halfway, so a tree
 //!   node it still misses (a split's sibling, the leaf a new inode lands in) is read
 //!   synchronously beside the queue, answered from the background writes in flight where
-//!   they hold it. Changes that write to the device themselves (data, truncation) and
-//!   fsyncs are never run here. A change refused for space before it changed anything goes
-//!   to the reactor, which commits and tries again. A change that makes a commit due rings
-//!   the reactor.
+//!   they hold it. Changes that write to the device themselves (truncation, a write that
+//!   would start write-back) are never run here. A change refused for space before it
+//!   changed anything goes to the reactor, which commits and tries again. A change that
+//!   makes a commit due rings the reactor.
+//! - An fsync runs here only while the cores are shared, and only with nothing in flight
+//!   ([`engine::Filesystem::fsync_beside`]): its record is built with the engine held, and
+//!   written, and flushed, through the client's own handle beside the queue *after* the
+//!   engine is given back, so nobody waits for this thread while the device works. Durable
+//!   when the call returns, as a kernel filesystem's fsync is in its caller's thread: no
+//!   wake-up of the reactor for the request, none for the device's completion, none of the
+//!   client for the reply. The completions go back to the engine through the device
+//!   multiplexer (whoever holds the engine next counts them); a reactor that waits for
+//!   them asked to be rung. One that would fall back to a commit, or write much data in
+//!   place, goes to the reactor.
 //! - Only with one reactor: with several, a walk may need another reactor's directories.
 //! - The reactor waiting to take its engine back (`reclaiming`) stops new callers from
 //!   taking it, so callers cannot starve the reactor.
@@ -75,8 +85,10 @@ pub(crate) struct CallerPolicy {
     pub run: bool,
     /// Changes of names, links, attributes, holds and staging writes too.
     pub changes: bool,
-    /// Data reads beside the queue always, not only while the cores are shared.
-    pub device_reads_always: bool,
+    /// fsyncs too ([`engine::Filesystem::fsync_beside`]).
+    pub fsyncs: bool,
+    /// Data reads and fsyncs beside the queue always, not only while the cores are shared.
+    pub device_always: bool,
 }
 
 impl CallerPolicy {
@@ -84,7 +96,8 @@ impl CallerPolicy {
     pub(crate) const OFF: CallerPolicy = CallerPolicy {
         run: false,
         changes: false,
-        device_reads_always: false,
+        fsyncs: false,
+        device_always: false,
     };
 }
 
@@ -104,7 +117,8 @@ pub(crate) struct CallerRuns {
     /// clients may run changes (`Config::callers_change`).
     enabled: bool,
     changes: bool,
-    device_reads_always: bool,
+    fsyncs: bool,
+    device_always: bool,
     /// The reactor holds writes back (a due commit waits for its device pipeline to
     /// empty): clients send theirs to it. Set before the engine is lent.
     writes_held: AtomicBool,
@@ -122,7 +136,8 @@ impl CallerRuns {
             fs: AtomicPtr::new(std::ptr::null_mut()),
             enabled: policy.run,
             changes: policy.changes,
-            device_reads_always: policy.device_reads_always,
+            fsyncs: policy.fsyncs,
+            device_always: policy.device_always,
             writes_held: AtomicBool::new(false),
             ran: AtomicU64::new(0),
             missed: AtomicU64::new(0),
@@ -214,17 +229,27 @@ impl CallerRuns {
     }
 
     /// Runs `op` in the calling thread if the reactor lends its engine now and `op` may run
-    /// here ([`Op::caller_run`]): `None` otherwise (send it to the reactor). `wake` rings the
-    /// reactor: a change that made a commit due calls it, so the reactor commits soon.
+    /// here ([`Op::caller_run`]): `None` otherwise (send it to the reactor). An fsync's
+    /// record is written through `side_io` (the client's own handle beside the queue, made
+    /// at its first fsync) after the engine is given back.
+    /// `wake` rings the reactor: called when a change made a commit due, so the reactor
+    /// commits soon, and when the reactor waits for a record written here.
     pub(crate) fn try_run(
         &self,
         op: &Op,
+        side_io: &mut Option<Box<dyn nvme::AnyThreadIo>>,
         wake: impl FnOnce(),
     ) -> Option<Result<Reply, EngineError>> {
         let kind = op.caller_run();
         if !self.enabled
             || kind == CallerRun::No
             || (matches!(kind, CallerRun::Change | CallerRun::Write) && !self.changes)
+            || (kind == CallerRun::Fsync && !self.fsyncs)
+            // An fsync beside the queue saves wake-ups only while the cores are shared (on a
+            // quiet machine both sides poll and the reactor's ring is as fast).
+            || (kind == CallerRun::Fsync
+                && !self.device_always
+                && !crate::contention::contended())
             || self.reclaiming.load(Ordering::Relaxed)
         {
             return None;
@@ -241,19 +266,23 @@ impl CallerRuns {
         let fs = unsafe { &mut *fs };
         // Read after taking the engine: the reactor set it before it lent (Release), and
         // does not change it while lent.
-        if kind == CallerRun::Write && self.writes_held.load(Ordering::Relaxed) {
+        if matches!(kind, CallerRun::Write | CallerRun::Fsync)
+            && self.writes_held.load(Ordering::Relaxed)
+        {
             drop(held);
             self.missed.fetch_add(1, Ordering::Relaxed);
             return None;
         }
-        let out = match (kind, op) {
+        // A record to write beside the queue once the engine is given back.
+        let mut side = None;
+        let mut out = match (kind, op) {
             // Data blocks memory misses are read beside the queue only while the cores are
             // shared: a polling reactor's ring read beats a pread on a quiet machine (QD1 on
             // a file image: 21k reads/s through the reactor, 18k beside the queue; with one
             // neighbour 10k and 16k). And only where changes may run too
             // (`COREFS_CALLERS_RUN=lookups` keeps a caller to memory).
             (_, &Op::Read { ino, offset, len })
-                if self.changes && (self.device_reads_always || crate::contention::contended()) =>
+                if self.changes && (self.device_always || crate::contention::contended()) =>
             {
                 fs.read_lent(ino, offset, len).map(|r| r.map(Reply::Data))
             }
@@ -268,24 +297,46 @@ impl CallerRuns {
                     ref data,
                 },
             ) => {
-                let out = fs
-                    .write_lent(ino, offset, data)
-                    .map(|r| r.map(Reply::Written));
-                if out.is_some() && fs.commit_due() {
-                    wake();
-                }
-                out
+                // An edge block memory misses is read beside the queue while the cores are
+                // shared (as a data read is), instead of sending the write to the reactor.
+                let out = if self.device_always || crate::contention::contended() {
+                    fs.write_lent_reading_edges(ino, offset, data)
+                } else {
+                    fs.write_lent(ino, offset, data)
+                };
+                out.map(|r| r.map(Reply::Written))
             }
-            (CallerRun::Change, op) => {
-                let out = change(fs, op);
-                if out.is_some() && fs.commit_due() {
-                    wake();
+            (CallerRun::Fsync, op) => {
+                let member = op.is_fsync().expect("an fsync");
+                if side_io.is_none() {
+                    *side_io = fs.side_io();
                 }
-                out
+                match side_io {
+                    None => None,
+                    Some(_) => fs.fsync_beside(&[member]).map(|r| {
+                        r.map(|record| {
+                            side = record;
+                            Reply::Done
+                        })
+                    }),
+                }
             }
+            (CallerRun::Change, op) => change(fs, op),
             _ => fs.from_memory(|fs| execute_on(fs, op)),
         };
+        let mut ring = out.is_some() && kind != CallerRun::FromMemory && fs.commit_due();
         drop(held);
+        if let Some(record) = side {
+            // The engine is the reactor's (or another client's) again while the device
+            // works: nobody waits for this thread to be scheduled back.
+            let io = side_io.as_mut().expect("made above");
+            let (written, wanted) = record.run(io.as_mut());
+            ring |= wanted;
+            out = Some(written.map(|()| Reply::Done));
+        }
+        if ring {
+            wake();
+        }
         match out {
             Some(result) => {
                 self.ran.fetch_add(1, Ordering::Relaxed);
@@ -347,7 +398,8 @@ mod tests {
         let slot = CallerRuns::new(CallerPolicy {
             run: true,
             changes: true,
-            device_reads_always: false,
+            fsyncs: true,
+            device_always: false,
         });
         // Not lent: the caller must not take it.
         assert!(slot

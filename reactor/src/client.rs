@@ -48,6 +48,9 @@ pub struct Client {
     /// Operations in flight when the last [`Client::submit`] came: 0 for a program that
     /// submits one at a time.
     submitted_behind: usize,
+    /// This client's handle for fsync records it writes beside the device's queue
+    /// ([`crate::caller`]), made at its first such fsync.
+    side_io: Option<Box<dyn nvme::AnyThreadIo>>,
 }
 
 impl Client {
@@ -64,6 +67,7 @@ impl Client {
             sent: 0,
             ran_here: 0,
             submitted_behind: 0,
+            side_io: None,
         }
     }
 
@@ -105,7 +109,10 @@ impl Client {
         self.submitted_behind = self.in_flight;
         if alone {
             let shared = &self.shared;
-            if let Some(result) = shared.caller.try_run(&op, || shared.doorbell.ring()) {
+            if let Some(result) = shared
+                .caller
+                .try_run(&op, &mut self.side_io, || shared.doorbell.ring())
+            {
                 self.ran_here += 1;
                 self.in_flight += 1;
                 self.stash.push_back(Completion { token, result });
@@ -205,7 +212,10 @@ impl Client {
         // reactor sleeps: no wake-up on either side ([`crate::caller`]).
         if self.in_flight == 0 {
             let shared = &self.shared;
-            if let Some(result) = shared.caller.try_run(&op, || shared.doorbell.ring()) {
+            if let Some(result) = shared
+                .caller
+                .try_run(&op, &mut self.side_io, || shared.doorbell.ring())
+            {
                 self.ran_here += 1;
                 return result;
             }

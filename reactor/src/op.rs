@@ -297,8 +297,8 @@ impl Op {
             | Op::GetXattr { .. }
             | Op::ListXattr { .. } => CallerRun::FromMemory,
             // Names, links, attributes and holds: tree items only, nothing the change itself
-            // writes to the device. Truncation, an open that truncates, appends, atomic
-            // batches and fsyncs are the reactor's.
+            // writes to the device. Truncation, an open that truncates, appends and atomic
+            // batches are the reactor's.
             Op::Create { .. }
             | Op::Mkdir { .. }
             | Op::Symlink { .. }
@@ -315,6 +315,9 @@ impl Op {
             // A write that only stages its bytes ([`engine::Filesystem::write_lent`]).
             Op::Write { .. } => CallerRun::Write,
             Op::SetAttr { change, .. } if change.size.is_none() => CallerRun::Change,
+            // Its record written and flushed beside the queue
+            // ([`engine::Filesystem::fsync_beside`]).
+            Op::Fsync { .. } | Op::Fdatasync { .. } => CallerRun::Fsync,
             _ => CallerRun::No,
         }
     }
@@ -339,6 +342,10 @@ pub(crate) enum CallerRun {
     /// A write that only stages its bytes ([`engine::Filesystem::write_lent`]), when the
     /// reactor holds no writes back for a commit.
     Write,
+    /// An fsync whose record the client writes beside the queue
+    /// ([`engine::Filesystem::fsync_beside`]), while the cores are shared and the reactor
+    /// holds no writes back for a commit.
+    Fsync,
     /// Only the reactor runs it.
     No,
 }

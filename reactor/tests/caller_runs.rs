@@ -402,7 +402,7 @@ fn data_reads_run_by_callers_return_the_bytes_the_reactor_would() {
         let mut c = config(&dir);
         // Beside the queue even on a quiet machine (by default only while the cores are
         // shared with other work).
-        c.callers_read_device_always = true;
+        c.callers_device_always = true;
         c.mount.data_cache_blocks = 0;
         // Nodes for the file's extents stay in memory; the data never does.
         c.mount.cache_nodes = 4096;
@@ -516,9 +516,10 @@ fn data_reads_run_by_callers_return_the_bytes_the_reactor_would() {
     };
     println!(
         "reader steps {reader_steps}, writer ran {writer_reads_here} requests itself ({} \
-         writes); reads beside the queue {} ({} blocks; {} device reads of them, {} blocks \
-         from writes in flight); reactor device reads {}",
+         writes, {} fsyncs); reads beside the queue {} ({} blocks; {} device reads of them, \
+         {} blocks from writes in flight); reactor device reads {}",
         stats.fetch.lent_writes,
+        stats.fetch.lent_fsyncs,
         stats.reads.lent_reads,
         stats.reads.lent_read_blocks,
         stats.device_waits.lent_reads,
@@ -530,6 +531,7 @@ fn data_reads_run_by_callers_return_the_bytes_the_reactor_would() {
         "no data read ran beside the queue"
     );
     assert!(stats.fetch.lent_writes > 0, "no write ran in its caller");
+    assert!(stats.fetch.lent_fsyncs > 0, "no fsync ran in its caller");
     runtime.shutdown().expect("clean shutdown");
 
     let runtime = Runtime::start(Config {

@@ -555,19 +555,30 @@ fn shutdown_under_load(reactors: usize) {
 
 #[test]
 fn a_power_cut_during_multi_client_fsyncs_loses_no_acknowledged_fsync() {
-    power_cut_during_fsyncs(1);
+    power_cut_during_fsyncs(1, false);
+}
+
+/// Clients write their fsyncs' records beside the queue whenever the reactor lends its
+/// engine (by default only while the cores are shared): the cuts fall between those
+/// synchronous writes and flushes and the reactor's own.
+#[test]
+fn a_power_cut_during_fsyncs_run_by_callers_loses_no_acknowledged_fsync() {
+    power_cut_during_fsyncs(1, true);
 }
 
 /// Two reactors: their queues record into one write log (a flush covers every queue's
 /// completed writes, as an NVMe flush covers the namespace), so the cuts see both streams.
 #[test]
 fn a_power_cut_under_two_reactors_loses_no_acknowledged_fsync() {
-    power_cut_during_fsyncs(2);
+    power_cut_during_fsyncs(2, false);
 }
 
-fn power_cut_during_fsyncs(reactors: usize) {
+/// `callers_device_always`: clients run fsyncs beside the queue even on a quiet machine.
+fn power_cut_during_fsyncs(reactors: usize, callers_device_always: bool) {
     let seed = nvme::wrap::seed_from_env();
-    let (mem, image, log, runtime) = recorded_runtime(reactors, "cut");
+    let (mem, image, log, runtime) = recorded_runtime_with(reactors, "cut", |c| {
+        c.callers_device_always = callers_device_always;
+    });
     let mut setup = runtime.client(4);
     // A directory per client: with two reactors the directories spread over both, and each
     // file lives with its directory, so both reactors' log streams are written.
@@ -619,6 +630,17 @@ fn power_cut_during_fsyncs(reactors: usize) {
             .flat_map(|h| h.join().unwrap())
             .collect()
     });
+    if callers_device_always {
+        let stats = match setup.call(Op::Stats) {
+            Ok(Reply::Stats(s)) => s,
+            other => panic!("stats: {other:?}"),
+        };
+        println!(
+            "{} of 100 fsyncs ran in their caller, beside the queue ({} declined)",
+            stats.fetch.lent_fsyncs, stats.fetch.lent_fsyncs_declined
+        );
+        assert!(stats.fetch.lent_fsyncs > 0, "no fsync ran in its caller");
+    }
     drop(runtime);
     let records = log.snapshot();
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
@@ -1051,6 +1073,20 @@ fn recorded_runtime(
     std::sync::Arc<nvme::wrap::WriteLog>,
     Runtime,
 ) {
+    recorded_runtime_with(reactors, label, |_| {})
+}
+
+/// [`recorded_runtime`] with `tune` applied to the runtime's configuration.
+fn recorded_runtime_with(
+    reactors: usize,
+    label: &str,
+    tune: impl FnOnce(&mut Config),
+) -> (
+    MemConfig,
+    Vec<u8>,
+    std::sync::Arc<nvme::wrap::WriteLog>,
+    Runtime,
+) {
     let mem = MemConfig {
         capacity_bytes: 64 << 20,
         lba_size_bytes: 512,
@@ -1071,15 +1107,13 @@ fn recorded_runtime(
     nvme::read_sync(&mut *dev, 0, &mut image).unwrap();
     let recording = RecordingDevice::new(MemDevice::from_image(&image, mem).unwrap());
     let log = recording.log();
-    let runtime = Runtime::start_with_device(
-        Config {
-            device: "recorded mem".into(),
-            reactors,
-            ..Default::default()
-        },
-        Box::new(recording),
-    )
-    .unwrap();
+    let mut config = Config {
+        device: "recorded mem".into(),
+        reactors,
+        ..Default::default()
+    };
+    tune(&mut config);
+    let runtime = Runtime::start_with_device(config, Box::new(recording)).unwrap();
     (mem, image, log, runtime)
 }
 

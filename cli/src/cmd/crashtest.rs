@@ -28,7 +28,8 @@ pub struct Args {
     #[arg(long)]
     reactors: Option<usize>,
     /// The schedules to run each workload under (default: all of them): plain,
-    /// pipelined, commit-in-flight, fallback, writeback, reactors (two reactors).
+    /// pipelined, commit-in-flight, fallback, writeback, reactors (two reactors), callers
+    /// (writes and fsyncs run as a client runs them, records written beside the queue).
     #[arg(long, value_delimiter = ',')]
     schedules: Option<Vec<String>>,
     /// Run only part K of N (`K/N`, 1-based): the workloads split into N contiguous
@@ -119,11 +120,12 @@ pub fn run(args: Args) -> Result<(), String> {
         start.elapsed().as_secs_f64()
     );
     println!(
-        "crashtest: {} persistence points: {} fsync log records ({} pipelined behind another, {} during a commit), {} fsyncs with nothing new to log, {} fell back to a commit, {} KiB written back in the background",
+        "crashtest: {} persistence points: {} fsync log records ({} pipelined behind another, {} during a commit), {} fsyncs run by a caller beside the queue, {} fsyncs with nothing new to log, {} fell back to a commit, {} KiB written back in the background",
         outcome.persistence_points,
         outcome.log_writes,
         outcome.pipelined_records,
         outcome.records_during_commit,
+        outcome.lent_fsyncs,
         outcome.already_logged,
         outcome.fallback_commits,
         outcome.writeback_bytes >> 10

@@ -80,6 +80,13 @@ pub enum FsyncStart {
     },
 }
 
+impl Pipeline {
+    /// No record, write-back or commit chunk is in flight.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.in_flight.is_empty()
+    }
+}
+
 impl Filesystem {
     /// Submits `blocks` (a record and, for a large fsync, its data) as background writes
     /// under a new ticket; the flush follows when they complete.
@@ -150,6 +157,9 @@ impl Filesystem {
             // written back in the foreground included; anything released after it is too.
             self.log.unflushed_writes = false;
         }
+        if self.dev.lent_for_writes() {
+            return self.submit_side(blocks, fua, after, writeback_bytes);
+        }
         while self.records_on_device() >= MAX_IN_FLIGHT {
             self.log_progress(Some(Duration::from_millis(100)))?;
         }
@@ -181,31 +191,60 @@ impl Filesystem {
         Ok(ticket)
     }
 
+    /// [`Filesystem::submit_background`] for an engine lent to a caller's thread
+    /// ([`crate::mux::Lent::Writes`], [`Filesystem::fsync_beside`]): the writes, then the
+    /// flush unless they are FUA or a write-back, are queued for the caller to make beside
+    /// the queue once it has given the engine back ([`crate::log::SideRecord`]); their
+    /// completions come back through the device multiplexer as a device's do. Lent so only
+    /// with nothing in flight, so the flush covers every write the ticket may reference.
+    fn submit_side(
+        &mut self,
+        blocks: Vec<(u64, Vec<u8>)>,
+        fua: bool,
+        after: Option<u64>,
+        writeback_bytes: usize,
+    ) -> Result<u64> {
+        assert!(
+            after.is_none() && self.log.pipeline.in_flight.is_empty(),
+            "writes beside the queue only with nothing in flight"
+        );
+        let runs = crate::blocks::coalesce(&*self.dev, blocks);
+        let ticket = self.log.pipeline.next_ticket;
+        self.log.pipeline.next_ticket += 1;
+        let flush = !fua && writeback_bytes == 0;
+        self.log.pipeline.in_flight.push_back(InFlight {
+            ticket,
+            writes_left: runs.len() as u32,
+            // The caller flushes (or the writes are FUA, or a write-back needs none): the
+            // pipeline submits no flush of its own.
+            flush_submitted: true,
+            flushed: false,
+            fua,
+            writeback_bytes,
+            after,
+        });
+        let token = BACKGROUND | ticket << 1;
+        for run in runs {
+            let lba = block_lba(&*self.dev, run.addr);
+            let io = self.dev.queue_side_write(token, lba, run, fua);
+            self.log.side_out.push(io);
+        }
+        if flush {
+            let io = self.dev.queue_side_flush(token | 1);
+            self.log.side_out.push(io);
+        }
+        Ok(ticket)
+    }
+
     /// A background failure: the filesystem fails stop and every pending ticket fails.
     fn fail_background<T>(&mut self, e: DevError) -> Result<T> {
         self.failed.get_or_insert(EngineError::Device(e.clone()));
         Err(EngineError::Device(e))
     }
 
-    /// Advances the records in flight: counts finished writes, submits each record's flush
-    /// once its writes are done, and returns the ticket below which every record is durable.
-    /// `wait` sleeps up to that long for a completion when nothing is ready. Fails with the
-    /// filesystem's sticky error once a background request failed.
-    pub fn log_progress(&mut self, wait: Option<Duration>) -> Result<u64> {
-        if let Some(e) = self.failed.clone() {
-            if !self.log.pipeline.in_flight.is_empty() {
-                // Fail-stopped: nothing more goes to the device, and what is in flight still
-                // completes (its completions dropped here), so the device drains and a reactor
-                // waiting for it to go idle can stop.
-                self.dev.drop_backlog();
-                let _ = self.dev.poll_background(wait);
-                return Err(e);
-            }
-        }
-        let completions = match self.dev.poll_background(wait) {
-            Ok(c) => c,
-            Err(e) => return self.fail_background(e),
-        };
+    /// Counts background completions against the records in flight: finished writes, done
+    /// flushes; a FUA record (or a write-back) whose writes are all done is durable (done).
+    fn count_background(&mut self, completions: Vec<nvme::IoCompletion>) -> Result<()> {
         for c in completions {
             let ticket = (c.token & !TAG_MASK) >> 1;
             let is_flush = c.token & 1 != 0;
@@ -242,6 +281,58 @@ impl Filesystem {
                 entry.flushed = true;
             }
         }
+        Ok(())
+    }
+
+    /// Takes the completions callers posted for their writes beside the queue, for a
+    /// thread the engine is lent to (which may not poll the queue), and releases the
+    /// records they made durable. What the owner's next [`Filesystem::log_progress`] would
+    /// do with them, less submitting flushes (the queue is the owner's).
+    pub(crate) fn take_side_done_lent(&mut self) -> Result<()> {
+        let completions = self.dev.take_side_completions();
+        self.count_background(completions)?;
+        self.release_durable();
+        Ok(())
+    }
+
+    /// Pops the records that are durable, in order; the ticket below which all are.
+    fn release_durable(&mut self) -> u64 {
+        let durable_generation = self.sb.generation;
+        let pipeline = &mut self.log.pipeline;
+        // Mutation check: release a record logged during commit N before N is durable.
+        let early = mutated!(AckBeforeCommit);
+        while pipeline.in_flight.front().is_some_and(|f| {
+            f.flushed && (early || f.after.is_none_or(|g| durable_generation >= g))
+        }) {
+            let done = pipeline.in_flight.pop_front().expect("front");
+            pipeline.durable_below = done.ticket + 1;
+        }
+        if pipeline.in_flight.is_empty() {
+            pipeline.durable_below = pipeline.next_ticket;
+        }
+        pipeline.durable_below
+    }
+
+    /// Advances the records in flight: counts finished writes, submits each record's flush
+    /// once its writes are done, and returns the ticket below which every record is durable.
+    /// `wait` sleeps up to that long for a completion when nothing is ready. Fails with the
+    /// filesystem's sticky error once a background request failed.
+    pub fn log_progress(&mut self, wait: Option<Duration>) -> Result<u64> {
+        if let Some(e) = self.failed.clone() {
+            if !self.log.pipeline.in_flight.is_empty() {
+                // Fail-stopped: nothing more goes to the device, and what is in flight still
+                // completes (its completions dropped here), so the device drains and a reactor
+                // waiting for it to go idle can stop.
+                self.dev.drop_backlog();
+                let _ = self.dev.poll_background(wait);
+                return Err(e);
+            }
+        }
+        let completions = match self.dev.poll_background(wait) {
+            Ok(c) => c,
+            Err(e) => return self.fail_background(e),
+        };
+        self.count_background(completions)?;
         // Each record whose writes are all done gets its flush (a full queue: next time), once
         // no write-back started before it has writes outstanding: the flush must cover the
         // data the record may reference.
@@ -271,20 +362,7 @@ impl Filesystem {
                 Err(rejected) => return self.fail_background(rejected.reason),
             }
         }
-        let durable_generation = self.sb.generation;
-        let pipeline = &mut self.log.pipeline;
-        // Mutation check: release a record logged during commit N before N is durable.
-        let early = mutated!(AckBeforeCommit);
-        while pipeline.in_flight.front().is_some_and(|f| {
-            f.flushed && (early || f.after.is_none_or(|g| durable_generation >= g))
-        }) {
-            let done = pipeline.in_flight.pop_front().expect("front");
-            pipeline.durable_below = done.ticket + 1;
-        }
-        if pipeline.in_flight.is_empty() {
-            pipeline.durable_below = pipeline.next_ticket;
-        }
-        Ok(pipeline.durable_below)
+        Ok(self.release_durable())
     }
 
     /// The ticket below which every record is durable, as the last
@@ -308,9 +386,12 @@ impl Filesystem {
     /// their completions not yet counted by the pipeline ([`Filesystem::log_progress`]): a
     /// synchronous read or a data-read poll routes every completion it meets, so a
     /// write-back may be done on the device and still hold its pipeline entry (and a due
-    /// commit behind it) until the pipeline is advanced once more.
+    /// commit behind it) until the pipeline is advanced once more. Writes a caller makes
+    /// beside the queue ([`Filesystem::fsync_beside`]) do not count: the owner has nothing
+    /// to poll for them (their records count in [`Filesystem::log_in_flight`], and their
+    /// caller rings the owner when it posts completions the owner looked for).
     pub fn device_busy(&self) -> bool {
-        self.dev.background_busy()
+        self.dev.queue_busy()
     }
 
     /// Waits until `ticket` is durable.

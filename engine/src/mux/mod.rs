@@ -18,7 +18,12 @@
 //!   [`PUMP_BYTES_MAX`] per call and never past a quarter of the queue or the DMA pool kept
 //!   for synchronous I/O.
 //! - The queue is its owner's: while the engine is lent ([`Lent`]), every submission, poll
-//!   and wait asserts, except reads beside the queue through the device's any-thread reader.
+//!   and wait asserts, except reads beside the queue through the device's any-thread handle.
+//! - Writes beside the queue (an fsync's record run by a client, [`SideIo`]) are queued only
+//!   while nothing is in flight ([`DeviceMux::idle`]) and made by the client after it gave
+//!   the engine back; their bytes stay in `writing`, as a background write's, until the
+//!   client posts their completions ([`SideDone`]) and the next holder of the engine takes
+//!   them ([`DeviceMux::take_side_done`]) as a device's.
 //!
 //! Fault model: a device error is handed to whoever waits for the request (the pipeline makes
 //! the filesystem fail-stop on a background one); nothing is retried here.
@@ -26,6 +31,7 @@
 use crate::blocks::Run;
 use nvme::{BlockDevice, DevError, DeviceInfo, DmaPool, IoCompletion, IoOp, Rejected, Request};
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The top 16 bits of a background request's token; the rest is `ticket << 1 | is_flush`.
@@ -59,6 +65,8 @@ pub struct DeviceWaitStats {
     /// it took from the background writes in flight instead.
     pub lent_reads: u64,
     pub lent_reads_from_writes: u64,
+    /// Background write runs a lent engine made beside the queue ([`Lent::Writes`]).
+    pub lent_writes: u64,
 }
 
 /// The engine's device with background requests kept apart (see the module comment).
@@ -96,9 +104,15 @@ pub struct DeviceMux {
     pub(crate) spare_blocks: Vec<Vec<u8>>,
     /// Lent to a thread that is not the queue's owner ([`Lent`]).
     lent: Lent,
-    /// Synchronous reads beside the queue, from any thread ([`BlockDevice::any_thread_reader`]):
-    /// what a lent engine that runs a change reads its missed nodes through.
-    reader: Option<Box<dyn nvme::AnyThreadReader>>,
+    /// Synchronous I/O beside the queue, from any thread ([`BlockDevice::any_thread_io`]):
+    /// what a lent engine that runs a change reads its missed nodes through, and what one
+    /// that runs an fsync writes its record through ([`Lent::Writes`]).
+    reader: Option<Box<dyn nvme::AnyThreadIo>>,
+    /// Callers' writes and flushes beside the queue not yet taken back as completions
+    /// ([`DeviceMux::queue_side_write`], [`DeviceMux::take_side_done`]), and where callers
+    /// post them.
+    side_in_flight: u32,
+    side: Arc<SideDone>,
 }
 
 /// Whether the engine is lent to a thread that does not own the device's queue, and what that
@@ -114,6 +128,18 @@ pub(crate) enum Lent {
     /// writes in flight where they cover the blocks ([`crate::Filesystem::change_lent`]).
     /// Anything else asserts.
     Reads,
+    /// As [`Lent::Reads`], and background writes and flushes queued for the caller to make
+    /// beside the queue once it gave the engine back ([`crate::Filesystem::fsync_beside`]).
+    /// Lent so only while nothing is in flight: a write there is not ordered against one on
+    /// the queue.
+    Writes,
+}
+
+impl Lent {
+    /// Reads go beside the queue.
+    fn reads_beside(self) -> bool {
+        matches!(self, Lent::Reads | Lent::Writes)
+    }
 }
 
 /// Background write bytes one [`DeviceMux::pump`] hands to the device. Every copy into a DMA
@@ -123,12 +149,66 @@ pub(crate) enum Lent {
 /// loop turn (every poll of the device), so this bounds the work per turn, not throughput.
 pub const PUMP_BYTES_MAX: usize = 512 << 10;
 
+/// How long a synchronous wait sleeps at a time when only callers' writes beside the queue
+/// are outstanding ([`DeviceMux::wait_side`]).
+const SIDE_WAIT_SLICE: Duration = Duration::from_micros(20);
+
+/// A write or flush a caller makes beside the queue for a lent engine
+/// ([`crate::log::SideRecord`]), tagged as the background request it stands for.
+#[derive(Debug)]
+pub(crate) enum SideIo {
+    Write {
+        token: u64,
+        lba: u64,
+        bytes: Vec<u8>,
+        fua: bool,
+    },
+    Flush {
+        token: u64,
+    },
+}
+
+impl SideIo {
+    pub(crate) fn token(&self) -> u64 {
+        match self {
+            SideIo::Write { token, .. } | SideIo::Flush { token } => *token,
+        }
+    }
+}
+
+/// Completions of writes and flushes callers made beside the queue, posted without the
+/// engine (the caller gave it back before its I/O) and taken by whoever holds it next
+/// ([`DeviceMux::take_side_done`]). `wanted`: the engine looked while some were still
+/// outstanding, so the caller that posts wakes its owner.
+#[derive(Debug, Default)]
+pub struct SideDone {
+    posted: std::sync::Mutex<SidePosted>,
+}
+
+#[derive(Debug, Default)]
+struct SidePosted {
+    done: Vec<(u64, std::result::Result<(), DevError>)>,
+    wanted: bool,
+}
+
+impl SideDone {
+    /// Posts completions (token, result); true when the engine's owner asked to be woken.
+    pub(crate) fn post(
+        &self,
+        done: impl IntoIterator<Item = (u64, std::result::Result<(), DevError>)>,
+    ) -> bool {
+        let mut posted = self.posted.lock().expect("side completions lock");
+        posted.done.extend(done);
+        std::mem::take(&mut posted.wanted)
+    }
+}
+
 /// Spare block buffers kept (16 MiB): a commit's worth at the default dirty limit.
 pub const SPARE_BLOCKS_MAX: usize = 4096;
 
 impl DeviceMux {
     pub fn new(inner: Box<dyn BlockDevice>) -> DeviceMux {
-        let reader = inner.any_thread_reader();
+        let reader = inner.any_thread_io();
         DeviceMux {
             inner,
             background: Vec::new(),
@@ -145,6 +225,8 @@ impl DeviceMux {
             spare_blocks: Vec::new(),
             lent: Lent::No,
             reader,
+            side_in_flight: 0,
+            side: Arc::default(),
         }
     }
 
@@ -152,8 +234,12 @@ impl DeviceMux {
     /// not own the device's queue.
     pub(crate) fn lend(&mut self, lent: Lent) {
         assert!(
-            lent != Lent::Reads || self.reader.is_some(),
-            "reads while lent need an any-thread reader"
+            !lent.reads_beside() || self.reader.is_some(),
+            "reads while lent need an any-thread handle"
+        );
+        assert!(
+            lent != Lent::Writes || (self.writes_beside_queue() && self.idle()),
+            "writes while lent need an any-thread handle that writes, and an idle queue"
         );
         self.lent = lent;
     }
@@ -161,6 +247,128 @@ impl DeviceMux {
     /// True when a lent engine can read beside the queue ([`Lent::Reads`]).
     pub(crate) fn reads_beside_queue(&self) -> bool {
         self.reader.is_some()
+    }
+
+    /// True when a lent engine can write and flush beside the queue ([`Lent::Writes`]).
+    pub(crate) fn writes_beside_queue(&self) -> bool {
+        self.reader.as_ref().is_some_and(|r| r.writes())
+    }
+
+    /// True when lent for writes beside the queue ([`Lent::Writes`]).
+    pub(crate) fn lent_for_writes(&self) -> bool {
+        self.lent == Lent::Writes
+    }
+
+    /// Nothing is in flight, queued or waiting to be handed out: no background write or
+    /// flush, no asynchronous read, no synchronous request. What [`Lent::Writes`] needs.
+    pub(crate) fn idle(&self) -> bool {
+        self.queue_idle() && self.side_in_flight == 0
+    }
+
+    /// Queues a background write of `run` at `lba` for a caller to make beside the queue
+    /// ([`Lent::Writes`], [`crate::log::SideRecord`]): its bytes stay in
+    /// [`DeviceMux::writing`] (a read of its blocks is answered from them) until the caller
+    /// posts its completion ([`SideDone`]), which the pipeline then takes as a device's.
+    pub(crate) fn queue_side_write(&mut self, token: u64, lba: u64, run: Run, fua: bool) -> SideIo {
+        assert_eq!(self.lent, Lent::Writes, "only a lent engine writes beside");
+        assert!(is_background(token) && token & 1 == 0);
+        let blocks = (run.len_bytes() / crate::format::BLOCK_BYTES) as u64;
+        assert!(
+            self.overlapping_writes(run.addr, blocks).is_empty(),
+            "a write beside the queue overlaps a background write"
+        );
+        let mut bytes = vec![0u8; run.len_bytes()];
+        run.copy_to(&mut bytes);
+        let entry = self.writes_outstanding.entry(token).or_default();
+        entry.0 += 1;
+        entry.1.push(run.addr);
+        self.writing
+            .insert(run.addr, (blocks, token, run.into_pieces()));
+        self.side_in_flight += 1;
+        self.waits.lent_writes += 1;
+        SideIo::Write {
+            token,
+            lba,
+            bytes,
+            fua,
+        }
+    }
+
+    /// Queues a flush for a caller to make beside the queue after the writes queued before
+    /// it ([`DeviceMux::queue_side_write`]).
+    pub(crate) fn queue_side_flush(&mut self, token: u64) -> SideIo {
+        assert_eq!(self.lent, Lent::Writes, "only a lent engine flushes beside");
+        assert!(is_background(token) && token & 1 == 1);
+        self.side_in_flight += 1;
+        SideIo::Flush { token }
+    }
+
+    /// Where callers post the completions of what they wrote beside the queue.
+    pub(crate) fn side_done(&self) -> Arc<SideDone> {
+        Arc::clone(&self.side)
+    }
+
+    /// A new handle for a caller's writes beside the queue, where the device has one that
+    /// writes.
+    pub(crate) fn new_side_io(&self) -> Option<Box<dyn nvme::AnyThreadIo>> {
+        self.inner.any_thread_io().filter(|io| io.writes())
+    }
+
+    /// Moves the completions callers posted into the background completions, for the
+    /// pipeline. Asks to be woken ([`SideDone`]) while some are still outstanding.
+    pub(crate) fn take_side_done(&mut self) {
+        if self.side_in_flight == 0 {
+            return;
+        }
+        let side = Arc::clone(&self.side);
+        let mut posted = side.posted.lock().expect("side completions lock");
+        for (token, result) in posted.done.drain(..) {
+            self.side_in_flight -= 1;
+            let is_flush = token & 1 != 0;
+            if !is_flush {
+                self.write_done(token);
+            }
+            self.background.push(IoCompletion {
+                token,
+                kind: if is_flush {
+                    nvme::OpKind::Flush
+                } else {
+                    nvme::OpKind::Write
+                },
+                result,
+                buf: None,
+            });
+        }
+        posted.wanted = self.side_in_flight > 0;
+    }
+
+    /// Nothing of the queue's own is outstanding: no background request in flight, queued or
+    /// completed and not yet counted, no read, no synchronous request (callers' writes beside
+    /// the queue may be).
+    pub(crate) fn queue_idle(&self) -> bool {
+        self.background_in_flight == 0
+            && self.backlog.is_empty()
+            && self.background.is_empty()
+            && self.reads_in_flight == 0
+            && self.reads_done.is_empty()
+            && self.answered.is_empty()
+            && self.inner.in_flight() == 0
+    }
+
+    /// The completions callers posted for their writes beside the queue, for the pipeline
+    /// ([`DeviceMux::take_side_done`]), with those the queue left uncounted.
+    pub(crate) fn take_side_completions(&mut self) -> Vec<IoCompletion> {
+        self.take_side_done();
+        std::mem::take(&mut self.background)
+    }
+
+    /// Waits a moment for callers' writes beside the queue (nothing of the queue's own is in
+    /// flight to wait on): they take a device write's time.
+    fn wait_side(&mut self, timeout: Duration) {
+        if self.side_in_flight > 0 && self.background.is_empty() {
+            std::thread::sleep(timeout.min(SIDE_WAIT_SLICE));
+            self.take_side_done();
+        }
     }
 
     /// The contract of [`DeviceMux::lend`]: a device request made by a thread that does not
@@ -177,9 +385,8 @@ impl DeviceMux {
     /// background writes in flight when they hold its blocks (the device may not have them
     /// yet), else read beside the queue; its completion waits in `answered` for the next poll.
     fn submit_lent(&mut self, request: Request) -> std::result::Result<(), Rejected> {
-        assert_eq!(
-            self.lent,
-            Lent::Reads,
+        assert!(
+            self.lent.reads_beside(),
             "the device's queue was reached by a thread running from memory alone"
         );
         let Request { token, op } = request;
@@ -215,9 +422,8 @@ impl DeviceMux {
         dst: &mut [u8],
     ) -> std::result::Result<(), DevError> {
         const BLOCK: usize = crate::format::BLOCK_BYTES;
-        assert_eq!(
-            self.lent,
-            Lent::Reads,
+        assert!(
+            self.lent.reads_beside(),
             "only a lent engine reads beside the queue"
         );
         assert!(
@@ -252,9 +458,11 @@ impl DeviceMux {
         Ok(())
     }
 
-    /// True while background writes or flushes are in flight or queued, or completed and
-    /// not yet handed to the pipeline ([`DeviceMux::poll_background`]).
-    pub(crate) fn background_busy(&self) -> bool {
+    /// True while background writes or flushes are in flight on the queue or queued for it,
+    /// or completed and not yet handed to the pipeline ([`DeviceMux::poll_background`]).
+    /// Callers' writes beside the queue do not count: they are not the queue owner's to wait
+    /// on (they post their completions, and ring it if it asked).
+    pub(crate) fn queue_busy(&self) -> bool {
         self.background_in_flight > 0 || !self.backlog.is_empty() || !self.background.is_empty()
     }
 
@@ -423,7 +631,13 @@ impl DeviceMux {
             if let Err(e) = self.pump() {
                 break Err(e);
             }
+            self.take_side_done();
             if self.background_in_flight == 0 {
+                if self.side_in_flight > 0 {
+                    // A foreground flush covers callers' writes beside the queue too.
+                    self.wait_side(Duration::from_millis(100));
+                    continue;
+                }
                 if self.backlog.is_empty() {
                     break Ok(());
                 }
@@ -743,8 +957,13 @@ impl DeviceMux {
     ) -> std::result::Result<Vec<IoCompletion>, DevError> {
         // Foreground completions met here wait in `answered` for their caller's next poll.
         let mut foreground = Vec::new();
+        self.take_side_done();
         self.pump()?;
-        if self.background_in_flight > 0 {
+        if self.background_in_flight == 0 && self.side_in_flight > 0 {
+            if let Some(timeout) = wait {
+                self.wait_side(timeout);
+            }
+        } else if self.background_in_flight > 0 {
             self.assert_owner();
             self.inner.poll(&mut self.scratch)?;
             self.route(&mut foreground);
@@ -759,6 +978,7 @@ impl DeviceMux {
         } else if !self.backlog.is_empty() {
             return Err(DevError::PoolExhausted);
         }
+        self.take_side_done();
         self.answered.append(&mut foreground);
         Ok(std::mem::take(&mut self.background))
     }
@@ -790,7 +1010,7 @@ impl BlockDevice for DeviceMux {
     fn poll(&mut self, out: &mut Vec<IoCompletion>) -> std::result::Result<usize, DevError> {
         let answered = self.answered.len();
         out.append(&mut self.answered);
-        if self.lent == Lent::Reads {
+        if self.lent.reads_beside() {
             // A lent engine's reads are answered at submit; the queue is not its to poll.
             return Ok(answered);
         }
@@ -804,7 +1024,7 @@ impl BlockDevice for DeviceMux {
         out: &mut Vec<IoCompletion>,
         timeout: Duration,
     ) -> std::result::Result<usize, DevError> {
-        if !self.answered.is_empty() || self.lent == Lent::Reads {
+        if !self.answered.is_empty() || self.lent.reads_beside() {
             return self.poll(out);
         }
         let deadline = Instant::now() + timeout;
@@ -819,7 +1039,7 @@ impl BlockDevice for DeviceMux {
     }
 
     fn in_flight(&self) -> u32 {
-        if self.lent == Lent::Reads {
+        if self.lent.reads_beside() {
             return self.answered.len() as u32;
         }
         self.inner.in_flight() - self.background_in_flight - self.reads_in_flight

@@ -202,8 +202,8 @@ impl BlockDevice for MemDevice {
         Some(MemDevice::new_queue(self).map(|q| Box::new(q) as Box<dyn BlockDevice>))
     }
 
-    fn any_thread_reader(&self) -> Option<Box<dyn crate::AnyThreadReader>> {
-        Some(Box::new(MemReader {
+    fn any_thread_io(&self) -> Option<Box<dyn crate::AnyThreadIo>> {
+        Some(Box::new(MemSideIo {
             store: self.store.clone(),
             info: self.info.clone(),
         }))
@@ -288,18 +288,36 @@ impl SimAccess for MemDevice {
     }
 }
 
-/// [`BlockDevice::any_thread_reader`] of a memory device: a copy under the store's lock.
-struct MemReader {
+/// [`BlockDevice::any_thread_io`] of a memory device: a copy under the store's lock. Every
+/// write is durable when it completes (the memory device has no cache to flush; the
+/// volatile-cache wrapper, which models one, has no handle beside its queue).
+struct MemSideIo {
     store: Arc<Mutex<MmapMut>>,
     info: DeviceInfo,
 }
 
-impl crate::AnyThreadReader for MemReader {
+impl crate::AnyThreadIo for MemSideIo {
     fn read_at(&mut self, lba: u64, out: &mut [u8]) -> Result<(), DevError> {
-        crate::check_any_thread_read(&self.info, lba, out.len())?;
+        crate::check_any_thread_io(&self.info, lba, out.len())?;
         let start = (lba * self.info.lba_size_bytes as u64) as usize;
         let store = self.store.lock().expect("memory device lock");
         out.copy_from_slice(&store[start..start + out.len()]);
+        Ok(())
+    }
+
+    fn writes(&self) -> bool {
+        true
+    }
+
+    fn write_at(&mut self, lba: u64, data: &[u8], _fua: bool) -> Result<(), DevError> {
+        crate::check_any_thread_io(&self.info, lba, data.len())?;
+        let start = (lba * self.info.lba_size_bytes as u64) as usize;
+        let mut store = self.store.lock().expect("memory device lock");
+        store[start..start + data.len()].copy_from_slice(data);
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<(), DevError> {
         Ok(())
     }
 }

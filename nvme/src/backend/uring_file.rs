@@ -375,15 +375,16 @@ impl BlockDevice for FileDevice {
         &self.info
     }
 
-    fn any_thread_reader(&self) -> Option<Box<dyn crate::AnyThreadReader>> {
-        // Its own open file description (O_DIRECT, read-only) and a page-aligned bounce
-        // buffer: O_DIRECT reads the device as this queue's completed writes left it.
-        let file = reopen_for_ring(&self.file, true).ok()?;
+    fn any_thread_io(&self) -> Option<Box<dyn crate::AnyThreadIo>> {
+        // Its own open file description (O_DIRECT, the device's access) and a page-aligned
+        // bounce buffer: O_DIRECT reads the device as this queue's completed writes left it.
+        let file = reopen_for_ring(&self.file, self.read_only).ok()?;
         let bounce = memmap2::MmapMut::map_anon(self.info.max_io_bytes as usize).ok()?;
-        Some(Box::new(FileReader {
+        Some(Box::new(FileSideIo {
             file,
             bounce,
             info: self.info.clone(),
+            read_only: self.read_only,
         }))
     }
 
@@ -459,23 +460,30 @@ impl BlockDevice for FileDevice {
     }
 }
 
-/// [`BlockDevice::any_thread_reader`] of a file device: pread(2) through a bounce buffer.
-struct FileReader {
+/// [`BlockDevice::any_thread_io`] of a file device: its own `O_DIRECT` open file description
+/// and a bounce buffer (the caller's bytes are not aligned for `O_DIRECT`): pread(2),
+/// pwritev2(2) (`RWF_DSYNC` for FUA, as the ring's writes) and fdatasync(2), the ring's
+/// flush. A short transfer is an error, as on the ring.
+struct FileSideIo {
     file: File,
     bounce: memmap2::MmapMut,
     info: DeviceInfo,
+    read_only: bool,
 }
 
-impl crate::AnyThreadReader for FileReader {
+fn side_error(op: crate::OpKind, e: std::io::Error) -> DevError {
+    DevError::Io {
+        op,
+        errno: e.raw_os_error().unwrap_or(libc::EIO),
+    }
+}
+
+impl crate::AnyThreadIo for FileSideIo {
     fn read_at(&mut self, lba: u64, out: &mut [u8]) -> Result<(), DevError> {
         use std::os::unix::fs::FileExt;
-        crate::check_any_thread_read(&self.info, lba, out.len())?;
+        crate::check_any_thread_io(&self.info, lba, out.len())?;
         let lba_size = self.info.lba_size_bytes as u64;
         let buf = &mut self.bounce[..out.len()];
-        let io = |e: std::io::Error| DevError::Io {
-            op: crate::OpKind::Read,
-            errno: e.raw_os_error().unwrap_or(libc::EIO),
-        };
         let mut done = 0;
         while done < buf.len() {
             match self
@@ -491,11 +499,65 @@ impl crate::AnyThreadReader for FileReader {
                 }
                 Ok(n) => done += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(io(e)),
+                Err(e) => return Err(side_error(crate::OpKind::Read, e)),
             }
         }
         out.copy_from_slice(buf);
         Ok(())
+    }
+
+    fn writes(&self) -> bool {
+        !self.read_only
+    }
+
+    fn write_at(&mut self, lba: u64, data: &[u8], fua: bool) -> Result<(), DevError> {
+        crate::check_any_thread_io(&self.info, lba, data.len())?;
+        if self.read_only {
+            return Err(DevError::Io {
+                op: crate::OpKind::Write,
+                errno: libc::EROFS,
+            });
+        }
+        let buf = &mut self.bounce[..data.len()];
+        buf.copy_from_slice(data);
+        let iov = libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        };
+        let offset = (lba * self.info.lba_size_bytes as u64) as libc::off_t;
+        let flags = if fua { libc::RWF_DSYNC } else { 0 };
+        loop {
+            // SAFETY: one iovec over the bounce buffer, which lives across the call.
+            let rc = unsafe { libc::pwritev2(self.file.as_raw_fd(), &iov, 1, offset, flags) };
+            if rc < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(side_error(crate::OpKind::Write, e));
+            }
+            if rc as usize != data.len() {
+                return Err(DevError::ShortTransfer {
+                    op: crate::OpKind::Write,
+                    expected_bytes: data.len() as u32,
+                    got_bytes: rc as u32,
+                });
+            }
+            return Ok(());
+        }
+    }
+
+    fn flush(&mut self) -> Result<(), DevError> {
+        loop {
+            // SAFETY: a descriptor this handle owns.
+            if unsafe { libc::fdatasync(self.file.as_raw_fd()) } == 0 {
+                return Ok(());
+            }
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(side_error(crate::OpKind::Flush, e));
+            }
+        }
     }
 }
 

@@ -126,6 +126,54 @@ struct Pending {
     submission: Option<usize>,
 }
 
+/// [`BlockDevice::any_thread_io`] of a recording device: the inner device's, with its writes
+/// and flushes logged as the queue's are. A synchronous write is in flight from its
+/// submission to its completion, like a queued one.
+struct RecordingSideIo {
+    inner: Box<dyn crate::AnyThreadIo>,
+    log: Arc<WriteLog>,
+}
+
+impl crate::AnyThreadIo for RecordingSideIo {
+    fn read_at(&mut self, lba: u64, out: &mut [u8]) -> Result<(), DevError> {
+        self.inner.read_at(lba, out)
+    }
+
+    fn writes(&self) -> bool {
+        self.inner.writes()
+    }
+
+    fn write_at(&mut self, lba: u64, data: &[u8], fua: bool) -> Result<(), DevError> {
+        let submission = self.log.submit(Record::Write {
+            lba,
+            data: Arc::from(data),
+            fua,
+        });
+        match self.inner.write_at(lba, data, fua) {
+            Ok(()) => {
+                let index = self.log.push(Record::Write {
+                    lba,
+                    data: Arc::from(data),
+                    fua,
+                });
+                self.log.completed(submission, index);
+                Ok(())
+            }
+            Err(e) => {
+                self.log.failed(submission);
+                Err(e)
+            }
+        }
+    }
+
+    fn flush(&mut self) -> Result<(), DevError> {
+        let covers = self.log.len();
+        self.inner.flush()?;
+        self.log.push(Record::Flush { covers });
+        Ok(())
+    }
+}
+
 pub struct RecordingDevice<D: BlockDevice> {
     inner: D,
     log: Arc<WriteLog>,
@@ -186,9 +234,14 @@ impl<D: BlockDevice> BlockDevice for RecordingDevice<D> {
             }) as Box<dyn BlockDevice>
         }))
     }
-    fn any_thread_reader(&self) -> Option<Box<dyn crate::AnyThreadReader>> {
-        // Reads need no recording: they pass to the device as the queue's own do.
-        self.inner.any_thread_reader()
+    fn any_thread_io(&self) -> Option<Box<dyn crate::AnyThreadIo>> {
+        // Reads need no recording: they pass to the device as the queue's own do. Writes and
+        // flushes beside the queue go into the same log as the queue's, in the order they
+        // complete, so a crash state may cut between them as between queued ones.
+        Some(Box::new(RecordingSideIo {
+            inner: self.inner.any_thread_io()?,
+            log: Arc::clone(&self.log),
+        }))
     }
     fn info(&self) -> &DeviceInfo {
         self.inner.info()

@@ -439,9 +439,10 @@ impl Reactor {
         wait: Option<Duration>,
         done: &mut Vec<(Arc<ReplyQueue>, Completion)>,
     ) {
-        // With no fsync waiting, the pipeline still advances for background write-backs: their
-        // completions free the room the next ones need.
-        if self.pending.is_empty() && !self.fs.device_busy() {
+        // With no fsync waiting, the pipeline still advances for background write-backs (their
+        // completions free the room the next ones need) and for records callers wrote beside
+        // the queue (a due commit waits for them).
+        if self.pending.is_empty() && !self.fs.device_busy() && self.fs.log_in_flight() == 0 {
             return;
         }
         match self.fs.log_progress(wait) {

@@ -143,15 +143,20 @@ pub struct Config {
     /// With `callers_run`: changes of names, links, attributes and holds too, not only
     /// lookups and reads. On by default; `COREFS_CALLERS_RUN=lookups` turns it off.
     pub callers_change: bool,
-    /// With `callers_change`: a client reads data blocks memory misses beside the queue
-    /// whenever it runs a read, not only while the cores are shared with other work (where
-    /// it saves two wake-ups; on a quiet machine the polling reactor's ring read is faster).
-    /// Off by default; tests turn it on to reach that path on a quiet machine.
-    pub callers_read_device_always: bool,
+    /// With `callers_change`: fsyncs too, their records written beside the queue while the
+    /// cores are shared ([`engine::Filesystem::fsync_beside`]). On by default;
+    /// `COREFS_CALLERS_RUN=changes` turns it off (and `lookups` or `0`), to compare.
+    pub callers_fsync: bool,
+    /// With `callers_change`: a client reads data blocks memory misses, and writes an
+    /// fsync's record, beside the queue whenever it runs a read or an fsync, not only while
+    /// the cores are shared with other work (where it saves two wake-ups or more; on a quiet
+    /// machine the polling reactor's ring is as fast or faster). Off by default; tests turn
+    /// it on to reach those paths on a quiet machine.
+    pub callers_device_always: bool,
 }
 
 /// `COREFS_CALLERS_RUN`, read once: `0` turns lending off, `lookups` keeps changes on the
-/// reactor (to compare; [`crate::caller`]).
+/// reactor, `changes` keeps fsyncs there (to compare; [`crate::caller`]).
 fn callers_env() -> Option<&'static str> {
     static ENV: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     ENV.get_or_init(|| std::env::var("COREFS_CALLERS_RUN").ok())
@@ -172,7 +177,8 @@ impl Default for Config {
             batch_max: 256,
             callers_run: callers_env() != Some("0"),
             callers_change: !matches!(callers_env(), Some("0" | "lookups")),
-            callers_read_device_always: false,
+            callers_fsync: !matches!(callers_env(), Some("0" | "lookups" | "changes")),
+            callers_device_always: false,
         }
     }
 }
@@ -319,7 +325,8 @@ impl Runtime {
             crate::caller::CallerPolicy {
                 run: config.callers_run,
                 changes: config.callers_change,
-                device_reads_always: config.callers_read_device_always,
+                fsyncs: config.callers_change && config.callers_fsync,
+                device_always: config.callers_device_always,
             },
         ));
         let router = Arc::new(Router::new(vec![shared.clone()], 0, None));

@@ -349,6 +349,11 @@ pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, confi
         device_reads = stats.reads.device_reads_done,
         device_read_us_mean =
             stats.reads.device_read_ns_sum / stats.reads.device_reads_done.max(1) / 1000,
+        caller_ran = stats.caller_ran,
+        caller_missed = stats.caller_missed,
+        caller_writes = stats.fetch.lent_writes,
+        caller_fsyncs = stats.fetch.lent_fsyncs,
+        caller_fsyncs_declined = stats.fetch.lent_fsyncs_declined,
         "reactor stopping"
     );
     Ran::Stopped(Box::new((stats, reactor.hist.clone())))
