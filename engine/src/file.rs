@@ -75,6 +75,22 @@ pub(crate) struct ReadPiece {
     pub dst: std::ops::Range<usize>,
 }
 
+impl ReadPiece {
+    /// One block of file `ino` at `disk`, read for itself (an edge block a write covers in
+    /// part), copied nowhere.
+    fn edge_block(ino: u64, disk: u64, crc: u32) -> ReadPiece {
+        ReadPiece {
+            request: usize::MAX,
+            ino,
+            disk,
+            count: 1,
+            crcs: vec![crc],
+            src: 0..0,
+            dst: 0..0,
+        }
+    }
+}
+
 /// fallocate(2) modes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct FallocateMode {
@@ -807,15 +823,7 @@ impl Filesystem {
             if self.staged_block(ino, disk).is_some() {
                 return Ok(None);
             }
-            pieces.push(ReadPiece {
-                request: usize::MAX,
-                ino,
-                disk,
-                count: 1,
-                crcs: vec![crc],
-                src: 0..0,
-                dst: 0..0,
-            });
+            pieces.push(ReadPiece::edge_block(ino, disk, crc));
         }
         Ok(Some(pieces))
     }
@@ -831,15 +839,7 @@ impl Filesystem {
             if self.block_cache.get(disk).is_some() || self.staged_block(ino, disk).is_some() {
                 continue;
             }
-            pieces.push(ReadPiece {
-                request: usize::MAX,
-                ino,
-                disk,
-                count: 1,
-                crcs: vec![crc],
-                src: 0..0,
-                dst: 0..0,
-            });
+            pieces.push(ReadPiece::edge_block(ino, disk, crc));
         }
         Ok(pieces)
     }

@@ -164,18 +164,9 @@ impl Filesystem {
             self.log_progress(Some(Duration::from_millis(100)))?;
         }
         let runs = crate::blocks::coalesce(&*self.dev, blocks);
-        let ticket = self.log.pipeline.next_ticket;
-        self.log.pipeline.next_ticket += 1;
-        self.log.pipeline.in_flight.push_back(InFlight {
-            ticket,
-            writes_left: runs.len() as u32,
-            // FUA writes are durable when they complete, a write-back is done then: no flush.
-            flush_submitted: fua || writeback_bytes > 0,
-            flushed: false,
-            fua,
-            writeback_bytes,
-            after,
-        });
+        // FUA writes are durable when they complete, a write-back is done then: no flush.
+        let no_flush = fua || writeback_bytes > 0;
+        let ticket = self.start_ticket(runs.len(), no_flush, fua, after, writeback_bytes);
         let token = BACKGROUND | ticket << 1;
         for run in runs {
             let lba = block_lba(&*self.dev, run.addr);
@@ -209,20 +200,10 @@ impl Filesystem {
             "writes beside the queue only with nothing in flight"
         );
         let runs = crate::blocks::coalesce(&*self.dev, blocks);
-        let ticket = self.log.pipeline.next_ticket;
-        self.log.pipeline.next_ticket += 1;
         let flush = !fua && writeback_bytes == 0;
-        self.log.pipeline.in_flight.push_back(InFlight {
-            ticket,
-            writes_left: runs.len() as u32,
-            // The caller flushes (or the writes are FUA, or a write-back needs none): the
-            // pipeline submits no flush of its own.
-            flush_submitted: true,
-            flushed: false,
-            fua,
-            writeback_bytes,
-            after,
-        });
+        // The caller flushes (or the writes are FUA, or a write-back needs none): the
+        // pipeline submits no flush of its own.
+        let ticket = self.start_ticket(runs.len(), true, fua, after, writeback_bytes);
         let token = BACKGROUND | ticket << 1;
         for run in runs {
             let lba = block_lba(&*self.dev, run.addr);
@@ -234,6 +215,31 @@ impl Filesystem {
             self.log.side_out.push(io);
         }
         Ok(ticket)
+    }
+
+    /// A new ticket in the pipeline for `writes` write runs; `flush_submitted`: the pipeline
+    /// submits no flush for it.
+    fn start_ticket(
+        &mut self,
+        writes: usize,
+        flush_submitted: bool,
+        fua: bool,
+        after: Option<u64>,
+        writeback_bytes: usize,
+    ) -> u64 {
+        let pipeline = &mut self.log.pipeline;
+        let ticket = pipeline.next_ticket;
+        pipeline.next_ticket += 1;
+        pipeline.in_flight.push_back(InFlight {
+            ticket,
+            writes_left: writes as u32,
+            flush_submitted,
+            flushed: false,
+            fua,
+            writeback_bytes,
+            after,
+        });
+        ticket
     }
 
     /// A background failure: the filesystem fails stop and every pending ticket fails.
