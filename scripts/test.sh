@@ -34,8 +34,8 @@ cargo clippy --locked -p corefs-bindings --lib -- -D warnings
 cargo clippy --locked -p corefs-nvme -p corefs-engine -p corefs-reactor --lib --no-default-features -- -D warnings
 echo "== module cycles may only shrink" >&2
 # Modules that import each other in a circle (scripts/module-cycles.py). The largest circle
-# per crate may not grow past what it is today; the engine's 11 is still to break up.
-for allowed in engine:11 bench:1 reactor:1 nvme:1 bindings:1 cli:1 crashtest:1; do
+# per crate may not grow past what it is today; the engine's 9 is still to break up.
+for allowed in engine:9 bench:1 reactor:1 nvme:1 bindings:1 cli:1 crashtest:1; do
   scripts/module-cycles.py "${allowed%%:*}" --allow "${allowed##*:}"
 done
 echo "== libcorefs carries no test machinery" >&2
