@@ -179,8 +179,8 @@ impl Filesystem {
     }
 
     /// A handle through which a caller makes [`SideRecord`]s' writes beside the queue, where
-    /// the device has one that writes (a file image's own `O_DIRECT` descriptor; none on the
-    /// NVMe passthrough backend for now).
+    /// the device has one that writes (a file image's own `O_DIRECT` descriptor, a
+    /// passthrough namespace's own descriptor for synchronous I/O commands).
     pub fn side_io(&self) -> Option<Box<dyn nvme::AnyThreadIo>> {
         self.dev.new_side_io()
     }

@@ -142,6 +142,53 @@ fn flush_and_fua(dev: &mut PassthroughDevice) -> Check {
     Ok(())
 }
 
+/// The handle beside the queue ([`BlockDevice::any_thread_io`]: what a client running an
+/// fsync on a lent engine writes its record through), used from another thread: its writes
+/// (FUA, and plain then flushed) read back through the queue, the queue's writes read back
+/// through it, and an LBA past the end is refused before it reaches the controller.
+fn io_beside_the_queue(dev: &mut PassthroughDevice) -> Check {
+    use nvme::BlockDevice;
+    let lba_size = dev.info().lba_size_bytes as usize;
+    let capacity = dev.info().capacity_lbas;
+    let mut side = dev
+        .any_thread_io()
+        .ok_or("the namespace has no handle beside its queue")?;
+    if !side.writes() {
+        return Err("the handle beside the queue does not write".into());
+    }
+    let queued = pattern(70, 0x21, 2 * lba_size);
+    nvme::write_sync(dev, 70, &queued, false).map_err(|e| format!("queue write: {e}"))?;
+    let fua = pattern(80, 0x42, lba_size);
+    let plain = pattern(81, 0x43, 3 * lba_size);
+    let seen = std::thread::scope(|s| {
+        s.spawn(|| -> Result<Vec<u8>, String> {
+            let mut back = vec![0u8; queued.len()];
+            side.read_at(70, &mut back)
+                .map_err(|e| format!("read beside: {e}"))?;
+            side.write_at(80, &fua, true)
+                .map_err(|e| format!("FUA write beside: {e}"))?;
+            side.write_at(81, &plain, false)
+                .map_err(|e| format!("write beside: {e}"))?;
+            side.flush().map_err(|e| format!("flush beside: {e}"))?;
+            match side.write_at(capacity, &fua, false) {
+                Err(nvme::DevError::OutOfRange { .. }) => Ok(back),
+                other => Err(format!("a write past the end gave {other:?}")),
+            }
+        })
+        .join()
+        .expect("the thread beside the queue")
+    })?;
+    if seen != queued {
+        return Err("the handle read different data than the queue wrote".into());
+    }
+    let mut back = vec![0u8; 4 * lba_size];
+    nvme::read_sync(dev, 80, &mut back).map_err(|e| e.to_string())?;
+    if back[..lba_size] != fua[..] || back[lba_size..] != plain[..] {
+        return Err("the queue read different data than the handle wrote".into());
+    }
+    Ok(())
+}
+
 /// Reads and resets an eventfd's counter; true when it was non-zero.
 fn eventfd_take(fd: &std::os::fd::OwnedFd) -> bool {
     use std::os::fd::AsRawFd;
@@ -406,6 +453,7 @@ fn main() {
             );
             report("write/read patterns", write_read_patterns(&mut dev));
             report("flush and FUA", flush_and_fua(&mut dev));
+            report("I/O beside the queue", io_beside_the_queue(&mut dev));
             report(
                 "write zeroes and deallocate",
                 write_zeroes_and_deallocate(&mut dev),

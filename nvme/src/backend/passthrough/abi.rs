@@ -81,6 +81,11 @@ pub const NVME_IOCTL_ADMIN_CMD: libc::c_ulong = 0xC048_4E41;
 const _: () = assert!(NVME_URING_CMD_IO == (3 << 30) | (72 << 16) | ((b'N' as u32) << 8) | 0x80);
 const _: () =
     assert!(NVME_IOCTL_ADMIN_CMD as u32 == (3 << 30) | (72 << 16) | ((b'N' as u32) << 8) | 0x41);
+/// `_IOWR('N', 0x43, struct nvme_passthru_cmd)`: one I/O command, synchronous (the handle
+/// beside the queue, [`crate::AnyThreadIo`]).
+pub const NVME_IOCTL_IO_CMD: libc::c_ulong = 0xC048_4E43;
+const _: () =
+    assert!(NVME_IOCTL_IO_CMD as u32 == (3 << 30) | (72 << 16) | ((b'N' as u32) << 8) | 0x43);
 
 pub const NVME_CMD_FLUSH: u8 = 0x00;
 pub const NVME_CMD_WRITE: u8 = 0x01;

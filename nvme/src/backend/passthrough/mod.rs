@@ -384,6 +384,24 @@ impl BlockDevice for PassthroughDevice {
         &self.info
     }
 
+    fn any_thread_io(&self) -> Option<Box<dyn crate::AnyThreadIo>> {
+        // Its own open file description of the namespace (no lock: this queue holds it) and a
+        // page-aligned bounce buffer the kernel maps for each command.
+        let file = OpenOptions::new()
+            .read(true)
+            .write(!self.read_only)
+            .open(format!("/proc/self/fd/{}", self.file.as_raw_fd()))
+            .ok()?;
+        let bounce = memmap2::MmapMut::map_anon(self.info.max_io_bytes as usize).ok()?;
+        Some(Box::new(SideIo {
+            file,
+            nsid: self.nsid,
+            bounce,
+            info: self.info.clone(),
+            read_only: self.read_only,
+        }))
+    }
+
     fn pool(&self) -> &DmaPool {
         &self.pool
     }
@@ -597,5 +615,95 @@ impl CloexecExt for OpenOptions {
     fn custom_flags_cloexec(&mut self) -> &mut Self {
         use std::os::unix::fs::OpenOptionsExt;
         self.custom_flags(libc::O_CLOEXEC)
+    }
+}
+
+/// [`BlockDevice::any_thread_io`] of a passthrough namespace: each read, write and flush one
+/// synchronous I/O command (`NVME_IOCTL_IO_CMD`) on its own descriptor, through a bounce
+/// buffer. FUA is the command's own bit, as on the rings. An NVMe error status is reported
+/// by name, as the rings report it.
+struct SideIo {
+    file: File,
+    nsid: u32,
+    bounce: memmap2::MmapMut,
+    info: DeviceInfo,
+    read_only: bool,
+}
+
+impl SideIo {
+    /// One command of `len` bytes at `lba` through the bounce buffer (none for a flush).
+    fn command(
+        &mut self,
+        op: OpKind,
+        opcode: u8,
+        lba: u64,
+        len: usize,
+        cdw12_flags: u32,
+    ) -> Result<(), DevError> {
+        let lbas = (len / self.info.lba_size_bytes as usize) as u32;
+        let mut cmd = NvmePassthruCmd {
+            opcode,
+            nsid: self.nsid,
+            ..Default::default()
+        };
+        if len > 0 {
+            cmd.addr = self.bounce.as_mut_ptr() as u64;
+            cmd.data_len = len as u32;
+            cmd.cdw10 = lba as u32;
+            cmd.cdw11 = (lba >> 32) as u32;
+            cmd.cdw12 = (lbas - 1) | cdw12_flags;
+        }
+        loop {
+            // SAFETY: the ioctl reads the 72-byte command and transfers at most `data_len`
+            // bytes at `addr`, the bounce buffer, alive and unaliased for the call.
+            let rc = unsafe { libc::ioctl(self.file.as_raw_fd(), NVME_IOCTL_IO_CMD, &mut cmd) };
+            return match rc {
+                0 => Ok(()),
+                rc if rc < 0 => {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() == std::io::ErrorKind::Interrupted {
+                        continue;
+                    }
+                    Err(DevError::Io {
+                        op,
+                        errno: e.raw_os_error().unwrap_or(libc::EIO),
+                    })
+                }
+                status => Err(DevError::Nvme {
+                    op,
+                    status: NvmeStatus(status as u16),
+                }),
+            };
+        }
+    }
+}
+
+impl crate::AnyThreadIo for SideIo {
+    fn read_at(&mut self, lba: u64, out: &mut [u8]) -> Result<(), DevError> {
+        crate::check_any_thread_io(&self.info, lba, out.len())?;
+        self.command(OpKind::Read, NVME_CMD_READ, lba, out.len(), 0)?;
+        out.copy_from_slice(&self.bounce[..out.len()]);
+        Ok(())
+    }
+
+    fn writes(&self) -> bool {
+        !self.read_only
+    }
+
+    fn write_at(&mut self, lba: u64, data: &[u8], fua: bool) -> Result<(), DevError> {
+        crate::check_any_thread_io(&self.info, lba, data.len())?;
+        if self.read_only {
+            return Err(DevError::Io {
+                op: OpKind::Write,
+                errno: libc::EROFS,
+            });
+        }
+        self.bounce[..data.len()].copy_from_slice(data);
+        let flags = if fua { CDW12_FUA } else { 0 };
+        self.command(OpKind::Write, NVME_CMD_WRITE, lba, data.len(), flags)
+    }
+
+    fn flush(&mut self) -> Result<(), DevError> {
+        self.command(OpKind::Flush, NVME_CMD_FLUSH, 0, 0, 0)
     }
 }
