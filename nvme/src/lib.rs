@@ -321,6 +321,25 @@ pub(crate) fn check_any_thread_io(
     check_lbas(info, lba, len_bytes as u64 / info.lba_size_bytes as u64)
 }
 
+/// Checks a synchronous write beside the queue ([`AnyThreadIo::write_at`]): as a read, and
+/// refused with `EROFS` on a device opened read-only, as [`refuse_writes`] refuses a queued
+/// one.
+pub(crate) fn check_any_thread_write(
+    info: &DeviceInfo,
+    read_only: bool,
+    lba: u64,
+    len_bytes: usize,
+) -> Result<(), DevError> {
+    check_any_thread_io(info, lba, len_bytes)?;
+    if read_only {
+        return Err(DevError::Io {
+            op: OpKind::Write,
+            errno: libc::EROFS,
+        });
+    }
+    Ok(())
+}
+
 /// A transfer's length: whole LBAs, at least one, at most the device's largest transfer.
 fn check_len(info: &DeviceInfo, len_bytes: u64) -> Result<(), DevError> {
     let lba_size = info.lba_size_bytes as u64;

@@ -511,13 +511,7 @@ impl crate::AnyThreadIo for FileSideIo {
     }
 
     fn write_at(&mut self, lba: u64, data: &[u8], fua: bool) -> Result<(), DevError> {
-        crate::check_any_thread_io(&self.info, lba, data.len())?;
-        if self.read_only {
-            return Err(DevError::Io {
-                op: crate::OpKind::Write,
-                errno: libc::EROFS,
-            });
-        }
+        crate::check_any_thread_write(&self.info, self.read_only, lba, data.len())?;
         let buf = &mut self.bounce[..data.len()];
         buf.copy_from_slice(data);
         let iov = libc::iovec {

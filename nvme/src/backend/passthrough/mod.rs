@@ -691,13 +691,7 @@ impl crate::AnyThreadIo for SideIo {
     }
 
     fn write_at(&mut self, lba: u64, data: &[u8], fua: bool) -> Result<(), DevError> {
-        crate::check_any_thread_io(&self.info, lba, data.len())?;
-        if self.read_only {
-            return Err(DevError::Io {
-                op: OpKind::Write,
-                errno: libc::EROFS,
-            });
-        }
+        crate::check_any_thread_write(&self.info, self.read_only, lba, data.len())?;
         self.bounce[..data.len()].copy_from_slice(data);
         let flags = if fua { CDW12_FUA } else { 0 };
         self.command(OpKind::Write, NVME_CMD_WRITE, lba, data.len(), flags)
