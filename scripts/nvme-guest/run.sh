@@ -15,6 +15,9 @@
 # Options:
 #   --lba 512|4096       namespace logical (and physical) block size [512]
 #   --poll-queues N      nvme.ko poll_queues=N (0 = don't pass)      [0]
+#   --io-timeout S       nvme-core.ko io_timeout=S: seconds before the driver aborts, then
+#                        resets, for a command the controller has not completed (0 = the
+#                        driver's 30)                                 [0]
 #   --ns-mib N           namespace size in MiB                       [64]
 #   --timeout S          host-side timeout for the whole run, seconds [120]
 #   --smp N              guest vCPUs                                  [1]
@@ -36,12 +39,13 @@ die() { echo "run.sh: error: $*" >&2; exit 2; }
 msg() { echo "run.sh: $*" >&2; }
 is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
 
-LBA=512 POLL_QUEUES=0 NS_MIB=64 TIMEOUT=120 SMP=1 MEM=256 DMESG=0 KEEP="" APPEND=""
+LBA=512 POLL_QUEUES=0 IO_TIMEOUT=0 NS_MIB=64 TIMEOUT=120 SMP=1 MEM=256 DMESG=0 KEEP="" APPEND=""
 TEST_BIN="" ENVS=() ARGS=()
 while (($#)); do
   case "$1" in
     --lba) LBA="${2:?}"; shift ;;
     --poll-queues) POLL_QUEUES="${2:?}"; shift ;;
+    --io-timeout) IO_TIMEOUT="${2:?}"; shift ;;
     --ns-mib) NS_MIB="${2:?}"; shift ;;
     --timeout) TIMEOUT="${2:?}"; shift ;;
     --smp) SMP="${2:?}"; shift ;;
@@ -59,7 +63,7 @@ while (($#)); do
 done
 [[ -n "$TEST_BIN" ]] || usage
 [[ "$LBA" == 512 || "$LBA" == 4096 ]] || die "--lba must be 512 or 4096"
-for v in POLL_QUEUES NS_MIB TIMEOUT SMP MEM; do is_uint "${!v}" || die "${v,,} must be a non-negative integer"; done
+for v in POLL_QUEUES IO_TIMEOUT NS_MIB TIMEOUT SMP MEM; do is_uint "${!v}" || die "${v,,} must be a non-negative integer"; done
 ((NS_MIB > 0 && TIMEOUT > 0 && SMP > 0 && MEM >= 64)) || die "bad --ns-mib/--timeout/--smp/--mem value"
 [[ -f "$TEST_BIN" && -r "$TEST_BIN" ]] || die "test binary '$TEST_BIN' not found/readable"
 
@@ -124,7 +128,7 @@ TEST_NAME="$(basename "$TEST_BIN")"
 cp "$TEST_BIN" "$R/test/$TEST_NAME"
 chmod 0755 "$R/test/$TEST_NAME"
 {
-  printf 'TEST_NAME=%s\nPOLL_QUEUES=%s\nDEV_TIMEOUT_DS=%s\n' "$(shq "$TEST_NAME")" "$POLL_QUEUES" 200
+  printf 'TEST_NAME=%s\nPOLL_QUEUES=%s\nIO_TIMEOUT=%s\nDEV_TIMEOUT_DS=%s\n' "$(shq "$TEST_NAME")" "$POLL_QUEUES" "$IO_TIMEOUT" 200
   printf 'set --'; for a in ${ARGS[@]+"${ARGS[@]}"}; do printf ' %s' "$(shq "$a")"; done; printf '\n'
   for e in ${ENVS[@]+"${ENVS[@]}"}; do printf 'export %s=%s\n' "${e%%=*}" "$(shq "${e#*=}")"; done
 } >"$R/test/config.sh"
@@ -148,6 +152,7 @@ finish() { sync; poweroff -f; sleep 10; }
 while read -r m; do
   p=""
   [ "${m#*-}" = nvme.ko ] && [ "$POLL_QUEUES" -gt 0 ] && p="poll_queues=$POLL_QUEUES"
+  [ "${m#*-}" = nvme-core.ko ] && [ "$IO_TIMEOUT" -gt 0 ] && p="io_timeout=$IO_TIMEOUT"
   if ! insmod "/modules/$m" ${p:+"$p"}; then
     case "$m" in
       *-nvme.ko|*-nvme-core.ko) st "error: insmod $m $p failed"; DEV_TIMEOUT_DS=0 ;;

@@ -377,6 +377,116 @@ fn many_in_flight(dev: &mut PassthroughDevice) -> Check {
         .ok_or_else(|| format!("only {max_in_flight} in flight"))
 }
 
+/// A controller reset in the middle of I/O (`reset_controller` in sysfs, what the kernel's
+/// driver does itself when a command times out): the commands it cancels, and those refused
+/// while it runs, are sent again by the queue and beside it, so every read returns the right
+/// data, every write lands, and nothing fails. (The cancellations themselves cannot be made on
+/// demand here; `retry`'s unit tests cover the policy.) Keeps 32 commands in flight (reads, and writes
+/// rewriting what they already hold) for a second around the reset.
+fn survives_controller_reset(path: &str, dev: &mut PassthroughDevice) -> Check {
+    let lba_size = dev.info().lba_size_bytes as usize;
+    let (reads_at, writes_at, span) = (2000u64, 2100u64, 64u64);
+    for lba in (reads_at..reads_at + span).chain(writes_at..writes_at + span) {
+        nvme::write_sync(dev, lba, &pattern(lba, 0x5a, lba_size), false)
+            .map_err(|e| format!("setup write: {e}"))?;
+    }
+    let name = Path::new(path)
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or("device name")?;
+    let reset_file = format!("/sys/class/nvme-generic/{name}/device/reset_controller");
+    let mut side = nvme::BlockDevice::any_thread_io(dev).ok_or("no handle beside the queue")?;
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let sent_again_before = dev.commands_sent_again();
+    let (reset, side_reads) = std::thread::scope(|s| -> Result<_, String> {
+        let reset = s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(200));
+            let started = std::time::Instant::now();
+            std::fs::write(&reset_file, "1")
+                .map(|()| started.elapsed())
+                .map_err(|e| format!("writing 1 to {reset_file}: {e}"))
+        });
+        let beside = s.spawn(|| -> Result<u64, String> {
+            let mut back = vec![0u8; lba_size];
+            let mut reads = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let lba = reads_at + reads % span;
+                side.read_at(lba, &mut back)
+                    .map_err(|e| format!("read beside the queue: {e}"))?;
+                if back != pattern(lba, 0x5a, lba_size) {
+                    return Err(format!("read beside the queue of LBA {lba}: wrong data"));
+                }
+                reads += 1;
+            }
+            Ok(reads)
+        });
+        let queued = (|| -> Check {
+            let started = std::time::Instant::now();
+            let mut done = Vec::new();
+            let mut token = 0u64;
+            loop {
+                while started.elapsed() < Duration::from_millis(1200) && dev.in_flight() < 32 {
+                    let write = token % 2 == 1;
+                    let lba = if write { writes_at } else { reads_at } + (token / 2) % span;
+                    let mut buf = dev.pool().alloc(lba_size).ok_or("pool exhausted")?;
+                    let op = if write {
+                        buf.as_mut_slice()
+                            .copy_from_slice(&pattern(lba, 0x5a, lba_size));
+                        IoOp::Write {
+                            lba,
+                            buf,
+                            fua: false,
+                        }
+                    } else {
+                        IoOp::Read { lba, buf }
+                    };
+                    dev.submit(Request { token, op })
+                        .map_err(|r| r.reason.to_string())?;
+                    token += 1;
+                }
+                if dev.in_flight() == 0 {
+                    return Ok(());
+                }
+                dev.wait(&mut done, Duration::from_secs(1))
+                    .map_err(|e| e.to_string())?;
+                for c in done.drain(..) {
+                    let write = c.token % 2 == 1;
+                    let lba = if write { writes_at } else { reads_at } + (c.token / 2) % span;
+                    c.result
+                        .map_err(|e| format!("{:?} of LBA {lba}: {e}", c.kind))?;
+                    if !write
+                        && c.buf.as_ref().map(|b| b.as_slice())
+                            != Some(&pattern(lba, 0x5a, lba_size)[..])
+                    {
+                        return Err(format!("read of LBA {lba}: wrong data"));
+                    }
+                }
+            }
+        })();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let reset = reset.join().expect("reset thread");
+        let side_reads = beside.join().expect("thread beside the queue");
+        queued?;
+        Ok((reset?, side_reads?))
+    })?;
+    let mut back = vec![0u8; lba_size * span as usize];
+    nvme::read_sync(dev, writes_at, &mut back).map_err(|e| e.to_string())?;
+    for (i, block) in back.chunks(lba_size).enumerate() {
+        if block != pattern(writes_at + i as u64, 0x5a, lba_size) {
+            return Err(format!("LBA {} lost its write", writes_at + i as u64));
+        }
+    }
+    // How many were cancelled depends on the reset: an orderly one (this) lets the controller
+    // finish what it holds and holds back new commands until it is done; one after a timeout
+    // cancels all in flight. Either way nothing may fail.
+    let sent_again = dev.commands_sent_again() - sent_again_before;
+    println!(
+        "  the reset took {reset:?}; {sent_again} queued commands sent again, {side_reads} reads \
+         beside the queue"
+    );
+    Ok(())
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let path = args.get(1).map(String::as_str).unwrap_or("/dev/ng0n1");
@@ -460,6 +570,10 @@ fn main() {
             );
             report("32+ in flight", many_in_flight(&mut dev));
             report("completion eventfd", completion_eventfd(&mut dev));
+            report(
+                "I/O through a controller reset",
+                survives_controller_reset(path, &mut dev),
+            );
             report("exclusive lock", exclusive_lock(path, &mut dev));
             drop(dev);
             report("lock released at drop", lock_released(path));

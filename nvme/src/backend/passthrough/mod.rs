@@ -17,11 +17,15 @@
 //!   fails at open; a read-shared open is `O_RDONLY`, takes no lock and refuses writes.
 //!
 //! Fault model: `cqe.res` < 0 is an errno, > 0 an NVMe status (named in the error, with the DNR
-//! bit), 0 success. Nothing is retried here. A failed `io_uring_enter` makes the queue fail-stop.
+//! bit), 0 success. A command the host cancelled (a controller reset: `-EINTR`, Host Pathing
+//! Error, Command Aborted By Host) is sent again as it was, with backoff, for up to
+//! [`retry::RETRY_BUDGET`] ([`retry`] says why that is safe); nothing else is retried. A failed
+//! `io_uring_enter` makes the queue fail-stop.
 //! The config's sizes are checked at open, and the controller's reported sizes are used with
 //! checked or saturating arithmetic: neither can wrap a size.
 
 pub mod abi;
+mod retry;
 
 use super::ring::{drain_before_drop, FailStop, Ring, RingSetup};
 use super::slots::{InFlight, Slots};
@@ -34,6 +38,7 @@ use crate::{
 };
 use abi::*;
 use io_uring::{cqueue, opcode, squeue, types};
+use retry::Resubmits;
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::path::Path;
@@ -90,6 +95,8 @@ pub struct PassthroughDevice {
     /// Flush and Write Zeroes, never polled (see the module docs).
     dataless_ring: Ring128,
     slots: Slots,
+    /// What each slot was sent as, to send it again after a controller reset.
+    resubmits: Resubmits<squeue::Entry128>,
     info: DeviceInfo,
     pool: DmaPool,
     file: File,
@@ -217,6 +224,7 @@ impl PassthroughDevice {
             data_ring,
             dataless_ring,
             slots: Slots::new(queue_depth),
+            resubmits: Resubmits::new(queue_depth),
             info: DeviceInfo {
                 name: format!("nvme:{path_text}"),
                 lba_size_bytes: namespace.lba_size_bytes,
@@ -250,6 +258,29 @@ impl PassthroughDevice {
     }
     pub fn fixed_buffers(&self) -> bool {
         self.data_ring.fixed_buffers
+    }
+
+    /// Commands sent again after the host cancelled them (controller resets), since open.
+    pub fn commands_sent_again(&self) -> u64 {
+        self.resubmits.sent_again_total()
+    }
+
+    /// Sends again the cancelled commands whose backoff has passed.
+    fn send_due(&mut self) -> Result<(), DevError> {
+        if self.resubmits.parked() == 0 {
+            return Ok(());
+        }
+        let mut due = Vec::new();
+        self.resubmits.take_due(Instant::now(), &mut due);
+        for (_slot, sqe, dataless) in due {
+            let ring = if dataless {
+                &mut self.dataless_ring
+            } else {
+                &mut self.data_ring
+            };
+            self.failed.on(ring.push(&sqe))?;
+        }
+        Ok(())
     }
 
     /// Builds the NVMe command for `op`. Returns the command, the data buffer address and
@@ -335,12 +366,20 @@ impl PassthroughDevice {
 
     fn reap(&mut self, out: &mut Vec<IoCompletion>) -> usize {
         let mut count = 0;
+        let now = Instant::now();
         for ring in [&mut self.data_ring, &mut self.dataless_ring] {
             let mut cq = ring.ring.completion();
             cq.sync();
             for cqe in &mut cq {
-                let mut slot = self.slots.release(cqe.user_data());
                 let res = cqe.result();
+                if self
+                    .resubmits
+                    .park(cqe.user_data(), res, now, &self.info.name)
+                {
+                    continue;
+                }
+                self.resubmits.forget(cqe.user_data());
+                let mut slot = self.slots.release(cqe.user_data());
                 let result = match res {
                     0 => Ok(()),
                     r if r < 0 => Err(DevError::Io {
@@ -461,6 +500,7 @@ impl BlockDevice for PassthroughDevice {
         if let Err(reason) = self.failed.on(ring.push(&sqe)) {
             return Err(Rejected { request, reason });
         }
+        self.resubmits.remember(user_data, sqe, dataless);
         let kind = request.op.kind();
         let expect_bytes = cmd.data_len;
         let internal_buf = dsm.is_some();
@@ -478,6 +518,7 @@ impl BlockDevice for PassthroughDevice {
 
     fn poll(&mut self, out: &mut Vec<IoCompletion>) -> Result<usize, DevError> {
         self.failed.check()?;
+        self.send_due()?;
         let entered = self.enter_all(0, None);
         self.failed.on(entered)?;
         Ok(self.reap(out))
@@ -495,7 +536,13 @@ impl BlockDevice for PassthroughDevice {
             {
                 // Interrupt-driven: sleep in the kernel on whichever ring has work. A polled
                 // data ring spins in `poll` instead (polling is the point of IOPOLL).
-                let left = deadline.saturating_duration_since(Instant::now());
+                // A command waiting to be sent again bounds the sleep: nothing in the kernel
+                // would end it.
+                let until = match self.resubmits.next_due() {
+                    Some(due) => deadline.min(due),
+                    None => deadline,
+                };
+                let left = until.saturating_duration_since(Instant::now());
                 let ring = if self.info.completion_mode == CompletionMode::Interrupt {
                     &mut self.data_ring
                 } else {
@@ -653,28 +700,43 @@ impl SideIo {
             cmd.cdw11 = (lba >> 32) as u32;
             cmd.cdw12 = (lbas - 1) | cdw12_flags;
         }
-        loop {
+        // A command the host cancelled (a controller reset) is sent again as the queue's are
+        // ([`retry`]). The ioctl's wait is uninterruptible: its EINTR is the driver's.
+        let mut first_cancelled: Option<Instant> = None;
+        for attempt in 1.. {
             // SAFETY: the ioctl reads the 72-byte command and transfers at most `data_len`
             // bytes at `addr`, the bounce buffer, alive and unaliased for the call.
             let rc = unsafe { libc::ioctl(self.file.as_raw_fd(), NVME_IOCTL_IO_CMD, &mut cmd) };
-            return match rc {
-                0 => Ok(()),
-                rc if rc < 0 => {
-                    let e = std::io::Error::last_os_error();
-                    if e.kind() == std::io::ErrorKind::Interrupted {
-                        continue;
-                    }
-                    Err(DevError::Io {
-                        op,
-                        errno: e.raw_os_error().unwrap_or(libc::EIO),
-                    })
+            let res = match rc {
+                rc if rc < 0 => -std::io::Error::last_os_error()
+                    .raw_os_error()
+                    .unwrap_or(libc::EIO),
+                status => status,
+            };
+            let now = Instant::now();
+            if retry::cancelled_by_host(res)
+                && now.duration_since(*first_cancelled.get_or_insert(now)) <= retry::RETRY_BUDGET
+            {
+                if attempt == 1 {
+                    tracing::warn!(
+                        "{}: the host cancelled a command beside the queue (status {res}); \
+                         sending it again",
+                        self.info.name
+                    );
                 }
+                std::thread::sleep(retry::backoff(attempt));
+                continue;
+            }
+            return match res {
+                0 => Ok(()),
+                res if res < 0 => Err(DevError::Io { op, errno: -res }),
                 status => Err(DevError::Nvme {
                     op,
                     status: NvmeStatus(status as u16),
                 }),
             };
         }
+        unreachable!("the loop returns")
     }
 }
 
