@@ -711,6 +711,49 @@ fn an_idle_reactor_parks_and_a_bad_device_is_an_error() {
     assert!(err.to_string().contains("nosuch"), "{err}");
 }
 
+/// A commit waited for (a sync, an fsync that falls back) does not wait for the idle park's
+/// timer between its preparation steps: it once took a step per 500 ms park, so a sync (or
+/// an fsync falling back) after creates in many directories waited seconds while the reactor
+/// slept (10-15 s for a `dd conv=fsync` after `cp -a /usr/include` through the FUSE mount).
+/// 40 directories of 100 new files each leave ~14 preparation steps; the reactor may park
+/// at most on either side of the sync (the client's own pauses), not between its steps.
+#[test]
+fn a_waited_commit_takes_its_preparation_steps_without_parking() {
+    let runtime = Runtime::start(Config {
+        device: "mem:256MiB".into(),
+        mkfs: Some(MkfsOptions::default()),
+        ..Default::default()
+    })
+    .unwrap();
+    let mut client = runtime.client(2);
+    for d in 0..40 {
+        let dir = mkdir(&mut client, ROOT, &format!("d{d}"));
+        for f in 0..100 {
+            client
+                .call(Op::Create {
+                    dir,
+                    name: format!("f{f}").into_bytes(),
+                    mode: 0o644,
+                    owner: reactor::Owner::ROOT,
+                })
+                .unwrap();
+        }
+    }
+    let before = stats_of(&mut client);
+    client.call(Op::Sync).unwrap();
+    let after = stats_of(&mut client);
+    assert!(
+        after.commit.commits > before.commit.commits,
+        "the sync committed"
+    );
+    assert!(
+        after.parks - before.parks <= 2,
+        "the reactor parked {} times while the sync's commit prepared",
+        after.parks - before.parks
+    );
+    runtime.shutdown().unwrap();
+}
+
 /// A device error under several clients' fsyncs (the records in flight): no fsync after the
 /// failure is acknowledged, every later change fails read-only, shutdown still returns, and
 /// a remount keeps every fsync that was acknowledged.

@@ -55,6 +55,28 @@ impl Reactor {
         self.poll_durable(None);
     }
 
+    /// True when [`Reactor::drive_commits`] would take a step on the next loop turn (one
+    /// reactor): a commit is due or waited for and nothing it waits for is in flight. The
+    /// loop then turns again at once rather than idle. A due commit takes a preparation step
+    /// per turn (up to `PREPARE_STEPS_MAX`), and an idle reactor's turns are its park's timer
+    /// apart (500 ms): through the FUSE mount, a 1 GiB `dd conv=fsync` right after
+    /// `cp -a /usr/include` waited 10-15 s in its fsync (a fallback waiting for the commit)
+    /// in about half the runs, 0.8 s in the others.
+    pub(super) fn commit_step_ready(&self) -> bool {
+        if self.multi.is_some()
+            || self.fs.failure().is_some()
+            || self.fs.commit_in_flight().is_some()
+            || self.fs.unpin_waits_for_reads()
+            || self.fs.log_in_flight() > 0
+        {
+            return false;
+        }
+        let durable = self.fs.durable_generation();
+        self.commit_waiters.iter().any(|w| w.generation > durable)
+            || self.meta.space_wanted().is_some_and(|g| g > durable)
+            || self.fs.commit_due()
+    }
+
     /// Starts a commit (one reactor) or asks the coordinator for one (several) when the
     /// engine says one is due or a waiter needs a generation not yet durable.
     pub(super) fn drive_commits(&mut self) {

@@ -14,6 +14,9 @@
 //! - A spin-then-park reactor waiting on its device polls (yielding) for a bounded time
 //!   before it sleeps: its idle spin, or with an fsync waiting the durable-spin budget
 //!   ([`super::durable_spin_budget`], at most `durable_spin_max`).
+//! - A reactor does not idle while the commit it is due or waited for has a step to take
+//!   ([`Reactor::commit_step_ready`]): the steps are CPU work, one per turn, and a parked
+//!   reactor's turns are its timer apart.
 //! - The loop ends only once every fsync waiter, parked read and parked request is answered,
 //!   or when the runtime fails ([`Ran`]).
 
@@ -260,6 +263,11 @@ pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, confi
             }
         }
         reactor.tick();
+        if reactor.commit_step_ready() {
+            // The due commit's next step is CPU work for the next turn: no idling before it.
+            idle_since = None;
+            continue;
+        }
         match idle_now(config) {
             IdlePolicy::BusyPoll => {
                 let wait = || idle_wait(shared, IDLE_LEND_MAX, yield_to_kernel_work);
