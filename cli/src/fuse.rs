@@ -27,12 +27,13 @@
 //!
 //! Invariants: the kernel caches attributes and entries for [`TTL`] only (1 s), because the
 //! filesystem may be changed through no other path while mounted, but the kernel's own
-//! caches must not outlive an operation's effect by much. The session thread decodes each
-//! request and queues it (bounded: [`QUEUE_DEPTH`]) to one of [`WORKERS`] worker threads,
-//! each with its own reactor client, which makes the reactor call and replies; so requests of
-//! different callers are at the reactor together (their fsyncs share records) and one slow
-//! request does not stall the others. Requests one caller makes in sequence stay in sequence,
-//! since the caller waits for each reply. A reference is counted before the reply that hands
+//! caches must not outlive an operation's effect by much. [`SESSION_THREADS`] threads read the
+//! kernel's requests (each from its own clone of the connection) and each carries a request
+//! through: decode, the reactor call with a reactor client of its own, the reply. So requests
+//! of different callers are at the reactor together (their fsyncs share records), one slow
+//! request does not stall the others, and a request crosses no thread but the reactor's (none
+//! at all when its client runs the operation on the lent engine). Requests one caller makes in
+//! sequence stay in sequence, since the caller waits for each reply. A reference is counted before the reply that hands
 //! it over, so a forget (which the kernel sends only for references it received) never finds
 //! a count lower than the kernel's.
 
@@ -61,76 +62,37 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 /// How long the kernel may cache attributes and names.
 const TTL: Duration = Duration::from_secs(1);
 
-/// Worker threads serving requests: the session thread only decodes a request and queues it,
-/// so several requests are at the reactor at once (its batches group their fsyncs) and a slow
-/// one (an fsync) does not hold up the others.
-pub const WORKERS: usize = 4;
-/// Requests queued for the workers before the session thread waits (backpressure).
-const QUEUE_DEPTH: usize = 64;
+/// Threads reading and serving the kernel's requests (module doc): enough for several
+/// requests at the reactor at once (its batches group their fsyncs) and for a slow one (an
+/// fsync) not to hold up the others. Until 2026-12 one session thread handed each request to
+/// one of four workers and the reply went back through it: two more thread hops per request,
+/// which on a 2-core machine were most of a small request's time.
+pub const SESSION_THREADS: usize = 4;
 
-type Job = Box<dyn FnOnce(&mut Client) + Send>;
+/// The session threads' reactor clients: a thread takes one for a request and puts it back,
+/// so there are never more than [`SESSION_THREADS`] (plus one for `destroy`).
+struct Clients(Mutex<Vec<Client>>);
 
-/// A fixed pool of workers, each with its own reactor client.
-struct Pool {
-    jobs: Option<std::sync::mpsc::SyncSender<Job>>,
-    workers: Vec<std::thread::JoinHandle<()>>,
-}
-
-impl Pool {
-    fn new(runtime: &Runtime) -> Pool {
-        let (tx, rx) = std::sync::mpsc::sync_channel::<Job>(QUEUE_DEPTH);
-        let rx = Arc::new(Mutex::new(rx));
-        let workers = (0..WORKERS)
-            .map(|i| {
-                let rx = rx.clone();
-                let mut client = runtime.client(4);
-                std::thread::Builder::new()
-                    .name(format!("corefs-fuse-{i}"))
-                    .spawn(move || loop {
-                        // The lock is held only to take one job.
-                        let job = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
-                        match job {
-                            // A panic fails this request alone (its reply, dropped while
-                            // unwinding, answers EIO) and the worker serves on.
-                            Ok(job) => {
-                                let ran =
-                                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                                        job(&mut client)
-                                    }));
-                                if let Err(panic) = ran {
-                                    tracing::error!(
-                                        "FUSE request panicked: {}",
-                                        reactor::panic_message(&*panic)
-                                    );
-                                }
-                            }
-                            Err(_) => return, // the session ended
-                        }
-                    })
-                    .expect("starting a FUSE worker thread")
-            })
-            .collect();
-        Pool {
-            jobs: Some(tx),
-            workers,
-        }
+impl Clients {
+    fn new(runtime: &Runtime) -> Clients {
+        Clients(Mutex::new(
+            (0..SESSION_THREADS).map(|_| runtime.client(4)).collect(),
+        ))
     }
 
-    /// Queues `job`; it replies to the kernel itself.
-    fn run(&self, job: impl FnOnce(&mut Client) + Send + 'static) {
-        if let Some(jobs) = &self.jobs {
-            // Fails only once the workers are gone, after `stop`: the reply is then dropped,
-            // which fuser answers with EIO.
-            let _ = jobs.send(Box::new(job));
-        }
+    fn take(&self) -> Option<Client> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).pop()
     }
 
-    /// Lets the workers finish what is queued, then joins them.
-    fn stop(&mut self) {
-        self.jobs = None;
-        for worker in self.workers.drain(..) {
-            let _ = worker.join();
-        }
+    fn give_back(&self, client: Client) {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(client);
+    }
+
+    fn clear(&self) {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clear();
     }
 }
 
@@ -233,7 +195,7 @@ impl KernelRefs {
 
 pub struct CorefsFuse {
     runtime: Option<Runtime>,
-    pool: Pool,
+    clients: Clients,
     refs: Arc<KernelRefs>,
     /// Set at the first ioctl, which alone is logged (programs probe ioctls by the thousand).
     ioctl_logged: AtomicBool,
@@ -241,10 +203,9 @@ pub struct CorefsFuse {
 
 impl CorefsFuse {
     pub fn new(runtime: Runtime) -> CorefsFuse {
-        let pool = Pool::new(&runtime);
         CorefsFuse {
+            clients: Clients::new(&runtime),
             runtime: Some(runtime),
-            pool,
             refs: Arc::default(),
             ioctl_logged: AtomicBool::new(false),
         }
@@ -291,18 +252,35 @@ macro_rules! expect {
 }
 
 /// The request handlers' shape: each turns the kernel's request into an [`Op`] (or answers
-/// at once what needs no reactor), then hands the reactor call to a worker with
-/// [`CorefsFuse::answer`], which replies with the result or with the call's errno.
+/// at once what needs no reactor), then makes the reactor call with [`CorefsFuse::answer`],
+/// which replies with the result or with the call's errno.
 impl CorefsFuse {
-    /// Runs `work` on a worker with its reactor client and answers the kernel: `done` with
-    /// what it returns, or the errno it failed with.
+    /// Runs `job` here, on the session thread that read the request, with a reactor client.
+    /// A panic fails this request alone (its reply, dropped while unwinding, answers EIO) and
+    /// the thread serves on.
+    fn run(&self, job: impl FnOnce(&mut Client)) {
+        let client = match self.clients.take() {
+            Some(client) => Some(client),
+            None => self.runtime.as_ref().map(|r| r.client(4)),
+        };
+        // None only after `destroy`: the reply is dropped, which fuser answers with EIO.
+        let Some(mut client) = client else { return };
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(&mut client)));
+        if let Err(panic) = ran {
+            tracing::error!("FUSE request panicked: {}", reactor::panic_message(&*panic));
+        }
+        self.clients.give_back(client);
+    }
+
+    /// Runs `work` with a reactor client and answers the kernel: `done` with what it returns,
+    /// or the errno it failed with.
     fn answer<R: ErrorReply, T>(
         &self,
         reply: R,
-        work: impl FnOnce(&mut Client) -> Result<T, i32> + Send + 'static,
-        done: impl FnOnce(R, T) + Send + 'static,
+        work: impl FnOnce(&mut Client) -> Result<T, i32>,
+        done: impl FnOnce(R, T),
     ) {
-        self.pool.run(move |c| match work(c) {
+        self.run(move |c| match work(c) {
             Ok(value) => done(reply, value),
             Err(e) => reply.error(fuse_errno(e)),
         });
@@ -473,7 +451,8 @@ impl Filesystem for CorefsFuse {
     }
 
     fn destroy(&mut self) {
-        self.pool.stop();
+        // The session threads have ended (fuser joins them before calling this).
+        self.clients.clear();
         if let Some(runtime) = self.runtime.take() {
             let released = self.refs.release_all(&mut runtime.client(1));
             match runtime.shutdown() {
@@ -500,7 +479,7 @@ impl Filesystem for CorefsFuse {
     fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
         let ino = to_engine(ino);
         let refs = self.refs.clone();
-        self.pool.run(move |c| refs.forget(c, ino, nlookup));
+        self.run(move |c| refs.forget(c, ino, nlookup));
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
@@ -777,7 +756,7 @@ impl Filesystem for CorefsFuse {
     ) {
         // Offsets: 1 is ".", 2 is "..", and an entry with engine cookie c is c + 2.
         let dir = to_engine(ino);
-        self.pool.run(move |c| {
+        self.run(move |c| {
             let mut offset = offset;
             if offset == 0 {
                 if reply.add(ino, 1, FileType::Directory, ".") {
@@ -1173,6 +1152,8 @@ pub fn serve(runtime: Runtime, mountpoint: &Path, access: Access) -> std::io::Re
         fuser::MountOption::Subtype("corefs".into()),
         fuser::MountOption::DefaultPermissions,
     ];
+    config.n_threads = Some(SESSION_THREADS);
+    config.clone_fd = true;
     config.acl = match access {
         Access::Mounter => SessionACL::Owner,
         Access::Everyone => SessionACL::All,
