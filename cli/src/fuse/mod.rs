@@ -29,36 +29,41 @@
 //! Invariants: the kernel caches attributes and entries for [`TTL`] only (1 s), because the
 //! filesystem may be changed through no other path while mounted, but the kernel's own
 //! caches must not outlive an operation's effect by much. [`SESSION_THREADS`] threads read the
-//! kernel's requests (each from its own clone of the connection) and each carries a request
-//! through: decode, the reactor call with a reactor client of its own, the reply. So requests
-//! of different callers are at the reactor together (their fsyncs share records), one slow
+//! kernel's requests (each from its own clone of the connection) and each carries a request through: decode, the
+//! reactor call with a reactor client of its own, the reply. So requests of different
+//! callers are at the reactor together (their fsyncs share records), one slow
 //! request does not stall the others, and a request crosses no thread but the reactor's (none
 //! at all when its client runs the operation on the lent engine). Requests one caller makes in
-//! sequence stay in sequence, since the caller waits for each reply. A reference is counted before the reply that hands
-//! it over, so a forget (which the kernel sends only for references it received) never finds
-//! a count lower than the kernel's.
+//! sequence stay in sequence, since the caller waits for each reply. A reference is counted
+//! before the reply that hands it over, so a forget (which the kernel sends only for
+//! references it received) never finds a count lower than the kernel's.
+//!
+//! Files: this one holds the request handlers; `refs` the kernel's inode references,
+//! `convert` the translations between FUSE's and the engine's types (and the xattr
+//! namespaces), `session` the mount itself (starting, read-ahead, ending).
 
-use engine::format::items::Timespec;
-use engine::inode::ROOT_INO;
-use engine::{EngineError, FallocateMode, RenameFlags, SetAttr, Stat, XattrFlags};
+use convert::*;
+use refs::KernelRefs;
+pub use session::{mount_hint, serve, Access};
+
+use engine::{FallocateMode, RenameFlags, SetAttr, XattrFlags};
 use fuser::{
-    BsdFileFlags, CopyFileRangeFlags, Errno, FileAttr, FileHandle, FileType, Filesystem,
-    FopenFlags, Generation, INodeNo, IoctlFlags, KernelConfig, LockOwner, OpenFlags, PollEvents,
-    PollFlags, PollNotifier, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty,
-    ReplyEntry, ReplyIoctl, ReplyLseek, ReplyOpen, ReplyPoll, ReplyStatfs, ReplyWrite, ReplyXattr,
-    Request, SessionACL, TimeOrNow, WriteFlags,
+    BsdFileFlags, CopyFileRangeFlags, Errno, FileHandle, FileType, Filesystem, FopenFlags,
+    Generation, INodeNo, IoctlFlags, KernelConfig, LockOwner, OpenFlags, PollEvents, PollFlags,
+    PollNotifier, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry,
+    ReplyIoctl, ReplyLseek, ReplyOpen, ReplyPoll, ReplyStatfs, ReplyWrite, ReplyXattr, Request,
+    TimeOrNow, WriteFlags,
 };
 use reactor::{Client, Op, OpenHow, Opened, Reply, Runtime};
 
 /// Times a create starts over when the inode it found went before its hold.
 const OPEN_ATTEMPTS: u32 = 16;
-use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
 
 /// How long the kernel may cache attributes and names.
 const TTL: Duration = Duration::from_secs(1);
@@ -94,103 +99,6 @@ impl Clients {
 
     fn clear(&self) {
         self.0.lock().unwrap_or_else(|p| p.into_inner()).clear();
-    }
-}
-
-/// Stripes of [`KernelRefs`]: an inode's first reference holds its stripe's lock across a
-/// reactor call, which then delays only the inodes of that stripe.
-const REF_STRIPES: usize = 64;
-
-/// The kernel's references to inodes: its lookup count of each inode it was handed (FUSE's
-/// `nlookup`), the first of which holds the inode in the engine (module doc). The root is
-/// never counted: the kernel holds it for the whole mount, and the engine never deletes it.
-struct KernelRefs {
-    stripes: [Mutex<HashMap<u64, u64>>; REF_STRIPES],
-}
-
-impl Default for KernelRefs {
-    fn default() -> KernelRefs {
-        KernelRefs {
-            stripes: std::array::from_fn(|_| Mutex::default()),
-        }
-    }
-}
-
-impl KernelRefs {
-    fn lock(&self, ino: u64) -> MutexGuard<'_, HashMap<u64, u64>> {
-        self.stripes[(ino % REF_STRIPES as u64) as usize]
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Counts one reference to `ino` that is about to be handed to the kernel. The first one
-    /// takes the engine hold, with the stripe's lock held so that no forget can release it
-    /// before it exists.
-    fn add(&self, client: &mut Client, ino: u64) -> Result<(), i32> {
-        if ino == ROOT_INO {
-            return Ok(());
-        }
-        let mut counts = self.lock(ino);
-        match counts.get_mut(&ino) {
-            Some(count) => *count = count.saturating_add(1),
-            None => {
-                call(client, Op::Hold { ino })?;
-                counts.insert(ino, 1);
-            }
-        }
-        Ok(())
-    }
-
-    /// Counts one reference to `ino`, which the engine already holds for it (an
-    /// [`Op::Open`]'s hold): the first reference keeps that hold; a later one gives it back,
-    /// the first's being enough.
-    fn adopt(&self, client: &mut Client, ino: u64) {
-        let mut counts = self.lock(ino);
-        match counts.get_mut(&ino) {
-            Some(count) => {
-                *count = count.saturating_add(1);
-                drop(counts);
-                if let Err(e) = call(client, Op::Release { ino }) {
-                    tracing::warn!("releasing a second hold of inode {ino}: errno {e}");
-                }
-            }
-            None => {
-                counts.insert(ino, 1);
-            }
-        }
-    }
-
-    /// The kernel forgot `nlookup` references to `ino`; the last one releases the hold (which
-    /// deletes an orphan). An inode never counted (the root) is ignored.
-    fn forget(&self, client: &mut Client, ino: u64, nlookup: u64) {
-        let mut counts = self.lock(ino);
-        let Some(count) = counts.get_mut(&ino) else {
-            return;
-        };
-        *count = count.saturating_sub(nlookup);
-        if *count > 0 {
-            return;
-        }
-        counts.remove(&ino);
-        if let Err(e) = call(client, Op::Release { ino }) {
-            tracing::warn!("releasing inode {ino} after the kernel forgot it: errno {e}");
-        }
-    }
-
-    /// Releases every hold left (at unmount, when the kernel forgets nothing more): orphans
-    /// are deleted now rather than by the next mount. Returns the holds released.
-    fn release_all(&self, client: &mut Client) -> usize {
-        let mut released = 0;
-        for stripe in &self.stripes {
-            let mut counts = stripe.lock().unwrap_or_else(|p| p.into_inner());
-            for (ino, _) in counts.drain() {
-                released += 1;
-                if let Err(e) = call(client, Op::Release { ino }) {
-                    tracing::warn!("releasing inode {ino} at unmount: errno {e}");
-                }
-            }
-        }
-        released
     }
 }
 
@@ -251,6 +159,11 @@ macro_rules! expect {
         }
     };
 }
+
+// After the macros, which the files below use.
+mod convert;
+mod refs;
+mod session;
 
 /// The request handlers' shape: each turns the kernel's request into an [`Op`] (or answers
 /// at once what needs no reactor), then makes the reactor call with [`CorefsFuse::answer`],
@@ -322,127 +235,6 @@ impl CorefsFuse {
     /// Replies success or the errno of `op`, which has no result.
     fn reply_empty(&self, op: Op, reply: ReplyEmpty) {
         self.answer(reply, |c| call(c, op), |reply, _| reply.ok());
-    }
-}
-
-fn call(client: &mut Client, op: Op) -> Result<Reply, i32> {
-    client.call(op).map_err(|e| errno(&e))
-}
-
-fn stat_reply(client: &mut Client, op: Op) -> Result<Stat, i32> {
-    expect!(call(client, op)?, Reply::Stat)
-}
-
-/// An errno as fuser takes it (`e` is never 0: [`errno`] maps 0 to EIO).
-fn fuse_errno(e: i32) -> Errno {
-    Errno::from_i32(e)
-}
-
-fn errno(e: &EngineError) -> i32 {
-    match e.errno() {
-        0 => libc::EIO,
-        n => n,
-    }
-}
-
-/// The inode owner a FUSE request creates with: the calling process's user and group, as
-/// the kernel passes them.
-fn owner_of(req: &Request) -> reactor::Owner {
-    reactor::Owner {
-        uid: req.uid(),
-        gid: req.gid(),
-    }
-}
-
-fn to_engine(ino: INodeNo) -> u64 {
-    if ino == INodeNo::ROOT {
-        ROOT_INO
-    } else {
-        ino.0
-    }
-}
-
-fn to_fuse(ino: u64) -> INodeNo {
-    if ino == ROOT_INO {
-        INodeNo::ROOT
-    } else {
-        INodeNo(ino)
-    }
-}
-
-/// An engine time (whole seconds rounded down, negative before 1970, and nanoseconds after
-/// them) as the `SystemTime` fuser sends the kernel; times past what `SystemTime` holds are
-/// clamped to the epoch rather than panicking.
-fn time_of(t: Timespec) -> SystemTime {
-    let nsec = Duration::from_nanos(u64::from(t.nsec));
-    let time = if t.sec >= 0 {
-        UNIX_EPOCH.checked_add(Duration::from_secs(t.sec.unsigned_abs()))
-    } else {
-        UNIX_EPOCH.checked_sub(Duration::from_secs(t.sec.unsigned_abs()))
-    };
-    time.and_then(|t| t.checked_add(nsec)).unwrap_or(UNIX_EPOCH)
-}
-
-/// A time the kernel asks setattr to set, as the engine stores it.
-///
-/// fuser 0.18 turns the kernel's (seconds, nanoseconds) for a time before 1970 — seconds
-/// negative, rounded down, nanoseconds after them — into `UNIX_EPOCH - (|seconds| +
-/// nanoseconds)` where `UNIX_EPOCH - |seconds| + nanoseconds` is meant (its
-/// `system_time_from_time`, marked as a to-do there). This takes the two fields back out of
-/// that, so a pre-1970 time keeps its fraction. fuser is pinned (`=0.18.0`) and
-/// cli/tests/mount.rs round-trips a pre-1970 time with nanoseconds through a mount, which
-/// fails if fuser's conversion changes.
-fn timespec_set(t: TimeOrNow) -> Timespec {
-    let t = match t {
-        TimeOrNow::SpecificTime(t) => t,
-        TimeOrNow::Now => return Timespec::now(),
-    };
-    match t.duration_since(UNIX_EPOCH) {
-        Ok(d) => Timespec {
-            sec: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
-            nsec: d.subsec_nanos(),
-        },
-        Err(before) => {
-            let d = before.duration();
-            Timespec {
-                sec: i64::try_from(d.as_secs()).map_or(i64::MIN, |s| -s),
-                nsec: d.subsec_nanos(),
-            }
-        }
-    }
-}
-
-fn kind_of(mode: u32) -> FileType {
-    match mode & libc::S_IFMT {
-        libc::S_IFDIR => FileType::Directory,
-        libc::S_IFLNK => FileType::Symlink,
-        libc::S_IFIFO => FileType::NamedPipe,
-        libc::S_IFSOCK => FileType::Socket,
-        libc::S_IFCHR => FileType::CharDevice,
-        libc::S_IFBLK => FileType::BlockDevice,
-        _ => FileType::RegularFile,
-    }
-}
-
-fn attr(s: &Stat) -> FileAttr {
-    FileAttr {
-        ino: to_fuse(s.ino),
-        size: s.size,
-        blocks: s.blocks_512,
-        atime: time_of(s.atime),
-        mtime: time_of(s.mtime),
-        ctime: time_of(s.ctime),
-        // Linux's FUSE protocol carries no birth time (statx shows none); macOS shows it.
-        crtime: time_of(s.crtime),
-        kind: kind_of(s.mode),
-        perm: (s.mode & 0o7777) as u16,
-        nlink: s.nlink,
-        uid: s.uid,
-        gid: s.gid,
-        // The kernel's encoding of a device number (new_encode_dev), as mknod passed it.
-        rdev: u32::try_from(s.rdev).unwrap_or(0),
-        blksize: 4096,
-        flags: 0,
     }
 }
 
@@ -1056,237 +848,5 @@ impl Filesystem for CorefsFuse {
         reply: ReplyPoll,
     ) {
         reply.error(Errno::ENOSYS);
-    }
-}
-
-/// Whether an extended attribute's name is in a namespace corefs stores: `user.`,
-/// `trusted.` and `security.`, as ext4. The kernel hands a FUSE filesystem every name, where
-/// a kernel filesystem's handlers answer EOPNOTSUPP to a namespace they do not know, so that
-/// is done here. `system.` is refused whole: its names mean something to the kernel (POSIX
-/// ACLs above all, which corefs does not support; refusing them makes cp -a, tar and rsync
-/// fall back to chmod, instead of storing an ACL whose mode bits nothing would apply).
-fn xattr_namespace_stored(name: &OsStr) -> bool {
-    let name = name.as_bytes();
-    [&b"user."[..], b"trusted.", b"security."]
-        .iter()
-        .any(|prefix| name.starts_with(prefix))
-}
-
-/// getxattr/listxattr's two-step protocol: size 0 asks for the length.
-fn xattr_reply(reply: ReplyXattr, data: &[u8], size: u32) {
-    if size == 0 {
-        reply.size(data.len() as u32);
-    } else if (size as usize) < data.len() {
-        reply.error(Errno::ERANGE);
-    } else {
-        reply.data(data);
-    }
-}
-
-/// Who may use a mount besides its mounter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Access {
-    /// The mounter alone (FUSE's default).
-    Mounter,
-    /// Every user (`allow_other`), the kernel checking each one's permissions. A mounter
-    /// other than root needs `user_allow_other` in /etc/fuse.conf for fusermount3 to allow it.
-    Everyone,
-}
-
-/// The read-ahead window the mount asks for: one FUSE request (the kernel's 256-page cap on
-/// a request, which fuser negotiates).
-pub const READAHEAD_KB: u32 = 1024;
-
-/// Widens the kernel's read-ahead for the mount at `mountpoint` to [`READAHEAD_KB`]. FUSE's
-/// init caps a mount's window at the kernel's default (128 KiB), so a 1 MiB `dd` of a cold
-/// 1 GiB file ran at half a kernel filesystem's speed (1.99 s, ext4 0.98 s); with 1 MiB it
-/// took 0.92 s (4 MiB: 1.01 s). The window lives in sysfs (`/sys/class/bdi/MAJ:MIN/
-/// read_ahead_kb`), writable by root only: a mount by another user keeps the kernel's and
-/// says how to widen it. The mount's device number comes from /proc/self/mountinfo, not
-/// from a stat of the mountpoint: a stat would hold the new mount while the server answers
-/// it, and an unmount right after the mount then failed as busy.
-fn widen_readahead(mountpoint: &Path) {
-    let Some(dev) = mount_device(mountpoint) else {
-        tracing::info!(
-            "read-ahead left as the kernel set it ({} not in /proc/self/mountinfo)",
-            mountpoint.display()
-        );
-        return;
-    };
-    let knob = format!("/sys/class/bdi/{dev}/read_ahead_kb");
-    match std::fs::write(&knob, READAHEAD_KB.to_string()) {
-        Ok(()) => tracing::debug!("{knob}: {READAHEAD_KB}"),
-        Err(e) => tracing::info!(
-            "read-ahead left at the kernel's 128 KiB ({knob}: {e}); as root: echo \
-             {READAHEAD_KB} > {knob}"
-        ),
-    }
-}
-
-/// The `MAJ:MIN` of the newest mount at `mountpoint` (canonical), from /proc/self/mountinfo
-/// (whose paths escape space, tab, newline and backslash as octal).
-fn mount_device(mountpoint: &Path) -> Option<String> {
-    use std::os::unix::ffi::OsStrExt;
-    let mut want = Vec::new();
-    for &b in mountpoint.as_os_str().as_bytes() {
-        match b {
-            b' ' | b'\t' | b'\n' | b'\\' => want.extend(format!("\\{b:03o}").bytes()),
-            _ => want.push(b),
-        }
-    }
-    let info = std::fs::read("/proc/self/mountinfo").ok()?;
-    info.split(|&b| b == b'\n').rev().find_map(|line| {
-        let fields: Vec<&[u8]> = line.split(|&b| b == b' ').collect();
-        if fields.get(4) != Some(&want.as_slice()) {
-            return None;
-        }
-        fields
-            .get(2)
-            .map(|dev| String::from_utf8_lossy(dev).into_owned())
-    })
-}
-
-/// Mounts `runtime`'s filesystem at `mountpoint` and serves it until unmounted.
-pub fn serve(runtime: Runtime, mountpoint: &Path, access: Access) -> std::io::Result<()> {
-    // Default permissions: the kernel checks modes against the caller, as for a kernel
-    // filesystem (the engine stores modes and owners but does not check them).
-    let mut config = fuser::Config::default();
-    config.mount_options = vec![
-        fuser::MountOption::FSName("corefs".into()),
-        fuser::MountOption::Subtype("corefs".into()),
-        fuser::MountOption::DefaultPermissions,
-    ];
-    config.n_threads = Some(SESSION_THREADS);
-    config.clone_fd = true;
-    config.acl = match access {
-        Access::Mounter => SessionACL::Owner,
-        Access::Everyone => SessionACL::All,
-    };
-    let mountpoint = std::fs::canonicalize(mountpoint)?;
-    let mut session = fuser::spawn_mount(CorefsFuse::new(runtime), &mountpoint, &config)?;
-    widen_readahead(&mountpoint);
-    // The session ends when the kernel's connection does (after `destroy` has committed).
-    // The handle is swapped for a finished thread's so `session`, which unmounts when
-    // dropped, stays whole until it is decided below whether it should.
-    let serving = std::mem::replace(&mut session.guard, std::thread::spawn(|| Ok(())));
-    let ended = serving
-        .join()
-        .map_err(|_| std::io::Error::other("the FUSE session thread panicked"))?;
-    // After `umount` or `fusermount3 -u` there is nothing left to unmount, but fuser 0.18
-    // would try again (its check of the connection reads POLLERR, which says the connection
-    // is gone, as "still mounted") and log "Unmount failed: Invalid argument" at every clean
-    // unmount; worse, the second umount could hit a filesystem mounted there since. So the
-    // session is dropped (and fuser unmounts) only while the mount is still there: when the
-    // connection ended some other way (aborted through /sys/fs/fuse/connections).
-    if is_mounted_at(&mountpoint) {
-        drop(session);
-    } else {
-        std::mem::forget(session);
-    }
-    ended
-}
-
-/// What to do about a mount that failed with `e`, if something is known ("" otherwise): a
-/// user other than root mounts through fusermount3, which fuser reaches only after opening
-/// /dev/fuse itself, so the device must be open to them (mode 0666, as fuse3's udev rule
-/// sets it; some containers leave it 0600).
-pub fn mount_hint(e: &std::io::Error) -> &'static str {
-    // SAFETY: geteuid has no preconditions; access reads a NUL-terminated path.
-    let refused = e.kind() == std::io::ErrorKind::PermissionDenied
-        && unsafe { libc::geteuid() } != 0
-        && unsafe { libc::access(c"/dev/fuse".as_ptr(), libc::R_OK | libc::W_OK) } != 0;
-    if refused {
-        " (/dev/fuse is not readable and writable by this user: a user other than root \
-         mounts through fusermount3 once /dev/fuse is mode 0666, as fuse3's udev rule sets it)"
-    } else {
-        ""
-    }
-}
-
-/// Whether a corefs FUSE mount (source "corefs") is at `mountpoint` (canonical), per
-/// /proc/self/mountinfo.
-fn is_mounted_at(mountpoint: &Path) -> bool {
-    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
-        return true; // unknown: let fuser try, as it would
-    };
-    info.lines().any(|line| {
-        // "id parent major:minor root mountpoint options [optional...] - fstype source ..."
-        let mut halves = line.splitn(2, " - ");
-        let (Some(left), Some(right)) = (halves.next(), halves.next()) else {
-            return false;
-        };
-        let at = left.split(' ').nth(4).map(unescape_mountinfo);
-        let mut fs = right.split(' ');
-        // "fuse" when mounted directly (as root), "fuse.corefs" through fusermount3.
-        let fuse = fs.next().is_some_and(|t| t == "fuse" || t == "fuse.corefs");
-        let corefs = fs.next() == Some("corefs");
-        at.as_deref() == Some(mountpoint.as_os_str().as_bytes()) && fuse && corefs
-    })
-}
-
-/// mountinfo writes space, tab, newline and backslash in paths as `\ooo` (octal).
-fn unescape_mountinfo(field: &str) -> Vec<u8> {
-    let bytes = field.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let octal = bytes
-            .get(i + 1..i + 4)
-            .filter(|d| bytes[i] == b'\\' && d.iter().all(|c| (b'0'..=b'7').contains(c)));
-        match octal {
-            Some(d) => {
-                out.push((d[0] - b'0') << 6 | (d[1] - b'0') << 3 | (d[2] - b'0'));
-                i += 4;
-            }
-            None => {
-                out.push(bytes[i]);
-                i += 1;
-            }
-        }
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A time before 1970 with a fraction keeps it both ways: what fuser 0.18 makes of the
-    /// kernel's (-2 s, 800 ms) for -1.2 s comes back as the same two fields, and the engine's
-    /// fields go out as -1.2 s.
-    #[test]
-    fn times_before_1970_keep_their_fraction() {
-        // fuser's conversion of the kernel's fields (seconds < 0): EPOCH - (|s| + ns).
-        let from_fuser = UNIX_EPOCH - Duration::new(2, 800_000_000);
-        let t = timespec_set(TimeOrNow::SpecificTime(from_fuser));
-        assert_eq!((t.sec, t.nsec), (-2, 800_000_000));
-        let later = UNIX_EPOCH + Duration::new(5, 7);
-        let t = timespec_set(TimeOrNow::SpecificTime(later));
-        assert_eq!((t.sec, t.nsec), (5, 7));
-        assert_eq!(
-            time_of(Timespec {
-                sec: -2,
-                nsec: 800_000_000
-            }),
-            UNIX_EPOCH - Duration::from_millis(1200)
-        );
-        // Past what SystemTime holds: some time, not a panic in a FUSE worker.
-        time_of(Timespec {
-            sec: i64::MIN,
-            nsec: 999_999_999,
-        });
-        time_of(Timespec {
-            sec: i64::MAX,
-            nsec: 999_999_999,
-        });
-    }
-
-    #[test]
-    fn mountinfo_paths_are_unescaped() {
-        assert_eq!(
-            unescape_mountinfo(r"/mnt/a\040b\134c"),
-            b"/mnt/a b\\c".to_vec()
-        );
-        assert_eq!(unescape_mountinfo(r"/x\04"), b"/x\\04".to_vec());
     }
 }
