@@ -29,7 +29,7 @@
 //! Invariants: the kernel caches attributes and entries for [`TTL`] only (1 s), because the
 //! filesystem may be changed through no other path while mounted, but the kernel's own
 //! caches must not outlive an operation's effect by much. [`SESSION_THREADS`] threads read the
-//! kernel's requests (each from its own clone of the connection) and each carries a request through: decode, the
+//! kernel's requests (from one descriptor) and each carries a request through: decode, the
 //! reactor call with a reactor client of its own, the reply. So requests of different
 //! callers are at the reactor together (their fsyncs share records), one slow
 //! request does not stall the others, and a request crosses no thread but the reactor's (none
