@@ -429,17 +429,11 @@ fn survives_controller_reset(path: &str, dev: &mut PassthroughDevice) -> Check {
                     let write = token % 2 == 1;
                     let lba = if write { writes_at } else { reads_at } + (token / 2) % span;
                     let mut buf = dev.pool().alloc(lba_size).ok_or("pool exhausted")?;
-                    let op = if write {
+                    if write {
                         buf.as_mut_slice()
                             .copy_from_slice(&pattern(lba, 0x5a, lba_size));
-                        IoOp::Write {
-                            lba,
-                            buf,
-                            fua: false,
-                        }
-                    } else {
-                        IoOp::Read { lba, buf }
-                    };
+                    }
+                    let op = IoOp::transfer(write, lba, buf);
                     dev.submit(Request { token, op })
                         .map_err(|r| r.reason.to_string())?;
                     token += 1;
