@@ -843,7 +843,7 @@ fn statfs_counts_inodes() {
     close(fs);
 }
 
-/// The order arguments are checked in (abi.rs's module doc): an out-pointer first, then the
+/// The order arguments are checked in (the abi module's doc): an out-pointer first, then the
 /// filesystem, then the path; a caller with several bad arguments learns the same errno.
 #[test]
 fn arguments_are_checked_out_pointer_then_filesystem_then_path() {
