@@ -366,15 +366,16 @@ impl PassthroughDevice {
 
     fn reap(&mut self, out: &mut Vec<IoCompletion>) -> usize {
         let mut count = 0;
-        let now = Instant::now();
         for ring in [&mut self.data_ring, &mut self.dataless_ring] {
             let mut cq = ring.ring.completion();
             cq.sync();
             for cqe in &mut cq {
                 let res = cqe.result();
-                if self
-                    .resubmits
-                    .park(cqe.user_data(), res, now, &self.info.name)
+                // The clock is read only for a cancellation: this runs for every completion.
+                if retry::cancelled_by_host(res)
+                    && self
+                        .resubmits
+                        .park(cqe.user_data(), res, Instant::now(), &self.info.name)
                 {
                     continue;
                 }
