@@ -1293,3 +1293,72 @@ fn a_large_file_fills_a_fresh_image_through_the_mount() {
         assert!(out.status.success(), "fsck: {out:?}");
     }
 }
+
+/// A missing name is answered as a negative entry the kernel keeps for a second: whatever
+/// makes the name through the mount (create, exclusive create, mkdir, a rename onto it, a hard
+/// link, a symbolic link, mknod) is seen at once, and a name removed is missing at once, each
+/// probed for just before (so the negative entry is in the kernel's cache).
+#[test]
+fn a_missing_name_made_through_the_mount_is_seen_at_once() {
+    use std::os::unix::fs::OpenOptionsExt;
+    let (work, device) = work_and_image("corefs-mount-negative-", "128MiB", 2);
+    let mnt = work.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let Some(mounted) = first_mount(&device, &mnt, 1) else {
+        return;
+    };
+    std::fs::write(mnt.join("source"), b"s").unwrap();
+    std::fs::write(mnt.join("moved"), b"m").unwrap();
+    type Maker<'a> = (&'a str, &'a dyn Fn(&Path));
+    let make: [Maker; 7] = [
+        ("create", &|p| std::fs::write(p, b"x").unwrap()),
+        ("exclusive create", &|p| {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(p)
+                .unwrap();
+        }),
+        ("mkdir", &|p| std::fs::create_dir(p).unwrap()),
+        ("rename onto", &|p| {
+            std::fs::rename(p.with_file_name("moved"), p).unwrap();
+            std::fs::write(p.with_file_name("moved"), b"m").unwrap();
+        }),
+        ("link", &|p| {
+            std::fs::hard_link(p.with_file_name("source"), p).unwrap()
+        }),
+        ("symlink", &|p| {
+            std::os::unix::fs::symlink("source", p).unwrap()
+        }),
+        ("mknod (fifo)", &|p| {
+            let c = c_path(p);
+            // SAFETY: a NUL-terminated path alive for the call.
+            assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
+        }),
+    ];
+    for (i, (how, make)) in make.iter().enumerate() {
+        let p = mnt.join(format!("name{i}"));
+        for _ in 0..3 {
+            assert!(
+                std::fs::symlink_metadata(&p).is_err(),
+                "{how}: missing first"
+            );
+        }
+        make(&p);
+        assert!(
+            std::fs::symlink_metadata(&p).is_ok(),
+            "{how}: the name made is not seen"
+        );
+        if std::fs::symlink_metadata(&p).unwrap().is_dir() {
+            std::fs::remove_dir(&p).unwrap();
+        } else {
+            std::fs::remove_file(&p).unwrap();
+        }
+        assert!(
+            std::fs::symlink_metadata(&p).is_err(),
+            "{how}: the name removed is still seen"
+        );
+    }
+    mounted.unmount();
+}

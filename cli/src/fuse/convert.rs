@@ -132,6 +132,28 @@ pub(super) fn attr(s: &Stat) -> FileAttr {
     }
 }
 
+/// The attributes of a negative entry: inode 0, which FUSE reads as "no such name", cached
+/// for the entry's timeout. The kernel looks at nothing else in them.
+pub(super) fn negative_entry() -> FileAttr {
+    FileAttr {
+        ino: INodeNo(0),
+        size: 0,
+        blocks: 0,
+        atime: UNIX_EPOCH,
+        mtime: UNIX_EPOCH,
+        ctime: UNIX_EPOCH,
+        crtime: UNIX_EPOCH,
+        kind: FileType::RegularFile,
+        perm: 0,
+        nlink: 0,
+        uid: 0,
+        gid: 0,
+        rdev: 0,
+        blksize: 4096,
+        flags: 0,
+    }
+}
+
 /// Whether an extended attribute's name is in a namespace corefs stores: `user.`,
 /// `trusted.` and `security.`, as ext4. The kernel hands a FUSE filesystem every name, where
 /// a kernel filesystem's handlers answer EOPNOTSUPP to a namespace they do not know, so that

@@ -26,7 +26,8 @@
 //! the inode goes when the kernel forgets it. What is still held at unmount is released then;
 //! after a crash the next mount deletes the orphans.
 //!
-//! Invariants: the kernel caches attributes and entries for [`TTL`] only (1 s), because the
+//! Invariants: the kernel caches attributes and entries (a missing name too, as a negative
+//! entry) for [`TTL`] only (1 s), because the
 //! filesystem may be changed through no other path while mounted, but the kernel's own
 //! caches must not outlive an operation's effect by much. [`SESSION_THREADS`] threads read the
 //! kernel's requests (from one descriptor) and each carries a request through: decode, the
@@ -266,7 +267,24 @@ impl Filesystem for CorefsFuse {
             dir: to_engine(parent),
             name: name.as_bytes().to_vec(),
         };
-        self.reply_entry(op, reply);
+        let refs = self.refs.clone();
+        let work = move |c: &mut Client| match stat_reply(c, op) {
+            Ok(s) => {
+                refs.add(c, s.ino)?;
+                Ok(Some(s))
+            }
+            Err(libc::ENOENT) => Ok(None),
+            Err(e) => Err(e),
+        };
+        self.answer(reply, work, |reply, s| match s {
+            Some(s) => reply.entry(&TTL, &attr(&s), Generation(0)),
+            // A name that does not exist is answered as a negative entry (inode 0): the
+            // kernel then knows for TTL that it is missing, so a program probing for it again
+            // (a compiler's include search, a shell's PATH, SQLite's journal check) asks once
+            // per TTL, not at every probe. A name made through the mount replaces the
+            // negative entry at once, and an exclusive create looks the name up afresh.
+            None => reply.entry(&TTL, &negative_entry(), Generation(0)),
+        });
     }
 
     fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
