@@ -703,8 +703,8 @@ impl SideIo {
         }
         // A command the host cancelled (a controller reset) is sent again as the queue's are
         // ([`retry`]). The ioctl's wait is uninterruptible: its EINTR is the driver's.
-        let mut first_cancelled: Option<Instant> = None;
-        for attempt in 1.. {
+        let mut attempts = retry::Attempts::default();
+        loop {
             // SAFETY: the ioctl reads the 72-byte command and transfers at most `data_len`
             // bytes at `addr`, the bounce buffer, alive and unaliased for the call.
             let rc = unsafe { libc::ioctl(self.file.as_raw_fd(), NVME_IOCTL_IO_CMD, &mut cmd) };
@@ -714,18 +714,15 @@ impl SideIo {
                     .unwrap_or(libc::EIO),
                 status => status,
             };
-            let now = Instant::now();
-            if retry::cancelled_by_host(res)
-                && now.duration_since(*first_cancelled.get_or_insert(now)) <= retry::RETRY_BUDGET
-            {
-                if attempt == 1 {
+            if let Some(wait) = attempts.again_after(res, Instant::now()) {
+                if attempts.count() == 1 {
                     tracing::warn!(
                         "{}: the host cancelled a command beside the queue (status {res}); \
                          sending it again",
                         self.info.name
                     );
                 }
-                std::thread::sleep(retry::backoff(attempt));
+                std::thread::sleep(wait);
                 continue;
             }
             return match res {
@@ -737,7 +734,6 @@ impl SideIo {
                 }),
             };
         }
-        unreachable!("the loop returns")
     }
 }
 

@@ -56,13 +56,42 @@ pub fn backoff(attempt: u32) -> Duration {
     BACKOFF_FIRST.saturating_mul(factor).min(BACKOFF_MAX)
 }
 
+/// One command's cancellations so far: the policy of the module docs, for the queue's
+/// commands ([`Resubmits`]) and for those beside it alike.
+#[derive(Debug, Default)]
+pub struct Attempts {
+    first_cancelled: Option<Instant>,
+    count: u32,
+}
+
+impl Attempts {
+    /// The wait before sending the command again, after a completion that said `res` at
+    /// `now`; None when it completes with `res` (not a host cancellation, or the budget is
+    /// spent).
+    pub fn again_after(&mut self, res: i32, now: Instant) -> Option<Duration> {
+        if !cancelled_by_host(res) {
+            return None;
+        }
+        let first = *self.first_cancelled.get_or_insert(now);
+        if now.duration_since(first) > RETRY_BUDGET {
+            return None;
+        }
+        self.count += 1;
+        Some(backoff(self.count))
+    }
+
+    /// Sends again so far.
+    pub fn count(&self) -> u32 {
+        self.count
+    }
+}
+
 struct Pending<E> {
     /// The submission entry as first built.
     sqe: E,
     /// Goes on the data-less ring (see the backend's module docs).
     dataless: bool,
-    first_cancelled: Option<Instant>,
-    attempts: u32,
+    attempts: Attempts,
     due: Instant,
 }
 
@@ -91,8 +120,7 @@ impl<E: Clone> Resubmits<E> {
         self.entries[slot as usize] = Some(Pending {
             sqe,
             dataless,
-            first_cancelled: None,
-            attempts: 0,
+            attempts: Attempts::default(),
             due: Instant::now(),
         });
     }
@@ -111,16 +139,14 @@ impl<E: Clone> Resubmits<E> {
         let Some(pending) = self.entries[slot as usize].as_mut() else {
             return false;
         };
-        let first = *pending.first_cancelled.get_or_insert(now);
-        if now.duration_since(first) > RETRY_BUDGET {
+        let Some(wait) = pending.attempts.again_after(res, now) else {
             tracing::error!(
-                "{what}: a command cancelled by the host for {:?} (controller resets) is given up",
-                now.duration_since(first)
+                "{what}: a command the host cancelled for longer than {RETRY_BUDGET:?} \
+                 (controller resets) is given up"
             );
             return false;
-        }
-        pending.attempts += 1;
-        pending.due = now + backoff(pending.attempts);
+        };
+        pending.due = now + wait;
         assert!(
             !self.parked.contains(&slot),
             "slot {slot} parked twice: it completed while parked"
@@ -134,7 +160,7 @@ impl<E: Clone> Resubmits<E> {
             tracing::warn!(
                 "{what}: the host cancelled a command (status {res}: a controller reset, or the \
                  path not ready); sending it again (attempt {})",
-                pending.attempts
+                pending.attempts.count()
             );
         }
         true
