@@ -71,6 +71,12 @@ impl Reactor {
         {
             return false;
         }
+        self.commit_wanted()
+    }
+
+    /// A commit is due (the engine says so) or waited for (a waiter, or a request parked for
+    /// space, needs a generation not yet durable).
+    fn commit_wanted(&self) -> bool {
         let durable = self.fs.durable_generation();
         self.commit_waiters.iter().any(|w| w.generation > durable)
             || self.meta.space_wanted().is_some_and(|g| g > durable)
@@ -100,10 +106,7 @@ impl Reactor {
         if self.fs.unpin_waits_for_reads() {
             return;
         }
-        let durable = self.fs.durable_generation();
-        let waited = self.commit_waiters.iter().any(|w| w.generation > durable)
-            || self.meta.space_wanted().is_some_and(|g| g > durable);
-        if !waited && !self.fs.commit_due() {
+        if !self.commit_wanted() {
             return;
         }
         // The delayed index items go into the trees a step per loop turn first, so the
