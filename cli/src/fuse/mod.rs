@@ -63,7 +63,7 @@ use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
 /// How long the kernel may cache attributes and names.
@@ -106,7 +106,7 @@ impl Clients {
 pub struct CorefsFuse {
     runtime: Option<Runtime>,
     clients: Clients,
-    refs: Arc<KernelRefs>,
+    refs: KernelRefs,
     /// Set at the first ioctl, which alone is logged (programs probe ioctls by the thousand).
     ioctl_logged: AtomicBool,
 }
@@ -116,7 +116,7 @@ impl CorefsFuse {
         CorefsFuse {
             clients: Clients::new(&runtime),
             runtime: Some(runtime),
-            refs: Arc::default(),
+            refs: KernelRefs::default(),
             ioctl_logged: AtomicBool::new(false),
         }
     }
@@ -204,7 +204,7 @@ impl CorefsFuse {
     /// Replies with the inode `op` returns (lookup, mkdir, mknod, symlink, link), which the
     /// kernel then references.
     fn reply_entry(&self, op: Op, reply: ReplyEntry) {
-        let refs = self.refs.clone();
+        let refs = &self.refs;
         let work = move |c: &mut Client| {
             let s = stat_reply(c, op)?;
             refs.add(c, s.ino)?;
@@ -267,7 +267,7 @@ impl Filesystem for CorefsFuse {
             dir: to_engine(parent),
             name: name.as_bytes().to_vec(),
         };
-        let refs = self.refs.clone();
+        let refs = &self.refs;
         let work = move |c: &mut Client| match stat_reply(c, op) {
             Ok(s) => {
                 refs.add(c, s.ino)?;
@@ -289,7 +289,7 @@ impl Filesystem for CorefsFuse {
 
     fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
         let ino = to_engine(ino);
-        let refs = self.refs.clone();
+        let refs = &self.refs;
         self.run(move |c| refs.forget(c, ino, nlookup));
     }
 
@@ -720,7 +720,7 @@ impl Filesystem for CorefsFuse {
         let dir = to_engine(parent);
         let name = name.as_bytes().to_vec();
         let owner = owner_of(req);
-        let refs = self.refs.clone();
+        let refs = &self.refs;
         // One request creates (or, without O_EXCL, opens what a racing create made since the
         // kernel's lookup, as open(2) would) and holds the file for the kernel's reference.
         let how = OpenHow {
