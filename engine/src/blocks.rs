@@ -18,7 +18,7 @@
 
 use crate::error::{EngineError, Result};
 use crate::format::BLOCK_BYTES;
-use nvme::{BlockDevice, DevError, IoOp, Request};
+use nvme::{BlockDevice, DevError, DmaBuf, IoOp, Request};
 use std::time::Duration;
 
 /// The device LBAs of filesystem block `block`.
@@ -59,24 +59,54 @@ pub(crate) fn read_runs(dev: &mut dyn BlockDevice, runs: &[(u64, u64)]) -> Resul
         .iter()
         .map(|&(_, count)| vec![0u8; count as usize * BLOCK_BYTES])
         .collect();
+    let lbas: Vec<u64> = ios
+        .iter()
+        .map(|&(_, _, block, _)| block_lba(dev, block))
+        .collect();
+    pump(
+        dev,
+        ios.len(),
+        |i| ios[i].3 as usize * BLOCK_BYTES,
+        |i, buf| IoOp::Read { lba: lbas[i], buf },
+        |i, buf| {
+            let (run, offset, _, blocks) = ios[i];
+            let buf = buf.expect("a read completion returns its buffer");
+            let len = blocks as usize * BLOCK_BYTES;
+            assert_eq!(buf.as_slice().len(), len, "device read length");
+            out[run][offset..offset + len].copy_from_slice(buf.as_slice());
+        },
+    )?;
+    Ok(out)
+}
+
+/// Runs `count` device I/Os with as many in flight as the queue and the DMA pool allow: I/O
+/// `i` gets a buffer of `bytes(i)`, `op(i, buf)` fills it and says what to do with it, and
+/// `done(i, buf)` takes each successful completion's buffer back. After the first failure
+/// (at submit or completion) nothing more is submitted, and it is returned once every I/O in
+/// flight has finished; a pool with nothing free and nothing in flight is `PoolExhausted`.
+fn pump(
+    dev: &mut dyn BlockDevice,
+    count: usize,
+    bytes: impl Fn(usize) -> usize,
+    mut op: impl FnMut(usize, DmaBuf) -> IoOp,
+    mut done: impl FnMut(usize, Option<DmaBuf>),
+) -> Result<()> {
     let depth = dev.info().queue_depth as usize;
-    let mut done = Vec::new();
+    let mut completions = Vec::new();
     let mut first_error: Option<DevError> = None;
     let mut next = 0usize;
     let mut in_flight = 0usize;
     loop {
-        while in_flight < depth && next < ios.len() && first_error.is_none() {
-            let (_, _, block, blocks) = ios[next];
-            let Some(buf) = dev.pool().alloc(blocks as usize * BLOCK_BYTES) else {
+        while in_flight < depth && next < count && first_error.is_none() {
+            let Some(buf) = dev.pool().alloc(bytes(next)) else {
                 if in_flight == 0 {
                     first_error = Some(DevError::PoolExhausted);
                 }
                 break; // buffers come back with completions
             };
-            let lba = block_lba(dev, block);
             if let Err(rejected) = dev.submit(Request {
                 token: next as u64,
-                op: IoOp::Read { lba, buf },
+                op: op(next, buf),
             }) {
                 first_error.get_or_insert(rejected.reason);
                 break;
@@ -87,28 +117,20 @@ pub(crate) fn read_runs(dev: &mut dyn BlockDevice, runs: &[(u64, u64)]) -> Resul
         if in_flight == 0 {
             break;
         }
-        dev.wait(&mut done, Duration::from_secs(1))?;
-        for completion in done.drain(..) {
+        dev.wait(&mut completions, Duration::from_secs(1))?;
+        for completion in completions.drain(..) {
             in_flight -= 1;
             match completion.result {
                 Err(e) => {
                     first_error.get_or_insert(e);
                 }
-                Ok(()) => {
-                    let (run, offset, _, blocks) = ios[completion.token as usize];
-                    let buf = completion
-                        .buf
-                        .expect("a read completion returns its buffer");
-                    let len = blocks as usize * BLOCK_BYTES;
-                    assert_eq!(buf.as_slice().len(), len, "device read length");
-                    out[run][offset..offset + len].copy_from_slice(buf.as_slice());
-                }
+                Ok(()) => done(completion.token as usize, completion.buf),
             }
         }
     }
     match first_error {
         Some(e) => Err(EngineError::Device(e)),
-        None => Ok(out),
+        None => Ok(()),
     }
 }
 
@@ -197,49 +219,19 @@ pub(crate) fn coalesce(dev: &dyn BlockDevice, mut blocks: Vec<(u64, Vec<u8>)>) -
 /// queue allows. Every completion is checked; the first failure is returned after all finish.
 pub(crate) fn write_blocks(dev: &mut dyn BlockDevice, blocks: Vec<(u64, Vec<u8>)>) -> Result<()> {
     let runs = coalesce(dev, blocks);
-    let depth = dev.info().queue_depth as usize;
-    let mut done = Vec::new();
-    let mut first_error: Option<DevError> = None;
-    let mut runs = runs.into_iter().peekable();
-    let mut in_flight = 0usize;
-    loop {
-        while in_flight < depth {
-            let Some(run) = runs.peek() else { break };
-            let Some(mut buf) = dev.pool().alloc(run.len_bytes()) else {
-                if in_flight == 0 {
-                    return Err(EngineError::Device(DevError::PoolExhausted));
-                }
-                break; // buffers come back with completions
-            };
-            let run = runs.next().expect("peeked");
-            run.copy_to(buf.as_mut_slice());
-            let addr = run.addr;
-            let lba = block_lba(dev, addr);
-            if let Err(rejected) = dev.submit(Request {
-                token: addr,
-                op: IoOp::Write {
-                    lba,
-                    buf,
-                    fua: false,
-                },
-            }) {
-                return Err(EngineError::Device(rejected.reason));
+    let lbas: Vec<u64> = runs.iter().map(|run| block_lba(dev, run.addr)).collect();
+    pump(
+        dev,
+        runs.len(),
+        |i| runs[i].len_bytes(),
+        |i, mut buf| {
+            runs[i].copy_to(buf.as_mut_slice());
+            IoOp::Write {
+                lba: lbas[i],
+                buf,
+                fua: false,
             }
-            in_flight += 1;
-        }
-        if in_flight == 0 {
-            break;
-        }
-        dev.wait(&mut done, Duration::from_secs(1))?;
-        for completion in done.drain(..) {
-            in_flight -= 1;
-            if let Err(e) = completion.result {
-                first_error.get_or_insert(e);
-            }
-        }
-    }
-    match first_error {
-        Some(e) => Err(EngineError::Device(e)),
-        None => Ok(()),
-    }
+        },
+        |_, _| {},
+    )
 }

@@ -458,30 +458,12 @@ impl Tree {
         let Some(root) = self.root_id(io)? else {
             return Ok(None);
         };
-        self.seek_in(io, root, key)
-    }
-
-    fn seek_in(
-        &mut self,
-        io: &mut dyn NodeIo,
-        id: NodeId,
-        key: &Key,
-    ) -> Result<Option<(Key, Vec<u8>)>> {
-        match &self.node(id).body {
-            Body::Leaf(items) => {
-                let i = items.partition_point(|(k, _)| k < key);
-                Ok(items.get(i).cloned())
-            }
-            Body::Internal(children) => {
-                let count = children.len();
-                for index in Self::child_index(children, key)..count {
-                    let child = self.child_id(io, id, index)?;
-                    if let Some(found) = self.seek_in(io, child, key)? {
-                        return Ok(Some(found));
-                    }
-                }
-                Ok(None)
-            }
+        let Some((leaf, index)) = self.seek_position(io, root, key)? else {
+            return Ok(None);
+        };
+        match &self.node(leaf).body {
+            Body::Leaf(items) => Ok(Some(items[index].clone())),
+            Body::Internal(_) => unreachable!("seek_position names a leaf"),
         }
     }
 
