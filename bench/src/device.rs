@@ -310,6 +310,14 @@ pub fn run(config: &DeviceBenchConfig) -> Result<DeviceBenchReport, String> {
                 .map(|(engine, path)| (path, dev.info().capacity_bytes(), engine))
         };
         for (workload, write, depth, figure) in WORKLOADS {
+            let fio_job = fio_target.as_ref().map(|(path, bytes, engine)| FioJob {
+                file: path,
+                size_bytes: *bytes,
+                ioengine: engine,
+                rw: workload,
+                iodepth: depth,
+                seconds: config.seconds_per_test.ceil() as u32,
+            });
             let mut ours = Vec::new();
             let mut theirs = Vec::new();
             for round in 1..=rounds {
@@ -319,18 +327,12 @@ pub fn run(config: &DeviceBenchConfig) -> Result<DeviceBenchReport, String> {
                     latency_run(&mut *dev, write, depth, config.seconds_per_test, seed)
                         .map_err(|e| format!("{name}: {e}"))?,
                 );
-                if let Some((path, bytes, engine)) = &fio_target {
-                    eprintln!("fio --ioengine={engine}: 4KiB {workload} QD{depth}, round {round}/{rounds}...");
-                    let seconds = config.seconds_per_test.ceil() as u32;
-                    let job = FioJob {
-                        file: path,
-                        size_bytes: *bytes,
-                        ioengine: engine,
-                        rw: workload,
-                        iodepth: depth,
-                        seconds,
-                    };
-                    theirs.push(fio::run(&job)?);
+                if let Some(job) = &fio_job {
+                    eprintln!(
+                        "fio --ioengine={}: 4KiB {workload} QD{depth}, round {round}/{rounds}...",
+                        job.ioengine
+                    );
+                    theirs.push(fio::run(job)?);
                 }
             }
             // The reported run is the round with the median p50 latency.
@@ -362,19 +364,11 @@ pub fn run(config: &DeviceBenchConfig) -> Result<DeviceBenchReport, String> {
                 let mut corefs = latency;
                 corefs.ops_per_sec = ours_iops;
                 corefs.p50_ns = ours_p50 as u64;
-                let (path, bytes, engine) = fio_target.as_ref().expect("fio ran");
-                let job = FioJob {
-                    file: path,
-                    size_bytes: *bytes,
-                    ioengine: engine,
-                    rw: workload,
-                    iodepth: depth,
-                    seconds: config.seconds_per_test.ceil() as u32,
-                };
+                let job = fio_job.as_ref().expect("fio ran");
                 report.fio.push(FioComparison {
                     workload: format!("4KiB {workload} QD{depth}"),
                     device: name.clone(),
-                    fio_command: format!("fio {}", fio::args(&job).join(" ")),
+                    fio_command: format!("fio {}", fio::args(job).join(" ")),
                     fio: fio_median,
                     corefs,
                     ratio,

@@ -562,12 +562,8 @@ pub fn run(config: &SuiteConfig, progress: &(dyn Fn(&str) + Sync)) -> R<SuiteRes
                 )
                 .map_err(|e| format!("{} on {}: {e}", workload.name, target.name()))?;
                 progress(&format!(
-                    "        {:.0} ops/s, {:.1} MiB/s, p50 {}, p99 {}, max {}{}{}",
-                    run.ops_per_sec,
-                    run.mib_per_sec,
-                    fmt_ns(run.latency.p50_ns as f64),
-                    fmt_ns(run.latency.p99_ns as f64),
-                    fmt_ns(run.latency.max_ns as f64),
+                    "{}{}{}",
+                    run_line(&run),
                     run.engine
                         .as_ref()
                         .map(|e| format!(", data cache {}", data_cache_summary(e)))
@@ -594,14 +590,7 @@ pub fn run(config: &SuiteConfig, progress: &(dyn Fn(&str) + Sync)) -> R<SuiteRes
                             .map_err(|e| {
                                 format!("{} on {}: {e}", workload.name, fio_raw::TARGET)
                             })?;
-                    progress(&format!(
-                        "        {:.0} ops/s, {:.1} MiB/s, p50 {}, p99 {}, max {}",
-                        run.ops_per_sec,
-                        run.mib_per_sec,
-                        fmt_ns(run.latency.p50_ns as f64),
-                        fmt_ns(run.latency.p99_ns as f64),
-                        fmt_ns(run.latency.max_ns as f64),
-                    ));
+                    progress(&run_line(&run));
                     results.runs.push(run);
                 }
             }
@@ -624,6 +613,18 @@ pub fn run(config: &SuiteConfig, progress: &(dyn Fn(&str) + Sync)) -> R<SuiteRes
     drop(targets);
     drop(images);
     Ok(results)
+}
+
+/// One run's figures as the progress lines show them.
+fn run_line(run: &results::RunResult) -> String {
+    format!(
+        "        {:.0} ops/s, {:.1} MiB/s, p50 {}, p99 {}, max {}",
+        run.ops_per_sec,
+        run.mib_per_sec,
+        fmt_ns(run.latency.p50_ns as f64),
+        fmt_ns(run.latency.p99_ns as f64),
+        fmt_ns(run.latency.max_ns as f64),
+    )
 }
 
 /// The data-block cache over a run: "off", or its hits and their share of the data blocks
