@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # fuse-bench.sh - what a user of the FUSE mount sees, beside ext4 on the same disk (issue 37):
 # `cp -a /usr/include` then `sync -f`, a 1 GiB `dd bs=1M conv=fsync` write, and a cold 1 GiB
-# `dd bs=1M` read (page cache dropped), on `corefs mount` of a file image and on ext4 on a
+# `dd bs=1M` read (page cache dropped) and the same read again (cache warm), on `corefs mount` of a file image and on ext4 on a
 # direct-I/O loop device, both images in /var/tmp. Runs are interleaved (corefs, ext4, corefs,
 # ...) and each row prints every run's seconds, the medians and ext4's median over corefs's
 # (above 1 corefs is faster). Needs root (mounts, loop devices, drop_caches).
 # Usage: scripts/fuse-bench.sh [REPEATS=3] [NEIGHBOURS=0]
 # NEIGHBOURS=N runs N CPU-bound shell loops beside every run. COREFS_BIN=path uses that
-# corefs binary instead of building one (to compare two builds).
+# corefs binary instead of building one (to compare two builds); COREFS_MOUNT_ARGS adds
+# options to `corefs mount` (e.g. "--atime noatime", which keeps the page cache across opens).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 repeats=${1:-3}
@@ -29,7 +30,8 @@ cleanup() {
 trap cleanup EXIT
 mkdir -p "$cf" "$e4"
 "$bin" mkfs "file:$work/corefs.img" --size 4GiB >/dev/null
-"$bin" mount "file:$work/corefs.img" "$cf" 2>"$work/server.log" &
+# shellcheck disable=SC2086 # the options are words
+"$bin" mount "file:$work/corefs.img" "$cf" ${COREFS_MOUNT_ARGS:-} 2>"$work/server.log" &
 server=$!
 for _ in $(seq 100); do mountpoint -q "$cf" && break; sleep 0.1; done
 mountpoint -q "$cf" || { cat "$work/server.log" >&2; exit 1; }
@@ -43,6 +45,7 @@ seconds() { local t0 t1; t0=$(date +%s.%N); "$@" >/dev/null 2>&1; t1=$(date +%s.
 copy() { cp -a /usr/include "$1/inc" && sync -f "$1/inc"; }
 write() { dd if=/dev/zero of="$1/big" bs=1M count=1024 conv=fsync; }
 read_cold() { sync; echo 3 >/proc/sys/vm/drop_caches; dd if="$1/big" of=/dev/null bs=1M; }
+read_again() { dd if="$1/big" of=/dev/null bs=1M; }
 clean() { rm -rf "$1/inc" "$1/big"; sync -f "$1"; }
 
 declare -A runs
@@ -52,13 +55,14 @@ for _ in $(seq "$repeats"); do
     runs[copy,$target]+="$(seconds copy "$dir") "
     runs[write,$target]+="$(seconds write "$dir") "
     runs[read,$target]+="$(seconds read_cold "$dir") "
+    runs[again,$target]+="$(seconds read_again "$dir") "
     clean "$dir"
   done
 done
 median() { tr ' ' '\n' | grep . | sort -g | awk '{ a[NR] = $1 } END { print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2 }'; }
 printf '%-28s %-22s %-22s %s\n' "FUSE mount, $neighbours neighbours" "corefs s (median)" "ext4 s (median)" "ext4/corefs"
-for row in copy write read; do
+for row in copy write read again; do
   c=$(median <<<"${runs[$row,corefs]}") e=$(median <<<"${runs[$row,ext4]}")
-  name=$row; case $row in copy) name="cp -a /usr/include + sync";; write) name="dd 1 GiB write + fsync";; read) name="dd 1 GiB read, cold";; esac
+  name=$row; case $row in copy) name="cp -a /usr/include + sync";; write) name="dd 1 GiB write + fsync";; read) name="dd 1 GiB read, cold";; again) name="dd 1 GiB read again";; esac
   printf '%-28s %-22s %-22s %.2fx\n' "$name" "${runs[$row,corefs]}($c)" "${runs[$row,ext4]}($e)" "$(awk -v c="$c" -v e="$e" 'BEGIN { print e / c }')"
 done

@@ -1362,3 +1362,80 @@ fn a_missing_name_made_through_the_mount_is_seen_at_once() {
     }
     mounted.unmount();
 }
+
+/// A file opened again keeps its pages in the kernel's page cache only while no read would
+/// move its atime (relatime, the default): read after a change, it is read from the engine
+/// again, and atime moves as on a kernel filesystem; its bytes are the latest through every
+/// descriptor, old or new.
+#[test]
+fn reads_through_the_page_cache_keep_relatime_and_the_latest_bytes() {
+    use std::io::{Read, Seek, Write};
+    use std::os::unix::fs::MetadataExt;
+    let (work, device) = work_and_image("corefs-mount-cache-", "128MiB", 2);
+    let mnt = work.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let Some(mounted) = first_mount(&device, &mnt, 1) else {
+        return;
+    };
+    let f = mnt.join("f");
+    let read_all = |what: &str| -> Vec<u8> {
+        let mut data = Vec::new();
+        std::fs::File::open(&f)
+            .unwrap()
+            .read_to_end(&mut data)
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        data
+    };
+    let atime = || {
+        let m = std::fs::metadata(&f).unwrap();
+        (m.atime(), m.atime_nsec())
+    };
+    let mtime = || {
+        let m = std::fs::metadata(&f).unwrap();
+        (m.mtime(), m.mtime_nsec())
+    };
+    std::fs::write(&f, vec![b'a'; 1 << 20]).unwrap();
+    // atime before mtime: the next read must move it.
+    let times = [
+        libc::timespec {
+            tv_sec: 1_000,
+            tv_nsec: 0,
+        },
+        libc::timespec {
+            tv_sec: 0,
+            tv_nsec: libc::UTIME_OMIT,
+        },
+    ];
+    // SAFETY: a NUL-terminated path and two timespecs.
+    let rc = unsafe { libc::utimensat(libc::AT_FDCWD, c_path(&f).as_ptr(), times.as_ptr(), 0) };
+    assert_eq!(rc, 0, "utimensat: errno {}", last_errno());
+    assert_eq!(atime(), (1_000, 0));
+    assert_eq!(read_all("first read"), vec![b'a'; 1 << 20]);
+    wait_until("atime moved by the first read", || atime() > mtime());
+    let after_first = atime();
+    // Read again: atime is after mtime and ctime, so the pages may stay cached and nothing moves.
+    assert_eq!(read_all("second read"), vec![b'a'; 1 << 20]);
+    assert_eq!(atime(), after_first, "relatime moved atime twice");
+
+    // A reader holding the file open sees a change made through another descriptor.
+    let mut reader = std::fs::File::open(&f).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let mut writer = std::fs::OpenOptions::new().write(true).open(&f).unwrap();
+    writer.seek(std::io::SeekFrom::Start(4096)).unwrap();
+    writer.write_all(&[b'b'; 8192]).unwrap();
+    drop(writer);
+    let mut expected = vec![b'a'; 1 << 20];
+    expected[4096..4096 + 8192].fill(b'b');
+    let mut seen = Vec::new();
+    reader.read_to_end(&mut seen).unwrap();
+    assert!(seen == expected, "an open reader sees the old bytes");
+    drop(reader);
+    // Changed after atime: the next open drops the cached pages, its read reaches the engine
+    // and moves atime past the new mtime.
+    wait_until("mtime after atime", || mtime() > after_first);
+    assert!(read_all("read after the change") == expected);
+    wait_until("atime moved by the read after the change", || {
+        atime() > mtime()
+    });
+    mounted.unmount();
+}

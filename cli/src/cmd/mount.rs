@@ -83,7 +83,8 @@ pub fn run(args: Args) -> Result<(), String> {
     } else {
         fuse::Access::Mounter
     };
-    fuse::serve(runtime, &mountpoint, access).map_err(|e| {
+    let caching = fuse::Caching { atime };
+    fuse::serve(runtime, &mountpoint, access, caching).map_err(|e| {
         format!(
             "mounting at {}: {e}{}",
             mountpoint.display(),

@@ -29,7 +29,9 @@
 //! Invariants: the kernel caches attributes and entries (a missing name too, as a negative
 //! entry) for [`TTL`] only (1 s), because the
 //! filesystem may be changed through no other path while mounted, but the kernel's own
-//! caches must not outlive an operation's effect by much. [`SESSION_THREADS`] threads read the
+//! caches must not outlive an operation's effect by much. File pages outlive an open only
+//! while no read through them would move atime ([`Caching`]): a read the page cache answers
+//! never reaches the engine. [`SESSION_THREADS`] threads read the
 //! kernel's requests (from one descriptor) and each carries a request through: decode, the
 //! reactor call with a reactor client of its own, the reply. So requests of different
 //! callers are at the reactor together (their fsyncs share records), one slow
@@ -45,15 +47,15 @@
 
 use convert::*;
 use refs::KernelRefs;
-pub use session::{mount_hint, serve, Access};
+pub use session::{mount_hint, serve, Access, Caching};
 
 use engine::{FallocateMode, RenameFlags, SetAttr, XattrFlags};
 use fuser::{
     BsdFileFlags, CopyFileRangeFlags, Errno, FileHandle, FileType, Filesystem, FopenFlags,
-    Generation, INodeNo, IoctlFlags, KernelConfig, LockOwner, OpenFlags, PollEvents, PollFlags,
-    PollNotifier, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry,
-    ReplyIoctl, ReplyLseek, ReplyOpen, ReplyPoll, ReplyStatfs, ReplyWrite, ReplyXattr, Request,
-    TimeOrNow, WriteFlags,
+    Generation, INodeNo, InitFlags, IoctlFlags, KernelConfig, LockOwner, OpenFlags, PollEvents,
+    PollFlags, PollNotifier, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty,
+    ReplyEntry, ReplyIoctl, ReplyLseek, ReplyOpen, ReplyPoll, ReplyStatfs, ReplyWrite, ReplyXattr,
+    Request, TimeOrNow, WriteFlags,
 };
 use reactor::{Client, Op, OpenHow, Opened, Reply, Runtime};
 
@@ -107,16 +109,23 @@ pub struct CorefsFuse {
     runtime: Option<Runtime>,
     clients: Clients,
     refs: KernelRefs,
+    caching: Caching,
+    /// Opens make no request (the kernel supports it and the mount is noatime): OPEN and
+    /// OPENDIR are answered ENOSYS once, after which the kernel opens on its own, keeping
+    /// the page cache and caching directory listings.
+    zero_message_opens: bool,
     /// Set at the first ioctl, which alone is logged (programs probe ioctls by the thousand).
     ioctl_logged: AtomicBool,
 }
 
 impl CorefsFuse {
-    pub fn new(runtime: Runtime) -> CorefsFuse {
+    pub fn new(runtime: Runtime, caching: Caching) -> CorefsFuse {
         CorefsFuse {
             clients: Clients::new(&runtime),
             runtime: Some(runtime),
             refs: KernelRefs::default(),
+            caching,
+            zero_message_opens: false,
             ioctl_logged: AtomicBool::new(false),
         }
     }
@@ -144,6 +153,7 @@ error_reply!(
     ReplyData,
     ReplyEmpty,
     ReplyEntry,
+    ReplyOpen,
     ReplyStatfs,
     ReplyWrite,
     ReplyXattr
@@ -240,7 +250,21 @@ impl CorefsFuse {
 }
 
 impl Filesystem for CorefsFuse {
-    fn init(&mut self, _req: &Request, _config: &mut KernelConfig) -> std::io::Result<()> {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        let kernel = config.capabilities();
+        let wanted = self.caching.init_flags();
+        let missing = wanted & !kernel;
+        if !missing.is_empty() {
+            tracing::warn!(
+                ?missing,
+                "this kernel's FUSE lacks features the mount would use; serving without them"
+            );
+        }
+        // Cannot fail: only flags the kernel offers are asked for.
+        let _ = config.add_capabilities(wanted & kernel);
+        self.zero_message_opens = self.caching.atime == engine::Atime::Never
+            && kernel
+                .contains(InitFlags::FUSE_NO_OPEN_SUPPORT | InitFlags::FUSE_NO_OPENDIR_SUPPORT);
         Ok(())
     }
 
@@ -456,10 +480,21 @@ impl Filesystem for CorefsFuse {
         self.reply_entry(op, reply);
     }
 
-    fn open(&self, _req: &Request, _ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+    fn open(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         // The engine has no open state: the inode number is the handle, and the kernel's
         // reference (counted at lookup) keeps an open file's inode.
-        reply.opened(FileHandle(0), FopenFlags::empty());
+        if self.zero_message_opens {
+            return reply.error(Errno::ENOSYS);
+        }
+        let caching = self.caching;
+        let op = Op::Stat {
+            ino: to_engine(ino),
+        };
+        self.answer(
+            reply,
+            |c| stat_reply(c, op),
+            move |reply, s| reply.opened(FileHandle(0), caching.open_flags(&s)),
+        );
     }
 
     fn read(
@@ -557,6 +592,9 @@ impl Filesystem for CorefsFuse {
     }
 
     fn opendir(&self, _req: &Request, _ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        if self.zero_message_opens {
+            return reply.error(Errno::ENOSYS);
+        }
         reply.opened(FileHandle(0), FopenFlags::empty());
     }
 
@@ -721,6 +759,7 @@ impl Filesystem for CorefsFuse {
         let name = name.as_bytes().to_vec();
         let owner = owner_of(req);
         let refs = &self.refs;
+        let caching = self.caching;
         // One request creates (or, without O_EXCL, opens what a racing create made since the
         // kernel's lookup, as open(2) would) and holds the file for the kernel's reference.
         let how = OpenHow {
@@ -759,7 +798,7 @@ impl Filesystem for CorefsFuse {
                 &attr(&s),
                 Generation(0),
                 FileHandle(0),
-                FopenFlags::empty(),
+                caching.open_flags(&s),
             )
         });
     }

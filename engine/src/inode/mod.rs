@@ -69,14 +69,23 @@ pub enum Atime {
 impl Atime {
     /// Whether a read at `now` moves `item`'s access time.
     pub fn moves(self, item: &InodeItem, now: Timespec) -> bool {
+        self.moves_times(item.atime, item.mtime, item.ctime, now)
+    }
+
+    /// [`Atime::moves`] for a file whose attributes are `stat` (what a server answering
+    /// reads from a cache decides by: FUSE's page cache is kept across opens only while no
+    /// read would move atime).
+    pub fn moves_stat(self, stat: &Stat, now: Timespec) -> bool {
+        self.moves_times(stat.atime, stat.mtime, stat.ctime, now)
+    }
+
+    fn moves_times(self, atime: Timespec, mtime: Timespec, ctime: Timespec, now: Timespec) -> bool {
         const DAY_SECS: i64 = 24 * 60 * 60;
         match self {
             Atime::Never => false,
-            Atime::Strict => item.atime != now,
+            Atime::Strict => atime != now,
             Atime::Relative => {
-                item.atime <= item.mtime
-                    || item.atime <= item.ctime
-                    || now.sec.saturating_sub(item.atime.sec) >= DAY_SECS
+                atime <= mtime || atime <= ctime || now.sec.saturating_sub(atime.sec) >= DAY_SECS
             }
         }
     }
