@@ -1439,3 +1439,120 @@ fn reads_through_the_page_cache_keep_relatime_and_the_latest_bytes() {
     });
     mounted.unmount();
 }
+
+/// A minimal POSIX access ACL (owner, group, other) is taken as the chmod it stands for, and
+/// takes effect at once: another user's permission check right after it sees the new mode,
+/// not the one the kernel had cached. Extended ACLs and default ACLs are refused
+/// (EOPNOTSUPP); none is ever stored, so reading or removing one finds none (ENODATA).
+#[test]
+fn a_minimal_acl_is_a_chmod_and_takes_effect_at_once() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    if !is_root() {
+        eprintln!("not root: no second user whose permission check to watch");
+        return;
+    }
+    let (work, device) = work_and_image("corefs-mount-acl-", "128MiB", 2);
+    let mnt = work.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let mounted = Mounted::start_with(&device, &mnt, 1, &["--allow-other"], None).unwrap();
+    let f = mnt.join("f");
+    std::fs::write(&f, b"secret").unwrap();
+    std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o644)).unwrap();
+    // The kernel's encoding; a named user or group (tags 2 and 8) is uid/gid 1000.
+    let acl = |entries: &[(u16, u16)]| {
+        let mut out = 2u32.to_le_bytes().to_vec();
+        for &(tag, perm) in entries {
+            let id = if tag == 0x02 || tag == 0x08 {
+                1000
+            } else {
+                u32::MAX
+            };
+            out.extend_from_slice(&tag.to_le_bytes());
+            out.extend_from_slice(&perm.to_le_bytes());
+            out.extend_from_slice(&id.to_le_bytes());
+        }
+        out
+    };
+    let set_on = |path: &Path, name: &std::ffi::CStr, value: &[u8]| {
+        // SAFETY: a NUL-terminated path and name, and `value` for its length.
+        let rc = unsafe {
+            libc::setxattr(
+                c_path(path).as_ptr(),
+                name.as_ptr(),
+                value.as_ptr().cast(),
+                value.len(),
+                0,
+            )
+        };
+        if rc == 0 {
+            0
+        } else {
+            last_errno()
+        }
+    };
+    let set = |name: &std::ffi::CStr, value: &[u8]| set_on(&f, name, value);
+    // nobody reads it (and the kernel caches its 0644).
+    let out = sh_as(NOBODY, "cat \"$1\"", &f);
+    assert!(out.status.success(), "{out:?}");
+    // u::rw-, g::---, o::--- is chmod 600.
+    let minimal = acl(&[(0x01, 6), (0x04, 0), (0x20, 0)]);
+    // nobody's check comes first: a stat would refresh the kernel's attributes itself.
+    assert_eq!(set(c"system.posix_acl_access", &minimal), 0);
+    let out = sh_as(NOBODY, "cat \"$1\"", &f);
+    assert!(
+        !out.status.success(),
+        "nobody read a file chmod 600 through an ACL (a stale cached mode): {out:?}"
+    );
+    assert_eq!(std::fs::metadata(&f).unwrap().mode() & 0o7777, 0o600);
+    // An extended ACL (a named user and a mask) and a directory's default ACL are refused;
+    // nothing changed.
+    let extended = acl(&[(0x01, 6), (0x02, 4), (0x04, 4), (0x10, 4), (0x20, 0)]);
+    assert_eq!(set(c"system.posix_acl_access", &extended), libc::EOPNOTSUPP);
+    let dir = mnt.join("dir");
+    std::fs::create_dir(&dir).unwrap();
+    assert_eq!(
+        set_on(&dir, c"system.posix_acl_default", &minimal),
+        libc::EOPNOTSUPP
+    );
+    assert_eq!(std::fs::metadata(&f).unwrap().mode() & 0o7777, 0o600);
+    // None is stored: reading or removing one finds none.
+    for (path, name) in [
+        (&f, c"system.posix_acl_access"),
+        (&dir, c"system.posix_acl_access"),
+        (&dir, c"system.posix_acl_default"),
+    ] {
+        let mut buf = [0u8; 64];
+        // SAFETY: a NUL-terminated path and name, and a buffer of its length.
+        let rc = unsafe {
+            libc::getxattr(
+                c_path(path).as_ptr(),
+                name.as_ptr(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+            )
+        };
+        assert_eq!((rc, last_errno()), (-1, libc::ENODATA), "get {name:?}");
+        // SAFETY: a NUL-terminated path and name.
+        let rc = unsafe { libc::removexattr(c_path(path).as_ptr(), name.as_ptr()) };
+        assert_eq!((rc, last_errno()), (-1, libc::ENODATA), "remove {name:?}");
+    }
+    // A copy with `cp -a` keeps every mode, with no error.
+    let tree = mnt.join("tree");
+    std::fs::create_dir_all(tree.join("d")).unwrap();
+    std::fs::write(tree.join("d/x"), b"x").unwrap();
+    std::fs::set_permissions(tree.join("d/x"), std::fs::Permissions::from_mode(0o751)).unwrap();
+    std::fs::set_permissions(tree.join("d"), std::fs::Permissions::from_mode(0o705)).unwrap();
+    let out = Command::new("cp")
+        .arg("-a")
+        .arg(&tree)
+        .arg(mnt.join("copy"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success() && out.stderr.is_empty(),
+        "cp -a: {out:?}"
+    );
+    let mode = |p: &str| std::fs::metadata(mnt.join(p)).unwrap().mode() & 0o7777;
+    assert_eq!((mode("copy/d"), mode("copy/d/x")), (0o705, 0o751));
+    mounted.unmount();
+}

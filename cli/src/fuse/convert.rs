@@ -157,14 +157,60 @@ pub(super) fn negative_entry() -> FileAttr {
 /// Whether an extended attribute's name is in a namespace corefs stores: `user.`,
 /// `trusted.` and `security.`, as ext4. The kernel hands a FUSE filesystem every name, where
 /// a kernel filesystem's handlers answer EOPNOTSUPP to a namespace they do not know, so that
-/// is done here. `system.` is refused whole: its names mean something to the kernel (POSIX
-/// ACLs above all, which corefs does not support; refusing them makes cp -a, tar and rsync
-/// fall back to chmod, instead of storing an ACL whose mode bits nothing would apply).
+/// is done here. `system.` is refused whole: its names mean something to the kernel. POSIX
+/// ACLs above all, which corefs does not store: a minimal one is taken as its chmod, any
+/// other refused, so cp -a, tar and rsync fall back to modes instead of storing an ACL
+/// nothing would apply ([`minimal_acl_bits`], [`is_posix_acl`]).
 pub(super) fn xattr_namespace_stored(name: &OsStr) -> bool {
     let name = name.as_bytes();
     [&b"user."[..], b"trusted.", b"security."]
         .iter()
         .any(|prefix| name.starts_with(prefix))
+}
+
+/// The POSIX access ACL's extended attribute, which the kernel hands on as it is (corefs does
+/// not ask for FUSE's POSIX ACL support).
+pub(super) const ACL_ACCESS: &[u8] = b"system.posix_acl_access";
+
+/// Whether `name` is one of the two POSIX ACL attributes. corefs stores no ACL, so reading or
+/// removing one finds none (ENODATA, as ext4 answers for a file whose ACL is its mode);
+/// setting one is [`minimal_acl_bits`]'s or refused.
+pub(super) fn is_posix_acl(name: &OsStr) -> bool {
+    [ACL_ACCESS, b"system.posix_acl_default"].contains(&name.as_bytes())
+}
+
+/// The permission bits (`0o777`) a *minimal* POSIX access ACL stands for: one owner, one
+/// group and one other entry and nothing else, which says exactly what a mode says (ext4
+/// stores no ACL for one either: `posix_acl_equiv_mode`). None for an extended ACL (named
+/// users or groups, a mask) or one that is not the kernel's `posix_acl_xattr` encoding
+/// (little-endian: a `u32` version 2, then `u16` tag, `u16` permissions, `u32` id per entry).
+pub(super) fn minimal_acl_bits(value: &[u8]) -> Option<u32> {
+    const VERSION: u32 = 2;
+    const USER_OBJ: u16 = 0x01;
+    const GROUP_OBJ: u16 = 0x04;
+    const OTHER: u16 = 0x20;
+    let (version, entries) = value.split_first_chunk::<4>()?;
+    if u32::from_le_bytes(*version) != VERSION || entries.len() != 3 * 8 {
+        return None;
+    }
+    let (mut owner, mut group, mut other) = (None, None, None);
+    for entry in entries.chunks_exact(8) {
+        let tag = u16::from_le_bytes([entry[0], entry[1]]);
+        let perm = u32::from(u16::from_le_bytes([entry[2], entry[3]]));
+        if perm > 0o7 {
+            return None;
+        }
+        let slot = match tag {
+            USER_OBJ => &mut owner,
+            GROUP_OBJ => &mut group,
+            OTHER => &mut other,
+            _ => return None,
+        };
+        if slot.replace(perm).is_some() {
+            return None;
+        }
+    }
+    Some(owner? << 6 | group? << 3 | other?)
 }
 
 /// getxattr/listxattr's two-step protocol: size 0 asks for the length.
@@ -181,6 +227,44 @@ pub(super) fn xattr_reply(reply: ReplyXattr, data: &[u8], size: u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn acl(entries: &[(u16, u16)]) -> Vec<u8> {
+        let mut out = 2u32.to_le_bytes().to_vec();
+        for &(tag, perm) in entries {
+            out.extend_from_slice(&tag.to_le_bytes());
+            out.extend_from_slice(&perm.to_le_bytes());
+            out.extend_from_slice(&u32::MAX.to_le_bytes());
+        }
+        out
+    }
+
+    /// A minimal ACL is its mode bits, in any entry order; an extended, repeated, truncated or
+    /// other-version one is none.
+    #[test]
+    fn a_minimal_acl_is_its_mode_bits_and_nothing_else_is() {
+        assert_eq!(
+            minimal_acl_bits(&acl(&[(0x01, 6), (0x04, 4), (0x20, 0)])),
+            Some(0o640)
+        );
+        assert_eq!(
+            minimal_acl_bits(&acl(&[(0x20, 7), (0x01, 5), (0x04, 1)])),
+            Some(0o517)
+        );
+        let extended = [
+            acl(&[(0x01, 6), (0x02, 4), (0x04, 4), (0x10, 4), (0x20, 0)]),
+            acl(&[(0x01, 6), (0x04, 4), (0x10, 4)]),
+            acl(&[(0x01, 6), (0x01, 4), (0x20, 0)]),
+            acl(&[(0x01, 6), (0x04, 8), (0x20, 0)]),
+            acl(&[(0x01, 6), (0x04, 4)]),
+        ];
+        for value in &extended {
+            assert_eq!(minimal_acl_bits(value), None, "{value:?}");
+        }
+        let mut version_1 = acl(&[(0x01, 6), (0x04, 4), (0x20, 0)]);
+        version_1[0] = 1;
+        assert_eq!(minimal_acl_bits(&version_1), None);
+        assert_eq!(minimal_acl_bits(&[2, 0, 0]), None);
+    }
 
     /// A time before 1970 with a fraction keeps it both ways: what fuser 0.18 makes of the
     /// kernel's (-2 s, 800 ms) for -1.2 s comes back as the same two fields, and the engine's

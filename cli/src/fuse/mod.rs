@@ -110,6 +110,8 @@ pub struct CorefsFuse {
     clients: Clients,
     refs: KernelRefs,
     caching: Caching,
+    /// The session's channel for notifications to the kernel, set once the session runs.
+    notifier: std::sync::Arc<std::sync::OnceLock<fuser::Notifier>>,
     /// Opens make no request (the kernel supports it and the mount is noatime): OPEN and
     /// OPENDIR are answered ENOSYS once, after which the kernel opens on its own, keeping
     /// the page cache and caching directory listings.
@@ -119,12 +121,17 @@ pub struct CorefsFuse {
 }
 
 impl CorefsFuse {
-    pub fn new(runtime: Runtime, caching: Caching) -> CorefsFuse {
+    pub fn new(
+        runtime: Runtime,
+        caching: Caching,
+        notifier: std::sync::Arc<std::sync::OnceLock<fuser::Notifier>>,
+    ) -> CorefsFuse {
         CorefsFuse {
             clients: Clients::new(&runtime),
             runtime: Some(runtime),
             refs: KernelRefs::default(),
             caching,
+            notifier,
             zero_message_opens: false,
             ioctl_logged: AtomicBool::new(false),
         }
@@ -241,6 +248,46 @@ impl CorefsFuse {
             |c| expect!(call(c, op)?, Reply::Data),
             |reply, d| reply.data(&d),
         );
+    }
+
+    /// setxattr of the POSIX access ACL. corefs stores no ACLs, but a minimal one (owner,
+    /// group and other entries) says no more than a mode does, so it is taken as the chmod it
+    /// stands for, as ext4 takes it; any other is EOPNOTSUPP, and the caller falls back to
+    /// modes (`cp -a`, `tar`, `rsync -A`). Before, every one was refused and `cp -a` followed
+    /// each with a chmod: one request per file copied. The kernel checked that the caller
+    /// owns the file. A file with set-group-ID is refused too: chmod's rule for that bit
+    /// (cleared unless the caller is in the file's group) is the kernel's, which the chmod
+    /// that follows applies. The kernel keeps its cached mode across a SETXATTR, so the
+    /// inode's attributes are invalidated before the reply: a permission check right after
+    /// must see the new mode, not the cached one for up to [`TTL`].
+    fn set_access_acl(&self, ino: INodeNo, value: &[u8], flags: i32, reply: ReplyEmpty) {
+        let (Some(bits), 0, Some(notifier)) = (minimal_acl_bits(value), flags, self.notifier.get())
+        else {
+            return reply.error(Errno::EOPNOTSUPP);
+        };
+        let engine_ino = to_engine(ino);
+        let work = move |c: &mut Client| {
+            let s = stat_reply(c, Op::Stat { ino: engine_ino })?;
+            if s.mode & libc::S_ISGID != 0 {
+                return Err(libc::EOPNOTSUPP);
+            }
+            let change = SetAttr {
+                mode: Some(s.mode & 0o7000 | bits),
+                ..SetAttr::default()
+            };
+            stat_reply(
+                c,
+                Op::SetAttr {
+                    ino: engine_ino,
+                    change,
+                },
+            )?;
+            if let Err(e) = notifier.inval_inode(ino, -1, 0) {
+                tracing::warn!("invalidating inode {engine_ino}'s attributes: {e}");
+            }
+            Ok(())
+        };
+        self.answer(reply, work, |reply, ()| reply.ok());
     }
 
     /// Replies success or the errno of `op`, which has no result.
@@ -689,6 +736,9 @@ impl Filesystem for CorefsFuse {
         _position: u32,
         reply: ReplyEmpty,
     ) {
+        if name.as_bytes() == ACL_ACCESS {
+            return self.set_access_acl(ino, value, flags, reply);
+        }
         if !xattr_namespace_stored(name) {
             return reply.error(Errno::EOPNOTSUPP);
         }
@@ -708,6 +758,9 @@ impl Filesystem for CorefsFuse {
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        if is_posix_acl(name) {
+            return reply.error(Errno::ENODATA);
+        }
         if !xattr_namespace_stored(name) {
             return reply.error(Errno::EOPNOTSUPP);
         }
@@ -735,6 +788,9 @@ impl Filesystem for CorefsFuse {
     }
 
     fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        if is_posix_acl(name) {
+            return reply.error(Errno::ENODATA);
+        }
         if !xattr_namespace_stored(name) {
             return reply.error(Errno::EOPNOTSUPP);
         }

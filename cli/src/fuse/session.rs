@@ -133,7 +133,10 @@ pub fn serve(
         Access::Everyone => SessionACL::All,
     };
     let mountpoint = std::fs::canonicalize(mountpoint)?;
-    let mut session = fuser::spawn_mount(CorefsFuse::new(runtime, caching), &mountpoint, &config)?;
+    let notifier = std::sync::Arc::new(std::sync::OnceLock::new());
+    let fs = CorefsFuse::new(runtime, caching, notifier.clone());
+    let mut session = fuser::spawn_mount(fs, &mountpoint, &config)?;
+    let _ = notifier.set(session.notifier());
     widen_readahead(&mountpoint);
     // The session ends when the kernel's connection does (after `destroy` has committed).
     // The handle is swapped for a finished thread's so `session`, which unmounts when
