@@ -132,11 +132,14 @@ summary() {
 
 passed_cases() { awk '$2 == "ok" {print $1}' "$1" | sort -u; }
 
-echo "== corefs (mount --allow-other)"
+echo "== corefs (mount --allow-other ${COREFS_MOUNT_ARGS:-})"
 IMAGE=$WORK/corefs.img
 rm -f "$IMAGE"
 "$COREFS" mkfs "file:$IMAGE,size=1GiB" --shards 4 >/dev/null
-NO_COLOR=1 "$COREFS" mount "file:$IMAGE" "$CMNT" --allow-other >"$WORK/corefs-server.log" 2>&1 &
+# COREFS_MOUNT_ARGS adds mount options (e.g. "--atime noatime": opens then make no request).
+# shellcheck disable=SC2086 # the options are words
+NO_COLOR=1 "$COREFS" mount "file:$IMAGE" "$CMNT" --allow-other ${COREFS_MOUNT_ARGS:-} \
+    >"$WORK/corefs-server.log" 2>&1 &
 SERVER=$!
 for _ in $(seq 300); do
     mountpoint -q "$CMNT" && break

@@ -68,12 +68,28 @@ impl Mounted {
         args: &[&str],
         user: Option<u32>,
     ) -> Result<Mounted, String> {
+        Mounted::start_logging(device, mountpoint, reactors, args, user, "")
+    }
+
+    /// [`Mounted::start_with`], the server logging what `log_filter` (`COREFS_LOG`) asks for
+    /// into the log the test can read (`Mounted::log`).
+    fn start_logging(
+        device: &str,
+        mountpoint: &Path,
+        reactors: usize,
+        args: &[&str],
+        user: Option<u32>,
+        log_filter: &str,
+    ) -> Result<Mounted, String> {
         let log = mountpoint.with_extension("server.log");
         let stderr = std::fs::File::create(&log).unwrap();
         let mut cmd = match user {
             Some(id) => as_user(id, env!("CARGO_BIN_EXE_corefs")),
             None => corefs(),
         };
+        if !log_filter.is_empty() {
+            cmd.env("COREFS_LOG", log_filter);
+        }
         let mut child = cmd
             .args(["mount", device])
             .arg(mountpoint)
@@ -1554,5 +1570,76 @@ fn a_minimal_acl_is_a_chmod_and_takes_effect_at_once() {
     );
     let mode = |p: &str| std::fs::metadata(mnt.join(p)).unwrap().mode() & 0o7777;
     assert_eq!((mode("copy/d"), mode("copy/d/x")), (0o705, 0o751));
+    mounted.unmount();
+}
+
+/// With noatime, opens make no request (FUSE's zero-message open, where the kernel has it) and
+/// the kernel keeps files' pages and directories' listings across opens; every change made
+/// through the mount is still seen at once: names created, renamed and removed in a listed
+/// directory, and bytes written through another descriptor.
+#[test]
+fn a_noatime_mount_opens_without_requests_and_sees_every_change() {
+    use std::io::{Read, Write};
+    let (work, device) = work_and_image("corefs-mount-noatime-", "128MiB", 2);
+    let mnt = work.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let root = is_root();
+    let args = ["--atime", "noatime"];
+    let mounted = match Mounted::start_logging(&device, &mnt, 1, &args, None, "fuser=debug") {
+        Ok(m) => m,
+        Err(e) if !root => {
+            assert!(e.contains("mount"), "unclear error: {e}");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let dir = mnt.join("d");
+    std::fs::create_dir(&dir).unwrap();
+    let names = || {
+        let mut v: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        v.sort();
+        v
+    };
+    let f = dir.join("a");
+    std::fs::write(&f, b"one").unwrap();
+    for _ in 0..20 {
+        assert_eq!(names(), ["a"]);
+        assert_eq!(std::fs::read(&f).unwrap(), b"one");
+    }
+    std::fs::write(dir.join("b"), b"").unwrap();
+    assert_eq!(names(), ["a", "b"]);
+    std::fs::rename(dir.join("b"), dir.join("c")).unwrap();
+    assert_eq!(names(), ["a", "c"]);
+    std::fs::remove_file(dir.join("c")).unwrap();
+    assert_eq!(names(), ["a"]);
+    let mut reader = std::fs::File::open(&f).unwrap();
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(&f)
+        .unwrap()
+        .write_all(b" two")
+        .unwrap();
+    let mut seen = Vec::new();
+    reader.read_to_end(&mut seen).unwrap();
+    assert_eq!(seen, b"one two");
+    drop(reader);
+    assert_eq!(std::fs::read(&f).unwrap(), b"one two");
+    let log = std::fs::read_to_string(&mounted.log).unwrap();
+    let requests = |op: &str| {
+        log.lines()
+            .filter(|l| l.contains(&format!(" {op} ")))
+            .count()
+    };
+    // One OPEN and one OPENDIR at most: the first, answered ENOSYS (none at all if the
+    // kernel lacks zero-message opens, which would answer each: then more than one).
+    assert!(
+        requests("OPEN") <= 1 && requests("OPENDIR") <= 1,
+        "{} OPEN and {} OPENDIR requests for 27 opens and 24 listings",
+        requests("OPEN"),
+        requests("OPENDIR")
+    );
     mounted.unmount();
 }
