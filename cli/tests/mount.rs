@@ -129,19 +129,24 @@ impl Mounted {
     }
 
     fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let status = match self.user {
-                Some(id) => as_user(id, "fusermount3")
-                    .arg("-u")
-                    .arg(&self.mountpoint)
-                    .status(),
-                None => Command::new("umount").arg(&self.mountpoint).status(),
-            }
-            .unwrap();
-            assert!(status.success(), "unmounting failed");
-            let exit = child.wait().unwrap();
-            assert!(exit.success(), "corefs mount exited with {exit}");
+        if self.child.is_none() {
+            return;
         }
+        let status = match self.user {
+            Some(id) => as_user(id, "fusermount3")
+                .arg("-u")
+                .arg(&self.mountpoint)
+                .status(),
+            None => Command::new("umount").arg(&self.mountpoint).status(),
+        }
+        .unwrap();
+        // The server stays ours until the unmount worked: if it failed (a file still open),
+        // the panic's drop detaches the mount and kills the server instead of leaving both
+        // behind, mounted, for every later run to trip over.
+        assert!(status.success(), "unmounting failed");
+        let mut child = self.child.take().expect("checked above");
+        let exit = child.wait().unwrap();
+        assert!(exit.success(), "corefs mount exited with {exit}");
     }
 
     /// Kills the server (a crash: nothing more is committed) and detaches the dead mount.
