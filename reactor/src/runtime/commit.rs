@@ -63,20 +63,22 @@ impl Reactor {
     /// `cp -a /usr/include` waited 10-15 s in its fsync (a fallback waiting for the commit)
     /// in about half the runs, 0.8 s in the others.
     pub(super) fn commit_step_ready(&self) -> bool {
-        if self.multi.is_some()
-            || self.fs.failure().is_some()
-            || self.fs.commit_in_flight().is_some()
-            || self.fs.unpin_waits_for_reads()
-            || self.fs.log_in_flight() > 0
-        {
-            return false;
-        }
-        self.commit_wanted()
+        self.multi.is_none()
+            && self.fs.failure().is_none()
+            && self.fs.log_in_flight() == 0
+            && self.commit_may_step()
     }
 
-    /// A commit is due (the engine says so) or waited for (a waiter, or a request parked for
-    /// space, needs a generation not yet durable).
-    fn commit_wanted(&self) -> bool {
+    /// A commit is wanted and nothing in the engine stops its next step: none is in flight,
+    /// and the last one's unpin does not wait for reads in flight (the next commit first
+    /// unpins the last, which must wait for the reads planned before it: starting now would
+    /// hold the reactor until they complete, and a slow device read would stop every client;
+    /// it starts once they land). Wanted: due (the engine says so) or waited for (a waiter,
+    /// or a request parked for space, needs a generation not yet durable).
+    fn commit_may_step(&self) -> bool {
+        if self.fs.commit_in_flight().is_some() || self.fs.unpin_waits_for_reads() {
+            return false;
+        }
         let durable = self.fs.durable_generation();
         self.commit_waiters.iter().any(|w| w.generation > durable)
             || self.meta.space_wanted().is_some_and(|g| g > durable)
@@ -97,16 +99,7 @@ impl Reactor {
             }
             return;
         }
-        if self.fs.commit_in_flight().is_some() {
-            return;
-        }
-        // The next commit first unpins the last one, which must wait for the reads in flight
-        // planned before it: starting it now would hold the reactor until they complete (a
-        // slow device read would stop every client). It starts once they land.
-        if self.fs.unpin_waits_for_reads() {
-            return;
-        }
-        if !self.commit_wanted() {
+        if !self.commit_may_step() {
             return;
         }
         // The delayed index items go into the trees a step per loop turn first, so the
