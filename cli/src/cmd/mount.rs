@@ -83,8 +83,7 @@ pub fn run(args: Args) -> Result<(), String> {
     } else {
         fuse::Access::Mounter
     };
-    let caching = fuse::Caching { atime };
-    fuse::serve(runtime, &mountpoint, access, caching).map_err(|e| {
+    fuse::serve(runtime, &mountpoint, access, atime).map_err(|e| {
         format!(
             "mounting at {}: {e}{}",
             mountpoint.display(),

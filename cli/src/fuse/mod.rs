@@ -30,7 +30,7 @@
 //! entry) for [`TTL`] only (1 s), because the
 //! filesystem may be changed through no other path while mounted, but the kernel's own
 //! caches must not outlive an operation's effect by much. File pages outlive an open only
-//! while no read through them would move atime ([`Caching`]): a read the page cache answers
+//! while no read through them would move atime ([`session::open_flags`]): a read the page cache answers
 //! never reaches the engine. [`SESSION_THREADS`] threads read the
 //! kernel's requests (from one descriptor) and each carries a request through: decode, the
 //! reactor call with a reactor client of its own, the reply. So requests of different
@@ -47,7 +47,7 @@
 
 use convert::*;
 use refs::KernelRefs;
-pub use session::{mount_hint, serve, Access, Caching};
+pub use session::{mount_hint, serve, Access};
 
 use engine::{FallocateMode, RenameFlags, SetAttr, XattrFlags};
 use fuser::{
@@ -78,6 +78,10 @@ const TTL: Duration = Duration::from_secs(1);
 /// which on a 2-core machine were most of a small request's time.
 pub const SESSION_THREADS: usize = 4;
 
+/// Requests a session thread's reactor client may have in flight: a FUSE request makes its
+/// calls one at a time, so a small queue is enough.
+const CLIENT_DEPTH: usize = 4;
+
 /// The session threads' reactor clients: a thread takes one for a request and puts it back,
 /// so there are never more than [`SESSION_THREADS`] (plus one for `destroy`).
 struct Clients(Mutex<Vec<Client>>);
@@ -85,7 +89,9 @@ struct Clients(Mutex<Vec<Client>>);
 impl Clients {
     fn new(runtime: &Runtime) -> Clients {
         Clients(Mutex::new(
-            (0..SESSION_THREADS).map(|_| runtime.client(4)).collect(),
+            (0..SESSION_THREADS)
+                .map(|_| runtime.client(CLIENT_DEPTH))
+                .collect(),
         ))
     }
 
@@ -109,7 +115,8 @@ pub struct CorefsFuse {
     runtime: Option<Runtime>,
     clients: Clients,
     refs: KernelRefs,
-    caching: Caching,
+    /// The mount's atime rule, which decides what the kernel may cache across opens.
+    atime: engine::Atime,
     /// The session's channel for notifications to the kernel, set once the session runs.
     notifier: std::sync::Arc<std::sync::OnceLock<fuser::Notifier>>,
     /// Opens make no request (the kernel supports it and the mount is noatime): OPEN and
@@ -123,14 +130,14 @@ pub struct CorefsFuse {
 impl CorefsFuse {
     pub fn new(
         runtime: Runtime,
-        caching: Caching,
+        atime: engine::Atime,
         notifier: std::sync::Arc<std::sync::OnceLock<fuser::Notifier>>,
     ) -> CorefsFuse {
         CorefsFuse {
             clients: Clients::new(&runtime),
             runtime: Some(runtime),
             refs: KernelRefs::default(),
-            caching,
+            atime,
             notifier,
             zero_message_opens: false,
             ioctl_logged: AtomicBool::new(false),
@@ -193,7 +200,7 @@ impl CorefsFuse {
     fn run(&self, job: impl FnOnce(&mut Client)) {
         let client = match self.clients.take() {
             Some(client) => Some(client),
-            None => self.runtime.as_ref().map(|r| r.client(4)),
+            None => self.runtime.as_ref().map(|r| r.client(CLIENT_DEPTH)),
         };
         // None only after `destroy`: the reply is dropped, which fuser answers with EIO.
         let Some(mut client) = client else { return };
@@ -257,7 +264,10 @@ impl CorefsFuse {
     /// each with a chmod: one request per file copied. The kernel checked that the caller
     /// owns the file. A file with set-group-ID is refused too: chmod's rule for that bit
     /// (cleared unless the caller is in the file's group) is the kernel's, which the chmod
-    /// that follows applies. The kernel keeps its cached mode across a SETXATTR, so the
+    /// that follows applies. The mode is read and then set in two calls: nothing can change
+    /// it in between, since the kernel holds the inode's lock across a SETXATTR as across a
+    /// chmod, and nothing but this mount changes the filesystem. The kernel keeps its cached
+    /// mode across a SETXATTR, so the
     /// inode's attributes are invalidated before the reply: a permission check right after
     /// must see the new mode, not the cached one for up to [`TTL`].
     fn set_access_acl(&self, ino: INodeNo, value: &[u8], flags: i32, reply: ReplyEmpty) {
@@ -299,7 +309,7 @@ impl CorefsFuse {
 impl Filesystem for CorefsFuse {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
         let kernel = config.capabilities();
-        let wanted = self.caching.init_flags();
+        let wanted = session::INIT_FLAGS;
         let missing = wanted & !kernel;
         if !missing.is_empty() {
             tracing::warn!(
@@ -309,7 +319,7 @@ impl Filesystem for CorefsFuse {
         }
         // Cannot fail: only flags the kernel offers are asked for.
         let _ = config.add_capabilities(wanted & kernel);
-        self.zero_message_opens = self.caching.atime == engine::Atime::Never
+        self.zero_message_opens = self.atime == engine::Atime::Never
             && kernel
                 .contains(InitFlags::FUSE_NO_OPEN_SUPPORT | InitFlags::FUSE_NO_OPENDIR_SUPPORT);
         Ok(())
@@ -533,14 +543,14 @@ impl Filesystem for CorefsFuse {
         if self.zero_message_opens {
             return reply.error(Errno::ENOSYS);
         }
-        let caching = self.caching;
+        let atime = self.atime;
         let op = Op::Stat {
             ino: to_engine(ino),
         };
         self.answer(
             reply,
             |c| stat_reply(c, op),
-            move |reply, s| reply.opened(FileHandle(0), caching.open_flags(&s)),
+            move |reply, s| reply.opened(FileHandle(0), session::open_flags(atime, &s)),
         );
     }
 
@@ -815,7 +825,7 @@ impl Filesystem for CorefsFuse {
         let name = name.as_bytes().to_vec();
         let owner = owner_of(req);
         let refs = &self.refs;
-        let caching = self.caching;
+        let atime = self.atime;
         // One request creates (or, without O_EXCL, opens what a racing create made since the
         // kernel's lookup, as open(2) would) and holds the file for the kernel's reference.
         let how = OpenHow {
@@ -854,7 +864,7 @@ impl Filesystem for CorefsFuse {
                 &attr(&s),
                 Generation(0),
                 FileHandle(0),
-                caching.open_flags(&s),
+                session::open_flags(atime, &s),
             )
         });
     }

@@ -17,38 +17,35 @@ pub enum Access {
     Everyone,
 }
 
-/// What the kernel may cache for the mount. The filesystem changes through this mount alone
-/// while it is mounted (the device is held exclusively), so the kernel's caches can only be
-/// stale about what the server does on its own — and the only such thing is atime.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Caching {
-    /// The mount's atime rule. It decides whether a file's pages stay in the kernel's page
-    /// cache across opens (FOPEN_KEEP_CACHE): a read the page cache answers never reaches
-    /// the engine, so the cache is kept at an open only when no read would move atime
-    /// (noatime always; relatime while atime is after mtime and ctime and less than a day
-    /// old, which the first read after a change makes so; strictatime never). Otherwise the
-    /// open drops the file's cached pages and its first read goes to the engine, as every
-    /// open did before (a 1 GiB file read again took 1.11 s, ext4 0.04 s; kept: 0.19 s).
-    /// With noatime opens make no request at all (zero-message open) where the kernel
-    /// offers it.
-    pub atime: engine::Atime,
-}
+/// The INIT flags the mount asks for: parallel lookups and readdirs in one directory
+/// (FUSE_PARALLEL_DIROPS: the reactor orders what must be ordered, so the kernel need not
+/// serialize lookups of one directory).
+///
+/// Not the kernel's writeback cache (FUSE_WRITEBACK_CACHE), though it would let write(2)
+/// return once the page cache holds the data: a write error (ENOSPC, EIO) would then come
+/// back from fsync or close instead of the write, so a writer checking neither (`dd` filling
+/// the disk) wrote on forever into pages that could not go back (the mount test of a full
+/// filesystem never ended); and on this VM it was slower, not faster (scripts/fuse-bench.sh,
+/// medians of 3: `cp -a /usr/include` 3.23 s against 2.45 s, 1 GiB `dd` write+fsync 1.07 s
+/// against 0.73 s).
+pub(super) const INIT_FLAGS: InitFlags = InitFlags::FUSE_PARALLEL_DIROPS;
 
-impl Caching {
-    pub(super) fn init_flags(&self) -> InitFlags {
-        InitFlags::FUSE_PARALLEL_DIROPS
-    }
-
-    /// The flags of an open or create reply for a file whose attributes are `stat`.
-    pub(super) fn open_flags(&self, stat: &engine::Stat) -> FopenFlags {
-        if self
-            .atime
-            .moves_stat(stat, engine::format::items::Timespec::now())
-        {
-            FopenFlags::empty()
-        } else {
-            FopenFlags::FOPEN_KEEP_CACHE
-        }
+/// The flags of an open or create reply for a file whose attributes are `stat`, on a mount
+/// whose atime rule is `atime`. The filesystem changes through this mount alone while it is
+/// mounted (the device is held exclusively), so the kernel's cached pages can only be stale
+/// about what the server does on its own, and the only such thing is atime: a read the page
+/// cache answers never reaches the engine. So the pages are kept across the open
+/// (FOPEN_KEEP_CACHE) only when no read would move atime: noatime always; relatime while atime
+/// is after mtime and ctime and less than a day old, which the first read after a change makes
+/// so; strictatime never. Otherwise the open drops the file's cached pages and its first read
+/// goes to the engine, as every open did before (a 1 GiB file read again took 1.11 s, ext4
+/// 0.04 s; kept: 0.17 s). With noatime, opens make no request at all where the kernel offers
+/// zero-message opens ([`super::CorefsFuse`]).
+pub(super) fn open_flags(atime: engine::Atime, stat: &engine::Stat) -> FopenFlags {
+    if atime.moves_stat(stat, engine::format::items::Timespec::now()) {
+        FopenFlags::empty()
+    } else {
+        FopenFlags::FOPEN_KEEP_CACHE
     }
 }
 
@@ -110,7 +107,7 @@ pub fn serve(
     runtime: Runtime,
     mountpoint: &Path,
     access: Access,
-    caching: Caching,
+    atime: engine::Atime,
 ) -> std::io::Result<()> {
     // Default permissions: the kernel checks modes against the caller, as for a kernel
     // filesystem (the engine stores modes and owners but does not check them).
@@ -134,7 +131,7 @@ pub fn serve(
     };
     let mountpoint = std::fs::canonicalize(mountpoint)?;
     let notifier = std::sync::Arc::new(std::sync::OnceLock::new());
-    let fs = CorefsFuse::new(runtime, caching, notifier.clone());
+    let fs = CorefsFuse::new(runtime, atime, notifier.clone());
     let mut session = fuser::spawn_mount(fs, &mountpoint, &config)?;
     let _ = notifier.set(session.notifier());
     widen_readahead(&mountpoint);
