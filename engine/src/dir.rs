@@ -38,7 +38,7 @@ use crate::inode::{
 use crate::space::MetaNeed;
 
 /// One readdir entry.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct DirEntry {
     pub name: Vec<u8>,
     pub ino: u64,
@@ -49,7 +49,7 @@ pub struct DirEntry {
 }
 
 /// rename(2) flags.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RenameFlags {
     pub noreplace: bool,
     pub exchange: bool,

@@ -57,6 +57,11 @@ pub enum EngineError {
     /// and the filesystem serving it has stopped (fail-stop), as after a device error.
     #[error("internal error: {0}")]
     Internal(String),
+    /// An error whose errno is all there is to it: what a storage service answered its
+    /// client with (the client cannot take it apart further), or a permission the service
+    /// refused (EACCES, EPERM).
+    #[error("{message}")]
+    Refused { errno: i32, message: String },
     /// A deferred lookup needs a tree node from the device ([`crate::fetch`]): exists only
     /// inside [`crate::Filesystem::without_waiting`], which never returns it.
     #[error("a tree node must be read from the device first")]
@@ -107,6 +112,7 @@ impl EngineError {
             EngineError::TooManyLinks => 31,    // EMLINK
             EngineError::XattrTooLarge(_) => 7, // E2BIG
             EngineError::Internal(_) => libc_eio(),
+            EngineError::Refused { errno, .. } => *errno,
             EngineError::WouldBlock => 11, // EAGAIN; never returned to a caller
         }
     }

@@ -20,7 +20,7 @@ use crate::fs::{Filesystem, Needs};
 use crate::space::MetaNeed;
 
 /// setxattr(2) flags.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum XattrFlags {
     #[default]
     Any,

@@ -5,7 +5,7 @@ use engine::{DirEntry, EngineError, FallocateMode, RenameFlags, SetAttr, Stat, X
 
 /// Who creates an inode: its owner and group (the caller's, as the kernel passes them to
 /// FUSE or as a C program's credentials are; a set-group-ID directory overrides the group).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Owner {
     pub uid: u32,
     pub gid: u32,
@@ -17,7 +17,7 @@ impl Owner {
 }
 
 /// What [`Op::Open`] does besides holding what it opens: open(2)'s flags.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct OpenHow {
     /// O_CREAT: a missing name is created as a regular file with this mode (permission bits)
     /// and owner; an existing directory is EISDIR.
@@ -26,6 +26,9 @@ pub struct OpenHow {
     pub exclusive: bool,
     /// Opened for writing: a directory is EISDIR.
     pub writable: bool,
+    /// Opened for reading. The engine does not look at it; the storage service checks the
+    /// caller's read permission with it, as open(2) does.
+    pub readable: bool,
     /// O_TRUNC (with `writable`): an existing file that is not a directory is cut to zero.
     pub truncate: bool,
     /// O_DIRECTORY, or a path ending in `/`: anything but a directory is ENOTDIR.
@@ -33,7 +36,7 @@ pub struct OpenHow {
 }
 
 /// What [`Op::Open`] opened.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
 pub enum Opened {
     /// An existing inode, held (and truncated if asked).
     Found(Stat),
@@ -46,7 +49,7 @@ pub enum Opened {
 }
 
 /// One engine operation. Inode numbers and names are the engine's (see `engine`).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub enum Op {
     /// Walks `path` (names, each looked up in the directory before it) from directory
     /// `from`, then runs `then` on the inode reached: its target ([`Op::target_mut`]: the
@@ -56,6 +59,7 @@ pub enum Op {
     Walk {
         from: u64,
         path: Vec<Vec<u8>>,
+        #[serde(deserialize_with = "walk_then")]
         then: Box<Op>,
     },
     Lookup {
@@ -141,11 +145,13 @@ pub enum Op {
     Write {
         ino: u64,
         offset: u64,
+        #[serde(with = "serde_bytes")]
         data: Vec<u8>,
     },
     /// Writes at the end of the file, atomically (O_APPEND): [`Reply::Appended`].
     Append {
         ino: u64,
+        #[serde(with = "serde_bytes")]
         data: Vec<u8>,
     },
     /// An open handle or kernel reference to `ino`: while one is held, the inode outlives
@@ -169,6 +175,7 @@ pub enum Op {
     SetXattr {
         ino: u64,
         name: Vec<u8>,
+        #[serde(with = "serde_bytes")]
         value: Vec<u8>,
         flags: XattrFlags,
     },
@@ -204,6 +211,21 @@ pub enum Op {
     Statfs,
     /// A snapshot of the reactor's statistics.
     Stats,
+}
+
+/// A walk's `then` as read from bytes someone else wrote (the storage service's clients): a
+/// walk is never inside a walk, so a message nesting walks is refused at the second one
+/// rather than recursed into (a hostile client's deep nesting would overflow the stack).
+fn walk_then<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Box<Op>, D::Error> {
+    use serde::de::Error as _;
+    use serde::Deserialize as _;
+    thread_local!(static IN_WALK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) });
+    if IN_WALK.with(|w| w.replace(true)) {
+        return Err(D::Error::custom("a walk inside a walk"));
+    }
+    let then = Op::deserialize(d);
+    IN_WALK.with(|w| w.set(false));
+    then.map(Box::new)
 }
 
 impl Op {
@@ -351,12 +373,12 @@ pub(crate) enum CallerRun {
 }
 
 /// A successful operation's result.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub enum Reply {
     Done,
     Stat(Stat),
     Entries(Vec<DirEntry>),
-    Data(Vec<u8>),
+    Data(#[serde(with = "serde_bytes")] Vec<u8>),
     Written(usize),
     /// An append: where it wrote and how much.
     Appended {

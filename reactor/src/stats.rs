@@ -5,7 +5,7 @@ use engine::{CommitStats, LogStats};
 use hdrhistogram::Histogram;
 
 /// Percentiles of one latency histogram, in nanoseconds.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Latency {
     pub count: u64,
     pub p50_ns: u64,
@@ -27,7 +27,7 @@ impl Latency {
 }
 
 /// Everything a reactor reports ([`crate::Op::Stats`], and [`crate::Runtime::shutdown`]).
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct ReactorStats {
     /// Operations executed, and the reactor thread's CPU time (busy polling included).
     pub ops: u64,

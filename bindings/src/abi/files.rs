@@ -51,6 +51,7 @@ pub unsafe extern "C" fn corefs_open(
             create: (flags & COREFS_O_CREAT != 0).then(|| (mode & 0o7777, handles::owner(&fs))),
             exclusive: flags & COREFS_O_EXCL != 0,
             writable,
+            readable: flags & 3 != COREFS_O_WRONLY,
             truncate: flags & COREFS_O_TRUNC != 0,
             directory: flags & COREFS_O_DIRECTORY != 0,
         };
@@ -70,7 +71,7 @@ pub unsafe extern "C" fn corefs_open(
                 OpenFile {
                     ino: stat.ino,
                     dir: stat.is_dir(),
-                    readable: flags & 3 != COREFS_O_WRONLY,
+                    readable: how.readable,
                     writable,
                     append: flags & COREFS_O_APPEND != 0,
                 },

@@ -832,6 +832,7 @@ impl Filesystem for CorefsFuse {
             create: Some((mode & !umask & 0o7777, owner)),
             exclusive: flags & libc::O_EXCL != 0,
             writable: flags & libc::O_ACCMODE != libc::O_RDONLY,
+            readable: flags & libc::O_ACCMODE != libc::O_WRONLY,
             truncate: flags & libc::O_TRUNC != 0,
             directory: false,
         };

@@ -142,7 +142,7 @@ pub struct CommitWritten {
 }
 
 /// Commit statistics, in the style of btrfs's commit_stats.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CommitStats {
     pub commits: u64,
     pub commit_ns_total: u64,

@@ -46,7 +46,7 @@ pub enum Deferred<T> {
 }
 
 /// Counters of deferred lookups.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct FetchStats {
     /// Runs that noted a miss and were deferred.
     pub deferred: u64,

@@ -96,7 +96,7 @@ impl ReadPiece {
 }
 
 /// fallocate(2) modes.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct FallocateMode {
     pub keep_size: bool,
     pub punch_hole: bool,

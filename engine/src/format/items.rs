@@ -19,7 +19,18 @@ pub const MAX_FILE_BYTES: u64 = 1 << 50;
 pub const FIRST_INODE: u64 = 256;
 
 /// A timestamp: seconds and nanoseconds since the epoch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, PartialOrd, Ord)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    PartialOrd,
+    Ord,
+    serde::Serialize,
+    serde::Deserialize,
+)]
 pub struct Timespec {
     pub sec: i64,
     pub nsec: u32,

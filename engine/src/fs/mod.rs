@@ -32,7 +32,7 @@ pub const SPACE_OBJECTID: u64 = 1;
 pub use crate::format::items::FIRST_INODE;
 
 /// statfs(2) figures.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct StatFs {
     pub block_bytes: u32,
     pub total_blocks: u64,

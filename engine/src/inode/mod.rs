@@ -32,7 +32,7 @@ pub const S_IFSOCK: u32 = 0o140000;
 pub const S_ISGID: u32 = 0o2000;
 
 /// File attributes as `stat` reports them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Stat {
     pub ino: u64,
     pub mode: u32,
@@ -110,7 +110,7 @@ impl Stat {
 }
 
 /// Attribute changes for [`Filesystem::setattr`](crate::Filesystem::setattr); `None` leaves a field alone.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize)]
 pub struct SetAttr {
     pub mode: Option<u32>,
     pub uid: Option<u32>,

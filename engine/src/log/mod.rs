@@ -73,7 +73,7 @@ pub const MAX_TRACKED_KEYS: usize = 1 << 20;
 pub const EMBED_MAX_BLOCKS: usize = 8;
 
 /// Fsync log figures, since mount.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct LogStats {
     /// fsync and fdatasync calls (a group counts each member).
     pub fsyncs: u64,

@@ -56,7 +56,7 @@ pub(crate) fn is_read(token: u64) -> bool {
 /// engine's after mount (a metadata read that missed the cache, a drain before a flush, room
 /// in a full queue; mount's own reads, before anyone is served, are not counted). An
 /// asynchronous engine keeps these at zero on its hot paths.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct DeviceWaitStats {
     pub waits: u64,
     pub wait_ns_total: u64,

@@ -71,7 +71,7 @@ pub struct ReadsStarted {
 }
 
 /// Asynchronous read counters.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ReadStats {
     /// Sets that needed the device, and the device reads they made.
     pub sets_async: u64,

@@ -36,7 +36,7 @@ pub(super) struct PoolInner {
 }
 
 /// Pool figures, for statfs and the statistics.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PoolStats {
     pub groups: u64,
     pub group_blocks: u64,
