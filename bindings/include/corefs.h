@@ -76,6 +76,37 @@
 // `corefs_options.atime`: every read moves the access time (Linux's strictatime).
 #define COREFS_ATIME_STRICT 2
 
+#define VERSION 1
+
+// Slots per connection: the requests a client process may have in flight at once.
+#define SLOTS 64
+
+// The largest message (request or reply) a slot holds: a 1 MiB read or write and its
+// header. Larger reads and writes go as several requests.
+#define PAYLOAD_BYTES ((1 << 20) + 4096)
+
+// The most data one request moves; the rest of the payload is the message's header.
+#define DATA_BYTES_MAX (1 << 20)
+
+// The shared memory's size: 64 MiB and change of address space, touched only as used.
+#define REGION_BYTES (HEADER_BYTES + (SLOTS * SLOT_BYTES))
+
+#define FREE 0
+
+#define CLAIMED 1
+
+#define SUBMITTED 2
+
+#define TAKEN 3
+
+#define DONE 4
+
+// The most inodes one connection may hold open (counting each open).
+#define HOLDS_MAX 65536
+
+// The most entries one directory listing returns (the reply must fit a message).
+#define READDIR_ENTRIES_MAX 1024
+
 // An open file or directory of one filesystem (≥ 1).
 typedef int64_t corefs_fd;
 
@@ -331,6 +362,7 @@ const char *corefs_last_error(void);
 
 // Starts a reactor on `device` (`file:/srv/fs.img,size=1GiB`, `nvme:/dev/ng0n1`,
 // `mem:256MiB`), formatting it if `options->format`, and mounts it (replaying the fsync logs).
+// `serve:SOCKET` connects to a corefs server instead, as `corefs_connect(SOCKET, options)`.
 // `options` may be NULL (defaults). Returns the filesystem handle or a negative errno:
 // -EINVAL for a bad device string (an option out of its range is named), -EBUSY when
 // another mount, mkfs or fsck holds the device (in this process or another: the message
@@ -340,6 +372,22 @@ const char *corefs_last_error(void);
 // `device` is NULL or a NUL-terminated string; `options` is NULL or points to a
 // `corefs_options` whose `label` is NULL or NUL-terminated.
 corefs_fs corefs_mount(const char *device, const struct corefs_options *options);
+
+// Connects to a corefs server (`corefs serve DEVICE --socket PATH`) at the Unix socket
+// `socket_path`: the filesystem it serves, used through every call here as if mounted in
+// this process (`corefs_mount` with the device string `serve:PATH` does the same). The
+// server acts as this process's user (its uid and groups, as the kernel reports them to the
+// server) and checks permissions as the kernel does; the owner of what this process creates
+// is its user (a root client may pick another with `corefs_set_owner`). `options` may be
+// NULL; a connection takes no option but `owner_*` (formatting, reactors and cores are the
+// server's): any other non-zero field is -EINVAL. Errors: -ENOENT or -ECONNREFUSED when no
+// server is there, -EACCES when the socket's mode keeps this user out, -EPROTO when the
+// server speaks another version. If the server goes, every call fails with -ENOTCONN
+// (within tens of milliseconds, never hanging); connect again once it is back.
+//
+// # Safety
+// `socket_path` is NULL or NUL-terminated; `options` as for `corefs_mount`.
+corefs_fs corefs_connect(const char *socket_path, const struct corefs_options *options);
 
 // Formats `device` (see `corefs_mount`) and closes it again.
 //

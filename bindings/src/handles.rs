@@ -42,8 +42,10 @@
 //!   handler) a call borrows a free record for its length.
 
 use crate::atomic::BatchSlot;
+use crate::dispatch::Conn;
 pub(crate) use crate::error::Error;
-use reactor::{Client, Owner, Runtime};
+use crate::service::client::{Connection, RemoteClient};
+use reactor::{Owner, Runtime};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::ffi::CString;
@@ -150,6 +152,9 @@ impl Handle {
 pub(crate) struct Fs {
     pub id: i64,
     pub runtime: Mutex<Option<Runtime>>,
+    /// The storage service this filesystem is reached through (`corefs_connect`), instead
+    /// of a runtime of its own.
+    pub remote: Option<Arc<Connection>>,
     /// The file handles (the table of record; threads cache entries, see the module doc).
     files: Mutex<HashMap<i64, Handle>>,
     /// Bumped after every removal from `files`: a cached entry is valid while it is unchanged.
@@ -179,7 +184,7 @@ pub(crate) struct Local {
 /// (uncontended but at close).
 #[derive(Default)]
 pub(crate) struct ClientSlot {
-    client: Mutex<Option<Client>>,
+    client: Mutex<Option<Conn>>,
 }
 
 /// Thread clients alive, in every filesystem (a test hook reads it).
@@ -187,7 +192,7 @@ static THREAD_CLIENTS: AtomicI64 = AtomicI64::new(0);
 
 impl ClientSlot {
     /// Puts `client` in `slot` (this slot's contents, locked), counting it.
-    fn fill(slot: &mut Option<Client>, client: Client) {
+    fn fill(slot: &mut Option<Conn>, client: Conn) {
         if slot.replace(client).is_none() {
             THREAD_CLIENTS.fetch_add(1, Ordering::Relaxed);
         }
@@ -667,11 +672,25 @@ pub(crate) fn last_error_ptr() -> *const libc::c_char {
 }
 
 pub(crate) fn register(runtime: Runtime, owner: Option<Owner>) -> i64 {
+    register_fs(Some(runtime), None, owner)
+}
+
+/// Registers a filesystem reached through a storage service's connection.
+pub(crate) fn register_remote(conn: Arc<Connection>, owner: Option<Owner>) -> i64 {
+    register_fs(None, Some(conn), owner)
+}
+
+fn register_fs(
+    runtime: Option<Runtime>,
+    remote: Option<Arc<Connection>>,
+    owner: Option<Owner>,
+) -> i64 {
     let id = NEXT_FS.fetch_add(1, Ordering::Relaxed);
     assert!(id > 0, "filesystem ids ran out");
     let fs = Arc::new(Fs {
         id,
-        runtime: Mutex::new(Some(runtime)),
+        runtime: Mutex::new(runtime),
+        remote,
         files: Mutex::new(HashMap::new()),
         files_epoch: AtomicU64::new(0),
         closed: AtomicBool::new(false),
@@ -747,12 +766,15 @@ pub(crate) fn unregister(id: i64) -> Result<Arc<Fs>, Error> {
 /// Runs `f` with this thread's client of `fs` (created on first use). Without one (a
 /// thread whose thread-locals are destroyed, an `atexit` handler; or a closing filesystem
 /// this thread never used), a temporary client is used.
-pub(crate) fn with_client<T>(fs: &Fs, f: impl FnOnce(&mut Client) -> T) -> Result<T, Error> {
+pub(crate) fn with_client<T>(fs: &Fs, f: impl FnOnce(&mut Conn) -> T) -> Result<T, Error> {
     let new_client = || {
+        if let Some(remote) = &fs.remote {
+            return Ok(Conn::Remote(RemoteClient::new(remote.clone())));
+        }
         let runtime = fs.runtime.lock().unwrap_or_else(|p| p.into_inner());
         runtime
             .as_ref()
-            .map(|r| r.client(CLIENT_CAPACITY))
+            .map(|r| Conn::Local(r.client(CLIENT_CAPACITY)))
             .ok_or_else(|| Error::new(libc::EBADF, "the filesystem is closing".into()))
     };
     if let Some(local) = local_of(fs.id) {

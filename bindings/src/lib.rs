@@ -15,6 +15,7 @@
 
 pub mod abi;
 mod atomic;
+mod dispatch;
 mod error;
 #[cfg(feature = "sim")]
 #[doc(hidden)]
@@ -22,6 +23,7 @@ pub mod fuzz_harness;
 mod handles;
 mod logging;
 mod path;
+pub mod service;
 
 #[doc(hidden)]
 #[cfg(feature = "sim")]

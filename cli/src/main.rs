@@ -32,6 +32,7 @@ enum Command {
     Probe(cmd::probe::Args),
     Crashtest(cmd::crashtest::Args),
     Mount(cmd::mount::Args),
+    Serve(cmd::serve::Args),
     Soak(cmd::soak::Args),
     Sim(cmd::sim::Args),
     /// Benchmarks.
@@ -125,6 +126,7 @@ fn main() -> ExitCode {
         Command::Probe(args) => cmd::probe::run(args),
         Command::Crashtest(args) => cmd::crashtest::run(args),
         Command::Mount(args) => cmd::mount::run(args),
+        Command::Serve(args) => cmd::serve::run(args),
         Command::Soak(args) => cmd::soak::run(args),
         Command::Sim(args) => cmd::sim::run(args),
         Command::Bench(bench) => cmd::bench::run(bench),

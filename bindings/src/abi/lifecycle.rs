@@ -12,6 +12,7 @@ pub extern "C" fn corefs_last_error() -> *const c_char {
 
 /// Starts a reactor on `device` (`file:/srv/fs.img,size=1GiB`, `nvme:/dev/ng0n1`,
 /// `mem:256MiB`), formatting it if `options->format`, and mounts it (replaying the fsync logs).
+/// `serve:SOCKET` connects to a corefs server instead, as `corefs_connect(SOCKET, options)`.
 /// `options` may be NULL (defaults). Returns the filesystem handle or a negative errno:
 /// -EINVAL for a bad device string (an option out of its range is named), -EBUSY when
 /// another mount, mkfs or fsck holds the device (in this process or another: the message
@@ -29,6 +30,10 @@ pub unsafe extern "C" fn corefs_mount(
         crate::logging::init_from_env();
         // SAFETY: forwarded from this function's contract.
         let device = unsafe { c_str(device, "device") }?;
+        if let Some(socket) = device.strip_prefix("serve:") {
+            // SAFETY: forwarded from this function's contract.
+            return unsafe { connect(socket, options) };
+        }
         let options = if options.is_null() {
             None
         } else {
@@ -100,6 +105,66 @@ pub unsafe extern "C" fn corefs_mount(
     })
 }
 
+/// Connects to a corefs server (`corefs serve DEVICE --socket PATH`) at the Unix socket
+/// `socket_path`: the filesystem it serves, used through every call here as if mounted in
+/// this process (`corefs_mount` with the device string `serve:PATH` does the same). The
+/// server acts as this process's user (its uid and groups, as the kernel reports them to the
+/// server) and checks permissions as the kernel does; the owner of what this process creates
+/// is its user (a root client may pick another with `corefs_set_owner`). `options` may be
+/// NULL; a connection takes no option but `owner_*` (formatting, reactors and cores are the
+/// server's): any other non-zero field is -EINVAL. Errors: -ENOENT or -ECONNREFUSED when no
+/// server is there, -EACCES when the socket's mode keeps this user out, -EPROTO when the
+/// server speaks another version. If the server goes, every call fails with -ENOTCONN
+/// (within tens of milliseconds, never hanging); connect again once it is back.
+///
+/// # Safety
+/// `socket_path` is NULL or NUL-terminated; `options` as for `corefs_mount`.
+#[no_mangle]
+pub unsafe extern "C" fn corefs_connect(
+    socket_path: *const c_char,
+    options: *const corefs_options,
+) -> corefs_fs {
+    guard("corefs_connect", || {
+        crate::logging::init_from_env();
+        // SAFETY: forwarded from this function's contract.
+        let socket = unsafe { c_str(socket_path, "socket_path") }?;
+        // SAFETY: forwarded from this function's contract.
+        unsafe { connect(socket, options) }
+    })
+}
+
+/// # Safety
+/// `options` is NULL or points to a `corefs_options`.
+unsafe fn connect(socket: &str, options: *const corefs_options) -> Result<i64, Error> {
+    let mut owner = None;
+    if !options.is_null() {
+        // SAFETY: non-NULL and points to a corefs_options by contract.
+        let o = unsafe { *options };
+        if o.format != 0
+            || o.busy_poll != 0
+            || o.pin != 0
+            || o.reactors != 0
+            || o.shards != 0
+            || o.commit_interval_ms != 0
+            || o.data_cache_off != 0
+            || o.atime != 0
+        {
+            return Err(einval(format!(
+                "connecting to {socket}: formatting, reactors, cores, the commit interval, \
+                 the cache and atime are the server's options (set only owner_*)"
+            )));
+        }
+        if o.owner_set != 0 {
+            owner = Some(Owner {
+                uid: o.owner_uid,
+                gid: o.owner_gid,
+            });
+        }
+    }
+    let conn = crate::service::client::Connection::connect(socket)?;
+    Ok(handles::register_remote(conn, owner))
+}
+
 /// Formats `device` (see `corefs_mount`) and closes it again.
 ///
 /// # Safety
@@ -149,6 +214,11 @@ pub extern "C" fn corefs_close(fs: corefs_fs) -> c_int {
             let _ = call(&fs, Op::Release { ino: f.ino });
         }
         handles::forget_client(fs.id);
+        if let Some(remote) = &fs.remote {
+            handles::take_thread_clients(&fs);
+            remote.close();
+            return Ok(());
+        }
         let runtime = fs.runtime.lock().expect("runtime").take();
         // Other threads' clients go now, not when each next calls in (if ever).
         handles::take_thread_clients(&fs);

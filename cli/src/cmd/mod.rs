@@ -10,6 +10,7 @@ pub mod fsck;
 pub mod mkfs;
 pub mod mount;
 pub mod probe;
+pub mod serve;
 pub mod sim;
 pub mod soak;
 

@@ -34,7 +34,7 @@ pub struct Args {
     atime: engine::Atime,
 }
 
-fn parse_atime(text: &str) -> Result<engine::Atime, String> {
+pub(super) fn parse_atime(text: &str) -> Result<engine::Atime, String> {
     engine::Atime::from_name(text)
         .ok_or_else(|| format!("{text}: use relatime, noatime or strictatime"))
 }
@@ -49,30 +49,11 @@ pub fn run(args: Args) -> Result<(), String> {
         allow_other,
         atime,
     } = args;
-    let cores = match core {
-        // One core per reactor from `core` on, each one the process may run on (with
-        // reactors 0, the number is not known yet: `core` alone).
-        Some(c) if reactors > 0 => reactor::affinity::consecutive_cores(c, reactors),
-        _ => Ok(Vec::new()),
-    }
-    .map_err(|e| format!("--core: {e}"))?;
-    let runtime = reactor::Runtime::start(reactor::Config {
-        device: device.clone(),
-        core,
-        reactors,
-        cores,
-        idle: if busy_poll {
-            reactor::IdlePolicy::BusyPoll
-        } else {
-            reactor::IdlePolicy::default()
-        },
-        mount: engine::MountOptions {
-            atime,
-            ..Default::default()
-        },
-        ..reactor::Config::default()
-    })
-    .map_err(|e| format!("{device}: {e}"))?;
+    let mount = engine::MountOptions {
+        atime,
+        ..Default::default()
+    };
+    let runtime = start_reactors(&device, core, reactors, busy_poll, mount)?;
     eprintln!(
         "corefs: serving {device} at {} (unmount with: umount {})",
         mountpoint.display(),
@@ -92,9 +73,40 @@ pub fn run(args: Args) -> Result<(), String> {
     })
 }
 
+/// Starts the reactors on `device` as `corefs mount` and `corefs serve` take their options.
+pub(super) fn start_reactors(
+    device: &str,
+    core: Option<usize>,
+    reactors: usize,
+    busy_poll: bool,
+    mount: engine::MountOptions,
+) -> Result<reactor::Runtime, String> {
+    let cores = match core {
+        // One core per reactor from `core` on, each one the process may run on (with
+        // reactors 0, the number is not known yet: `core` alone).
+        Some(c) if reactors > 0 => reactor::affinity::consecutive_cores(c, reactors),
+        _ => Ok(Vec::new()),
+    }
+    .map_err(|e| format!("--core: {e}"))?;
+    reactor::Runtime::start(reactor::Config {
+        device: device.to_string(),
+        core,
+        reactors,
+        cores,
+        idle: if busy_poll {
+            reactor::IdlePolicy::BusyPoll
+        } else {
+            reactor::IdlePolicy::default()
+        },
+        mount,
+        ..reactor::Config::default()
+    })
+    .map_err(|e| format!("{device}: {e}"))
+}
+
 /// A core id the process may run on (`reactor::affinity`): an error naming the allowed set
 /// otherwise, while the arguments are parsed.
-fn parse_core(text: &str) -> Result<usize, String> {
+pub(super) fn parse_core(text: &str) -> Result<usize, String> {
     let core: usize = text
         .parse()
         .map_err(|e| format!("{text:?} is not a core id: {e}"))?;

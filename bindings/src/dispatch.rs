@@ -1,0 +1,61 @@
+//! The one way a call reaches the engine: a thread's [`Conn`] is a reactor client of an
+//! in-process mount, or a client of a storage service's connection ([`crate::service`]).
+//! Everything above it (paths, handles, atomic batches, the C ABI) is the same for both.
+
+use crate::service::client::RemoteClient;
+use engine::EngineError;
+use reactor::{Client, Completion, Op, Reply, SubmitError};
+use std::time::Duration;
+
+pub(crate) enum Conn {
+    Local(Client),
+    Remote(RemoteClient),
+}
+
+impl Conn {
+    pub fn call(&mut self, op: Op) -> Result<Reply, EngineError> {
+        match self {
+            Conn::Local(c) => c.call(op),
+            Conn::Remote(c) => c.call(op),
+        }
+    }
+
+    pub fn submit(&mut self, op: Op, token: u64) -> Result<(), SubmitError> {
+        match self {
+            Conn::Local(c) => c.submit(op, token),
+            Conn::Remote(c) => c.submit(op, token),
+        }
+    }
+
+    pub fn poll(&mut self, out: &mut Vec<Completion>) -> usize {
+        match self {
+            Conn::Local(c) => c.poll(out),
+            Conn::Remote(c) => c.poll(out),
+        }
+    }
+
+    pub fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> usize {
+        match self {
+            Conn::Local(c) => c.wait(out, timeout),
+            Conn::Remote(c) => c.wait(out, timeout),
+        }
+    }
+
+    /// Requests sent (each a round trip: to a reactor, or to the server).
+    #[cfg(feature = "sim")]
+    pub fn requests_sent(&self) -> u64 {
+        match self {
+            Conn::Local(c) => c.requests_sent(),
+            Conn::Remote(c) => c.requests_sent(),
+        }
+    }
+
+    /// Requests this thread ran itself on the reactor's engine (never through a service).
+    #[cfg(feature = "sim")]
+    pub fn requests_ran_here(&self) -> u64 {
+        match self {
+            Conn::Local(c) => c.requests_ran_here(),
+            Conn::Remote(_) => 0,
+        }
+    }
+}

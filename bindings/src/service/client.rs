@@ -1,0 +1,421 @@
+//! The client's end of a connection: [`Connection`] (the socket and the shared ring, one per
+//! `corefs_connect`) and [`RemoteClient`] (one per calling thread, as a reactor client is),
+//! which sends operations through the ring and takes their answers.
+//!
+//! # Invariants
+//! - A thread owns the slots it claimed until it has read their answers; claiming is a
+//!   compare-and-swap from `FREE`, so threads never share a slot.
+//! - No wait is unbounded: a thread waiting on a slot looks at the socket every
+//!   [`LIVENESS_CHECK`], and a server gone makes this call and every later one ENOTCONN.
+//! - A read or write larger than one message goes as several, in order, each waiting for the
+//!   one before (a write's parts are not atomic together, as pwrite(2) on a kernel
+//!   filesystem promises no atomicity either).
+
+use super::ring::{self, Region, CLAIMED, DONE, FREE, SLOTS, SUBMITTED};
+use super::{socket, wire};
+use crate::error::Error;
+use engine::EngineError;
+use reactor::{Completion, Op, Reply, SubmitError};
+use std::collections::VecDeque;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How often a waiting thread makes sure the server is still there.
+pub const LIVENESS_CHECK: Duration = Duration::from_millis(20);
+/// How long a waiting thread may spin before it sleeps on its slot, at most and at first.
+/// The budget adapts ([`Connection::spin_ns`]): a sleeping client pays the server's futex
+/// wake and its own wake-up (tens of microseconds on a virtual machine, as much as a device
+/// read), so a client spins while spinning is what ends its waits; when it is not (the
+/// answer never comes while it spins: the server's worker shares the client's core and
+/// cannot run, or the request takes longer), the budget halves down to the minimum.
+const SPIN_NS_MAX: u64 = 500_000;
+const SPIN_NS_MIN: u64 = 2_000;
+const SPIN_NS_FIRST: u64 = 50_000;
+
+/// One connection to a server.
+pub struct Connection {
+    sock: UnixStream,
+    region: Region,
+    /// Set once the server is known gone: every call fails at once from then on.
+    dead: AtomicBool,
+    /// Where the next claim starts looking (spreads threads over the slots).
+    next_slot: AtomicUsize,
+    /// The current spin budget of a wait, in nanoseconds (see [`SPIN_NS_MAX`]).
+    spin_ns: AtomicU64,
+    /// Threads spinning on their slots now, and how many may: the cores but one (the
+    /// server's), as in-process clients leave the reactor its core. More spinners than
+    /// cores take the CPU the server's workers need to answer them.
+    spinners: AtomicUsize,
+    spinners_max: usize,
+    pub socket_path: String,
+}
+
+fn gone(path: &str) -> EngineError {
+    EngineError::Refused {
+        errno: libc::ENOTCONN,
+        message: format!("the corefs server at {path} is gone: connect again"),
+    }
+}
+
+impl Connection {
+    pub fn connect(path: &str) -> Result<Arc<Connection>, Error> {
+        let io = |what: &str, e: std::io::Error| {
+            Error::new(
+                e.raw_os_error().unwrap_or(libc::EIO),
+                format!("{what} {path}: {e}"),
+            )
+        };
+        let sock = UnixStream::connect(path).map_err(|e| io("connect to", e))?;
+        // The handshake is the server's first act; a server that takes longer is stuck.
+        sock.set_read_timeout(Some(Duration::from_secs(10)))
+            .map_err(|e| io("connect to", e))?;
+        let fd = socket::recv_fd(&sock).map_err(|e| io("connect to", e))?;
+        sock.set_read_timeout(None)
+            .map_err(|e| io("connect to", e))?;
+        let region = Region::map(&std::fs::File::from(fd)).map_err(|e| io("map the ring of", e))?;
+        region
+            .check()
+            .map_err(|why| Error::new(libc::EPROTO, format!("connect to {path}: {why}")))?;
+        Ok(Arc::new(Connection {
+            sock,
+            region,
+            dead: AtomicBool::new(false),
+            next_slot: AtomicUsize::new(0),
+            spin_ns: AtomicU64::new(SPIN_NS_FIRST),
+            spinners: AtomicUsize::new(0),
+            spinners_max: std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .saturating_sub(1)
+                .max(1),
+            socket_path: path.to_string(),
+        }))
+    }
+
+    /// Ends the connection (`corefs_close`): the server releases whatever it still holds
+    /// for it, and every later call here is ENOTCONN.
+    pub fn close(&self) {
+        self.dead.store(true, Ordering::Release);
+        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+    }
+
+    /// False once the server closed its end (checked without waiting).
+    fn alive(&self) -> bool {
+        if self.dead.load(Ordering::Acquire) {
+            return false;
+        }
+        if socket::hung_up(&self.sock) {
+            self.dead.store(true, Ordering::Release);
+            return false;
+        }
+        true
+    }
+
+    fn claim(&self) -> Option<usize> {
+        let start = self.next_slot.fetch_add(1, Ordering::Relaxed);
+        (0..SLOTS).map(|k| (start + k) % SLOTS).find(|&i| {
+            self.region
+                .slot(i)
+                .state
+                .compare_exchange(FREE, CLAIMED, Ordering::Acquire, Ordering::Relaxed)
+                .is_ok()
+        })
+    }
+
+    /// A slot, waiting (bounded by the server's life) while all are in use.
+    fn claim_waiting(&self) -> Result<usize, EngineError> {
+        let mut checked = Instant::now();
+        loop {
+            if let Some(i) = self.claim() {
+                return Ok(i);
+            }
+            std::thread::sleep(Duration::from_micros(50));
+            if checked.elapsed() >= LIVENESS_CHECK {
+                if !self.alive() {
+                    return Err(gone(&self.socket_path));
+                }
+                checked = Instant::now();
+            }
+        }
+    }
+
+    fn send(&self, i: usize, message: &[u8]) {
+        self.region.put(i, message);
+        let slot = self.region.slot(i);
+        slot.state.store(SUBMITTED, Ordering::SeqCst);
+        let h = self.region.header();
+        h.doorbell.fetch_add(1, Ordering::SeqCst);
+        if h.sleepers.load(Ordering::SeqCst) > 0 {
+            ring::futex_wake(&h.doorbell, 1);
+        }
+    }
+
+    fn is_done(&self, i: usize) -> bool {
+        self.region.slot(i).state.load(Ordering::Acquire) == DONE
+    }
+
+    /// Waits until slot `i` is answered, or until `deadline`: false at the deadline.
+    fn wait_done(&self, i: usize, deadline: Option<Instant>) -> Result<bool, EngineError> {
+        let started = Instant::now();
+        if self.spinners.fetch_add(1, Ordering::AcqRel) < self.spinners_max {
+            let budget = Duration::from_nanos(self.spin_ns.load(Ordering::Relaxed));
+            while !self.is_done(i) && started.elapsed() < budget {
+                std::hint::spin_loop();
+            }
+        }
+        self.spinners.fetch_sub(1, Ordering::AcqRel);
+        if self.is_done(i) {
+            // Spinning ended this wait: allow twice what it took (bounded).
+            let took = started.elapsed().as_nanos() as u64;
+            let grown = (took * 2).clamp(SPIN_NS_MIN, SPIN_NS_MAX);
+            self.spin_ns.fetch_max(grown, Ordering::Relaxed);
+            return Ok(true);
+        }
+        let state = &self.region.slot(i).state;
+        loop {
+            let seen = state.load(Ordering::Acquire);
+            if seen == DONE {
+                self.adapt_spin(started.elapsed());
+                return Ok(true);
+            }
+            let mut nap = LIVENESS_CHECK;
+            if let Some(d) = deadline {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Ok(false);
+                }
+                nap = nap.min(left);
+            }
+            ring::futex_wait(state, seen, nap);
+            if self.is_done(i) {
+                self.adapt_spin(started.elapsed());
+                return Ok(true);
+            }
+            if !self.alive() {
+                return Err(gone(&self.socket_path));
+            }
+        }
+    }
+
+    /// A wait that slept took `waited` in all: had the spin lasted that long it would have
+    /// ended the wait without a wake-up, so the budget grows to cover it; a wait longer than
+    /// the most a spin may last gains nothing from spinning, so the budget halves.
+    fn adapt_spin(&self, waited: Duration) {
+        let waited_ns = waited.as_nanos() as u64;
+        if waited_ns <= SPIN_NS_MAX {
+            self.spin_ns
+                .fetch_max((waited_ns * 2).min(SPIN_NS_MAX), Ordering::Relaxed);
+        } else {
+            let budget = self.spin_ns.load(Ordering::Relaxed);
+            self.spin_ns
+                .store((budget / 2).max(SPIN_NS_MIN), Ordering::Relaxed);
+        }
+    }
+
+    /// Slot `i`'s answer; the slot is free again.
+    fn finish(&self, i: usize) -> Result<Reply, EngineError> {
+        let bytes = self.region.take(i);
+        self.region.slot(i).state.store(FREE, Ordering::Release);
+        match bytes {
+            Some(b) => wire::decode_answer(&b),
+            None => Err(EngineError::Refused {
+                errno: libc::EIO,
+                message: "an answer longer than its slot".into(),
+            }),
+        }
+    }
+}
+
+/// A connection's socket and ring, with nothing of the client library around them: for
+/// tests and tools that speak the ring themselves (the protocol fuzz test plays a hostile
+/// client with it).
+#[doc(hidden)]
+pub fn connect_raw(path: &std::path::Path) -> std::io::Result<(UnixStream, Region)> {
+    let sock = UnixStream::connect(path)?;
+    let fd = socket::recv_fd(&sock)?;
+    let region = Region::map(&std::fs::File::from(fd))?;
+    region
+        .check()
+        .map_err(|why| std::io::Error::new(std::io::ErrorKind::InvalidData, why))?;
+    Ok((sock, region))
+}
+
+/// A thread's client of a connection: what [`reactor::Client`] is for an in-process mount.
+pub struct RemoteClient {
+    conn: Arc<Connection>,
+    /// Slots of submitted operations and their tokens.
+    in_flight: Vec<(usize, u64)>,
+    /// Completions known before any answer came (an operation refused at submit).
+    ready: VecDeque<Completion>,
+    sent: u64,
+}
+
+impl RemoteClient {
+    pub fn new(conn: Arc<Connection>) -> RemoteClient {
+        RemoteClient {
+            conn,
+            in_flight: Vec::new(),
+            ready: VecDeque::new(),
+            sent: 0,
+        }
+    }
+
+    #[cfg(feature = "sim")]
+    pub fn requests_sent(&self) -> u64 {
+        self.sent
+    }
+
+    /// One operation, answered: a read or write of more than one message's data goes as
+    /// several.
+    pub fn call(&mut self, op: Op) -> Result<Reply, EngineError> {
+        match op {
+            Op::Read { ino, offset, len } if len > ring::DATA_BYTES_MAX => {
+                let mut data = Vec::with_capacity(len);
+                while data.len() < len {
+                    let part = (len - data.len()).min(ring::DATA_BYTES_MAX);
+                    let at = offset + data.len() as u64;
+                    match self.one(Op::Read {
+                        ino,
+                        offset: at,
+                        len: part,
+                    })? {
+                        Reply::Data(d) => {
+                            let short = d.len() < part;
+                            data.extend_from_slice(&d);
+                            if short {
+                                break;
+                            }
+                        }
+                        other => return Ok(other),
+                    }
+                }
+                Ok(Reply::Data(data))
+            }
+            Op::Write { ino, offset, data } if data.len() > ring::DATA_BYTES_MAX => {
+                let mut written = 0usize;
+                for part in data.chunks(ring::DATA_BYTES_MAX) {
+                    let r = self.one(Op::Write {
+                        ino,
+                        offset: offset + written as u64,
+                        data: part.to_vec(),
+                    });
+                    match r {
+                        Ok(Reply::Written(n)) => {
+                            written += n;
+                            if n < part.len() {
+                                break;
+                            }
+                        }
+                        // As pwrite(2): what was written counts; the error comes next call.
+                        Err(_) if written > 0 => break,
+                        other => return other,
+                    }
+                }
+                Ok(Reply::Written(written))
+            }
+            op => self.one(op),
+        }
+    }
+
+    fn one(&mut self, op: Op) -> Result<Reply, EngineError> {
+        if !self.conn.alive() {
+            return Err(gone(&self.conn.socket_path));
+        }
+        let message = wire::encode_op(&op)?;
+        let i = self.conn.claim_waiting()?;
+        self.conn.send(i, &message);
+        self.sent += 1;
+        self.conn.wait_done(i, None)?;
+        self.conn.finish(i)
+    }
+
+    /// Submits `op`; its completion comes from [`RemoteClient::poll`].
+    pub fn submit(&mut self, op: Op, token: u64) -> Result<(), SubmitError> {
+        if !self.conn.alive() {
+            self.ready.push_back(Completion {
+                token,
+                result: Err(gone(&self.conn.socket_path)),
+            });
+            return Ok(());
+        }
+        let message = match wire::encode_op(&op) {
+            Ok(m) => m,
+            Err(e) => {
+                self.ready.push_back(Completion {
+                    token,
+                    result: Err(e),
+                });
+                return Ok(());
+            }
+        };
+        let Some(i) = self.conn.claim() else {
+            return Err(SubmitError::Full(op));
+        };
+        self.conn.send(i, &message);
+        self.sent += 1;
+        self.in_flight.push((i, token));
+        Ok(())
+    }
+
+    /// Completions ready now.
+    pub fn poll(&mut self, out: &mut Vec<Completion>) -> usize {
+        let before = out.len();
+        out.extend(self.ready.drain(..));
+        let conn = self.conn.clone();
+        let dead = !self.in_flight.is_empty()
+            && !self.in_flight.iter().any(|&(i, _)| conn.is_done(i))
+            && conn.dead.load(Ordering::Acquire);
+        self.in_flight.retain(|&(i, token)| {
+            if conn.is_done(i) {
+                out.push(Completion {
+                    token,
+                    result: conn.finish(i),
+                });
+                false
+            } else if dead {
+                out.push(Completion {
+                    token,
+                    result: Err(gone(&conn.socket_path)),
+                });
+                false
+            } else {
+                true
+            }
+        });
+        out.len() - before
+    }
+
+    /// As [`RemoteClient::poll`], waiting up to `timeout` for at least one completion.
+    pub fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> usize {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let n = self.poll(out);
+            if n > 0 || self.in_flight.is_empty() {
+                return n;
+            }
+            let (i, _) = self.in_flight[0];
+            match self.conn.wait_done(i, Some(deadline)) {
+                Ok(true) => continue,
+                Ok(false) => return self.poll(out),
+                Err(_) => {
+                    // The server is gone: every operation in flight completes with that.
+                    self.conn.dead.store(true, Ordering::Release);
+                    return self.poll(out);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for RemoteClient {
+    /// A thread that goes with operations in flight (its submissions never polled) gives
+    /// their slots back once they are answered, so a connection does not run out of slots.
+    fn drop(&mut self) {
+        for (i, _) in std::mem::take(&mut self.in_flight) {
+            if self.conn.wait_done(i, None).is_ok() {
+                let _ = self.conn.finish(i);
+            }
+        }
+    }
+}

@@ -1,0 +1,251 @@
+//! The memory a client and the server share: one memfd per connection, made by the server and
+//! handed to the client at connect, holding a header and a fixed number of message slots.
+//!
+//! # Layout (all integers little-endian, as the CPU's: both ends run on one machine)
+//! - Page 0, the header ([`Header`]): magic, version, slot count, payload bytes per slot, the
+//!   doorbell (bumped by the client after each submit) and how many server workers sleep on it.
+//! - Slot `i` at `HEADER_BYTES + i * SLOT_BYTES`: a 64-byte slot header ([`SlotHeader`]:
+//!   state, message length) on its own page, then the payload, page-aligned, where the
+//!   request is written and the reply replaces it.
+//!
+//! # A slot's life
+//! `FREE` → (a client thread claims it) `CLAIMED` → (request written) `SUBMITTED` → (a
+//! server worker takes it) `TAKEN` → (reply written) `DONE` → (the client read it) `FREE`.
+//! Each side moves the state only from the states that are its to leave, by compare-and-swap
+//! where another party could move it too, and publishes the payload before the state (Release)
+//! and reads it after (Acquire).
+//!
+//! # Fault model
+//! The client is not trusted: it can write anything anywhere in this memory at any time.
+//! So the server never reads a payload in place: it copies the request out (bounded by the
+//! payload size, whatever the length word says) and decodes the copy; it reads the state word
+//! only to take a `SUBMITTED` slot and writes nothing the client could make it misread. A
+//! client scribbling over its own memory gets wrong answers for its own requests, nothing
+//! else. The server can die at any moment: a client never waits on a slot without a timeout
+//! after which it checks that the server is still there ([`super::client`]).
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+/// "corefs\0" and the ring's version: a client refuses memory that does not start with them.
+pub const MAGIC: u64 = u64::from_le_bytes(*b"corefsS1");
+pub const VERSION: u32 = 1;
+
+/// Slots per connection: the requests a client process may have in flight at once.
+pub const SLOTS: usize = 64;
+/// The largest message (request or reply) a slot holds: a 1 MiB read or write and its
+/// header. Larger reads and writes go as several requests.
+pub const PAYLOAD_BYTES: usize = (1 << 20) + 4096;
+/// The most data one request moves; the rest of the payload is the message's header.
+pub const DATA_BYTES_MAX: usize = 1 << 20;
+const PAGE_BYTES: usize = 4096;
+const HEADER_BYTES: usize = PAGE_BYTES;
+/// A slot: its header page and its payload.
+const SLOT_BYTES: usize = PAGE_BYTES + PAYLOAD_BYTES;
+/// The shared memory's size: 64 MiB and change of address space, touched only as used.
+pub const REGION_BYTES: usize = HEADER_BYTES + SLOTS * SLOT_BYTES;
+
+pub const FREE: u32 = 0;
+pub const CLAIMED: u32 = 1;
+pub const SUBMITTED: u32 = 2;
+pub const TAKEN: u32 = 3;
+pub const DONE: u32 = 4;
+
+/// The region's first bytes.
+#[repr(C)]
+pub struct Header {
+    pub magic: AtomicU64,
+    pub version: AtomicU32,
+    pub slots: AtomicU32,
+    pub payload_bytes: AtomicU32,
+    _reserved: AtomicU32,
+    /// Bumped by a client after each submit: the word server workers sleep on.
+    pub doorbell: AtomicU32,
+    /// Server workers asleep on the doorbell (a client wakes one only when some sleep).
+    pub sleepers: AtomicU32,
+}
+
+const _: () = assert!(std::mem::size_of::<Header>() == 32);
+const _: () = assert!(std::mem::size_of::<Header>() <= HEADER_BYTES);
+
+/// A slot's first bytes.
+#[repr(C)]
+pub struct SlotHeader {
+    /// `FREE`, `CLAIMED`, `SUBMITTED`, `TAKEN` or `DONE`: the word a client sleeps on while its
+    /// request is served.
+    pub state: AtomicU32,
+    /// Bytes of the message in the payload.
+    pub len: AtomicU32,
+}
+
+const _: () = assert!(std::mem::size_of::<SlotHeader>() == 8);
+const _: () = assert!(PAYLOAD_BYTES <= u32::MAX as usize);
+const _: () = assert!(DATA_BYTES_MAX + 4096 <= PAYLOAD_BYTES);
+
+/// One connection's shared memory, mapped.
+pub struct Region {
+    map: memmap2::MmapRaw,
+}
+
+// SAFETY: the region is only ever accessed through atomics and raw-pointer copies, which
+// every thread may do (the mapping itself is fixed while the `Region` lives).
+unsafe impl Sync for Region {}
+// SAFETY: as above.
+unsafe impl Send for Region {}
+
+impl Region {
+    /// Maps `fd` (a memfd of [`REGION_BYTES`]) shared.
+    pub fn map(fd: &std::fs::File) -> std::io::Result<Region> {
+        let len = fd.metadata()?.len();
+        if len != REGION_BYTES as u64 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("shared memory of {len} bytes, expected {REGION_BYTES}"),
+            ));
+        }
+        let map = memmap2::MmapOptions::new().len(REGION_BYTES).map_raw(fd)?;
+        assert_eq!(map.len(), REGION_BYTES);
+        Ok(Region { map })
+    }
+
+    /// A new region (the server's): a memfd of [`REGION_BYTES`], its header written.
+    pub fn create() -> std::io::Result<(std::fs::File, Region)> {
+        // SAFETY: a NUL-terminated name and plain flags.
+        let fd = unsafe { libc::memfd_create(c"corefs-service".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: a descriptor memfd_create just gave us, owned by nothing else.
+        let file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        file.set_len(REGION_BYTES as u64)?;
+        let region = Region::map(&file)?;
+        let h = region.header();
+        h.version.store(VERSION, Ordering::Relaxed);
+        h.slots.store(SLOTS as u32, Ordering::Relaxed);
+        h.payload_bytes
+            .store(PAYLOAD_BYTES as u32, Ordering::Relaxed);
+        h.magic.store(MAGIC, Ordering::Release);
+        Ok((file, region))
+    }
+
+    /// Whether the header says this is a ring this code speaks.
+    pub fn check(&self) -> Result<(), String> {
+        let h = self.header();
+        let magic = h.magic.load(Ordering::Acquire);
+        let version = h.version.load(Ordering::Relaxed);
+        let slots = h.slots.load(Ordering::Relaxed);
+        let payload = h.payload_bytes.load(Ordering::Relaxed);
+        if magic != MAGIC || version != VERSION {
+            return Err(format!(
+                "the server speaks another protocol (magic {magic:#x}, version {version}; \
+                 this library speaks version {VERSION})"
+            ));
+        }
+        if slots as usize != SLOTS || payload as usize != PAYLOAD_BYTES {
+            return Err(format!(
+                "the server's ring has {slots} slots of {payload} bytes, this library \
+                 expects {SLOTS} of {PAYLOAD_BYTES}"
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn header(&self) -> &Header {
+        // SAFETY: the map is REGION_BYTES long, page-aligned, and Header is atomics only.
+        unsafe { &*(self.map.as_ptr() as *const Header) }
+    }
+
+    pub fn slot(&self, i: usize) -> &SlotHeader {
+        assert!(i < SLOTS);
+        // SAFETY: in bounds (checked), page-aligned, atomics only.
+        unsafe { &*(self.map.as_ptr().add(HEADER_BYTES + i * SLOT_BYTES) as *const SlotHeader) }
+    }
+
+    fn payload(&self, i: usize) -> *mut u8 {
+        assert!(i < SLOTS);
+        // SAFETY: in bounds: the payload ends at the slot's end, within the map.
+        unsafe {
+            self.map
+                .as_mut_ptr()
+                .add(HEADER_BYTES + i * SLOT_BYTES + PAGE_BYTES)
+        }
+    }
+
+    /// Writes `message` into slot `i`'s payload and its length word (the state is the
+    /// caller's to publish after).
+    pub fn put(&self, i: usize, message: &[u8]) {
+        assert!(
+            message.len() <= PAYLOAD_BYTES,
+            "a message larger than a slot"
+        );
+        // SAFETY: the payload holds PAYLOAD_BYTES; the other side may write it too (only a
+        // misbehaving one), which makes its own answer wrong and nothing else.
+        unsafe { std::ptr::copy_nonoverlapping(message.as_ptr(), self.payload(i), message.len()) };
+        self.slot(i)
+            .len
+            .store(message.len() as u32, Ordering::Relaxed);
+    }
+
+    /// A copy of slot `i`'s message, or None when its length word is past the payload.
+    pub fn take(&self, i: usize) -> Option<Vec<u8>> {
+        let len = self.slot(i).len.load(Ordering::Relaxed) as usize;
+        if len > PAYLOAD_BYTES {
+            return None;
+        }
+        let mut out = vec![0u8; len];
+        // SAFETY: `len` is within the payload; copied out before anything reads it.
+        unsafe { std::ptr::copy_nonoverlapping(self.payload(i), out.as_mut_ptr(), len) };
+        Some(out)
+    }
+}
+
+/// Sleeps while `word` holds `expected`, for at most `timeout` (a shared futex: the word may
+/// be in another process's mapping of the same memory).
+pub fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: a valid, aligned word in a shared mapping and a valid timespec; FUTEX_WAIT
+    // only reads the word. EAGAIN (changed), EINTR and ETIMEDOUT all mean: look again.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+        );
+    }
+}
+
+/// Wakes up to `n` sleepers on `word`.
+pub fn futex_wake(word: &AtomicU32, n: u32) {
+    // SAFETY: a valid, aligned word; FUTEX_WAKE touches no memory.
+    unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, n);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_region_is_seen_alike_through_two_mappings_and_refuses_a_long_length() {
+        let (file, server) = Region::create().unwrap();
+        let client = Region::map(&file).unwrap();
+        client.check().unwrap();
+        client.put(3, b"hello");
+        client.slot(3).state.store(SUBMITTED, Ordering::Release);
+        assert_eq!(server.slot(3).state.load(Ordering::Acquire), SUBMITTED);
+        assert_eq!(server.take(3).unwrap(), b"hello");
+        client.slot(3).len.store(u32::MAX, Ordering::Relaxed);
+        assert!(
+            server.take(3).is_none(),
+            "a length past the payload is refused"
+        );
+        client.header().magic.store(0, Ordering::Relaxed);
+        assert!(client.check().is_err());
+    }
+}

@@ -1,0 +1,571 @@
+//! The server: owns a mounted filesystem ([`reactor::Runtime`]), accepts clients on a Unix
+//! socket, and serves each connection's ring with a few worker threads.
+//!
+//! # Invariants
+//! - Every connection has its own shared memory, workers and table of the inodes it holds
+//!   open ([`Holds`]); nothing one client sends reaches another's.
+//! - A read, write, truncate, fallocate, fsync or release names an inode the connection holds
+//!   open for it (opened readable for a read, writable for a change). A release gives back
+//!   one of the connection's own holds, taken from its table before the engine sees it, so
+//!   two racing releases cannot give back a hold another connection owns.
+//! - When a client goes (its socket closes: exit, kill -9), its workers finish the requests
+//!   they took, and every hold it still has is released: its open-unlinked files go.
+//! - Stopping ([`serve`]'s `stop`): no new connection is taken, workers finish what they
+//!   took and answer what was still waiting with ESHUTDOWN, every connection's holds are
+//!   released, and the filesystem is committed and unmounted.
+//!
+//! # Fault model
+//! Clients are not trusted ([`super::ring`] says how their memory is read; [`super::access`]
+//! how their requests are checked). Sizes are capped before the engine sees them: a read
+//! moves at most one message's data, a directory listing at most [`READDIR_ENTRIES_MAX`]
+//! entries, a connection holds at most [`HOLDS_MAX`] inodes.
+
+use super::access::{self, Caller};
+use super::ring::{self, Region, DONE, SLOTS, SUBMITTED, TAKEN};
+use super::{socket, wire};
+use engine::EngineError;
+use reactor::{Client, Op, Opened, Reply, Runtime};
+use std::collections::HashMap;
+use std::io::Read as _;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Worker threads per connection: the requests of one client process served at once (its
+/// fsyncs grouped by the reactor, its reads overlapped).
+const WORKERS: usize = 8;
+/// The most inodes one connection may hold open (counting each open).
+pub const HOLDS_MAX: u32 = 65536;
+/// The most entries one directory listing returns (the reply must fit a message).
+pub const READDIR_ENTRIES_MAX: usize = 1024;
+/// How long an idle worker spins on its doorbell before it sleeps.
+const SPIN: Duration = Duration::from_micros(30);
+/// A sleeping worker's longest nap: it looks at the connection's and the server's state at
+/// least this often.
+const NAP: Duration = Duration::from_millis(100);
+/// Requests in flight per worker's reactor client.
+const CLIENT_CAPACITY: usize = 64;
+
+/// How the server runs besides its runtime.
+#[derive(Debug, Clone, Default)]
+pub struct ServeOptions {
+    /// The reactors' cores, when they are pinned: the storage cores. The connections'
+    /// workers run there too, beside a reactor that spins and then parks (a worker then
+    /// often runs a request itself while the reactor sleeps), or on the other cores when the
+    /// reactors busy-poll (a worker preempted by a busy-polling reactor waits a whole
+    /// scheduler tick). Empty: workers unpinned.
+    pub reactor_cores: Vec<usize>,
+    pub busy_poll: bool,
+}
+
+/// What a serve did, for the operator.
+#[derive(Debug, Default, Clone)]
+pub struct Served {
+    pub connections: u64,
+    pub requests: u64,
+    /// Holds released for clients that went without releasing them.
+    pub holds_released_for_gone_clients: u64,
+    pub stats: Option<reactor::ReactorStats>,
+}
+
+/// The inodes one connection holds open, and for what.
+#[derive(Default)]
+struct Holds {
+    by_ino: HashMap<u64, Held>,
+    total: u32,
+}
+
+#[derive(Clone, Copy, Default)]
+struct Held {
+    count: u32,
+    /// Some open of it was for reading / writing (the kernel checks access at open, and a
+    /// handle keeps what it was granted: so does the union of a connection's opens).
+    readable: bool,
+    writable: bool,
+}
+
+/// What a handle operation needs of the connection's holds.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Need {
+    Read,
+    Write,
+    Any,
+}
+
+struct Conn {
+    id: u64,
+    region: Region,
+    caller: Caller,
+    pid: i32,
+    holds: Mutex<Holds>,
+    /// The client's socket closed.
+    gone: AtomicBool,
+    stopping: Arc<AtomicBool>,
+    requests: AtomicU64,
+    /// One idle worker spins on the doorbell for the next request; the others sleep (a
+    /// spinning worker per request in flight would take the cores the client and the
+    /// reactor need).
+    spinner: AtomicBool,
+}
+
+impl Conn {
+    fn holds(&self) -> std::sync::MutexGuard<'_, Holds> {
+        self.holds.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn need(&self, ino: u64, need: Need) -> Result<(), EngineError> {
+        let holds = self.holds();
+        let ok = holds.by_ino.get(&ino).is_some_and(|h| match need {
+            Need::Read => h.readable,
+            Need::Write => h.writable,
+            Need::Any => true,
+        });
+        if ok {
+            return Ok(());
+        }
+        Err(EngineError::Refused {
+            errno: libc::EBADF,
+            message: format!(
+                "inode {ino} is not open {}on this connection",
+                match need {
+                    Need::Read => "for reading ",
+                    Need::Write => "for writing ",
+                    Need::Any => "",
+                }
+            ),
+        })
+    }
+
+    fn room_for_hold(&self) -> Result<(), EngineError> {
+        if self.holds().total >= HOLDS_MAX {
+            return Err(EngineError::Refused {
+                errno: libc::EMFILE,
+                message: format!("this connection holds {HOLDS_MAX} files open"),
+            });
+        }
+        Ok(())
+    }
+
+    fn add_hold(&self, ino: u64, readable: bool, writable: bool) {
+        let mut holds = self.holds();
+        holds.total += 1;
+        let h = holds.by_ino.entry(ino).or_default();
+        h.count += 1;
+        h.readable |= readable;
+        h.writable |= writable;
+    }
+
+    /// Takes one of the connection's holds on `ino` out of its table (EBADF if it has none).
+    fn take_hold(&self, ino: u64) -> Result<Held, EngineError> {
+        let mut holds = self.holds();
+        let Some(h) = holds.by_ino.get_mut(&ino) else {
+            return Err(EngineError::Refused {
+                errno: libc::EBADF,
+                message: format!("inode {ino} is not open on this connection"),
+            });
+        };
+        let taken = *h;
+        h.count -= 1;
+        if h.count == 0 {
+            holds.by_ino.remove(&ino);
+        }
+        holds.total -= 1;
+        Ok(taken)
+    }
+
+    fn put_back(&self, ino: u64, held: Held) {
+        self.add_hold(ino, held.readable, held.writable);
+    }
+}
+
+/// A connection as the accept loop keeps it: the socket (to unblock its watcher at stop) and
+/// the watcher, which ends after the connection is cleaned up.
+struct Live {
+    sock: UnixStream,
+    watcher: JoinHandle<u64>,
+}
+
+/// Serves `runtime` on a Unix socket at `socket_path` until `stop` is set, then stops as the
+/// module doc says. The socket's file mode decides who may connect (set `umask`, or chmod
+/// it after start); it is removed at the end. Errors: the socket cannot be made (an existing
+/// file there is refused, not replaced, unless it is a socket nobody listens on).
+pub fn serve(
+    runtime: Runtime,
+    socket_path: &Path,
+    stop: &AtomicBool,
+    options: &ServeOptions,
+) -> std::io::Result<Served> {
+    let worker_cores: Vec<usize> = match reactor::affinity::allowed_cores() {
+        Ok(all) if options.busy_poll && !options.reactor_cores.is_empty() => all
+            .into_iter()
+            .filter(|c| !options.reactor_cores.contains(c))
+            .collect(),
+        _ => options.reactor_cores.clone(),
+    };
+    let listener = bind(socket_path)?;
+    listener.set_nonblocking(true)?;
+    tracing::info!(socket = %socket_path.display(), "corefs serving");
+    let stopping = Arc::new(AtomicBool::new(false));
+    let mut live: Vec<Live> = Vec::new();
+    let mut served = Served::default();
+    let mut next_id = 1u64;
+    while !stop.load(Ordering::Acquire) {
+        match listener.accept() {
+            Ok((sock, _)) => match accept(&runtime, sock, next_id, &stopping, &worker_cores) {
+                Ok(l) => {
+                    next_id += 1;
+                    served.connections += 1;
+                    live.push(l);
+                }
+                // A client gone before its memory was handed over (a health check
+                // that only connects) is nobody's loss.
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+                    tracing::debug!("a client went before its connection was made")
+                }
+                Err(e) => tracing::warn!("a client could not connect: {e}"),
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                wait_readable(&listener, Duration::from_millis(100));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                tracing::warn!("accept: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        // Connections that ended are joined as they go (bounded table).
+        let (done, running): (Vec<Live>, Vec<Live>) =
+            live.into_iter().partition(|l| l.watcher.is_finished());
+        live = running;
+        for l in done {
+            served.holds_released_for_gone_clients += l.watcher.join().unwrap_or(0);
+        }
+    }
+    tracing::info!(
+        connections = live.len(),
+        "corefs server stopping: finishing what is in flight"
+    );
+    drop(listener);
+    let _ = std::fs::remove_file(socket_path);
+    stopping.store(true, Ordering::Release);
+    for l in &live {
+        let _ = l.sock.shutdown(std::net::Shutdown::Both);
+    }
+    for l in live {
+        served.holds_released_for_gone_clients += l.watcher.join().unwrap_or(0);
+    }
+    let stats = runtime
+        .shutdown()
+        .map_err(|e| std::io::Error::other(format!("unmount: {e}")))?;
+    served.stats = Some(stats);
+    Ok(served)
+}
+
+/// A listening socket at `path`. A socket file nobody listens on (a server killed earlier)
+/// is replaced; anything else there is refused.
+fn bind(path: &Path) -> std::io::Result<UnixListener> {
+    match UnixListener::bind(path) {
+        Ok(l) => Ok(l),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+            use std::os::unix::fs::FileTypeExt;
+            let is_socket = std::fs::symlink_metadata(path)?.file_type().is_socket();
+            if is_socket && UnixStream::connect(path).is_err() {
+                std::fs::remove_file(path)?;
+                return UnixListener::bind(path);
+            }
+            Err(std::io::Error::new(
+                e.kind(),
+                format!(
+                    "{} exists{}",
+                    path.display(),
+                    if is_socket {
+                        " and a server answers there"
+                    } else {
+                        " and is not a socket"
+                    }
+                ),
+            ))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+fn wait_readable(listener: &UnixListener, timeout: Duration) {
+    use std::os::fd::AsRawFd;
+    let mut p = libc::pollfd {
+        fd: listener.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd.
+    unsafe { libc::poll(&mut p, 1, timeout.as_millis() as libc::c_int) };
+}
+
+fn accept(
+    runtime: &Runtime,
+    sock: UnixStream,
+    id: u64,
+    stopping: &Arc<AtomicBool>,
+    worker_cores: &[usize],
+) -> std::io::Result<Live> {
+    sock.set_nonblocking(false)?;
+    let peer = socket::peer(&sock)?;
+    let (memory, region) = Region::create()?;
+    socket::send_fd(&sock, &memory)?;
+    drop(memory);
+    tracing::info!(
+        connection = id,
+        pid = peer.pid,
+        uid = peer.uid,
+        gid = peer.gid,
+        "client connected"
+    );
+    let conn = Arc::new(Conn {
+        id,
+        region,
+        caller: Caller {
+            uid: peer.uid,
+            gid: peer.gid,
+            groups: peer.groups,
+        },
+        pid: peer.pid,
+        holds: Mutex::new(Holds::default()),
+        gone: AtomicBool::new(false),
+        stopping: stopping.clone(),
+        requests: AtomicU64::new(0),
+        spinner: AtomicBool::new(false),
+    });
+    let mut workers = Vec::with_capacity(WORKERS);
+    for k in 0..WORKERS {
+        let conn = conn.clone();
+        let mut client = runtime.client(CLIENT_CAPACITY);
+        let cores = worker_cores.to_vec();
+        workers.push(
+            std::thread::Builder::new()
+                .name(format!("corefs-conn{id}.{k}"))
+                .spawn(move || {
+                    if !cores.is_empty() {
+                        if let Err(e) = reactor::affinity::set_current_thread_cores(&cores) {
+                            tracing::warn!("a worker stays unpinned: {e}");
+                        }
+                    }
+                    work(&conn, &mut client)
+                })?,
+        );
+    }
+    let mut release_client = runtime.client(CLIENT_CAPACITY);
+    let mut watch_sock = sock.try_clone()?;
+    let watcher = std::thread::Builder::new()
+        .name(format!("corefs-conn{id}"))
+        .spawn(move || {
+            // The client sends nothing on the socket: a read returns when it closes.
+            let mut byte = [0u8; 1];
+            while matches!(watch_sock.read(&mut byte), Ok(n) if n > 0) {}
+            conn.gone.store(true, Ordering::Release);
+            ring::futex_wake(&conn.region.header().doorbell, WORKERS as u32);
+            for w in workers {
+                let _ = w.join();
+            }
+            let released = release_all(&conn, &mut release_client);
+            tracing::info!(
+                connection = conn.id,
+                pid = conn.pid,
+                requests = conn.requests.load(Ordering::Relaxed),
+                holds_released = released,
+                "client gone"
+            );
+            released
+        })?;
+    Ok(Live { sock, watcher })
+}
+
+/// Releases every hold a connection still has; returns how many.
+fn release_all(conn: &Conn, client: &mut Client) -> u64 {
+    let holds = std::mem::take(&mut *conn.holds());
+    let mut released = 0;
+    for (ino, held) in holds.by_ino {
+        for _ in 0..held.count {
+            match client.call(Op::Release { ino }) {
+                Ok(_) => released += 1,
+                Err(e) => tracing::warn!(ino, "releasing a gone client's hold: {e}"),
+            }
+        }
+    }
+    released
+}
+
+/// A worker: takes submitted slots and answers them until the client or the server goes.
+fn work(conn: &Conn, client: &mut Client) {
+    let h = conn.region.header();
+    loop {
+        let seen = h.doorbell.load(Ordering::SeqCst);
+        if take_and_serve(conn, client) {
+            continue;
+        }
+        if conn.gone.load(Ordering::Acquire) {
+            return;
+        }
+        if conn.stopping.load(Ordering::Acquire) {
+            refuse_waiting(conn);
+            return;
+        }
+        if conn
+            .spinner
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+        {
+            let spin_until = Instant::now() + SPIN;
+            while h.doorbell.load(Ordering::SeqCst) == seen && Instant::now() < spin_until {
+                std::hint::spin_loop();
+            }
+            conn.spinner.store(false, Ordering::Release);
+            if h.doorbell.load(Ordering::SeqCst) != seen {
+                continue;
+            }
+        }
+        h.sleepers.fetch_add(1, Ordering::SeqCst);
+        ring::futex_wait(&h.doorbell, seen, NAP);
+        h.sleepers.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Serves every slot this worker can take; false if there was none.
+fn take_and_serve(conn: &Conn, client: &mut Client) -> bool {
+    let mut any = false;
+    for i in 0..SLOTS {
+        let state = &conn.region.slot(i).state;
+        if state
+            .compare_exchange(SUBMITTED, TAKEN, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+        {
+            any = true;
+            let answer = match conn.region.take(i) {
+                Some(bytes) => wire::decode_op(&bytes).and_then(|op| execute(conn, client, op)),
+                None => Err(EngineError::Invalid(
+                    "a request longer than its slot".into(),
+                )),
+            };
+            conn.requests.fetch_add(1, Ordering::Relaxed);
+            answer_slot(conn, i, wire::encode_answer(answer));
+        }
+    }
+    any
+}
+
+fn answer_slot(conn: &Conn, i: usize, bytes: Vec<u8>) {
+    conn.region.put(i, &bytes);
+    let state = &conn.region.slot(i).state;
+    state.store(DONE, Ordering::SeqCst);
+    ring::futex_wake(state, 1);
+}
+
+/// At stop: what was submitted and not taken is answered ESHUTDOWN.
+fn refuse_waiting(conn: &Conn) {
+    for i in 0..SLOTS {
+        let state = &conn.region.slot(i).state;
+        if state
+            .compare_exchange(SUBMITTED, TAKEN, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+        {
+            let refused = Err(EngineError::Refused {
+                errno: libc::ESHUTDOWN,
+                message: "the corefs server is stopping".into(),
+            });
+            answer_slot(conn, i, wire::encode_answer(refused));
+        }
+    }
+}
+
+/// What a request does to the connection's holds once it succeeded.
+enum After {
+    Nothing,
+    Opened { readable: bool, writable: bool },
+    Held(u64),
+}
+
+/// Runs one request for the connection: bounded, admitted ([`access`]), its handle checked,
+/// and the connection's holds kept up to date.
+fn execute(conn: &Conn, client: &mut Client, op: Op) -> Result<Reply, EngineError> {
+    let op = bound(op)?;
+    let op = access::admit(&conn.caller, client, op)?;
+    let inner = match &op {
+        Op::Walk { then, .. } => then.as_ref(),
+        op => op,
+    };
+    let after = match inner {
+        Op::Read { ino, .. } => {
+            conn.need(*ino, Need::Read)?;
+            After::Nothing
+        }
+        Op::Write { ino, .. }
+        | Op::Append { ino, .. }
+        | Op::Truncate { ino, .. }
+        | Op::Fallocate { ino, .. }
+        | Op::WriteAtomic { ino, .. } => {
+            conn.need(*ino, Need::Write)?;
+            After::Nothing
+        }
+        Op::Fsync { ino } | Op::Fdatasync { ino } => {
+            conn.need(*ino, Need::Any)?;
+            After::Nothing
+        }
+        Op::Open { how, .. } => {
+            conn.room_for_hold()?;
+            After::Opened {
+                readable: how.readable,
+                writable: how.writable,
+            }
+        }
+        Op::Hold { ino } => {
+            conn.room_for_hold()?;
+            After::Held(*ino)
+        }
+        Op::Release { ino } => {
+            let ino = *ino;
+            let held = conn.take_hold(ino)?;
+            let r = client.call(op);
+            if r.is_err() {
+                conn.put_back(ino, held);
+            }
+            return r;
+        }
+        _ => After::Nothing,
+    };
+    let reply = client.call(op)?;
+    match (&after, &reply) {
+        (
+            After::Opened { readable, writable },
+            Reply::Opened(Opened::Found(s) | Opened::Created(s)),
+        ) => {
+            conn.add_hold(s.ino, *readable, *writable);
+        }
+        (After::Held(ino), Reply::Done) => conn.add_hold(*ino, false, false),
+        _ => {}
+    }
+    Ok(reply)
+}
+
+/// Caps what a request asks for to what a reply can carry, and refuses what no client of
+/// this library sends (a walk to an operation that goes through a handle).
+fn bound(mut op: Op) -> Result<Op, EngineError> {
+    if let Op::Walk { then, .. } = &mut op {
+        if then.target_mut().is_none() {
+            return Err(EngineError::Invalid(
+                "a walk to an operation that takes no path".into(),
+            ));
+        }
+    }
+    let inner = match &mut op {
+        Op::Walk { then, .. } => then.as_mut(),
+        op => op,
+    };
+    match inner {
+        Op::Read { len, .. } => *len = (*len).min(ring::DATA_BYTES_MAX),
+        Op::Readdir { max, .. } => *max = (*max).clamp(1, READDIR_ENTRIES_MAX),
+        _ => {}
+    }
+    Ok(op)
+}
