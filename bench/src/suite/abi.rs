@@ -73,6 +73,16 @@ impl CAbiMount {
         Ok(CAbiMount { fs })
     }
 
+    /// Connects to a `corefs serve` at `socket` (`corefs_connect`).
+    pub fn connect(socket: &std::path::Path) -> R<CAbiMount> {
+        let path = socket.to_str().ok_or("a socket path that is not UTF-8")?;
+        let p = c_path(path)?;
+        // SAFETY: a NUL-terminated path; NULL options.
+        let fs = unsafe { corefs_connect(p.as_ptr(), std::ptr::null()) };
+        checked("corefs_connect", path, fs)?;
+        Ok(CAbiMount { fs })
+    }
+
     /// The reactors' statistics (None when the filesystem cannot give them).
     pub fn stats(&self) -> Option<reactor::ReactorStats> {
         corefs::abi::reactor_stats(self.fs)
@@ -226,15 +236,56 @@ impl Session for CAbiSession {
         }
     }
 
+    /// Random 4 KiB reads at queue depth `qd` through the asynchronous calls
+    /// (`corefs_submit_pread`, `corefs_poll`), each completion's latency recorded.
     fn random_reads(
         &mut self,
-        _fh: Fh,
-        _file_bytes: u64,
-        _qd: usize,
-        _until: Instant,
-        _seed: u64,
-        _record: &mut dyn FnMut(u64),
+        fh: Fh,
+        file_bytes: u64,
+        qd: usize,
+        until: Instant,
+        seed: u64,
+        record: &mut dyn FnMut(u64),
     ) -> R<u64> {
-        Err("the random-read workloads run through the reactor client, not the C ABI".into())
+        use rand::{Rng, SeedableRng};
+        let fd = *self.files.get(fh)?;
+        let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(seed);
+        let blocks = file_bytes / 4096;
+        // One buffer and one submission time per token; tokens are slots 0..qd.
+        let mut buffers = vec![0u8; qd * 4096];
+        let mut submitted: Vec<Instant> = vec![Instant::now(); qd];
+        let mut free: Vec<u64> = (0..qd as u64).collect();
+        let mut in_flight = 0usize;
+        let mut done = 0u64;
+        let mut completions = vec![corefs_completion::default(); qd];
+        loop {
+            // At least one read, however late the start (see workloads::keep_going).
+            while Instant::now() < until || (done == 0 && in_flight == 0) {
+                let Some(slot) = free.pop() else { break };
+                let offset = rng.random_range(0..blocks) * 4096;
+                submitted[slot as usize] = Instant::now();
+                let buf = buffers[slot as usize * 4096..].as_mut_ptr();
+                // SAFETY: the slot's 4 KiB stays untouched until its completion is polled.
+                let r = unsafe { corefs_submit_pread(self.fs, fd, buf, 4096, offset, slot) };
+                checked("corefs_submit_pread", "", r as i64)?;
+                in_flight += 1;
+            }
+            if in_flight == 0 {
+                return Ok(done);
+            }
+            // SAFETY: room for `qd` completions.
+            let n = unsafe { corefs_poll(self.fs, completions.as_mut_ptr(), qd, 5_000_000) };
+            let n = checked("corefs_poll", "", n)? as usize;
+            let now = Instant::now();
+            for c in &completions[..n] {
+                if c.result != 4096 {
+                    return Err(format!("random read: {} ({})", c.result, last_error()));
+                }
+                record(now.duration_since(submitted[c.token as usize]).as_nanos() as u64);
+                free.push(c.token);
+                in_flight -= 1;
+                done += 1;
+            }
+        }
     }
 }

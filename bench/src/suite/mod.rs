@@ -23,6 +23,7 @@ pub mod neighbours;
 pub mod plot;
 pub mod results;
 pub mod rocksdb;
+pub mod serve;
 pub mod session;
 pub mod target;
 pub mod workloads;
@@ -42,6 +43,9 @@ pub enum TargetSpec {
     CorefsFile,
     /// corefs in memory.
     CorefsMem,
+    /// corefs as a storage service: `corefs serve` on an image of its own, the clients in
+    /// the bench process through `corefs_connect`.
+    CorefsServe,
     /// corefs on a device string (`nvme:/dev/ng0n1`, `file:/dev/sdb`).
     CorefsDevice(String),
     /// The kernel filesystem holding this directory.
@@ -56,6 +60,7 @@ impl TargetSpec {
         Ok(match text {
             "corefs" | "corefs-file" => TargetSpec::CorefsFile,
             "corefs-mem" => TargetSpec::CorefsMem,
+            "corefs-serve" => TargetSpec::CorefsServe,
             "ext4" | "xfs" | "btrfs" => TargetSpec::KernelLoop(text.to_string()),
             _ => {
                 if let Some(device) = text.strip_prefix("corefs:") {
@@ -64,7 +69,7 @@ impl TargetSpec {
                     TargetSpec::KernelDir(PathBuf::from(dir))
                 } else {
                     return Err(format!(
-                        "unknown target {text:?}: corefs-file, corefs-mem, corefs:DEVICE, \
+                        "unknown target {text:?}: corefs-file, corefs-mem, corefs-serve, corefs:DEVICE, \
                          dir:PATH, ext4, xfs or btrfs"
                     ));
                 }
@@ -246,6 +251,27 @@ fn build_targets(
                 .with_image(image.path());
                 images.push(image);
                 out.push(Box::new(target));
+            }
+            TargetSpec::CorefsServe => {
+                let image = tempfile::Builder::new()
+                    .prefix("corefs-serve-")
+                    .suffix(".img")
+                    .tempfile_in(&config.dir)
+                    .map_err(|e| format!("an image in {}: {e}", config.dir.display()))?;
+                say(&format!(
+                    "writing a {} MiB image for corefs serve at {}",
+                    config.image_bytes >> 20,
+                    image.path().display()
+                ));
+                crate::fsync::prefill(image.as_file(), config.image_bytes)?;
+                out.push(Box::new(serve::ServeTarget::new(
+                    image.path(),
+                    &config.dir,
+                    config.shards,
+                    config.placement.clone(),
+                    config.reactors,
+                )));
+                images.push(image);
             }
             TargetSpec::CorefsMem => out.push(Box::new(CorefsTarget::new(
                 "corefs-mem",

@@ -202,36 +202,7 @@ impl Target for CorefsTarget {
                 other => return Err(format!("unexpected reply {other:?}")),
             }
         };
-        let c = &stats.commit;
-        Ok(Some(EngineFigures {
-            groups_taken: stats.space.taken,
-            groups_returned: stats.space.returned,
-            commits: c.commits,
-            commit_ms_avg: if c.commits > 0 {
-                c.commit_ns_total as f64 / c.commits as f64 / 1e6
-            } else {
-                0.0
-            },
-            commit_ms_max: c.commit_ns_max as f64 / 1e6,
-            commit_pause_ms_max: c.pause_ns_max as f64 / 1e6,
-            log_writes: stats.log.log_writes,
-            fallback_commits: stats.log.fallback_commits(),
-            fsync_groups: stats.fsync_groups,
-            fsync_group_max: stats.fsync_group_max,
-            unpinned_blocks_last: c.last_unpinned_blocks,
-            unpin_ms_last: c.last_unpin_ns as f64 / 1e6,
-            reactor_cpu_ns_per_op: stats.cpu_ns_per_op(),
-            data_cache_hits: stats.data_cache_hits,
-            data_blocks_read: stats.data_blocks_read,
-            data_cache_blocks: Some(self.data_cache_blocks as u64),
-            commit_slice_ms_max: c.slice_ns_max as f64 / 1e6,
-            loop_gap_ms_max: stats.loop_gap_ns_max as f64 / 1e6,
-            loop_gap_on_cpu_ms_max: stats.loop_gap_on_cpu_ns_max as f64 / 1e6,
-            device_wait_ms_max: stats.device_waits.wait_ns_max as f64 / 1e6,
-            reply_ms_max: stats.reply.max_ns as f64 / 1e6,
-            fsync_queue_p99_ms: stats.fsync_queue_wait.p99_ns as f64 / 1e6,
-            fsync_log_p99_ms: stats.fsync_log_write.p99_ns as f64 / 1e6,
-        }))
+        Ok(Some(figures_of(&stats, self.data_cache_blocks as u64)))
     }
 
     fn remount(&mut self) -> R<Option<f64>> {
@@ -245,6 +216,41 @@ impl Target for CorefsTarget {
 
     fn finish(&mut self) -> R<()> {
         self.stop()
+    }
+}
+
+/// The figures a run records from a reactor's statistics; `data_cache_blocks` is the
+/// engine's data cache the mount was given.
+pub(super) fn figures_of(stats: &reactor::ReactorStats, data_cache_blocks: u64) -> EngineFigures {
+    let c = &stats.commit;
+    EngineFigures {
+        groups_taken: stats.space.taken,
+        groups_returned: stats.space.returned,
+        commits: c.commits,
+        commit_ms_avg: if c.commits > 0 {
+            c.commit_ns_total as f64 / c.commits as f64 / 1e6
+        } else {
+            0.0
+        },
+        commit_ms_max: c.commit_ns_max as f64 / 1e6,
+        commit_pause_ms_max: c.pause_ns_max as f64 / 1e6,
+        log_writes: stats.log.log_writes,
+        fallback_commits: stats.log.fallback_commits(),
+        fsync_groups: stats.fsync_groups,
+        fsync_group_max: stats.fsync_group_max,
+        unpinned_blocks_last: c.last_unpinned_blocks,
+        unpin_ms_last: c.last_unpin_ns as f64 / 1e6,
+        reactor_cpu_ns_per_op: stats.cpu_ns_per_op(),
+        data_cache_hits: stats.data_cache_hits,
+        data_blocks_read: stats.data_blocks_read,
+        data_cache_blocks: Some(data_cache_blocks),
+        commit_slice_ms_max: c.slice_ns_max as f64 / 1e6,
+        loop_gap_ms_max: stats.loop_gap_ns_max as f64 / 1e6,
+        loop_gap_on_cpu_ms_max: stats.loop_gap_on_cpu_ns_max as f64 / 1e6,
+        device_wait_ms_max: stats.device_waits.wait_ns_max as f64 / 1e6,
+        reply_ms_max: stats.reply.max_ns as f64 / 1e6,
+        fsync_queue_p99_ms: stats.fsync_queue_wait.p99_ns as f64 / 1e6,
+        fsync_log_p99_ms: stats.fsync_log_write.p99_ns as f64 / 1e6,
     }
 }
 
