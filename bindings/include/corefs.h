@@ -76,6 +76,16 @@
 // `corefs_options.atime`: every read moves the access time (Linux's strictatime).
 #define COREFS_ATIME_STRICT 2
 
+// `corefs_setlk` and `corefs_testlk` kinds (Linux's F_RDLCK, F_WRLCK, F_UNLCK).
+#define COREFS_LOCK_READ 0
+
+#define COREFS_LOCK_WRITE 1
+
+#define COREFS_LOCK_UNLOCK 2
+
+// Ranges one table holds at most, over every inode and owner.
+#define RANGES_MAX (1 << 16)
+
 #define VERSION 1
 
 // Slots per connection: the requests a client process may have in flight at once.
@@ -266,6 +276,24 @@ void corefs_buf_free(uint8_t *buf, size_t len);
 // # Safety
 // `path` is NULL or NUL-terminated.
 corefs_fd corefs_open(corefs_fs fs, const char *path, int flags, uint32_t mode);
+
+// Takes (COREFS_LOCK_READ, COREFS_LOCK_WRITE) or gives back (COREFS_LOCK_UNLOCK) an
+// advisory lock over `len` bytes at `start` of the file behind `fd` (`len` 0: to the end of
+// the file, however it grows), as fcntl(2)'s F_SETLK: never waits; -EAGAIN when another
+// owner holds a conflicting lock (a write lock conflicts with any lock, a read lock with a
+// write lock). The owner is this process's filesystem handle (every thread's locks are
+// one owner's, as POSIX locks are a process's); taking a lock over one's own replaces it
+// (read to write and back), unlocking part of a range keeps the rest. Locks go with their
+// owner: at `corefs_close`, and through a server (`corefs_connect`) when this process's
+// connection closes, so a killed process holds none. A read lock needs `fd` open for
+// reading, a write lock for writing (-EBADF). Through a server, locks reach across every
+// process connected to it: what SQLite's locking needs.
+int corefs_setlk(corefs_fs fs, corefs_fd fd, int kind, uint64_t start, uint64_t len);
+
+// Whether `corefs_setlk` with these arguments would take its lock now, without taking it
+// (fcntl(2)'s F_GETLK): 0 when it would, 1 when another owner's lock is in the way, a
+// negative errno for bad arguments.
+int corefs_testlk(corefs_fs fs, corefs_fd fd, int kind, uint64_t start, uint64_t len);
 
 // Closes a file handle (its data stays where it is: fsync first to make it durable). The
 // last handle of a file with no name left deletes it; asynchronous operations submitted

@@ -35,8 +35,13 @@
  *
  * Locking: SQLite's SHARED/RESERVED/PENDING/EXCLUSIVE protocol and the WAL shared memory are
  * implemented in memory, per inode, for all connections of this process (as the in-process
- * part of os_unix.c). Nothing protects a filesystem image from a second process: corefs
- * itself must only be mounted by one process at a time.
+ * part of os_unix.c). An in-process mount holds its device exclusively, so no other process
+ * can reach the database. Through a corefs server (COREFS_DEVICE=serve:SOCKET) other
+ * processes can: the process-level part of os_unix.c's locking is then done too, with
+ * corefs_setlk byte-range locks that the server keeps across its clients (the same bytes
+ * os_unix.c locks with fcntl). The WAL index has no shared memory across processes, so
+ * there the VFS offers none (io methods version 1): WAL needs PRAGMA locking_mode=EXCLUSIVE,
+ * and the rollback journals (DELETE, TRUNCATE, PERSIST) work across processes.
  */
 #ifdef COREFS_VFS_STATIC
 #include <sqlite3.h>
@@ -68,6 +73,9 @@ SQLITE_EXTENSION_INIT1
 /* Guards the lazy mount. */
 static pthread_mutex_t g_mount_mutex = PTHREAD_MUTEX_INITIALIZER;
 static corefs_fs g_fs = 0; /* > 0 once mounted */
+/* Mounted through a corefs server (serve:SOCKET): other processes share the database, and
+ * locks are taken across processes too (see "Locking" above). */
+static int g_remote = 0;
 static int g_atexit_registered = 0;
 
 /* Guards the inode table, its lock state and its shared memory. */
@@ -252,6 +260,7 @@ static int cfs_mounted(corefs_fs *pFs) {
         rc = SQLITE_CANTOPEN;
       } else {
         g_fs = fs;
+        g_remote = strncmp(device, "serve:", 6) == 0;
         if (!g_atexit_registered) {
           g_atexit_registered = 1;
           atexit(cfs_atexit);
@@ -565,59 +574,141 @@ static int cfs_file_size(sqlite3_file *pFile, sqlite3_int64 *pSize) {
   return SQLITE_OK;
 }
 
-/* The in-process part of os_unix.c's unixLock. */
+/* os_unix.c's lock bytes: a PENDING byte, a RESERVED byte and the SHARED range, past the
+ * first GiB (SQLite never writes pages there). */
+#define CFS_PENDING_BYTE 0x40000000
+#define CFS_RESERVED_BYTE (CFS_PENDING_BYTE + 1)
+#define CFS_SHARED_FIRST (CFS_PENDING_BYTE + 2)
+#define CFS_SHARED_SIZE 510
+
+/* A process-level lock through the server (g_remote only): SQLITE_OK, SQLITE_BUSY when
+ * another process holds a conflicting lock, or `ioerr`. */
+static int cfs_plock(CfsFile *p, int kind, uint64_t start, uint64_t len, int ioerr) {
+  int e = corefs_setlk(cfs_fs(), p->fd, kind, start, len);
+  if (e == 0) return SQLITE_OK;
+  if (e == -EAGAIN) return SQLITE_BUSY;
+  return cfs_fail(ioerr, "corefs_setlk", p->zPath, e);
+}
+
+/* os_unix.c's unixLock: the in-process part always, the process-level part (its fcntl
+ * locks, here corefs_setlk) through a server. Called with g_mutex held. */
+static int cfs_lock_locked(CfsFile *p, CfsInode *pInode, int eLock) {
+  int rc = SQLITE_OK;
+  if (p->eLock != pInode->eLock &&
+      (pInode->eLock >= SQLITE_LOCK_PENDING || eLock > SQLITE_LOCK_SHARED)) {
+    /* Another file of this process holds a lock that excludes this one. */
+    return SQLITE_BUSY;
+  }
+  if (eLock == SQLITE_LOCK_SHARED &&
+      (pInode->eLock == SQLITE_LOCK_SHARED || pInode->eLock == SQLITE_LOCK_RESERVED)) {
+    /* This process reads already: one more reader in it. */
+    p->eLock = SQLITE_LOCK_SHARED;
+    pInode->nShared++;
+    return SQLITE_OK;
+  }
+  if (g_remote && (eLock == SQLITE_LOCK_SHARED ||
+                   (eLock == SQLITE_LOCK_EXCLUSIVE && p->eLock == SQLITE_LOCK_RESERVED))) {
+    /* PENDING first: held for good on the way to EXCLUSIVE (no new reader comes in),
+     * briefly for SHARED (a reader waits while a writer is pending). */
+    rc = cfs_plock(p, eLock == SQLITE_LOCK_SHARED ? COREFS_LOCK_READ : COREFS_LOCK_WRITE,
+                   CFS_PENDING_BYTE, 1, SQLITE_IOERR_LOCK);
+    if (rc != SQLITE_OK) return rc;
+    if (eLock == SQLITE_LOCK_EXCLUSIVE) {
+      p->eLock = SQLITE_LOCK_PENDING;
+      pInode->eLock = SQLITE_LOCK_PENDING;
+    }
+  }
+  if (eLock == SQLITE_LOCK_SHARED) {
+    /* No file of this process holds the inode. */
+    if (g_remote) {
+      rc = cfs_plock(p, COREFS_LOCK_READ, CFS_SHARED_FIRST, CFS_SHARED_SIZE, SQLITE_IOERR_LOCK);
+      int rcUnlock = cfs_plock(p, COREFS_LOCK_UNLOCK, CFS_PENDING_BYTE, 1, SQLITE_IOERR_UNLOCK);
+      if (rc == SQLITE_OK) rc = rcUnlock;
+      if (rc != SQLITE_OK) return rc;
+    }
+    p->eLock = SQLITE_LOCK_SHARED;
+    pInode->nShared = 1;
+    pInode->eLock = SQLITE_LOCK_SHARED;
+    return SQLITE_OK;
+  }
+  if (eLock == SQLITE_LOCK_EXCLUSIVE && pInode->nShared > 1) {
+    /* Other readers of this process remain: hold PENDING so that no new one comes in. */
+    p->eLock = SQLITE_LOCK_PENDING;
+    pInode->eLock = SQLITE_LOCK_PENDING;
+    return SQLITE_BUSY;
+  }
+  /* RESERVED, or EXCLUSIVE with p the only reader of this process. */
+  if (g_remote) {
+    if (eLock == SQLITE_LOCK_RESERVED) {
+      rc = cfs_plock(p, COREFS_LOCK_WRITE, CFS_RESERVED_BYTE, 1, SQLITE_IOERR_LOCK);
+    } else {
+      rc = cfs_plock(p, COREFS_LOCK_WRITE, CFS_SHARED_FIRST, CFS_SHARED_SIZE, SQLITE_IOERR_LOCK);
+    }
+    if (rc != SQLITE_OK) {
+      if (eLock == SQLITE_LOCK_EXCLUSIVE) {
+        /* Other processes still read: keep PENDING, try again later. */
+        p->eLock = SQLITE_LOCK_PENDING;
+        pInode->eLock = SQLITE_LOCK_PENDING;
+      }
+      return rc;
+    }
+  }
+  p->eLock = eLock;
+  pInode->eLock = eLock;
+  return SQLITE_OK;
+}
+
 static int cfs_lock(sqlite3_file *pFile, int eLock) {
   CfsFile *p = (CfsFile *)pFile;
   CfsInode *pInode = p->pInode;
-  int rc = SQLITE_OK;
+  int rc;
 
   if (p->eLock >= eLock) return SQLITE_OK;
   if (pInode == 0) return SQLITE_IOERR_LOCK;
 
   pthread_mutex_lock(&g_mutex);
-  if (p->eLock != pInode->eLock &&
-      (pInode->eLock >= SQLITE_LOCK_PENDING || eLock > SQLITE_LOCK_SHARED)) {
-    /* Another file holds a lock that excludes this one. */
-    rc = SQLITE_BUSY;
-  } else if (eLock == SQLITE_LOCK_SHARED) {
-    /* p holds nothing; the inode holds NONE, SHARED or RESERVED. */
-    p->eLock = SQLITE_LOCK_SHARED;
-    pInode->nShared++;
-    if (pInode->eLock == SQLITE_LOCK_NONE) pInode->eLock = SQLITE_LOCK_SHARED;
-  } else if (eLock == SQLITE_LOCK_EXCLUSIVE && pInode->nShared > 1) {
-    /* Other readers remain: hold PENDING so that no new one comes in. */
-    p->eLock = SQLITE_LOCK_PENDING;
-    pInode->eLock = SQLITE_LOCK_PENDING;
-    rc = SQLITE_BUSY;
-  } else {
-    /* RESERVED, or EXCLUSIVE with p the only reader. */
-    p->eLock = eLock;
-    pInode->eLock = eLock;
-  }
+  rc = cfs_lock_locked(p, pInode, eLock);
   pthread_mutex_unlock(&g_mutex);
   return rc;
 }
 
-/* The in-process part of os_unix.c's posixUnlock. */
+/* os_unix.c's posixUnlock: the in-process part, and through a server the process-level
+ * one. */
 static int cfs_unlock(sqlite3_file *pFile, int eLock) {
   CfsFile *p = (CfsFile *)pFile;
   CfsInode *pInode = p->pInode;
+  int rc = SQLITE_OK;
 
   if (p->eLock <= eLock) return SQLITE_OK;
   if (pInode == 0) return SQLITE_IOERR_UNLOCK;
 
   pthread_mutex_lock(&g_mutex);
   if (p->eLock > SQLITE_LOCK_SHARED) {
-    /* p held the one RESERVED/PENDING/EXCLUSIVE lock of the inode. */
+    /* p held the one RESERVED/PENDING/EXCLUSIVE lock of the inode in this process. */
+    if (g_remote) {
+      if (eLock == SQLITE_LOCK_SHARED) {
+        rc = cfs_plock(p, COREFS_LOCK_READ, CFS_SHARED_FIRST, CFS_SHARED_SIZE,
+                       SQLITE_IOERR_RDLOCK);
+      }
+      if (rc == SQLITE_OK) {
+        rc = cfs_plock(p, COREFS_LOCK_UNLOCK, CFS_PENDING_BYTE, 2, SQLITE_IOERR_UNLOCK);
+      }
+    }
     pInode->eLock = SQLITE_LOCK_SHARED;
   }
   if (eLock == SQLITE_LOCK_NONE) {
     pInode->nShared--;
-    if (pInode->nShared == 0) pInode->eLock = SQLITE_LOCK_NONE;
+    if (pInode->nShared == 0) {
+      if (g_remote) {
+        int rcUnlock = cfs_plock(p, COREFS_LOCK_UNLOCK, 0, 0, SQLITE_IOERR_UNLOCK);
+        if (rc == SQLITE_OK) rc = rcUnlock;
+      }
+      pInode->eLock = SQLITE_LOCK_NONE;
+    }
   }
   p->eLock = eLock;
   pthread_mutex_unlock(&g_mutex);
-  return SQLITE_OK;
+  return rc;
 }
 
 static int cfs_check_reserved_lock(sqlite3_file *pFile, int *pResOut) {
@@ -626,6 +717,15 @@ static int cfs_check_reserved_lock(sqlite3_file *pFile, int *pResOut) {
   if (p->pInode) {
     pthread_mutex_lock(&g_mutex);
     reserved = p->pInode->eLock > SQLITE_LOCK_SHARED;
+    if (!reserved && g_remote) {
+      /* Another process's RESERVED lock. */
+      int e = corefs_testlk(cfs_fs(), p->fd, COREFS_LOCK_WRITE, CFS_RESERVED_BYTE, 1);
+      if (e < 0) {
+        pthread_mutex_unlock(&g_mutex);
+        return cfs_fail(SQLITE_IOERR_CHECKRESERVEDLOCK, "corefs_testlk", p->zPath, e);
+      }
+      reserved = e == 1;
+    }
     pthread_mutex_unlock(&g_mutex);
   }
   *pResOut = reserved;
@@ -999,6 +1099,25 @@ static const sqlite3_io_methods cfs_io_methods = {
     cfs_unfetch,                /* xUnfetch */
 };
 
+/* Through a server: the same methods without the WAL shared memory, which does not reach
+ * other processes (see "Locking" at the top). */
+static const sqlite3_io_methods cfs_io_methods_remote = {
+    1,                          /* iVersion */
+    cfs_close,                  /* xClose */
+    CFS_M(cfs_read),            /* xRead */
+    CFS_M(cfs_write),           /* xWrite */
+    CFS_M(cfs_truncate),        /* xTruncate */
+    CFS_M(cfs_sync),            /* xSync */
+    CFS_M(cfs_file_size),       /* xFileSize */
+    cfs_lock,                   /* xLock */
+    cfs_unlock,                 /* xUnlock */
+    cfs_check_reserved_lock,    /* xCheckReservedLock */
+    CFS_M(cfs_file_control),    /* xFileControl */
+    cfs_sector_size,            /* xSectorSize */
+    cfs_device_characteristics, /* xDeviceCharacteristics */
+    0, 0, 0, 0, 0, 0,
+};
+
 /* ------------------------------------------------------------------------------------------ */
 /* VFS methods                                                                                */
 /* ------------------------------------------------------------------------------------------ */
@@ -1078,7 +1197,7 @@ static int cfs_open(sqlite3_vfs *pVfs, const char *zName, sqlite3_file *pFile, i
     memset(p, 0, sizeof(*p));
     return SQLITE_NOMEM;
   }
-  p->base.pMethods = &cfs_io_methods;
+  p->base.pMethods = g_remote ? &cfs_io_methods_remote : &cfs_io_methods;
   if (pOutFlags) *pOutFlags = flags;
   return SQLITE_OK;
 }

@@ -41,6 +41,14 @@ impl Conn {
         }
     }
 
+    /// The service client, when this thread reaches the engine through a server.
+    pub fn remote(&mut self) -> Option<&mut RemoteClient> {
+        match self {
+            Conn::Local(_) => None,
+            Conn::Remote(c) => Some(c),
+        }
+    }
+
     /// Requests sent (each a round trip: to a reactor, or to the server).
     #[cfg(feature = "sim")]
     pub fn requests_sent(&self) -> u64 {

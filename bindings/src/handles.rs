@@ -155,6 +155,9 @@ pub(crate) struct Fs {
     /// The storage service this filesystem is reached through (`corefs_connect`), instead
     /// of a runtime of its own.
     pub remote: Option<Arc<Connection>>,
+    /// The byte-range locks of an in-process mount (a server keeps its clients'), owned by
+    /// this filesystem handle: one owner per process, as POSIX locks are.
+    pub locks: Mutex<crate::locks::LockTable>,
     /// The file handles (the table of record; threads cache entries, see the module doc).
     files: Mutex<HashMap<i64, Handle>>,
     /// Bumped after every removal from `files`: a cached entry is valid while it is unchanged.
@@ -691,6 +694,7 @@ fn register_fs(
         id,
         runtime: Mutex::new(runtime),
         remote,
+        locks: Mutex::new(crate::locks::LockTable::default()),
         files: Mutex::new(HashMap::new()),
         files_epoch: AtomicU64::new(0),
         closed: AtomicBool::new(false),

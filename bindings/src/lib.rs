@@ -21,6 +21,7 @@ mod error;
 #[doc(hidden)]
 pub mod fuzz_harness;
 mod handles;
+pub mod locks;
 mod logging;
 mod path;
 pub mod service;

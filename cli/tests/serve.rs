@@ -228,6 +228,7 @@ fn role() {
     match role.as_str() {
         "writer" => writer(&socket, arg.parse().unwrap()),
         "holder" => holder(&socket),
+        "locker" => locker(&socket),
         "nobody" => nobody(&socket),
         other => panic!("no role {other}"),
     }
@@ -295,6 +296,23 @@ fn holder(socket: &Path) {
     // SAFETY: a NUL-terminated path.
     assert_eq!(unsafe { corefs_unlink(fs, p.as_ptr()) }, 0);
     println!("HOLDING");
+    use std::io::Write;
+    std::io::stdout().flush().unwrap();
+    std::thread::sleep(Duration::from_secs(600));
+}
+
+/// Takes a write lock on /db's first 100 bytes, says so, then waits to be killed.
+fn locker(socket: &Path) {
+    let fs = connect(socket);
+    let fd = open(fs, "/db", COREFS_O_RDWR, 0);
+    assert!(fd > 0, "{}", last_error());
+    assert_eq!(
+        corefs_setlk(fs, fd, COREFS_LOCK_WRITE, 0, 100),
+        0,
+        "{}",
+        last_error()
+    );
+    println!("LOCKED");
     use std::io::Write;
     std::io::stdout().flush().unwrap();
     std::thread::sleep(Duration::from_secs(600));
@@ -687,7 +705,22 @@ fn a_hostile_client_cannot_crash_the_server_or_touch_others_data() {
                 name: name(&mut rng),
             },
         };
-        let mut bytes = postcard::to_stdvec(&op).unwrap_or_default();
+        let request = if rng.random_ratio(1, 8) {
+            corefs::service::wire::Request::Lock {
+                ino,
+                kind: match rng.random_range(0..3) {
+                    0 => corefs::locks::Kind::Read,
+                    1 => corefs::locks::Kind::Write,
+                    _ => corefs::locks::Kind::Unlock,
+                },
+                start: rng.random(),
+                len: rng.random(),
+                test: rng.random_bool(0.3),
+            }
+        } else {
+            corefs::service::wire::Request::Op(op.clone())
+        };
+        let mut bytes = postcard::to_stdvec(&request).unwrap_or_default();
         match rng.random_range(0..6) {
             0 => {
                 for _ in 0..rng.random_range(1..8) {
@@ -756,4 +789,68 @@ fn a_hostile_client_cannot_crash_the_server_or_touch_others_data() {
     server.stop();
     let report = run(corefs().args(["fsck", &device]));
     assert!(report.contains("clean"), "seed {seed}: {report}");
+}
+
+#[test]
+fn locks_reach_across_processes_and_go_with_a_killed_one() {
+    let (work, device) = work_and_image("128MiB");
+    let socket = work.path().join("corefs.sock");
+    let server = Server::start(&device, &socket);
+    let fs = connect(&socket);
+    let fd = open(fs, "/db", COREFS_O_CREAT | COREFS_O_RDWR, 0o644);
+    assert!(fd > 0, "{}", last_error());
+    let mut locker = client("locker", &socket, "", None);
+    {
+        use std::io::BufRead;
+        let mut line = String::new();
+        let mut out = std::io::BufReader::new(locker.stdout.take().unwrap());
+        while !line.contains("LOCKED") {
+            line.clear();
+            assert!(
+                out.read_line(&mut line).unwrap() > 0,
+                "the locker ended early"
+            );
+        }
+    }
+    let eagain = -libc::EAGAIN;
+    assert_eq!(
+        corefs_setlk(fs, fd, COREFS_LOCK_READ, 50, 1),
+        eagain,
+        "inside its range"
+    );
+    assert_eq!(corefs_testlk(fs, fd, COREFS_LOCK_WRITE, 99, 10), 1);
+    assert_eq!(
+        corefs_setlk(fs, fd, COREFS_LOCK_WRITE, 100, 0),
+        0,
+        "past its range"
+    );
+    assert_eq!(corefs_testlk(fs, fd, COREFS_LOCK_READ, 0, 1), 1);
+    // Another connection of this process is another owner too.
+    let other = connect(&socket);
+    let ofd = open(other, "/db", COREFS_O_RDWR, 0);
+    assert_eq!(corefs_setlk(other, ofd, COREFS_LOCK_READ, 100, 1), eagain);
+    locker.kill().unwrap();
+    locker.wait().unwrap();
+    // The killed process's lock goes with its connection.
+    let started = Instant::now();
+    while corefs_setlk(fs, fd, COREFS_LOCK_WRITE, 0, 100) != 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the killed process's lock was not released: {}",
+            last_error()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    eprintln!("lock released {:?} after the kill", started.elapsed());
+    // Read-only handles take no write lock; unlocking gives the range to the other owner.
+    let ro = open(fs, "/db", COREFS_O_RDONLY, 0);
+    assert_eq!(corefs_setlk(fs, ro, COREFS_LOCK_WRITE, 0, 1), -libc::EBADF);
+    assert_eq!(corefs_setlk(fs, fd, COREFS_LOCK_UNLOCK, 0, 0), 0);
+    assert_eq!(corefs_setlk(other, ofd, COREFS_LOCK_WRITE, 0, 0), 0);
+    for (f, h) in [(fs, fd), (fs, ro), (other, ofd)] {
+        assert_eq!(corefs_release(f, h), 0);
+    }
+    assert_eq!(corefs_close(other), 0);
+    assert_eq!(corefs_close(fs), 0);
+    server.stop();
 }

@@ -85,7 +85,12 @@ impl ServeTarget {
             .arg("--reactors")
             .arg(self.reactors.to_string())
             .stdout(Stdio::null())
-            .stderr(Stdio::null());
+            // COREFS_SERVE_STDERR=1: the server's log (its reactor's figures at the end).
+            .stderr(if std::env::var_os("COREFS_SERVE_STDERR").is_some() {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            });
         if !self.data_cache {
             cmd.arg("--no-data-cache");
         }
@@ -96,6 +101,10 @@ impl ServeTarget {
                 // beside it run (`corefs::service::server::ServeOptions`).
                 cmd.arg("--core").arg(core.to_string());
             }
+        }
+        // COREFS_SERVE_ARGS: more options for the server (`--busy-poll`, `--reactors 2`).
+        if let Ok(extra) = std::env::var("COREFS_SERVE_ARGS") {
+            cmd.args(extra.split_whitespace());
         }
         let child = cmd
             .spawn()

@@ -137,6 +137,113 @@ fn open_request(fs: &Fs, path: &[u8], mut how: OpenHow) -> Result<Op, Error> {
     })
 }
 
+/// `corefs_setlk` and `corefs_testlk` kinds (Linux's F_RDLCK, F_WRLCK, F_UNLCK).
+pub const COREFS_LOCK_READ: c_int = 0;
+pub const COREFS_LOCK_WRITE: c_int = 1;
+pub const COREFS_LOCK_UNLOCK: c_int = 2;
+
+fn lock_kind(kind: c_int) -> Result<crate::locks::Kind, Error> {
+    use crate::locks::Kind;
+    match kind {
+        COREFS_LOCK_READ => Ok(Kind::Read),
+        COREFS_LOCK_WRITE => Ok(Kind::Write),
+        COREFS_LOCK_UNLOCK => Ok(Kind::Unlock),
+        other => Err(einval(format!(
+            "lock kind {other}: use COREFS_LOCK_READ, COREFS_LOCK_WRITE or COREFS_LOCK_UNLOCK"
+        ))),
+    }
+}
+
+/// A byte-range lock on the file behind `fd`, or the question whether it could be taken.
+fn lock_call(
+    fs: &Fs,
+    fd: corefs_fd,
+    kind: c_int,
+    start: u64,
+    len: u64,
+    test: bool,
+) -> Result<(), Error> {
+    use crate::locks::{Kind, Refused};
+    let kind = lock_kind(kind)?;
+    let f = file(fs, fd)?;
+    // As fcntl(2): taking a lock needs the descriptor open for it; asking does not.
+    if !test && (kind == Kind::Read && !f.readable || kind == Kind::Write && !f.writable) {
+        return Err(Error::new(
+            libc::EBADF,
+            format!("{fd} is not open for the lock's kind ({kind:?})"),
+        ));
+    }
+    if fs.remote.is_some() {
+        return match with_client(fs, |c| {
+            let remote = c.remote().expect("a service filesystem's client");
+            remote.lock(f.ino, kind, start, len, test)
+        })? {
+            Ok(_) => Ok(()),
+            Err(e) => Err(Error::from(e)),
+        };
+    }
+    let mut locks = fs.locks.lock().unwrap_or_else(|p| p.into_inner());
+    let refused = if test {
+        locks.test(f.ino, fs.id as u64, kind, start, len)
+    } else {
+        locks.set(f.ino, fs.id as u64, kind, start, len).err()
+    };
+    match refused {
+        None => Ok(()),
+        Some(Refused::Conflict { .. }) => Err(Error::new(
+            libc::EAGAIN,
+            format!("{fd}: a conflicting lock is held"),
+        )),
+        Some(Refused::Full) => Err(Error::new(libc::ENOLCK, "too many lock ranges".into())),
+    }
+}
+
+/// Takes (COREFS_LOCK_READ, COREFS_LOCK_WRITE) or gives back (COREFS_LOCK_UNLOCK) an
+/// advisory lock over `len` bytes at `start` of the file behind `fd` (`len` 0: to the end of
+/// the file, however it grows), as fcntl(2)'s F_SETLK: never waits; -EAGAIN when another
+/// owner holds a conflicting lock (a write lock conflicts with any lock, a read lock with a
+/// write lock). The owner is this process's filesystem handle (every thread's locks are
+/// one owner's, as POSIX locks are a process's); taking a lock over one's own replaces it
+/// (read to write and back), unlocking part of a range keeps the rest. Locks go with their
+/// owner: at `corefs_close`, and through a server (`corefs_connect`) when this process's
+/// connection closes, so a killed process holds none. A read lock needs `fd` open for
+/// reading, a write lock for writing (-EBADF). Through a server, locks reach across every
+/// process connected to it: what SQLite's locking needs.
+#[no_mangle]
+pub extern "C" fn corefs_setlk(
+    fs: corefs_fs,
+    fd: corefs_fd,
+    kind: c_int,
+    start: u64,
+    len: u64,
+) -> c_int {
+    status("corefs_setlk", || {
+        let fs = fs_of(fs)?;
+        lock_call(&fs, fd, kind, start, len, false)
+    })
+}
+
+/// Whether `corefs_setlk` with these arguments would take its lock now, without taking it
+/// (fcntl(2)'s F_GETLK): 0 when it would, 1 when another owner's lock is in the way, a
+/// negative errno for bad arguments.
+#[no_mangle]
+pub extern "C" fn corefs_testlk(
+    fs: corefs_fs,
+    fd: corefs_fd,
+    kind: c_int,
+    start: u64,
+    len: u64,
+) -> c_int {
+    guard("corefs_testlk", || {
+        let fs = fs_of(fs)?;
+        match lock_call(&fs, fd, kind, start, len, true) {
+            Ok(()) => Ok(0),
+            Err(e) if e.errno == libc::EAGAIN => Ok(1),
+            Err(e) => Err(e),
+        }
+    }) as c_int
+}
+
 /// Closes a file handle (its data stays where it is: fsync first to make it durable). The
 /// last handle of a file with no name left deletes it; asynchronous operations submitted
 /// through the handle and not yet polled keep the file until the last of them is polled

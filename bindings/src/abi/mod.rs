@@ -733,6 +733,34 @@ mod tests {
     }
 
     #[test]
+    fn in_process_locks_are_one_owners_and_check_the_handle() {
+        let o = corefs_options {
+            format: 1,
+            ..Default::default()
+        };
+        // SAFETY: valid NUL-terminated strings and the handles these calls return.
+        unsafe {
+            let fs = corefs_mount(c"mem:64MiB".as_ptr(), &o);
+            assert!(fs > 0, "mount: {fs}");
+            let rw = corefs_open(fs, c"/db".as_ptr(), libc::O_CREAT | libc::O_RDWR, 0o644);
+            let ro = corefs_open(fs, c"/db".as_ptr(), libc::O_RDONLY, 0);
+            assert!(rw > 0 && ro > 0);
+            assert_eq!(corefs_setlk(fs, rw, COREFS_LOCK_WRITE, 0, 10), 0);
+            // The process is one owner: its other handle's read lock replaces nothing and
+            // does not conflict (POSIX: a process's own locks never block it).
+            assert_eq!(corefs_setlk(fs, ro, COREFS_LOCK_READ, 5, 10), 0);
+            assert_eq!(corefs_testlk(fs, ro, COREFS_LOCK_WRITE, 0, 0), 0);
+            assert_eq!(corefs_setlk(fs, ro, COREFS_LOCK_WRITE, 0, 1), -libc::EBADF);
+            assert_eq!(corefs_setlk(fs, rw, 7, 0, 1), -libc::EINVAL);
+            assert_eq!(corefs_setlk(fs, 999, COREFS_LOCK_READ, 0, 1), -libc::EBADF);
+            assert_eq!(corefs_setlk(fs, rw, COREFS_LOCK_UNLOCK, 0, 0), 0);
+            assert_eq!(corefs_release(fs, ro), 0);
+            assert_eq!(corefs_release(fs, rw), 0);
+            assert_eq!(corefs_close(fs), 0);
+        }
+    }
+
+    #[test]
     fn data_cache_off_sends_every_read_of_committed_data_to_the_device() {
         assert!(
             cache_hits_of_rereads(0) > 0,

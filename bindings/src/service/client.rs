@@ -319,10 +319,32 @@ impl RemoteClient {
     }
 
     fn one(&mut self, op: Op) -> Result<Reply, EngineError> {
+        self.request(&wire::Request::Op(op))
+    }
+
+    /// A byte-range lock kept by the server ([`wire::Request::Lock`]).
+    pub fn lock(
+        &mut self,
+        ino: u64,
+        kind: crate::locks::Kind,
+        start: u64,
+        len: u64,
+        test: bool,
+    ) -> Result<Reply, EngineError> {
+        self.request(&wire::Request::Lock {
+            ino,
+            kind,
+            start,
+            len,
+            test,
+        })
+    }
+
+    fn request(&mut self, request: &wire::Request) -> Result<Reply, EngineError> {
         if !self.conn.alive() {
             return Err(gone(&self.conn.socket_path));
         }
-        let message = wire::encode_op(&op)?;
+        let message = wire::encode_request(request)?;
         let i = self.conn.claim_waiting()?;
         self.conn.send(i, &message);
         self.sent += 1;
@@ -339,18 +361,23 @@ impl RemoteClient {
             });
             return Ok(());
         }
-        let message = match wire::encode_op(&op) {
+        let Some(i) = self.conn.claim() else {
+            return Err(SubmitError::Full(op));
+        };
+        let message = match wire::encode_request(&wire::Request::Op(op)) {
             Ok(m) => m,
             Err(e) => {
+                self.conn
+                    .region
+                    .slot(i)
+                    .state
+                    .store(FREE, Ordering::Release);
                 self.ready.push_back(Completion {
                     token,
                     result: Err(e),
                 });
                 return Ok(());
             }
-        };
-        let Some(i) = self.conn.claim() else {
-            return Err(SubmitError::Full(op));
         };
         self.conn.send(i, &message);
         self.sent += 1;

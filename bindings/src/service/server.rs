@@ -23,6 +23,7 @@
 use super::access::{self, Caller};
 use super::ring::{self, Region, DONE, SLOTS, SUBMITTED, TAKEN};
 use super::{socket, wire};
+use crate::locks::{Kind, LockTable, Refused, RANGES_MAX};
 use engine::EngineError;
 use reactor::{Client, Op, Opened, Reply, Runtime};
 use std::collections::HashMap;
@@ -105,6 +106,9 @@ struct Conn {
     gone: AtomicBool,
     stopping: Arc<AtomicBool>,
     requests: AtomicU64,
+    /// Every connection's byte-range locks (one table for the server); this connection's
+    /// are owned by its id and released when it goes.
+    locks: Arc<Mutex<LockTable>>,
     /// One idle worker spins on the doorbell for the next request; the others sleep (a
     /// spinning worker per request in flight would take the cores the client and the
     /// reactor need).
@@ -209,24 +213,27 @@ pub fn serve(
     listener.set_nonblocking(true)?;
     tracing::info!(socket = %socket_path.display(), "corefs serving");
     let stopping = Arc::new(AtomicBool::new(false));
+    let locks = Arc::new(Mutex::new(LockTable::default()));
     let mut live: Vec<Live> = Vec::new();
     let mut served = Served::default();
     let mut next_id = 1u64;
     while !stop.load(Ordering::Acquire) {
         match listener.accept() {
-            Ok((sock, _)) => match accept(&runtime, sock, next_id, &stopping, &worker_cores) {
-                Ok(l) => {
-                    next_id += 1;
-                    served.connections += 1;
-                    live.push(l);
+            Ok((sock, _)) => {
+                match accept(&runtime, sock, next_id, &stopping, &worker_cores, &locks) {
+                    Ok(l) => {
+                        next_id += 1;
+                        served.connections += 1;
+                        live.push(l);
+                    }
+                    // A client gone before its memory was handed over (a health check
+                    // that only connects) is nobody's loss.
+                    Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+                        tracing::debug!("a client went before its connection was made")
+                    }
+                    Err(e) => tracing::warn!("a client could not connect: {e}"),
                 }
-                // A client gone before its memory was handed over (a health check
-                // that only connects) is nobody's loss.
-                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
-                    tracing::debug!("a client went before its connection was made")
-                }
-                Err(e) => tracing::warn!("a client could not connect: {e}"),
-            },
+            }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 wait_readable(&listener, Duration::from_millis(100));
             }
@@ -310,6 +317,7 @@ fn accept(
     id: u64,
     stopping: &Arc<AtomicBool>,
     worker_cores: &[usize],
+    locks: &Arc<Mutex<LockTable>>,
 ) -> std::io::Result<Live> {
     sock.set_nonblocking(false)?;
     let peer = socket::peer(&sock)?;
@@ -337,6 +345,7 @@ fn accept(
         stopping: stopping.clone(),
         requests: AtomicU64::new(0),
         spinner: AtomicBool::new(false),
+        locks: locks.clone(),
     });
     let mut workers = Vec::with_capacity(WORKERS);
     for k in 0..WORKERS {
@@ -369,12 +378,18 @@ fn accept(
             for w in workers {
                 let _ = w.join();
             }
+            let unlocked = conn
+                .locks
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .release_owner(conn.id);
             let released = release_all(&conn, &mut release_client);
             tracing::info!(
                 connection = conn.id,
                 pid = conn.pid,
                 requests = conn.requests.load(Ordering::Relaxed),
                 holds_released = released,
+                locks_released = unlocked,
                 "client gone"
             );
             released
@@ -443,7 +458,16 @@ fn take_and_serve(conn: &Conn, client: &mut Client) -> bool {
         {
             any = true;
             let answer = match conn.region.take(i) {
-                Some(bytes) => wire::decode_op(&bytes).and_then(|op| execute(conn, client, op)),
+                Some(bytes) => wire::decode_request(&bytes).and_then(|r| match r {
+                    wire::Request::Op(op) => execute(conn, client, op),
+                    wire::Request::Lock {
+                        ino,
+                        kind,
+                        start,
+                        len,
+                        test,
+                    } => lock(conn, ino, kind, start, len, test),
+                }),
                 None => Err(EngineError::Invalid(
                     "a request longer than its slot".into(),
                 )),
@@ -476,6 +500,45 @@ fn refuse_waiting(conn: &Conn) {
             });
             answer_slot(conn, i, wire::encode_answer(refused));
         }
+    }
+}
+
+/// A byte-range lock for the connection (its owner), on an inode it holds open for what the
+/// lock needs (reading for a read lock, writing for a write lock, as fcntl(2) asks of a
+/// descriptor; only open to ask whether one could be taken).
+fn lock(
+    conn: &Conn,
+    ino: u64,
+    kind: Kind,
+    start: u64,
+    len: u64,
+    test: bool,
+) -> Result<Reply, EngineError> {
+    conn.need(
+        ino,
+        match kind {
+            _ if test => Need::Any,
+            Kind::Read => Need::Read,
+            Kind::Write => Need::Write,
+            Kind::Unlock => Need::Any,
+        },
+    )?;
+    let mut locks = conn.locks.lock().unwrap_or_else(|p| p.into_inner());
+    let refused = if test {
+        locks.test(ino, conn.id, kind, start, len)
+    } else {
+        locks.set(ino, conn.id, kind, start, len).err()
+    };
+    match refused {
+        None => Ok(Reply::Done),
+        Some(Refused::Conflict { .. }) => Err(EngineError::Refused {
+            errno: libc::EAGAIN,
+            message: format!("inode {ino}: another process holds a conflicting lock"),
+        }),
+        Some(Refused::Full) => Err(EngineError::Refused {
+            errno: libc::ENOLCK,
+            message: format!("the server holds {RANGES_MAX} lock ranges"),
+        }),
     }
 }
 
