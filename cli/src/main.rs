@@ -33,6 +33,7 @@ enum Command {
     Crashtest(cmd::crashtest::Args),
     Mount(cmd::mount::Args),
     Serve(cmd::serve::Args),
+    Top(cmd::top::Args),
     Soak(cmd::soak::Args),
     Sim(cmd::sim::Args),
     /// Benchmarks.
@@ -127,6 +128,7 @@ fn main() -> ExitCode {
         Command::Crashtest(args) => cmd::crashtest::run(args),
         Command::Mount(args) => cmd::mount::run(args),
         Command::Serve(args) => cmd::serve::run(args),
+        Command::Top(args) => cmd::top::run(args),
         Command::Soak(args) => cmd::soak::run(args),
         Command::Sim(args) => cmd::sim::run(args),
         Command::Bench(bench) => cmd::bench::run(bench),

@@ -854,3 +854,50 @@ fn locks_reach_across_processes_and_go_with_a_killed_one() {
     assert_eq!(corefs_close(fs), 0);
     server.stop();
 }
+
+#[test]
+fn top_shows_a_busy_client_and_the_reactors() {
+    let (work, device) = work_and_image("128MiB");
+    let socket = work.path().join("corefs.sock");
+    let server = Server::start(&device, &socket);
+    let fs = connect(&socket);
+    let fd = open(fs, "/log", COREFS_O_CREAT | COREFS_O_RDWR, 0o644);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writing = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let block = [7u8; 4096];
+            let mut k = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                assert_eq!(pwrite(fs, fd, &block, (k % 256) * 4096), 4096);
+                assert_eq!(corefs_fdatasync(fs, fd), 0);
+                k += 1;
+            }
+        })
+    };
+    let out = run(corefs()
+        .args(["top", "--once", "--json", "--interval", "0.5", "--socket"])
+        .arg(&socket));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    writing.join().unwrap();
+    let view: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let rates = &view["rates"];
+    assert!(rates["reactor_ops_per_s"].as_f64().unwrap() > 0.0, "{out}");
+    assert!(rates["fsyncs_per_s"].as_f64().unwrap() > 0.0, "{out}");
+    let me = std::process::id() as i64;
+    let clients = rates["clients"].as_array().unwrap();
+    let mine = clients
+        .iter()
+        .find(|c| c["pid"].as_i64() == Some(me) && c["writes_per_s"].as_f64().unwrap() > 0.0)
+        .unwrap_or_else(|| panic!("this process's connection is not in {out}"));
+    assert!(mine["written_mib_per_s"].as_f64().unwrap() > 0.0);
+    assert!(mine["fsyncs_per_s"].as_f64().unwrap() > 0.0);
+    assert_eq!(mine["open"].as_i64(), Some(1), "one file open");
+    eprintln!(
+        "corefs top --once --json: {}",
+        serde_json::to_string(rates).unwrap()
+    );
+    assert_eq!(corefs_release(fs, fd), 0);
+    assert_eq!(corefs_close(fs), 0);
+    server.stop();
+}

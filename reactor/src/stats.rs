@@ -32,6 +32,10 @@ pub struct ReactorStats {
     /// Operations executed, and the reactor thread's CPU time (busy polling included).
     pub ops: u64,
     pub cpu_ns: u64,
+    /// Wall time the reactor spent running batches of requests: its busy time, against
+    /// which `cpu_ns` also counts polling (a busy-polling reactor's CPU is all of its time;
+    /// this is how much of it was work).
+    pub batch_ns: u64,
     /// Batches drained from the request queue; times the reactor parked when idle.
     pub batches: u64,
     pub parks: u64,
@@ -128,6 +132,7 @@ impl ReactorStats {
         }
         self.ops += other.ops;
         self.cpu_ns += other.cpu_ns;
+        self.batch_ns += other.batch_ns;
         self.batches += other.batches;
         self.parks += other.parks;
         self.device_ring_reactors += other.device_ring_reactors;

@@ -215,15 +215,17 @@ impl Connection {
 
     /// Slot `i`'s answer; the slot is free again.
     fn finish(&self, i: usize) -> Result<Reply, EngineError> {
+        wire::decode_answer(&self.finish_raw(i)?)
+    }
+
+    /// Slot `i`'s answer as its bytes; the slot is free again.
+    fn finish_raw(&self, i: usize) -> Result<Vec<u8>, EngineError> {
         let bytes = self.region.take(i);
         self.region.slot(i).state.store(FREE, Ordering::Release);
-        match bytes {
-            Some(b) => wire::decode_answer(&b),
-            None => Err(EngineError::Refused {
-                errno: libc::EIO,
-                message: "an answer longer than its slot".into(),
-            }),
-        }
+        bytes.ok_or_else(|| EngineError::Refused {
+            errno: libc::EIO,
+            message: "an answer longer than its slot".into(),
+        })
     }
 }
 
@@ -239,6 +241,27 @@ pub fn connect_raw(path: &std::path::Path) -> std::io::Result<(UnixStream, Regio
         .check()
         .map_err(|why| std::io::Error::new(std::io::ErrorKind::InvalidData, why))?;
     Ok((sock, region))
+}
+
+/// A connection that watches a server (`corefs top`): its statistics on demand.
+pub struct Observer {
+    client: RemoteClient,
+}
+
+impl Observer {
+    pub fn connect(socket: &std::path::Path) -> Result<Observer, String> {
+        let path = socket
+            .to_str()
+            .ok_or_else(|| format!("{}: not UTF-8", socket.display()))?;
+        let conn = Connection::connect(path).map_err(|e| e.message)?;
+        Ok(Observer {
+            client: RemoteClient::new(conn),
+        })
+    }
+
+    pub fn sample(&mut self) -> Result<super::stats::ServerStats, String> {
+        self.client.server_stats().map_err(|e| e.to_string())
+    }
 }
 
 /// A thread's client of a connection: what [`reactor::Client`] is for an in-process mount.
@@ -341,6 +364,16 @@ impl RemoteClient {
     }
 
     fn request(&mut self, request: &wire::Request) -> Result<Reply, EngineError> {
+        wire::decode_answer(&self.exchange(request)?)
+    }
+
+    /// The server's statistics ([`wire::Request::ServerStats`]).
+    pub fn server_stats(&mut self) -> Result<super::stats::ServerStats, EngineError> {
+        wire::decode_server_stats(&self.exchange(&wire::Request::ServerStats)?)
+    }
+
+    /// Sends `request` and waits for its answer's bytes.
+    fn exchange(&mut self, request: &wire::Request) -> Result<Vec<u8>, EngineError> {
         if !self.conn.alive() {
             return Err(gone(&self.conn.socket_path));
         }
@@ -349,7 +382,7 @@ impl RemoteClient {
         self.conn.send(i, &message);
         self.sent += 1;
         self.conn.wait_done(i, None)?;
-        self.conn.finish(i)
+        self.conn.finish_raw(i)
     }
 
     /// Submits `op`; its completion comes from [`RemoteClient::poll`].

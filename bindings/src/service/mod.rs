@@ -31,8 +31,10 @@ pub(crate) mod access;
 pub(crate) mod client;
 #[doc(hidden)]
 pub use client::connect_raw;
+pub use client::Observer;
 pub use wire::Answer;
 pub mod ring;
 pub mod server;
 mod socket;
+pub mod stats;
 pub mod wire;

@@ -22,6 +22,7 @@
 
 use super::access::{self, Caller};
 use super::ring::{self, Region, DONE, SLOTS, SUBMITTED, TAKEN};
+use super::stats::{ClientStats, Counters, ServerStats, Work};
 use super::{socket, wire};
 use crate::locks::{Kind, LockTable, Refused, RANGES_MAX};
 use engine::EngineError;
@@ -31,6 +32,7 @@ use std::io::Read as _;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Weak;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -105,7 +107,8 @@ struct Conn {
     /// The client's socket closed.
     gone: AtomicBool,
     stopping: Arc<AtomicBool>,
-    requests: AtomicU64,
+    counters: Counters,
+    registry: Arc<Registry>,
     /// Every connection's byte-range locks (one table for the server); this connection's
     /// are owned by its id and released when it goes.
     locks: Arc<Mutex<LockTable>>,
@@ -185,6 +188,13 @@ impl Conn {
     }
 }
 
+/// The connections open now, for the statistics any of them may ask for.
+struct Registry {
+    started: Instant,
+    connections_total: AtomicU64,
+    conns: Mutex<Vec<Weak<Conn>>>,
+}
+
 /// A connection as the accept loop keeps it: the socket (to unblock its watcher at stop) and
 /// the watcher, which ends after the connection is cleaned up.
 struct Live {
@@ -214,13 +224,26 @@ pub fn serve(
     tracing::info!(socket = %socket_path.display(), "corefs serving");
     let stopping = Arc::new(AtomicBool::new(false));
     let locks = Arc::new(Mutex::new(LockTable::default()));
+    let registry = Arc::new(Registry {
+        started: Instant::now(),
+        connections_total: AtomicU64::new(0),
+        conns: Mutex::new(Vec::new()),
+    });
     let mut live: Vec<Live> = Vec::new();
     let mut served = Served::default();
     let mut next_id = 1u64;
     while !stop.load(Ordering::Acquire) {
         match listener.accept() {
             Ok((sock, _)) => {
-                match accept(&runtime, sock, next_id, &stopping, &worker_cores, &locks) {
+                match accept(
+                    &runtime,
+                    sock,
+                    next_id,
+                    &stopping,
+                    &worker_cores,
+                    &locks,
+                    &registry,
+                ) {
                     Ok(l) => {
                         next_id += 1;
                         served.connections += 1;
@@ -318,6 +341,7 @@ fn accept(
     stopping: &Arc<AtomicBool>,
     worker_cores: &[usize],
     locks: &Arc<Mutex<LockTable>>,
+    registry: &Arc<Registry>,
 ) -> std::io::Result<Live> {
     sock.set_nonblocking(false)?;
     let peer = socket::peer(&sock)?;
@@ -343,10 +367,17 @@ fn accept(
         holds: Mutex::new(Holds::default()),
         gone: AtomicBool::new(false),
         stopping: stopping.clone(),
-        requests: AtomicU64::new(0),
+        counters: Counters::default(),
+        registry: registry.clone(),
         spinner: AtomicBool::new(false),
         locks: locks.clone(),
     });
+    {
+        let mut conns = registry.conns.lock().unwrap_or_else(|p| p.into_inner());
+        conns.retain(|c| c.strong_count() > 0);
+        conns.push(Arc::downgrade(&conn));
+        registry.connections_total.fetch_add(1, Ordering::Relaxed);
+    }
     let mut workers = Vec::with_capacity(WORKERS);
     for k in 0..WORKERS {
         let conn = conn.clone();
@@ -387,7 +418,7 @@ fn accept(
             tracing::info!(
                 connection = conn.id,
                 pid = conn.pid,
-                requests = conn.requests.load(Ordering::Relaxed),
+                requests = conn.counters.requests.load(Ordering::Relaxed),
                 holds_released = released,
                 locks_released = unlocked,
                 "client gone"
@@ -457,26 +488,102 @@ fn take_and_serve(conn: &Conn, client: &mut Client) -> bool {
             .is_ok()
         {
             any = true;
-            let answer = match conn.region.take(i) {
-                Some(bytes) => wire::decode_request(&bytes).and_then(|r| match r {
-                    wire::Request::Op(op) => execute(conn, client, op),
-                    wire::Request::Lock {
-                        ino,
-                        kind,
-                        start,
-                        len,
-                        test,
-                    } => lock(conn, ino, kind, start, len, test),
-                }),
-                None => Err(EngineError::Invalid(
-                    "a request longer than its slot".into(),
-                )),
-            };
-            conn.requests.fetch_add(1, Ordering::Relaxed);
-            answer_slot(conn, i, wire::encode_answer(answer));
+            let started = Instant::now();
+            let (bytes, work) = serve_one(conn, client, conn.region.take(i));
+            conn.counters
+                .count(work, started.elapsed().as_nanos() as u64);
+            answer_slot(conn, i, bytes);
         }
     }
     any
+}
+
+/// The answer to one request (its message as copied out of the slot; None: its length word
+/// was past the slot), and what kind of request it was.
+fn serve_one(conn: &Conn, client: &mut Client, message: Option<Vec<u8>>) -> (Vec<u8>, Work) {
+    let request = match message {
+        Some(bytes) => wire::decode_request(&bytes),
+        None => Err(EngineError::Invalid(
+            "a request longer than its slot".into(),
+        )),
+    };
+    match request {
+        Ok(wire::Request::Op(op)) => {
+            let mut work = work_of(&op);
+            let result = execute(conn, client, op);
+            if let (Work::Read(n), Ok(Reply::Data(d))) = (&mut work, &result) {
+                *n = d.len() as u64;
+            }
+            (wire::encode_answer(result), work)
+        }
+        Ok(wire::Request::Lock {
+            ino,
+            kind,
+            start,
+            len,
+            test,
+        }) => (
+            wire::encode_answer(lock(conn, ino, kind, start, len, test)),
+            Work::Lock,
+        ),
+        Ok(wire::Request::ServerStats) => (
+            wire::encode_server_stats(server_stats(conn, client)),
+            Work::Metadata,
+        ),
+        Err(e) => (wire::encode_answer(Err(e)), Work::Metadata),
+    }
+}
+
+/// What `op` counts as in the connection's figures (a read's bytes are its answer's).
+fn work_of(op: &Op) -> Work {
+    match op {
+        Op::Read { .. } => Work::Read(0),
+        Op::Write { data, .. } | Op::Append { data, .. } => Work::Write(data.len() as u64),
+        Op::WriteAtomic { writes, .. } => {
+            Work::Write(writes.iter().map(|(_, d)| d.len() as u64).sum())
+        }
+        Op::Fsync { .. } | Op::Fdatasync { .. } | Op::Sync => Work::Fsync,
+        _ => Work::Metadata,
+    }
+}
+
+/// The server's statistics as `conn`'s user may see them: every connection for root, its own
+/// user's otherwise.
+fn server_stats(conn: &Conn, client: &mut Client) -> Result<ServerStats, EngineError> {
+    let reactors = match client.call(Op::Stats)? {
+        Reply::Stats(s) => *s,
+        other => return Err(EngineError::Internal(format!("stats answered {other:?}"))),
+    };
+    let registry = &conn.registry;
+    let conns: Vec<Arc<Conn>> = registry
+        .conns
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .filter_map(Weak::upgrade)
+        .collect();
+    let clients = conns
+        .iter()
+        .filter(|c| !c.gone.load(Ordering::Acquire))
+        .filter(|c| conn.caller.is_root() || c.caller.uid == conn.caller.uid)
+        .map(|c| {
+            let mut s = ClientStats {
+                connection: c.id,
+                pid: c.pid,
+                uid: c.caller.uid,
+                holds: c.holds().total,
+                ..Default::default()
+            };
+            c.counters.sample(&mut s);
+            s
+        })
+        .collect();
+    Ok(ServerStats {
+        uptime_ns: registry.started.elapsed().as_nanos() as u64,
+        connections_total: registry.connections_total.load(Ordering::Relaxed),
+        reactors,
+        clients,
+    })
 }
 
 fn answer_slot(conn: &Conn, i: usize, bytes: Vec<u8>) {

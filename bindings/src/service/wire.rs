@@ -29,6 +29,8 @@ pub enum Request {
         len: u64,
         test: bool,
     },
+    /// The server's statistics ([`super::stats::ServerStats`]), for `corefs top`.
+    ServerStats,
 }
 
 /// A request's outcome as it crosses the socket: the engine's error becomes its errno and
@@ -36,7 +38,12 @@ pub enum Request {
 #[derive(Debug, Serialize, Deserialize)]
 pub enum Answer {
     Ok(Reply),
-    Err { errno: i32, message: String },
+    Err {
+        errno: i32,
+        message: String,
+    },
+    /// The answer to [`Request::ServerStats`].
+    Server(Box<super::stats::ServerStats>),
 }
 
 pub fn encode_request(request: &Request) -> Result<Vec<u8>, EngineError> {
@@ -82,6 +89,31 @@ pub fn encode_answer(result: Result<Reply, EngineError>) -> Vec<u8> {
     }
 }
 
+pub fn encode_server_stats(result: Result<super::stats::ServerStats, EngineError>) -> Vec<u8> {
+    match result {
+        Ok(stats) => match postcard::to_stdvec(&Answer::Server(Box::new(stats))) {
+            Ok(bytes) if bytes.len() <= ring::PAYLOAD_BYTES => bytes,
+            _ => error_answer(libc::EIO, "the server's statistics do not fit a message"),
+        },
+        Err(e) => encode_answer(Err(e)),
+    }
+}
+
+pub fn decode_server_stats(bytes: &[u8]) -> Result<super::stats::ServerStats, EngineError> {
+    match postcard::from_bytes::<Answer>(bytes) {
+        Ok(Answer::Server(stats)) => Ok(*stats),
+        Ok(Answer::Err { errno, message }) => Err(EngineError::Refused { errno, message }),
+        Ok(Answer::Ok(reply)) => Err(EngineError::Refused {
+            errno: libc::EIO,
+            message: format!("statistics answered with {reply:?}"),
+        }),
+        Err(e) => Err(EngineError::Refused {
+            errno: libc::EIO,
+            message: format!("malformed statistics from the service: {e}"),
+        }),
+    }
+}
+
 fn error_answer(errno: i32, message: &str) -> Vec<u8> {
     postcard::to_stdvec(&Answer::Err {
         errno,
@@ -94,6 +126,10 @@ pub fn decode_answer(bytes: &[u8]) -> Result<Reply, EngineError> {
     match postcard::from_bytes::<Answer>(bytes) {
         Ok(Answer::Ok(reply)) => Ok(reply),
         Ok(Answer::Err { errno, message }) => Err(EngineError::Refused { errno, message }),
+        Ok(Answer::Server(_)) => Err(EngineError::Refused {
+            errno: libc::EIO,
+            message: "statistics where a reply was due".into(),
+        }),
         Err(e) => Err(EngineError::Refused {
             errno: libc::EIO,
             message: format!("a malformed reply from the service: {e}"),

@@ -144,8 +144,10 @@ pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, confi
                 return Ran::Failed;
             }
             idle_since = None;
+            let batch_started = Instant::now();
             reactor.run_batch(&mut batch);
             reactor.tick();
+            reactor.stats.batch_ns += batch_started.elapsed().as_nanos() as u64;
             device_idle_since = None;
             durable_spinning = false;
             continue;
