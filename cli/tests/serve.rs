@@ -55,7 +55,13 @@ struct Server {
 
 impl Server {
     fn start(device: &str, socket: &Path) -> Server {
+        Server::start_with(device, socket, &[])
+    }
+
+    /// As `start`, with these environment variables for the server.
+    fn start_with(device: &str, socket: &Path, env: &[(&str, &str)]) -> Server {
         let child = corefs()
+            .envs(env.iter().copied())
             .args(["serve", device, "--socket"])
             .arg(socket)
             .stdout(Stdio::null())
@@ -595,8 +601,20 @@ fn a_killed_server_fails_a_waiting_call_quickly() {
 /// slot, state words moved at random, requests on inodes it never opened. The server must
 /// answer every request it is given, stay up, and leave another client's file as it was.
 /// `COREFS_SERVE_FUZZ_SEED` replays a run; `COREFS_SERVE_FUZZ_REQUESTS` makes it longer.
+/// A root client's ring is served by the reactor itself.
 #[test]
 fn a_hostile_client_cannot_crash_the_server_or_touch_others_data() {
+    fuzz_the_protocol(&[]);
+}
+
+/// As above, with every request through the connection's workers (how a non-root client's
+/// requests are served).
+#[test]
+fn a_hostile_client_cannot_crash_the_servers_workers_either() {
+    fuzz_the_protocol(&[("COREFS_SERVE_WORKERS", "1")]);
+}
+
+fn fuzz_the_protocol(server_env: &[(&str, &str)]) {
     use corefs::service::ring::{self, DONE, FREE, SLOTS, SUBMITTED};
     use rand::{Rng, SeedableRng};
     use reactor::{Op, OpenHow};
@@ -620,7 +638,7 @@ fn a_hostile_client_cannot_crash_the_server_or_touch_others_data() {
     let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(seed);
     let (work, device) = work_and_image("256MiB");
     let socket = work.path().join("corefs.sock");
-    let server = Server::start(&device, &socket);
+    let server = Server::start_with(&device, &socket, server_env);
     // Another client's file, which nothing the hostile one does may change.
     let fs = connect(&socket);
     let kept = pattern(9, 100_000);
@@ -629,7 +647,12 @@ fn a_hostile_client_cannot_crash_the_server_or_touch_others_data() {
     assert_eq!(corefs_fsync(fs, fd), 0);
     let kept_ino = stat(fs, "/kept").unwrap().ino;
 
-    let (_sock, region) = corefs::service::connect_raw(&socket).unwrap();
+    let (_sock, region, reactor_doorbell) = corefs::service::connect_raw(&socket).unwrap();
+    assert_eq!(
+        reactor_doorbell.is_some(),
+        server_env.is_empty(),
+        "a root client's ring is the reactor's unless the server is told otherwise"
+    );
     let name = |rng: &mut rand_xoshiro::Xoshiro256PlusPlus| -> Vec<u8> {
         let len = rng.random_range(0..300);
         (0..len).map(|_| rng.random_range(b'a'..=b'z')).collect()
@@ -752,6 +775,14 @@ fn a_hostile_client_cannot_crash_the_server_or_touch_others_data() {
         let h = region.header();
         h.doorbell.fetch_add(1, Ordering::SeqCst);
         ring::futex_wake(&h.doorbell, 1);
+        if let Some(fd) = &reactor_doorbell {
+            if h.reactor_parked.load(Ordering::SeqCst) == 1 {
+                use std::os::fd::AsRawFd;
+                let one = 1u64;
+                // SAFETY: 8 bytes from a live u64 to the eventfd the server handed over.
+                unsafe { libc::write(fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+            }
+        }
         if rng.random_ratio(1, 100) {
             // Scribbles over the shared header: only this client's wake-ups can suffer.
             h.sleepers.store(rng.random(), Ordering::Relaxed);

@@ -42,6 +42,7 @@ mod reply;
 mod runtime;
 #[cfg(feature = "sim")]
 pub mod sim;
+pub mod source;
 pub mod stats;
 
 /// A panic's message (its `&str` or `String` payload), for logs and error messages.

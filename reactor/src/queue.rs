@@ -49,6 +49,8 @@ pub(crate) struct Shared {
     pub inodes: std::sync::atomic::AtomicU64,
     /// Where the reactor lends its engine to clients while it sleeps ([`crate::caller`]).
     pub(crate) caller: crate::caller::CallerRuns,
+    /// Requests polled from outside the client queue ([`crate::source`]).
+    pub(crate) sources: crate::source::Sources,
     /// Test hook ([`Runtime::panic_on_next_request`]): the reactor panics when it next
     /// runs a request.
     #[cfg(any(test, feature = "test-hooks"))]
@@ -83,6 +85,7 @@ impl Shared {
             total_blocks: std::sync::atomic::AtomicU64::new(0),
             free_blocks: std::sync::atomic::AtomicU64::new(0),
             inodes: std::sync::atomic::AtomicU64::new(0),
+            sources: crate::source::Sources::default(),
             caller: crate::caller::CallerRuns::new(crate::caller::CallerPolicy {
                 run: callers.run && reactors == 1,
                 ..callers
@@ -90,6 +93,18 @@ impl Shared {
             #[cfg(any(test, feature = "test-hooks"))]
             panic_next: Arc::new(AtomicBool::new(false)),
         }
+    }
+
+    /// No request waiting: neither in the client queue nor in a source.
+    pub(crate) fn no_requests(&self) -> bool {
+        self.requests.is_empty() && !crate::source::any_ready(&self.sources)
+    }
+
+    /// Publishes that the reactor is about to sleep (or woke): to its clients (`parked`) and
+    /// to its sources' clients. The caller fences, then checks [`Shared::no_requests`].
+    pub(crate) fn set_parked(&self, parked: bool) {
+        self.parked.store(parked, Ordering::SeqCst);
+        crate::source::set_parked(&self.sources, parked);
     }
 
     /// Wakes the reactor if it is parked (a submit calls this).

@@ -91,9 +91,19 @@ pub(crate) struct ReplyQueue {
     /// device round trip away): a client yielding for it sleeps instead. A hint, cleared by
     /// the client when it next submits; it never delays a reply.
     pub(crate) device_wait: AtomicBool,
+    /// Where completions go instead of `done` ([`crate::source`]): a sink that answers them
+    /// itself (a storage service's ring), waking its own waiters.
+    sink: Option<std::sync::Arc<dyn crate::source::CompletionSink>>,
 }
 
 impl ReplyQueue {
+    /// A queue whose completions go to `sink` as they come.
+    pub(crate) fn with_sink(sink: std::sync::Arc<dyn crate::source::CompletionSink>) -> ReplyQueue {
+        let mut queue = ReplyQueue::new(1);
+        queue.sink = Some(sink);
+        queue
+    }
+
     pub fn new(capacity: usize) -> ReplyQueue {
         ReplyQueue {
             done: ArrayQueue::new(capacity.max(1)),
@@ -101,6 +111,7 @@ impl ReplyQueue {
             overflowed: AtomicBool::new(false),
             sleeping: AtomicU32::new(0),
             device_wait: AtomicBool::new(false),
+            sink: None,
         }
     }
 
@@ -111,6 +122,10 @@ impl ReplyQueue {
     /// Queues a completion (the reactor, before [`ReplyQueue::wake`]). Never fails: past the
     /// capacity it waits in the overflow, logged, since only a bug gets there.
     pub fn push(&self, completion: Completion) {
+        if let Some(sink) = &self.sink {
+            sink.complete(completion);
+            return;
+        }
         if !self.overflowed.load(Ordering::Acquire) {
             match self.done.push(completion) {
                 Ok(()) => return,
@@ -156,6 +171,9 @@ impl ReplyQueue {
 
     /// Called by the reactor after pushing completions: wakes the client if it sleeps.
     pub fn wake(&self) {
+        if self.sink.is_some() {
+            return; // the sink woke its waiter with each completion
+        }
         // The completion was pushed before this load; the client stores `sleeping` before it
         // checks the queue. Without a full fence here the push could still sit in this core's
         // store buffer when `sleeping` is read as 0 (x86 reorders a store with a later load),

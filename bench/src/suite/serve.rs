@@ -96,10 +96,9 @@ impl ServeTarget {
         }
         if let Placement::Dedicated { reactor_cores, .. } = &self.placement {
             if let Some(core) = reactor_cores.first() {
-                // The storage core hosts the reactor and the connections' workers: the
-                // reactor spins and then parks rather than busy-polling, so the workers
-                // beside it run (`corefs::service::server::ServeOptions`).
-                cmd.arg("--core").arg(core.to_string());
+                // The storage core is the reactor's, busy-polling its device and the
+                // clients' rings (a root client's requests are taken by the reactor itself).
+                cmd.arg("--core").arg(core.to_string()).arg("--busy-poll");
             }
         }
         // COREFS_SERVE_ARGS: more options for the server (`--busy-poll`, `--reactors 2`).

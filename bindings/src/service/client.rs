@@ -40,6 +40,9 @@ pub struct Connection {
     region: Region,
     /// Set once the server is known gone: every call fails at once from then on.
     dead: AtomicBool,
+    /// The server's reactor's eventfd, when the reactor takes this ring's requests itself:
+    /// written after a submit while the reactor sleeps.
+    reactor_doorbell: Option<std::os::fd::OwnedFd>,
     /// Where the next claim starts looking (spreads threads over the slots).
     next_slot: AtomicUsize,
     /// The current spin budget of a wait, in nanoseconds (see [`SPIN_NS_MAX`]).
@@ -50,6 +53,21 @@ pub struct Connection {
     spinners: AtomicUsize,
     spinners_max: usize,
     pub socket_path: String,
+}
+
+/// Adds 1 to an eventfd (the server's reactor's doorbell).
+fn ring_eventfd(fd: &std::os::fd::OwnedFd) {
+    use std::os::fd::AsRawFd;
+    let one: u64 = 1;
+    // SAFETY: writes 8 bytes from a live u64 to a descriptor we own; a full counter
+    // (EAGAIN) already wakes the reader.
+    let _ = unsafe {
+        libc::write(
+            fd.as_raw_fd(),
+            (&one as *const u64).cast::<libc::c_void>(),
+            std::mem::size_of::<u64>(),
+        )
+    };
 }
 
 fn gone(path: &str) -> EngineError {
@@ -71,10 +89,17 @@ impl Connection {
         // The handshake is the server's first act; a server that takes longer is stuck.
         sock.set_read_timeout(Some(Duration::from_secs(10)))
             .map_err(|e| io("connect to", e))?;
-        let fd = socket::recv_fd(&sock).map_err(|e| io("connect to", e))?;
+        let mut fds = socket::recv_fds(&sock)
+            .map_err(|e| io("connect to", e))?
+            .into_iter();
         sock.set_read_timeout(None)
             .map_err(|e| io("connect to", e))?;
-        let region = Region::map(&std::fs::File::from(fd)).map_err(|e| io("map the ring of", e))?;
+        let memory = fds.next().ok_or_else(|| {
+            Error::new(libc::EPROTO, format!("connect to {path}: no shared memory"))
+        })?;
+        let reactor_doorbell = fds.next();
+        let region =
+            Region::map(&std::fs::File::from(memory)).map_err(|e| io("map the ring of", e))?;
         region
             .check()
             .map_err(|why| Error::new(libc::EPROTO, format!("connect to {path}: {why}")))?;
@@ -82,6 +107,7 @@ impl Connection {
             sock,
             region,
             dead: AtomicBool::new(false),
+            reactor_doorbell,
             next_slot: AtomicUsize::new(0),
             spin_ns: AtomicU64::new(SPIN_NS_FIRST),
             spinners: AtomicUsize::new(0),
@@ -146,7 +172,16 @@ impl Connection {
         slot.state.store(SUBMITTED, Ordering::SeqCst);
         let h = self.region.header();
         h.doorbell.fetch_add(1, Ordering::SeqCst);
-        if h.sleepers.load(Ordering::SeqCst) > 0 {
+        if let (Some(fd), 1) = (
+            &self.reactor_doorbell,
+            h.served_by_reactor.load(Ordering::Relaxed),
+        ) {
+            // Published, then the parked flag read (SeqCst both): a reactor about to sleep
+            // stores the flag, then looks at the ring again (see `reactor::source`).
+            if h.reactor_parked.load(Ordering::SeqCst) == 1 {
+                ring_eventfd(fd);
+            }
+        } else if h.sleepers.load(Ordering::SeqCst) > 0 {
             ring::futex_wake(&h.doorbell, 1);
         }
     }
@@ -229,18 +264,23 @@ impl Connection {
     }
 }
 
-/// A connection's socket and ring, with nothing of the client library around them: for
-/// tests and tools that speak the ring themselves (the protocol fuzz test plays a hostile
-/// client with it).
+/// A connection's socket, ring and (when the server's reactor takes its requests itself) the
+/// reactor's doorbell, with nothing of the client library around them: for tests and tools
+/// that speak the ring themselves (the protocol fuzz test plays a hostile client with it).
 #[doc(hidden)]
-pub fn connect_raw(path: &std::path::Path) -> std::io::Result<(UnixStream, Region)> {
+pub fn connect_raw(
+    path: &std::path::Path,
+) -> std::io::Result<(UnixStream, Region, Option<std::os::fd::OwnedFd>)> {
     let sock = UnixStream::connect(path)?;
-    let fd = socket::recv_fd(&sock)?;
-    let region = Region::map(&std::fs::File::from(fd))?;
+    let mut fds = socket::recv_fds(&sock)?.into_iter();
+    let memory = fds
+        .next()
+        .ok_or_else(|| std::io::Error::other("no shared memory"))?;
+    let region = Region::map(&std::fs::File::from(memory))?;
     region
         .check()
         .map_err(|why| std::io::Error::new(std::io::ErrorKind::InvalidData, why))?;
-    Ok((sock, region))
+    Ok((sock, region, fds.next()))
 }
 
 /// A connection that watches a server (`corefs top`): its statistics on demand.

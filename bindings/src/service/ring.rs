@@ -10,7 +10,9 @@
 //!
 //! # A slot's life
 //! `FREE` → (a client thread claims it) `CLAIMED` → (request written) `SUBMITTED` → (a
-//! server worker takes it) `TAKEN` → (reply written) `DONE` → (the client read it) `FREE`.
+//! server worker, or the reactor itself, takes it) `TAKEN` → (reply written) `DONE` → (the
+//! client read it) `FREE`. A reactor may hand a request it took to the workers: `HANDOFF`
+//! (then a worker takes it to `TAKEN`).
 //! Each side moves the state only from the states that are its to leave, by compare-and-swap
 //! where another party could move it too, and publishes the payload before the state (Release)
 //! and reads it after (Acquire).
@@ -29,7 +31,7 @@ use std::time::Duration;
 
 /// "corefs\0" and the ring's version: a client refuses memory that does not start with them.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"corefsS1");
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 
 /// Slots per connection: the requests a client process may have in flight at once.
 pub const SLOTS: usize = 64;
@@ -50,6 +52,9 @@ pub const CLAIMED: u32 = 1;
 pub const SUBMITTED: u32 = 2;
 pub const TAKEN: u32 = 3;
 pub const DONE: u32 = 4;
+/// Taken by the reactor, handed to the connection's workers (a request that needs a
+/// reactor client: the server's statistics).
+pub const HANDOFF: u32 = 5;
 
 /// The region's first bytes.
 #[repr(C)]
@@ -58,14 +63,20 @@ pub struct Header {
     pub version: AtomicU32,
     pub slots: AtomicU32,
     pub payload_bytes: AtomicU32,
-    _reserved: AtomicU32,
+    /// 1 while the reactor that polls this ring sleeps ([`Header::served_by_reactor`]): a
+    /// client that submits then writes 1 to the reactor's eventfd (handed over at connect).
+    pub reactor_parked: AtomicU32,
     /// Bumped by a client after each submit: the word server workers sleep on.
     pub doorbell: AtomicU32,
     /// Server workers asleep on the doorbell (a client wakes one only when some sleep).
     pub sleepers: AtomicU32,
+    /// 1 when the server's reactor takes this ring's requests itself (its workers only take
+    /// what it hands them, `HANDOFF`): a client then wakes the reactor, not a worker.
+    pub served_by_reactor: AtomicU32,
+    _reserved: AtomicU32,
 }
 
-const _: () = assert!(std::mem::size_of::<Header>() == 32);
+const _: () = assert!(std::mem::size_of::<Header>() == 40);
 const _: () = assert!(std::mem::size_of::<Header>() <= HEADER_BYTES);
 
 /// A slot's first bytes.

@@ -21,7 +21,7 @@
 //! entries, a connection holds at most [`HOLDS_MAX`] inodes.
 
 use super::access::{self, Caller};
-use super::ring::{self, Region, DONE, SLOTS, SUBMITTED, TAKEN};
+use super::ring::{self, Region, DONE, HANDOFF, SLOTS, SUBMITTED, TAKEN};
 use super::stats::{ClientStats, Counters, ServerStats, Work};
 use super::{socket, wire};
 use crate::locks::{Kind, LockTable, Refused, RANGES_MAX};
@@ -112,6 +112,15 @@ struct Conn {
     /// Every connection's byte-range locks (one table for the server); this connection's
     /// are owned by its id and released when it goes.
     locks: Arc<Mutex<LockTable>>,
+    /// The reactor takes this ring's requests itself ([`ReactorSide`]); the workers take only
+    /// what it hands them.
+    reactor_served: AtomicBool,
+    /// Requests the reactor took and has not answered yet.
+    reactor_in_flight: AtomicU64,
+    /// Per slot, what a request the reactor took does once answered.
+    pending: Vec<Mutex<Option<Pending>>>,
+    /// Where the reactor's next look at the ring starts (no slot waits behind the others).
+    next_take: std::sync::atomic::AtomicUsize,
     /// One idle worker spins on the doorbell for the next request; the others sleep (a
     /// spinning worker per request in flight would take the cores the client and the
     /// reactor need).
@@ -219,6 +228,7 @@ pub fn serve(
             .collect(),
         _ => options.reactor_cores.clone(),
     };
+    let runtime = Arc::new(runtime);
     let listener = bind(socket_path)?;
     listener.set_nonblocking(true)?;
     tracing::info!(socket = %socket_path.display(), "corefs serving");
@@ -287,6 +297,9 @@ pub fn serve(
     for l in live {
         served.holds_released_for_gone_clients += l.watcher.join().unwrap_or(0);
     }
+    // Every watcher, the only other holder, has ended.
+    let runtime = Arc::try_unwrap(runtime)
+        .map_err(|_| std::io::Error::other("the runtime is still in use at the stop"))?;
     let stats = runtime
         .shutdown()
         .map_err(|e| std::io::Error::other(format!("unmount: {e}")))?;
@@ -335,7 +348,7 @@ fn wait_readable(listener: &UnixListener, timeout: Duration) {
 }
 
 fn accept(
-    runtime: &Runtime,
+    runtime: &Arc<Runtime>,
     sock: UnixStream,
     id: u64,
     stopping: &Arc<AtomicBool>,
@@ -346,7 +359,23 @@ fn accept(
     sock.set_nonblocking(false)?;
     let peer = socket::peer(&sock)?;
     let (memory, region) = Region::create()?;
-    socket::send_fd(&sock, &memory)?;
+    // A root client's requests need no permission check, only what `prepare` does: the
+    // reactor can take them itself (one reactor, an eventfd doorbell to hand over).
+    let doorbell = runtime
+        .doorbell_fd()
+        .filter(|_| peer.uid == 0 && runtime.reactors() == 1 && reactor_serves());
+    if doorbell.is_some() {
+        region
+            .header()
+            .served_by_reactor
+            .store(1, Ordering::Release);
+    }
+    {
+        use std::os::fd::AsRawFd;
+        let mut fds = vec![memory.as_raw_fd()];
+        fds.extend(doorbell);
+        socket::send_fds(&sock, &fds)?;
+    }
     drop(memory);
     tracing::info!(
         connection = id,
@@ -371,12 +400,29 @@ fn accept(
         registry: registry.clone(),
         spinner: AtomicBool::new(false),
         locks: locks.clone(),
+        reactor_served: AtomicBool::new(false),
+        reactor_in_flight: AtomicU64::new(0),
+        pending: (0..SLOTS).map(|_| Mutex::new(None)).collect(),
+        next_take: std::sync::atomic::AtomicUsize::new(0),
     });
     {
         let mut conns = registry.conns.lock().unwrap_or_else(|p| p.into_inner());
         conns.retain(|c| c.strong_count() > 0);
         conns.push(Arc::downgrade(&conn));
         registry.connections_total.fetch_add(1, Ordering::Relaxed);
+    }
+    if doorbell.is_some() {
+        let side = Arc::new(ReactorSide(conn.clone()));
+        match runtime.add_source(id, side.clone(), side) {
+            Ok(()) => conn.reactor_served.store(true, Ordering::Release),
+            Err(e) => {
+                tracing::warn!(connection = id, "workers serve this connection: {e}");
+                conn.region
+                    .header()
+                    .served_by_reactor
+                    .store(0, Ordering::Release);
+            }
+        }
     }
     let mut workers = Vec::with_capacity(WORKERS);
     for k in 0..WORKERS {
@@ -398,6 +444,7 @@ fn accept(
     }
     let mut release_client = runtime.client(CLIENT_CAPACITY);
     let mut watch_sock = sock.try_clone()?;
+    let runtime = runtime.clone();
     let watcher = std::thread::Builder::new()
         .name(format!("corefs-conn{id}"))
         .spawn(move || {
@@ -405,6 +452,18 @@ fn accept(
             let mut byte = [0u8; 1];
             while matches!(watch_sock.read(&mut byte), Ok(n) if n > 0) {}
             conn.gone.store(true, Ordering::Release);
+            if conn.reactor_served.load(Ordering::Acquire) {
+                // The reactor stops looking at the ring; what it took still completes (an
+                // open among it would add a hold), so the holds are released after that.
+                runtime.remove_source(conn.id);
+                drop(runtime);
+                let started = Instant::now();
+                while conn.reactor_in_flight.load(Ordering::Acquire) > 0
+                    && started.elapsed() < Duration::from_secs(60)
+                {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
             ring::futex_wake(&conn.region.header().doorbell, WORKERS as u32);
             for w in workers {
                 let _ = w.join();
@@ -458,10 +517,11 @@ fn work(conn: &Conn, client: &mut Client) {
             refuse_waiting(conn);
             return;
         }
-        if conn
-            .spinner
-            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed)
-            .is_ok()
+        if !conn.reactor_served.load(Ordering::Acquire)
+            && conn
+                .spinner
+                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
         {
             let spin_until = Instant::now() + SPIN;
             while h.doorbell.load(Ordering::SeqCst) == seen && Instant::now() < spin_until {
@@ -481,10 +541,16 @@ fn work(conn: &Conn, client: &mut Client) {
 /// Serves every slot this worker can take; false if there was none.
 fn take_and_serve(conn: &Conn, client: &mut Client) -> bool {
     let mut any = false;
+    // A ring the reactor serves gives its workers only what the reactor hands them.
+    let wanted = if conn.reactor_served.load(Ordering::Acquire) {
+        HANDOFF
+    } else {
+        SUBMITTED
+    };
     for i in 0..SLOTS {
         let state = &conn.region.slot(i).state;
         if state
-            .compare_exchange(SUBMITTED, TAKEN, Ordering::AcqRel, Ordering::Relaxed)
+            .compare_exchange(wanted, TAKEN, Ordering::AcqRel, Ordering::Relaxed)
             .is_ok()
         {
             any = true;
@@ -649,18 +715,171 @@ fn lock(
     }
 }
 
-/// What a request does to the connection's holds once it succeeded.
-enum After {
-    Nothing,
-    Opened { readable: bool, writable: bool },
-    Held(u64),
+/// Whether the reactor may take root clients' requests itself (`COREFS_SERVE_WORKERS=1`:
+/// never, every request through the connection's workers, for comparison).
+fn reactor_serves() -> bool {
+    std::env::var_os("COREFS_SERVE_WORKERS").is_none()
 }
 
-/// Runs one request for the connection: bounded, admitted ([`access`]), its handle checked,
-/// and the connection's holds kept up to date.
-fn execute(conn: &Conn, client: &mut Client, op: Op) -> Result<Reply, EngineError> {
-    let op = bound(op)?;
-    let op = access::admit(&conn.caller, client, op)?;
+/// A request the reactor took: what its answer does, what it counts as, since when.
+struct Pending {
+    after: After,
+    work: Work,
+    taken: Instant,
+}
+
+/// A root connection's ring as the reactor sees it ([`reactor::source`]): it takes the
+/// submitted requests itself in its loop and answers them in their slots after its batch.
+struct ReactorSide(Arc<Conn>);
+
+impl reactor::source::Source for ReactorSide {
+    fn ready(&self) -> bool {
+        let region = &self.0.region;
+        (0..SLOTS).any(|i| region.slot(i).state.load(Ordering::Acquire) == SUBMITTED)
+    }
+
+    fn take(&self, max: usize, take: &mut dyn FnMut(Op, u64)) -> usize {
+        let conn = &self.0;
+        let start = conn.next_take.fetch_add(1, Ordering::Relaxed);
+        let mut taken = 0;
+        for k in 0..SLOTS {
+            if taken == max {
+                break;
+            }
+            let i = (start + k) % SLOTS;
+            let state = &conn.region.slot(i).state;
+            if state.load(Ordering::Acquire) != SUBMITTED
+                || state
+                    .compare_exchange(SUBMITTED, TAKEN, Ordering::AcqRel, Ordering::Relaxed)
+                    .is_err()
+            {
+                continue;
+            }
+            let started = Instant::now();
+            let request = match conn.region.take(i) {
+                Some(bytes) => wire::decode_request(&bytes),
+                None => Err(EngineError::Invalid(
+                    "a request longer than its slot".into(),
+                )),
+            };
+            let op = match request {
+                Ok(wire::Request::Op(op)) => op,
+                Ok(wire::Request::ServerStats) => {
+                    // Needs a reactor client: a worker's.
+                    state.store(HANDOFF, Ordering::SeqCst);
+                    let h = conn.region.header();
+                    h.doorbell.fetch_add(1, Ordering::SeqCst);
+                    ring::futex_wake(&h.doorbell, 1);
+                    continue;
+                }
+                Ok(wire::Request::Lock {
+                    ino,
+                    kind,
+                    start,
+                    len,
+                    test,
+                }) => {
+                    let answer = lock(conn, ino, kind, start, len, test);
+                    conn.counters
+                        .count(Work::Lock, started.elapsed().as_nanos() as u64);
+                    answer_slot(conn, i, wire::encode_answer(answer));
+                    continue;
+                }
+                Err(e) => {
+                    conn.counters
+                        .count(Work::Metadata, started.elapsed().as_nanos() as u64);
+                    answer_slot(conn, i, wire::encode_answer(Err(e)));
+                    continue;
+                }
+            };
+            let work = work_of(&op);
+            // Root: no permission check to make (see `accept`).
+            match prepare(conn, op, Ok) {
+                Ok(Prepared { op, after }) => {
+                    *conn.pending[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(Pending {
+                        after,
+                        work,
+                        taken: started,
+                    });
+                    conn.reactor_in_flight.fetch_add(1, Ordering::AcqRel);
+                    take(op, i as u64);
+                    taken += 1;
+                }
+                Err(e) => {
+                    conn.counters
+                        .count(work, started.elapsed().as_nanos() as u64);
+                    answer_slot(conn, i, wire::encode_answer(Err(e)));
+                }
+            }
+        }
+        taken
+    }
+
+    fn parked(&self, parked: bool) {
+        self.0
+            .region
+            .header()
+            .reactor_parked
+            .store(parked as u32, Ordering::SeqCst);
+    }
+}
+
+impl reactor::source::CompletionSink for ReactorSide {
+    fn complete(&self, completion: reactor::Completion) {
+        let conn = &self.0;
+        let i = completion.token as usize;
+        let pending = conn
+            .pending
+            .get(i)
+            .and_then(|p| p.lock().unwrap_or_else(|p| p.into_inner()).take());
+        let Some(Pending {
+            after,
+            mut work,
+            taken,
+        }) = pending
+        else {
+            tracing::error!(slot = i, "an answer for a slot the reactor did not take");
+            return;
+        };
+        let result = completion.result;
+        finish(conn, after, &result);
+        if let (Work::Read(n), Ok(Reply::Data(d))) = (&mut work, &result) {
+            *n = d.len() as u64;
+        }
+        conn.counters.count(work, taken.elapsed().as_nanos() as u64);
+        answer_slot(conn, i, wire::encode_answer(result));
+        conn.reactor_in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// What a request does to the connection's holds once it is answered.
+enum After {
+    Nothing,
+    Opened {
+        readable: bool,
+        writable: bool,
+    },
+    Held(u64),
+    /// The hold a release gave back, taken from the table before the engine saw the
+    /// release: put back if the release fails.
+    Released(u64, Held),
+}
+
+/// A request checked and ready for the engine: the operation to run and what its answer
+/// does to the connection's holds ([`finish`]).
+struct Prepared {
+    op: Op,
+    after: After,
+}
+
+/// Checks one request for the connection: bounded, admitted by `admit` ([`access`] for a
+/// non-root user), its handle checked; a release takes its hold out of the table now.
+fn prepare(
+    conn: &Conn,
+    op: Op,
+    admit: impl FnOnce(Op) -> Result<Op, EngineError>,
+) -> Result<Prepared, EngineError> {
+    let op = admit(bound(op)?)?;
     let inner = match &op {
         Op::Walk { then, .. } => then.as_ref(),
         op => op,
@@ -693,29 +912,32 @@ fn execute(conn: &Conn, client: &mut Client, op: Op) -> Result<Reply, EngineErro
             conn.room_for_hold()?;
             After::Held(*ino)
         }
-        Op::Release { ino } => {
-            let ino = *ino;
-            let held = conn.take_hold(ino)?;
-            let r = client.call(op);
-            if r.is_err() {
-                conn.put_back(ino, held);
-            }
-            return r;
-        }
+        Op::Release { ino } => After::Released(*ino, conn.take_hold(*ino)?),
         _ => After::Nothing,
     };
-    let reply = client.call(op)?;
-    match (&after, &reply) {
+    Ok(Prepared { op, after })
+}
+
+/// What an answered request does to the connection's holds.
+fn finish(conn: &Conn, after: After, result: &Result<Reply, EngineError>) {
+    match (after, result) {
         (
             After::Opened { readable, writable },
-            Reply::Opened(Opened::Found(s) | Opened::Created(s)),
-        ) => {
-            conn.add_hold(s.ino, *readable, *writable);
-        }
-        (After::Held(ino), Reply::Done) => conn.add_hold(*ino, false, false),
+            Ok(Reply::Opened(Opened::Found(s) | Opened::Created(s))),
+        ) => conn.add_hold(s.ino, readable, writable),
+        (After::Held(ino), Ok(Reply::Done)) => conn.add_hold(ino, false, false),
+        (After::Released(ino, held), Err(_)) => conn.put_back(ino, held),
         _ => {}
     }
-    Ok(reply)
+}
+
+/// Runs one request for the connection through a worker's reactor client.
+fn execute(conn: &Conn, client: &mut Client, op: Op) -> Result<Reply, EngineError> {
+    let caller = &conn.caller;
+    let Prepared { op, after } = prepare(conn, op, |op| access::admit(caller, client, op))?;
+    let result = client.call(op);
+    finish(conn, after, &result);
+    result
 }
 
 /// Caps what a request asks for to what a reply can carry, and refuses what no client of

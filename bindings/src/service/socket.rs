@@ -62,15 +62,17 @@ pub fn peer(sock: &UnixStream) -> io::Result<Peer> {
     })
 }
 
-/// Sends `fd` with one byte of data.
-pub fn send_fd(sock: &UnixStream, fd: &impl AsRawFd) -> io::Result<()> {
+/// Sends `fds` (at most [`FDS_MAX`]) with one byte of data.
+pub fn send_fds(sock: &UnixStream, fds: &[std::os::fd::RawFd]) -> io::Result<()> {
+    assert!(!fds.is_empty() && fds.len() <= FDS_MAX);
     let mut byte = [1u8];
     let mut iov = libc::iovec {
         iov_base: byte.as_mut_ptr() as *mut libc::c_void,
         iov_len: 1,
     };
+    let bytes = std::mem::size_of_val(fds) as u32;
     // SAFETY: CMSG_SPACE is a pure computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
+    let space = unsafe { libc::CMSG_SPACE(bytes) } as usize;
     let mut control = vec![0u8; space];
     // SAFETY: msghdr is plain data; zero is a valid start.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -78,13 +80,17 @@ pub fn send_fd(sock: &UnixStream, fd: &impl AsRawFd) -> io::Result<()> {
     msg.msg_iovlen = 1;
     msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
     msg.msg_controllen = space as _;
-    // SAFETY: the control buffer holds one cmsg with an int (CMSG_SPACE above).
+    // SAFETY: the control buffer holds one cmsg with `fds` (CMSG_SPACE above).
     unsafe {
         let cmsg = libc::CMSG_FIRSTHDR(&msg);
         (*cmsg).cmsg_level = libc::SOL_SOCKET;
         (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<libc::c_int>() as u32) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg) as *mut libc::c_int, fd.as_raw_fd());
+        (*cmsg).cmsg_len = libc::CMSG_LEN(bytes) as _;
+        std::ptr::copy_nonoverlapping(
+            fds.as_ptr() as *const u8,
+            libc::CMSG_DATA(cmsg),
+            bytes as usize,
+        );
     }
     // SAFETY: a valid socket and a message whose buffers live across the call.
     let sent = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
@@ -94,15 +100,19 @@ pub fn send_fd(sock: &UnixStream, fd: &impl AsRawFd) -> io::Result<()> {
     Ok(())
 }
 
-/// Receives the descriptor [`send_fd`] sent (blocking, as the socket is).
-pub fn recv_fd(sock: &UnixStream) -> io::Result<OwnedFd> {
+/// The most descriptors one handshake carries: the ring's memory and the reactor's doorbell.
+pub const FDS_MAX: usize = 2;
+
+/// Receives the descriptors [`send_fds`] sent (blocking, as the socket is).
+pub fn recv_fds(sock: &UnixStream) -> io::Result<Vec<OwnedFd>> {
     let mut byte = [0u8];
     let mut iov = libc::iovec {
         iov_base: byte.as_mut_ptr() as *mut libc::c_void,
         iov_len: 1,
     };
+    let most = (FDS_MAX * std::mem::size_of::<libc::c_int>()) as u32;
     // SAFETY: CMSG_SPACE is a pure computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
+    let space = unsafe { libc::CMSG_SPACE(most) } as usize;
     let mut control = vec![0u8; space];
     // SAFETY: msghdr is plain data; zero is a valid start.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -121,7 +131,8 @@ pub fn recv_fd(sock: &UnixStream) -> io::Result<OwnedFd> {
             "the server closed the connection before handing over its memory",
         ));
     }
-    // SAFETY: the kernel filled `msg`; CMSG_FIRSTHDR checks the length it reported.
+    // SAFETY: the kernel filled `msg`; CMSG_FIRSTHDR checks the length it reported, and
+    // the descriptors it carries are ours from here on.
     unsafe {
         let cmsg = libc::CMSG_FIRSTHDR(&msg);
         if cmsg.is_null()
@@ -133,8 +144,13 @@ pub fn recv_fd(sock: &UnixStream) -> io::Result<OwnedFd> {
                 "the server sent no shared memory",
             ));
         }
-        let fd = std::ptr::read_unaligned(libc::CMSG_DATA(cmsg) as *const libc::c_int);
-        Ok(OwnedFd::from_raw_fd(fd))
+        let header = libc::CMSG_LEN(0) as usize;
+        let n =
+            ((*cmsg).cmsg_len as usize).saturating_sub(header) / std::mem::size_of::<libc::c_int>();
+        let data = libc::CMSG_DATA(cmsg) as *const libc::c_int;
+        Ok((0..n.min(FDS_MAX))
+            .map(|k| OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(k))))
+            .collect())
     }
 }
 

@@ -572,6 +572,47 @@ impl Runtime {
         Client::new(self.router.clone(), capacity)
     }
 
+    /// Adds a source of requests that the reactor polls itself ([`crate::source`]), each
+    /// completing through `sink`; `id` names it for [`Runtime::remove_source`]. A runtime of
+    /// one reactor whose doorbell can be rung from another process (an eventfd) only: an
+    /// error otherwise, and the caller serves the source's requests through clients.
+    pub fn add_source(
+        &self,
+        id: u64,
+        source: Arc<dyn crate::source::Source>,
+        sink: Arc<dyn crate::source::CompletionSink>,
+    ) -> Result<(), EngineError> {
+        if self.router.reactors.len() != 1 {
+            return Err(EngineError::NotSupported(
+                "sources on a runtime of several reactors".into(),
+            ));
+        }
+        let shared = &self.router.reactors[0];
+        if shared.doorbell.raw_fd().is_none() {
+            return Err(EngineError::NotSupported(
+                "a source needs the reactor's eventfd doorbell".into(),
+            ));
+        }
+        shared.sources.add(crate::source::Entry {
+            id,
+            source,
+            reply: Arc::new(ReplyQueue::with_sink(sink)),
+        });
+        shared.doorbell.ring();
+        Ok(())
+    }
+
+    /// Stops polling source `id` (requests taken from it still complete).
+    pub fn remove_source(&self, id: u64) -> bool {
+        self.router.reactors[0].sources.remove(id)
+    }
+
+    /// The descriptor a source's clients write 1 (8 bytes) to, to wake the reactor when it
+    /// sleeps ([`crate::source::Source::parked`]): its doorbell's eventfd, when it has one.
+    pub fn doorbell_fd(&self) -> Option<std::os::fd::RawFd> {
+        self.router.reactors[0].doorbell.raw_fd()
+    }
+
     /// Reactors running.
     pub fn reactors(&self) -> usize {
         self.router.reactors.len()

@@ -88,6 +88,8 @@ pub(super) enum Ran {
 /// flight are waited for.
 pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, config: &Config) -> Ran {
     let mut batch: Vec<Request> = Vec::with_capacity(config.batch_max);
+    // The sources this reactor polls besides its queue ([`crate::source`]).
+    let mut polled = crate::source::Polled::default();
     let mut idle_since: Option<Instant> = None;
     // Since when the loop has been polling a device that had nothing for it.
     let mut device_idle_since: Option<Instant> = None;
@@ -133,6 +135,21 @@ pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, confi
                 Some(r) => batch.push(r),
                 None => break,
             }
+        }
+        for e in polled.refresh(&shared.sources) {
+            let room = config.batch_max.saturating_sub(batch.len());
+            if room == 0 {
+                break;
+            }
+            let now = Instant::now();
+            e.source.take(room, &mut |op, token| {
+                batch.push(Request {
+                    op,
+                    token,
+                    reply: e.reply.clone(),
+                    submitted: now,
+                })
+            });
         }
         if !batch.is_empty() || reactor.meta.has_resumed() {
             if router.failure().is_some() {
@@ -290,9 +307,9 @@ pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, confi
                     }
                     continue;
                 }
-                shared.parked.store(true, Ordering::SeqCst);
+                shared.set_parked(true);
                 std::sync::atomic::fence(Ordering::SeqCst);
-                if shared.requests.is_empty()
+                if shared.no_requests()
                     && shared.control_pending.load(Ordering::SeqCst) == 0
                     && !shared.stopping.load(Ordering::Acquire)
                 {
@@ -305,11 +322,11 @@ pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, confi
                         )
                     };
                     if lent(reactor, shared, router, sleep).is_none() {
-                        shared.parked.store(false, Ordering::SeqCst);
+                        shared.set_parked(false);
                         return Ran::Failed;
                     }
                 }
-                shared.parked.store(false, Ordering::SeqCst);
+                shared.set_parked(false);
             }
         }
     }
@@ -385,7 +402,7 @@ const IDLE_LEND_MAX: Duration = Duration::from_micros(10);
 fn idle_wait(shared: &Shared, max: Duration, pause: impl Fn()) {
     let started = Instant::now();
     loop {
-        if !shared.requests.is_empty()
+        if !shared.no_requests()
             || shared.control_pending.load(Ordering::Acquire) > 0
             || shared.stopping.load(Ordering::Acquire)
         {
@@ -425,13 +442,13 @@ fn lent<T>(
 /// Parks up to `timeout` unless a control message or a request is waiting. True when the
 /// doorbell rang.
 pub(super) fn park_for_control(shared: &Shared, timeout: Duration) -> bool {
-    shared.parked.store(true, Ordering::SeqCst);
+    shared.set_parked(true);
     std::sync::atomic::fence(Ordering::SeqCst);
     let mut rung = true;
-    if shared.control_pending.load(Ordering::SeqCst) == 0 && shared.requests.is_empty() {
+    if shared.control_pending.load(Ordering::SeqCst) == 0 && shared.no_requests() {
         rung = shared.doorbell.sleep(timeout);
     }
-    shared.parked.store(false, Ordering::SeqCst);
+    shared.set_parked(false);
     rung
 }
 
