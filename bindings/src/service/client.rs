@@ -193,13 +193,19 @@ impl Connection {
     /// Waits until slot `i` is answered, or until `deadline`: false at the deadline.
     fn wait_done(&self, i: usize, deadline: Option<Instant>) -> Result<bool, EngineError> {
         let started = Instant::now();
-        if self.spinners.fetch_add(1, Ordering::AcqRel) < self.spinners_max {
+        // While this process's cores are shared with other work, a spinner is preempted for
+        // whole scheduler ticks and loses its wake-up preference: sleep at once
+        // (`reactor::contention`, the rule in-process clients follow).
+        let contended = reactor::contention::contended();
+        if !contended && self.spinners.fetch_add(1, Ordering::AcqRel) < self.spinners_max {
             let budget = Duration::from_nanos(self.spin_ns.load(Ordering::Relaxed));
             while !self.is_done(i) && started.elapsed() < budget {
                 std::hint::spin_loop();
             }
         }
-        self.spinners.fetch_sub(1, Ordering::AcqRel);
+        if !contended {
+            self.spinners.fetch_sub(1, Ordering::AcqRel);
+        }
         if self.is_done(i) {
             // Spinning ended this wait: allow twice what it took (bounded).
             let took = started.elapsed().as_nanos() as u64;
@@ -419,9 +425,17 @@ impl RemoteClient {
         }
         let message = wire::encode_request(request)?;
         let i = self.conn.claim_waiting()?;
+        let started = Instant::now();
         self.conn.send(i, &message);
         self.sent += 1;
         self.conn.wait_done(i, None)?;
+        // A slow call looks at this thread's run delay and the machine's other work, as an
+        // in-process client's does (no reactor samples the machine in a client process).
+        let took = started.elapsed();
+        if took >= reactor::contention::SLOW_CALL {
+            reactor::contention::sample_machine(Instant::now());
+            reactor::contention::after_call(took);
+        }
         self.conn.finish_raw(i)
     }
 
