@@ -228,7 +228,12 @@ impl Connection {
                 }
                 nap = nap.min(left);
             }
-            ring::futex_wait(state, seen, nap);
+            let waiting = &self.region.slot(i).waiting;
+            waiting.store(1, Ordering::SeqCst);
+            if state.load(Ordering::SeqCst) == seen {
+                ring::futex_wait(state, seen, nap);
+            }
+            waiting.store(0, Ordering::Relaxed);
             if self.is_done(i) {
                 self.adapt_spin(started.elapsed());
                 return Ok(true);

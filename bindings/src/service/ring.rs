@@ -31,7 +31,7 @@ use std::time::Duration;
 
 /// "corefs\0" and the ring's version: a client refuses memory that does not start with them.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"corefsS1");
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 
 /// Slots per connection: the requests a client process may have in flight at once.
 pub const SLOTS: usize = 64;
@@ -87,9 +87,13 @@ pub struct SlotHeader {
     pub state: AtomicU32,
     /// Bytes of the message in the payload.
     pub len: AtomicU32,
+    /// 1 while the client sleeps (or is about to) on `state`: only then does the server
+    /// make the wake-up system call after it answers. The client stores it, then looks at
+    /// `state`, then sleeps; the server stores `state`, then reads it (SeqCst both).
+    pub waiting: AtomicU32,
 }
 
-const _: () = assert!(std::mem::size_of::<SlotHeader>() == 8);
+const _: () = assert!(std::mem::size_of::<SlotHeader>() == 12);
 const _: () = assert!(PAYLOAD_BYTES <= u32::MAX as usize);
 const _: () = assert!(DATA_BYTES_MAX + 4096 <= PAYLOAD_BYTES);
 

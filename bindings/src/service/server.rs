@@ -654,9 +654,12 @@ fn server_stats(conn: &Conn, client: &mut Client) -> Result<ServerStats, EngineE
 
 fn answer_slot(conn: &Conn, i: usize, bytes: Vec<u8>) {
     conn.region.put(i, &bytes);
-    let state = &conn.region.slot(i).state;
-    state.store(DONE, Ordering::SeqCst);
-    ring::futex_wake(state, 1);
+    let slot = conn.region.slot(i);
+    slot.state.store(DONE, Ordering::SeqCst);
+    // A spinning client needs no system call (`SlotHeader::waiting`).
+    if slot.waiting.load(Ordering::SeqCst) != 0 {
+        ring::futex_wake(&slot.state, 1);
+    }
 }
 
 /// At stop: what was submitted and not taken is answered ESHUTDOWN.
