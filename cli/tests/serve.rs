@@ -235,6 +235,7 @@ fn role() {
         "writer" => writer(&socket, arg.parse().unwrap()),
         "holder" => holder(&socket),
         "locker" => locker(&socket),
+        "appender" => appender(&socket, arg.parse().unwrap()),
         "nobody" => nobody(&socket),
         other => panic!("no role {other}"),
     }
@@ -305,6 +306,30 @@ fn holder(socket: &Path) {
     use std::io::Write;
     std::io::stdout().flush().unwrap();
     std::thread::sleep(Duration::from_secs(600));
+}
+
+/// Appends 4 KiB records to its own file with an fdatasync after each, for `millis`
+/// milliseconds; prints how many.
+fn appender(socket: &Path, millis: u64) {
+    let fs = connect(socket);
+    let fd = open(
+        fs,
+        &format!("/log-{}", std::process::id()),
+        COREFS_O_CREAT | COREFS_O_WRONLY | COREFS_O_APPEND,
+        0o644,
+    );
+    assert!(fd > 0, "{}", last_error());
+    let record = [0x61u8; 4096];
+    let until = Instant::now() + Duration::from_millis(millis);
+    let mut n = 0u64;
+    while Instant::now() < until {
+        assert_eq!(pwrite(fs, fd, &record, 0), 4096, "{}", last_error());
+        assert_eq!(corefs_fdatasync(fs, fd), 0, "{}", last_error());
+        n += 1;
+    }
+    println!("APPENDS {n}");
+    assert_eq!(corefs_release(fs, fd), 0);
+    assert_eq!(corefs_close(fs), 0);
 }
 
 /// Takes a write lock on /db's first 100 bytes, says so, then waits to be killed.
@@ -931,5 +956,46 @@ fn top_shows_a_busy_client_and_the_reactors() {
     );
     assert_eq!(corefs_release(fs, fd), 0);
     assert_eq!(corefs_close(fs), 0);
+    server.stop();
+}
+
+/// Four processes appending with fdatasync at once: their fsyncs meet in the server's
+/// reactor and go to the device together (group commit across processes), which the
+/// server's statistics show.
+#[test]
+fn fsyncs_of_several_processes_group_in_the_server() {
+    let (work, device) = work_and_image("256MiB");
+    let socket = work.path().join("corefs.sock");
+    let server = Server::start(&device, &socket);
+    let mut observer = corefs::service::Observer::connect(&socket).unwrap();
+    let before = observer.sample().unwrap().reactors;
+    let appenders: Vec<Child> = (0..4)
+        .map(|_| client("appender", &socket, "1500", None))
+        .collect();
+    let mut appends = 0u64;
+    for a in appenders {
+        let out = passed(a);
+        let n: u64 = out
+            .lines()
+            .find_map(|l| l.split("APPENDS ").nth(1))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no count in {out}"));
+        appends += n;
+    }
+    let after = observer.sample().unwrap().reactors;
+    let fsyncs = after.log.fsyncs - before.log.fsyncs;
+    let groups = after.fsync_groups - before.fsync_groups;
+    eprintln!(
+        "4 processes x 1.5 s: {appends} appends+fdatasyncs, {fsyncs} fsyncs in {groups} groups \
+         (mean {:.2}, largest {})",
+        fsyncs as f64 / groups.max(1) as f64,
+        after.fsync_group_max
+    );
+    assert!(fsyncs >= appends, "every fdatasync reached the reactor");
+    assert!(
+        after.fsync_group_max >= 2,
+        "no two processes' fsyncs shared a group in {fsyncs} fsyncs"
+    );
+    drop(observer);
     server.stop();
 }
