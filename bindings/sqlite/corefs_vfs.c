@@ -76,6 +76,10 @@ static corefs_fs g_fs = 0; /* > 0 once mounted */
 /* Mounted through a corefs server (serve:SOCKET): other processes share the database, and
  * locks are taken across processes too (see "Locking" above). */
 static int g_remote = 0;
+
+/* The file methods (defined with the calls below), and those used through a server. */
+static const sqlite3_io_methods cfs_io_methods;
+static sqlite3_io_methods cfs_io_methods_remote;
 static int g_atexit_registered = 0;
 
 /* Guards the inode table, its lock state and its shared memory. */
@@ -261,6 +265,8 @@ static int cfs_mounted(corefs_fs *pFs) {
       } else {
         g_fs = fs;
         g_remote = strncmp(device, "serve:", 6) == 0;
+        cfs_io_methods_remote = cfs_io_methods;
+        cfs_io_methods_remote.iVersion = 1;
         if (!g_atexit_registered) {
           g_atexit_registered = 1;
           atexit(cfs_atexit);
@@ -1099,24 +1105,9 @@ static const sqlite3_io_methods cfs_io_methods = {
     cfs_unfetch,                /* xUnfetch */
 };
 
-/* Through a server: the same methods without the WAL shared memory, which does not reach
- * other processes (see "Locking" at the top). */
-static const sqlite3_io_methods cfs_io_methods_remote = {
-    1,                          /* iVersion */
-    cfs_close,                  /* xClose */
-    CFS_M(cfs_read),            /* xRead */
-    CFS_M(cfs_write),           /* xWrite */
-    CFS_M(cfs_truncate),        /* xTruncate */
-    CFS_M(cfs_sync),            /* xSync */
-    CFS_M(cfs_file_size),       /* xFileSize */
-    cfs_lock,                   /* xLock */
-    cfs_unlock,                 /* xUnlock */
-    cfs_check_reserved_lock,    /* xCheckReservedLock */
-    CFS_M(cfs_file_control),    /* xFileControl */
-    cfs_sector_size,            /* xSectorSize */
-    cfs_device_characteristics, /* xDeviceCharacteristics */
-    0, 0, 0, 0, 0, 0,
-};
+/* Through a server, cfs_io_methods_remote: these as version 1, without the WAL shared memory
+ * (SQLite reads no field past xDeviceCharacteristics then), which does not reach other
+ * processes (see "Locking" at the top); filled from these when the filesystem is mounted. */
 
 /* ------------------------------------------------------------------------------------------ */
 /* VFS methods                                                                                */

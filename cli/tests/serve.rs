@@ -754,7 +754,7 @@ fn fuzz_the_protocol(server_env: &[(&str, &str)]) {
             },
         };
         let request = if rng.random_ratio(1, 8) {
-            corefs::service::wire::Request::Lock {
+            corefs::service::wire::Request::Lock(corefs::service::wire::LockRequest {
                 ino,
                 kind: match rng.random_range(0..3) {
                     0 => corefs::locks::Kind::Read,
@@ -764,7 +764,7 @@ fn fuzz_the_protocol(server_env: &[(&str, &str)]) {
                 start: rng.random(),
                 len: rng.random(),
                 test: rng.random_bool(0.3),
-            }
+            })
         } else {
             corefs::service::wire::Request::Op(op.clone())
         };
@@ -802,10 +802,7 @@ fn fuzz_the_protocol(server_env: &[(&str, &str)]) {
         ring::futex_wake(&h.doorbell, 1);
         if let Some(fd) = &reactor_doorbell {
             if h.reactor_parked.load(Ordering::SeqCst) == 1 {
-                use std::os::fd::AsRawFd;
-                let one = 1u64;
-                // SAFETY: 8 bytes from a live u64 to the eventfd the server handed over.
-                unsafe { libc::write(fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+                reactor::ring_eventfd(std::os::fd::AsRawFd::as_raw_fd(fd));
             }
         }
         if rng.random_ratio(1, 100) {

@@ -68,18 +68,7 @@ impl Doorbell {
     /// Wakes the reactor from its current or next sleep.
     pub fn ring(&self) {
         match &self.eventfd {
-            Some(fd) => {
-                let one: u64 = 1;
-                // SAFETY: writes 8 bytes from a live u64 to a descriptor we own. The only
-                // failure, EAGAIN on a counter at its maximum, still leaves it readable.
-                let _ = unsafe {
-                    libc::write(
-                        fd.as_raw_fd(),
-                        (&one as *const u64).cast::<libc::c_void>(),
-                        std::mem::size_of::<u64>(),
-                    )
-                };
-            }
+            Some(fd) => ring_eventfd(fd.as_raw_fd()),
             None => {
                 if let Some(thread) = self.thread.get() {
                     thread.unpark();
@@ -125,6 +114,21 @@ impl Doorbell {
             };
         }
     }
+}
+
+/// Adds 1 to eventfd `fd` (8 bytes), as a reactor's waker does; a storage service's client
+/// rings its server's reactor with it. The only failure, EAGAIN on a counter at its maximum,
+/// still leaves it readable.
+pub fn ring_eventfd(fd: std::os::fd::RawFd) {
+    let one: u64 = 1;
+    // SAFETY: writes 8 bytes from a live u64 to a descriptor the caller holds.
+    let _ = unsafe {
+        libc::write(
+            fd,
+            (&one as *const u64).cast::<libc::c_void>(),
+            std::mem::size_of::<u64>(),
+        )
+    };
 }
 
 #[cfg(test)]

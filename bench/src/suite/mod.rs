@@ -222,18 +222,7 @@ fn build_targets(
     for spec in specs {
         match spec {
             TargetSpec::CorefsFile => {
-                let image = tempfile::Builder::new()
-                    .prefix("corefs-suite-")
-                    .suffix(".img")
-                    .tempfile_in(&config.dir)
-                    .map_err(|e| format!("creating an image in {}: {e}", config.dir.display()))?;
-                say(&format!(
-                    "writing a {} MiB image at {} (so corefs's writes land on allocated blocks, \
-                     as a kernel filesystem's overwrites do)",
-                    config.image_bytes >> 20,
-                    image.path().display()
-                ));
-                crate::fsync::prefill(image.as_file(), config.image_bytes)?;
+                let image = prefilled_image(config, "corefs-suite-", say)?;
                 let device = format!(
                     "file:{},size={}",
                     image.path().display(),
@@ -253,17 +242,7 @@ fn build_targets(
                 out.push(Box::new(target));
             }
             TargetSpec::CorefsServe => {
-                let image = tempfile::Builder::new()
-                    .prefix("corefs-serve-")
-                    .suffix(".img")
-                    .tempfile_in(&config.dir)
-                    .map_err(|e| format!("an image in {}: {e}", config.dir.display()))?;
-                say(&format!(
-                    "writing a {} MiB image for corefs serve at {}",
-                    config.image_bytes >> 20,
-                    image.path().display()
-                ));
-                crate::fsync::prefill(image.as_file(), config.image_bytes)?;
+                let image = prefilled_image(config, "corefs-serve-", say)?;
                 out.push(Box::new(serve::ServeTarget::new(
                     image.path(),
                     &config.dir,
@@ -305,6 +284,28 @@ fn build_targets(
         }
     }
     Ok(out)
+}
+
+/// A new image file in the suite's directory, written whole first (so corefs's writes land
+/// on allocated blocks, as a kernel filesystem's overwrites do); deleted when dropped.
+fn prefilled_image(
+    config: &SuiteConfig,
+    prefix: &str,
+    say: &dyn Fn(&str),
+) -> R<tempfile::NamedTempFile> {
+    let image = tempfile::Builder::new()
+        .prefix(prefix)
+        .suffix(".img")
+        .tempfile_in(&config.dir)
+        .map_err(|e| format!("creating an image in {}: {e}", config.dir.display()))?;
+    say(&format!(
+        "writing a {} MiB image at {} (so corefs's writes land on allocated blocks, as a \
+         kernel filesystem's overwrites do)",
+        config.image_bytes >> 20,
+        image.path().display()
+    ));
+    crate::fsync::prefill(image.as_file(), config.image_bytes)?;
+    Ok(image)
 }
 
 /// Runs one workload on one target.

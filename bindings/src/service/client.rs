@@ -55,21 +55,6 @@ pub struct Connection {
     pub socket_path: String,
 }
 
-/// Adds 1 to an eventfd (the server's reactor's doorbell).
-fn ring_eventfd(fd: &std::os::fd::OwnedFd) {
-    use std::os::fd::AsRawFd;
-    let one: u64 = 1;
-    // SAFETY: writes 8 bytes from a live u64 to a descriptor we own; a full counter
-    // (EAGAIN) already wakes the reader.
-    let _ = unsafe {
-        libc::write(
-            fd.as_raw_fd(),
-            (&one as *const u64).cast::<libc::c_void>(),
-            std::mem::size_of::<u64>(),
-        )
-    };
-}
-
 fn gone(path: &str) -> EngineError {
     EngineError::Refused {
         errno: libc::ENOTCONN,
@@ -179,7 +164,7 @@ impl Connection {
             // Published, then the parked flag read (SeqCst both): a reactor about to sleep
             // stores the flag, then looks at the ring again (see `reactor::source`).
             if h.reactor_parked.load(Ordering::SeqCst) == 1 {
-                ring_eventfd(fd);
+                reactor::ring_eventfd(std::os::fd::AsRawFd::as_raw_fd(fd));
             }
         } else if h.sleepers.load(Ordering::SeqCst) > 0 {
             ring::futex_wake(&h.doorbell, 1);
@@ -405,13 +390,13 @@ impl RemoteClient {
         len: u64,
         test: bool,
     ) -> Result<Reply, EngineError> {
-        self.request(&wire::Request::Lock {
+        self.request(&wire::Request::Lock(wire::LockRequest {
             ino,
             kind,
             start,
             len,
             test,
-        })
+        }))
     }
 
     fn request(&mut self, request: &wire::Request) -> Result<Reply, EngineError> {

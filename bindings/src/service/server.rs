@@ -582,16 +582,7 @@ fn serve_one(conn: &Conn, client: &mut Client, message: Option<Vec<u8>>) -> (Vec
             }
             (wire::encode_answer(result), work)
         }
-        Ok(wire::Request::Lock {
-            ino,
-            kind,
-            start,
-            len,
-            test,
-        }) => (
-            wire::encode_answer(lock(conn, ino, kind, start, len, test)),
-            Work::Lock,
-        ),
+        Ok(wire::Request::Lock(l)) => (wire::encode_answer(lock(conn, &l)), Work::Lock),
         Ok(wire::Request::ServerStats) => (
             wire::encode_server_stats(server_stats(conn, client)),
             Work::Metadata,
@@ -682,14 +673,14 @@ fn refuse_waiting(conn: &Conn) {
 /// A byte-range lock for the connection (its owner), on an inode it holds open for what the
 /// lock needs (reading for a read lock, writing for a write lock, as fcntl(2) asks of a
 /// descriptor; only open to ask whether one could be taken).
-fn lock(
-    conn: &Conn,
-    ino: u64,
-    kind: Kind,
-    start: u64,
-    len: u64,
-    test: bool,
-) -> Result<Reply, EngineError> {
+fn lock(conn: &Conn, l: &wire::LockRequest) -> Result<Reply, EngineError> {
+    let wire::LockRequest {
+        ino,
+        kind,
+        start,
+        len,
+        test,
+    } = *l;
     conn.need(
         ino,
         match kind {
@@ -775,14 +766,8 @@ impl reactor::source::Source for ReactorSide {
                     ring::futex_wake(&h.doorbell, 1);
                     continue;
                 }
-                Ok(wire::Request::Lock {
-                    ino,
-                    kind,
-                    start,
-                    len,
-                    test,
-                }) => {
-                    let answer = lock(conn, ino, kind, start, len, test);
+                Ok(wire::Request::Lock(l)) => {
+                    let answer = lock(conn, &l);
                     conn.counters
                         .count(Work::Lock, started.elapsed().as_nanos() as u64);
                     answer_slot(conn, i, wire::encode_answer(answer));

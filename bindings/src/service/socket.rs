@@ -62,24 +62,47 @@ pub fn peer(sock: &UnixStream) -> io::Result<Peer> {
     })
 }
 
+/// One byte of data and room for `fd_bytes` of descriptors: what [`send_fds`] and
+/// [`recv_fds`] hand the kernel.
+struct Message<'a> {
+    iov: libc::iovec,
+    control: Vec<u8>,
+    _byte: std::marker::PhantomData<&'a mut [u8; 1]>,
+}
+
+impl<'a> Message<'a> {
+    fn new(byte: &'a mut [u8; 1], fd_bytes: u32) -> Message<'a> {
+        // SAFETY: CMSG_SPACE is a pure computation.
+        let space = unsafe { libc::CMSG_SPACE(fd_bytes) } as usize;
+        Message {
+            iov: libc::iovec {
+                iov_base: byte.as_mut_ptr() as *mut libc::c_void,
+                iov_len: 1,
+            },
+            control: vec![0u8; space],
+            _byte: std::marker::PhantomData,
+        }
+    }
+
+    /// The header pointing at this message's buffers (valid while `self` is).
+    fn header(&mut self) -> libc::msghdr {
+        // SAFETY: msghdr is plain data; zero is a valid start.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut self.iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = self.control.as_mut_ptr() as *mut libc::c_void;
+        msg.msg_controllen = self.control.len() as _;
+        msg
+    }
+}
+
 /// Sends `fds` (at most [`FDS_MAX`]) with one byte of data.
 pub fn send_fds(sock: &UnixStream, fds: &[std::os::fd::RawFd]) -> io::Result<()> {
     assert!(!fds.is_empty() && fds.len() <= FDS_MAX);
     let mut byte = [1u8];
-    let mut iov = libc::iovec {
-        iov_base: byte.as_mut_ptr() as *mut libc::c_void,
-        iov_len: 1,
-    };
     let bytes = std::mem::size_of_val(fds) as u32;
-    // SAFETY: CMSG_SPACE is a pure computation.
-    let space = unsafe { libc::CMSG_SPACE(bytes) } as usize;
-    let mut control = vec![0u8; space];
-    // SAFETY: msghdr is plain data; zero is a valid start.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
-    msg.msg_controllen = space as _;
+    let mut m = Message::new(&mut byte, bytes);
+    let msg = m.header();
     // SAFETY: the control buffer holds one cmsg with `fds` (CMSG_SPACE above).
     unsafe {
         let cmsg = libc::CMSG_FIRSTHDR(&msg);
@@ -106,20 +129,9 @@ pub const FDS_MAX: usize = 2;
 /// Receives the descriptors [`send_fds`] sent (blocking, as the socket is).
 pub fn recv_fds(sock: &UnixStream) -> io::Result<Vec<OwnedFd>> {
     let mut byte = [0u8];
-    let mut iov = libc::iovec {
-        iov_base: byte.as_mut_ptr() as *mut libc::c_void,
-        iov_len: 1,
-    };
     let most = (FDS_MAX * std::mem::size_of::<libc::c_int>()) as u32;
-    // SAFETY: CMSG_SPACE is a pure computation.
-    let space = unsafe { libc::CMSG_SPACE(most) } as usize;
-    let mut control = vec![0u8; space];
-    // SAFETY: msghdr is plain data; zero is a valid start.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
-    msg.msg_controllen = space as _;
+    let mut m = Message::new(&mut byte, most);
+    let mut msg = m.header();
     // SAFETY: a valid socket and buffers that live across the call.
     let got = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
     if got < 0 {

@@ -22,15 +22,20 @@ pub enum Request {
     /// A byte-range lock on an inode the connection holds open (`corefs_setlk`; with `test`,
     /// `corefs_testlk`: only whether it could be taken, EAGAIN if not). The server keeps the
     /// locks, the connection owns them.
-    Lock {
-        ino: u64,
-        kind: crate::locks::Kind,
-        start: u64,
-        len: u64,
-        test: bool,
-    },
+    Lock(LockRequest),
     /// The server's statistics ([`super::stats::ServerStats`]), for `corefs top`.
     ServerStats,
+}
+
+/// A byte-range lock's arguments ([`Request::Lock`]).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct LockRequest {
+    pub ino: u64,
+    pub kind: crate::locks::Kind,
+    pub start: u64,
+    pub len: u64,
+    /// Only whether it could be taken (`corefs_testlk`).
+    pub test: bool,
 }
 
 /// A request's outcome as it crosses the socket: the engine's error becomes its errno and

@@ -12,15 +12,8 @@ pub struct Args {
     /// Device string: file:PATH, nvme:/dev/ngXnY.
     device: String,
     mountpoint: PathBuf,
-    /// Pin the reactor to this core (with several reactors: this core and the next ones).
-    #[arg(long, value_parser = parse_core)]
-    core: Option<usize>,
-    /// Reactors, each serving every N-th shard on its own device queue (0: one per core).
-    #[arg(long, default_value_t = 1)]
-    reactors: usize,
-    /// Busy-poll (a dedicated core) instead of spin-then-park.
-    #[arg(long)]
-    busy_poll: bool,
+    #[command(flatten)]
+    reactors: Reactors,
     /// Let every user use the mount, not only the mounter (FUSE's allow_other), as a
     /// storage service run by root serves others: the kernel checks each caller's
     /// permissions against modes and owners (default_permissions), as on a kernel
@@ -28,13 +21,27 @@ pub struct Args {
     /// (fusermount3 refuses the option otherwise).
     #[arg(long)]
     allow_other: bool,
+}
+
+/// The reactors' options, as `corefs mount` and `corefs serve` take them.
+#[derive(clap::Args)]
+pub(super) struct Reactors {
+    /// Pin the reactor to this core (with several reactors: this core and the next ones).
+    #[arg(long, value_parser = parse_core)]
+    pub core: Option<usize>,
+    /// Reactors, each serving every N-th shard on its own device queue (0: one per core).
+    #[arg(long, default_value_t = 1)]
+    pub reactors: usize,
+    /// Busy-poll (a dedicated core) instead of spin-then-park.
+    #[arg(long)]
+    pub busy_poll: bool,
     /// When reads move a file's access time: relatime (when it is not after the last
     /// modification or change, or is a day old), noatime (never), strictatime (every read).
     #[arg(long, default_value = "relatime", value_parser = parse_atime)]
-    atime: engine::Atime,
+    pub atime: engine::Atime,
 }
 
-pub(super) fn parse_atime(text: &str) -> Result<engine::Atime, String> {
+fn parse_atime(text: &str) -> Result<engine::Atime, String> {
     engine::Atime::from_name(text)
         .ok_or_else(|| format!("{text}: use relatime, noatime or strictatime"))
 }
@@ -43,17 +50,11 @@ pub fn run(args: Args) -> Result<(), String> {
     let Args {
         device,
         mountpoint,
-        core,
         reactors,
-        busy_poll,
         allow_other,
-        atime,
     } = args;
-    let mount = engine::MountOptions {
-        atime,
-        ..Default::default()
-    };
-    let runtime = start_reactors(&device, core, reactors, busy_poll, mount)?;
+    let atime = reactors.atime;
+    let runtime = reactors.start(&device, engine::MountOptions::default())?;
     eprintln!(
         "corefs: serving {device} at {} (unmount with: umount {})",
         mountpoint.display(),
@@ -73,8 +74,27 @@ pub fn run(args: Args) -> Result<(), String> {
     })
 }
 
-/// Starts the reactors on `device` as `corefs mount` and `corefs serve` take their options.
-pub(super) fn start_reactors(
+impl Reactors {
+    /// Starts the reactors on `device`, with these options over `mount`.
+    pub(super) fn start(
+        &self,
+        device: &str,
+        mount: engine::MountOptions,
+    ) -> Result<reactor::Runtime, String> {
+        start_reactors(
+            device,
+            self.core,
+            self.reactors,
+            self.busy_poll,
+            engine::MountOptions {
+                atime: self.atime,
+                ..mount
+            },
+        )
+    }
+}
+
+fn start_reactors(
     device: &str,
     core: Option<usize>,
     reactors: usize,
@@ -106,7 +126,7 @@ pub(super) fn start_reactors(
 
 /// A core id the process may run on (`reactor::affinity`): an error naming the allowed set
 /// otherwise, while the arguments are parsed.
-pub(super) fn parse_core(text: &str) -> Result<usize, String> {
+fn parse_core(text: &str) -> Result<usize, String> {
     let core: usize = text
         .parse()
         .map_err(|e| format!("{text:?} is not a core id: {e}"))?;

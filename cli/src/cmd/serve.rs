@@ -2,7 +2,7 @@
 //! (`corefs_connect`, the device string `serve:PATH`): `corefs::service::server` does the
 //! serving; this command starts the reactors, installs the stop signals and reports.
 
-use super::mount::{parse_atime, parse_core, start_reactors};
+use super::mount::Reactors;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -19,18 +19,8 @@ pub struct Args {
     /// Where to listen (a path; a socket file left by a killed server is replaced).
     #[arg(long)]
     socket: PathBuf,
-    /// Pin the reactor to this core (with several reactors: this core and the next ones).
-    #[arg(long, value_parser = parse_core)]
-    core: Option<usize>,
-    /// Reactors, each serving every N-th shard on its own device queue (0: one per core).
-    #[arg(long, default_value_t = 1)]
-    reactors: usize,
-    /// Busy-poll (a dedicated core) instead of spin-then-park.
-    #[arg(long)]
-    busy_poll: bool,
-    /// When reads move a file's access time: relatime, noatime, strictatime.
-    #[arg(long, default_value = "relatime", value_parser = parse_atime)]
-    atime: engine::Atime,
+    #[command(flatten)]
+    reactors: Reactors,
     /// No data-block cache: reads of committed data go to the device, as O_DIRECT reads do
     /// on a kernel filesystem (for a database with a cache of its own, and fair benchmarks).
     #[arg(long)]
@@ -68,32 +58,26 @@ pub fn run(args: Args) -> Result<(), String> {
     let Args {
         device,
         socket,
-        core,
         reactors,
-        busy_poll,
-        atime,
         no_data_cache,
     } = args;
     install_stop_signals()?;
-    let mut mount = engine::MountOptions {
-        atime,
-        ..Default::default()
-    };
+    let mut mount = engine::MountOptions::default();
     if no_data_cache {
         mount.data_cache_blocks = 0;
     }
-    let runtime = start_reactors(&device, core, reactors, busy_poll, mount)?;
+    let runtime = reactors.start(&device, mount)?;
     eprintln!(
         "corefs: serving {device} at {} (stop with SIGTERM or SIGINT)",
         socket.display()
     );
-    let reactor_cores = match core {
-        Some(c) => (c..c + reactors.max(1)).collect(),
+    let reactor_cores = match reactors.core {
+        Some(c) => (c..c + reactors.reactors.max(1)).collect(),
         None => Vec::new(),
     };
     let options = corefs::service::server::ServeOptions {
         reactor_cores,
-        busy_poll,
+        busy_poll: reactors.busy_poll,
     };
     let served = corefs::service::server::serve(runtime, &socket, &STOP, &options)
         .map_err(|e| format!("serving at {}: {e}", socket.display()))?;
