@@ -75,6 +75,13 @@ pub(crate) enum Wait {
     Sleep,
 }
 
+/// Where the completions of requests from a source ([`crate::source`]) go, instead of a
+/// client's queue.
+pub trait CompletionSink: Send + Sync {
+    /// One request's outcome, from the reactor thread after its batch.
+    fn complete(&self, completion: Completion);
+}
+
 /// A client's completion queue, shared with the reactor.
 pub(crate) struct ReplyQueue {
     /// Bounded by the client's capacity: a client never has more in flight.
@@ -93,12 +100,12 @@ pub(crate) struct ReplyQueue {
     pub(crate) device_wait: AtomicBool,
     /// Where completions go instead of `done` ([`crate::source`]): a sink that answers them
     /// itself (a storage service's ring), waking its own waiters.
-    sink: Option<std::sync::Arc<dyn crate::source::CompletionSink>>,
+    sink: Option<std::sync::Arc<dyn CompletionSink>>,
 }
 
 impl ReplyQueue {
     /// A queue whose completions go to `sink` as they come.
-    pub(crate) fn with_sink(sink: std::sync::Arc<dyn crate::source::CompletionSink>) -> ReplyQueue {
+    pub(crate) fn with_sink(sink: std::sync::Arc<dyn CompletionSink>) -> ReplyQueue {
         let mut queue = ReplyQueue::new(1);
         queue.sink = Some(sink);
         queue

@@ -14,7 +14,7 @@
 //! - A request taken from a source completes through its [`CompletionSink`], after the batch
 //!   (never inline while the engine is mid-operation), exactly once, as a client's does.
 
-use crate::op::{Completion, Op};
+use crate::op::Op;
 use crate::reply::ReplyQueue;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -30,11 +30,8 @@ pub trait Source: Send + Sync {
     fn parked(&self, parked: bool);
 }
 
-/// Where the completions of a source's requests go.
-pub trait CompletionSink: Send + Sync {
-    /// One request's outcome, from the reactor thread after its batch.
-    fn complete(&self, completion: Completion);
-}
+/// Where the completions of a source's requests go ([`crate::reply`] delivers to it).
+pub use crate::reply::CompletionSink;
 
 pub(crate) struct Entry {
     pub id: u64,
