@@ -83,40 +83,6 @@
 
 #define COREFS_LOCK_UNLOCK 2
 
-// Ranges one table holds at most, over every inode and owner.
-#define RANGES_MAX (1 << 16)
-
-#define VERSION 1
-
-// Slots per connection: the requests a client process may have in flight at once.
-#define SLOTS 64
-
-// The largest message (request or reply) a slot holds: a 1 MiB read or write and its
-// header. Larger reads and writes go as several requests.
-#define PAYLOAD_BYTES ((1 << 20) + 4096)
-
-// The most data one request moves; the rest of the payload is the message's header.
-#define DATA_BYTES_MAX (1 << 20)
-
-// The shared memory's size: 64 MiB and change of address space, touched only as used.
-#define REGION_BYTES (HEADER_BYTES + (SLOTS * SLOT_BYTES))
-
-#define FREE 0
-
-#define CLAIMED 1
-
-#define SUBMITTED 2
-
-#define TAKEN 3
-
-#define DONE 4
-
-// The most inodes one connection may hold open (counting each open).
-#define HOLDS_MAX 65536
-
-// The most entries one directory listing returns (the reply must fit a message).
-#define READDIR_ENTRIES_MAX 1024
-
 // An open file or directory of one filesystem (≥ 1).
 typedef int64_t corefs_fd;
 

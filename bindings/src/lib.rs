@@ -21,9 +21,13 @@ mod error;
 #[doc(hidden)]
 pub mod fuzz_harness;
 mod handles;
+/// cbindgen:ignore
 pub mod locks;
 mod logging;
 mod path;
+/// The storage service (`corefs serve`, `corefs_connect`); not part of the header.
+///
+/// cbindgen:ignore
 pub mod service;
 
 #[doc(hidden)]
