@@ -359,11 +359,12 @@ fn accept(
     sock.set_nonblocking(false)?;
     let peer = socket::peer(&sock)?;
     let (memory, region) = Region::create()?;
-    // A root client's requests need no permission check, only what `prepare` does: the
-    // reactor can take them itself (one reactor, an eventfd doorbell to hand over).
+    // The reactor takes the ring's requests itself (one reactor, an eventfd doorbell to hand
+    // over): root's all, anyone else's that need no permission check (reads, writes, fsyncs
+    // through a handle); the rest it hands to the workers.
     let doorbell = runtime
         .doorbell_fd()
-        .filter(|_| peer.uid == 0 && runtime.reactors() == 1 && reactor_serves());
+        .filter(|_| runtime.reactors() == 1 && reactor_serves());
     if doorbell.is_some() {
         region
             .header()
@@ -722,8 +723,10 @@ struct Pending {
     taken: Instant,
 }
 
-/// A root connection's ring as the reactor sees it ([`reactor::source`]): it takes the
-/// submitted requests itself in its loop and answers them in their slots after its batch.
+/// A connection's ring as the reactor sees it ([`reactor::source`]): it takes the submitted
+/// requests that need no permission check (all of root's; anyone's through a handle) itself
+/// in its loop and answers them in their slots after its batch; it hands the others to the
+/// connection's workers (`HANDOFF`).
 struct ReactorSide(Arc<Conn>);
 
 impl reactor::source::Source for ReactorSide {
@@ -780,8 +783,17 @@ impl reactor::source::Source for ReactorSide {
                     continue;
                 }
             };
+            if !conn.caller.is_root() && !access::needs_no_check(&op) {
+                // A permission check needs lookups the reactor cannot make from here: a
+                // worker takes it (and reads and checks it afresh).
+                state.store(HANDOFF, Ordering::SeqCst);
+                let h = conn.region.header();
+                h.doorbell.fetch_add(1, Ordering::SeqCst);
+                ring::futex_wake(&h.doorbell, 1);
+                continue;
+            }
             let work = work_of(&op);
-            // Root: no permission check to make (see `accept`).
+            // Root's requests, and anyone's through a handle: no permission check to make.
             match prepare(conn, op, Ok) {
                 Ok(Prepared { op, after }) => {
                     *conn.pending[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(Pending {
