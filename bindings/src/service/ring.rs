@@ -66,7 +66,9 @@ pub struct Header {
     /// 1 while the reactor that polls this ring sleeps ([`Header::served_by_reactor`]): a
     /// client that submits then writes 1 to the reactor's eventfd (handed over at connect).
     pub reactor_parked: AtomicU32,
-    /// Bumped by a client after each submit: the word server workers sleep on.
+    /// Bumped by a client after each submit (after the slot's state): the word server
+    /// workers sleep on, and the one a reactor reads to know whether to look at the slots at
+    /// all (a slot submitted without a ring of the doorbell waits for the next one).
     pub doorbell: AtomicU32,
     /// Server workers asleep on the doorbell (a client wakes one only when some sleep).
     pub sleepers: AtomicU32,

@@ -121,6 +121,9 @@ struct Conn {
     pending: Vec<Mutex<Option<Pending>>>,
     /// Where the reactor's next look at the ring starts (no slot waits behind the others).
     next_take: std::sync::atomic::AtomicUsize,
+    /// The doorbell's value when the reactor last looked at every slot (`u64::MAX`: never):
+    /// it looks again only once the doorbell moved.
+    looked_at_bell: AtomicU64,
     /// One idle worker spins on the doorbell for the next request; the others sleep (a
     /// spinning worker per request in flight would take the cores the client and the
     /// reactor need).
@@ -405,6 +408,7 @@ fn accept(
         reactor_in_flight: AtomicU64::new(0),
         pending: (0..SLOTS).map(|_| Mutex::new(None)).collect(),
         next_take: std::sync::atomic::AtomicUsize::new(0),
+        looked_at_bell: AtomicU64::new(u64::MAX),
     });
     {
         let mut conns = registry.conns.lock().unwrap_or_else(|p| p.into_inner());
@@ -730,17 +734,29 @@ struct Pending {
 struct ReactorSide(Arc<Conn>);
 
 impl reactor::source::Source for ReactorSide {
+    /// Whether the doorbell moved since the last full look: the reactor asks at every turn
+    /// and before every sleep, for every ring, so it reads one word rather than 64 states.
     fn ready(&self) -> bool {
-        let region = &self.0.region;
-        (0..SLOTS).any(|i| region.slot(i).state.load(Ordering::Acquire) == SUBMITTED)
+        let conn = &self.0;
+        let bell = conn.region.header().doorbell.load(Ordering::SeqCst) as u64;
+        bell != conn.looked_at_bell.load(Ordering::Acquire)
     }
 
     fn take(&self, max: usize, take: &mut dyn FnMut(Op, u64)) -> usize {
         let conn = &self.0;
+        // Read before the look: a submit after it moves the doorbell past this value, and
+        // the next turn looks again (a client publishes the slot, then rings).
+        let bell = conn.region.header().doorbell.load(Ordering::SeqCst) as u64;
+        if bell == conn.looked_at_bell.load(Ordering::Acquire) {
+            return 0;
+        }
         let start = conn.next_take.fetch_add(1, Ordering::Relaxed);
         let mut taken = 0;
+        let mut whole = true;
         for k in 0..SLOTS {
             if taken == max {
+                // The batch is full: the rest waits for the next turn's look.
+                whole = false;
                 break;
             }
             let i = (start + k) % SLOTS;
@@ -811,6 +827,9 @@ impl reactor::source::Source for ReactorSide {
                     answer_slot(conn, i, wire::encode_answer(Err(e)));
                 }
             }
+        }
+        if whole {
+            conn.looked_at_bell.store(bell, Ordering::Release);
         }
         taken
     }
