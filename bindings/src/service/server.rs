@@ -714,7 +714,7 @@ fn lock(conn: &Conn, l: &wire::LockRequest) -> Result<Reply, EngineError> {
     }
 }
 
-/// Whether the reactor may take root clients' requests itself (`COREFS_SERVE_WORKERS=1`:
+/// Whether the reactor may take clients' requests itself (`COREFS_SERVE_WORKERS=1`:
 /// never, every request through the connection's workers, for comparison).
 fn reactor_serves() -> bool {
     std::env::var_os("COREFS_SERVE_WORKERS").is_none()
