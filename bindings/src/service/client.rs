@@ -111,7 +111,13 @@ impl Connection {
         let _ = self.sock.shutdown(std::net::Shutdown::Both);
     }
 
-    /// False once the server closed its end (checked without waiting).
+    /// True once the server is known gone (a flag: no system call, so every request may ask).
+    fn known_dead(&self) -> bool {
+        self.dead.load(Ordering::Acquire)
+    }
+
+    /// False once the server closed its end (checked without waiting: a system call, made
+    /// only when a wait runs long).
     fn alive(&self) -> bool {
         if self.dead.load(Ordering::Acquire) {
             return false;
@@ -410,7 +416,9 @@ impl RemoteClient {
 
     /// Sends `request` and waits for its answer's bytes.
     fn exchange(&mut self, request: &wire::Request) -> Result<Vec<u8>, EngineError> {
-        if !self.conn.alive() {
+        // A server that went since the last look is found by the wait (every
+        // `LIVENESS_CHECK`), not by a poll of the socket before every request.
+        if self.conn.known_dead() {
             return Err(gone(&self.conn.socket_path));
         }
         let message = wire::encode_request(request)?;
@@ -431,7 +439,7 @@ impl RemoteClient {
 
     /// Submits `op`; its completion comes from [`RemoteClient::poll`].
     pub fn submit(&mut self, op: Op, token: u64) -> Result<(), SubmitError> {
-        if !self.conn.alive() {
+        if self.conn.known_dead() {
             self.ready.push_back(Completion {
                 token,
                 result: Err(gone(&self.conn.socket_path)),

@@ -560,31 +560,50 @@ fn take_and_serve(conn: &Conn, client: &mut Client) -> bool {
         {
             any = true;
             let started = Instant::now();
-            let (bytes, work) = serve_one(conn, client, conn.region.take(i));
-            conn.counters
-                .count(work, started.elapsed().as_nanos() as u64);
-            answer_slot(conn, i, bytes);
+            let (bytes, work) = serve_one(conn, client, read_request(conn, i));
+            answer_counted(conn, i, work, started, bytes);
         }
     }
     any
 }
 
-/// The answer to one request (its message as copied out of the slot; None: its length word
-/// was past the slot), and what kind of request it was.
-fn serve_one(conn: &Conn, client: &mut Client, message: Option<Vec<u8>>) -> (Vec<u8>, Work) {
-    let request = match message {
+/// Slot `i`'s request, copied out of shared memory and decoded.
+fn read_request(conn: &Conn, i: usize) -> Result<wire::Request, EngineError> {
+    match conn.region.take(i) {
         Some(bytes) => wire::decode_request(&bytes),
         None => Err(EngineError::Invalid(
             "a request longer than its slot".into(),
         )),
-    };
+    }
+}
+
+/// Answers slot `i` with `bytes`, counting it as `work` taken at `started`.
+fn answer_counted(conn: &Conn, i: usize, work: Work, started: Instant, bytes: Vec<u8>) {
+    conn.counters
+        .count(work, started.elapsed().as_nanos() as u64);
+    answer_slot(conn, i, bytes);
+}
+
+/// Hands slot `i`, taken by the reactor, to the connection's workers (they sleep on the
+/// doorbell, which this moves once).
+fn hand_off(conn: &Conn, i: usize) {
+    conn.region.slot(i).state.store(HANDOFF, Ordering::SeqCst);
+    let h = conn.region.header();
+    h.doorbell.fetch_add(1, Ordering::SeqCst);
+    ring::futex_wake(&h.doorbell, 1);
+}
+
+/// The answer to one request, and what kind of request it was.
+fn serve_one(
+    conn: &Conn,
+    client: &mut Client,
+    request: Result<wire::Request, EngineError>,
+) -> (Vec<u8>, Work) {
     match request {
         Ok(wire::Request::Op(op)) => {
             let mut work = work_of(&op);
             let result = execute(conn, client, op);
-            if let (Work::Read(n), Ok(Reply::Data(d))) = (&mut work, &result) {
-                *n = d.len() as u64;
-            }
+            count_read_bytes(&mut work, &result);
             (wire::encode_answer(result), work)
         }
         Ok(wire::Request::Lock(l)) => (wire::encode_answer(lock(conn, &l)), Work::Lock),
@@ -593,6 +612,13 @@ fn serve_one(conn: &Conn, client: &mut Client, message: Option<Vec<u8>>) -> (Vec
             Work::Metadata,
         ),
         Err(e) => (wire::encode_answer(Err(e)), Work::Metadata),
+    }
+}
+
+/// A read counts the bytes its answer carries.
+fn count_read_bytes(work: &mut Work, result: &Result<Reply, EngineError>) {
+    if let (Work::Read(n), Ok(Reply::Data(d))) = (work, result) {
+        *n = d.len() as u64;
     }
 }
 
@@ -746,13 +772,16 @@ impl reactor::source::Source for ReactorSide {
         let conn = &self.0;
         // Read before the look: a submit after it moves the doorbell past this value, and
         // the next turn looks again (a client publishes the slot, then rings).
-        let bell = conn.region.header().doorbell.load(Ordering::SeqCst) as u64;
-        if bell == conn.looked_at_bell.load(Ordering::Acquire) {
+        let bell = conn.region.header().doorbell.load(Ordering::SeqCst);
+        if bell as u64 == conn.looked_at_bell.load(Ordering::Acquire) {
             return 0;
         }
         let start = conn.next_take.fetch_add(1, Ordering::Relaxed);
         let mut taken = 0;
         let mut whole = true;
+        // Each hand-off moves the doorbell too; not a client's submit, so no reason to look
+        // again.
+        let mut handed_off = 0u32;
         for k in 0..SLOTS {
             if taken == max {
                 // The batch is full: the rest waits for the next turn's look.
@@ -769,43 +798,35 @@ impl reactor::source::Source for ReactorSide {
                 continue;
             }
             let started = Instant::now();
-            let request = match conn.region.take(i) {
-                Some(bytes) => wire::decode_request(&bytes),
-                None => Err(EngineError::Invalid(
-                    "a request longer than its slot".into(),
-                )),
-            };
-            let op = match request {
+            let op = match read_request(conn, i) {
                 Ok(wire::Request::Op(op)) => op,
                 Ok(wire::Request::ServerStats) => {
                     // Needs a reactor client: a worker's.
-                    state.store(HANDOFF, Ordering::SeqCst);
-                    let h = conn.region.header();
-                    h.doorbell.fetch_add(1, Ordering::SeqCst);
-                    ring::futex_wake(&h.doorbell, 1);
+                    hand_off(conn, i);
+                    handed_off += 1;
                     continue;
                 }
                 Ok(wire::Request::Lock(l)) => {
-                    let answer = lock(conn, &l);
-                    conn.counters
-                        .count(Work::Lock, started.elapsed().as_nanos() as u64);
-                    answer_slot(conn, i, wire::encode_answer(answer));
+                    let answer = wire::encode_answer(lock(conn, &l));
+                    answer_counted(conn, i, Work::Lock, started, answer);
                     continue;
                 }
                 Err(e) => {
-                    conn.counters
-                        .count(Work::Metadata, started.elapsed().as_nanos() as u64);
-                    answer_slot(conn, i, wire::encode_answer(Err(e)));
+                    answer_counted(
+                        conn,
+                        i,
+                        Work::Metadata,
+                        started,
+                        wire::encode_answer(Err(e)),
+                    );
                     continue;
                 }
             };
             if !conn.caller.is_root() && !access::needs_no_check(&op) {
                 // A permission check needs lookups the reactor cannot make from here: a
                 // worker takes it (and reads and checks it afresh).
-                state.store(HANDOFF, Ordering::SeqCst);
-                let h = conn.region.header();
-                h.doorbell.fetch_add(1, Ordering::SeqCst);
-                ring::futex_wake(&h.doorbell, 1);
+                hand_off(conn, i);
+                handed_off += 1;
                 continue;
             }
             let work = work_of(&op);
@@ -821,15 +842,12 @@ impl reactor::source::Source for ReactorSide {
                     take(op, i as u64);
                     taken += 1;
                 }
-                Err(e) => {
-                    conn.counters
-                        .count(work, started.elapsed().as_nanos() as u64);
-                    answer_slot(conn, i, wire::encode_answer(Err(e)));
-                }
+                Err(e) => answer_counted(conn, i, work, started, wire::encode_answer(Err(e))),
             }
         }
         if whole {
-            conn.looked_at_bell.store(bell, Ordering::Release);
+            let looked = bell.wrapping_add(handed_off);
+            conn.looked_at_bell.store(looked as u64, Ordering::Release);
         }
         taken
     }
@@ -862,11 +880,8 @@ impl reactor::source::CompletionSink for ReactorSide {
         };
         let result = completion.result;
         finish(conn, after, &result);
-        if let (Work::Read(n), Ok(Reply::Data(d))) = (&mut work, &result) {
-            *n = d.len() as u64;
-        }
-        conn.counters.count(work, taken.elapsed().as_nanos() as u64);
-        answer_slot(conn, i, wire::encode_answer(result));
+        count_read_bytes(&mut work, &result);
+        answer_counted(conn, i, work, taken, wire::encode_answer(result));
         conn.reactor_in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }
