@@ -20,6 +20,15 @@ impl Conn {
         }
     }
 
+    /// Releases a hold on `ino` (a handle closed): through a service without waiting for
+    /// the answer ([`RemoteClient::post_release`]), in process as any call.
+    pub fn release(&mut self, ino: u64) -> Result<(), EngineError> {
+        match self {
+            Conn::Local(c) => c.call(Op::Release { ino }).map(drop),
+            Conn::Remote(c) => c.post_release(ino),
+        }
+    }
+
     pub fn submit(&mut self, op: Op, token: u64) -> Result<(), SubmitError> {
         match self {
             Conn::Local(c) => c.submit(op, token),

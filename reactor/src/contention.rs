@@ -18,10 +18,18 @@
 //!   Alone, this also fires when our own threads crowd each other (eight dbench clients on
 //!   one core, a client yielding to the reactor), where polling is still right.
 //! - **Someone else uses the CPUs.** The machine's user time (`/proc/stat`) less the
-//!   process's own (`getrusage`), over [`MACHINE_WINDOW`]: at least [`OTHERS_MIN`] of a core.
-//!   User time only: the kernel's threads and interrupts mostly work for our own I/O (a
-//!   quiet run counted 0.3 cores of them once). Alone, it also fires for a neighbour on cores
-//!   we do not use.
+//!   process's own (`getrusage`) and its partners' ([`Partner`]), over [`MACHINE_WINDOW`]:
+//!   at least [`OTHERS_MIN`] of a core. User time only: the kernel's threads and interrupts
+//!   mostly work for our own I/O (a quiet run counted 0.3 cores of them once). Alone, it
+//!   also fires for a neighbour on cores we do not use.
+//!
+//! A storage service and its clients are one piece of work split over processes: a server's
+//! busy-polling reactor is a whole core of "others" to each client, and the clients' threads
+//! are "others" to the server. Counted so, four client threads sharing a core with each other
+//! (the same crowding as eight dbench clients in one process) made both sides sleep between
+//! requests, and creates through the service idled both cores half the time. So each side
+//! registers the other as a partner while connected, and a partner's user time
+//! (`/proc/PID/stat`) counts as the process's own.
 //!
 //! With both, the process is *contended* for [`HOLD`]: reactors and clients stop spinning and
 //! yielding, and sleep in the kernel between a request and its reply. The hold is renewed
@@ -118,6 +126,9 @@ pub fn sample_machine(now: Instant) {
     let (Some(machine), Some(own)) = (machine_busy_ns(), process_cpu_ns()) else {
         return;
     };
+    // Partners' time since the last sample, added to our own (the first sample of a new
+    // partner counts from when it was registered).
+    let own = own + partners_cpu_ns_total();
     if let Some((at, machine_then, own_then)) = *last {
         let wall = now.saturating_duration_since(at).as_nanos().max(1) as f64;
         let others =
@@ -141,6 +152,109 @@ pub fn sample_machine(now: Instant) {
     *last = Some((now, machine, own));
 }
 
+/// Partners tracked at most: beyond it, a further partner's time counts as others' (a server
+/// with more clients than this is busy, and only loses some of its polling).
+pub const PARTNERS_MAX: usize = 1024;
+
+struct PartnerEntry {
+    pid: u32,
+    /// Registrations of this pid (two connections between the same processes count once).
+    refs: u32,
+    /// The partner's user time when last read, in ns.
+    seen_ns: u64,
+    /// What it used since registration, summed over samples (ns).
+    used_ns: u64,
+}
+
+static PARTNERS: std::sync::Mutex<Vec<PartnerEntry>> = std::sync::Mutex::new(Vec::new());
+/// What partners that went used before they went (ns), so the sum never goes back.
+static PARTNERS_GONE_NS: AtomicU64 = AtomicU64::new(0);
+
+/// A process that works with this one (a storage server and its client, each for the
+/// other), registered while the value lives: its CPU time counts as ours when judging
+/// whether others use the CPUs.
+pub struct Partner {
+    pid: Option<u32>,
+}
+
+impl Partner {
+    /// Registers `pid` (not this process itself, and at most [`PARTNERS_MAX`] of them).
+    pub fn new(pid: i32) -> Partner {
+        let Ok(pid) = u32::try_from(pid) else {
+            return Partner { pid: None };
+        };
+        if pid == 0 || pid == std::process::id() {
+            return Partner { pid: None };
+        }
+        let mut partners = PARTNERS.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(p) = partners.iter_mut().find(|p| p.pid == pid) {
+            p.refs += 1;
+            return Partner { pid: Some(pid) };
+        }
+        if partners.len() >= PARTNERS_MAX {
+            return Partner { pid: None };
+        }
+        let Some(seen_ns) = user_cpu_ns_of(pid) else {
+            return Partner { pid: None };
+        };
+        partners.push(PartnerEntry {
+            pid,
+            refs: 1,
+            seen_ns,
+            used_ns: 0,
+        });
+        Partner { pid: Some(pid) }
+    }
+}
+
+impl Drop for Partner {
+    fn drop(&mut self) {
+        let Some(pid) = self.pid else { return };
+        let mut partners = PARTNERS.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(k) = partners.iter().position(|p| p.pid == pid) {
+            partners[k].refs -= 1;
+            if partners[k].refs == 0 {
+                let gone = partners.swap_remove(k);
+                PARTNERS_GONE_NS.fetch_add(gone.used_ns, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// The user time partners used since they were registered, all together (ns): reads each
+/// one's `/proc/PID/stat` (one read per partner per [`MACHINE_WINDOW`]).
+fn partners_cpu_ns_total() -> u64 {
+    let mut partners = PARTNERS.lock().unwrap_or_else(|p| p.into_inner());
+    let mut total = PARTNERS_GONE_NS.load(Ordering::Relaxed);
+    for p in partners.iter_mut() {
+        if let Some(now) = user_cpu_ns_of(p.pid) {
+            p.used_ns += now.saturating_sub(p.seen_ns);
+            p.seen_ns = now;
+        }
+        total += p.used_ns;
+    }
+    total
+}
+
+/// A process's user CPU time (`utime` in `/proc/PID/stat`), in ns; None once it is gone.
+fn user_cpu_ns_of(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_utime_ticks(&stat).map(|ticks| ticks * ns_per_tick())
+}
+
+/// Field 14 of a `/proc/PID/stat` line; the command name (field 2) may hold spaces and
+/// parentheses, so fields are counted after its last ')'.
+fn parse_utime_ticks(stat: &str) -> Option<u64> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(11)?.parse().ok()
+}
+
+fn ns_per_tick() -> u64 {
+    // SAFETY: sysconf reads a constant of the system.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    1_000_000_000 / ticks
+}
+
 /// The CPUs' worth of busy time other processes used lately.
 pub fn others_cores() -> f64 {
     OTHERS_MILLICORES.load(Ordering::Relaxed) as f64 / 1000.0
@@ -157,9 +271,7 @@ fn machine_busy_ns() -> Option<u64> {
         .collect();
     // user nice system idle iowait irq softirq steal ...
     let busy = fields.first()? + fields.get(1)?;
-    // SAFETY: sysconf reads a constant of the system.
-    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
-    Some(busy * (1_000_000_000 / ticks))
+    Some(busy * ns_per_tick())
 }
 
 /// The process's user CPU time (all its threads), in ns.
@@ -342,9 +454,14 @@ pub fn after_call(took: Duration) {
 mod tests {
     use super::*;
 
+    /// The tests that watch the machine's CPU use run one at a time (each spawns a spinner
+    /// the other would count).
+    static MACHINE_TESTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     /// A process spinning beside this one shows as others' CPU use.
     #[test]
     fn a_spinning_process_shows_as_others_cpu_use() {
+        let _one = MACHINE_TESTS.lock().unwrap_or_else(|p| p.into_inner());
         let mut hog = std::process::Command::new("sh")
             .args(["-c", "while :; do :; done"])
             .spawn()
@@ -362,6 +479,51 @@ mod tests {
             seen >= 0.5,
             "others used {seen} cores beside a spinning process"
         );
+    }
+
+    /// A spinning process registered as a partner is not others' CPU use; once its
+    /// registration goes, it is again.
+    #[test]
+    fn a_partners_cpu_time_is_ours() {
+        let _one = MACHINE_TESTS.lock().unwrap_or_else(|p| p.into_inner());
+        let mut hog = std::process::Command::new("sh")
+            .args(["-c", "while :; do :; done"])
+            .spawn()
+            .unwrap();
+        let window = |secs: u64| {
+            let start = Instant::now();
+            let mut seen: Vec<f64> = Vec::new();
+            while start.elapsed() < Duration::from_secs(secs) {
+                std::thread::sleep(MACHINE_WINDOW + Duration::from_millis(20));
+                sample_machine(Instant::now());
+                seen.push(others_cores());
+            }
+            seen
+        };
+        let partner = Partner::new(hog.id() as i32);
+        // The first sample after registering may still straddle it.
+        let with = window(3);
+        drop(partner);
+        let without = window(2);
+        hog.kill().unwrap();
+        hog.wait().unwrap();
+        let with_min = with[1..].iter().cloned().fold(f64::MAX, f64::min);
+        let without_max = without[1..].iter().cloned().fold(0.0, f64::max);
+        assert!(
+            with_min < 0.5,
+            "a partner's spinning counted as others: {with:?}"
+        );
+        assert!(
+            without_max >= 0.5,
+            "the spinner unregistered did not count as others: {without:?}"
+        );
+    }
+
+    #[test]
+    fn utime_is_field_fourteen_after_the_name() {
+        let line = "4242 (a (b) c) S 1 2 3 4 5 6 7 8 9 10 1234 99 0 0 20";
+        assert_eq!(parse_utime_ticks(line), Some(1234));
+        assert_eq!(parse_utime_ticks("no parenthesis"), None);
     }
 
     #[test]

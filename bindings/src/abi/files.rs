@@ -261,13 +261,7 @@ pub extern "C" fn corefs_release(fs: corefs_fs, fd: corefs_fd) -> c_int {
             return Ok(());
         }
         // The handle is gone whatever this says, as after close(2).
-        call(
-            &fs,
-            Op::Release {
-                ino: removed.file.ino,
-            },
-        )
-        .map(drop)
+        with_client(&fs, |c| c.release(removed.file.ino))?.map_err(Error::from)
     })
 }
 

@@ -52,6 +52,9 @@ pub struct Connection {
     /// cores take the CPU the server's workers need to answer them.
     spinners: AtomicUsize,
     spinners_max: usize,
+    /// The server's CPU time is this process's own work when judging contention (a polling
+    /// server is a whole core that is not a neighbour's).
+    _partner: reactor::contention::Partner,
     pub socket_path: String,
 }
 
@@ -71,6 +74,9 @@ impl Connection {
             )
         };
         let sock = UnixStream::connect(path).map_err(|e| io("connect to", e))?;
+        // The server's pid as the kernel recorded it at its listen (0 if unknown: then its
+        // time counts as others', which only makes this client sleep more readily).
+        let server_pid = socket::peer(&sock).map_or(0, |p| p.pid);
         // The handshake is the server's first act; a server that takes longer is stuck.
         sock.set_read_timeout(Some(Duration::from_secs(10)))
             .map_err(|e| io("connect to", e))?;
@@ -100,6 +106,7 @@ impl Connection {
                 .map_or(1, |n| n.get())
                 .saturating_sub(1)
                 .max(1),
+            _partner: reactor::contention::Partner::new(server_pid),
             socket_path: path.to_string(),
         }))
     }
@@ -306,11 +313,18 @@ impl Observer {
     }
 }
 
+/// Releases a thread may have posted and not yet seen answered ([`RemoteClient::post_release`]);
+/// one more waits for the oldest.
+pub const POSTED_MAX: usize = 8;
+
 /// A thread's client of a connection: what [`reactor::Client`] is for an in-process mount.
 pub struct RemoteClient {
     conn: Arc<Connection>,
     /// Slots of submitted operations and their tokens.
     in_flight: Vec<(usize, u64)>,
+    /// Slots of posted releases, oldest first: nobody waits for their answers, which are
+    /// read (and the slots freed) before this thread's next request.
+    posted: VecDeque<usize>,
     /// Completions known before any answer came (an operation refused at submit).
     ready: VecDeque<Completion>,
     sent: u64,
@@ -321,6 +335,7 @@ impl RemoteClient {
         RemoteClient {
             conn,
             in_flight: Vec::new(),
+            posted: VecDeque::new(),
             ready: VecDeque::new(),
             sent: 0,
         }
@@ -414,6 +429,44 @@ impl RemoteClient {
         wire::decode_server_stats(&self.exchange(&wire::Request::ServerStats)?)
     }
 
+    /// Releases a hold without waiting for the answer (`corefs_release`): a close has
+    /// nothing to return that its caller could act on (the handle is gone whatever it says,
+    /// as after close(2)), and a create through the C ABI is an open and a release, so
+    /// waiting for both made every create two round trips. The release reaches the server
+    /// before anything this thread sends next, but the server may run it after that (the
+    /// reactor takes a ring's waiting slots together): nothing a later call sees depends on
+    /// it, except that an unlinked file's space comes back a moment later. Its answer is
+    /// read before the next request; a failure (only a failed server's or a broken
+    /// protocol's) is logged.
+    pub fn post_release(&mut self, ino: u64) -> Result<(), EngineError> {
+        if self.conn.known_dead() {
+            return Err(gone(&self.conn.socket_path));
+        }
+        self.reap_posted(POSTED_MAX - 1)?;
+        let message = wire::encode_request(&wire::Request::Op(Op::Release { ino }))?;
+        let i = self.conn.claim_waiting()?;
+        self.conn.send(i, &message);
+        self.sent += 1;
+        self.posted.push_back(i);
+        Ok(())
+    }
+
+    /// Reads the answers of posted releases that are in, and waits for the oldest until at
+    /// most `keep` remain.
+    fn reap_posted(&mut self, keep: usize) -> Result<(), EngineError> {
+        while let Some(&i) = self.posted.front() {
+            if self.posted.len() <= keep && !self.conn.is_done(i) {
+                break;
+            }
+            self.conn.wait_done(i, None)?;
+            self.posted.pop_front();
+            if let Err(e) = self.conn.finish(i) {
+                tracing::warn!("a posted release failed on the server: {e}");
+            }
+        }
+        Ok(())
+    }
+
     /// Sends `request` and waits for its answer's bytes.
     fn exchange(&mut self, request: &wire::Request) -> Result<Vec<u8>, EngineError> {
         // A server that went since the last look is found by the wait (every
@@ -421,6 +474,7 @@ impl RemoteClient {
         if self.conn.known_dead() {
             return Err(gone(&self.conn.socket_path));
         }
+        self.reap_posted(POSTED_MAX - 1)?;
         let message = wire::encode_request(request)?;
         let i = self.conn.claim_waiting()?;
         let started = Instant::now();
@@ -524,6 +578,7 @@ impl Drop for RemoteClient {
     /// A thread that goes with operations in flight (its submissions never polled) gives
     /// their slots back once they are answered, so a connection does not run out of slots.
     fn drop(&mut self) {
+        let _ = self.reap_posted(0);
         for (i, _) in std::mem::take(&mut self.in_flight) {
             if self.conn.wait_done(i, None).is_ok() {
                 let _ = self.conn.finish(i);

@@ -103,6 +103,9 @@ struct Conn {
     region: Region,
     caller: Caller,
     pid: i32,
+    /// The client's CPU time is this server's own work when judging contention (see
+    /// `reactor::contention`): held as long as the connection lives.
+    _partner: reactor::contention::Partner,
     holds: Mutex<Holds>,
     /// The client's socket closed.
     gone: AtomicBool,
@@ -397,6 +400,7 @@ fn accept(
             groups: peer.groups,
         },
         pid: peer.pid,
+        _partner: reactor::contention::Partner::new(peer.pid),
         holds: Mutex::new(Holds::default()),
         gone: AtomicBool::new(false),
         stopping: stopping.clone(),
