@@ -147,8 +147,8 @@ done
 # (e) through a corefs server (`corefs serve`, COREFS_DEVICE=serve:SOCKET): four sqlite3 shell
 # processes write one database at once, each transaction under its own lock; every row must
 # land once. The VFS takes SQLite's process-level locks with corefs_setlk, which the server
-# keeps across its clients; WAL, whose index has no shared memory across processes, is
-# refused (the journal mode stays "delete").
+# keeps across its clients. Rollback journal first (the default mode), then (f) WAL, whose
+# index the processes share through a POSIX shared memory object.
 [[ -n ${COREFS_BIN:-} ]] || cargo build --release --locked -p corefs-cli >&2
 corefs_bin=${COREFS_BIN:-$root/target/release/corefs}
 srv_dev="file:$work/served.img"
@@ -171,12 +171,54 @@ for k in 1 2 3 4; do
   writers+=($!)
 done
 wait "${writers[@]}" || true
-out=$(served "pragma integrity_check; select count(*), count(distinct k * 100 + r) from t; pragma journal_mode=wal;" 2>&1)
+out=$(served "pragma integrity_check; select count(*), count(distinct k * 100 + r) from t; pragma journal_mode;" 2>&1)
 errors=$(cat "$work"/served-*.out)
 if [[ $out == $'ok\n2000|40\ndelete' && -z $errors ]]; then
-  pass "through corefs serve: 4 sqlite3 processes x 10 transactions, all 2000 rows once, integrity ok, WAL refused"
+  pass "through corefs serve: 4 sqlite3 processes x 10 transactions, all 2000 rows once, integrity ok (rollback journal)"
 else
   fail "through corefs serve: '$out' ${errors:0:300}"
+fi
+
+# (f) WAL across processes: four writer processes (10 transactions of 50 rows each, in one
+# process each), a reader process counting all along (every count it sees is whole
+# transactions: multiples of 10 rows), and a writer of 10-row transactions killed with
+# SIGKILL a second into its 100,000 (its committed transactions stay, none half, its locks go
+# with it); then one more writer and the checks. The WAL index is shared memory of the client processes
+# (/dev/shm/corefs-wal-*), gone once the last of them closes the database.
+shm_before=$(ls /dev/shm | grep '^corefs-wal-' | sort || true)
+served "create table w(k, r, v); pragma journal_mode=wal;" >"$work/wal-mode.out" 2>&1
+writers=()
+for k in 1 2 3 4; do
+  (for r in $(seq 1 10); do
+    echo "begin immediate; insert into w select $k, $r, randomblob(100) from generate_series(1,50); commit;"
+  done | served >>"$work/wal-$k.out" 2>&1) &
+  writers+=($!)
+done
+seq 1 100000 | awk '{ print "begin immediate; insert into w select 9, " $1 ", randomblob(10) from generate_series(1,10); commit;" }' >"$work/wal-killed.sql"
+COREFS_DEVICE=serve:$sock sqlite3 -cmd ".load $ext" -cmd ".open file:/shared.db?vfs=corefs" \
+  -cmd ".timeout 30000" :memory: <"$work/wal-killed.sql" >"$work/wal-killed.out" 2>&1 &
+killed=$!
+(for _ in $(seq 1 40); do echo "select count(*) from w;"; done | served >"$work/wal-reads.out" 2>&1) &
+reader=$!
+sleep 1
+kill -KILL "$killed" 2>/dev/null || true
+wait "$killed" 2>/dev/null || true
+wait "${writers[@]}" "$reader" || true
+served "insert into w select 5, 1, randomblob(100) from generate_series(1,50);" >"$work/wal-5.out" 2>&1
+out=$(served "pragma integrity_check; select count(*), count(distinct k * 100000 + r) from w where k < 9; select count(*) % 10, count(*) / 10 from w where k = 9; pragma journal_mode;" 2>&1)
+errors=$(cat "$work"/wal-[1-5].out)
+bad_reads=$(awk '$1 % 10 != 0' "$work/wal-reads.out")
+killed_rows=$(echo "$out" | sed -n 3p)
+# The last process to close the database removed its WAL index (SQLite closes it with
+# deletion once it checkpointed everything).
+shm_left=$(comm -13 <(echo "$shm_before") <(ls /dev/shm | grep '^corefs-wal-' | sort || true))
+if [[ $(echo "$out" | sed -n 1,2p) == $'ok\n2050|41' && ${killed_rows%%|*} == 0 &&
+      ${killed_rows#*|} -gt 0 && ${killed_rows#*|} -lt 100000 &&
+      $(echo "$out" | sed -n 4p) == wal && $(cat "$work/wal-mode.out") == wal &&
+      -z $errors && -z $bad_reads && -s $work/wal-reads.out && -z $shm_left ]]; then
+  pass "WAL through corefs serve: 4 writer processes x 10 transactions and a reader, a writer killed after ${killed_rows#*|} transactions: all rows once, reads whole transactions, integrity ok"
+else
+  fail "WAL through corefs serve: '$out' mode '$(cat "$work/wal-mode.out")' reads '${bad_reads:0:100}' left in /dev/shm '$shm_left' ${errors:0:300}"
 fi
 kill -TERM "$serve_pid"
 stopped=0

@@ -39,9 +39,10 @@
  * can reach the database. Through a corefs server (COREFS_DEVICE=serve:SOCKET) other
  * processes can: the process-level part of os_unix.c's locking is then done too, with
  * corefs_setlk byte-range locks that the server keeps across its clients (the same bytes
- * os_unix.c locks with fcntl). The WAL index has no shared memory across processes, so
- * there the VFS offers none (io methods version 1): WAL needs PRAGMA locking_mode=EXCLUSIVE,
- * and the rollback journals (DELETE, TRUNCATE, PERSIST) work across processes.
+ * os_unix.c locks with fcntl). The WAL index of a database then lives in a POSIX shared
+ * memory object (/dev/shm/corefs-wal-SOCKETHASH-INODE, the database's mode) that every client
+ * process maps, and its locks are corefs_setlk locks on the database (see "WAL shared memory"
+ * below): WAL works across processes as it does on a kernel filesystem.
  */
 #ifdef COREFS_VFS_STATIC
 #include <sqlite3.h>
@@ -53,7 +54,10 @@ SQLITE_EXTENSION_INIT1
 #include "corefs.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -76,10 +80,11 @@ static corefs_fs g_fs = 0; /* > 0 once mounted */
 /* Mounted through a corefs server (serve:SOCKET): other processes share the database, and
  * locks are taken across processes too (see "Locking" above). */
 static int g_remote = 0;
+/* Through a server: a hash of its socket's path, naming the WAL indexes' shared memory. */
+static uint64_t g_socket_hash = 0;
 
-/* The file methods (defined with the calls below), and those used through a server. */
+/* The file methods (defined with the calls below). */
 static const sqlite3_io_methods cfs_io_methods;
-static sqlite3_io_methods cfs_io_methods_remote;
 static int g_atexit_registered = 0;
 
 /* Guards the inode table, its lock state and its shared memory. */
@@ -98,7 +103,8 @@ typedef struct CfsShm CfsShm;
 typedef struct CfsShmNode {
   int szRegion;               /* size of each region (0 until the first xShmMap) */
   int nRegion;                /* regions in apRegion */
-  char **apRegion;            /* the regions, zero-initialised */
+  char **apRegion;            /* the regions, zero-initialised (mapped from hShm, remote) */
+  int hShm;                   /* through a server: the shared memory object, else -1 */
   int aLock[SQLITE_SHM_NLOCK]; /* per slot: 0 free, > 0 shared holders, -1 exclusive */
   CfsShm *pFirst;             /* connections using this node */
 } CfsShmNode;
@@ -265,8 +271,12 @@ static int cfs_mounted(corefs_fs *pFs) {
       } else {
         g_fs = fs;
         g_remote = strncmp(device, "serve:", 6) == 0;
-        cfs_io_methods_remote = cfs_io_methods;
-        cfs_io_methods_remote.iVersion = 1;
+        if (g_remote) {
+          /* FNV-1a of the socket's path. */
+          uint64_t h = 0xcbf29ce484222325ull;
+          for (const char *c = device + 6; *c; c++) h = (h ^ (uint8_t)*c) * 0x100000001b3ull;
+          g_socket_hash = h;
+        }
         if (!g_atexit_registered) {
           g_atexit_registered = 1;
           atexit(cfs_atexit);
@@ -839,6 +849,85 @@ static int cfs_device_characteristics(sqlite3_file *pFile) {
 /* WAL shared memory                                                                          */
 /* ------------------------------------------------------------------------------------------ */
 
+/* In process, the WAL index is memory of this process, shared by its connections. Through a
+ * server other processes open the database too, so it is what os_unix.c makes of a -shm
+ * file: a POSIX shared memory object per database (named by the server's socket and the
+ * database's inode, with the database's mode; tmpfs, never on the corefs device: the index is
+ * rebuilt from the WAL whenever no process has it open), mapped region by region, and its
+ * eight locks are process-level locks (corefs_setlk, kept by the server for every client and
+ * released when a client goes, even killed) on bytes of the database past the ones the
+ * database's own locks use, taken only when this process's connections together change what
+ * they hold (the in-process counts decide, as in os_unix.c). A "dead man switch" byte tells
+ * the first process to map the index that nobody else has it: it then empties the object
+ * (an index left by processes that are gone, or by an earlier server, is stale), and every
+ * process holds the byte shared while it has the index mapped. */
+#define CFS_SHM_LOCK_BASE (CFS_PENDING_BYTE + 0x1000)
+#define CFS_SHM_DMS (CFS_SHM_LOCK_BASE + SQLITE_SHM_NLOCK)
+
+/* Opens the shared memory object of p's database and takes its dead man switch (remote). */
+static int cfs_shm_open_remote(CfsFile *p, CfsShmNode *pNode) {
+  char zName[96];
+  struct corefs_stat st;
+  mode_t mode = 0600;
+  int fd, rc;
+
+  snprintf(zName, sizeof(zName), "/corefs-wal-%016llx-%llu", (unsigned long long)g_socket_hash,
+           (unsigned long long)p->pInode->ino);
+  memset(&st, 0, sizeof(st));
+  if (corefs_fstat(cfs_fs(), p->fd, &st) == 0) mode = (mode_t)(st.mode & 0666);
+  fd = shm_open(zName, O_RDWR | O_CREAT | O_CLOEXEC, mode);
+  if (fd < 0) {
+    sqlite3_log(SQLITE_IOERR_SHMOPEN, "corefs vfs: shm_open(%s): %s", zName, strerror(errno));
+    return SQLITE_IOERR_SHMOPEN;
+  }
+  rc = cfs_plock(p, COREFS_LOCK_WRITE, CFS_SHM_DMS, 1, SQLITE_IOERR_LOCK);
+  if (rc == SQLITE_OK) {
+    /* Nobody else has the index: what the object holds is stale. */
+    if (ftruncate(fd, 0) != 0) {
+      sqlite3_log(SQLITE_IOERR_SHMOPEN, "corefs vfs: ftruncate(%s): %s", zName, strerror(errno));
+      cfs_plock(p, COREFS_LOCK_UNLOCK, CFS_SHM_DMS, 1, SQLITE_IOERR_UNLOCK);
+      close(fd);
+      return SQLITE_IOERR_SHMOPEN;
+    }
+    rc = cfs_plock(p, COREFS_LOCK_READ, CFS_SHM_DMS, 1, SQLITE_IOERR_LOCK);
+  } else if (rc == SQLITE_BUSY) {
+    /* Others have it mapped (shared), or one is emptying it (BUSY: SQLite retries). */
+    rc = cfs_plock(p, COREFS_LOCK_READ, CFS_SHM_DMS, 1, SQLITE_IOERR_LOCK);
+  }
+  if (rc != SQLITE_OK) {
+    close(fd);
+    return rc;
+  }
+  pNode->hShm = fd;
+  return SQLITE_OK;
+}
+
+/* Frees a node nobody in this process uses any more: its regions, and through a server its
+ * mappings, its dead man switch and its object (unlinked when `deleteFlag`). */
+static void cfs_shm_node_free(CfsFile *p, CfsShmNode *pNode, int deleteFlag) {
+  int i;
+  for (i = 0; i < pNode->nRegion; i++) {
+    if (pNode->hShm >= 0) {
+      munmap(pNode->apRegion[i], (size_t)pNode->szRegion);
+    } else {
+      sqlite3_free(pNode->apRegion[i]);
+    }
+  }
+  sqlite3_free(pNode->apRegion);
+  if (pNode->hShm >= 0) {
+    if (deleteFlag) {
+      char zName[96];
+      snprintf(zName, sizeof(zName), "/corefs-wal-%016llx-%llu",
+               (unsigned long long)g_socket_hash, (unsigned long long)p->pInode->ino);
+      shm_unlink(zName);
+    }
+    cfs_plock(p, COREFS_LOCK_UNLOCK, CFS_SHM_DMS, 1, SQLITE_IOERR_UNLOCK);
+    close(pNode->hShm);
+  }
+  if (p->pInode && p->pInode->pShmNode == pNode) p->pInode->pShmNode = 0;
+  sqlite3_free(pNode);
+}
+
 static int cfs_shm_map(sqlite3_file *pFile, int iRegion, int szRegion, int bExtend,
                        void volatile **pp) {
   CfsFile *p = (CfsFile *)pFile;
@@ -864,6 +953,15 @@ static int cfs_shm_map(sqlite3_file *pFile, int iRegion, int szRegion, int bExte
         goto out;
       }
       memset(pNode, 0, sizeof(*pNode));
+      pNode->hShm = -1;
+      if (g_remote) {
+        rc = cfs_shm_open_remote(p, pNode);
+        if (rc != SQLITE_OK) {
+          sqlite3_free(pNode);
+          sqlite3_free(pShm);
+          goto out;
+        }
+      }
       p->pInode->pShmNode = pNode;
     }
     pShm->pNode = pNode;
@@ -878,7 +976,26 @@ static int cfs_shm_map(sqlite3_file *pFile, int iRegion, int szRegion, int bExte
     goto out;
   }
   if (iRegion >= pNode->nRegion) {
-    if (!bExtend) goto out; /* not there yet: *pp stays NULL */
+    if (pNode->hShm >= 0) {
+      /* Another process may have grown the object already: map what is there. */
+      struct stat st;
+      off_t need = (off_t)(iRegion + 1) * szRegion;
+      if (fstat(pNode->hShm, &st) != 0) {
+        rc = SQLITE_IOERR_SHMSIZE;
+        goto out;
+      }
+      if (st.st_size < need) {
+        if (!bExtend) goto out; /* not there yet: *pp stays NULL */
+        if (ftruncate(pNode->hShm, need) != 0) {
+          sqlite3_log(SQLITE_IOERR_SHMSIZE, "corefs vfs: growing the WAL index: %s",
+                      strerror(errno));
+          rc = SQLITE_IOERR_SHMSIZE;
+          goto out;
+        }
+      }
+    } else if (!bExtend) {
+      goto out; /* not there yet: *pp stays NULL */
+    }
     char **apNew = sqlite3_realloc64(pNode->apRegion, (sqlite3_uint64)(iRegion + 1) * sizeof(char *));
     if (apNew == 0) {
       rc = SQLITE_IOERR_NOMEM;
@@ -886,12 +1003,25 @@ static int cfs_shm_map(sqlite3_file *pFile, int iRegion, int szRegion, int bExte
     }
     pNode->apRegion = apNew;
     while (pNode->nRegion <= iRegion) {
-      char *pRegion = sqlite3_malloc(szRegion);
-      if (pRegion == 0) {
-        rc = SQLITE_IOERR_NOMEM;
-        goto out;
+      char *pRegion;
+      if (pNode->hShm >= 0) {
+        void *m = mmap(0, (size_t)szRegion, PROT_READ | PROT_WRITE, MAP_SHARED, pNode->hShm,
+                       (off_t)pNode->nRegion * szRegion);
+        if (m == MAP_FAILED) {
+          sqlite3_log(SQLITE_IOERR_SHMMAP, "corefs vfs: mapping the WAL index: %s",
+                      strerror(errno));
+          rc = SQLITE_IOERR_SHMMAP;
+          goto out;
+        }
+        pRegion = m;
+      } else {
+        pRegion = sqlite3_malloc(szRegion);
+        if (pRegion == 0) {
+          rc = SQLITE_IOERR_NOMEM;
+          goto out;
+        }
+        memset(pRegion, 0, (size_t)szRegion);
       }
-      memset(pRegion, 0, (size_t)szRegion);
       pNode->apRegion[pNode->nRegion++] = pRegion;
     }
   }
@@ -899,6 +1029,15 @@ static int cfs_shm_map(sqlite3_file *pFile, int iRegion, int szRegion, int bExte
 out:
   pthread_mutex_unlock(&g_mutex);
   return rc;
+}
+
+/* Through a server, the process-level side of a change to slot range [ofst, ofst+n): what
+ * this process's connections together hold there after it (the in-process counts say).
+ * Called with g_mutex held, before the counts change for a lock and after for an unlock. */
+static int cfs_shm_plock(CfsFile *p, int kind, int ofst, int n) {
+  if (p->pShm->pNode->hShm < 0) return SQLITE_OK;
+  return cfs_plock(p, kind, CFS_SHM_LOCK_BASE + (uint64_t)ofst, (uint64_t)n,
+                   kind == COREFS_LOCK_UNLOCK ? SQLITE_IOERR_UNLOCK : SQLITE_IOERR_SHMLOCK);
 }
 
 static int cfs_shm_lock(sqlite3_file *pFile, int ofst, int n, int flags) {
@@ -923,10 +1062,16 @@ static int cfs_shm_lock(sqlite3_file *pFile, int ofst, int n, int flags) {
   if (flags & SQLITE_SHM_UNLOCK) {
     for (i = ofst; i < ofst + n; i++) {
       uint16_t bit = (uint16_t)(1u << i);
+      int held = (pShm->exclMask | pShm->sharedMask) & bit;
       if (pShm->exclMask & bit) {
         pNode->aLock[i] = 0;
       } else if (pShm->sharedMask & bit) {
         pNode->aLock[i]--;
+      }
+      /* The last holder in this process lets the slot go for other processes too. */
+      if (held && pNode->aLock[i] == 0) {
+        int e = cfs_shm_plock(p, COREFS_LOCK_UNLOCK, i, 1);
+        if (e != SQLITE_OK) rc = e;
       }
     }
     pShm->exclMask &= (uint16_t)~mask;
@@ -941,16 +1086,19 @@ static int cfs_shm_lock(sqlite3_file *pFile, int ofst, int n, int flags) {
         break;
       }
     }
-    if (rc == SQLITE_OK) {
-      for (i = ofst; i < ofst + n; i++) {
-        uint16_t bit = (uint16_t)(1u << i);
-        if ((pShm->sharedMask | pShm->exclMask) & bit) continue;
+    /* The first holder in this process takes the slot from other processes too. */
+    for (i = ofst; rc == SQLITE_OK && i < ofst + n; i++) {
+      uint16_t bit = (uint16_t)(1u << i);
+      if ((pShm->sharedMask | pShm->exclMask) & bit) continue;
+      if (pNode->aLock[i] == 0) rc = cfs_shm_plock(p, COREFS_LOCK_READ, i, 1);
+      if (rc == SQLITE_OK) {
         pNode->aLock[i]++;
         pShm->sharedMask |= bit;
       }
     }
   } else {
-    /* Exclusive: no other connection may hold any lock of the range. */
+    /* Exclusive: no other connection, here or in another process, may hold any lock of the
+     * range. */
     for (i = ofst; i < ofst + n; i++) {
       uint16_t bit = (uint16_t)(1u << i);
       int others;
@@ -963,6 +1111,15 @@ static int cfs_shm_lock(sqlite3_file *pFile, int ofst, int n, int flags) {
       if (others > 0) { /* shared by other connections */
         rc = SQLITE_BUSY;
         break;
+      }
+    }
+    if (rc == SQLITE_OK) {
+      uint16_t need = (uint16_t)(mask & ~pShm->exclMask);
+      if (need) {
+        int lo = ofst, hi = ofst + n;
+        while (!(need & (1u << lo))) lo++;
+        while (!(need & (1u << (hi - 1)))) hi--;
+        rc = cfs_shm_plock(p, COREFS_LOCK_WRITE, lo, hi - lo);
       }
     }
     if (rc == SQLITE_OK) {
@@ -989,15 +1146,17 @@ static int cfs_shm_unmap(sqlite3_file *pFile, int deleteFlag) {
   CfsShm **pp;
   int i;
 
-  (void)deleteFlag; /* nothing is on disk: the memory goes with the last connection */
   if (pShm == 0) return SQLITE_OK;
   pthread_mutex_lock(&g_mutex);
   pNode = pShm->pNode;
-  /* Release whatever this connection still holds. */
+  /* Release whatever this connection still holds (and, when it was this process's last
+   * holder, for other processes too). */
   for (i = 0; i < SQLITE_SHM_NLOCK; i++) {
     uint16_t bit = (uint16_t)(1u << i);
+    int held = (pShm->exclMask | pShm->sharedMask) & bit;
     if (pShm->exclMask & bit) pNode->aLock[i] = 0;
     else if (pShm->sharedMask & bit) pNode->aLock[i]--;
+    if (held && pNode->aLock[i] == 0) cfs_shm_plock(p, COREFS_LOCK_UNLOCK, i, 1);
   }
   for (pp = &pNode->pFirst; *pp; pp = &(*pp)->pNext) {
     if (*pp == pShm) {
@@ -1007,12 +1166,8 @@ static int cfs_shm_unmap(sqlite3_file *pFile, int deleteFlag) {
   }
   sqlite3_free(pShm);
   p->pShm = 0;
-  if (pNode->pFirst == 0) {
-    for (i = 0; i < pNode->nRegion; i++) sqlite3_free(pNode->apRegion[i]);
-    sqlite3_free(pNode->apRegion);
-    if (p->pInode && p->pInode->pShmNode == pNode) p->pInode->pShmNode = 0;
-    sqlite3_free(pNode);
-  }
+  /* In process nothing is on disk: the memory goes with the last connection. */
+  if (pNode->pFirst == 0) cfs_shm_node_free(p, pNode, deleteFlag);
   pthread_mutex_unlock(&g_mutex);
   return SQLITE_OK;
 }
@@ -1105,9 +1260,6 @@ static const sqlite3_io_methods cfs_io_methods = {
     cfs_unfetch,                /* xUnfetch */
 };
 
-/* Through a server, cfs_io_methods_remote: these as version 1, without the WAL shared memory
- * (SQLite reads no field past xDeviceCharacteristics then), which does not reach other
- * processes (see "Locking" at the top); filled from these when the filesystem is mounted. */
 
 /* ------------------------------------------------------------------------------------------ */
 /* VFS methods                                                                                */
@@ -1188,7 +1340,7 @@ static int cfs_open(sqlite3_vfs *pVfs, const char *zName, sqlite3_file *pFile, i
     memset(p, 0, sizeof(*p));
     return SQLITE_NOMEM;
   }
-  p->base.pMethods = g_remote ? &cfs_io_methods_remote : &cfs_io_methods;
+  p->base.pMethods = &cfs_io_methods;
   if (pOutFlags) *pOutFlags = flags;
   return SQLITE_OK;
 }
