@@ -164,9 +164,21 @@ impl Connection {
         }
     }
 
-    fn send(&self, i: usize, message: &[u8]) {
-        self.region.put(i, message);
+    /// Writes `request` into claimed slot `i` in place (no copy of the message: a write's
+    /// data goes from the caller's operation straight into shared memory) and submits it; on
+    /// an error (a request that does not fit) the slot is free again.
+    fn send(&self, i: usize, request: &wire::Request) -> Result<(), EngineError> {
+        // SAFETY: slot `i` is this thread's (claimed), and no other view of it is live.
+        let written = wire::encode_request_into(request, unsafe { self.region.payload_mut(i) });
+        let len = match written {
+            Ok(len) => len,
+            Err(e) => {
+                self.region.slot(i).state.store(FREE, Ordering::Release);
+                return Err(e);
+            }
+        };
         let slot = self.region.slot(i);
+        slot.len.store(len as u32, Ordering::Relaxed);
         slot.state.store(SUBMITTED, Ordering::SeqCst);
         let h = self.region.header();
         h.doorbell.fetch_add(1, Ordering::SeqCst);
@@ -182,6 +194,7 @@ impl Connection {
         } else if h.sleepers.load(Ordering::SeqCst) > 0 {
             ring::futex_wake(&h.doorbell, 1);
         }
+        Ok(())
     }
 
     fn is_done(&self, i: usize) -> bool {
@@ -259,17 +272,27 @@ impl Connection {
 
     /// Slot `i`'s answer; the slot is free again.
     fn finish(&self, i: usize) -> Result<Reply, EngineError> {
-        wire::decode_answer(&self.finish_raw(i)?)
+        self.finish_with(i, wire::decode_answer)
     }
 
-    /// Slot `i`'s answer as its bytes; the slot is free again.
-    fn finish_raw(&self, i: usize) -> Result<Vec<u8>, EngineError> {
-        let bytes = self.region.take(i);
+    /// Slot `i`'s answer decoded by `decode` where it lies (a read's data is copied once,
+    /// out of the slot); the slot is free again.
+    fn finish_with<T>(
+        &self,
+        i: usize,
+        decode: impl FnOnce(&[u8]) -> Result<T, EngineError>,
+    ) -> Result<T, EngineError> {
+        // SAFETY: slot `i` is this thread's and answered (DONE): the server wrote it before
+        // publishing that and touches it no more; it is freed only after the decode.
+        let result = match unsafe { self.region.message(i) } {
+            Some(bytes) => decode(bytes),
+            None => Err(EngineError::Refused {
+                errno: libc::EIO,
+                message: "an answer longer than its slot".into(),
+            }),
+        };
         self.region.slot(i).state.store(FREE, Ordering::Release);
-        bytes.ok_or_else(|| EngineError::Refused {
-            errno: libc::EIO,
-            message: "an answer longer than its slot".into(),
-        })
+        result
     }
 }
 
@@ -421,12 +444,12 @@ impl RemoteClient {
     }
 
     fn request(&mut self, request: &wire::Request) -> Result<Reply, EngineError> {
-        wire::decode_answer(&self.exchange(request)?)
+        self.exchange(request, wire::decode_answer)
     }
 
     /// The server's statistics ([`wire::Request::ServerStats`]).
     pub fn server_stats(&mut self) -> Result<super::stats::ServerStats, EngineError> {
-        wire::decode_server_stats(&self.exchange(&wire::Request::ServerStats)?)
+        self.exchange(&wire::Request::ServerStats, wire::decode_server_stats)
     }
 
     /// Releases a hold without waiting for the answer (`corefs_release`): a close has
@@ -443,9 +466,8 @@ impl RemoteClient {
             return Err(gone(&self.conn.socket_path));
         }
         self.reap_posted(POSTED_MAX - 1)?;
-        let message = wire::encode_request(&wire::Request::Op(Op::Release { ino }))?;
         let i = self.conn.claim_waiting()?;
-        self.conn.send(i, &message);
+        self.conn.send(i, &wire::Request::Op(Op::Release { ino }))?;
         self.sent += 1;
         self.posted.push_back(i);
         Ok(())
@@ -467,18 +489,21 @@ impl RemoteClient {
         Ok(())
     }
 
-    /// Sends `request` and waits for its answer's bytes.
-    fn exchange(&mut self, request: &wire::Request) -> Result<Vec<u8>, EngineError> {
+    /// Sends `request`, waits for its answer and decodes it with `decode`.
+    fn exchange<T>(
+        &mut self,
+        request: &wire::Request,
+        decode: impl FnOnce(&[u8]) -> Result<T, EngineError>,
+    ) -> Result<T, EngineError> {
         // A server that went since the last look is found by the wait (every
         // `LIVENESS_CHECK`), not by a poll of the socket before every request.
         if self.conn.known_dead() {
             return Err(gone(&self.conn.socket_path));
         }
         self.reap_posted(POSTED_MAX - 1)?;
-        let message = wire::encode_request(request)?;
         let i = self.conn.claim_waiting()?;
         let started = Instant::now();
-        self.conn.send(i, &message);
+        self.conn.send(i, request)?;
         self.sent += 1;
         self.conn.wait_done(i, None)?;
         // A slow call looks at this thread's run delay and the machine's other work, as an
@@ -488,7 +513,7 @@ impl RemoteClient {
             reactor::contention::sample_machine(Instant::now());
             reactor::contention::after_call(took);
         }
-        self.conn.finish_raw(i)
+        self.conn.finish_with(i, decode)
     }
 
     /// Submits `op`; its completion comes from [`RemoteClient::poll`].
@@ -503,22 +528,14 @@ impl RemoteClient {
         let Some(i) = self.conn.claim() else {
             return Err(SubmitError::Full(op));
         };
-        let message = match wire::encode_request(&wire::Request::Op(op)) {
-            Ok(m) => m,
-            Err(e) => {
-                self.conn
-                    .region
-                    .slot(i)
-                    .state
-                    .store(FREE, Ordering::Release);
-                self.ready.push_back(Completion {
-                    token,
-                    result: Err(e),
-                });
-                return Ok(());
-            }
-        };
-        self.conn.send(i, &message);
+        if let Err(e) = self.conn.send(i, &wire::Request::Op(op)) {
+            // The slot is free again: the error is this operation's completion.
+            self.ready.push_back(Completion {
+                token,
+                result: Err(e),
+            });
+            return Ok(());
+        }
         self.sent += 1;
         self.in_flight.push((i, token));
         Ok(())

@@ -203,6 +203,48 @@ impl Region {
             .store(message.len() as u32, Ordering::Relaxed);
     }
 
+    /// Writes `parts` one after another into slot `i`'s payload, and their total length (an
+    /// answer's head and its data: [`super::wire::Encoded`]).
+    pub fn put_parts(&self, i: usize, parts: &[&[u8]]) {
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        assert!(total <= PAYLOAD_BYTES, "a message larger than a slot");
+        let mut at = 0;
+        for part in parts {
+            // SAFETY: within the payload (the total is checked above); see `put`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(part.as_ptr(), self.payload(i).add(at), part.len())
+            };
+            at += part.len();
+        }
+        self.slot(i).len.store(total as u32, Ordering::Relaxed);
+    }
+
+    /// Slot `i`'s payload to write a message into in place (the client's own slot, which it
+    /// claimed: the server reads it only once it is submitted). The caller sets the length.
+    ///
+    /// # Safety
+    /// The caller has claimed slot `i` and holds no other view of its payload.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn payload_mut(&self, i: usize) -> &mut [u8] {
+        // SAFETY: in bounds; exclusive by the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.payload(i), PAYLOAD_BYTES) }
+    }
+
+    /// Slot `i`'s message in place, or None when its length word is past the payload: for the
+    /// client reading an answer (the server wrote it before publishing `DONE`, and touches
+    /// the slot no more until the client frees it). The server never reads in place.
+    ///
+    /// # Safety
+    /// The caller owns slot `i` in state `DONE` and frees it only after the borrow ends.
+    pub unsafe fn message(&self, i: usize) -> Option<&[u8]> {
+        let len = self.slot(i).len.load(Ordering::Relaxed) as usize;
+        if len > PAYLOAD_BYTES {
+            return None;
+        }
+        // SAFETY: in bounds; nobody writes it while the caller owns it (contract).
+        Some(unsafe { std::slice::from_raw_parts(self.payload(i), len) })
+    }
+
     /// A copy of slot `i`'s message, or None when its length word is past the payload.
     pub fn take(&self, i: usize) -> Option<Vec<u8>> {
         let len = self.slot(i).len.load(Ordering::Relaxed) as usize;

@@ -582,7 +582,7 @@ fn read_request(conn: &Conn, i: usize) -> Result<wire::Request, EngineError> {
 }
 
 /// Answers slot `i` with `bytes`, counting it as `work` taken at `started`.
-fn answer_counted(conn: &Conn, i: usize, work: Work, started: Instant, bytes: Vec<u8>) {
+fn answer_counted(conn: &Conn, i: usize, work: Work, started: Instant, bytes: wire::Encoded) {
     conn.counters
         .count(work, started.elapsed().as_nanos() as u64);
     answer_slot(conn, i, bytes);
@@ -602,7 +602,7 @@ fn serve_one(
     conn: &Conn,
     client: &mut Client,
     request: Result<wire::Request, EngineError>,
-) -> (Vec<u8>, Work) {
+) -> (wire::Encoded, Work) {
     match request {
         Ok(wire::Request::Op(op)) => {
             let mut work = work_of(&op);
@@ -678,8 +678,8 @@ fn server_stats(conn: &Conn, client: &mut Client) -> Result<ServerStats, EngineE
     })
 }
 
-fn answer_slot(conn: &Conn, i: usize, bytes: Vec<u8>) {
-    conn.region.put(i, &bytes);
+fn answer_slot(conn: &Conn, i: usize, bytes: wire::Encoded) {
+    conn.region.put_parts(i, &[&bytes.head, &bytes.data]);
     let slot = conn.region.slot(i);
     slot.state.store(DONE, Ordering::SeqCst);
     // A spinning client needs no system call (`SlotHeader::waiting`).

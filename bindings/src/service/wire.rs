@@ -64,6 +64,20 @@ pub fn encode_request(request: &Request) -> Result<Vec<u8>, EngineError> {
     Ok(bytes)
 }
 
+/// Encodes `request` into `buf` (a client's claimed slot), returning its length.
+pub fn encode_request_into(request: &Request, buf: &mut [u8]) -> Result<usize, EngineError> {
+    match postcard::to_slice(request, buf) {
+        Ok(written) => Ok(written.len()),
+        Err(postcard::Error::SerializeBufferFull) => Err(EngineError::Invalid(format!(
+            "a request larger than the service's {} byte messages",
+            buf.len()
+        ))),
+        Err(e) => Err(EngineError::Invalid(format!(
+            "the request cannot be encoded: {e}"
+        ))),
+    }
+}
+
 pub fn decode_request(bytes: &[u8]) -> Result<Request, EngineError> {
     let (request, rest) = postcard::take_from_bytes::<Request>(bytes)
         .map_err(|e| EngineError::Invalid(format!("a malformed request: {e}")))?;
@@ -76,30 +90,92 @@ pub fn decode_request(bytes: &[u8]) -> Result<Request, EngineError> {
     Ok(request)
 }
 
-pub fn encode_answer(result: Result<Reply, EngineError>) -> Vec<u8> {
+/// An encoded answer in two parts, `head` then `data`, which together are the answer's
+/// postcard bytes: a read's data is moved here, not copied, and goes into the slot once
+/// ([`ring::Region::put_parts`]).
+pub struct Encoded {
+    pub head: Vec<u8>,
+    pub data: Vec<u8>,
+}
+
+impl Encoded {
+    pub fn whole(head: Vec<u8>) -> Encoded {
+        Encoded {
+            head,
+            data: Vec::new(),
+        }
+    }
+
+    /// The answer's bytes in one piece (tests; the statistics answer).
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut all = self.head.clone();
+        all.extend_from_slice(&self.data);
+        all
+    }
+}
+
+/// The first bytes of `Answer::Ok(Reply::Data(_))`: its two variant tags (postcard writes a
+/// byte string as its length, a varint, then the bytes).
+fn data_answer_tags() -> &'static [u8] {
+    static TAGS: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    TAGS.get_or_init(|| {
+        let mut empty = postcard::to_stdvec(&Answer::Ok(Reply::Data(Vec::new())))
+            .expect("an empty data answer encodes");
+        // The empty byte string's length, 0, is one varint byte.
+        assert_eq!(empty.pop(), Some(0), "a data answer ends with its length");
+        empty
+    })
+}
+
+pub fn encode_answer(result: Result<Reply, EngineError>) -> Encoded {
     let answer = match result {
+        Ok(Reply::Data(data)) => {
+            let mut head = data_answer_tags().to_vec();
+            let mut len = data.len() as u64;
+            loop {
+                let byte = (len & 0x7f) as u8;
+                len >>= 7;
+                if len == 0 {
+                    head.push(byte);
+                    break;
+                }
+                head.push(byte | 0x80);
+            }
+            if head.len() + data.len() > ring::PAYLOAD_BYTES {
+                return Encoded::whole(error_answer(
+                    libc::EIO,
+                    &format!(
+                        "a reply of {} bytes does not fit a message",
+                        head.len() + data.len()
+                    ),
+                ));
+            }
+            return Encoded { head, data };
+        }
         Ok(reply) => Answer::Ok(reply),
         Err(e) => Answer::Err {
             errno: e.errno(),
             message: e.to_string(),
         },
     };
-    match postcard::to_stdvec(&answer) {
+    Encoded::whole(match postcard::to_stdvec(&answer) {
         Ok(bytes) if bytes.len() <= ring::PAYLOAD_BYTES => bytes,
         Ok(bytes) => error_answer(
             libc::EIO,
             &format!("a reply of {} bytes does not fit a message", bytes.len()),
         ),
         Err(e) => error_answer(libc::EIO, &format!("the reply cannot be encoded: {e}")),
-    }
+    })
 }
 
-pub fn encode_server_stats(result: Result<super::stats::ServerStats, EngineError>) -> Vec<u8> {
+pub fn encode_server_stats(result: Result<super::stats::ServerStats, EngineError>) -> Encoded {
     match result {
-        Ok(stats) => match postcard::to_stdvec(&Answer::Server(Box::new(stats))) {
-            Ok(bytes) if bytes.len() <= ring::PAYLOAD_BYTES => bytes,
-            _ => error_answer(libc::EIO, "the server's statistics do not fit a message"),
-        },
+        Ok(stats) => Encoded::whole(
+            match postcard::to_stdvec(&Answer::Server(Box::new(stats))) {
+                Ok(bytes) if bytes.len() <= ring::PAYLOAD_BYTES => bytes,
+                _ => error_answer(libc::EIO, "the server's statistics do not fit a message"),
+            },
+        ),
         Err(e) => encode_answer(Err(e)),
     }
 }
@@ -184,10 +260,31 @@ mod tests {
             decode_request(&bytes).is_err(),
             "trailing bytes are refused"
         );
-        let answer = decode_answer(&encode_answer(Err(EngineError::NotFound))).unwrap_err();
+        let answer =
+            decode_answer(&encode_answer(Err(EngineError::NotFound)).to_vec()).unwrap_err();
         assert_eq!(answer.errno(), libc::ENOENT);
-        let data = decode_answer(&encode_answer(Ok(Reply::Data(vec![1, 2, 3])))).unwrap();
+        let data = decode_answer(&encode_answer(Ok(Reply::Data(vec![1, 2, 3]))).to_vec()).unwrap();
         assert!(matches!(data, Reply::Data(d) if d == [1, 2, 3]));
+    }
+
+    /// A data answer written in two parts is postcard's own encoding, at every length where
+    /// the length's varint grows a byte, and one past a message is an EIO answer.
+    #[test]
+    fn a_data_answer_in_two_parts_is_postcards_encoding() {
+        for len in [0usize, 1, 127, 128, 16_383, 16_384, 1 << 20] {
+            let data: Vec<u8> = (0..len).map(|k| k as u8).collect();
+            let parts = encode_answer(Ok(Reply::Data(data.clone())));
+            assert_eq!(
+                parts.to_vec(),
+                postcard::to_stdvec(&Answer::Ok(Reply::Data(data))).unwrap(),
+                "{len} bytes"
+            );
+        }
+        let too_long = encode_answer(Ok(Reply::Data(vec![0; ring::PAYLOAD_BYTES])));
+        assert_eq!(
+            decode_answer(&too_long.to_vec()).unwrap_err().errno(),
+            libc::EIO
+        );
     }
 
     #[test]
