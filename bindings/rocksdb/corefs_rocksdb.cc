@@ -675,10 +675,14 @@ class Logger : public rocksdb::Logger {
   uint64_t offset_ = 0;
 };
 
+// A held LOCK file: its handle stays open while the lock is held (the lock is a corefs
+// byte-range lock on it, which goes at UnlockFile, or with the process).
 class Lock : public rocksdb::FileLock {
  public:
-  explicit Lock(std::string path) : path(std::move(path)) {}
+  Lock(std::string path, std::unique_ptr<Handle> handle)
+      : path(std::move(path)), handle(std::move(handle)) {}
   const std::string path;
+  std::unique_ptr<Handle> handle;
 };
 
 // ------------------------------------------------------------------------------------------
@@ -869,8 +873,12 @@ class CorefsFileSystem : public rocksdb::FileSystem {
     return s;
   }
 
-  // corefs holds the image exclusively for this process, so the lock only has to keep two
-  // DB::Open of one directory in this process apart.
+  // As PosixFileSystem does with fcntl: a write lock on the whole LOCK file, so no other
+  // process opens the database while this one has it (through a corefs server several
+  // processes reach one filesystem; in process the lock is this mount's, which no other
+  // process can reach anyway). The lock goes at UnlockFile, or with the process: a killed
+  // client's locks go with its connection to the server. Two DB::Open of one directory in
+  // this process are kept apart here (corefs locks, like fcntl's, are per process).
   IOStatus LockFile(const std::string& fname, const IOOptions&, rocksdb::FileLock** lock,
                     IODebugContext*) override {
     std::string path = Normalise(fname);
@@ -880,16 +888,24 @@ class CorefsFileSystem : public rocksdb::FileSystem {
         return IOStatus::IOError("lock " + fname + ": already held by this process");
       }
     }
-    // The LOCK file exists as on a kernel filesystem, so listings look the same.
     std::unique_ptr<Handle> h;
-    IOStatus s = Open(fname, COREFS_O_WRONLY | COREFS_O_CREAT, &h);
+    IOStatus s = Open(fname, COREFS_O_RDWR | COREFS_O_CREAT, &h);
+    if (s.ok()) {
+      int rc = corefs_setlk(fs(), h->fd(), COREFS_LOCK_WRITE, 0, 0);
+      if (rc == -EAGAIN) {
+        s = IOStatus::IOError("lock " + fname +
+                              ": held by another process (Resource temporarily unavailable)");
+      } else if (rc < 0) {
+        s = Errno("lock " + fname, rc);
+      }
+    }
     if (!s.ok()) {
       std::lock_guard<std::mutex> guard(locks_mutex_);
       locks_.erase(path);
       return s;
     }
-    *lock = new Lock(path);
-    return h->Release();
+    *lock = new Lock(path, std::move(h));
+    return IOStatus::OK();
   }
 
   IOStatus UnlockFile(rocksdb::FileLock* lock, const IOOptions&, IODebugContext*) override {
@@ -900,9 +916,14 @@ class CorefsFileSystem : public rocksdb::FileSystem {
       erased = locks_.erase(ours->path);
     }
     std::string path = ours->path;
+    IOStatus s = IOStatus::OK();
+    int rc = corefs_setlk(fs(), ours->handle->fd(), COREFS_LOCK_UNLOCK, 0, 0);
+    if (rc < 0) s = Errno("unlock " + path, rc);
+    IOStatus released = ours->handle->Release();
+    if (s.ok()) s = released;
     delete ours;
     if (erased != 1) return IOStatus::IOError("unlock " + path + ": not locked");
-    return IOStatus::OK();
+    return s;
   }
 
   IOStatus GetTestDirectory(const IOOptions&, std::string* path, IODebugContext*) override {

@@ -10,6 +10,13 @@
 //                                    acknowledgements drawn from SEED, reopens the database and
 //                                    checks that every acknowledged key is there with its value
 //
+//   test_rocksdb served SOCKET       two processes and one database through a corefs server
+//                                    (device serve:SOCKET): while this process has it open,
+//                                    another's DB::Open fails on the LOCK file; once it is
+//                                    closed the other opens it and reads it; a holder killed
+//                                    with SIGKILL leaves the lock to the next opener, with its
+//                                    synced keys
+//
 // Each prints "PASS ..." lines and exits 0, or prints "FAIL ..." and exits 1. The seed is
 // printed first so that a failing crash run can be repeated.
 #include "corefs_rocksdb.h"
@@ -418,8 +425,117 @@ int Crash(const char* self, const std::string& device, uint64_t seed) {
 int Usage() {
   std::fprintf(stderr,
                "usage: test_rocksdb functional DEVICE\n"
+               "       test_rocksdb served SOCKET\n"
                "       test_rocksdb crash DEVICE SEED\n");
   return 2;
+}
+
+// The other process of "served": opens "/db" on `device` and exits 0 if that opened it and
+// the keys [0, `keys`) read back with their values, 3 if it failed on the LOCK file, 1 else.
+int Opener(const std::string& device, uint64_t keys) {
+  rocksdb::ConfigOptions config;
+  rocksdb::Env* env = nullptr;
+  std::shared_ptr<rocksdb::Env> guard;
+  std::string uri = corefs_rocksdb::CorefsUri(device, "");
+  Require(rocksdb::Env::CreateFromUri(config, "", uri, &env, &guard), "Env::CreateFromUri " + uri);
+  rocksdb::DB* raw = nullptr;
+  rocksdb::Status s = rocksdb::DB::Open(SmallOptions(env), "/db", &raw);
+  if (!s.ok()) {
+    std::printf("open: %s\n", s.ToString().c_str());
+    return s.ToString().find("held by another process") != std::string::npos ? 3 : 1;
+  }
+  std::unique_ptr<rocksdb::DB> db(raw);
+  uint64_t good = 0;
+  for (uint64_t i = 0; i < keys; i++) {
+    std::string v;
+    if (db->Get(rocksdb::ReadOptions(), Key(i), &v).ok() && v == Value(11, i)) good++;
+  }
+  std::printf("read %llu of %llu keys\n", static_cast<unsigned long long>(good),
+              static_cast<unsigned long long>(keys));
+  Require(db->Close(), "Close");
+  return good == keys ? 0 : 1;
+}
+
+// The killed process of "served": opens "/db", puts keys [`from`, `from` + 100) with
+// sync=true, says HELD on stdout and waits to be killed.
+int Holder(const std::string& device, uint64_t from) {
+  Opened o;
+  OpenThroughUri(corefs_rocksdb::CorefsUri(device, ""), &o);
+  rocksdb::WriteOptions sync;
+  sync.sync = true;
+  for (uint64_t i = from; i < from + 100; i++) Require(o.db->Put(sync, Key(i), Value(11, i)), "Put");
+  std::printf("HELD\n");
+  std::fflush(stdout);
+  for (;;) pause();
+}
+
+// Runs this program as `args` and returns its exit status (-1 if it did not exit).
+int RunSelf(const char* self, const std::vector<std::string>& args) {
+  pid_t child = fork();
+  if (child == 0) {
+    std::vector<char*> argv;
+    argv.push_back(const_cast<char*>(self));
+    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    execv(self, argv.data());
+    _exit(127);
+  }
+  int status = 0;
+  if (child < 0 || waitpid(child, &status, 0) != child || !WIFEXITED(status)) return -1;
+  return WEXITSTATUS(status);
+}
+
+int Served(const char* self, const std::string& socket) {
+  std::string device = "serve:" + socket;
+  const uint64_t kKeys = 1000;
+  {
+    Opened o;
+    OpenThroughUri(corefs_rocksdb::CorefsUri(device, ""), &o);
+    rocksdb::WriteOptions sync;
+    sync.sync = true;
+    for (uint64_t i = 0; i < kKeys; i++) Require(o.db->Put(sync, Key(i), Value(11, i)), "Put");
+    int rc = RunSelf(self, {"opener", device, std::to_string(kKeys)});
+    Check(rc == 3, "another process cannot open the database this one has open (exit " +
+                       std::to_string(rc) + ")");
+    Require(o.db->Close(), "Close");
+  }
+  int rc = RunSelf(self, {"opener", device, std::to_string(kKeys)});
+  Check(rc == 0, "once it is closed another process opens it and reads every key (exit " +
+                     std::to_string(rc) + ")");
+  // A holder killed while it has the database open: the next opener gets the lock (the
+  // server drops a killed client's locks with its connection) and the holder's synced keys.
+  int fds[2];
+  if (pipe(fds) != 0) {
+    std::printf("FAIL pipe: %s\n", std::strerror(errno));
+    return 1;
+  }
+  pid_t holder = fork();
+  if (holder == 0) {
+    dup2(fds[1], STDOUT_FILENO);
+    close(fds[0]);
+    close(fds[1]);
+    execl(self, self, "holder", device.c_str(), std::to_string(kKeys).c_str(), (char*)nullptr);
+    _exit(127);
+  }
+  close(fds[1]);
+  char buf[16] = {0};
+  ssize_t got = read(fds[0], buf, sizeof buf - 1);
+  close(fds[0]);
+  Check(got > 0 && std::strncmp(buf, "HELD", 4) == 0, "the holder opened the database");
+  int during = RunSelf(self, {"opener", device, std::to_string(kKeys)});
+  Check(during == 3, "while the holder lives its lock keeps others out (exit " +
+                         std::to_string(during) + ")");
+  kill(holder, SIGKILL);
+  waitpid(holder, nullptr, 0);
+  int after = -1;
+  for (int tries = 0; tries < 100 && after != 0; tries++) {
+    after = RunSelf(self, {"opener", device, std::to_string(kKeys + 100)});
+    if (after == 3) usleep(50 * 1000);
+    else break;
+  }
+  Check(after == 0, "after the holder's SIGKILL the next process opens the database with all " +
+                        std::to_string(kKeys + 100) + " keys (exit " + std::to_string(after) + ")");
+  return g_failures == 0 ? 0 : 1;
 }
 
 }  // namespace
@@ -429,6 +545,13 @@ int main(int argc, char** argv) {
   std::string mode = argv[1];
   std::string device = argv[2];
   if (mode == "functional" && argc == 3) return Functional(device);
+  if (mode == "served" && argc == 3) return Served("/proc/self/exe", device);
+  if ((mode == "opener" || mode == "holder") && argc == 4) {
+    char* end = nullptr;
+    uint64_t n = std::strtoull(argv[3], &end, 10);
+    if (*end != 0) return Usage();
+    return mode == "opener" ? Opener(device, n) : Holder(device, n);
+  }
   if ((mode == "crash" || mode == "writer") && argc == 4) {
     char* end = nullptr;
     uint64_t seed = std::strtoull(argv[3], &end, 10);
