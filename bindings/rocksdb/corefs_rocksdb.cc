@@ -17,6 +17,10 @@
 //     handle (by inode, so a rename does not hide it) and before a size is asked by path.
 //     Nothing a crash keeps is lost by it: corefs lives in this process, so a write not yet
 //     synced dies with the process whether it waits here or in corefs's dirty blocks.
+//     Through a corefs server (serve:SOCKET) corefs lives in another process, and a write
+//     it took survives this one's crash, as a kernel's page cache keeps an unsynced write
+//     (RocksDB promises that a process crash loses no write, even with sync=false): nothing
+//     is held back there, every append is a call.
 //   * Sync is corefs's fdatasync and Fsync its fsync: one log record and one flush each
 //     (docs/durability.md); a directory's Fsync makes its entries durable. A Sync with bytes
 //     held back writes and syncs them in one corefs call (an atomic batch: stage, commit),
@@ -130,18 +134,24 @@ IOStatus SyncFd(corefs_fs fs, corefs_fd fd, const std::string& path, bool data_o
 // (`Mount::FlushWriterOf`): the mutex orders the two.
 class WriteBehind {
  public:
-  WriteBehind(corefs_fs fs, corefs_fd fd, std::string path, uint64_t size_bytes)
-      : fs_(fs), fd_(fd), path_(std::move(path)), size_bytes_(size_bytes) {}
+  // `hold_max_bytes`: what may be held back (0: nothing, every append is written at once).
+  WriteBehind(corefs_fs fs, corefs_fd fd, std::string path, uint64_t size_bytes,
+              size_t hold_max_bytes)
+      : fs_(fs),
+        fd_(fd),
+        path_(std::move(path)),
+        size_bytes_(size_bytes),
+        hold_max_bytes_(hold_max_bytes) {}
 
   // Appends `data` at the end of the file: held back when it fits, else what is held and
   // then `data` are written.
   IOStatus Append(const Slice& data) {
     std::lock_guard<std::mutex> guard(mu_);
-    if (held_.size() + data.size() > kWriteBehindBytes) {
+    if (held_.size() + data.size() > hold_max_bytes_) {
       IOStatus s = FlushLocked();
       if (!s.ok()) return s;
     }
-    if (data.size() >= kWriteBehindBytes) {
+    if (data.size() >= hold_max_bytes_) {
       IOStatus s = WriteAll(fs_, fd_, path_, size_bytes_, data);
       if (s.ok()) size_bytes_ += data.size();
       return s;
@@ -210,6 +220,7 @@ class WriteBehind {
   std::string held_;
   // The file's size, with `held_` at its end.
   uint64_t size_bytes_;
+  const size_t hold_max_bytes_;
 };
 
 // ------------------------------------------------------------------------------------------
@@ -217,7 +228,8 @@ class WriteBehind {
 
 class Mount {
  public:
-  explicit Mount(corefs_fs fs) : fs_(fs) {}
+  // `remote`: the filesystem lives in a corefs server (see "Write-behind" above).
+  Mount(corefs_fs fs, bool remote) : fs_(fs), remote_(remote) {}
   Mount(const Mount&) = delete;
   Mount& operator=(const Mount&) = delete;
   ~Mount() {
@@ -232,6 +244,8 @@ class Mount {
     }
   }
   corefs_fs fs() const { return fs_; }
+  // What a writable file may hold back: nothing through a server.
+  size_t WriteBehindBytes() const { return remote_ ? 0 : kWriteBehindBytes; }
 
   // The writable files open on this mount, by inode, so that a read through another handle
   // first writes out what they hold back. Lock order: this registry, then a WriteBehind.
@@ -272,6 +286,7 @@ class Mount {
 
  private:
   const corefs_fs fs_;
+  const bool remote_;
   std::mutex writers_mu_;
   std::multimap<uint64_t, WriteBehind*> writers_;
   std::atomic<size_t> writers_count_{0};
@@ -318,7 +333,7 @@ IOStatus MountDevice(const std::string& device, const CorefsFsOptions& options,
     }
   }
   if (fs < 0) return Errno("corefs_mount " + device, fs);
-  auto mount = std::make_shared<Mount>(fs);
+  auto mount = std::make_shared<Mount>(fs, device.rfind("serve:", 0) == 0);
   mounts[device] = mount;
   *out = mount;
   return IOStatus::OK();
@@ -511,7 +526,7 @@ class WritableFile : public rocksdb::FSWritableFile {
   WritableFile(std::unique_ptr<Handle> h, uint64_t size_bytes, const FileOptions& options)
       : rocksdb::FSWritableFile(options),
         h_(std::move(h)),
-        behind_(h_->fs(), h_->fd(), h_->path(), size_bytes),
+        behind_(h_->fs(), h_->fd(), h_->path(), size_bytes, h_->mount().WriteBehindBytes()),
         direct_(options.use_direct_writes) {
     // Registered only with a known inode; without one (fstat failed) nothing is held back.
     registered_ = h_->Ino(&ino_).ok();
