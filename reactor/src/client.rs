@@ -223,9 +223,7 @@ impl Client {
         let token = self.next_token;
         self.next_token += 1;
         let started = Instant::now();
-        // A read is answered within the batch when its blocks are cached; when they are not,
-        // the reactor says so (`note_device_wait`) and the client stops yielding and sleeps.
-        let quick = op.is_quick() || matches!(op, Op::Read { .. });
+        let quick = op.waits_awake();
         self.replies.device_wait.store(false, Ordering::Relaxed);
         let mut op = op;
         loop {

@@ -116,24 +116,25 @@ static OTHERS_MILLICORES: AtomicU64 = AtomicU64::new(0);
 /// Samples the machine's CPU use against the process's when [`MACHINE_WINDOW`] has passed
 /// since the last sample (a reactor calls this as it turns; cheap otherwise).
 pub fn sample_machine(now: Instant) {
-    static LAST: std::sync::Mutex<Option<(Instant, u64, u64)>> = std::sync::Mutex::new(None);
+    static LAST: std::sync::Mutex<Option<CpuSample>> = std::sync::Mutex::new(None);
+    // When the last sample was taken (ns since `epoch`): most calls end here, with one load.
+    static LAST_NS: AtomicU64 = AtomicU64::new(0);
+    let now_ns = ns_at(now);
+    let last_ns = LAST_NS.load(Ordering::Relaxed);
+    if last_ns != 0 && now_ns.saturating_sub(last_ns) < MACHINE_WINDOW.as_nanos() as u64 {
+        return;
+    }
     let Ok(mut last) = LAST.try_lock() else {
         return;
     };
-    if last.is_some_and(|(at, _, _)| now.saturating_duration_since(at) < MACHINE_WINDOW) {
+    if last.is_some_and(|l| now.saturating_duration_since(l.at) < MACHINE_WINDOW) {
         return;
     }
-    let (Some(machine), Some(own)) = (machine_busy_ns(), process_cpu_ns()) else {
+    let Some(sample) = CpuSample::take(now) else {
         return;
     };
-    // Partners' time since the last sample, added to our own (the first sample of a new
-    // partner counts from when it was registered).
-    let own = own + partners_cpu_ns_total();
-    if let Some((at, machine_then, own_then)) = *last {
-        let wall = now.saturating_duration_since(at).as_nanos().max(1) as f64;
-        let others =
-            machine.saturating_sub(machine_then) as f64 - own.saturating_sub(own_then) as f64;
-        let millicores = (others.max(0.0) / wall * 1000.0) as u64;
+    if let Some(earlier) = *last {
+        let millicores = (sample.others_cores_since(&earlier) * 1000.0) as u64;
         OTHERS_MILLICORES.store(millicores, Ordering::Relaxed);
         // Sleeping between requests, our threads hardly wait for a core any more, so the
         // delay alone would end the state within a hold and polling would lose slices to
@@ -149,7 +150,47 @@ pub fn sample_machine(now: Instant) {
                 .store(ns_at(now + HOLD).max(1), Ordering::Relaxed);
         }
     }
-    *last = Some((now, machine, own));
+    *last = Some(sample);
+    LAST_NS.store(now_ns.max(1), Ordering::Relaxed);
+}
+
+/// The machine's user time and this process's own (its partners' included) at one moment:
+/// two samples tell how much of the CPUs other processes used between them. Taking one reads
+/// `/proc/stat` and each partner's `/proc/PID/stat` (tens of microseconds).
+#[derive(Clone, Copy, Debug)]
+pub struct CpuSample {
+    at: Instant,
+    machine_ns: u64,
+    own_ns: u64,
+}
+
+impl CpuSample {
+    pub fn take(now: Instant) -> Option<CpuSample> {
+        let machine_ns = machine_busy_ns()?;
+        // Partners' time counts as our own (a new partner's from when it was registered).
+        let own_ns = process_cpu_ns()? + partners_cpu_ns_total();
+        Some(CpuSample {
+            at: now,
+            machine_ns,
+            own_ns,
+        })
+    }
+
+    pub fn at(&self) -> Instant {
+        self.at
+    }
+
+    /// Cores' worth of user time other processes used from `earlier` to this sample.
+    pub fn others_cores_since(&self, earlier: &CpuSample) -> f64 {
+        let wall = self
+            .at
+            .saturating_duration_since(earlier.at)
+            .as_nanos()
+            .max(1) as f64;
+        let others = self.machine_ns.saturating_sub(earlier.machine_ns) as f64
+            - self.own_ns.saturating_sub(earlier.own_ns) as f64;
+        others.max(0.0) / wall
+    }
 }
 
 /// Partners tracked at most: beyond it, a further partner's time counts as others' (a server

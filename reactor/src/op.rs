@@ -304,6 +304,14 @@ impl Op {
         )
     }
 
+    /// Whether a client waiting for this operation waits awake (spinning or yielding, as
+    /// [`crate::wait_policy`] says) rather than sleeping at once: a quick operation, or a
+    /// read, which is answered within the batch when its blocks are cached (when they are
+    /// not, an in-process reactor says so and its client stops yielding and sleeps).
+    pub fn waits_awake(&self) -> bool {
+        self.is_quick() || matches!(self, Op::Read { .. })
+    }
+
     /// Whether and how a client may run this request itself while the reactor sleeps
     /// ([`crate::caller`]).
     pub(crate) fn caller_run(&self) -> CallerRun {

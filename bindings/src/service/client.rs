@@ -24,12 +24,20 @@ use std::time::{Duration, Instant};
 
 /// How often a waiting thread makes sure the server is still there.
 pub const LIVENESS_CHECK: Duration = Duration::from_millis(20);
-/// How long a waiting thread may spin before it sleeps on its slot, at most and at first.
-/// The budget adapts ([`Connection::spin_ns`]): a sleeping client pays the server's futex
-/// wake and its own wake-up (tens of microseconds on a virtual machine, as much as a device
-/// read), so a client spins while spinning is what ends its waits; when it is not (the
-/// answer never comes while it spins: the server's worker shares the client's core and
-/// cannot run, or the request takes longer), the budget halves down to the minimum.
+/// How long a connection's waiters wait as beside a neighbour once a look found another
+/// process using the CPUs ([`Connection::look_for_neighbours`]); renewed while it does.
+pub const YIELDS_OFF: Duration = Duration::from_secs(1);
+/// How often a connection samples the machine's CPU use ([`Connection::look_for_neighbours`]):
+/// at most, and at most after a waiter's slow yield.
+const CPU_SAMPLE_EVERY: Duration = Duration::from_millis(200);
+const CPU_SAMPLE_SOON: Duration = Duration::from_millis(10);
+/// Beside a CPU-bound neighbour, how long a waiting thread may spin before it sleeps, at
+/// most and at first. The budget adapts ([`Connection::spin_ns`]): a sleeping client pays the
+/// server's futex wake and its own wake-up (tens of microseconds on a virtual machine), so a
+/// client spins while spinning is what ends its waits; when it is not (the answer never comes
+/// while it spins: a fsync, or the server kept off its core), the budget halves down to the
+/// minimum. The spin never yields: beside a neighbour a yield hands it the core for a whole
+/// slice.
 const SPIN_NS_MAX: u64 = 500_000;
 const SPIN_NS_MIN: u64 = 2_000;
 const SPIN_NS_FIRST: u64 = 50_000;
@@ -45,13 +53,23 @@ pub struct Connection {
     reactor_doorbell: Option<std::os::fd::OwnedFd>,
     /// Where the next claim starts looking (spreads threads over the slots).
     next_slot: AtomicUsize,
-    /// The current spin budget of a wait, in nanoseconds (see [`SPIN_NS_MAX`]).
-    spin_ns: AtomicU64,
-    /// Threads spinning on their slots now, and how many may: the cores but one (the
-    /// server's), as in-process clients leave the reactor its core. More spinners than
-    /// cores take the CPU the server's workers need to answer them.
-    spinners: AtomicUsize,
+    /// Threads waiting for answers now, and how many may spin: the cores but one (the
+    /// server's), as in-process clients leave the reactor its core. A waiter waits as an
+    /// in-process client does ([`reactor::wait_policy`], [`reactor::wait_awake`]) unless
+    /// another process uses the CPUs ([`Connection::wait_done`]).
+    waiters: AtomicUsize,
     spinners_max: usize,
+    /// Beside a neighbour: threads spinning now, and the spin budget in ns ([`SPIN_NS_MAX`]).
+    spinners: AtomicUsize,
+    spin_ns: AtomicU64,
+    /// Until when (ns since `epoch`) waiters wait as beside a neighbour (they do not yield).
+    yields_off_until_ns: AtomicU64,
+    epoch: Instant,
+    /// This connection's last sample of the machine's CPU use
+    /// ([`Connection::look_for_neighbours`]).
+    cpu_sample: std::sync::Mutex<Option<reactor::contention::CpuSample>>,
+    /// When the next look may be taken (ns since `epoch`).
+    next_look_ns: AtomicU64,
     /// The server's CPU time is this process's own work when judging contention (a polling
     /// server is a whole core that is not a neighbour's).
     _partner: reactor::contention::Partner,
@@ -100,8 +118,14 @@ impl Connection {
             dead: AtomicBool::new(false),
             reactor_doorbell,
             next_slot: AtomicUsize::new(0),
-            spin_ns: AtomicU64::new(SPIN_NS_FIRST),
+            waiters: AtomicUsize::new(0),
             spinners: AtomicUsize::new(0),
+            spin_ns: AtomicU64::new(SPIN_NS_FIRST),
+            yields_off_until_ns: AtomicU64::new(0),
+            epoch: Instant::now(),
+            // The first judgement covers the time since connecting.
+            cpu_sample: std::sync::Mutex::new(reactor::contention::CpuSample::take(Instant::now())),
+            next_look_ns: AtomicU64::new(0),
             spinners_max: std::thread::available_parallelism()
                 .map_or(1, |n| n.get())
                 .saturating_sub(1)
@@ -202,33 +226,60 @@ impl Connection {
     }
 
     /// Waits until slot `i` is answered, or until `deadline`: false at the deadline.
-    fn wait_done(&self, i: usize, deadline: Option<Instant>) -> Result<bool, EngineError> {
+    /// `quick`: the request may be waited for awake ([`Op::waits_awake`]).
+    ///
+    /// Two ways to wait before sleeping (docs/service.md has the measurements). While no
+    /// other process uses the CPUs, as an in-process client: one spinner per spare core
+    /// (handing its core on now and then), the other waiters yielding their core to each other
+    /// for a quick request rather than each costing the server a futex wake
+    /// ([`reactor::wait_policy`], [`reactor::wait_awake`]). Beside a neighbour
+    /// ([`Connection::look_for_neighbours`]): one adaptive spinner that never yields, the other
+    /// waiters asleep (a yield hands the neighbour a core for a slice, and yielding waiters
+    /// make their core look busy, so the scheduler moves the neighbour onto the server's;
+    /// a sleeper is woken ahead of it). While the process is contended, nobody spins.
+    fn wait_done(
+        &self,
+        i: usize,
+        deadline: Option<Instant>,
+        quick: bool,
+    ) -> Result<bool, EngineError> {
         let started = Instant::now();
-        // While this process's cores are shared with other work, a spinner is preempted for
-        // whole scheduler ticks and loses its wake-up preference: sleep at once
-        // (`reactor::contention`, the rule in-process clients follow).
+        self.look_for_neighbours(started, false);
         let contended = reactor::contention::contended();
-        if !contended && self.spinners.fetch_add(1, Ordering::AcqRel) < self.spinners_max {
-            let budget = Duration::from_nanos(self.spin_ns.load(Ordering::Relaxed));
-            while !self.is_done(i) && started.elapsed() < budget {
-                std::hint::spin_loop();
-            }
-        }
-        if !contended {
-            self.spinners.fetch_sub(1, Ordering::AcqRel);
-        }
-        if self.is_done(i) {
-            // Spinning ended this wait: allow twice what it took (bounded).
-            let took = started.elapsed().as_nanos() as u64;
-            let grown = (took * 2).clamp(SPIN_NS_MIN, SPIN_NS_MAX);
-            self.spin_ns.fetch_max(grown, Ordering::Relaxed);
+        let since_ns = |at: Instant| at.saturating_duration_since(self.epoch).as_nanos() as u64;
+        let neighbours =
+            contended || since_ns(started) < self.yields_off_until_ns.load(Ordering::Relaxed);
+        let answered = if neighbours {
+            self.spin_beside_neighbours(i, started, contended)
+        } else {
+            let waiting = self.waiters.fetch_add(1, Ordering::AcqRel) + 1;
+            let wait = reactor::wait_policy(waiting, self.spinners_max, quick, false);
+            let far = started + LIVENESS_CHECK;
+            let answered = reactor::wait_awake(
+                wait,
+                deadline.map_or(far, |d| d.min(far)),
+                || self.is_done(i),
+                || false,
+                // A slow yield: look at once; stop yielding if a neighbour is about.
+                || {
+                    let now = Instant::now();
+                    self.look_for_neighbours(now, true);
+                    since_ns(now) < self.yields_off_until_ns.load(Ordering::Relaxed)
+                },
+            );
+            self.waiters.fetch_sub(1, Ordering::AcqRel);
+            answered
+        };
+        if answered {
             return Ok(true);
         }
         let state = &self.region.slot(i).state;
         loop {
             let seen = state.load(Ordering::Acquire);
             if seen == DONE {
-                self.adapt_spin(started.elapsed());
+                if neighbours {
+                    self.adapt_spin(started.elapsed());
+                }
                 return Ok(true);
             }
             let mut nap = LIVENESS_CHECK;
@@ -246,13 +297,87 @@ impl Connection {
             }
             waiting.store(0, Ordering::Relaxed);
             if self.is_done(i) {
-                self.adapt_spin(started.elapsed());
+                if neighbours {
+                    self.adapt_spin(started.elapsed());
+                }
                 return Ok(true);
             }
             if !self.alive() {
                 return Err(gone(&self.socket_path));
             }
         }
+    }
+
+    /// Looks whether another process uses the CPUs, at most once per [`CPU_SAMPLE_EVERY`]
+    /// from any waiter, or once per [`CPU_SAMPLE_SOON`] after a waiter's yield was slow (a
+    /// look is two reads of /proc): if one does, waiters stop yielding for [`YIELDS_OFF`].
+    /// The connection's own samples ([`reactor::contention::CpuSample`]), not the process's
+    /// contention state: refreshing that one more often made the process contended more of
+    /// the time beside a neighbour, and its clients slept. Both triggers are needed: yielding
+    /// waiters make their core look loaded and the scheduler moves the neighbour to the
+    /// server's core, after which their yields are quick again (and the neighbour stays
+    /// there, halving the reactor), so the first slow yield must stop them at once; the
+    /// periodic look finds a neighbour that started elsewhere.
+    fn look_for_neighbours(&self, now: Instant, soon: bool) {
+        let now_ns = now.saturating_duration_since(self.epoch).as_nanos() as u64;
+        if !soon && now_ns < self.next_look_ns.load(Ordering::Relaxed) {
+            return;
+        }
+        let Ok(mut last) = self.cpu_sample.try_lock() else {
+            return;
+        };
+        let since = last.map_or(Duration::MAX, |l| now.saturating_duration_since(l.at()));
+        if since
+            < if soon {
+                CPU_SAMPLE_SOON
+            } else {
+                CPU_SAMPLE_EVERY
+            }
+        {
+            return;
+        }
+        self.next_look_ns.store(
+            now_ns + CPU_SAMPLE_EVERY.as_nanos() as u64,
+            Ordering::Relaxed,
+        );
+        let Some(sample) = reactor::contention::CpuSample::take(now) else {
+            return;
+        };
+        let others_cores = match *last {
+            Some(earlier) => sample.others_cores_since(&earlier),
+            None => 0.0,
+        };
+        *last = Some(sample);
+        if others_cores >= reactor::contention::OTHERS_MIN {
+            let until = (now + YIELDS_OFF)
+                .saturating_duration_since(self.epoch)
+                .as_nanos() as u64;
+            self.yields_off_until_ns.fetch_max(until, Ordering::Relaxed);
+        }
+    }
+
+    /// Beside a neighbour: one thread per spare core spins for the current budget (none
+    /// while the process is contended: its threads are kept off their cores, and a sleeper
+    /// is woken ahead of a CPU hog; spinning there made append+fdatasync 10x slower); true
+    /// once slot `i` is answered.
+    fn spin_beside_neighbours(&self, i: usize, started: Instant, contended: bool) -> bool {
+        if !contended && self.spinners.fetch_add(1, Ordering::AcqRel) < self.spinners_max {
+            let budget = Duration::from_nanos(self.spin_ns.load(Ordering::Relaxed));
+            while !self.is_done(i) && started.elapsed() < budget {
+                std::hint::spin_loop();
+            }
+        }
+        if !contended {
+            self.spinners.fetch_sub(1, Ordering::AcqRel);
+        }
+        if self.is_done(i) {
+            // Spinning ended this wait: allow twice what it took (bounded).
+            let took = started.elapsed().as_nanos() as u64;
+            let grown = (took * 2).clamp(SPIN_NS_MIN, SPIN_NS_MAX);
+            self.spin_ns.fetch_max(grown, Ordering::Relaxed);
+            return true;
+        }
+        false
     }
 
     /// A wait that slept took `waited` in all: had the spin lasted that long it would have
@@ -480,7 +605,7 @@ impl RemoteClient {
             if self.posted.len() <= keep && !self.conn.is_done(i) {
                 break;
             }
-            self.conn.wait_done(i, None)?;
+            self.conn.wait_done(i, None, true)?;
             self.posted.pop_front();
             if let Err(e) = self.conn.finish(i) {
                 tracing::warn!("a posted release failed on the server: {e}");
@@ -505,7 +630,12 @@ impl RemoteClient {
         let started = Instant::now();
         self.conn.send(i, request)?;
         self.sent += 1;
-        self.conn.wait_done(i, None)?;
+        let quick = match request {
+            wire::Request::Op(op) => op.waits_awake(),
+            wire::Request::Lock(_) => true,
+            wire::Request::ServerStats => false,
+        };
+        self.conn.wait_done(i, None, quick)?;
         // A slow call looks at this thread's run delay and the machine's other work, as an
         // in-process client's does (no reactor samples the machine in a client process).
         let took = started.elapsed();
@@ -578,7 +708,7 @@ impl RemoteClient {
                 return n;
             }
             let (i, _) = self.in_flight[0];
-            match self.conn.wait_done(i, Some(deadline)) {
+            match self.conn.wait_done(i, Some(deadline), false) {
                 Ok(true) => continue,
                 Ok(false) => return self.poll(out),
                 Err(_) => {
@@ -597,7 +727,7 @@ impl Drop for RemoteClient {
     fn drop(&mut self) {
         let _ = self.reap_posted(0);
         for (i, _) in std::mem::take(&mut self.in_flight) {
-            if self.conn.wait_done(i, None).is_ok() {
+            if self.conn.wait_done(i, None, false).is_ok() {
                 let _ = self.conn.finish(i);
             }
         }
