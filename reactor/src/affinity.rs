@@ -186,6 +186,47 @@ pub fn pin_current_thread(core: usize) -> Result<(), EngineError> {
     Ok(())
 }
 
+/// For tests that need a shared core: pins the calling thread to the first allowed core and
+/// spins another thread there until dropped.
+#[cfg(test)]
+pub(crate) struct CoreHog {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+#[cfg(test)]
+impl CoreHog {
+    pub(crate) fn beside_me() -> CoreHog {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let core = allowed_cores().unwrap()[0];
+        pin_current_thread(core).unwrap();
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let thread = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                pin_current_thread(core).unwrap();
+                while !stop.load(Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            })
+        };
+        CoreHog {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+#[cfg(test)]
+impl Drop for CoreHog {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

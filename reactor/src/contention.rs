@@ -581,28 +581,16 @@ mod tests {
     /// another thread holds the only core both may run on.
     #[test]
     fn a_thread_sharing_its_core_sees_its_run_delay_grow() {
-        let core = crate::affinity::allowed_cores().unwrap()[0];
-        crate::affinity::pin_current_thread(core).unwrap();
+        let hog = crate::affinity::CoreHog::beside_me();
         let mut delay = RunDelay::open();
         let before = delay.read().expect("schedstat readable on this kernel");
-        let stop = std::sync::Arc::new(AtomicBool::new(false));
-        let hog = {
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                crate::affinity::pin_current_thread(core).unwrap();
-                while !stop.load(Ordering::Relaxed) {
-                    std::hint::spin_loop();
-                }
-            })
-        };
         // Spin beside it for 200 ms: the scheduler splits the core, so this thread waits
         // for it a good part of the time.
         let started = Instant::now();
         while started.elapsed() < Duration::from_millis(200) {
             std::hint::spin_loop();
         }
-        stop.store(true, Ordering::Relaxed);
-        hog.join().unwrap();
+        drop(hog);
         let after = delay.read().unwrap();
         assert!(
             after - before >= Duration::from_millis(20),

@@ -343,18 +343,7 @@ mod tests {
     /// sees the slow yield and asks whether to stop; told to, it returns (not ready).
     #[test]
     fn a_slow_yield_is_reported() {
-        let core = crate::affinity::allowed_cores().unwrap()[0];
-        crate::affinity::pin_current_thread(core).unwrap();
-        let stop = Arc::new(AtomicBool::new(false));
-        let hog = {
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                crate::affinity::pin_current_thread(core).unwrap();
-                while !stop.load(Ordering::Relaxed) {
-                    std::hint::spin_loop();
-                }
-            })
-        };
+        let hog = crate::affinity::CoreHog::beside_me();
         let asked = AtomicU32::new(0);
         for _ in 0..200 {
             let ready = wait_awake(
@@ -372,8 +361,7 @@ mod tests {
                 break;
             }
         }
-        stop.store(true, Ordering::Relaxed);
-        hog.join().unwrap();
+        drop(hog);
         assert!(
             asked.load(Ordering::Relaxed) > 0,
             "200 waits yielding beside a spinner on one core never saw a slow yield"
