@@ -105,6 +105,7 @@ typedef struct CfsShmNode {
   int nRegion;                /* regions in apRegion */
   char **apRegion;            /* the regions, zero-initialised (mapped from hShm, remote) */
   int hShm;                   /* through a server: the shared memory object, else -1 */
+  char zShmName[64];          /* and its name (set by cfs_shm_open_remote) */
   int aLock[SQLITE_SHM_NLOCK]; /* per slot: 0 free, > 0 shared holders, -1 exclusive */
   CfsShm *pFirst;             /* connections using this node */
 } CfsShmNode;
@@ -866,13 +867,14 @@ static int cfs_device_characteristics(sqlite3_file *pFile) {
 
 /* Opens the shared memory object of p's database and takes its dead man switch (remote). */
 static int cfs_shm_open_remote(CfsFile *p, CfsShmNode *pNode) {
-  char zName[96];
+  char *zName = pNode->zShmName;
   struct corefs_stat st;
   mode_t mode = 0600;
   int fd, rc;
 
-  snprintf(zName, sizeof(zName), "/corefs-wal-%016llx-%llu", (unsigned long long)g_socket_hash,
-           (unsigned long long)p->pInode->ino);
+  /* 11 + 16 + 1 + up to 20 digits: always fits. */
+  snprintf(zName, sizeof(pNode->zShmName), "/corefs-wal-%016llx-%llu",
+           (unsigned long long)g_socket_hash, (unsigned long long)p->pInode->ino);
   memset(&st, 0, sizeof(st));
   if (corefs_fstat(cfs_fs(), p->fd, &st) == 0) mode = (mode_t)(st.mode & 0666);
   fd = shm_open(zName, O_RDWR | O_CREAT | O_CLOEXEC, mode);
@@ -915,12 +917,7 @@ static void cfs_shm_node_free(CfsFile *p, CfsShmNode *pNode, int deleteFlag) {
   }
   sqlite3_free(pNode->apRegion);
   if (pNode->hShm >= 0) {
-    if (deleteFlag) {
-      char zName[96];
-      snprintf(zName, sizeof(zName), "/corefs-wal-%016llx-%llu",
-               (unsigned long long)g_socket_hash, (unsigned long long)p->pInode->ino);
-      shm_unlink(zName);
-    }
+    if (deleteFlag) shm_unlink(pNode->zShmName);
     cfs_plock(p, COREFS_LOCK_UNLOCK, CFS_SHM_DMS, 1, SQLITE_IOERR_UNLOCK);
     close(pNode->hShm);
   }

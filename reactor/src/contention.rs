@@ -499,14 +499,32 @@ mod tests {
     /// the other would count).
     static MACHINE_TESTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+    /// A CPU-bound process (`while :; do :; done`), killed when dropped.
+    struct SpinningProcess(std::process::Child);
+
+    impl SpinningProcess {
+        fn start() -> SpinningProcess {
+            SpinningProcess(
+                std::process::Command::new("sh")
+                    .args(["-c", "while :; do :; done"])
+                    .spawn()
+                    .unwrap(),
+            )
+        }
+    }
+
+    impl Drop for SpinningProcess {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
     /// A process spinning beside this one shows as others' CPU use.
     #[test]
     fn a_spinning_process_shows_as_others_cpu_use() {
         let _one = MACHINE_TESTS.lock().unwrap_or_else(|p| p.into_inner());
-        let mut hog = std::process::Command::new("sh")
-            .args(["-c", "while :; do :; done"])
-            .spawn()
-            .unwrap();
+        let hog = SpinningProcess::start();
         let start = Instant::now();
         let mut seen = 0.0f64;
         while start.elapsed() < Duration::from_secs(2) {
@@ -514,8 +532,7 @@ mod tests {
             seen = seen.max(others_cores());
             std::thread::sleep(Duration::from_millis(50));
         }
-        hog.kill().unwrap();
-        hog.wait().unwrap();
+        drop(hog);
         assert!(
             seen >= 0.5,
             "others used {seen} cores beside a spinning process"
@@ -527,10 +544,7 @@ mod tests {
     #[test]
     fn a_partners_cpu_time_is_ours() {
         let _one = MACHINE_TESTS.lock().unwrap_or_else(|p| p.into_inner());
-        let mut hog = std::process::Command::new("sh")
-            .args(["-c", "while :; do :; done"])
-            .spawn()
-            .unwrap();
+        let hog = SpinningProcess::start();
         let window = |secs: u64| {
             let start = Instant::now();
             let mut seen: Vec<f64> = Vec::new();
@@ -541,13 +555,12 @@ mod tests {
             }
             seen
         };
-        let partner = Partner::new(hog.id() as i32);
+        let partner = Partner::new(hog.0.id() as i32);
         // The first sample after registering may still straddle it.
         let with = window(3);
         drop(partner);
         let without = window(2);
-        hog.kill().unwrap();
-        hog.wait().unwrap();
+        drop(hog);
         let with_min = with[1..].iter().cloned().fold(f64::MAX, f64::min);
         let without_max = without[1..].iter().cloned().fold(0.0, f64::max);
         assert!(

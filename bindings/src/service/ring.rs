@@ -191,16 +191,7 @@ impl Region {
     /// Writes `message` into slot `i`'s payload and its length word (the state is the
     /// caller's to publish after).
     pub fn put(&self, i: usize, message: &[u8]) {
-        assert!(
-            message.len() <= PAYLOAD_BYTES,
-            "a message larger than a slot"
-        );
-        // SAFETY: the payload holds PAYLOAD_BYTES; the other side may write it too (only a
-        // misbehaving one), which makes its own answer wrong and nothing else.
-        unsafe { std::ptr::copy_nonoverlapping(message.as_ptr(), self.payload(i), message.len()) };
-        self.slot(i)
-            .len
-            .store(message.len() as u32, Ordering::Relaxed);
+        self.put_parts(i, &[message]);
     }
 
     /// Writes `parts` one after another into slot `i`'s payload, and their total length (an
@@ -210,7 +201,9 @@ impl Region {
         assert!(total <= PAYLOAD_BYTES, "a message larger than a slot");
         let mut at = 0;
         for part in parts {
-            // SAFETY: within the payload (the total is checked above); see `put`.
+            // SAFETY: within the payload (the total is checked above); the other side may
+            // write it too (only a misbehaving one), which makes its own answer wrong and
+            // nothing else.
             unsafe {
                 std::ptr::copy_nonoverlapping(part.as_ptr(), self.payload(i).add(at), part.len())
             };
