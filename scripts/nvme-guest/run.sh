@@ -220,6 +220,13 @@ if [[ -n "$KEEP" ]]; then
   mkdir -p "$KEEP" && cp "$WORK"/{console,output,status,qemu}.log "$KEEP/"
 fi
 
+# A command the emulated controller never completed: the run measured the emulator, and a
+# failure after it may be the emulator's. Said on every run so the logs show how often.
+if stalls=$(tr -d '\r' <"$WORK/status.log" | grep -E 'nvme[0-9]+: I/O [0-9]+ .*timeout'); then
+  msg "warning: the emulated controller did not complete $(wc -l <<<"$stalls") command(s) in time:"
+  sed 's/^/run.sh:   /' <<<"$stalls" >&2
+fi
+
 final=0
 if [[ $qrc == 124 || $qrc == 137 ]]; then
   msg "TIMEOUT: guest did not finish within ${TIMEOUT}s; qemu killed"
@@ -233,6 +240,12 @@ fi
 if ((final != 0)); then
   msg "--- qemu stderr ---"; tail -n 20 "$WORK/qemu.log" >&2 || true
   msg "--- tail of guest kernel console ---"; tail -n 40 "$WORK/console.log" | tr -d '\r' >&2 || true
+  # The console is quiet (errors only); the driver's warnings (timeouts, resets, a
+  # controller removed) are in the dmesg the guest wrote to its status port.
+  if [[ $DMESG != 1 ]]; then
+    msg "--- guest dmesg | grep -i nvme ---"
+    sed -n '/^--- dmesg/,$p' "$WORK/status.log" | tr -d '\r' | sed 1d | tail -n 60 >&2 || true
+  fi
 fi
 msg "kernel $KVER, lba $LBA, poll_queues $POLL_QUEUES: test exit ${rc:-none}; boot+test+poweroff ${elapsed}s"
 exit "$final"
