@@ -1,6 +1,7 @@
 //! Every C ABI call is one round trip to the reactors: a call that acts on a path of plain
 //! names sends the walk and the act as one request (the reactors walk, handing the walk on
-//! where a directory is another reactor's), open(O_CREAT|O_TRUNC) included. Counted by the
+//! where a directory is another reactor's), open(O_CREAT|O_TRUNC) included; a rename within
+//! one directory too, one across directories two (two directories to walk). Counted by the
 //! requests this thread's client submitted (`test_hook_requests_sent`), over a deep path
 //! whose directories lie on every reactor, with one and with two reactors; the results are
 //! checked too, so a call that got cheaper by doing less fails here. A lookup may also run
@@ -55,6 +56,18 @@ fn once<T>(fs: corefs_fs, what: &str, call: impl FnOnce() -> T) -> T {
         requests + here,
         1,
         "{what} sent {requests} requests and ran {here} times in the caller"
+    );
+    result
+}
+
+/// Runs `call` and asserts it made at most `max` requests (or runs in this thread).
+fn at_most<T>(fs: corefs_fs, max: u64, what: &str, call: impl FnOnce() -> T) -> T {
+    let (before, before_here) = (sent(fs), ran_here(fs));
+    let result = call();
+    let made = sent(fs) - before + ran_here(fs) - before_here;
+    assert!(
+        (1..=max).contains(&made),
+        "{what} made {made} requests (at most {max})"
     );
     result
 }
@@ -241,6 +254,58 @@ fn calls_are_one_request_each(reactors: u8) {
         assert_eq!(&buf[..n as usize], b"f");
     }
     assert_eq!(stat(fs, &file).unwrap().mode & 0o7777, 0o600);
+
+    // Renames: within one directory one request (the walk carries the rename), across
+    // directories two (the target's directory walked first), the root's names too.
+    let rename = |from: &str, to: &str, flags: i32| {
+        let (f, t) = (c(from), c(to));
+        // SAFETY: NUL-terminated paths.
+        unsafe { corefs_rename(fs, f.as_ptr(), t.as_ptr(), flags) }
+    };
+    let ino = stat(fs, &file).unwrap().ino;
+    let aside = format!("{dir}/f.tmp");
+    let r = once(fs, "rename within a directory", || rename(&file, &aside, 0));
+    assert_eq!(r, 0, "{}", last_error());
+    assert_eq!(stat(fs, &aside).unwrap().ino, ino);
+    assert_eq!(stat(fs, &file).unwrap_err(), -libc::ENOENT);
+    let r = at_most(fs, 2, "rename across directories", || {
+        rename(&aside, "a/b/moved", 0)
+    });
+    assert_eq!(r, 0, "{}", last_error());
+    let r = at_most(fs, 2, "rename into the root", || {
+        rename("a/b/moved", "top", 0)
+    });
+    assert_eq!(r, 0, "{}", last_error());
+    let r = once(fs, "rename within the root", || rename("top", "top2", 0));
+    assert_eq!(r, 0, "{}", last_error());
+    let r = at_most(fs, 2, "rename out of the root", || rename("top2", &file, 0));
+    assert_eq!(r, 0, "{}", last_error());
+    assert_eq!(stat(fs, &file).unwrap().ino, ino, "back where it was");
+    // What a rename refuses, it refuses in as many requests: an existing target with
+    // RENAME_NOREPLACE, a missing source, a missing directory on either side.
+    let r = once(fs, "rename(NOREPLACE) over an existing name", || {
+        rename(&file, &format!("{dir}/sym"), COREFS_RENAME_NOREPLACE)
+    });
+    assert_eq!(r, -libc::EEXIST);
+    let r = once(fs, "rename of a missing name", || {
+        rename(&format!("{dir}/nothing"), &aside, 0)
+    });
+    assert_eq!(r, -libc::ENOENT);
+    // rename(2) resolves the source's directory first: its ENOENT, not the target's ENOTDIR.
+    let r = at_most(fs, 3, "rename with both directories wrong", || {
+        rename("a/missing/x", &format!("{file}/y"), 0)
+    });
+    assert_eq!(r, -libc::ENOENT, "{}", last_error());
+    let r = at_most(fs, 2, "rename into a file's \"directory\"", || {
+        rename(&file, &format!("{file}/y"), 0)
+    });
+    assert_eq!(r, -libc::ENOTDIR, "{}", last_error());
+    assert_eq!(
+        stat(fs, &file).unwrap().ino,
+        ino,
+        "refused renames moved nothing"
+    );
+
     for (what, path) in [("unlink", format!("{dir}/sym")), ("unlink", file.clone())] {
         assert_eq!(once(fs, what, || path_call(fs, &path, corefs_unlink)), 0);
     }

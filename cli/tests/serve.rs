@@ -404,6 +404,29 @@ fn nobody(socket: &Path) {
             0,
             "chmod of mine"
         );
+        // Renames, walked by the server in the request that renames: the kernel's checks
+        // on both directories and the sticky bit.
+        let rename = |from: &str, to: &str| {
+            let (f, t) = (c(from), c(to));
+            corefs_rename(fs, f.as_ptr(), t.as_ptr(), 0) as i64
+        };
+        assert_eq!(
+            rename("/tmp/roots", "/tmp/taken"),
+            eperm,
+            "renaming root's file in a sticky directory"
+        );
+        assert_eq!(
+            rename("/closed/f", "/closed/g"),
+            eacces,
+            "renaming under a directory nobody may search"
+        );
+        assert_eq!(
+            rename("/tmp/mine", "/mine"),
+            eacces,
+            "renaming into root's 0755 root directory"
+        );
+        assert_eq!(rename("/tmp/mine", "/tmp/mine2"), 0, "renaming mine");
+        assert_eq!(rename("/tmp/mine2", "/tmp/mine"), 0, "and back");
         assert_eq!(corefs_unlink(fs, mine_path.as_ptr()), 0, "removing mine");
         assert_eq!(corefs_release(fs, mine), 0);
         assert_eq!(corefs_release(fs, public), 0);

@@ -206,14 +206,12 @@ pub(crate) fn lookups(fs: &mut Filesystem, op: &Op) {
 /// A walk's operation with its target replaced by the inode the walk reached.
 pub(crate) fn walked(then: &Op, ino: u64) -> Result<Op, EngineError> {
     let mut op = then.clone();
-    match op.target_mut() {
-        Some(target) => {
-            *target = ino;
-            Ok(op)
-        }
-        None => Err(EngineError::Invalid(format!(
+    if op.walked_to(ino) {
+        Ok(op)
+    } else {
+        Err(EngineError::Invalid(format!(
             "a walk cannot carry {then:?}: it has no inode to replace"
-        ))),
+        )))
     }
 }
 

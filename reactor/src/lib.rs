@@ -56,7 +56,7 @@ pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 
 pub use client::{Client, SubmitError};
 pub use doorbell::ring_eventfd;
-pub use op::{Completion, Op, OpenHow, Opened, Owner, Reply};
+pub use op::{Completion, Op, OpenHow, Opened, Owner, Reply, SAME_DIR};
 pub use reply::{wait_awake, wait_policy, Wait};
 pub use runtime::{durable_spin_budget, Config, IdlePolicy, Runtime, DURABLE_SPIN_MAX};
 pub use stats::{Latency, ReactorStats};

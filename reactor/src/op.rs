@@ -48,6 +48,10 @@ pub enum Opened {
     Gone,
 }
 
+/// A rename's `to_dir` inside a walk that means "the directory the walk reached" (no inode
+/// is numbered 0).
+pub const SAME_DIR: u64 = 0;
+
 /// One engine operation. Inode numbers and names are the engine's (see `engine`).
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub enum Op {
@@ -118,6 +122,9 @@ pub enum Op {
         dir: u64,
         name: Vec<u8>,
     },
+    /// Moves `from` in `from_dir` to `to` in `to_dir`. Carried by a walk, `from_dir` is the
+    /// directory the walk reached, and so is `to_dir` when it is [`SAME_DIR`] (a rename within
+    /// one directory, the common one: a file written aside and renamed over the old).
     Rename {
         from_dir: u64,
         from: Vec<u8>,
@@ -243,10 +250,38 @@ impl Op {
         }
     }
 
+    /// Gives the operation a [`Op::Walk`] carries the inode the walk reached
+    /// ([`Op::target_mut`]; a rename's source directory, and its target directory too when
+    /// that is [`SAME_DIR`]). False, changing nothing, for what a walk cannot carry.
+    pub fn walked_to(&mut self, ino: u64) -> bool {
+        if let Op::Rename {
+            from_dir, to_dir, ..
+        } = self
+        {
+            *from_dir = ino;
+            if *to_dir == SAME_DIR {
+                *to_dir = ino;
+            }
+            return true;
+        }
+        match self.target_mut() {
+            Some(target) => {
+                *target = ino;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// True for what a [`Op::Walk`] may carry ([`Op::walked_to`]).
+    pub fn walkable(&mut self) -> bool {
+        matches!(self, Op::Rename { .. }) || self.target_mut().is_some()
+    }
+
     /// The inode a [`Op::Walk`] replaces: the directory a name operation works in, the
     /// inode a path call (stat, chmod, truncate, xattrs) works on; a link's new name's
     /// directory. None for what a walk does not carry: what acts on no inode (sync, statfs,
-    /// stats), a walk (walks do not nest), a rename (two directories: walked by its caller),
+    /// stats), a walk (walks do not nest), a rename (two directories: [`Op::walked_to`]),
     /// and what goes through an open handle (reads, writes, fsyncs: the batch runs them
     /// apart from the rest).
     pub fn target_mut(&mut self) -> Option<&mut u64> {

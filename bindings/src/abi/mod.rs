@@ -23,7 +23,7 @@ use crate::path::{self, show, Entry, Last, Namespace};
 use engine::format::items::MAX_XATTR_VALUE_BYTES;
 use engine::inode::ROOT_INO;
 use engine::{FallocateMode, MkfsOptions, MountOptions, RenameFlags, SetAttr, Stat, XattrFlags};
-use reactor::{Config, IdlePolicy, Op, OpenHow, Opened, Owner, Reply, Runtime};
+use reactor::{Config, IdlePolicy, Op, OpenHow, Opened, Owner, Reply, Runtime, SAME_DIR};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, CStr};
@@ -455,9 +455,7 @@ impl Namespace for Names<'_> {
 /// the reactor, or `then` itself at the root.
 fn walk(names: &[&[u8]], mut then: Op) -> Op {
     if names.is_empty() {
-        if let Some(target) = then.target_mut() {
-            *target = ROOT_INO;
-        }
+        then.walked_to(ROOT_INO);
         return then;
     }
     Op::Walk {

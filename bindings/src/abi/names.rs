@@ -176,6 +176,45 @@ pub unsafe extern "C" fn corefs_rename(
             return Err(einval(format!("unsupported rename flags {flags:#x}")));
         }
         let exchange = flags & COREFS_RENAME_EXCHANGE != 0;
+        let flags = RenameFlags {
+            noreplace: flags & COREFS_RENAME_NOREPLACE != 0,
+            exchange,
+        };
+        // Paths of plain names without a trailing slash: the reactor walks to the source's
+        // directory in the request that renames, so a rename within one directory is one
+        // request (the target's directory is the same, `SAME_DIR`) and one across directories
+        // two (the target's directory walked first). Through a server each request is a
+        // round trip; walking both directories here made every rename three.
+        let (parsed_from, parsed_to) = (path::parse(from)?, path::parse(to)?);
+        if !parsed_from.trailing_slash && !parsed_to.trailing_slash {
+            let from_names = path::plain(&parsed_from.parts);
+            let to_names = path::plain(&parsed_to.parts);
+            if let (Some((from_name, from_dirs)), Some((to_name, to_dirs))) = (
+                from_names.as_ref().and_then(|n| n.split_last()),
+                to_names.as_ref().and_then(|n| n.split_last()),
+            ) {
+                let to_dir = if from_dirs == to_dirs {
+                    SAME_DIR
+                } else {
+                    match entry(&fs, to) {
+                        Ok(dst) => dst.dir,
+                        // rename(2) resolves the source's directory first: its error wins.
+                        Err(e) => {
+                            entry(&fs, from)?;
+                            return Err(e);
+                        }
+                    }
+                };
+                let rename = Op::Rename {
+                    from_dir: 0,
+                    from: from_name.to_vec(),
+                    to_dir,
+                    to: to_name.to_vec(),
+                    flags,
+                };
+                return call(&fs, walk(from_dirs, rename)).map(drop);
+            }
+        }
         let src = entry(&fs, from)?;
         let dst = entry(&fs, to)?;
         let from_name = src.name(special(libc::EBUSY, from))?;
@@ -203,10 +242,7 @@ pub unsafe extern "C" fn corefs_rename(
                 from: from_name.to_vec(),
                 to_dir: dst.dir,
                 to: to_name.to_vec(),
-                flags: RenameFlags {
-                    noreplace: flags & COREFS_RENAME_NOREPLACE != 0,
-                    exchange,
-                },
+                flags,
             },
         )
         .map(drop)

@@ -168,9 +168,8 @@ pub fn admit(caller: &Caller, client: &mut Client, op: Op) -> Result<Op, EngineE
                 ino = next.ino;
             }
             let mut then = *then;
-            if let Some(target) = then.target_mut() {
-                *target = ino;
-            }
+            // What no walk may carry was refused before (the server's `bound`).
+            then.walked_to(ino);
             then
         }
         op => op,

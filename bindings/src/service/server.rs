@@ -982,7 +982,7 @@ fn execute(conn: &Conn, client: &mut Client, op: Op) -> Result<Reply, EngineErro
 /// this library sends (a walk to an operation that goes through a handle).
 fn bound(mut op: Op) -> Result<Op, EngineError> {
     if let Op::Walk { then, .. } = &mut op {
-        if then.target_mut().is_none() {
+        if !then.walkable() {
             return Err(EngineError::Invalid(
                 "a walk to an operation that takes no path".into(),
             ));
