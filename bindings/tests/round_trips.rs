@@ -141,7 +141,29 @@ fn calls_are_one_request_each(reactors: u8) {
     // SAFETY: a live output.
     let r = once(fs, "fstat", || unsafe { corefs_fstat(fs, fd, &mut st) });
     assert_eq!((r, st.size), (0, 5000));
+    // The rest of what goes through a handle.
+    assert_eq!(once(fs, "fdatasync", || corefs_fdatasync(fs, fd)), 0);
+    assert_eq!(once(fs, "ftruncate", || corefs_ftruncate(fs, fd, 6000)), 0);
+    let r = once(fs, "fallocate", || corefs_fallocate(fs, fd, 0, 0, 8192));
+    assert_eq!(r, 0, "{}", last_error());
+    // SAFETY: a live output.
+    let r = once(fs, "fstat after them", || unsafe {
+        corefs_fstat(fs, fd, &mut st)
+    });
+    assert_eq!((r, st.size), (0, 8192), "ftruncate then fallocate");
+    assert_eq!(
+        once(fs, "ftruncate back", || corefs_ftruncate(fs, fd, 5000)),
+        0
+    );
     assert_eq!(once(fs, "release", || corefs_release(fs, fd)), 0);
+    // And what acts on the whole filesystem.
+    assert_eq!(once(fs, "sync", || corefs_sync(fs)), 0);
+    // SAFETY: all-zero is a valid corefs_statfs; a live output.
+    let mut sf: corefs_statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a live output.
+    let r = once(fs, "statfs", || unsafe { corefs_statfs(fs, &mut sf) });
+    assert_eq!(r, 0);
+    assert!(sf.total_blocks > 0 && sf.free_blocks <= sf.total_blocks);
 
     // Opens of what exists, with each flag that adds work.
     let again = once(fs, "open(O_CREAT|O_EXCL) of an existing file", || {
@@ -252,6 +274,49 @@ fn calls_are_one_request_each(reactors: u8) {
             corefs_readlink(fs, link.as_ptr(), buf.as_mut_ptr(), buf.len())
         });
         assert_eq!(&buf[..n as usize], b"f");
+        let mut list = [0u8; 64];
+        let n = once(fs, "listxattr", || {
+            corefs_listxattr(fs, p.as_ptr(), list.as_mut_ptr(), list.len())
+        });
+        assert_eq!(&list[..n as usize], b"user.k\0", "{}", last_error());
+        let removed = once(fs, "removexattr", || {
+            corefs_removexattr(fs, p.as_ptr(), name.as_ptr())
+        });
+        assert_eq!(removed, 0, "{}", last_error());
+        let fifo = c(&format!("{dir}/fifo"));
+        let made = once(fs, "mkfifo", || corefs_mkfifo(fs, fifo.as_ptr(), 0o600));
+        assert_eq!(made, 0, "{}", last_error());
+        let node = c(&format!("{dir}/node"));
+        let made = once(fs, "mknod", || {
+            corefs_mknod(fs, node.as_ptr(), libc::S_IFCHR | 0o600, 0x0501)
+        });
+        assert_eq!(made, 0, "{}", last_error());
+        let mut entries: Vec<corefs_dirent> = Vec::with_capacity(16);
+        let d = c(&dir);
+        let n = once(fs, "readdir", || {
+            corefs_readdir(fs, d.as_ptr(), 0, entries.as_mut_ptr(), 16)
+        });
+        assert!(
+            n >= 4,
+            "f, sym, fifo, node (and . and ..): {n} {}",
+            last_error()
+        );
+        entries.set_len(n as usize);
+        let names: Vec<&[u8]> = entries
+            .iter()
+            .map(|e| &e.name[..e.name_len as usize])
+            .collect();
+        for want in [&b"f"[..], b"sym", b"fifo", b"node"] {
+            assert!(names.contains(&want), "readdir lists {want:?}: {names:?}");
+        }
+        // A hard link names two paths: the existing one walked, then the new name's walk
+        // carries the link.
+        let hard = c(&format!("{dir}/hard"));
+        let linked = at_most(fs, 2, "link", || corefs_link(fs, p.as_ptr(), hard.as_ptr()));
+        assert_eq!(linked, 0, "{}", last_error());
+        for gone in [&hard, &fifo, &node] {
+            assert_eq!(once(fs, "unlink", || corefs_unlink(fs, gone.as_ptr())), 0);
+        }
     }
     assert_eq!(stat(fs, &file).unwrap().mode & 0o7777, 0o600);
 
