@@ -367,6 +367,13 @@ pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, confi
         fsync_queue_wait_p50_us = stats.fsync_queue_wait.p50_ns / 1000,
         fsync_log_write_p50_us = stats.fsync_log_write.p50_ns / 1000,
         fsync_log_write_p99_us = stats.fsync_log_write.p99_ns / 1000,
+        // Where the slowest fsync's time went: queued, its record's write and flush, or a
+        // fallback commit.
+        fsync_max_us = stats.fsync_total.max_ns / 1000,
+        fsync_queue_wait_max_us = stats.fsync_queue_wait.max_ns / 1000,
+        fsync_log_write_max_us = stats.fsync_log_write.max_ns / 1000,
+        fsync_commit_wait_max_us = stats.fsync_commit_wait.max_ns / 1000,
+        reply_max_us = stats.reply.max_ns / 1000,
         fsync_groups = stats.fsync_groups,
         fua_records = stats.log.fua_records,
         device_sleeps = stats.device_sleeps,
