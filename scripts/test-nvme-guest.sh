@@ -23,7 +23,8 @@ configs=(
 passed=0 failed=0
 # run.sh warns when the emulated controller left commands uncompleted until the driver's
 # timeout; a passing run says so too, so the logs show how often the emulator stalls.
-stalled() { grep -h 'warning: the emulated controller' "$1" | sed 's/^run.sh: warning: /     note: /; s/:$//' || true; }
+stall_mark='warning: the emulated controller'
+stalled() { grep -h "$stall_mark" "$1" | sed 's/^run.sh: warning: /     note: /; s/:$//' || true; }
 # The emulated controller (QEMU 7.2 under TCG) now and then leaves commands of an I/O queue
 # uncompleted, most often just after a controller reset (in about one guest run of six here).
 # Should that meet the reset the device test makes, the driver, still waiting for the queue to
@@ -43,7 +44,7 @@ for config in "${configs[@]}"; do
       echo "ok   nvme passthrough in guest ($name): $(grep -c '^ok ' "$log") checks"
       stalled "$log"
       break
-    elif ((attempt == 1)) && grep -q 'warning: the emulated controller' "$log"; then
+    elif ((attempt == 1)) && grep -q "$stall_mark" "$log"; then
       echo "rerun nvme passthrough in guest ($name): it failed after the emulator stalled:"
       grep -E '^(FAIL|run\.sh: +\[)' "$log" | sed 's/^/    /'
     else

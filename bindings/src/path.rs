@@ -152,6 +152,15 @@ pub(crate) fn plain<'a>(parts: &[Part<'a>]) -> Option<Vec<&'a [u8]>> {
         .collect()
 }
 
+/// The directories and the last name of `parts` when every one is a plain name and there is
+/// a last one (the root alone has none): an entry the reactor can walk to in the request
+/// that acts on it.
+pub(crate) fn plain_entry<'a>(parts: &[Part<'a>]) -> Option<(Vec<&'a [u8]>, &'a [u8])> {
+    let mut names = plain(parts)?;
+    let last = names.pop()?;
+    Some((names, last))
+}
+
 /// The directory `parts` (every one a directory step) lead to from the root.
 fn walk(ns: &mut impl Namespace, path: &[u8], parts: &[Part<'_>]) -> Result<u64, Error> {
     if parts.is_empty() {

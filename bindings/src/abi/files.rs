@@ -104,15 +104,13 @@ fn open_request(fs: &Fs, path: &[u8], mut how: OpenHow) -> Result<Op, Error> {
         }
         how.directory = true;
     }
-    if let Some(names) = path::plain(&parsed.parts) {
-        if let Some((last, dirs)) = names.split_last() {
-            let open = Op::Open {
-                dir: 0,
-                name: last.to_vec(),
-                how,
-            };
-            return Ok(walk(dirs, open));
-        }
+    if let Some((dirs, last)) = path::plain_entry(&parsed.parts) {
+        let open = Op::Open {
+            dir: 0,
+            name: last.to_vec(),
+            how,
+        };
+        return Ok(walk(&dirs, open));
     }
     if how.create.is_some() {
         let e = entry(fs, path)?;

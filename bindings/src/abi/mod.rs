@@ -481,10 +481,8 @@ fn call_entry(
 ) -> Result<Reply, Error> {
     let parsed = path::parse(path)?;
     if slash_ok || !parsed.trailing_slash {
-        if let Some(names) = path::plain(&parsed.parts) {
-            if let Some((last, dirs)) = names.split_last() {
-                return call(fs, walk(dirs, op(0, last)));
-            }
+        if let Some((dirs, last)) = path::plain_entry(&parsed.parts) {
+            return call(fs, walk(&dirs, op(0, last)));
         }
     }
     let e = entry(fs, path)?;

@@ -187,11 +187,9 @@ pub unsafe extern "C" fn corefs_rename(
         // round trip; walking both directories here made every rename three.
         let (parsed_from, parsed_to) = (path::parse(from)?, path::parse(to)?);
         if !parsed_from.trailing_slash && !parsed_to.trailing_slash {
-            let from_names = path::plain(&parsed_from.parts);
-            let to_names = path::plain(&parsed_to.parts);
-            if let (Some((from_name, from_dirs)), Some((to_name, to_dirs))) = (
-                from_names.as_ref().and_then(|n| n.split_last()),
-                to_names.as_ref().and_then(|n| n.split_last()),
+            if let (Some((from_dirs, from_name)), Some((to_dirs, to_name))) = (
+                path::plain_entry(&parsed_from.parts),
+                path::plain_entry(&parsed_to.parts),
             ) {
                 let to_dir = if from_dirs == to_dirs {
                     SAME_DIR
@@ -212,7 +210,7 @@ pub unsafe extern "C" fn corefs_rename(
                     to: to_name.to_vec(),
                     flags,
                 };
-                return call(&fs, walk(from_dirs, rename)).map(drop);
+                return call(&fs, walk(&from_dirs, rename)).map(drop);
             }
         }
         let src = entry(&fs, from)?;

@@ -51,17 +51,13 @@ pub enum Answer {
     Server(Box<super::stats::ServerStats>),
 }
 
-pub fn encode_request(request: &Request) -> Result<Vec<u8>, EngineError> {
-    let bytes = postcard::to_stdvec(request)
-        .map_err(|e| EngineError::Invalid(format!("the request cannot be encoded: {e}")))?;
-    if bytes.len() > ring::PAYLOAD_BYTES {
-        return Err(EngineError::Invalid(format!(
-            "a request of {} bytes is larger than the service's {} byte messages",
-            bytes.len(),
-            ring::PAYLOAD_BYTES
-        )));
-    }
-    Ok(bytes)
+/// `request`'s bytes on their own (tests): what [`encode_request_into`] writes into a slot.
+#[cfg(test)]
+fn encode_request(request: &Request) -> Result<Vec<u8>, EngineError> {
+    let mut buf = vec![0u8; ring::PAYLOAD_BYTES];
+    let len = encode_request_into(request, &mut buf)?;
+    buf.truncate(len);
+    Ok(buf)
 }
 
 /// Encodes `request` into `buf` (a client's claimed slot), returning its length.
