@@ -553,7 +553,10 @@ fn the_fsync_benchmark_runs_on_a_given_device_with_commits_inside_the_timer() {
         kernel_dir: None,
         device: Some("mem:1GiB".into()),
         image_bytes: 256 << 20,
-        seconds_per_round: 1.0,
+        // Longer than the commit interval (5 s), so the run has a commit however slow the
+        // machine: in 1 s a loaded CI machine made 1,706 fsyncs, too few to fill half the
+        // log, and the run had none to check.
+        seconds_per_round: 5.5,
         rounds: 1,
     };
     let report = corefs_bench::fsync::run(&config).expect("fsync bench runs");
