@@ -669,7 +669,15 @@ fn power_cut_during_fsyncs(reactors: usize, callers_device_always: bool) {
                 if promised == 0 {
                     continue;
                 }
-                let data = fs.read(ino, 0, promised as usize * 4096).unwrap();
+                let data = fs
+                    .read(ino, 0, promised as usize * 4096)
+                    .unwrap_or_else(|e| {
+                        panic!(
+                            "seed {seed} cut {cut} of {} {mode:?}: inode {ino} with {promised} \
+                             acknowledged blocks: {e}",
+                            records.len()
+                        )
+                    });
                 assert_eq!(
                     data.len() as u64,
                     promised * 4096,
