@@ -89,6 +89,10 @@ pub enum Schedule {
     /// A commit of the prelude is in flight (started, not finished) while the workload runs:
     /// its fsyncs log for the next generation and are acknowledged when the engine says so.
     CommitInFlight,
+    /// The workload's changes before its first persistence operation are caught by a commit
+    /// started just before it, which stays in flight while the rest runs: that fsync finds
+    /// its changes in the commit (nothing new to log) and must wait for its superblock.
+    CommitCatches,
     /// Every log half is full before the workload: each fsync that has something to log falls
     /// back to a commit.
     Fallback,
@@ -104,10 +108,11 @@ pub enum Schedule {
 }
 
 impl Schedule {
-    pub const ALL: [Schedule; 7] = [
+    pub const ALL: [Schedule; 8] = [
         Schedule::Plain,
         Schedule::Pipelined,
         Schedule::CommitInFlight,
+        Schedule::CommitCatches,
         Schedule::Fallback,
         Schedule::Writeback,
         Schedule::Reactors,
@@ -119,6 +124,7 @@ impl Schedule {
             Schedule::Plain => "plain",
             Schedule::Pipelined => "pipelined",
             Schedule::CommitInFlight => "commit-in-flight",
+            Schedule::CommitCatches => "commit-catches",
             Schedule::Fallback => "fallback",
             Schedule::Writeback => "writeback",
             Schedule::Reactors => "reactors",
@@ -372,7 +378,7 @@ pub fn run_schedule(
     };
     let mut skip: Vec<std::ops::Range<usize>> = Vec::new();
     let from = match schedule {
-        Schedule::Pipelined | Schedule::CommitInFlight => {
+        Schedule::Pipelined | Schedule::CommitInFlight | Schedule::CommitCatches => {
             let mut driver = Pipeline::default();
             driver.run(&mut fs, &PRELUDE, &log, &mut points)?;
             if schedule == Schedule::CommitInFlight {
@@ -385,7 +391,20 @@ pub fn run_schedule(
             // Pipelined: the prelude's record (the first after mount: written, then flushed)
             // is still in flight as the workload's records follow it.
             let from = log.len();
-            driver.run(&mut fs, ops, &log, &mut points)?;
+            let caught = if schedule == Schedule::CommitCatches {
+                driver.finish(&mut fs, &log, &mut points)?;
+                let first = ops
+                    .iter()
+                    .position(|op| matches!(op, Step::Fsync(_) | Step::Fdatasync(_) | Step::Sync))
+                    .unwrap_or(ops.len());
+                driver.run(&mut fs, &ops[..first], &log, &mut points)?;
+                fs.commit_start()
+                    .map_err(|e| format!("commit start: {e}"))?;
+                first
+            } else {
+                0
+            };
+            driver.run(&mut fs, &ops[caught..], &log, &mut points)?;
             driver.finish(&mut fs, &log, &mut points)?;
             outcome.pipelined_records = driver.pipelined;
             outcome.records_during_commit = driver.during_commit;

@@ -88,6 +88,16 @@ fn acknowledging_a_record_before_the_commit_in_flight_is_durable_is_caught() {
 }
 
 #[test]
+fn releasing_an_fsync_at_a_commit_chunk_before_its_superblock_is_caught() {
+    let why = assert_caught(
+        Mutation::AnyTicketDuringCommit,
+        &workload::exhaustive(1),
+        &Schedule::ALL,
+    );
+    assert!(why.contains(Schedule::CommitCatches.name()), "{why}");
+}
+
+#[test]
 fn never_logging_an_inode_again_in_its_generation_is_caught() {
     // Length two: a file changed and fsynced, then changed again and fsynced (the second
     // fsync must log it again). (The prelude's fsync of foo makes length one catch it too.)

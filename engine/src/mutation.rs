@@ -45,10 +45,13 @@ pub enum Mutation {
     /// Mount replays the records into the trees but does not commit them: the replayed state
     /// lives in memory only, and the next records overwrite the ones it came from.
     ReplayNotCommitted,
+    /// An fsync with nothing new to log while commit N is in flight is released at the newest
+    /// ticket of any kind (one of the commit's own chunks), before N's superblock is durable.
+    AnyTicketDuringCommit,
 }
 
 impl Mutation {
-    pub const ALL: [Mutation; 8] = [
+    pub const ALL: [Mutation; 9] = [
         Mutation::SkipRecordCrc,
         Mutation::ReplayPastGap,
         Mutation::AckBeforeCommit,
@@ -57,6 +60,7 @@ impl Mutation {
         Mutation::DropGroupOwnership,
         Mutation::AncestorWalkStopsEarly,
         Mutation::ReplayNotCommitted,
+        Mutation::AnyTicketDuringCommit,
     ];
 
     /// The name `COREFS_MUTATION` takes.
@@ -70,6 +74,7 @@ impl Mutation {
             Mutation::DropGroupOwnership => "drop-group-ownership",
             Mutation::AncestorWalkStopsEarly => "ancestor-walk-stops-early",
             Mutation::ReplayNotCommitted => "replay-not-committed",
+            Mutation::AnyTicketDuringCommit => "any-ticket-during-commit",
         }
     }
 

@@ -630,11 +630,8 @@ fn power_cut_during_fsyncs(reactors: usize, callers_device_always: bool) {
             .flat_map(|h| h.join().unwrap())
             .collect()
     });
+    let stats = stats_of(&mut setup);
     if callers_device_always {
-        let stats = match setup.call(Op::Stats) {
-            Ok(Reply::Stats(s)) => s,
-            other => panic!("stats: {other:?}"),
-        };
         println!(
             "{} of 100 fsyncs ran in their caller, beside the queue ({} declined)",
             stats.fetch.lent_fsyncs, stats.fetch.lent_fsyncs_declined
@@ -672,10 +669,20 @@ fn power_cut_during_fsyncs(reactors: usize, callers_device_always: bool) {
                 let data = fs
                     .read(ino, 0, promised as usize * 4096)
                     .unwrap_or_else(|e| {
+                        // The recorded run cannot be replayed (it depends on timing): the
+                        // failure describes what it saw.
+                        let mut by_log: Vec<_> = acks.clone();
+                        by_log.sort();
                         panic!(
                             "seed {seed} cut {cut} of {} {mode:?}: inode {ino} with {promised} \
-                             acknowledged blocks: {e}",
-                            records.len()
+                             acknowledged blocks: {e}\ninodes {inos:?}\nacks (log length, \
+                             inode, blocks): {:?}\nrecords: {}\nreactor stats: commits {} \
+                             log {:?}",
+                            records.len(),
+                            &by_log[..by_log.len().min(16)],
+                            describe_records(&records[..records.len().min(cut + 8)]),
+                            stats.commit.commits,
+                            stats.log,
                         )
                     });
                 assert_eq!(
@@ -1166,6 +1173,23 @@ fn recorded_runtime_with(
     tune(&mut config);
     let runtime = Runtime::start_with_device(config, Box::new(recording)).unwrap();
     (mem, image, log, runtime)
+}
+
+/// One line per record: index, kind, first LBA, length, FUA, what a flush covers.
+fn describe_records(records: &[nvme::wrap::Record]) -> String {
+    use nvme::wrap::Record;
+    records
+        .iter()
+        .enumerate()
+        .map(|(i, r)| match r {
+            Record::Write { lba, data, fua } => {
+                format!("\n  {i}: write lba {lba} bytes {} fua {fua}", data.len())
+            }
+            Record::WriteZeroes { lba, lbas } => format!("\n  {i}: zeroes lba {lba} lbas {lbas}"),
+            Record::Deallocate { lba, lbas } => format!("\n  {i}: trim lba {lba} lbas {lbas}"),
+            Record::Flush { covers } => format!("\n  {i}: flush covers {covers}"),
+        })
+        .collect()
 }
 
 /// Writes block `b` of `ino`, every byte `b + 1`.

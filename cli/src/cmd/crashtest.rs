@@ -28,7 +28,8 @@ pub struct Args {
     #[arg(long)]
     reactors: Option<usize>,
     /// The schedules to run each workload under (default: all of them): plain,
-    /// pipelined, commit-in-flight, fallback, writeback, reactors (two reactors), callers
+    /// pipelined, commit-in-flight, commit-catches, fallback, writeback, reactors (two
+    /// reactors), callers
     /// (writes and fsyncs run as a client runs them, records written beside the queue).
     #[arg(long, value_delimiter = ',')]
     schedules: Option<Vec<String>>,

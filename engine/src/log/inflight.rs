@@ -71,9 +71,11 @@ pub enum FsyncStart {
     /// Durable only after a commit of the whole filesystem, which a partition cannot make on
     /// its own: its owner asks the coordinator ([`crate::partition`]). Nothing was written.
     NeedsCommit,
-    /// A commit was in flight: durable once `ticket` (if any: this group's record, or the
-    /// newest in flight) is durable *and* generation `generation` is SuperCommitted (the
-    /// record belongs to the next generation, which replay takes only after it).
+    /// A commit was in flight: durable once generation `generation` is SuperCommitted and
+    /// `ticket`, if any, is durable: this group's record, or the newest record logged since
+    /// the commit started (records of the next generation, which replay takes only after
+    /// it). Such a ticket is reported durable only once the commit is, so releasing the
+    /// group at the ticket is enough; with none, the group waits for the commit.
     AfterCommit {
         ticket: Option<u64>,
         generation: u64,
@@ -421,6 +423,23 @@ impl Filesystem {
     /// The newest ticket started, if any is still in flight.
     pub(crate) fn newest_in_flight(&self) -> Option<u64> {
         self.log.pipeline.in_flight.back().map(|f| f.ticket)
+    }
+
+    /// The newest record in flight that counts only once commit `generation` is durable
+    /// (logged while it was in flight). Releasing it implies the commit: what
+    /// [`FsyncStart::AfterCommit`] names.
+    pub(crate) fn newest_in_flight_after(&self, generation: u64) -> Option<u64> {
+        if mutated!(AnyTicketDuringCommit) {
+            // Mutation check: the newest ticket of any kind, a commit chunk included.
+            return self.newest_in_flight();
+        }
+        self.log
+            .pipeline
+            .in_flight
+            .iter()
+            .rev()
+            .find(|f| f.after == Some(generation))
+            .map(|f| f.ticket)
     }
 
     /// Records whose writes or flush the device has not completed yet.

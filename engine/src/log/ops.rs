@@ -101,10 +101,15 @@ impl Filesystem {
             }
         }
         if wanted.is_empty() {
-            // What it changed may be in the commit in flight: durable with it.
+            // What it changed is in the commit in flight, or in a record logged for N+1 since
+            // that commit started. The ticket named is the newest such record, which is
+            // released only once the commit is durable; never the newest ticket of any kind:
+            // that may be one of the commit's own chunks (or a write-back), durable long
+            // before the superblock, and a reactor releasing the group there acknowledged an
+            // fsync whose changes a power cut still lost (the file created just before).
             if let Some(generation) = self.commit_in_flight() {
                 return Ok(FsyncStart::AfterCommit {
-                    ticket: self.newest_in_flight(),
+                    ticket: self.newest_in_flight_after(generation),
                     generation,
                 });
             }
@@ -214,10 +219,17 @@ impl Filesystem {
         self.log.stats.log_blocks += blocks;
         self.log.stats.inodes_logged += members.len() as u64;
         Ok(match self.commit_in_flight() {
-            Some(generation) => FsyncStart::AfterCommit {
-                ticket: Some(ticket),
-                generation,
-            },
+            Some(generation) => {
+                assert_eq!(
+                    self.newest_in_flight_after(generation),
+                    Some(ticket),
+                    "a record logged during commit {generation} waits for it"
+                );
+                FsyncStart::AfterCommit {
+                    ticket: Some(ticket),
+                    generation,
+                }
+            }
             None => FsyncStart::Pending(ticket),
         })
     }
