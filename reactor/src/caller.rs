@@ -126,6 +126,20 @@ pub(crate) struct CallerRuns {
     /// miss in memory).
     pub ran: AtomicU64,
     pub missed: AtomicU64,
+    /// Of `ran`, the lookups and changes of names and attributes ([`keeps_reactor_polling`]):
+    /// a burst of them keeps a spin-then-park reactor polling.
+    pub names_ran: AtomicU64,
+}
+
+/// True for a request run by a client that counts as the filesystem being busy for its
+/// reactor's idle spin: a lookup or a change of names, links or attributes, what a program
+/// walking or copying a tree makes one after another. Not data reads, writes or fsyncs: a
+/// polling reactor beside those takes a core the kernel's I/O work needs (a 1 MiB sequential
+/// read went 0.87x, append + fdatasync beside a CPU-bound neighbour 0.80x, when every run
+/// counted).
+pub(crate) fn keeps_reactor_polling(op: &Op) -> bool {
+    matches!(op.caller_run(), CallerRun::FromMemory | CallerRun::Change)
+        && !matches!(op, Op::Read { .. })
 }
 
 impl CallerRuns {
@@ -141,6 +155,7 @@ impl CallerRuns {
             writes_held: AtomicBool::new(false),
             ran: AtomicU64::new(0),
             missed: AtomicU64::new(0),
+            names_ran: AtomicU64::new(0),
         }
     }
 
@@ -340,6 +355,9 @@ impl CallerRuns {
         match out {
             Some(result) => {
                 self.ran.fetch_add(1, Ordering::Relaxed);
+                if keeps_reactor_polling(op) {
+                    self.names_ran.fetch_add(1, Ordering::Relaxed);
+                }
                 Some(result)
             }
             None => {

@@ -114,6 +114,7 @@ impl Client {
                 .try_run(&op, &mut self.side_io, || shared.doorbell.ring())
             {
                 self.ran_here += 1;
+                shared.caller_ran(&op);
                 self.in_flight += 1;
                 self.stash.push_back(Completion { token, result });
                 return Ok(());
@@ -217,6 +218,7 @@ impl Client {
                 .try_run(&op, &mut self.side_io, || shared.doorbell.ring())
             {
                 self.ran_here += 1;
+                shared.caller_ran(&op);
                 return result;
             }
         }

@@ -107,6 +107,20 @@ impl Shared {
         crate::source::set_parked(&self.sources, parked);
     }
 
+    /// After a client ran `op` on the lent engine: wakes a parked reactor so that it polls
+    /// through the burst of lookups and changes this request may begin
+    /// ([`crate::caller::keeps_reactor_polling`]), unless the cores are shared with other
+    /// work, where a polling reactor takes a core the work needs and each wake-up would cost
+    /// a scheduler decision per request.
+    pub(crate) fn caller_ran(&self, op: &crate::Op) {
+        if self.parked.load(Ordering::Relaxed)
+            && crate::caller::keeps_reactor_polling(op)
+            && !crate::contention::contended()
+        {
+            self.doorbell.ring();
+        }
+    }
+
     /// Wakes the reactor if it is parked (a submit calls this).
     pub fn wake_reactor(&self) {
         // The request was pushed before this load: fence so the push is visible before

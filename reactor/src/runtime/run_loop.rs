@@ -91,6 +91,10 @@ pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, confi
     // The sources this reactor polls besides its queue ([`crate::source`]).
     let mut polled = crate::source::Polled::default();
     let mut idle_since: Option<Instant> = None;
+    // Lookups and changes clients had run on the lent engine when the loop last looked: a
+    // change means the filesystem is busy though the reactor ran nothing
+    // ([`crate::caller::keeps_reactor_polling`]).
+    let mut callers_ran_seen = shared.caller.names_ran.load(Ordering::Relaxed);
     // Since when the loop has been polling a device that had nothing for it.
     let mut device_idle_since: Option<Instant> = None;
     // The last turn spun for an fsync's record ([`durable_spin_budget`]).
@@ -295,6 +299,17 @@ pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, confi
                 }
             }
             IdlePolicy::SpinThenPark { spin, .. } => {
+                // Lookups and changes clients ran themselves count as work: the reactor polls
+                // through a burst of them as through a burst of its own, so the burst's next
+                // request finds a core awake. A halted core is woken by the next request at a
+                // cost on a VM, whichever thread it wakes there: a FUSE session thread woken
+                // for each of `cp -a`'s requests on a halted core cost cp a third of its time
+                // (docs/reactors.md).
+                let callers_ran = shared.caller.names_ran.load(Ordering::Relaxed);
+                if callers_ran != callers_ran_seen {
+                    callers_ran_seen = callers_ran;
+                    idle_since = None;
+                }
                 let since = *idle_since.get_or_insert_with(Instant::now);
                 let spun = since.elapsed();
                 if spun < spin && !spin.is_zero() {
