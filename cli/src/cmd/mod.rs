@@ -13,6 +13,7 @@ pub mod probe;
 pub mod serve;
 pub mod sim;
 pub mod soak;
+pub mod sync;
 pub mod top;
 
 use std::path::PathBuf;

@@ -5,7 +5,10 @@
 //! Mapping: FUSE's root inode 1 is the engine's root ([`ROOT_INO`]); every other inode number
 //! is the engine's own. fsync and fsyncdir go to the engine's fsync (or fdatasync when the
 //! kernel asks for datasync): one log record and one flush. flush (close) and release need no
-//! I/O: durability is what fsync asks for, as on a kernel filesystem. The first FLUSH is
+//! I/O: durability is what fsync asks for, as on a kernel filesystem. sync(2) and syncfs(2)
+//! never reach the server (Linux sends FUSE_SYNCFS to virtiofs alone): what was written
+//! through the mount is durable at an fsync, at the next commit (the commit interval), at
+//! unmount, or at [`SYNC_IOCTL`] (`corefs sync PATH`), which commits. The first FLUSH is
 //! answered ENOSYS, so the kernel sends no more (close(2) then makes no request). Unmounting (`umount`,
 //! `fusermount3 -u`) ends the session; the reactor then commits and unmounts, so everything
 //! written is durable after a clean unmount.
@@ -67,6 +70,13 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
+
+/// The ioctl that commits the whole filesystem (`corefs sync PATH`), issued on any file or
+/// directory of the mount: `_IO(0xCF, 0x01)`, no argument. Linux passes sync(2) and
+/// syncfs(2) (`sync`, `sync -f`) to no FUSE server but virtiofs: they return at once and
+/// make nothing durable here, so this is how a whole tree copied through the mount is made
+/// durable in one step (besides an fsync per file, the commit interval, and unmounting).
+pub const SYNC_IOCTL: u32 = 0xCF << 8 | 0x01;
 
 /// How long the kernel may cache attributes and names.
 const TTL: Duration = Duration::from_secs(1);
@@ -162,6 +172,7 @@ macro_rules! error_reply {
 }
 
 error_reply!(
+    ReplyIoctl,
     ReplyAttr,
     ReplyCreate,
     ReplyData,
@@ -915,9 +926,14 @@ impl Filesystem for CorefsFuse {
         _out_size: u32,
         reply: ReplyIoctl,
     ) {
-        // No ioctl is supported: ENOTTY, what a kernel filesystem answers to one it does not
-        // know. Tools probe ioctls on every file (fsstress, cp's FICLONE), so only the first
-        // is logged.
+        if cmd == SYNC_IOCTL {
+            // `corefs sync`: a commit of everything, which sync(2) and syncfs(2) cannot ask
+            // for through a FUSE mount (module doc).
+            return self.answer(reply, |c| call(c, Op::Sync), |reply, _| reply.ioctl(0, &[]));
+        }
+        // No other ioctl is supported: ENOTTY, what a kernel filesystem answers to one it
+        // does not know. Tools probe ioctls on every file (fsstress, cp's FICLONE), so only
+        // the first is logged.
         if !self.ioctl_logged.swap(true, Ordering::Relaxed) {
             tracing::info!(
                 "ioctl {cmd:#x} on inode {} answered ENOTTY (no ioctl is supported; \
