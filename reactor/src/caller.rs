@@ -127,7 +127,8 @@ pub(crate) struct CallerRuns {
     pub ran: AtomicU64,
     pub missed: AtomicU64,
     /// Of `ran`, the lookups and changes of names and attributes ([`keeps_reactor_polling`]):
-    /// a burst of them keeps a spin-then-park reactor polling.
+    /// a burst of them keeps a spin-then-park reactor polling. Counted by
+    /// [`crate::queue::Shared::caller_ran`], which also rings a parked reactor for them.
     pub names_ran: AtomicU64,
 }
 
@@ -355,9 +356,6 @@ impl CallerRuns {
         match out {
             Some(result) => {
                 self.ran.fetch_add(1, Ordering::Relaxed);
-                if keeps_reactor_polling(op) {
-                    self.names_ran.fetch_add(1, Ordering::Relaxed);
-                }
                 Some(result)
             }
             None => {

@@ -107,16 +107,17 @@ impl Shared {
         crate::source::set_parked(&self.sources, parked);
     }
 
-    /// After a client ran `op` on the lent engine: wakes a parked reactor so that it polls
-    /// through the burst of lookups and changes this request may begin
-    /// ([`crate::caller::keeps_reactor_polling`]), unless the cores are shared with other
-    /// work, where a polling reactor takes a core the work needs and each wake-up would cost
-    /// a scheduler decision per request.
+    /// After a client ran `op` on the lent engine: a lookup or change of names
+    /// ([`crate::caller::keeps_reactor_polling`]) is counted, so the reactor polls through
+    /// the burst it may begin, and wakes the reactor if it is parked, unless the cores are
+    /// shared with other work, where a polling reactor takes a core the work needs and each
+    /// wake-up would cost a scheduler decision per request.
     pub(crate) fn caller_ran(&self, op: &crate::Op) {
-        if self.parked.load(Ordering::Relaxed)
-            && crate::caller::keeps_reactor_polling(op)
-            && !crate::contention::contended()
-        {
+        if !crate::caller::keeps_reactor_polling(op) {
+            return;
+        }
+        self.caller.names_ran.fetch_add(1, Ordering::Relaxed);
+        if self.parked.load(Ordering::Relaxed) && !crate::contention::contended() {
             self.doorbell.ring();
         }
     }
