@@ -328,6 +328,127 @@ fn sequential_reads_are_read_ahead_into_the_block_cache() {
     fs.unmount().unwrap();
 }
 
+/// A read planned while a read-ahead is fetching its blocks takes them from that device
+/// read when it completes, never reads them again: a file streamed through reads every block
+/// from the device once (read ahead or read on demand), every byte is the file's, the
+/// window grows past its first 256 KiB, and a rotten block that a joining read takes from
+/// the read-ahead fails that read with a checksum error, not rotten bytes.
+#[test]
+fn a_streaming_read_joins_read_ahead_in_flight_and_reads_each_block_once() {
+    const BLOCKS: u64 = 1024; // 4 MiB
+    const READ: u64 = 16; // 64 KiB reads
+                          // Unique bytes per block, so the image shows where each landed.
+    let block_of = |i: u64| -> Vec<u8> {
+        (0..4096u64)
+            .map(|k| (i.wrapping_mul(31) ^ k.wrapping_mul(7) ^ (i >> 3)) as u8)
+            .collect()
+    };
+    let mut fs = fresh_mem(2);
+    let root = fs.root();
+    let f = fs.create(root, b"f", 0o644, 0, 0).unwrap().ino;
+    for chunk in 0..BLOCKS / 64 {
+        let bytes: Vec<u8> = (chunk * 64..(chunk + 1) * 64).flat_map(block_of).collect();
+        fs.write(f, chunk * 64 * 4096, &bytes).unwrap();
+    }
+    fs.commit().unwrap();
+    let mut dev = fs.unmount().unwrap();
+    let mut image = vec![0u8; config().capacity_bytes as usize];
+    nvme::read_sync(&mut *dev, 0, &mut image).unwrap();
+    // File block 40 rots. Read 1 (blocks 16..32) starts the first read-ahead, of blocks
+    // 32..96; read 2 (blocks 32..48) is planned while that read is held, and joins it.
+    const ROTTEN: u64 = 40;
+    let at = image
+        .chunks(4096)
+        .position(|b| b == block_of(ROTTEN).as_slice())
+        .expect("the block is in the image");
+    image[at * 4096 + 100] ^= 0x10;
+    let hold = Arc::new(AtomicBool::new(false));
+    let dev = HoldReads {
+        inner: MemDevice::from_image(&image, config()).unwrap(),
+        held: Vec::new(),
+        hold: hold.clone(),
+        keep_newest: Arc::new(AtomicBool::new(false)),
+        held_total: Arc::new(AtomicU64::new(0)),
+    };
+    let mut fs = Filesystem::mount(Box::new(dev), MountOptions::default()).unwrap();
+    assert_eq!(
+        fs.stat(f).unwrap().size,
+        BLOCKS * 4096,
+        "metadata in memory"
+    );
+
+    // Two reads at a time (the first read alone) are planned while the device holds every
+    // read, then both are waited for: the second of each pair finds the first's read-ahead
+    // on its way.
+    let mut results: Vec<(u64, Result<Vec<u8>, engine::EngineError>)> = Vec::new();
+    let mut next = 0;
+    while next < BLOCKS {
+        hold.store(true, Ordering::SeqCst);
+        let mut pending = Vec::new();
+        for _ in 0..if next == 0 { 1 } else { 2 } {
+            if next >= BLOCKS {
+                break;
+            }
+            match fs.read_start(&[(f, next * 4096, (READ * 4096) as usize)]) {
+                ReadStart::Done(mut out) => results.push((next, out.pop().unwrap())),
+                ReadStart::Pending(set) => pending.push((set, next)),
+            }
+            next += READ;
+        }
+        hold.store(false, Ordering::SeqCst);
+        while !pending.is_empty() {
+            for (set, mut out) in fs.read_progress(Some(Duration::from_millis(100))) {
+                // Node sets (a read-ahead's extents fetched) come back with no results.
+                if let Some(at) = pending.iter().position(|&(s, _)| s == set) {
+                    results.push((pending.remove(at).1, out.pop().unwrap()));
+                }
+            }
+        }
+    }
+    results.sort_by_key(|&(first, _)| first);
+    assert_eq!(results.len() as u64, BLOCKS / READ);
+    for (first, result) in &results {
+        let range = *first..first + READ;
+        match result {
+            Err(engine::EngineError::Corrupt { what, .. }) if range.contains(&ROTTEN) => {
+                assert_eq!(*what, "data block");
+            }
+            Ok(_) if range.contains(&ROTTEN) => panic!("blocks {range:?}: rotten bytes read"),
+            Ok(bytes) => {
+                let want: Vec<u8> = range.clone().flat_map(block_of).collect();
+                assert!(bytes == &want, "blocks {range:?} read wrong");
+            }
+            Err(e) => panic!("blocks {range:?}: {e}"),
+        }
+    }
+    let stats = fs.read_stats();
+    let (hits, device_blocks) = fs.data_cache_hits();
+    // Blocks read from the device: by read-ahead, and by reads themselves (those taken
+    // from a read-ahead in flight are counted with the read-ahead's).
+    let read_from_device = stats.ahead_blocks + device_blocks - stats.ahead_joined_blocks;
+    println!("{stats:?}; {hits} cache hits, {device_blocks} device blocks taken by reads");
+    assert!(
+        stats.ahead_joined_blocks >= 2 * READ,
+        "reads joined read-ahead on its way for {} blocks: {stats:?}",
+        stats.ahead_joined_blocks
+    );
+    assert!(
+        hits > BLOCKS / 2,
+        "{hits} blocks came from the cache: {stats:?}"
+    );
+    assert!(
+        read_from_device <= BLOCKS,
+        "{read_from_device} blocks read from the device for a {BLOCKS}-block file: {stats:?}"
+    );
+    assert!(
+        stats.ahead_sets < BLOCKS / READ / 2,
+        "the window did not grow: {} read-ahead sets for {} reads",
+        stats.ahead_sets,
+        BLOCKS / READ
+    );
+    fs.unmount().unwrap();
+}
+
 /// A reactor's batch: requests served from memory are answered at once, never held in the
 /// set of a request that waits for the device; errors are answered at once too; each
 /// device-bound request is a set of its own, answered as soon as its own device read is

@@ -68,7 +68,8 @@ pub(crate) struct ReadMap {
 
 /// A device read one request of a read set ([`crate::reads`]) waits for: `count` blocks at
 /// `disk` (verified against `crcs`), whose bytes `src` go to the request's output bytes
-/// `dst`.
+/// `dst`. `joins`: the blocks come from a read-ahead's device read already on its way
+/// (keyed by its first block) rather than a read of their own.
 pub(crate) struct ReadPiece {
     pub request: usize,
     pub ino: u64,
@@ -77,6 +78,7 @@ pub(crate) struct ReadPiece {
     pub crcs: Vec<u32>,
     pub src: std::ops::Range<usize>,
     pub dst: std::ops::Range<usize>,
+    pub joins: Option<u64>,
 }
 
 impl ReadPiece {
@@ -91,6 +93,7 @@ impl ReadPiece {
             crcs: vec![crc],
             src: 0..0,
             dst: 0..0,
+            joins: None,
         }
     }
 }

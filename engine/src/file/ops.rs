@@ -12,6 +12,7 @@ use crate::format::items::{ExtentItem, InodeItem, Timespec, MAX_EXTENT_BLOCKS};
 use crate::format::{ItemKind, Key};
 use crate::fs::Filesystem;
 use crate::inode::{S_IFDIR, S_IFMT, S_IFREG};
+use crate::reads::RunSource;
 
 impl Filesystem {
     pub(super) fn file_inode(&mut self, ino: u64) -> Result<InodeItem> {
@@ -24,9 +25,10 @@ impl Filesystem {
     }
 
     /// The data blocks of file `ino` between byte `from` and `to` that a read-ahead should
-    /// fetch: extents' blocks not in the block cache. Run deferred
-    /// ([`Filesystem::without_waiting`]): read-ahead is a guess, never worth a wait. Staged
-    /// blocks are left out: they are not on the device yet, and read-ahead writes nothing.
+    /// fetch: extents' blocks neither in the block cache nor on their way from another
+    /// read-ahead. Run deferred ([`Filesystem::without_waiting`]): read-ahead is a guess,
+    /// never worth a wait. Staged blocks are left out: they are not on the device yet, and
+    /// read-ahead writes nothing.
     pub(crate) fn plan_readahead(&mut self, ino: u64, from: u64, to: u64) -> Vec<ReadPiece> {
         let found = self.file_inode(ino).and_then(|item| {
             let to = to.min(item.size);
@@ -51,7 +53,9 @@ impl Filesystem {
                 // Runs of blocks the cache does not hold.
                 let disk = extent.item.disk_block + (at - extent.file_block);
                 let wanted = |fs: &Self, disk: u64| {
-                    fs.block_cache.get(disk).is_none() && fs.staged_block(ino, disk).is_none()
+                    fs.block_cache.get(disk).is_none()
+                        && fs.staged_block(ino, disk).is_none()
+                        && fs.reads.ahead_covering(disk).is_none()
                 };
                 if !wanted(self, disk) {
                     at += 1;
@@ -70,6 +74,7 @@ impl Filesystem {
                     crcs: extent.item.crcs[skip..skip + (end - at) as usize].to_vec(),
                     src: 0..0,
                     dst: 0..0,
+                    joins: None,
                 });
                 at = end;
             }
@@ -309,39 +314,56 @@ impl Filesystem {
             if extent.item.prealloc {
                 continue;
             }
+            // The extent's blocks the read covers go in runs: blocks the cache holds are
+            // copied now, blocks a read-ahead is fetching are taken from its device read
+            // when it completes, and the rest are read. (All-or-nothing per extent made a
+            // 1 MiB read whose first quarter was read ahead read the whole MiB again.)
             let from = extent.file_block.max(first);
             let to = extent.end().min(last);
-            let disk = extent.item.disk_block + (from - extent.file_block);
-            let crcs = &extent.item.crcs[(from - extent.file_block) as usize..];
-            let start_byte = (from * BLOCK).max(offset);
-            let end_byte = (to * BLOCK).min(end);
-            let src = (start_byte - from * BLOCK) as usize..(end_byte - from * BLOCK) as usize;
-            let dst = (start_byte - offset) as usize..(end_byte - offset) as usize;
-            if self.copy_cached(
-                disk,
-                &crcs[..(to - from) as usize],
-                src.clone(),
-                &mut out[dst.clone()],
-            ) {
-                continue;
+            let mut at = from;
+            while at < to {
+                let skip = (at - extent.file_block) as usize;
+                let disk = extent.item.disk_block + skip as u64;
+                let crcs = &extent.item.crcs[skip..(to - extent.file_block) as usize];
+                let (run, source) = self.read_run(disk, crcs);
+                let run_end = at + run;
+                let start_byte = (at * BLOCK).max(offset);
+                let end_byte = (run_end * BLOCK).min(end);
+                let src = (start_byte - at * BLOCK) as usize..(end_byte - at * BLOCK) as usize;
+                let dst = (start_byte - offset) as usize..(end_byte - offset) as usize;
+                at = run_end;
+                let joins = match source {
+                    RunSource::Ahead(first) => Some(first),
+                    RunSource::Device => None,
+                    RunSource::Cache => {
+                        let copied =
+                            self.copy_cached(disk, &crcs[..run as usize], src, &mut out[dst]);
+                        assert!(copied, "a cached run is copied");
+                        continue;
+                    }
+                };
+                let piece = ReadPiece {
+                    request,
+                    ino,
+                    disk,
+                    count: run,
+                    crcs: crcs[..run as usize].to_vec(),
+                    src,
+                    dst,
+                    joins,
+                };
+                if self.fetch.deferring {
+                    // A run that must not wait notes the blocks it would read, changing
+                    // nothing (a read-ahead's blocks on their way are not in memory yet).
+                    self.fetch.missing_data.push(piece);
+                    continue;
+                }
+                if joins.is_none() {
+                    // Staged blocks reach the device first, so the device read returns them.
+                    self.write_back(ino)?;
+                }
+                pieces.push(piece);
             }
-            let piece = ReadPiece {
-                request,
-                ino,
-                disk,
-                count: to - from,
-                crcs: crcs[..(to - from) as usize].to_vec(),
-                src,
-                dst,
-            };
-            if self.fetch.deferring {
-                // A run that must not wait notes the blocks it would read, changing nothing.
-                self.fetch.missing_data.push(piece);
-                continue;
-            }
-            // Staged blocks reach the device first, so the device read returns them.
-            self.write_back(ino)?;
-            pieces.push(piece);
         }
         Ok(out)
     }

@@ -89,6 +89,9 @@ pub struct ReadStats {
     /// Read-ahead sets started, and the blocks they fetched.
     pub ahead_sets: u64,
     pub ahead_blocks: u64,
+    /// Blocks reads took from a read-ahead's device read still in flight when they were
+    /// planned (waiting for it rather than reading them again).
+    pub ahead_joined_blocks: u64,
     /// Reads a lent engine made in its caller's thread beside the queue
     /// ([`Filesystem::read_lent`](crate::Filesystem::read_lent)), and the data blocks they read.
     pub lent_reads: u64,
@@ -121,12 +124,52 @@ struct ReadSet {
     kind: SetKind,
 }
 
-/// Read-ahead: a file read sequentially (each read starting where the one before ended)
-/// has the next [`READAHEAD_BYTES`] past its read fetched into the block cache in the
-/// background. [`STREAMS`] files are followed at once (the least recently read is
-/// forgotten).
+/// Read-ahead: a file read sequentially (each read starting where the one before ended, or
+/// a read from its start) has a window past its read fetched into the block cache in the
+/// background, and the next window fetched once the reader is half way through the one
+/// before, so the device works while the reader copies. The window starts at twice the read
+/// (at least [`READAHEAD_BYTES`]) and doubles with each window fetched, up to four reads'
+/// worth (at least 1 MiB), at most [`READAHEAD_BYTES_MAX`] and a quarter of the block cache:
+/// a 1 MiB reader keeps about 4 MiB coming, as the kernel's read-ahead grows for `dd bs=1M`;
+/// a 4 KiB reader 256 KiB. A fixed 256 KiB behind 1 MiB reads served 0.4% of their blocks
+/// (each read found most of its blocks neither cached nor asked for, and read them itself).
+/// A read whose blocks a read-ahead is still fetching waits for that device read instead of
+/// asking again ([`AheadIo`]). [`STREAMS`] files are followed at once (the least recently
+/// read is forgotten).
 pub const READAHEAD_BYTES: u64 = 256 << 10;
+pub const READAHEAD_BYTES_MAX: u64 = 8 << 20;
 pub const STREAMS: usize = 16;
+
+/// The largest read-ahead window for reads of `len` bytes, with a block cache of
+/// `cache_bytes`: read-ahead arrives in the cache's probation segment, and a window larger
+/// than a quarter of the cache (two in flight beside other readers' blocks) would push its
+/// own blocks out before its reader gets to them.
+pub(super) fn window_max(len: u64, cache_bytes: u64) -> u64 {
+    len.saturating_mul(4)
+        .clamp(1 << 20, READAHEAD_BYTES_MAX)
+        .min(cache_bytes / 4)
+        .max(READAHEAD_BYTES.min(cache_bytes / 4))
+}
+
+/// Where a run of a read's blocks comes from ([`Filesystem::read_run`](crate::Filesystem::read_run)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RunSource {
+    /// The block cache holds every block, each matching its crc.
+    Cache,
+    /// A read-ahead's device read on its way (by its first block) fetches them.
+    Ahead(u64),
+    /// A device read of their own.
+    Device,
+}
+
+/// A read-ahead's device read in flight (or queued), by its first block: the sets of reads
+/// planned while it was on its way that take some of its blocks from it when it completes
+/// (each `(set, piece)`, the piece inside its range), instead of reading them again.
+#[derive(Debug, Default)]
+struct AheadIo {
+    blocks: u64,
+    joiners: Vec<(u64, usize)>,
+}
 
 /// What a set of device reads is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -142,20 +185,35 @@ enum SetKind {
     Fill,
 }
 
-/// One followed file: where its next sequential read starts, and how far read-ahead went.
+/// One followed file: where its next sequential read starts, how far read-ahead went, and
+/// its window.
 #[derive(Debug, Clone, Copy, Default)]
 struct Stream {
     ino: u64,
     next: u64,
     ahead_to: u64,
+    window: u64,
     last_used: u64,
 }
 
 impl Stream {
+    /// The window a fetch for a read of `len` bytes uses: the stream's, or for a stream
+    /// (re)started, twice the read (at least [`READAHEAD_BYTES`]).
+    fn window_for(&self, len: u64, cache_bytes: u64) -> u64 {
+        match self.window {
+            0 => len
+                .saturating_mul(2)
+                .max(READAHEAD_BYTES)
+                .min(window_max(len, cache_bytes)),
+            window => window,
+        }
+    }
+
     /// Whether a read of `offset..end` continues this stream and leaves less than half a
     /// window read ahead of it: read-ahead then fetches the next window.
-    fn fetch_due(&self, offset: u64, end: u64) -> bool {
-        self.next == offset && self.ahead_to < end + READAHEAD_BYTES / 2
+    fn fetch_due(&self, offset: u64, end: u64, cache_bytes: u64) -> bool {
+        let window = self.window_for(end - offset, cache_bytes);
+        self.next == offset && self.ahead_to < end + window / 2
     }
 }
 
@@ -177,27 +235,41 @@ pub(crate) struct Reads {
     sets: HashMap<u64, ReadSet>,
     /// Device reads not submitted yet (no room), in order.
     queued: VecDeque<ReadIo>,
-    /// Device reads submitted, by token (without the tag).
-    /// Device reads submitted, with when.
+    /// Device reads submitted, by token (without the tag), with when.
     in_flight: HashMap<u64, (ReadIo, std::time::Instant)>,
     /// Sets finished and not handed out yet.
     ready: VecDeque<(u64, Vec<ReadResult>)>,
+    /// Read-ahead's device reads not completed, by first block; their ranges never overlap
+    /// (read-ahead plans no block already on its way).
+    ahead: std::collections::BTreeMap<u64, AheadIo>,
     /// Files read sequentially ([`READAHEAD_BYTES`]), and a clock for forgetting them.
     streams: [Stream; STREAMS],
     stream_clock: u64,
     pub(crate) stats: ReadStats,
 }
 
+impl Reads {
+    /// The read-ahead device read (first block, blocks) that is fetching disk block `disk`,
+    /// if one is on its way.
+    pub(crate) fn ahead_covering(&self, disk: u64) -> Option<(u64, u64)> {
+        let (&first, io) = self.ahead.range(..=disk).next_back()?;
+        (disk < first + io.blocks).then_some((first, io.blocks))
+    }
+}
+
 /// The blocks one device read `io` brought (`bytes`) for a data or read-ahead set, straight
 /// from its DMA buffer: each block is checked against its extent's crc and cached when it
 /// matches (a read-ahead's mismatching block is left out: the read that wants it reads the
 /// device and reports what it finds); for a data set, a mismatch fails the block's request
-/// and the bytes of the request's range this read covers are copied to its output.
+/// and the bytes of the request's range this read covers are copied to its output. The
+/// crc32c of each block is left in `computed`, for the reads that joined a read-ahead's
+/// device read ([`give_joined`]) to check their blocks without hashing them again.
 fn take_blocks(
     set: &mut ReadSet,
     io: &ReadIo,
     bytes: &[u8],
     cache: &mut crate::writeback::BlockCache,
+    computed: &mut Vec<u32>,
 ) {
     let piece = &set.pieces[io.piece];
     let first = io.at / BLOCK_BYTES;
@@ -206,7 +278,7 @@ fn take_blocks(
         "a device read stays inside its piece"
     );
     let ahead = set.kind == SetKind::Ahead;
-    let bad = check_blocks(piece, first, bytes, cache, ahead);
+    let bad = check_blocks(piece, first, bytes, cache, ahead, computed);
     if set.kind != SetKind::Data {
         return;
     }
@@ -219,24 +291,68 @@ fn take_blocks(
     }
 }
 
+/// Gives a read that joined a read-ahead's device read (`piece` of `set`, inside the
+/// read-ahead's blocks from `first_block`) its blocks from that read's bytes: each checked
+/// against the crc the joining read expects, using the crcs the read-ahead computed.
+fn give_joined(
+    set: &mut ReadSet,
+    piece: usize,
+    first_block: u64,
+    bytes: &[u8],
+    computed: &[u32],
+    cache: &mut crate::writeback::BlockCache,
+) {
+    let piece = &set.pieces[piece];
+    assert!(
+        piece.disk >= first_block
+            && (piece.disk - first_block + piece.count) as usize * BLOCK_BYTES <= bytes.len(),
+        "a joined piece lies inside the read-ahead's device read"
+    );
+    let skip = (piece.disk - first_block) as usize;
+    cache.device_blocks += piece.count;
+    let bad = (0..piece.count as usize).find(|&i| computed[skip + i] != piece.crcs[i]);
+    match (bad, &mut set.outs[piece.request]) {
+        (Some(i), out @ Ok(_)) => {
+            *out = Err(EngineError::corrupt(
+                "data block",
+                piece.disk + i as u64,
+                format!(
+                    "checksum mismatch in inode {} (stored {:#010x}, computed {:#010x})",
+                    piece.ino,
+                    piece.crcs[i],
+                    computed[skip + i]
+                ),
+            ))
+        }
+        (None, Ok(out)) => copy_piece(
+            piece,
+            0,
+            &bytes[skip * BLOCK_BYTES..(skip + piece.count as usize) * BLOCK_BYTES],
+            out,
+        ),
+        (_, Err(_)) => {}
+    }
+}
+
 /// Checks the blocks `bytes` brought (blocks `first..` of `piece`) against their extent's
 /// crcs and caches each that matches (`ahead`: as read-ahead); returns the first mismatch
-/// as the error a read of them reports.
+/// as the error a read of them reports, and leaves each block's crc32c in `computed`.
 fn check_blocks(
     piece: &ReadPiece,
     first: usize,
     bytes: &[u8],
     cache: &mut crate::writeback::BlockCache,
     ahead: bool,
+    computed: &mut Vec<u32>,
 ) -> Option<EngineError> {
     let mut bad = None;
+    computed.clear();
     for (k, block) in bytes.chunks(BLOCK_BYTES).enumerate() {
         let i = first + k;
         let crc = crc32c::crc32c(block);
-        if crc == piece.crcs[i] && ahead {
-            cache.insert_ahead(piece.disk + i as u64, block);
-        } else if crc == piece.crcs[i] {
-            cache.insert(piece.disk + i as u64, block);
+        computed.push(crc);
+        if crc == piece.crcs[i] {
+            cache.insert_read(piece.disk + i as u64, block, crc, ahead);
         } else if bad.is_none() {
             bad = Some(EngineError::corrupt(
                 "data block",

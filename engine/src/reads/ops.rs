@@ -7,8 +7,8 @@
 //! device multiplexer. [`super`] states the invariants and the fault model.
 
 use super::{
-    check_blocks, copy_piece, take_blocks, ReadIo, ReadResult, ReadSet, ReadStart, ReadStats,
-    ReadsStarted, SetKind, Stream, LENT_READ_BYTES_MAX, READAHEAD_BYTES, STREAMS,
+    check_blocks, copy_piece, give_joined, take_blocks, ReadIo, ReadResult, ReadSet, ReadStart,
+    ReadStats, ReadsStarted, RunSource, SetKind, Stream, LENT_READ_BYTES_MAX, STREAMS,
 };
 use crate::blocks::block_lba;
 use crate::error::{EngineError, Result};
@@ -158,6 +158,7 @@ impl Filesystem {
                 crcs: Vec::new(),
                 src: 0..0,
                 dst: 0..0,
+                joins: None,
             })
             .collect();
         self.reads.stats.node_sets += 1;
@@ -212,7 +213,10 @@ impl Filesystem {
             Ok(out) => out,
             Err(e) => return Some(Err(e)),
         };
-        if self.has_staged(ino) {
+        // Staged data goes to the device first, and blocks a read-ahead is fetching come
+        // from that read: both are the owner's to handle (here, the second would be read
+        // twice).
+        if self.has_staged(ino) || pieces.iter().any(|p| p.joins.is_some()) {
             self.fetch.stats.from_memory_misses += 1;
             return None;
         }
@@ -228,7 +232,14 @@ impl Filesystem {
             }
             self.reads.stats.lent_read_blocks += piece.count;
             self.block_cache.device_blocks += piece.count;
-            if let Some(bad) = check_blocks(piece, 0, &bytes, &mut self.block_cache, false) {
+            if let Some(bad) = check_blocks(
+                piece,
+                0,
+                &bytes,
+                &mut self.block_cache,
+                false,
+                &mut Vec::new(),
+            ) {
                 result = Err(bad);
                 break;
             }
@@ -254,7 +265,14 @@ impl Filesystem {
                 return Err(e);
             }
             self.block_cache.device_blocks += piece.count;
-            if let Some(bad) = check_blocks(piece, 0, &bytes, &mut self.block_cache, false) {
+            if let Some(bad) = check_blocks(
+                piece,
+                0,
+                &bytes,
+                &mut self.block_cache,
+                false,
+                &mut Vec::new(),
+            ) {
                 return Err(bad);
             }
         }
@@ -296,15 +314,17 @@ impl Filesystem {
             return false;
         }
         let end = offset.saturating_add(len);
+        let cache_bytes = self.block_cache.capacity_blocks() as u64 * BLOCK_BYTES as u64;
         self.reads
             .streams
             .iter()
-            .any(|s| s.ino == ino && s.last_used > 0 && s.fetch_due(offset, end))
+            .any(|s| s.ino == ino && s.last_used > 0 && s.fetch_due(offset, end, cache_bytes))
     }
 
     /// Notes a read of `len` bytes at `offset` of file `ino`; when it continues the file's
-    /// last read, fetches the next [`READAHEAD_BYTES`] past it into the block cache in the
-    /// background (what is not cached or fetched already).
+    /// last read and less than half its window is read ahead, fetches up to a window past
+    /// it into the block cache in the background (what is not cached or on its way
+    /// already), and grows the window for the next time ([`super::READAHEAD_BYTES`]).
     fn follow_stream(&mut self, ino: u64, offset: u64, len: u64) {
         // Not inside a deferred run (a read made by a lookup): read-ahead defers itself.
         if self.block_cache.capacity_blocks() == 0
@@ -317,6 +337,7 @@ impl Filesystem {
         self.reads.stream_clock += 1;
         let clock = self.reads.stream_clock;
         let end = offset.saturating_add(len);
+        let cache_bytes = self.block_cache.capacity_blocks() as u64 * BLOCK_BYTES as u64;
         let streams = &mut self.reads.streams;
         let at = match streams.iter().position(|s| s.ino == ino && s.last_used > 0) {
             Some(at) => at,
@@ -328,6 +349,7 @@ impl Filesystem {
                     ino,
                     next: end,
                     ahead_to: end,
+                    window: 0,
                     last_used: clock,
                 };
                 return;
@@ -336,19 +358,25 @@ impl Filesystem {
         let stream = &mut streams[at];
         stream.last_used = clock;
         let sequential = stream.next == offset;
-        let due = stream.fetch_due(offset, end);
+        let due = stream.fetch_due(offset, end, cache_bytes);
         stream.next = end;
         if !sequential {
+            // A jump starts the stream again, with the smallest window.
             stream.ahead_to = end;
+            stream.window = 0;
             return;
         }
         if !due {
             return;
         }
+        let window = stream.window_for(len, cache_bytes);
         let from = stream.ahead_to.max(end);
-        let to = end + READAHEAD_BYTES;
-        let before = stream.ahead_to;
+        let to = end + window;
+        let before = (stream.ahead_to, stream.window);
         stream.ahead_to = to;
+        stream.window = window
+            .saturating_mul(2)
+            .min(super::window_max(len, cache_bytes));
         match self.without_waiting(|fs| fs.plan_readahead(ino, from, to)) {
             Deferred::Ready(pieces) => {
                 if !pieces.is_empty() {
@@ -357,8 +385,34 @@ impl Filesystem {
             }
             // The extents are not in memory: their nodes are fetched in the background, and
             // the next sequential read plans this window again.
-            Deferred::Fetching(_) => self.reads.streams[at].ahead_to = before,
+            Deferred::Fetching(_) => {
+                let stream = &mut self.reads.streams[at];
+                (stream.ahead_to, stream.window) = before;
+            }
         }
+    }
+
+    /// The longest run of blocks from `disk` on (at most `crcs.len()`, the crc each must
+    /// have) that come from one place: the block cache, one read-ahead's device read on its
+    /// way, or the device.
+    pub(crate) fn read_run(&mut self, disk: u64, crcs: &[u32]) -> (u64, RunSource) {
+        assert!(!crcs.is_empty(), "a run of at least one block");
+        let source = |fs: &mut Self, i: usize| {
+            let block = disk + i as u64;
+            if fs.block_cache.holds(block, crcs[i]) {
+                RunSource::Cache
+            } else if let Some((first, _)) = fs.reads.ahead_covering(block) {
+                RunSource::Ahead(first)
+            } else {
+                RunSource::Device
+            }
+        };
+        let kind = source(self, 0);
+        let mut run = 1;
+        while run < crcs.len() && source(self, run) == kind {
+            run += 1;
+        }
+        (run as u64, kind)
     }
 
     /// Starts a read-ahead set: its blocks go to the block cache when they arrive.
@@ -382,16 +436,46 @@ impl Filesystem {
         self.reads.next_set += 1;
         let mut ios = 0;
         for (index, piece) in pieces.iter().enumerate() {
+            // A piece joining a read-ahead's device read counts it as one of the set's, and
+            // is handed its blocks when it completes (planned just now, it is still on its
+            // way; if not, the piece reads them itself).
+            if let Some(first) = piece.joins {
+                if let Some(ahead) = self.reads.ahead.get_mut(&first) {
+                    assert!(
+                        piece.disk >= first && piece.disk + piece.count <= first + ahead.blocks,
+                        "a joining piece lies inside the read-ahead's device read"
+                    );
+                    ahead.joiners.push((id, index));
+                    self.reads.stats.ahead_joined_blocks += piece.count;
+                    ios += 1;
+                    continue;
+                }
+            }
             let mut at = 0;
             while at < piece.count {
                 let blocks = (piece.count - at).min(max_blocks);
-                self.reads.queued.push_back(ReadIo {
+                let io = ReadIo {
                     set: id,
                     piece: index,
                     at: at as usize * BLOCK_BYTES,
                     block: piece.disk + at,
                     blocks,
-                });
+                };
+                if kind == SetKind::Ahead {
+                    assert!(
+                        (io.block..io.block + blocks)
+                            .all(|b| self.reads.ahead_covering(b).is_none()),
+                        "read-ahead plans no block already on its way"
+                    );
+                    self.reads.ahead.insert(
+                        io.block,
+                        super::AheadIo {
+                            blocks,
+                            joiners: Vec::new(),
+                        },
+                    );
+                }
+                self.reads.queued.push_back(io);
                 ios += 1;
                 at += blocks;
             }
@@ -572,33 +656,77 @@ impl Filesystem {
             .sets
             .get_mut(&io.set)
             .expect("a device read belongs to a set in flight");
-        match result {
+        let mut computed = Vec::new();
+        match &result {
             Ok(()) => {
-                let buf = buf.expect("a read completion returns its buffer");
+                let buf = buf.as_ref().expect("a read completion returns its buffer");
                 let len = io.blocks as usize * BLOCK_BYTES;
                 assert_eq!(buf.as_slice().len(), len, "device read length");
                 match set.kind {
                     SetKind::Nodes => {
                         set.data[io.piece][io.at..io.at + len].copy_from_slice(buf.as_slice())
                     }
-                    SetKind::Data | SetKind::Ahead | SetKind::Fill => {
-                        take_blocks(set, &io, buf.as_slice(), &mut self.block_cache)
-                    }
+                    SetKind::Data | SetKind::Ahead | SetKind::Fill => take_blocks(
+                        set,
+                        &io,
+                        buf.as_slice(),
+                        &mut self.block_cache,
+                        &mut computed,
+                    ),
                 }
             }
             Err(e) => {
                 set.failed.get_or_insert(EngineError::Device(e.clone()));
-                self.failed.get_or_insert(EngineError::Device(e));
+                self.failed.get_or_insert(EngineError::Device(e.clone()));
             }
         }
+        let ahead = set.kind == SetKind::Ahead;
+        self.io_counted(io.set);
+        if !ahead {
+            return;
+        }
+        // The reads that joined this one take their blocks from it.
+        let joined = self
+            .reads
+            .ahead
+            .remove(&io.block)
+            .expect("a read-ahead's device read is indexed until it completes");
+        for (set_id, piece) in joined.joiners {
+            let set = self
+                .reads
+                .sets
+                .get_mut(&set_id)
+                .expect("a joining set waits for the read it joined");
+            match (&result, &buf) {
+                (Ok(()), Some(buf)) => give_joined(
+                    set,
+                    piece,
+                    io.block,
+                    buf.as_slice(),
+                    &computed,
+                    &mut self.block_cache,
+                ),
+                (Err(e), _) => {
+                    set.failed.get_or_insert(EngineError::Device(e.clone()));
+                }
+                (Ok(()), None) => unreachable!("a read completion returns its buffer"),
+            }
+            self.io_counted(set_id);
+        }
+    }
+
+    /// One of set `id`'s device reads (its own or one it joined) is done: the set finishes
+    /// with its last.
+    fn io_counted(&mut self, id: u64) {
+        let set = self.reads.sets.get_mut(&id).expect("a set in flight");
         set.ios_left -= 1;
         if set.ios_left == 0 {
-            let set = self.reads.sets.remove(&io.set).expect("looked up above");
+            let set = self.reads.sets.remove(&id).expect("looked up above");
             let ahead = set.kind == SetKind::Ahead;
             let outs = self.finish_set(set);
             // A read-ahead is nobody's to collect.
             if !ahead {
-                self.reads.ready.push_back((io.set, outs));
+                self.reads.ready.push_back((id, outs));
             }
         }
     }

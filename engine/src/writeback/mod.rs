@@ -81,7 +81,7 @@ pub const CACHE_BLOCKS: usize = 4096;
 /// I/O does not flush what is read again (scan resistance, as 2Q and Linux's inactive and
 /// active lists):
 /// - **probation**: every block enters here, first in, first out. A block read from here
-///   is promoted; a block read ahead ([`BlockCache::insert_ahead`]) is promoted only at its
+///   is promoted; a block read ahead ([`BlockCache::insert_read`]) is promoted only at its
 ///   second read, since the streaming reader it was fetched for reads it once.
 /// - **protected**: blocks read again, least recently read out first, at most three
 ///   quarters of the capacity (the oldest go back to probation past that).
@@ -166,15 +166,17 @@ impl BlockCache {
 
     /// Caches a block written or read on demand.
     pub fn insert(&mut self, disk: u64, data: &[u8]) {
-        self.insert_as(disk, data, false);
+        self.insert_as(disk, data, false, None);
     }
 
-    /// Caches a block read ahead of a streaming reader ([`crate::reads`]).
-    pub fn insert_ahead(&mut self, disk: u64, data: &[u8]) {
-        self.insert_as(disk, data, true);
+    /// Caches a block read from the device whose crc32c the reader just computed
+    /// (`ahead`: for a streaming reader, [`crate::reads`]), so its first hit does not
+    /// hash it again.
+    pub fn insert_read(&mut self, disk: u64, data: &[u8], crc: u32, ahead: bool) {
+        self.insert_as(disk, data, ahead, Some(crc));
     }
 
-    fn insert_as(&mut self, disk: u64, data: &[u8], ahead: bool) {
+    fn insert_as(&mut self, disk: u64, data: &[u8], ahead: bool, crc: Option<u32>) {
         assert_eq!(data.len(), BLOCK_BYTES);
         if self.capacity_blocks == 0 {
             return;
@@ -184,7 +186,7 @@ impl BlockCache {
         let (slot, segment) = match self.blocks.get_mut(&disk) {
             Some(cached) => {
                 cached.stamp = stamp;
-                cached.crc = None;
+                cached.crc = crc;
                 // New bytes for a block read ahead are no longer the read-ahead's.
                 if let Segment::Probation { ahead: was } = cached.segment {
                     cached.segment = Segment::Probation {
@@ -203,7 +205,7 @@ impl BlockCache {
                         slot,
                         stamp,
                         segment,
-                        crc: None,
+                        crc,
                     },
                 );
                 (slot, segment)
@@ -357,6 +359,22 @@ impl BlockCache {
 
     pub fn get(&self, disk: u64) -> Option<&[u8]> {
         self.blocks.get(&disk).map(|c| self.slot(c.slot))
+    }
+
+    /// Whether block `disk` is cached with crc32c `crc`, without reading it (no promotion).
+    pub(crate) fn holds(&mut self, disk: u64, crc: u32) -> bool {
+        let Some(cached) = self.blocks.get(&disk) else {
+            return false;
+        };
+        let have = match cached.crc {
+            Some(have) => have,
+            None => {
+                let have = crc32c::crc32c(self.slot(cached.slot));
+                self.blocks.get_mut(&disk).expect("found above").crc = Some(have);
+                have
+            }
+        };
+        have == crc
     }
 
     /// Block `disk` if it is cached and its crc32c is `crc`: a read of it, which promotes it
@@ -528,7 +546,8 @@ mod tests {
         for disk in 1000..3000u64 {
             if disk % 2 == 0 {
                 // Read ahead, then read once by the streaming reader.
-                cache.insert_ahead(disk, &block(disk, 0));
+                let data = block(disk, 0);
+                cache.insert_read(disk, &data, crc32c::crc32c(&data), true);
                 assert!(cache.get_checked(disk, crc(disk)).is_some());
             } else {
                 // Written once (a streaming writer).
