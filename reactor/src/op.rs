@@ -35,6 +35,10 @@ pub struct OpenHow {
     pub directory: bool,
 }
 
+/// A read or write of at least this many bytes is a large transfer
+/// ([`Op::is_large_transfer`]): about 150 µs of this VM's disk at 1.6 GB/s.
+pub const LARGE_TRANSFER_BYTES: usize = 256 << 10;
+
 /// What [`Op::Open`] opened.
 #[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
 pub enum Opened {
@@ -345,6 +349,17 @@ impl Op {
     /// not, an in-process reactor says so and its client stops yielding and sleeps).
     pub fn waits_awake(&self) -> bool {
         self.is_quick() || matches!(self, Op::Read { .. })
+    }
+
+    /// Whether this is a large data transfer ([`LARGE_TRANSFER_BYTES`] or more read or
+    /// written): its reply is hundreds of microseconds of device time away, and a client
+    /// whose requests in flight are all such does not spin for them ([`crate::client`]).
+    pub fn is_large_transfer(&self) -> bool {
+        match self {
+            Op::Read { len, .. } => *len >= LARGE_TRANSFER_BYTES,
+            Op::Write { data, .. } => data.len() >= LARGE_TRANSFER_BYTES,
+            _ => false,
+        }
     }
 
     /// Whether and how a client may run this request itself while the reactor sleeps

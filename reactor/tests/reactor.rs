@@ -1613,6 +1613,78 @@ fn serve_hot_during_spike(
     assert!(matches!(answer(Op::Stat { ino: hot }), Reply::Stat(_)));
 }
 
+/// A client counts the large transfers it has in flight and forgets each when it is
+/// collected: with two or more in flight and nothing else it streams (its waits sleep
+/// instead of spinning), with a small request among them it does not, and every byte the
+/// streamed writes wrote reads back through streamed reads.
+#[test]
+fn a_client_streams_while_only_large_transfers_are_in_flight() {
+    let (_, dev) = formatted_mem(64 << 20, 128 << 10, 2);
+    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    let root = fs.root();
+    let ino = fs.create(root, b"big", 0o644, 0, 0).unwrap().ino;
+    let runtime = Runtime::start_with_device(
+        Config {
+            device: "mem".into(),
+            ..Default::default()
+        },
+        fs.unmount().unwrap(),
+    )
+    .unwrap();
+    let mut client = runtime.client(16);
+    const MIB: usize = 1 << 20;
+    let chunk = |i: usize| vec![i as u8 ^ 0x5A; MIB];
+    let collect = |client: &mut reactor::Client| -> Vec<reactor::Completion> {
+        let mut done = Vec::new();
+        while client.in_flight() > 0 {
+            client.wait(&mut done, Duration::from_secs(10));
+        }
+        done
+    };
+    for i in 0..3 {
+        let data = chunk(i);
+        let op = Op::Write {
+            ino,
+            offset: (i * MIB) as u64,
+            data,
+        };
+        client.submit(op, i as u64).unwrap();
+    }
+    assert_eq!(client.large_in_flight(), 3);
+    assert!(client.streaming(), "three 1 MiB writes in flight");
+    client.submit(Op::Stat { ino }, 99).unwrap();
+    assert!(!client.streaming(), "a stat among them");
+    let done = collect(&mut client);
+    assert_eq!(done.len(), 4);
+    assert!(done.iter().all(|c| c.result.is_ok()), "{done:?}");
+    assert_eq!(
+        client.large_in_flight(),
+        0,
+        "every large transfer forgotten"
+    );
+    assert!(!client.streaming());
+    for i in 0..3 {
+        let op = Op::Read {
+            ino,
+            offset: (i * MIB) as u64,
+            len: MIB,
+        };
+        client.submit(op, 10 + i as u64).unwrap();
+    }
+    assert!(client.streaming(), "three 1 MiB reads in flight");
+    let mut done = collect(&mut client);
+    done.sort_by_key(|c| c.token);
+    for (i, c) in done.into_iter().enumerate() {
+        match c.result {
+            Ok(Reply::Data(d)) => assert!(d == chunk(i), "MiB {i} read back wrong"),
+            other => panic!("read {i}: {other:?}"),
+        }
+    }
+    assert_eq!(client.large_in_flight(), 0);
+    drop(client);
+    runtime.shutdown().unwrap();
+}
+
 /// With several reactors, the routing lookups (which reactor owns what a request names) run
 /// deferred as well: under a node cache far too small for the tree, unlinks and lookups sent
 /// by several clients at once park on their misses and are all answered, each rightly.
