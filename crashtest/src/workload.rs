@@ -133,6 +133,14 @@ pub fn core_ops() -> Vec<Step> {
             len: 12 * 4096,
             append: true,
         });
+        // Into the range the KEEP_SIZE fallocate below preallocates: after it, the write
+        // fills the preallocated blocks in place instead of allocating.
+        ops.push(Step::Write {
+            path: f,
+            offset: 16384,
+            len: 8192,
+            append: false,
+        });
         for (mode, offset, len) in [
             (Falloc::KeepSize, 16384, 8192),
             (Falloc::PunchHole, 2048, 6000),

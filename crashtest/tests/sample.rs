@@ -55,12 +55,12 @@ fn ace_sample_every_crash_state_passes() {
 #[test]
 fn the_exhaustive_spaces_have_the_expected_size() {
     let one = crashtest::workload::exhaustive(1);
-    assert_eq!(one.len(), 644, "length-one workloads");
+    assert_eq!(one.len(), 676, "length-one workloads");
     assert!(one.iter().all(|w| w.len() == 2 && w[1].is_persistence()));
     let core = crashtest::workload::core_ops().len();
-    assert_eq!(core, 149, "core operations");
+    assert_eq!(core, 157, "core operations");
     let two = crashtest::workload::exhaustive(2);
-    assert_eq!(two.len(), 414_714, "length-two workloads");
+    assert_eq!(two.len(), 456_954, "length-two workloads");
     assert!(two.iter().all(|w| w.len() == 4 && w[3].is_persistence()));
 }
 

@@ -74,6 +74,9 @@ impl Filesystem {
     fn write_blocks(&mut self, ino: u64, first: u64, data: &[u8]) -> Result<i64> {
         assert_eq!(data.len() % BLOCK_BYTES, 0);
         let count = (data.len() / BLOCK_BYTES) as u64;
+        if self.write_into_prealloc(ino, first, data)? {
+            return Ok(0);
+        }
         let shard = self.shard_of(ino);
         let runs = self.alloc_data_runs(shard, count)?;
         let room = self
@@ -137,6 +140,84 @@ impl Filesystem {
             Ok(())
         })?;
         Ok(count as i64 - freed as i64)
+    }
+
+    /// Writes `data` (whole blocks at file block `first`) into the preallocated blocks that
+    /// cover it, when preallocated extents (fallocate) cover every one of its blocks: the
+    /// blocks are the file's already, so the write allocates none, and a write into space
+    /// fallocate promised never fails for want of space (posix_fallocate's guarantee; it
+    /// failed with ENOSPC on a full device when every write allocated anew). Each extent
+    /// covered is cut into its preallocated left and right parts and the written middle, at
+    /// the same disk blocks; the tree changes may use the reserves, as a removal's may.
+    /// False, with nothing changed, when any block is not preallocated: the write then
+    /// allocates as any other.
+    ///
+    /// Copy-on-write is kept where it matters: a preallocated block holds nothing a reader
+    /// or a durable state can see (it reads as zeroes until the written extent is durable,
+    /// and the data is staged and written before any record or commit that references it),
+    /// so writing it in place overwrites no live data. A block written once is an ordinary
+    /// extent; writing it again copies on write.
+    fn write_into_prealloc(&mut self, ino: u64, first: u64, data: &[u8]) -> Result<bool> {
+        let count = (data.len() / BLOCK_BYTES) as u64;
+        let end = first + count;
+        let extents = self.extents_in(ino, first, end)?;
+        let mut covered = first;
+        for extent in &extents {
+            if !extent.item.prealloc || extent.file_block > covered {
+                return Ok(false);
+            }
+            covered = covered.max(extent.end());
+        }
+        if covered < end {
+            return Ok(false);
+        }
+        let shard = self.shard_of(ino);
+        let mut needs = Needs::default();
+        // At most three items per extent (left, written, right), each a tree operation.
+        needs.meta(
+            shard,
+            (3 * extents.len() as u64 + 1) * self.tree_op_blocks(shard),
+        );
+        self.reserve(&needs, MetaNeed::Shrink)?;
+        let streaming = data.len() >= crate::writeback::STREAM_WRITE_BYTES;
+        for extent in extents {
+            let cut_from = extent.file_block.max(first);
+            let cut_to = extent.end().min(end);
+            let skip = cut_from - extent.file_block;
+            let disk = extent.item.disk_block + skip;
+            let bytes =
+                &data[((cut_from - first) * BLOCK) as usize..((cut_to - first) * BLOCK) as usize];
+            let crcs: Vec<u32> = bytes.chunks(BLOCK_BYTES).map(crc32c::crc32c).collect();
+            self.stage_data(ino, disk, bytes, streaming)?;
+            let prealloc = |from: u64, to: u64| ExtentItem {
+                disk_block: extent.item.disk_block + (from - extent.file_block),
+                blocks: (to - from) as u32,
+                prealloc: true,
+                crcs: Vec::new(),
+            };
+            let written = ExtentItem {
+                disk_block: disk,
+                blocks: (cut_to - cut_from) as u32,
+                prealloc: false,
+                crcs,
+            };
+            let left =
+                (cut_from > extent.file_block).then(|| prealloc(extent.file_block, cut_from));
+            let right = (cut_to < extent.end()).then(|| prealloc(cut_to, extent.end()));
+            self.with_tree(shard, true, |tree, io| {
+                // An insert at an existing key replaces its item: the extent's key keeps the
+                // left part, or the written one when the write starts at the extent.
+                if let Some(left) = left {
+                    tree.insert(io, extent_key(ino, extent.file_block), left.encode())?;
+                }
+                tree.insert(io, extent_key(ino, cut_from), written.encode())?;
+                if let Some(right) = right {
+                    tree.insert(io, extent_key(ino, cut_to), right.encode())?;
+                }
+                Ok(())
+            })?;
+        }
+        Ok(true)
     }
 
     /// Writes `data` at `offset` (any alignment). Returns bytes written. When space is short
