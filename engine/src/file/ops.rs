@@ -197,17 +197,28 @@ impl Filesystem {
     /// [`MAX_EXTENT_BLOCKS`] (from the operation's data reservation when it holds one): all
     /// of them, or none and NoSpace. Allocating is not a change of the filesystem: blocks
     /// not used are given back ([`Filesystem::give_back`]).
-    pub(super) fn alloc_data_runs(&mut self, shard: u32, count: u64) -> Result<Vec<(u64, u64)>> {
+    pub(super) fn alloc_data_runs(
+        &mut self,
+        shard: u32,
+        count: u64,
+        goal: Option<crate::space::DataGoal>,
+    ) -> Result<Vec<(u64, u64)>> {
         let mut runs: Vec<(u64, u64)> = Vec::new();
         let mut allocated = 0u64;
+        // The first run goes where `goal` says; the next ones continue the run before.
+        let mut goal = goal;
         while allocated < count {
             let want = (count - allocated).min(MAX_EXTENT_BLOCKS as u64);
             match self.with_tree(shard, true, |_, io| {
-                io.space.alloc_data(want, io.commit_floor)
+                io.space.alloc_data_near(want, io.commit_floor, goal)
             }) {
                 Ok((disk, got)) => {
                     runs.push((disk, got));
                     allocated += got;
+                    goal = goal.map(|g| crate::space::DataGoal {
+                        block: disk + got,
+                        ..g
+                    });
                 }
                 Err(e) => {
                     self.give_back(shard, &runs)?;

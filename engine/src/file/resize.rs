@@ -162,7 +162,7 @@ impl Filesystem {
             }
         }
         let hole_blocks: u64 = holes.iter().map(|(f, t)| t - f).sum();
-        let runs = self.alloc_data_runs(shard, hole_blocks)?;
+        let runs = self.alloc_data_runs(shard, hole_blocks, None)?;
         let mut needs = Needs::default();
         let punch = if punching && inner_first < inner_end {
             let overlapping = extents

@@ -24,14 +24,18 @@ impl Filesystem {
         ino: u64,
         at: u64,
         next: &ExtentItem,
+        looked_up: Option<Vec<super::Extent>>,
     ) -> Result<Option<(u64, ExtentItem)>> {
         if at == 0 || next.prealloc {
             return Ok(None);
         }
-        // The block before `at` first, decoded alone: only when it sits right before
-        // `next` on disk (an append, rarely an overwrite) is its whole item read, which
-        // copies up to 1 KiB of checksums.
-        let neighbour = self.extents_for_read(ino, at - 1, at)?;
+        // The block before `at` first, decoded alone (`looked_up`: the caller has it): only
+        // when it sits right before `next` on disk (an append, rarely an overwrite) is its
+        // whole item read, which copies up to 1 KiB of checksums.
+        let neighbour = match looked_up {
+            Some(neighbour) => neighbour,
+            None => self.extents_for_read(ino, at - 1, at)?,
+        };
         let [block] = neighbour.as_slice() else {
             return Ok(None);
         };
@@ -71,35 +75,33 @@ impl Filesystem {
     /// refused), then the metadata the change may allocate is reserved, before anything
     /// changes. The data is staged ([`crate::writeback`]) and reaches the device before any
     /// record or commit that makes the new extents durable.
-    fn write_blocks(&mut self, ino: u64, first: u64, data: &[u8]) -> Result<i64> {
+    fn write_blocks(&mut self, ino: u64, first: u64, data: &[u8], size: u64) -> Result<i64> {
         assert_eq!(data.len() % BLOCK_BYTES, 0);
         let count = (data.len() / BLOCK_BYTES) as u64;
-        if self.write_into_prealloc(ino, first, data)? {
+        // One lookup of what the write covers serves both paths (it changes nothing, and
+        // allocating changes no extent).
+        let overlapping = self.extents_in(ino, first, first + count)?;
+        if self.write_into_prealloc(ino, first, data, &overlapping)? {
             return Ok(0);
         }
         let shard = self.shard_of(ino);
-        let runs = self.alloc_data_runs(shard, count)?;
+        let (goal, before) = self.growth_goal(ino, first, size)?;
+        let runs = self.alloc_data_runs(shard, count, goal)?;
         let room = self
-            .extents_in(ino, first, first + count)
-            .and_then(|overlapping| {
-                let punch =
-                    self.punch_needs_blocks(ino, overlapping.len() as u64, first, first + count)?;
+            .punch_needs_blocks(ino, overlapping.len() as u64, first, first + count)
+            .and_then(|punch| {
                 let mut needs = Needs::default();
                 needs.meta(
                     shard,
                     punch + (runs.len() as u64 + 1) * self.tree_op_blocks(shard),
                 );
-                self.reserve(&needs, MetaNeed::Grow)?;
-                Ok(overlapping)
+                self.reserve(&needs, MetaNeed::Grow)
             });
-        let overlapping = match room {
-            Ok(overlapping) => overlapping,
-            Err(e) => {
-                // Nothing changed yet: give the blocks back.
-                self.give_back(shard, &runs)?;
-                return Err(e);
-            }
-        };
+        if let Err(e) = room {
+            // Nothing changed yet: give the blocks back.
+            self.give_back(shard, &runs)?;
+            return Err(e);
+        }
         let mut done = 0u64;
         let mut items = Vec::with_capacity(runs.len());
         // The write as a whole decides, not each allocation run it lands in.
@@ -126,7 +128,10 @@ impl Filesystem {
         // reactor 8.6 ms to unlink a 64 MiB file).
         let mut replaced_at = Some(first);
         if let Some(first_item) = items.first_mut() {
-            if let Some(grown) = self.grown_extent(ino, first_item.0, &first_item.1)? {
+            // The block before the write, as the goal looked it up (only for the first run:
+            // it is the block before it).
+            let looked_up = before.filter(|_| first_item.0 == first);
+            if let Some(grown) = self.grown_extent(ino, first_item.0, &first_item.1, looked_up)? {
                 *first_item = grown;
                 // Nothing is inserted at `first` now: an extent there goes.
                 replaced_at = None;
@@ -140,6 +145,39 @@ impl Filesystem {
             Ok(())
         })?;
         Ok(count as i64 - freed as i64)
+    }
+
+    /// Where a write at file block `first` of file `ino` (of `size` bytes) should have its
+    /// blocks allocated ([`crate::space::DataGoal`]): right after the file's block before
+    /// it on disk, when the write grows the file (it starts at its last block or past it:
+    /// an append, `dd`, a log) and that block is written data. A file of at least
+    /// [`crate::space::STREAM_ROOM_BLOCKS`] blocks written past its end streams: when
+    /// another file took its next block, it moves to fresh room rather than interleave. `None` for an overwrite
+    /// inside the file: its blocks go where any allocation goes (a random overwrite that
+    /// jumped would scatter the file).
+    /// Also returns the lookup of the block before the write it made, for
+    /// [`Filesystem::grown_extent`] to use rather than look it up again.
+    fn growth_goal(
+        &mut self,
+        ino: u64,
+        first: u64,
+        size: u64,
+    ) -> Result<(Option<crate::space::DataGoal>, Option<Vec<super::Extent>>)> {
+        if first == 0 || first < size.div_ceil(BLOCK).saturating_sub(1) {
+            return Ok((None, None));
+        }
+        let before = self.extents_for_read(ino, first - 1, first)?;
+        let goal = match before.as_slice() {
+            [block] if !block.item.prealloc => Some(crate::space::DataGoal {
+                block: block.item.disk_block + 1,
+                // Only a write past the end moves: one that rewrites the file's partial
+                // last block (an unaligned append, SQLite's WAL frames) finds that block's
+                // old copy in its way every time, and would jump at every write.
+                streaming: first >= crate::space::STREAM_ROOM_BLOCKS && first * BLOCK >= size,
+            }),
+            _ => None,
+        };
+        Ok((goal, Some(before)))
     }
 
     /// Writes `data` (whole blocks at file block `first`) into the preallocated blocks that
@@ -157,12 +195,20 @@ impl Filesystem {
     /// and the data is staged and written before any record or commit that references it),
     /// so writing it in place overwrites no live data. A block written once is an ordinary
     /// extent; writing it again copies on write.
-    fn write_into_prealloc(&mut self, ino: u64, first: u64, data: &[u8]) -> Result<bool> {
+    fn write_into_prealloc(
+        &mut self,
+        ino: u64,
+        first: u64,
+        data: &[u8],
+        extents: &[super::Extent],
+    ) -> Result<bool> {
         let count = (data.len() / BLOCK_BYTES) as u64;
         let end = first + count;
-        let extents = self.extents_in(ino, first, end)?;
+        if extents.is_empty() {
+            return Ok(false);
+        }
         let mut covered = first;
-        for extent in &extents {
+        for extent in extents {
             if !extent.item.prealloc || extent.file_block > covered {
                 return Ok(false);
             }
@@ -181,6 +227,7 @@ impl Filesystem {
         self.reserve(&needs, MetaNeed::Shrink)?;
         let streaming = data.len() >= crate::writeback::STREAM_WRITE_BYTES;
         for extent in extents {
+            let extent = extent.clone();
             let cut_from = extent.file_block.max(first);
             let cut_to = extent.end().min(end);
             let skip = cut_from - extent.file_block;
@@ -298,7 +345,7 @@ impl Filesystem {
         let first = offset / BLOCK;
         let delta = if offset % BLOCK == 0 && end % BLOCK == 0 {
             // Whole blocks: written as they are, no staging copy.
-            self.write_blocks(ino, first, data)?
+            self.write_blocks(ino, first, data, item.size)?
         } else {
             self.write_partial(ino, offset, end, data, item.size)?
         };
@@ -486,7 +533,7 @@ impl Filesystem {
             blocks[at..at + old.len()].copy_from_slice(&old);
         }
         blocks[head..head + data.len()].copy_from_slice(data);
-        self.write_blocks(ino, first, &blocks)
+        self.write_blocks(ino, first, &blocks, size)
     }
 
     /// The old bytes of file block `block` (inside the file of `size` bytes, up to its end)

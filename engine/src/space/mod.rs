@@ -67,7 +67,7 @@ mod tests;
 
 use crate::format::Superblock;
 pub use pool::{Pool, PoolStats};
-pub use shard::{BitmapChanges, Space};
+pub use shard::{BitmapChanges, DataGoal, Space, STREAM_ROOM_BLOCKS};
 
 /// The largest group: its bitmap item is 512 bytes (seven fit a leaf). Filesystems of
 /// version 4 and older are read with groups of this size, which are exactly their bitmap
