@@ -223,27 +223,16 @@ impl Filesystem {
         self.dev.lend(crate::mux::Lent::Reads);
         let mut result = Ok(());
         for piece in &pieces {
-            let mut bytes = vec![0u8; piece.count as usize * BLOCK_BYTES];
-            if let Err(e) = self.dev.read_blocks_beside(piece.disk, &mut bytes) {
-                let e = EngineError::Device(e);
-                self.failed.get_or_insert(e.clone());
-                result = Err(e);
-                break;
+            match self.read_piece_beside(piece) {
+                Ok(bytes) => {
+                    self.reads.stats.lent_read_blocks += piece.count;
+                    copy_piece(piece, 0, &bytes, &mut out);
+                }
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
             }
-            self.reads.stats.lent_read_blocks += piece.count;
-            self.block_cache.device_blocks += piece.count;
-            if let Some(bad) = check_blocks(
-                piece,
-                0,
-                &bytes,
-                &mut self.block_cache,
-                false,
-                &mut Vec::new(),
-            ) {
-                result = Err(bad);
-                break;
-            }
-            copy_piece(piece, 0, &bytes, &mut out);
         }
         self.dev.lend(crate::mux::Lent::No);
         self.reads.stats.lent_reads += 1;
@@ -258,25 +247,34 @@ impl Filesystem {
     /// fails the filesystem; a block that fails its crc is an error (nothing was changed).
     pub(crate) fn read_edges_beside(&mut self, pieces: &[ReadPiece]) -> Result<()> {
         for piece in pieces {
-            let mut bytes = vec![0u8; piece.count as usize * BLOCK_BYTES];
-            if let Err(e) = self.dev.read_blocks_beside(piece.disk, &mut bytes) {
-                let e = EngineError::Device(e);
-                self.failed.get_or_insert(e.clone());
-                return Err(e);
-            }
-            self.block_cache.device_blocks += piece.count;
-            if let Some(bad) = check_blocks(
-                piece,
-                0,
-                &bytes,
-                &mut self.block_cache,
-                false,
-                &mut Vec::new(),
-            ) {
-                return Err(bad);
-            }
+            self.read_piece_beside(piece)?;
         }
         Ok(())
+    }
+
+    /// Reads `piece`'s blocks synchronously beside the device's queue, checks each against
+    /// its crc and caches those that match: the bytes, or the device error (which fails
+    /// the filesystem) or the first mismatch.
+    fn read_piece_beside(&mut self, piece: &ReadPiece) -> Result<Vec<u8>> {
+        let mut bytes = vec![0u8; piece.count as usize * BLOCK_BYTES];
+        if let Err(e) = self.dev.read_blocks_beside(piece.disk, &mut bytes) {
+            let e = EngineError::Device(e);
+            self.failed.get_or_insert(e.clone());
+            return Err(e);
+        }
+        self.block_cache.device_blocks += piece.count;
+        let mut computed = Vec::new();
+        match check_blocks(
+            piece,
+            0,
+            &bytes,
+            &mut self.block_cache,
+            false,
+            &mut computed,
+        ) {
+            Some(bad) => Err(bad),
+            None => Ok(bytes),
+        }
     }
 
     /// The plan of a read from memory alone (run by [`Filesystem::run_from_memory`]):
