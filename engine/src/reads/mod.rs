@@ -124,8 +124,8 @@ struct ReadSet {
     kind: SetKind,
 }
 
-/// Read-ahead: a file read sequentially (each read starting where the one before ended, or
-/// a read from its start) has a window past its read fetched into the block cache in the
+/// Read-ahead: a file read sequentially (each read starting where the one before ended)
+/// has a window past its read fetched into the block cache in the
 /// background, and the next window fetched once the reader is half way through the one
 /// before, so the device works while the reader copies. The window starts at twice the read
 /// (at least [`READAHEAD_BYTES`]) and doubles with each window fetched, up to four reads'
@@ -255,6 +255,14 @@ impl Reads {
         let (&first, io) = self.ahead.range(..=disk).next_back()?;
         (disk < first + io.blocks).then_some((first, io.blocks))
     }
+
+    /// Whether no read-ahead on its way fetches any of blocks `first..first + blocks`:
+    /// the ranges never overlap, so the one starting before and the one starting inside
+    /// decide it.
+    fn ahead_free(&self, first: u64, blocks: u64) -> bool {
+        self.ahead_covering(first).is_none()
+            && self.ahead.range(first..first + blocks).next().is_none()
+    }
 }
 
 /// The blocks one device read `io` brought (`bytes`) for a data or read-ahead set, straight
@@ -312,18 +320,7 @@ fn give_joined(
     cache.device_blocks += piece.count;
     let bad = (0..piece.count as usize).find(|&i| computed[skip + i] != piece.crcs[i]);
     match (bad, &mut set.outs[piece.request]) {
-        (Some(i), out @ Ok(_)) => {
-            *out = Err(EngineError::corrupt(
-                "data block",
-                piece.disk + i as u64,
-                format!(
-                    "checksum mismatch in inode {} (stored {:#010x}, computed {:#010x})",
-                    piece.ino,
-                    piece.crcs[i],
-                    computed[skip + i]
-                ),
-            ))
-        }
+        (Some(i), out @ Ok(_)) => *out = Err(crc_mismatch(piece, i, computed[skip + i])),
         (None, Ok(out)) => copy_piece(
             piece,
             0,
@@ -354,17 +351,22 @@ fn check_blocks(
         if crc == piece.crcs[i] {
             cache.insert_read(piece.disk + i as u64, block, crc, ahead);
         } else if bad.is_none() {
-            bad = Some(EngineError::corrupt(
-                "data block",
-                piece.disk + i as u64,
-                format!(
-                    "checksum mismatch in inode {} (stored {:#010x}, computed {crc:#010x})",
-                    piece.ino, piece.crcs[i]
-                ),
-            ));
+            bad = Some(crc_mismatch(piece, i, crc));
         }
     }
     bad
+}
+
+/// The error a read reports for block `i` of `piece`, whose bytes hash to `computed`.
+fn crc_mismatch(piece: &ReadPiece, i: usize, computed: u32) -> EngineError {
+    EngineError::corrupt(
+        "data block",
+        piece.disk + i as u64,
+        format!(
+            "checksum mismatch in inode {} (stored {:#010x}, computed {computed:#010x})",
+            piece.ino, piece.crcs[i]
+        ),
+    )
 }
 
 /// Copies what `bytes` (the piece's bytes from `at` on) hold of the range of the piece a

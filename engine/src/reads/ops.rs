@@ -461,8 +461,7 @@ impl Filesystem {
                 };
                 if kind == SetKind::Ahead {
                     assert!(
-                        (io.block..io.block + blocks)
-                            .all(|b| self.reads.ahead_covering(b).is_none()),
+                        self.reads.ahead_free(io.block, blocks),
                         "read-ahead plans no block already on its way"
                     );
                     self.reads.ahead.insert(
