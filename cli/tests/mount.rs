@@ -1704,3 +1704,82 @@ fn a_noatime_mount_opens_without_requests_and_sees_every_change() {
     );
     mounted.unmount();
 }
+
+/// The bench suite's FUSE target (`corefs-fuse`: `corefs mount` in a child, the clients'
+/// system calls on it) runs every workload beside the storage service's (`corefs-serve`):
+/// each run has operations and a CPU time per operation that counts its server process, the
+/// FUSE runs report no engine figures (the engine is the server's), and nothing is left
+/// mounted or behind in the suite's directory.
+#[test]
+fn the_bench_suite_runs_every_workload_through_the_mount_and_the_service() {
+    let dir = tempfile::Builder::new()
+        .prefix("corefs-fuse-suite-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let out = dir.path().join("out");
+    run(corefs()
+        .args(["bench", "suite", "--targets", "corefs-fuse,corefs-serve"])
+        .args([
+            "--seconds",
+            "0.25",
+            "--image-size",
+            "256MiB",
+            "--shards",
+            "2",
+            "--writers",
+            "2",
+            "--write-file-size",
+            "1MiB",
+            "--fsync-every",
+            "4",
+            "--create-clients",
+            "2",
+            "--create-dirs",
+            "2",
+            "--dbench-clients",
+            "2",
+            "--read-file-size",
+            "4MiB",
+            "--seq-file-size",
+            "8MiB",
+            "--shared-cores",
+            "--dir",
+            dir.path().to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ]));
+    let results: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
+    let runs = results["runs"].as_array().unwrap();
+    let mut workloads = std::collections::BTreeSet::new();
+    for target in ["corefs-fuse", "corefs-serve"] {
+        let mine: Vec<_> = runs.iter().filter(|r| r["target"] == target).collect();
+        assert_eq!(mine.len(), 12, "{target}: {mine:?}");
+        for run in mine {
+            let what = format!("{} on {target}", run["workload"]);
+            assert!(run["ops"].as_u64().unwrap() > 0, "{what}: {run}");
+            assert!(
+                run["cpu_ns_per_op"].as_f64().unwrap() > 0.0,
+                "{what}: {run}"
+            );
+            assert_eq!(
+                run["engine"].is_null(),
+                target == "corefs-fuse",
+                "{what}: {run}"
+            );
+            workloads.insert(run["workload"].as_str().unwrap().to_string());
+        }
+    }
+    assert_eq!(workloads.len(), 12, "{workloads:?}");
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
+    assert!(
+        !mounts.contains(dir.path().to_str().unwrap()),
+        "left mounted: {mounts}"
+    );
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .filter(|n| n != "out")
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}

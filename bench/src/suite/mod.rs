@@ -17,6 +17,7 @@ pub mod abi;
 pub mod compare;
 pub mod direct;
 pub mod fio_raw;
+pub mod fuse;
 pub mod loopdev;
 pub mod machine;
 pub mod neighbours;
@@ -46,6 +47,9 @@ pub enum TargetSpec {
     /// corefs as a storage service: `corefs serve` on an image of its own, the clients in
     /// the bench process through `corefs_connect`.
     CorefsServe,
+    /// corefs through its FUSE mount: `corefs mount` on an image of its own, the clients in
+    /// the bench process making system calls on the mountpoint.
+    CorefsFuse,
     /// corefs on a device string (`nvme:/dev/ng0n1`, `file:/dev/sdb`).
     CorefsDevice(String),
     /// The kernel filesystem holding this directory.
@@ -61,6 +65,7 @@ impl TargetSpec {
             "corefs" | "corefs-file" => TargetSpec::CorefsFile,
             "corefs-mem" => TargetSpec::CorefsMem,
             "corefs-serve" => TargetSpec::CorefsServe,
+            "corefs-fuse" => TargetSpec::CorefsFuse,
             "ext4" | "xfs" | "btrfs" => TargetSpec::KernelLoop(text.to_string()),
             _ => {
                 if let Some(device) = text.strip_prefix("corefs:") {
@@ -69,7 +74,7 @@ impl TargetSpec {
                     TargetSpec::KernelDir(PathBuf::from(dir))
                 } else {
                     return Err(format!(
-                        "unknown target {text:?}: corefs-file, corefs-mem, corefs-serve, corefs:DEVICE, \
+                        "unknown target {text:?}: corefs-file, corefs-mem, corefs-serve, corefs-fuse, corefs:DEVICE, \
                          dir:PATH, ext4, xfs or btrfs"
                     ));
                 }
@@ -252,6 +257,17 @@ fn build_targets(
                 )));
                 images.push(image);
             }
+            TargetSpec::CorefsFuse => {
+                let image = prefilled_image(config, "corefs-fuse-", say)?;
+                out.push(Box::new(fuse::FuseTarget::new(
+                    image.path(),
+                    &config.dir,
+                    config.shards,
+                    config.placement.clone(),
+                    config.reactors,
+                )?));
+                images.push(image);
+            }
             TargetSpec::CorefsMem => out.push(Box::new(CorefsTarget::new(
                 "corefs-mem",
                 &format!("mem:{},prefault", config.image_bytes),
@@ -333,7 +349,7 @@ fn run_one(
     for _ in 0..workload.clients {
         sessions.push(target.session()?);
     }
-    let cpu_before = process_cpu_ns();
+    let cpu_before = process_cpu_ns() + target.server_cpu_ns().unwrap_or(0);
     let steal_before = host_steal_ms();
     let started = Instant::now();
     let until = started + Duration::from_secs_f64(seconds);
@@ -376,7 +392,8 @@ fn run_one(
             .collect()
     });
     let elapsed = started.elapsed().as_secs_f64();
-    let cpu_ns = process_cpu_ns().saturating_sub(cpu_before);
+    let cpu_ns =
+        (process_cpu_ns() + target.server_cpu_ns().unwrap_or(0)).saturating_sub(cpu_before);
     let host_steal_ms = steal_before
         .zip(host_steal_ms())
         .map(|(before, after)| (after - before).max(0.0));

@@ -124,7 +124,8 @@ pub struct RunResult {
     pub latency: Percentiles,
     /// Every operation kind the workload ran.
     pub op_table: Vec<OpRow>,
-    /// Process CPU time (user + system, every thread) per main operation.
+    /// Process CPU time (user + system, every thread) per main operation, with the target's
+    /// server process's (corefs-serve, corefs-fuse).
     pub cpu_ns_per_op: f64,
     pub engine: Option<EngineFigures>,
     /// Time to mount the filesystem again after the run (unmount not counted), when the

@@ -27,8 +27,104 @@ pub struct ServeTarget {
     mount: Option<CAbiMount>,
 }
 
-/// The `corefs` binary that serves: `COREFS_BIN`, or this process when it is `corefs`.
-fn corefs_bin() -> R<PathBuf> {
+/// Formats `device` with `shards` shards through libcorefs.
+pub(super) fn mkfs(device: &str, shards: u32) -> R<()> {
+    let device_c = std::ffi::CString::new(device).map_err(|e| e.to_string())?;
+    let options = corefs::abi::corefs_options {
+        shards,
+        ..Default::default()
+    };
+    // SAFETY: a NUL-terminated device string and options without a label.
+    let rc = unsafe { corefs::abi::corefs_mkfs(device_c.as_ptr(), &options) };
+    if rc < 0 {
+        return Err(format!("mkfs {device}: errno {}", -rc));
+    }
+    Ok(())
+}
+
+/// `corefs ARGS...` with the reactor options of a target (`--reactors`; `--core` and
+/// `--busy-poll` on a dedicated placement: the storage core is the reactor's, busy-polling its
+/// device and the clients' rings or FUSE requests; `--no-data-cache` for workloads that
+/// measure the device path), and `COREFS_SERVE_ARGS`: more options for the server
+/// (`--busy-poll`, `--reactors 2`). Its log goes to the suite's stderr with
+/// `COREFS_SERVE_STDERR=1` (its reactor's figures at the end).
+pub(super) fn server_command(
+    label: &str,
+    args: &[&std::ffi::OsStr],
+    reactors: usize,
+    data_cache: bool,
+    placement: &Placement,
+) -> R<Command> {
+    let mut cmd = Command::new(corefs_bin(label)?);
+    cmd.args(args)
+        .arg("--reactors")
+        .arg(reactors.to_string())
+        .stdout(Stdio::null())
+        .stderr(if std::env::var_os("COREFS_SERVE_STDERR").is_some() {
+            Stdio::inherit()
+        } else {
+            Stdio::null()
+        });
+    if !data_cache {
+        cmd.arg("--no-data-cache");
+    }
+    if let Placement::Dedicated { reactor_cores, .. } = placement {
+        if let Some(core) = reactor_cores.first() {
+            cmd.arg("--core").arg(core.to_string()).arg("--busy-poll");
+        }
+    }
+    if let Ok(extra) = std::env::var("COREFS_SERVE_ARGS") {
+        cmd.args(extra.split_whitespace());
+    }
+    Ok(cmd)
+}
+
+/// Starts `cmd` (a server of `device`) and waits until `ready` says it serves: an error
+/// names the device when it ends first or is not ready within 30 s of `started` (when
+/// the child is killed).
+pub(super) fn spawn_until(
+    cmd: &mut Command,
+    device: &str,
+    started: Instant,
+    ready: impl Fn() -> bool,
+) -> R<Child> {
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| format!("starting a corefs server of {device}: {e}"))?;
+    while !ready() {
+        if let Some(status) = child.try_wait().ok().flatten() {
+            return Err(format!("the corefs server of {device} ended: {status}"));
+        }
+        if started.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!(
+                "the corefs server of {device} was not ready within 30 s"
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Ok(child)
+}
+
+/// The CPU time (ns) process `pid` has used, its ended threads' included (utime + stime of
+/// /proc/PID/stat, in clock ticks); `None` once it is gone.
+pub(super) fn child_cpu_ns(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The fields after the command name (which may hold spaces, in parentheses): state is
+    // the first, utime the 12th and stime the 13th.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let mut fields = rest.split(' ').skip(11);
+    let utime: u64 = fields.next()?.parse().ok()?;
+    let stime: u64 = fields.next()?.parse().ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let ticks_per_s = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Some((utime + stime) * 1_000_000_000 / ticks_per_s)
+}
+
+/// The `corefs` binary that serves or mounts: `COREFS_BIN`, or this process when it is
+/// `corefs`.
+pub(super) fn corefs_bin(label: &str) -> R<PathBuf> {
     if let Some(bin) = std::env::var_os("COREFS_BIN") {
         return Ok(PathBuf::from(bin));
     }
@@ -37,7 +133,7 @@ fn corefs_bin() -> R<PathBuf> {
         return Ok(me);
     }
     Err(format!(
-        "target {LABEL} starts `corefs serve`: run the suite from the corefs binary, or set \
+        "target {label} starts a corefs server: run the suite from the corefs binary, or set \
          COREFS_BIN (this is {})",
         me.display()
     ))
@@ -66,66 +162,24 @@ impl ServeTarget {
     fn start(&mut self, format: bool) -> R<f64> {
         let started = Instant::now();
         if format {
-            let device = std::ffi::CString::new(self.device.clone()).map_err(|e| e.to_string())?;
-            let options = corefs::abi::corefs_options {
-                shards: self.shards,
-                ..Default::default()
-            };
-            // SAFETY: a NUL-terminated device string and options without a label.
-            let rc = unsafe { corefs::abi::corefs_mkfs(device.as_ptr(), &options) };
-            if rc < 0 {
-                return Err(format!("mkfs {}: errno {}", self.device, -rc));
-            }
+            mkfs(&self.device, self.shards)?;
         }
-        let mut cmd = Command::new(corefs_bin()?);
-        cmd.arg("serve")
-            .arg(&self.device)
-            .arg("--socket")
-            .arg(&self.socket)
-            .arg("--reactors")
-            .arg(self.reactors.to_string())
-            .stdout(Stdio::null())
-            // COREFS_SERVE_STDERR=1: the server's log (its reactor's figures at the end).
-            .stderr(if std::env::var_os("COREFS_SERVE_STDERR").is_some() {
-                Stdio::inherit()
-            } else {
-                Stdio::null()
-            });
-        if !self.data_cache {
-            cmd.arg("--no-data-cache");
-        }
-        if let Placement::Dedicated { reactor_cores, .. } = &self.placement {
-            if let Some(core) = reactor_cores.first() {
-                // The storage core is the reactor's, busy-polling its device and the
-                // clients' rings (a root client's requests are taken by the reactor itself).
-                cmd.arg("--core").arg(core.to_string()).arg("--busy-poll");
-            }
-        }
-        // COREFS_SERVE_ARGS: more options for the server (`--busy-poll`, `--reactors 2`).
-        if let Ok(extra) = std::env::var("COREFS_SERVE_ARGS") {
-            cmd.args(extra.split_whitespace());
-        }
-        let child = cmd
-            .spawn()
-            .map_err(|e| format!("starting corefs serve: {e}"))?;
-        self.server = Some(child);
-        while std::os::unix::net::UnixStream::connect(&self.socket).is_err() {
-            if started.elapsed() > Duration::from_secs(30) {
-                return Err(format!(
-                    "corefs serve {} did not listen at {} within 30 s",
-                    self.device,
-                    self.socket.display()
-                ));
-            }
-            if let Some(status) = self
-                .server
-                .as_mut()
-                .and_then(|c| c.try_wait().ok().flatten())
-            {
-                return Err(format!("corefs serve {} ended: {status}", self.device));
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        let mut cmd = server_command(
+            LABEL,
+            &[
+                "serve".as_ref(),
+                self.device.as_ref(),
+                "--socket".as_ref(),
+                self.socket.as_ref(),
+            ],
+            self.reactors,
+            self.data_cache,
+            &self.placement,
+        )?;
+        let socket = self.socket.clone();
+        self.server = Some(spawn_until(&mut cmd, &self.device, started, || {
+            std::os::unix::net::UnixStream::connect(&socket).is_ok()
+        })?);
         self.mount = Some(CAbiMount::connect(&self.socket)?);
         Ok(started.elapsed().as_secs_f64() * 1e3)
     }
@@ -202,5 +256,41 @@ impl Target for ServeTarget {
 
     fn set_data_cache(&mut self, on: bool) {
         self.data_cache = on;
+    }
+
+    fn server_cpu_ns(&self) -> Option<u64> {
+        child_cpu_ns(self.server.as_ref()?.id())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::child_cpu_ns;
+    use std::time::{Duration, Instant};
+
+    /// A child's CPU time is read while it runs, counts what it spent computing, and is gone
+    /// once the child is reaped.
+    #[test]
+    fn a_childs_cpu_time_is_read_from_proc() {
+        let mut child = std::process::Command::new("sh")
+            .arg("-c")
+            .arg("i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done; sleep 30")
+            .spawn()
+            .expect("sh runs");
+        let pid = child.id();
+        let started = Instant::now();
+        let mut cpu_ns = 0;
+        while cpu_ns < 50_000_000 && started.elapsed() < Duration::from_secs(60) {
+            cpu_ns = child_cpu_ns(pid).expect("a running child has a CPU time");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(
+            cpu_ns >= 50_000_000,
+            "{cpu_ns} ns after {:?}",
+            started.elapsed()
+        );
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(child_cpu_ns(pid), None);
     }
 }

@@ -78,6 +78,12 @@ pub trait Target {
     /// with O_DIRECT; a kernel target has nothing to turn off.
     fn set_data_cache(&mut self, _on: bool) {}
 
+    /// CPU time (ns) a server process of this target has used so far (`corefs serve`,
+    /// `corefs mount`): the run's CPU per operation counts it with the bench process's own.
+    fn server_cpu_ns(&self) -> Option<u64> {
+        None
+    }
+
     /// The image file this target's filesystem lives in, when the suite made one for it (fio
     /// reads it raw as the random-read workloads' yardstick).
     fn image(&self) -> Option<&Path> {

@@ -561,10 +561,7 @@ impl Target for KernelTarget {
 
     fn session(&mut self) -> R<Box<dyn Session>> {
         let root = self.run_dir.clone().ok_or("kernel target not prepared")?;
-        Ok(Box::new(KernelSession {
-            root,
-            files: Handles::new(),
-        }))
+        Ok(kernel_session(root))
     }
 
     fn engine_figures(&mut self) -> R<Option<EngineFigures>> {
@@ -608,6 +605,14 @@ fn sync_filesystem(dir: &Path) -> R<()> {
         return Err(io(dir, std::io::Error::last_os_error()));
     }
     Ok(())
+}
+
+/// A session of system calls on the tree at `root` (a kernel filesystem, or a FUSE mount).
+pub(super) fn kernel_session(root: PathBuf) -> Box<dyn Session> {
+    Box::new(KernelSession {
+        root,
+        files: Handles::new(),
+    })
 }
 
 struct KernelSession {

@@ -39,6 +39,10 @@ pub(super) struct Reactors {
     /// modification or change, or is a day old), noatime (never), strictatime (every read).
     #[arg(long, default_value = "relatime", value_parser = parse_atime)]
     pub atime: engine::Atime,
+    /// No data-block cache: reads of committed data go to the device, as O_DIRECT reads do
+    /// on a kernel filesystem (for a database with a cache of its own, and fair benchmarks).
+    #[arg(long)]
+    pub no_data_cache: bool,
 }
 
 fn parse_atime(text: &str) -> Result<engine::Atime, String> {
@@ -88,6 +92,11 @@ impl Reactors {
             self.busy_poll,
             engine::MountOptions {
                 atime: self.atime,
+                data_cache_blocks: if self.no_data_cache {
+                    0
+                } else {
+                    mount.data_cache_blocks
+                },
                 ..mount
             },
         )

@@ -21,10 +21,6 @@ pub struct Args {
     socket: PathBuf,
     #[command(flatten)]
     reactors: Reactors,
-    /// No data-block cache: reads of committed data go to the device, as O_DIRECT reads do
-    /// on a kernel filesystem (for a database with a cache of its own, and fair benchmarks).
-    #[arg(long)]
-    no_data_cache: bool,
 }
 
 /// Set by SIGTERM and SIGINT: the serve loop stops at its next look (within 100 ms).
@@ -59,14 +55,9 @@ pub fn run(args: Args) -> Result<(), String> {
         device,
         socket,
         reactors,
-        no_data_cache,
     } = args;
     install_stop_signals()?;
-    let mut mount = engine::MountOptions::default();
-    if no_data_cache {
-        mount.data_cache_blocks = 0;
-    }
-    let runtime = reactors.start(&device, mount)?;
+    let runtime = reactors.start(&device, engine::MountOptions::default())?;
     eprintln!(
         "corefs: serving {device} at {} (stop with SIGTERM or SIGINT)",
         socket.display()

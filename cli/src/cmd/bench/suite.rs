@@ -14,7 +14,7 @@ pub struct Args {
     /// Directory for the image, loop files and kernel runs (must support O_DIRECT).
     #[arg(long, default_value = "/var/tmp")]
     dir: PathBuf,
-    /// Targets, comma-separated: corefs-file, corefs-mem, corefs-serve (`corefs serve` on its own image, the clients in another process), corefs:DEVICE (e.g.
+    /// Targets, comma-separated: corefs-file, corefs-mem, corefs-serve (`corefs serve` on its own image, the clients in another process), corefs-fuse (`corefs mount` on its own image, the clients' system calls on it), corefs:DEVICE (e.g.
     /// corefs:nvme:/dev/ng0n1; destroyed), dir:PATH (a kernel filesystem directory), ext4,
     /// xfs, btrfs (made on loop devices in --dir; root). Default: corefs-file and
     /// dir:<--dir>.
