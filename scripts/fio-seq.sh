@@ -6,7 +6,10 @@
 # (corefs, ext4, corefs, ...), each on a fresh filesystem; every row prints each run's MiB/s,
 # the medians, corefs's median over ext4's (above 1 corefs is faster), and the CPU seconds
 # the whole fio process took per GiB moved (user + system, /usr/bin/time: corefs's reactor
-# threads count; the kernel's completion work in interrupts counts for neither).
+# threads and io_uring workers count; the kernel's completion work in interrupts counts for
+# neither) and, on a quiet run, the CPU seconds the whole machine was busy meanwhile (every
+# core's user, system, irq and softirq time in /proc/stat: ext4's loop-device worker and the
+# page-cache work under both images count too, so this is the fairer of the two).
 # corefs reads with its data cache off (`corefs_data_cache=0`), as O_DIRECT reads on ext4
 # come from the device.
 # Needs root (loop devices, mounts), fio, gcc, e2fsprogs and GNU time.
@@ -56,8 +59,11 @@ run() {
     args=(--ioengine=io_uring --direct=1 --directory="$e4")
     [[ $2 == seqread ]] && fio "${args[@]}" --create_only=1 "$job" >/dev/null
   fi
+  local before after
+  before=$(head -1 /proc/stat)
   /usr/bin/time -o "$times" -f "%U %S" \
     fio --output-format=json --output="$out" "${args[@]}" "$job" >/dev/null
+  after=$(head -1 /proc/stat)
   if [[ $target == ext4 ]]; then
     umount "$e4"
     losetup -d "$loopdev"
@@ -68,28 +74,40 @@ run() {
   # job moves (its file was laid out before).
   local side=write
   [[ $2 == seqread ]] && side=read
-  awk -v side="$side" -v cpu="$(cat "$times")" '
+  awk -v side="$side" -v cpu="$(cat "$times")" -v before="$before" -v after="$after" \
+    -v tick="$(getconf CLK_TCK)" -v quiet="$((neighbours == 0))" '
+    function busy(line, f) { split(line, f, " "); return f[2] + f[3] + f[4] + f[7] + f[8] }
     $0 ~ "\"" side "\" : \\{" { want = 1 }
     want && /"bw" :/ { gsub(/,/, ""); bw = $3; want = 0 }
-    END { split(cpu, c, " "); printf "%.0f %.2f\n", bw / 1024, c[1] + c[2] }' "$out"
+    END {
+      split(cpu, c, " ")
+      machine = quiet ? sprintf("%.2f", (busy(after) - busy(before)) / tick) : "-"
+      printf "%.0f %.2f %s\n", bw / 1024, c[1] + c[2], machine
+    }' "$out"
 }
 
 median() { tr ' ' '\n' | grep -v '^$' | sort -n | awk '{ a[NR] = $1 } END { print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2 }'; }
 
-printf '%-22s %-34s %-34s %s\n' "fio, $neighbours neighbours" "corefs MiB/s (median) cpu s/GiB" \
-  "ext4 MiB/s (median) cpu s/GiB" "corefs/ext4"
+printf '%-22s %-40s %-40s %s\n' "fio, $neighbours neighbours" \
+  "corefs MiB/s (median) cpu s/GiB: fio, machine" "ext4 MiB/s (median) cpu s/GiB: fio, machine" \
+  "corefs/ext4"
 for job in seqwrite seqread; do
-  declare -A bw=() cpu=()
+  declare -A bw=() cpu=() machine=()
   for _ in $(seq "$repeats"); do
     for target in corefs ext4; do
-      read -r b c < <(run "$target" "$job")
+      read -r b c m < <(run "$target" "$job")
       bw[$target]+="$b "
       cpu[$target]+="$c "
+      machine[$target]+="$m "
     done
   done
   mc=$(echo "${bw[corefs]}" | median) me=$(echo "${bw[ext4]}" | median)
-  printf '%-22s %-34s %-34s %.2fx\n' "$job 1MiB QD8" \
-    "${bw[corefs]}($mc) $(echo "${cpu[corefs]}" | median)" \
-    "${bw[ext4]}($me) $(echo "${cpu[ext4]}" | median)" \
+  cpus() {
+    local m=-
+    [[ $neighbours == 0 ]] && m=$(echo "${machine[$1]}" | median)
+    echo "$(echo "${cpu[$1]}" | median), $m"
+  }
+  printf '%-22s %-40s %-40s %.2fx\n' "$job 1MiB QD8" \
+    "${bw[corefs]}($mc) $(cpus corefs)" "${bw[ext4]}($me) $(cpus ext4)" \
     "$(awk -v a="$mc" -v b="$me" 'BEGIN { print a / b }')"
 done
