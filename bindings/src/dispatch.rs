@@ -67,6 +67,16 @@ impl Conn {
         }
     }
 
+    /// Whether this thread streams large transfers and so sleeps for their answers
+    /// ([`reactor::Client::streaming`], [`RemoteClient::streaming`]).
+    #[cfg(feature = "sim")]
+    pub fn streaming(&self) -> bool {
+        match self {
+            Conn::Local(c) => c.streaming(),
+            Conn::Remote(c) => c.streaming(),
+        }
+    }
+
     /// Requests this thread ran itself on the reactor's engine (never through a service).
     #[cfg(feature = "sim")]
     pub fn requests_ran_here(&self) -> u64 {

@@ -658,6 +658,15 @@ pub fn test_hook_requests_sent(fs: corefs_fs) -> Option<u64> {
     with_client(&fs, |c| c.requests_sent()).ok()
 }
 
+/// Test hook (Rust only, not in the header): whether this thread's submitted operations on
+/// `fs` are a stream of large transfers, waited for asleep; None when `fs` is not open.
+#[doc(hidden)]
+#[cfg(feature = "sim")]
+pub fn test_hook_streaming(fs: corefs_fs) -> Option<bool> {
+    let fs = fs_of(fs).ok()?;
+    with_client(&fs, |c| c.streaming()).ok()
+}
+
 /// Test hook (Rust only, not in the header): the requests this thread ran itself on the
 /// reactor's engine while the reactor slept (no round trip), or None when `fs` is not open.
 #[doc(hidden)]

@@ -42,6 +42,16 @@ const SPIN_NS_MAX: u64 = 500_000;
 const SPIN_NS_MIN: u64 = 2_000;
 const SPIN_NS_FIRST: u64 = 50_000;
 
+/// How a thread waits for its slot's answer.
+#[derive(Clone, Copy)]
+enum Waiting {
+    /// Spin, yield or sleep as [`Connection::wait_done`] decides; `quick`: the request may be
+    /// waited for awake ([`Op::waits_awake`]).
+    Policy { quick: bool },
+    /// Sleep at once (a streaming thread's wait, [`RemoteClient::streaming`]).
+    Asleep,
+}
+
 /// One connection to a server.
 pub struct Connection {
     sock: UnixStream,
@@ -243,7 +253,20 @@ impl Connection {
         deadline: Option<Instant>,
         quick: bool,
     ) -> Result<bool, EngineError> {
+        self.wait_slot(i, deadline, Waiting::Policy { quick })
+    }
+
+    /// As [`Connection::wait_done`], `how` saying whether to sleep at once.
+    fn wait_slot(
+        &self,
+        i: usize,
+        deadline: Option<Instant>,
+        how: Waiting,
+    ) -> Result<bool, EngineError> {
         let started = Instant::now();
+        let Waiting::Policy { quick } = how else {
+            return self.sleep_until_done(i, deadline, started, false);
+        };
         self.look_for_neighbours(started, false);
         let contended = reactor::contention::contended();
         let since_ns = |at: Instant| at.saturating_duration_since(self.epoch).as_nanos() as u64;
@@ -273,11 +296,24 @@ impl Connection {
         if answered {
             return Ok(true);
         }
+        self.sleep_until_done(i, deadline, started, neighbours)
+    }
+
+    /// Sleeps on slot `i`'s futex until it is answered, `deadline` passes (false) or the
+    /// server is found gone; `adapt`: the wait began beside a neighbour, and its length
+    /// adapts the spin budget.
+    fn sleep_until_done(
+        &self,
+        i: usize,
+        deadline: Option<Instant>,
+        started: Instant,
+        adapt: bool,
+    ) -> Result<bool, EngineError> {
         let state = &self.region.slot(i).state;
         loop {
             let seen = state.load(Ordering::Acquire);
             if seen == DONE {
-                if neighbours {
+                if adapt {
                     self.adapt_spin(started.elapsed());
                 }
                 return Ok(true);
@@ -297,7 +333,7 @@ impl Connection {
             }
             waiting.store(0, Ordering::Relaxed);
             if self.is_done(i) {
-                if neighbours {
+                if adapt {
                     self.adapt_spin(started.elapsed());
                 }
                 return Ok(true);
@@ -473,8 +509,9 @@ pub const POSTED_MAX: usize = 8;
 /// A thread's client of a connection: what [`reactor::Client`] is for an in-process mount.
 pub struct RemoteClient {
     conn: Arc<Connection>,
-    /// Slots of submitted operations and their tokens.
-    in_flight: Vec<(usize, u64)>,
+    /// Slots of submitted operations, their tokens, and whether each is a large transfer
+    /// ([`Op::is_large_transfer`]).
+    in_flight: Vec<(usize, u64, bool)>,
     /// Slots of posted releases, oldest first: nobody waits for their answers, which are
     /// read (and the slots freed) before this thread's next request.
     posted: VecDeque<usize>,
@@ -663,6 +700,7 @@ impl RemoteClient {
         let Some(i) = self.conn.claim() else {
             return Err(SubmitError::Full(op));
         };
+        let large = op.is_large_transfer();
         if let Err(e) = self.conn.send(i, &wire::Request::Op(op)) {
             // The slot is free again: the error is this operation's completion.
             self.ready.push_back(Completion {
@@ -672,8 +710,16 @@ impl RemoteClient {
             return Ok(());
         }
         self.sent += 1;
-        self.in_flight.push((i, token));
+        self.in_flight.push((i, token, large));
         Ok(())
+    }
+
+    /// Whether this thread streams: two or more operations in flight, every one a large
+    /// transfer. [`RemoteClient::wait`] then sleeps for the next answer at once, as an
+    /// in-process client does ([`reactor::Client::streaming`]): answers come hundreds of
+    /// microseconds apart and the server's device stays busy with the others meanwhile.
+    pub fn streaming(&self) -> bool {
+        self.in_flight.len() >= 2 && self.in_flight.iter().all(|&(_, _, large)| large)
     }
 
     /// Completions ready now.
@@ -682,9 +728,9 @@ impl RemoteClient {
         out.extend(self.ready.drain(..));
         let conn = self.conn.clone();
         let dead = !self.in_flight.is_empty()
-            && !self.in_flight.iter().any(|&(i, _)| conn.is_done(i))
+            && !self.in_flight.iter().any(|&(i, _, _)| conn.is_done(i))
             && conn.dead.load(Ordering::Acquire);
-        self.in_flight.retain(|&(i, token)| {
+        self.in_flight.retain(|&(i, token, _)| {
             if conn.is_done(i) {
                 out.push(Completion {
                     token,
@@ -712,8 +758,13 @@ impl RemoteClient {
             if n > 0 || self.in_flight.is_empty() {
                 return n;
             }
-            let (i, _) = self.in_flight[0];
-            match self.conn.wait_done(i, Some(deadline), false) {
+            let (i, _, _) = self.in_flight[0];
+            let how = if self.streaming() {
+                Waiting::Asleep
+            } else {
+                Waiting::Policy { quick: false }
+            };
+            match self.conn.wait_slot(i, Some(deadline), how) {
                 Ok(true) => continue,
                 Ok(false) => return self.poll(out),
                 Err(_) => {
@@ -731,7 +782,7 @@ impl Drop for RemoteClient {
     /// their slots back once they are answered, so a connection does not run out of slots.
     fn drop(&mut self) {
         let _ = self.reap_posted(0);
-        for (i, _) in std::mem::take(&mut self.in_flight) {
+        for (i, _, _) in std::mem::take(&mut self.in_flight) {
             if self.conn.wait_done(i, None, false).is_ok() {
                 let _ = self.conn.finish(i);
             }

@@ -1,0 +1,107 @@
+//! A thread of a storage-service client that keeps two or more large transfers in flight
+//! (1 MiB writes at queue depth 8: fio, a compaction) streams: its waits sleep for the next
+//! answer instead of spinning, as an in-process client's do. Checked through the C ABI
+//! against a server running in this process: streaming while only large transfers are in
+//! flight, not with a small one beside them or a large one alone, and not once their
+//! completions are collected; every byte written reads back.
+
+use corefs::abi::*;
+use std::ffi::{CStr, CString};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+fn last_error() -> String {
+    // SAFETY: corefs_last_error returns a NUL-terminated string valid until the next call.
+    unsafe { CStr::from_ptr(corefs_last_error()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn streaming(fs: corefs_fs) -> bool {
+    test_hook_streaming(fs).expect("the filesystem is open")
+}
+
+fn submit_write(fs: corefs_fs, fd: corefs_fd, data: &[u8], offset: u64, token: u64) {
+    // SAFETY: `data` is live for `data.len()` bytes; the library copies it before returning.
+    let rc = unsafe { corefs_submit_pwrite(fs, fd, data.as_ptr(), data.len(), offset, token) };
+    assert_eq!(rc, 0, "submit: {}", last_error());
+}
+
+/// Collects `n` completions, each a whole write.
+fn collect(fs: corefs_fs, n: usize, lens: &[usize]) {
+    let mut got = 0;
+    let mut out = vec![corefs_completion::default(); 8];
+    while got < n {
+        // SAFETY: `out` has room for `out.len()` completions.
+        let k = unsafe { corefs_poll(fs, out.as_mut_ptr(), out.len(), 1_000_000) };
+        assert!(k >= 0, "poll: {}", last_error());
+        for c in &out[..k as usize] {
+            assert_eq!(c.result, lens[c.token as usize] as i64, "write {}", c.token);
+        }
+        got += k as usize;
+    }
+}
+
+#[test]
+fn a_service_client_streams_while_only_large_transfers_are_in_flight() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("s.sock");
+    let runtime = reactor::Runtime::start(reactor::Config {
+        device: "mem:128MiB".into(),
+        mkfs: Some(Default::default()),
+        ..reactor::Config::default()
+    })
+    .expect("start the reactors");
+    let stop = Arc::new(AtomicBool::new(false));
+    let server = {
+        let (socket, stop) = (socket.clone(), stop.clone());
+        std::thread::spawn(move || {
+            corefs::service::server::serve(runtime, &socket, &stop, &Default::default())
+        })
+    };
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        assert!(!server.is_finished(), "the server ended before it listened");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let c_socket = CString::new(socket.to_str().unwrap()).unwrap();
+    // SAFETY: a NUL-terminated path; no options.
+    let fs = unsafe { corefs_connect(c_socket.as_ptr(), std::ptr::null()) };
+    assert!(fs > 0, "connect: {}", last_error());
+    // SAFETY: a NUL-terminated path.
+    let fd = unsafe { corefs_open(fs, c"big".as_ptr(), libc::O_CREAT | libc::O_RDWR, 0o644) };
+    assert!(fd >= 0, "open: {}", last_error());
+
+    let large = 512 << 10;
+    let lens = [large, large, 4096, large, large];
+    let data: Vec<Vec<u8>> = (0..lens.len())
+        .map(|k| vec![b'a' + k as u8; lens[k]])
+        .collect();
+    let offsets = [0u64, 512 << 10, 1 << 20, 2 << 20, 3 << 20];
+
+    assert!(!streaming(fs), "nothing in flight");
+    submit_write(fs, fd, &data[0], offsets[0], 0);
+    assert!(!streaming(fs), "one large transfer alone");
+    submit_write(fs, fd, &data[1], offsets[1], 1);
+    assert!(streaming(fs), "two large transfers");
+    submit_write(fs, fd, &data[2], offsets[2], 2);
+    assert!(!streaming(fs), "a small write beside them");
+    collect(fs, 3, &lens);
+    assert!(!streaming(fs), "every completion collected");
+    submit_write(fs, fd, &data[3], offsets[3], 3);
+    submit_write(fs, fd, &data[4], offsets[4], 4);
+    assert!(streaming(fs), "two large transfers again");
+    collect(fs, 2, &lens);
+    assert!(!streaming(fs), "collected again");
+
+    for k in 0..lens.len() {
+        let mut back = vec![0u8; lens[k]];
+        // SAFETY: `back` has room for `back.len()` bytes.
+        let n = unsafe { corefs_pread(fs, fd, back.as_mut_ptr(), back.len(), offsets[k]) };
+        assert_eq!(n, lens[k] as i64, "read {k}: {}", last_error());
+        assert!(back == data[k], "write {k} read back different bytes");
+    }
+    assert_eq!(corefs_release(fs, fd), 0, "{}", last_error());
+    assert_eq!(corefs_close(fs), 0, "{}", last_error());
+    stop.store(true, Ordering::Release);
+    server.join().unwrap().expect("the server stops cleanly");
+}
