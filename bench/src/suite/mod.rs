@@ -25,6 +25,7 @@ pub mod plot;
 pub mod results;
 pub mod rocksdb;
 pub mod serve;
+pub mod server;
 pub mod session;
 pub mod target;
 pub mod workloads;
@@ -250,10 +251,10 @@ fn build_targets(
                 let image = prefilled_image(config, "corefs-serve-", say)?;
                 out.push(Box::new(serve::ServeTarget::new(
                     image.path(),
-                    &config.dir,
                     config.shards,
                     config.placement.clone(),
                     config.reactors,
+                    serve::Serve::new(&config.dir),
                 )));
                 images.push(image);
             }
@@ -261,11 +262,11 @@ fn build_targets(
                 let image = prefilled_image(config, "corefs-fuse-", say)?;
                 out.push(Box::new(fuse::FuseTarget::new(
                     image.path(),
-                    &config.dir,
                     config.shards,
                     config.placement.clone(),
                     config.reactors,
-                )?));
+                    fuse::Fuse::new(&config.dir)?,
+                )));
                 images.push(image);
             }
             TargetSpec::CorefsMem => out.push(Box::new(CorefsTarget::new(
