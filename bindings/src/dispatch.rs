@@ -50,6 +50,32 @@ impl Conn {
         }
     }
 
+    /// Reads up to `out.len()` bytes of `ino` at `offset` into `out`; returns how many.
+    /// Through a service the answer's data goes from its slot straight into `out`.
+    pub fn read_into(
+        &mut self,
+        ino: u64,
+        offset: u64,
+        out: &mut [u8],
+    ) -> Result<usize, EngineError> {
+        match self {
+            Conn::Local(c) => {
+                let len = out.len();
+                match c.call(Op::Read { ino, offset, len })? {
+                    Reply::Data(d) if d.len() <= len => {
+                        out[..d.len()].copy_from_slice(&d);
+                        Ok(d.len())
+                    }
+                    other => Err(EngineError::Refused {
+                        errno: libc::EIO,
+                        message: format!("unexpected reply to a read {other:?}"),
+                    }),
+                }
+            }
+            Conn::Remote(c) => c.read_into(ino, offset, out),
+        }
+    }
+
     /// The service client, when this thread reaches the engine through a server.
     pub fn remote(&mut self) -> Option<&mut RemoteClient> {
         match self {

@@ -3,7 +3,8 @@
 //! answer instead of spinning, as an in-process client's do. Checked through the C ABI
 //! against a server running in this process: streaming while only large transfers are in
 //! flight, not with a small one beside them or a large one alone, and not once their
-//! completions are collected; every byte written reads back.
+//! completions are collected; every byte written reads back, through reads longer than one
+//! message and short at the end of the file too.
 
 use corefs::abi::*;
 use std::ffi::{CStr, CString};
@@ -99,6 +100,28 @@ fn a_service_client_streams_while_only_large_transfers_are_in_flight() {
         let n = unsafe { corefs_pread(fs, fd, back.as_mut_ptr(), back.len(), offsets[k]) };
         assert_eq!(n, lens[k] as i64, "read {k}: {}", last_error());
         assert!(back == data[k], "write {k} read back different bytes");
+    }
+    // Reads longer than one message go as several, each answer's data straight into its
+    // place in the caller's buffer; the last is short at the end of the file (3.5 MiB).
+    let mut model = vec![0u8; 7 << 19];
+    for k in 0..lens.len() {
+        let at = offsets[k] as usize;
+        model[at..at + lens[k]].copy_from_slice(&data[k]);
+    }
+    for (offset, len) in [(0usize, 4 << 20), (300 << 10, 3 << 19), (3 << 20, 1 << 20)] {
+        let mut back = vec![0xEEu8; len];
+        // SAFETY: `back` has room for `back.len()` bytes.
+        let n = unsafe { corefs_pread(fs, fd, back.as_mut_ptr(), len, offset as u64) };
+        let want = len.min(model.len() - offset);
+        assert_eq!(n, want as i64, "read {len} at {offset}: {}", last_error());
+        assert!(
+            back[..want] == model[offset..offset + want],
+            "read {len} at {offset}"
+        );
+        assert!(
+            back[want..].iter().all(|&b| b == 0xEE),
+            "past the end of {len} at {offset}"
+        );
     }
     assert_eq!(corefs_release(fs, fd), 0, "{}", last_error());
     assert_eq!(corefs_close(fs), 0, "{}", last_error());

@@ -283,18 +283,22 @@ pub unsafe extern "C" fn corefs_pread(
         let len = io_len(offset, len)?;
         // SAFETY: forwarded from this function's contract (`len` only shrank).
         let out = unsafe { bytes_mut(buf, len, "buf") }?;
-        let read = Op::Read {
-            ino: f.ino,
-            offset,
-            len,
-        };
-        let mut data = expect_reply!(call(&fs, read)?, Reply::Data(d) => d)?;
+        let read = with_client(&fs, |c| c.read_into(f.ino, offset, out))?;
+        let n = read.map_err(Error::from)?;
         // Through a handle with an atomic batch open, the batch's writes are read back (SQLite
         // reads pages it wrote); at most `len` bytes.
-        f.batch()
-            .with(|batch| batch.overlay(offset, len, &mut data));
-        out[..data.len()].copy_from_slice(&data);
-        Ok(data.len() as i64)
+        let overlaid = f.batch().with(|batch| {
+            let mut data = out[..n].to_vec();
+            batch.overlay(offset, len, &mut data);
+            data
+        });
+        match overlaid {
+            Some(data) => {
+                out[..data.len()].copy_from_slice(&data);
+                Ok(data.len() as i64)
+            }
+            None => Ok(n as i64),
+        }
     })
 }
 

@@ -588,6 +588,33 @@ impl RemoteClient {
         }
     }
 
+    /// Reads `out.len()` bytes of `ino` at `offset` (fewer at the end of the file) straight
+    /// into `out`: each answer's data is copied once, from its slot into its place. A read
+    /// longer than one message goes as several, in order, stopping at a short one. Returns
+    /// the bytes read.
+    pub fn read_into(
+        &mut self,
+        ino: u64,
+        offset: u64,
+        out: &mut [u8],
+    ) -> Result<usize, EngineError> {
+        let mut done = 0;
+        loop {
+            let part = (out.len() - done).min(ring::DATA_BYTES_MAX);
+            let request = wire::Request::Op(Op::Read {
+                ino,
+                offset: offset + done as u64,
+                len: part,
+            });
+            let into = &mut out[done..done + part];
+            let n = self.exchange(&request, |bytes| wire::decode_read_into(bytes, into))?;
+            done += n;
+            if n < part || done == out.len() {
+                return Ok(done);
+            }
+        }
+    }
+
     fn one(&mut self, op: Op) -> Result<Reply, EngineError> {
         self.request(&wire::Request::Op(op))
     }

@@ -214,9 +214,93 @@ pub fn decode_answer(bytes: &[u8]) -> Result<Reply, EngineError> {
     }
 }
 
+/// The bytes every answer carrying a read's data starts with (`Answer::Ok(Reply::Data)`'s
+/// variant tags), before the data's length.
+fn data_answer_prefix() -> &'static [u8] {
+    static PREFIX: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    PREFIX.get_or_init(|| {
+        let mut empty = postcard::to_allocvec(&Answer::Ok(Reply::Data(Vec::new())))
+            .expect("an empty reply encodes");
+        // The last byte is the empty data's length (a one-byte varint 0).
+        assert_eq!(empty.pop(), Some(0), "postcard's encoding of empty bytes");
+        empty
+    })
+}
+
+/// Decodes `bytes`, the answer to a read of at most `out.len()` bytes, copying the data
+/// straight from the slot into `out` (a read through the C ABI lands in the caller's buffer
+/// with no copy in between); returns the bytes read. An error answer is the engine's error;
+/// any other reply, data longer than `out`, or a malformed answer is EIO.
+pub fn decode_read_into(bytes: &[u8], out: &mut [u8]) -> Result<usize, EngineError> {
+    let malformed = |why: &str| EngineError::Refused {
+        errno: libc::EIO,
+        message: format!("a malformed read answer from the service: {why}"),
+    };
+    let Some(rest) = bytes.strip_prefix(data_answer_prefix()) else {
+        return match decode_answer(bytes)? {
+            Reply::Data(_) => Err(malformed("not in its canonical form")),
+            other => Err(EngineError::Refused {
+                errno: libc::EIO,
+                message: format!("unexpected reply to a read {other:?}"),
+            }),
+        };
+    };
+    let (len, data) =
+        postcard::take_from_bytes::<u64>(rest).map_err(|e| malformed(&e.to_string()))?;
+    if data.len() as u64 != len {
+        return Err(malformed("its length is not its data's"));
+    }
+    if data.len() > out.len() {
+        return Err(malformed("more data than was asked for"));
+    }
+    out[..data.len()].copy_from_slice(data);
+    Ok(data.len())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A read's answer decodes into the caller's buffer exactly as through [`decode_answer`];
+    /// errors, other replies, too much data and every truncation or extension of the bytes
+    /// are refused cleanly.
+    #[test]
+    fn a_read_answer_decodes_into_the_callers_buffer() {
+        for len in [0usize, 1, 127, 128, 300, 4096, 1 << 20] {
+            let data: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
+            let bytes = postcard::to_allocvec(&Answer::Ok(Reply::Data(data.clone()))).unwrap();
+            let mut out = vec![0u8; len + 5];
+            assert_eq!(decode_read_into(&bytes, &mut out).unwrap(), len);
+            assert_eq!(&out[..len], &data[..]);
+            if len > 0 {
+                let mut short = vec![0u8; len - 1];
+                assert!(
+                    decode_read_into(&bytes, &mut short).is_err(),
+                    "{len} into less"
+                );
+                assert!(decode_read_into(&bytes[..bytes.len() - 1], &mut out).is_err());
+            }
+            let mut longer = bytes.clone();
+            longer.push(0);
+            assert!(
+                decode_read_into(&longer, &mut out).is_err(),
+                "{len} with a tail"
+            );
+        }
+        let err = postcard::to_allocvec(&Answer::Err {
+            errno: libc::EBADF,
+            message: "no".into(),
+        })
+        .unwrap();
+        let e = decode_read_into(&err, &mut [0u8; 8]).unwrap_err();
+        assert_eq!(e.errno(), libc::EBADF);
+        let other = postcard::to_allocvec(&Answer::Ok(Reply::Written(3))).unwrap();
+        assert_eq!(
+            decode_read_into(&other, &mut [0u8; 8]).unwrap_err().errno(),
+            libc::EIO
+        );
+        assert!(decode_read_into(&[], &mut [0u8; 8]).is_err());
+    }
 
     #[test]
     fn requests_and_answers_survive_the_trip_and_nested_walks_are_refused() {
