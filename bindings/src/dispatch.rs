@@ -2,7 +2,7 @@
 //! in-process mount, or a client of a storage service's connection ([`crate::service`]).
 //! Everything above it (paths, handles, atomic batches, the C ABI) is the same for both.
 
-use crate::service::client::RemoteClient;
+use crate::service::client::{ReadDest, RemoteClient};
 use engine::EngineError;
 use reactor::{Client, Completion, Op, Reply, SubmitError};
 use std::time::Duration;
@@ -33,6 +33,16 @@ impl Conn {
         match self {
             Conn::Local(c) => c.submit(op, token),
             Conn::Remote(c) => c.submit(op, token),
+        }
+    }
+
+    /// As [`Conn::submit`], for a read whose data goes to `into`: through a service it is
+    /// decoded straight there and completes as [`Reply::Placed`]; in process it completes
+    /// with its data as any read.
+    pub fn submit_read(&mut self, op: Op, token: u64, into: ReadDest) -> Result<(), SubmitError> {
+        match self {
+            Conn::Local(c) => c.submit(op, token),
+            Conn::Remote(c) => c.submit_into(op, token, Some(into)),
         }
     }
 

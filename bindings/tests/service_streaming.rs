@@ -4,7 +4,9 @@
 //! against a server running in this process: streaming while only large transfers are in
 //! flight, not with a small one beside them or a large one alone, and not once their
 //! completions are collected; every byte written reads back, through reads longer than one
-//! message and short at the end of the file too.
+//! message and short at the end of the file too, and through submitted reads whose data is
+//! decoded straight into their buffers. Submitted reads and writes longer than one message
+//! go as several and complete whole (they came back short, or failed, before).
 
 use corefs::abi::*;
 use std::ffi::{CStr, CString};
@@ -123,6 +125,58 @@ fn a_service_client_streams_while_only_large_transfers_are_in_flight() {
             "past the end of {len} at {offset}"
         );
     }
+    // Submitted reads: each answer's data is decoded straight into its buffer; every
+    // completion says how much, short at the end of the file, and nothing past it is touched.
+    let reads = [
+        (0usize, 1 << 20),
+        (512 << 10, 2 << 20),
+        (3 << 20, 1 << 20),
+        (100, 4096),
+    ];
+    let mut bufs: Vec<Vec<u8>> = reads.iter().map(|&(_, len)| vec![0xEEu8; len]).collect();
+    for (k, (&(offset, len), buf)) in reads.iter().zip(bufs.iter_mut()).enumerate() {
+        // SAFETY: `buf` outlives the read's completion, collected below, and is not touched
+        // meanwhile.
+        let rc = unsafe {
+            corefs_submit_pread(fs, fd, buf.as_mut_ptr(), len, offset as u64, 100 + k as u64)
+        };
+        assert_eq!(rc, 0, "submit read {k}: {}", last_error());
+    }
+    let mut done = 0;
+    let mut out = vec![corefs_completion::default(); 8];
+    while done < reads.len() {
+        // SAFETY: `out` has room for `out.len()` completions.
+        let k = unsafe { corefs_poll(fs, out.as_mut_ptr(), out.len(), 1_000_000) };
+        assert!(k >= 0, "poll: {}", last_error());
+        for c in &out[..k as usize] {
+            let r = (c.token - 100) as usize;
+            let (offset, len) = reads[r];
+            let want = len.min(model.len() - offset);
+            assert_eq!(c.result, want as i64, "read {r}");
+            assert!(
+                bufs[r][..want] == model[offset..offset + want],
+                "read {r}'s bytes"
+            );
+            assert!(
+                bufs[r][want..].iter().all(|&b| b == 0xEE),
+                "past read {r}'s end"
+            );
+        }
+        done += k as usize;
+    }
+    // A submitted write of more than one message goes as several; its completion counts
+    // them all, and the bytes read back.
+    let big: Vec<u8> = (0..5 << 19).map(|i: usize| (i % 251) as u8).collect();
+    submit_write(fs, fd, &big, 4 << 20, 0);
+    collect(fs, 1, &[big.len()]);
+    let mut back = vec![0u8; big.len()];
+    // SAFETY: `back` has room for `back.len()` bytes.
+    let n = unsafe { corefs_pread(fs, fd, back.as_mut_ptr(), back.len(), 4 << 20) };
+    assert_eq!(n, big.len() as i64, "{}", last_error());
+    assert!(
+        back == big,
+        "a 2.5 MiB submitted write read back different bytes"
+    );
     assert_eq!(corefs_release(fs, fd), 0, "{}", last_error());
     assert_eq!(corefs_close(fs), 0, "{}", last_error());
     stop.store(true, Ordering::Release);

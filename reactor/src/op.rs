@@ -447,6 +447,9 @@ pub enum Reply {
     Opened(Opened),
     Statfs(StatFs),
     Stats(Box<crate::stats::ReactorStats>),
+    /// A read's bytes (this many), already in the buffer its caller gave: a storage-service
+    /// client decodes an answer's data straight there. Never a reactor's reply.
+    Placed(usize),
 }
 
 /// An operation's outcome, with the token its client gave it.

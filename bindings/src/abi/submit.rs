@@ -36,7 +36,16 @@ fn submit(
     });
     let in_flight = f.in_flight();
     in_flight.begin();
-    let submitted = with_client(fs, |c| c.submit(op, token)).and_then(|r| {
+    let submitted = with_client(fs, |c| match read_into {
+        Some((buf, len)) if len > 0 => {
+            // SAFETY: the submitter promised `buf` valid for `len` bytes until this read's
+            // completion is polled.
+            let into = unsafe { crate::service::client::ReadDest::new(buf, len) };
+            c.submit_read(op, token, into)
+        }
+        _ => c.submit(op, token),
+    })
+    .and_then(|r| {
         r.map_err(|e| match e {
             reactor::SubmitError::Full(_) => Error::new(
                 libc::EAGAIN,
@@ -219,6 +228,10 @@ pub unsafe extern "C" fn corefs_poll(
                             unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), buf, n) };
                         }
                         n as i64
+                    }
+                    // A service client put the data in place already.
+                    Ok(Reply::Placed(n)) => {
+                        n.min(pending.read_into.map_or(0, |(_, len)| len)) as i64
                     }
                     Ok(Reply::Written(n) | Reply::Appended { written: n, .. }) => n as i64,
                     Ok(_) => 0,

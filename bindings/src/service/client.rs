@@ -42,6 +42,27 @@ const SPIN_NS_MAX: u64 = 500_000;
 const SPIN_NS_MIN: u64 = 2_000;
 const SPIN_NS_FIRST: u64 = 50_000;
 
+/// Where a submitted read's data goes: a C caller's buffer, which `corefs_submit_pread`'s
+/// contract keeps valid (and untouched by the caller) until the read's completion is polled.
+#[derive(Clone, Copy, Debug)]
+pub struct ReadDest {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer belongs to the read in flight alone until its completion is polled
+// (the submitter's contract), and only the client that submitted it writes it.
+unsafe impl Send for ReadDest {}
+
+impl ReadDest {
+    /// # Safety
+    /// `ptr` is valid for writing `len` bytes, and nothing else uses them, until the read's
+    /// completion is polled.
+    pub unsafe fn new(ptr: *mut u8, len: usize) -> ReadDest {
+        ReadDest { ptr, len }
+    }
+}
+
 /// How a thread waits for its slot's answer.
 #[derive(Clone, Copy)]
 enum Waiting {
@@ -506,12 +527,127 @@ impl Observer {
 /// one more waits for the oldest.
 pub const POSTED_MAX: usize = 8;
 
+/// An operation a thread submitted and has not collected.
+struct InFlight {
+    /// Its requests' slots in order, with the bytes each reads or writes: one, unless a
+    /// read or write larger than one message went as several ([`RemoteClient::submit_into`]).
+    parts: Vec<(usize, usize)>,
+    token: u64,
+    large: bool,
+    into: Option<ReadDest>,
+    /// Why the parts after the last one sent were not sent.
+    cut: Option<EngineError>,
+}
+
+impl InFlight {
+    fn done(&self, conn: &Connection) -> bool {
+        self.parts.iter().all(|&(i, _)| conn.is_done(i))
+    }
+
+    /// The slot to wait on: the first part not answered yet.
+    fn waiting_slot(&self, conn: &Connection) -> usize {
+        let unanswered = self.parts.iter().find(|&&(i, _)| !conn.is_done(i));
+        unanswered.unwrap_or(&self.parts[0]).0
+    }
+
+    /// The operation's outcome from its answered parts, every slot freed. One part answers as
+    /// itself (a read into `into` as [`Reply::Placed`]); several add up, as pread(2) and
+    /// pwrite(2) count: the bytes moved up to the first short part or error, the error only
+    /// when nothing moved.
+    fn collect(self, conn: &Connection) -> Result<Reply, EngineError> {
+        let one = |i: usize, at: usize, len: usize| match self.into {
+            // A buffer shorter than the read was submitted with: nothing is written to it.
+            Some(dest) if at + len > dest.len => conn.finish(i).and(Err(EngineError::Refused {
+                errno: libc::EIO,
+                message: format!("a read of {} bytes into a buffer of {}", at + len, dest.len),
+            })),
+            Some(dest) => conn
+                .finish_with(i, |bytes| {
+                    // SAFETY: `dest` is this read's buffer until its completion is polled
+                    // ([`ReadDest::new`]), which is now; this part's range lies inside it.
+                    let out = unsafe { std::slice::from_raw_parts_mut(dest.ptr.add(at), len) };
+                    wire::decode_read_into(bytes, out)
+                })
+                .map(Reply::Placed),
+            None => conn.finish(i),
+        };
+        if let ([(i, len)], None) = (self.parts.as_slice(), &self.cut) {
+            return one(*i, 0, *len);
+        }
+        let mut moved = 0usize;
+        let mut data = Vec::new();
+        let mut error = None;
+        let mut ended = false;
+        let mut at = 0usize;
+        for &(i, len) in &self.parts {
+            let result = one(i, at, len);
+            at += len;
+            if ended {
+                continue; // freed; past a short part or an error nothing counts
+            }
+            let n = match result {
+                Ok(Reply::Placed(n) | Reply::Written(n)) => n,
+                Ok(Reply::Data(d)) => {
+                    data.extend_from_slice(&d);
+                    d.len()
+                }
+                Ok(other) => Err(EngineError::Refused {
+                    errno: libc::EIO,
+                    message: format!("unexpected reply to a part of a read or write {other:?}"),
+                })?,
+                Err(e) => {
+                    error = Some(e);
+                    ended = true;
+                    continue;
+                }
+            };
+            moved += n;
+            ended = n < len;
+        }
+        if !ended {
+            error = self.cut;
+        }
+        match error {
+            Some(e) if moved == 0 => Err(e),
+            _ if self.into.is_some() => Ok(Reply::Placed(moved)),
+            _ if !data.is_empty() || moved == 0 => Ok(Reply::Data(data)),
+            _ => Ok(Reply::Written(moved)),
+        }
+    }
+}
+
+/// A read or write of more than one message's data as parts of at most one message each, in
+/// order; `None` for any other operation (it goes whole).
+fn parts_of(op: &Op) -> Option<Vec<Op>> {
+    let parts = match op {
+        Op::Read { ino, offset, len } if *len > ring::DATA_BYTES_MAX => (0..*len)
+            .step_by(ring::DATA_BYTES_MAX)
+            .map(|at| Op::Read {
+                ino: *ino,
+                offset: offset + at as u64,
+                len: (len - at).min(ring::DATA_BYTES_MAX),
+            })
+            .collect(),
+        Op::Write { ino, offset, data } if data.len() > ring::DATA_BYTES_MAX => data
+            .chunks(ring::DATA_BYTES_MAX)
+            .enumerate()
+            .map(|(k, part)| Op::Write {
+                ino: *ino,
+                offset: offset + (k * ring::DATA_BYTES_MAX) as u64,
+                data: part.to_vec(),
+            })
+            .collect(),
+        _ => return None,
+    };
+    Some(parts)
+}
+
 /// A thread's client of a connection: what [`reactor::Client`] is for an in-process mount.
 pub struct RemoteClient {
     conn: Arc<Connection>,
-    /// Slots of submitted operations, their tokens, and whether each is a large transfer
-    /// ([`Op::is_large_transfer`]).
-    in_flight: Vec<(usize, u64, bool)>,
+    /// Submitted operations: slot, token, whether a large transfer
+    /// ([`Op::is_large_transfer`]), and where a read's data goes when its caller said.
+    in_flight: Vec<InFlight>,
     /// Slots of posted releases, oldest first: nobody waits for their answers, which are
     /// read (and the slots freed) before this thread's next request.
     posted: VecDeque<usize>,
@@ -717,6 +853,17 @@ impl RemoteClient {
 
     /// Submits `op`; its completion comes from [`RemoteClient::poll`].
     pub fn submit(&mut self, op: Op, token: u64) -> Result<(), SubmitError> {
+        self.submit_into(op, token, None)
+    }
+
+    /// Submits `op`, a read whose data `into` receives when given: its answer is decoded
+    /// from the slot straight there and completes as [`Reply::Placed`].
+    pub fn submit_into(
+        &mut self,
+        op: Op,
+        token: u64,
+        into: Option<ReadDest>,
+    ) -> Result<(), SubmitError> {
         if self.conn.known_dead() {
             self.ready.push_back(Completion {
                 token,
@@ -724,20 +871,90 @@ impl RemoteClient {
             });
             return Ok(());
         }
-        let Some(i) = self.conn.claim() else {
-            return Err(SubmitError::Full(op));
-        };
         let large = op.is_large_transfer();
-        if let Err(e) = self.conn.send(i, &wire::Request::Op(op)) {
-            // The slot is free again: the error is this operation's completion.
+        let (parts, lens): (Vec<Op>, Vec<usize>) = match parts_of(&op) {
+            Some(parts) => {
+                let lens = parts
+                    .iter()
+                    .map(|p| match p {
+                        Op::Read { len, .. } => *len,
+                        Op::Write { data, .. } => data.len(),
+                        _ => 0,
+                    })
+                    .collect();
+                (parts, lens)
+            }
+            None => {
+                let len = match &op {
+                    Op::Read { len, .. } => *len,
+                    _ => 0,
+                };
+                (Vec::new(), vec![len])
+            }
+        };
+        if lens.len() > SLOTS {
             self.ready.push_back(Completion {
                 token,
-                result: Err(e),
+                result: Err(EngineError::Invalid(format!(
+                    "an asynchronous read or write of more than {} MiB through the service                      (its ring's {SLOTS} messages of 1 MiB): submit it in smaller parts",
+                    (SLOTS * ring::DATA_BYTES_MAX) >> 20
+                ))),
             });
             return Ok(());
         }
-        self.sent += 1;
-        self.in_flight.push((i, token, large));
+        // Every slot first, so an operation is sent whole or not at all.
+        let mut slots = Vec::with_capacity(lens.len());
+        while slots.len() < lens.len() {
+            match self.conn.claim() {
+                Some(i) => slots.push(i),
+                None => {
+                    for i in slots {
+                        self.conn
+                            .region
+                            .slot(i)
+                            .state
+                            .store(FREE, Ordering::Release);
+                    }
+                    return Err(SubmitError::Full(op));
+                }
+            }
+        }
+        let requests: Vec<Op> = if parts.is_empty() { vec![op] } else { parts };
+        let mut sent = Vec::with_capacity(slots.len());
+        let mut cut = None;
+        for ((i, request), len) in slots.iter().zip(requests).zip(&lens) {
+            if cut.is_some() {
+                self.conn
+                    .region
+                    .slot(*i)
+                    .state
+                    .store(FREE, Ordering::Release);
+                continue;
+            }
+            match self.conn.send(*i, &wire::Request::Op(request)) {
+                Ok(()) => {
+                    self.sent += 1;
+                    sent.push((*i, *len));
+                }
+                // The slot is free again; the parts sent still complete.
+                Err(e) => cut = Some(e),
+            }
+        }
+        if sent.is_empty() {
+            // Nothing went: the error is this operation's completion.
+            self.ready.push_back(Completion {
+                token,
+                result: Err(cut.expect("an unsent operation has its error")),
+            });
+            return Ok(());
+        }
+        self.in_flight.push(InFlight {
+            parts: sent,
+            token,
+            large,
+            into,
+            cut,
+        });
         Ok(())
     }
 
@@ -746,7 +963,7 @@ impl RemoteClient {
     /// in-process client does ([`reactor::Client::streaming`]): answers come hundreds of
     /// microseconds apart and the server's device stays busy with the others meanwhile.
     pub fn streaming(&self) -> bool {
-        self.in_flight.len() >= 2 && self.in_flight.iter().all(|&(_, _, large)| large)
+        self.in_flight.len() >= 2 && self.in_flight.iter().all(|f| f.large)
     }
 
     /// Completions ready now.
@@ -755,25 +972,24 @@ impl RemoteClient {
         out.extend(self.ready.drain(..));
         let conn = self.conn.clone();
         let dead = !self.in_flight.is_empty()
-            && !self.in_flight.iter().any(|&(i, _, _)| conn.is_done(i))
+            && !self.in_flight.iter().any(|f| f.done(&conn))
             && conn.dead.load(Ordering::Acquire);
-        self.in_flight.retain(|&(i, token, _)| {
-            if conn.is_done(i) {
+        for f in std::mem::take(&mut self.in_flight) {
+            if f.done(&conn) {
+                let token = f.token;
                 out.push(Completion {
                     token,
-                    result: conn.finish(i),
+                    result: f.collect(&conn),
                 });
-                false
             } else if dead {
                 out.push(Completion {
-                    token,
+                    token: f.token,
                     result: Err(gone(&conn.socket_path)),
                 });
-                false
             } else {
-                true
+                self.in_flight.push(f);
             }
-        });
+        }
         out.len() - before
     }
 
@@ -785,7 +1001,7 @@ impl RemoteClient {
             if n > 0 || self.in_flight.is_empty() {
                 return n;
             }
-            let (i, _, _) = self.in_flight[0];
+            let i = self.in_flight[0].waiting_slot(&self.conn);
             let how = if self.streaming() {
                 Waiting::Asleep
             } else {
@@ -809,9 +1025,13 @@ impl Drop for RemoteClient {
     /// their slots back once they are answered, so a connection does not run out of slots.
     fn drop(&mut self) {
         let _ = self.reap_posted(0);
-        for (i, _, _) in std::mem::take(&mut self.in_flight) {
-            if self.conn.wait_done(i, None, false).is_ok() {
-                let _ = self.conn.finish(i);
+        // Answers nobody collects are read out of their slots and dropped, never into a
+        // caller's buffer (its read was never completed to it).
+        for f in std::mem::take(&mut self.in_flight) {
+            for (i, _) in f.parts {
+                if self.conn.wait_done(i, None, false).is_ok() {
+                    let _ = self.conn.finish(i);
+                }
             }
         }
     }
