@@ -6,7 +6,8 @@
 //! completions are collected; every byte written reads back, through reads longer than one
 //! message and short at the end of the file too, and through submitted reads whose data is
 //! decoded straight into their buffers. Submitted reads and writes longer than one message
-//! go as several and complete whole (they came back short, or failed, before).
+//! go as several and complete whole (they came back short, or failed, before), and so does
+//! an atomic batch larger than one message (it failed with EINVAL before).
 
 use corefs::abi::*;
 use std::ffi::{CStr, CString};
@@ -176,6 +177,39 @@ fn a_service_client_streams_while_only_large_transfers_are_in_flight() {
     assert!(
         back == big,
         "a 2.5 MiB submitted write read back different bytes"
+    );
+    // An atomic batch larger than one message (a 2.5 MiB write, small ones before and after
+    // it, one overlapping it) goes in parts the server keeps until the commit; it applies
+    // whole, in order.
+    assert_eq!(corefs_atomic_begin(fs, fd), 0, "{}", last_error());
+    let mut expect = vec![0u8; 12 << 20];
+    // SAFETY: `back` has room for its length.
+    let n = unsafe { corefs_pread(fs, fd, expect.as_mut_ptr(), expect.len(), 0) };
+    assert!(n > 0, "{}", last_error());
+    let batch: [(usize, Vec<u8>); 4] = [
+        (9 << 20, vec![1; 4096]),
+        (
+            6 << 20,
+            (0..5 << 19).map(|i: usize| (i % 241) as u8).collect(),
+        ),
+        (7 << 20, vec![2; 100]),
+        (11 << 20, vec![3; 300 << 10]),
+    ];
+    for (offset, data) in &batch {
+        // SAFETY: `data` is live for its length.
+        let n = unsafe { corefs_pwrite(fs, fd, data.as_ptr(), data.len(), *offset as u64) };
+        assert_eq!(n, data.len() as i64, "{}", last_error());
+        expect[*offset..*offset + data.len()].copy_from_slice(data);
+    }
+    assert_eq!(corefs_atomic_commit(fs, fd), 0, "{}", last_error());
+    let end = (11 << 20) + (300 << 10);
+    let mut back = vec![0u8; end];
+    // SAFETY: `back` has room for its length.
+    let n = unsafe { corefs_pread(fs, fd, back.as_mut_ptr(), back.len(), 0) };
+    assert_eq!(n, end as i64, "{}", last_error());
+    assert!(
+        back == expect[..end],
+        "the batch in parts applied differently"
     );
     assert_eq!(corefs_release(fs, fd), 0, "{}", last_error());
     assert_eq!(corefs_close(fs), 0, "{}", last_error());

@@ -776,7 +776,23 @@ fn fuzz_the_protocol(server_env: &[(&str, &str)]) {
                 name: name(&mut rng),
             },
         };
-        let request = if rng.random_ratio(1, 8) {
+        let request = if rng.random_ratio(1, 10) {
+            // Parts of atomic batches, kept by the server until a commit that may never come,
+            // name another batch or another inode.
+            let part = corefs::service::wire::AtomicPart {
+                ino,
+                batch: rng.random_range(0..100),
+                writes: vec![(
+                    rng.random_range(0..1 << 20),
+                    vec![0xAB; rng.random_range(0..5000)],
+                )],
+            };
+            if rng.random_bool(0.5) {
+                corefs::service::wire::Request::AtomicPart(part)
+            } else {
+                corefs::service::wire::Request::AtomicCommit(part)
+            }
+        } else if rng.random_ratio(1, 8) {
             corefs::service::wire::Request::Lock(corefs::service::wire::LockRequest {
                 ino,
                 kind: match rng.random_range(0..3) {

@@ -25,6 +25,21 @@ pub enum Request {
     Lock(LockRequest),
     /// The server's statistics ([`super::stats::ServerStats`]), for `corefs top`.
     ServerStats,
+    /// Writes of an atomic batch too large for one message, kept by the server for the
+    /// connection until the batch's [`Request::AtomicCommit`] (answered `Reply::Done`).
+    AtomicPart(AtomicPart),
+    /// The last writes of such a batch: the server runs `Op::WriteAtomic` with every part it
+    /// kept for it first, in order, then these.
+    AtomicCommit(AtomicPart),
+}
+
+/// Writes of an atomic batch on `ino` sent in parts ([`Request::AtomicPart`]); `batch` names
+/// the batch among the connection's (a connection may have several at once, one per handle).
+#[derive(Debug, Serialize, Deserialize)]
+pub struct AtomicPart {
+    pub ino: u64,
+    pub batch: u64,
+    pub writes: Vec<(u64, Vec<u8>)>,
 }
 
 /// A byte-range lock's arguments ([`Request::Lock`]).
