@@ -6,8 +6,9 @@
 //! completions are collected; every byte written reads back, through reads longer than one
 //! message and short at the end of the file too, and through submitted reads whose data is
 //! decoded straight into their buffers. Submitted reads and writes longer than one message
-//! go as several and complete whole (they came back short, or failed, before), and so does
-//! an atomic batch larger than one message (it failed with EINVAL before).
+//! go as several and complete whole (they came back short, or failed, before); an atomic
+//! batch or an append larger than one message goes whole, as one request in pieces (they
+//! failed with EINVAL before).
 
 use corefs::abi::*;
 use std::ffi::{CStr, CString};
@@ -179,8 +180,8 @@ fn a_service_client_streams_while_only_large_transfers_are_in_flight() {
         "a 2.5 MiB submitted write read back different bytes"
     );
     // An atomic batch larger than one message (a 2.5 MiB write, small ones before and after
-    // it, one overlapping it) goes in parts the server keeps until the commit; it applies
-    // whole, in order.
+    // it, one overlapping it) goes as one request in pieces the server keeps until the last;
+    // it applies whole, in order.
     assert_eq!(corefs_atomic_begin(fs, fd), 0, "{}", last_error());
     let mut expect = vec![0u8; 12 << 20];
     // SAFETY: `back` has room for its length.
@@ -211,6 +212,34 @@ fn a_service_client_streams_while_only_large_transfers_are_in_flight() {
         back == expect[..end],
         "the batch in parts applied differently"
     );
+    // An append of more than one message (it must not be cut: another appender could land
+    // between its parts) goes as one request in pieces the server puts back together.
+    // SAFETY: a NUL-terminated path.
+    let afd = unsafe {
+        corefs_open(
+            fs,
+            c"log".as_ptr(),
+            libc::O_CREAT | libc::O_WRONLY | COREFS_O_APPEND,
+            0o644,
+        )
+    };
+    assert!(afd >= 0, "open: {}", last_error());
+    let record: Vec<u8> = (0..(5 << 19) + 7).map(|i: usize| (i % 239) as u8).collect();
+    for _ in 0..2 {
+        // SAFETY: `record` is live for its length.
+        let n = unsafe { corefs_pwrite(fs, afd, record.as_ptr(), record.len(), 0) };
+        assert_eq!(n, record.len() as i64, "append: {}", last_error());
+    }
+    // SAFETY: a NUL-terminated path.
+    let rfd = unsafe { corefs_open(fs, c"log".as_ptr(), libc::O_RDONLY, 0) };
+    assert!(rfd >= 0, "open: {}", last_error());
+    let mut back = vec![0u8; 2 * record.len() + 1];
+    // SAFETY: `back` has room for its length.
+    let n = unsafe { corefs_pread(fs, rfd, back.as_mut_ptr(), back.len(), 0) };
+    assert_eq!(n, 2 * record.len() as i64, "{}", last_error());
+    assert!(back[..record.len()] == record[..] && back[record.len()..n as usize] == record[..]);
+    assert_eq!(corefs_release(fs, afd), 0, "{}", last_error());
+    assert_eq!(corefs_release(fs, rfd), 0, "{}", last_error());
     assert_eq!(corefs_release(fs, fd), 0, "{}", last_error());
     assert_eq!(corefs_close(fs), 0, "{}", last_error());
     stop.store(true, Ordering::Release);

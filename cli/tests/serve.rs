@@ -777,21 +777,19 @@ fn fuzz_the_protocol(server_env: &[(&str, &str)]) {
             },
         };
         let request = if rng.random_ratio(1, 10) {
-            // Parts of atomic batches, kept by the server until a commit that may never come,
-            // name another batch or another inode.
-            let part = corefs::service::wire::AtomicPart {
-                ino,
-                batch: rng.random_range(0..100),
-                writes: vec![(
-                    rng.random_range(0..1 << 20),
-                    vec![0xAB; rng.random_range(0..5000)],
-                )],
-            };
-            if rng.random_bool(0.5) {
-                corefs::service::wire::Request::AtomicPart(part)
-            } else {
-                corefs::service::wire::Request::AtomicCommit(part)
-            }
+            // Pieces of requests, kept by the server until a last piece that may never come,
+            // may name another request or decode to nothing (or to a piece).
+            let len = rng.random_range(0..5000);
+            corefs::service::wire::Request::Piece(corefs::service::wire::Piece {
+                id: rng.random_range(0..100),
+                last: rng.random_bool(0.5),
+                bytes: if rng.random_bool(0.5) {
+                    postcard::to_stdvec(&corefs::service::wire::Request::Op(op.clone()))
+                        .unwrap_or_default()
+                } else {
+                    (0..len).map(|_| rng.random()).collect()
+                },
+            })
         } else if rng.random_ratio(1, 8) {
             corefs::service::wire::Request::Lock(corefs::service::wire::LockRequest {
                 ino,

@@ -84,8 +84,8 @@ pub struct Connection {
     reactor_doorbell: Option<std::os::fd::OwnedFd>,
     /// Where the next claim starts looking (spreads threads over the slots).
     next_slot: AtomicUsize,
-    /// The next atomic batch sent in parts gets this number ([`wire::AtomicPart`]).
-    next_batch: AtomicU64,
+    /// The next request sent in pieces gets this number ([`wire::Piece`]).
+    next_piece_id: AtomicU64,
     /// Threads waiting for answers now, and how many may spin: the cores but one (the
     /// server's), as in-process clients leave the reactor its core. A waiter waits as an
     /// in-process client does ([`reactor::wait_policy`], [`reactor::wait_awake`]) unless
@@ -151,7 +151,7 @@ impl Connection {
             dead: AtomicBool::new(false),
             reactor_doorbell,
             next_slot: AtomicUsize::new(0),
-            next_batch: AtomicU64::new(0),
+            next_piece_id: AtomicU64::new(0),
             waiters: AtomicUsize::new(0),
             spinners: AtomicUsize::new(0),
             spin_ns: AtomicU64::new(SPIN_NS_FIRST),
@@ -225,7 +225,7 @@ impl Connection {
     /// Writes `request` into claimed slot `i` in place (no copy of the message: a write's
     /// data goes from the caller's operation straight into shared memory) and submits it; on
     /// an error (a request that does not fit) the slot is free again.
-    fn send(&self, i: usize, request: &wire::Request) -> Result<(), EngineError> {
+    fn send(&self, i: usize, request: &wire::Request) -> Result<(), wire::Unsent> {
         // SAFETY: slot `i` is this thread's (claimed), and no other view of it is live.
         let written = wire::encode_request_into(request, unsafe { self.region.payload_mut(i) });
         let len = match written {
@@ -526,15 +526,6 @@ impl Observer {
     }
 }
 
-/// The data bytes an atomic batch carries.
-fn atomic_bytes(writes: &[(u64, Vec<u8>)]) -> usize {
-    writes.iter().map(|(_, d)| d.len()).sum()
-}
-
-/// The most writes one part of an atomic batch carries: each costs up to 15 bytes of framing
-/// (its offset and length as varints), which must fit the 4 KiB a message has beyond its data.
-const ATOMIC_WRITES_PER_PART: usize = 200;
-
 /// Releases a thread may have posted and not yet seen answered ([`RemoteClient::post_release`]);
 /// one more waits for the oldest.
 pub const POSTED_MAX: usize = 8;
@@ -732,64 +723,8 @@ impl RemoteClient {
                 }
                 Ok(Reply::Written(written))
             }
-            Op::WriteAtomic { ino, writes } if atomic_bytes(&writes) > ring::DATA_BYTES_MAX => {
-                self.write_atomic_in_parts(ino, writes)
-            }
             op => self.one(op),
         }
-    }
-
-    /// An atomic batch too large for one message: its writes in parts of at most one
-    /// message's data each (a longer write cut at message boundaries: all are applied
-    /// together), every part but the last kept by the server for the batch, the last sent as
-    /// its commit ([`wire::Request::AtomicPart`], [`wire::Request::AtomicCommit`]). A refused
-    /// part ends the batch there: the server drops what it kept, nothing is written.
-    fn write_atomic_in_parts(
-        &mut self,
-        ino: u64,
-        writes: Vec<(u64, Vec<u8>)>,
-    ) -> Result<Reply, EngineError> {
-        let batch = self.conn.next_batch.fetch_add(1, Ordering::Relaxed);
-        let mut parts: Vec<Vec<(u64, Vec<u8>)>> = vec![Vec::new()];
-        let mut room = ring::DATA_BYTES_MAX;
-        for (offset, data) in writes {
-            let mut at = 0;
-            while at < data.len() || (data.is_empty() && at == 0) {
-                let last = parts.last_mut().expect("parts start with one");
-                // Room for the piece's data, and for its framing within the payload's slack.
-                if room == 0 || last.len() >= ATOMIC_WRITES_PER_PART {
-                    parts.push(Vec::new());
-                    room = ring::DATA_BYTES_MAX;
-                    continue;
-                }
-                let take = (data.len() - at).min(room);
-                last.push((offset + at as u64, data[at..at + take].to_vec()));
-                room -= take;
-                at += take;
-                if data.is_empty() {
-                    break;
-                }
-            }
-        }
-        let last = parts.pop().expect("parts start with one");
-        for writes in parts {
-            let part = wire::AtomicPart { ino, batch, writes };
-            match self.request(&wire::Request::AtomicPart(part))? {
-                Reply::Done => {}
-                other => {
-                    return Err(EngineError::Refused {
-                        errno: libc::EIO,
-                        message: format!("unexpected reply to an atomic batch's part {other:?}"),
-                    })
-                }
-            }
-        }
-        let commit = wire::AtomicPart {
-            ino,
-            batch,
-            writes: last,
-        };
-        self.request(&wire::Request::AtomicCommit(commit))
     }
 
     /// Reads `out.len()` bytes of `ino` at `offset` (fewer at the end of the file) straight
@@ -865,7 +800,9 @@ impl RemoteClient {
         }
         self.reap_posted(POSTED_MAX - 1)?;
         let i = self.conn.claim_waiting()?;
-        self.conn.send(i, &wire::Request::Op(Op::Release { ino }))?;
+        self.conn
+            .send(i, &wire::Request::Op(Op::Release { ino }))
+            .map_err(EngineError::from)?;
         self.sent += 1;
         self.posted.push_back(i);
         Ok(())
@@ -901,14 +838,16 @@ impl RemoteClient {
         self.reap_posted(POSTED_MAX - 1)?;
         let i = self.conn.claim_waiting()?;
         let started = Instant::now();
-        self.conn.send(i, request)?;
+        match self.conn.send(i, request) {
+            Ok(()) => {}
+            Err(wire::Unsent::TooLarge) => return self.exchange_in_pieces(request, decode),
+            Err(wire::Unsent::Refused(e)) => return Err(e),
+        }
         self.sent += 1;
         let quick = match request {
             wire::Request::Op(op) => op.waits_awake(),
             wire::Request::Lock(_) => true,
-            wire::Request::ServerStats
-            | wire::Request::AtomicPart(_)
-            | wire::Request::AtomicCommit(_) => false,
+            wire::Request::ServerStats | wire::Request::Piece(_) => false,
         };
         self.conn.wait_done(i, None, quick)?;
         // A slow call looks at this thread's run delay and the machine's other work, as an
@@ -919,6 +858,41 @@ impl RemoteClient {
             reactor::contention::after_call(took);
         }
         self.conn.finish_with(i, decode)
+    }
+
+    /// A request too large for one message (an append or atomic batch of more than 1 MiB;
+    /// a write is cut into writes instead): its encoding goes in [`wire::Piece`]s of at most
+    /// one message's data, each answered once the server kept it, and the last is answered
+    /// as the request. A refused piece ends it: the server drops what it kept.
+    fn exchange_in_pieces<T>(
+        &mut self,
+        request: &wire::Request,
+        decode: impl FnOnce(&[u8]) -> Result<T, EngineError>,
+    ) -> Result<T, EngineError> {
+        let bytes = postcard::to_allocvec(request)
+            .map_err(|e| EngineError::Invalid(format!("the request cannot be encoded: {e}")))?;
+        let id = self.conn.next_piece_id.fetch_add(1, Ordering::Relaxed);
+        let mut pieces = bytes.chunks(ring::DATA_BYTES_MAX).peekable();
+        while let Some(piece) = pieces.next() {
+            let piece = wire::Request::Piece(wire::Piece {
+                id,
+                last: pieces.peek().is_none(),
+                bytes: piece.to_vec(),
+            });
+            if pieces.peek().is_none() {
+                return self.exchange(&piece, decode);
+            }
+            match self.request(&piece)? {
+                Reply::Done => {}
+                other => {
+                    return Err(EngineError::Refused {
+                        errno: libc::EIO,
+                        message: format!("unexpected reply to a request's piece {other:?}"),
+                    })
+                }
+            }
+        }
+        Err(EngineError::Internal("a request of no bytes".into()))
     }
 
     /// Submits `op`; its completion comes from [`RemoteClient::poll`].
@@ -1007,7 +981,7 @@ impl RemoteClient {
                     sent.push((*i, *len));
                 }
                 // The slot is free again; the parts sent still complete.
-                Err(e) => cut = Some(e),
+                Err(e) => cut = Some(EngineError::from(e)),
             }
         }
         if sent.is_empty() {

@@ -131,30 +131,27 @@ struct Conn {
     /// spinning worker per request in flight would take the cores the client and the
     /// reactor need).
     spinner: AtomicBool,
-    /// Atomic batches too large for one message, by batch, until their commit.
-    atomic_parts: Mutex<AtomicParts>,
+    /// Pieces of requests too large for one message, until their last piece.
+    pieces: Mutex<Pieces>,
 }
 
-/// The most bytes of atomic-batch parts one connection may have kept at once, and the most
-/// batches: what a client sends before committing is held in the server's memory.
-pub const ATOMIC_PARTS_BYTES_MAX: usize = 256 << 20;
-pub const ATOMIC_PARTS_BATCHES_MAX: usize = 64;
+/// The most bytes of request pieces one connection may have kept at once, and the most
+/// requests in pieces: what a client sends before its last piece is held in the server's
+/// memory.
+pub const PIECES_BYTES_MAX: usize = 256 << 20;
+pub const PIECES_REQUESTS_MAX: usize = 64;
 
-/// Writes of an atomic batch: (offset, bytes), in order.
-type Writes = Vec<(u64, Vec<u8>)>;
-
-/// A connection's atomic batches sent in parts ([`wire::Request::AtomicPart`]).
+/// A connection's requests sent in pieces ([`wire::Request::Piece`]): id → bytes so far.
 #[derive(Default)]
-struct AtomicParts {
-    /// Batch → its inode and writes so far.
-    by_batch: HashMap<u64, (u64, Writes)>,
+struct Pieces {
+    by_id: HashMap<u64, Vec<u8>>,
     bytes: usize,
 }
 
-impl AtomicParts {
-    fn take(&mut self, batch: u64) -> Option<(u64, Writes)> {
-        let taken = self.by_batch.remove(&batch)?;
-        self.bytes -= taken.1.iter().map(|(_, d)| d.len()).sum::<usize>();
+impl Pieces {
+    fn take(&mut self, id: u64) -> Option<Vec<u8>> {
+        let taken = self.by_id.remove(&id)?;
+        self.bytes -= taken.len();
         Some(taken)
     }
 }
@@ -433,7 +430,7 @@ fn accept(
         counters: Counters::default(),
         registry: registry.clone(),
         spinner: AtomicBool::new(false),
-        atomic_parts: Mutex::new(AtomicParts::default()),
+        pieces: Mutex::new(Pieces::default()),
         locks: locks.clone(),
         reactor_served: AtomicBool::new(false),
         reactor_in_flight: AtomicU64::new(0),
@@ -609,81 +606,62 @@ fn read_request(conn: &Conn, i: usize) -> Result<wire::Request, EngineError> {
         }
     };
     match request {
-        // The batch's kept parts first, then its last writes: from here on an ordinary
-        // atomic write, checked and run as any.
-        wire::Request::AtomicCommit(last) => {
+        // The last piece: the request is every kept piece's bytes, then its own.
+        wire::Request::Piece(last) if last.last => {
             let kept = conn
-                .atomic_parts
+                .pieces
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .take(last.batch);
-            let mut writes = match kept {
-                Some((ino, writes)) if ino == last.ino => writes,
-                Some(_) => {
-                    return Err(EngineError::Invalid(
-                        "an atomic batch committed on another inode than its parts".into(),
-                    ))
+                .take(last.id);
+            let bytes = match kept {
+                Some(mut bytes) => {
+                    bytes.extend_from_slice(&last.bytes);
+                    bytes
                 }
-                None => {
-                    return Err(EngineError::Invalid(
-                        "the commit of an atomic batch with no parts kept".into(),
-                    ))
-                }
+                None => last.bytes,
             };
-            writes.extend(last.writes);
-            Ok(wire::Request::Op(Op::WriteAtomic {
-                ino: last.ino,
-                writes,
-            }))
+            match wire::decode_request(&bytes)? {
+                wire::Request::Piece(_) => Err(EngineError::Invalid(
+                    "a request's piece inside a piece".into(),
+                )),
+                request => Ok(request),
+            }
         }
         request => Ok(request),
     }
 }
 
-/// Keeps `part` of an atomic batch for its commit ([`wire::Request::AtomicPart`]): the
-/// connection must hold its inode open for writing, and stay within
-/// [`ATOMIC_PARTS_BYTES_MAX`] and [`ATOMIC_PARTS_BATCHES_MAX`]. On a refusal the batch's
-/// parts go: its commit then fails too, and nothing of it is written.
-fn keep_atomic_part(conn: &Conn, part: wire::AtomicPart) -> Result<Reply, EngineError> {
-    let mut parts = conn.atomic_parts.lock().unwrap_or_else(|p| p.into_inner());
-    let bytes: usize = part.writes.iter().map(|(_, d)| d.len()).sum();
-    let refused = if let Err(e) = conn.need(part.ino, Need::Write) {
-        Some(e)
-    } else if parts.bytes + bytes > ATOMIC_PARTS_BYTES_MAX {
+/// Keeps `piece` of a request until its last ([`wire::Request::Piece`]), within
+/// [`PIECES_BYTES_MAX`] and [`PIECES_REQUESTS_MAX`]. On a refusal the request's pieces go:
+/// its last piece then fails to decode, and nothing of it runs.
+fn keep_piece(conn: &Conn, piece: wire::Piece) -> Result<Reply, EngineError> {
+    let mut pieces = conn.pieces.lock().unwrap_or_else(|p| p.into_inner());
+    let refused = if pieces.bytes + piece.bytes.len() > PIECES_BYTES_MAX {
         Some(EngineError::Refused {
             errno: libc::EFBIG,
             message: format!(
-                "atomic batches of more than {} MiB kept for one connection",
-                ATOMIC_PARTS_BYTES_MAX >> 20
+                "requests in pieces of more than {} MiB kept for one connection",
+                PIECES_BYTES_MAX >> 20
             ),
         })
-    } else if !parts.by_batch.contains_key(&part.batch)
-        && parts.by_batch.len() >= ATOMIC_PARTS_BATCHES_MAX
-    {
+    } else if !pieces.by_id.contains_key(&piece.id) && pieces.by_id.len() >= PIECES_REQUESTS_MAX {
         Some(EngineError::Refused {
             errno: libc::EAGAIN,
-            message: format!(
-                "more than {ATOMIC_PARTS_BATCHES_MAX} atomic batches in parts at once"
-            ),
+            message: format!("more than {PIECES_REQUESTS_MAX} requests in pieces at once"),
         })
     } else {
-        match parts.by_batch.get(&part.batch) {
-            Some((ino, _)) if *ino != part.ino => Some(EngineError::Invalid(
-                "parts of one atomic batch on two inodes".into(),
-            )),
-            _ => None,
-        }
+        None
     };
     if let Some(e) = refused {
-        parts.take(part.batch);
+        pieces.take(piece.id);
         return Err(e);
     }
-    parts.bytes += bytes;
-    let kept = parts
-        .by_batch
-        .entry(part.batch)
-        .or_insert_with(|| (part.ino, Vec::new()));
-    kept.1.extend(part.writes);
+    pieces.bytes += piece.bytes.len();
+    pieces
+        .by_id
+        .entry(piece.id)
+        .or_default()
+        .extend_from_slice(&piece.bytes);
     Ok(Reply::Done)
 }
 
@@ -717,15 +695,11 @@ fn serve_one(
             (wire::encode_answer(result), work)
         }
         Ok(wire::Request::Lock(l)) => (wire::encode_answer(lock(conn, &l)), Work::Lock),
-        Ok(wire::Request::AtomicPart(part)) => {
-            let work = Work::Write(part.writes.iter().map(|(_, d)| d.len() as u64).sum());
-            (wire::encode_answer(keep_atomic_part(conn, part)), work)
+        // read_request serves a last piece as its request: a piece here is kept.
+        Ok(wire::Request::Piece(piece)) => {
+            let work = Work::Write(piece.bytes.len() as u64);
+            (wire::encode_answer(keep_piece(conn, piece)), work)
         }
-        // read_request turns a commit into its operation: never here.
-        Ok(wire::Request::AtomicCommit(_)) => (
-            wire::encode_answer(Err(EngineError::Internal("an atomic commit unread".into()))),
-            Work::Metadata,
-        ),
         Ok(wire::Request::ServerStats) => (
             wire::encode_server_stats(server_stats(conn, client)),
             Work::Metadata,
@@ -930,22 +904,11 @@ impl reactor::source::Source for ReactorSide {
                     answer_counted(conn, i, Work::Lock, started, answer);
                     continue;
                 }
-                Ok(wire::Request::AtomicPart(part)) => {
-                    let work = Work::Write(part.writes.iter().map(|(_, d)| d.len() as u64).sum());
-                    let answer = wire::encode_answer(keep_atomic_part(conn, part));
+                // read_request serves a last piece as its request: a piece here is kept.
+                Ok(wire::Request::Piece(piece)) => {
+                    let work = Work::Write(piece.bytes.len() as u64);
+                    let answer = wire::encode_answer(keep_piece(conn, piece));
                     answer_counted(conn, i, work, started, answer);
-                    continue;
-                }
-                Ok(wire::Request::AtomicCommit(_)) => {
-                    // read_request turns a commit into its operation: never here.
-                    let e = EngineError::Internal("an atomic commit unread".into());
-                    answer_counted(
-                        conn,
-                        i,
-                        Work::Metadata,
-                        started,
-                        wire::encode_answer(Err(e)),
-                    );
                     continue;
                 }
                 Err(e) => {

@@ -25,21 +25,21 @@ pub enum Request {
     Lock(LockRequest),
     /// The server's statistics ([`super::stats::ServerStats`]), for `corefs top`.
     ServerStats,
-    /// Writes of an atomic batch too large for one message, kept by the server for the
-    /// connection until the batch's [`Request::AtomicCommit`] (answered `Reply::Done`).
-    AtomicPart(AtomicPart),
-    /// The last writes of such a batch: the server runs `Op::WriteAtomic` with every part it
-    /// kept for it first, in order, then these.
-    AtomicCommit(AtomicPart),
+    /// A piece of a request too large for one message (an append or an atomic batch of more
+    /// than 1 MiB): the server keeps the pieces of `id` for the connection, answering each
+    /// `Reply::Done`, and at the `last` decodes their bytes, in order, as the request and
+    /// serves it (a piece in a piece is refused).
+    Piece(Piece),
 }
 
-/// Writes of an atomic batch on `ino` sent in parts ([`Request::AtomicPart`]); `batch` names
-/// the batch among the connection's (a connection may have several at once, one per handle).
+/// One piece of an encoded request ([`Request::Piece`]); `id` names the request among the
+/// connection's (each of its threads may be sending one).
 #[derive(Debug, Serialize, Deserialize)]
-pub struct AtomicPart {
-    pub ino: u64,
-    pub batch: u64,
-    pub writes: Vec<(u64, Vec<u8>)>,
+pub struct Piece {
+    pub id: u64,
+    pub last: bool,
+    #[serde(with = "serde_bytes")]
+    pub bytes: Vec<u8>,
 }
 
 /// A byte-range lock's arguments ([`Request::Lock`]).
@@ -70,22 +70,39 @@ pub enum Answer {
 #[cfg(test)]
 fn encode_request(request: &Request) -> Result<Vec<u8>, EngineError> {
     let mut buf = vec![0u8; ring::PAYLOAD_BYTES];
-    let len = encode_request_into(request, &mut buf)?;
+    let len = encode_request_into(request, &mut buf).map_err(EngineError::from)?;
     buf.truncate(len);
     Ok(buf)
 }
 
 /// Encodes `request` into `buf` (a client's claimed slot), returning its length.
-pub fn encode_request_into(request: &Request, buf: &mut [u8]) -> Result<usize, EngineError> {
+pub fn encode_request_into(request: &Request, buf: &mut [u8]) -> Result<usize, Unsent> {
     match postcard::to_slice(request, buf) {
         Ok(written) => Ok(written.len()),
-        Err(postcard::Error::SerializeBufferFull) => Err(EngineError::Invalid(format!(
-            "a request larger than the service's {} byte messages",
-            buf.len()
-        ))),
-        Err(e) => Err(EngineError::Invalid(format!(
+        Err(postcard::Error::SerializeBufferFull) => Err(Unsent::TooLarge),
+        Err(e) => Err(Unsent::Refused(EngineError::Invalid(format!(
             "the request cannot be encoded: {e}"
-        ))),
+        )))),
+    }
+}
+
+/// Why a request was not written into a slot.
+#[derive(Debug)]
+pub enum Unsent {
+    /// It does not fit one message: it goes as [`Request::Piece`]s.
+    TooLarge,
+    Refused(EngineError),
+}
+
+impl From<Unsent> for EngineError {
+    fn from(unsent: Unsent) -> EngineError {
+        match unsent {
+            Unsent::TooLarge => EngineError::Invalid(format!(
+                "a request larger than the service's {} byte messages",
+                ring::PAYLOAD_BYTES
+            )),
+            Unsent::Refused(e) => e,
+        }
     }
 }
 
