@@ -537,6 +537,8 @@ struct InFlight {
     parts: Vec<(usize, usize)>,
     token: u64,
     large: bool,
+    /// A read (else a write, or an operation of one part).
+    read: bool,
     into: Option<ReadDest>,
     /// Why the parts after the last one sent were not sent.
     cut: Option<EngineError>,
@@ -613,7 +615,7 @@ impl InFlight {
         match error {
             Some(e) if moved == 0 => Err(e),
             _ if self.into.is_some() => Ok(Reply::Placed(moved)),
-            _ if !data.is_empty() || moved == 0 => Ok(Reply::Data(data)),
+            _ if self.read => Ok(Reply::Data(data)),
             _ => Ok(Reply::Written(moved)),
         }
     }
@@ -680,25 +682,9 @@ impl RemoteClient {
     pub fn call(&mut self, op: Op) -> Result<Reply, EngineError> {
         match op {
             Op::Read { ino, offset, len } if len > ring::DATA_BYTES_MAX => {
-                let mut data = Vec::with_capacity(len);
-                while data.len() < len {
-                    let part = (len - data.len()).min(ring::DATA_BYTES_MAX);
-                    let at = offset + data.len() as u64;
-                    match self.one(Op::Read {
-                        ino,
-                        offset: at,
-                        len: part,
-                    })? {
-                        Reply::Data(d) => {
-                            let short = d.len() < part;
-                            data.extend_from_slice(&d);
-                            if short {
-                                break;
-                            }
-                        }
-                        other => return Ok(other),
-                    }
-                }
+                let mut data = vec![0u8; len];
+                let n = self.read_into(ino, offset, &mut data)?;
+                data.truncate(n);
                 Ok(Reply::Data(data))
             }
             Op::Write { ino, offset, data } if data.len() > ring::DATA_BYTES_MAX => {
@@ -916,6 +902,7 @@ impl RemoteClient {
             return Ok(());
         }
         let large = op.is_large_transfer();
+        let read = matches!(op, Op::Read { .. });
         let (parts, lens): (Vec<Op>, Vec<usize>) = match parts_of(&op) {
             Some(parts) => {
                 let lens = parts
@@ -996,6 +983,7 @@ impl RemoteClient {
             parts: sent,
             token,
             large,
+            read,
             into,
             cut,
         });
