@@ -122,6 +122,9 @@ struct Conn {
     reactor_in_flight: AtomicU64,
     /// Per slot, what a request the reactor took does once answered.
     pending: Vec<Mutex<Option<Pending>>>,
+    /// Per slot, the request the reactor read and handed to the workers: they serve what it
+    /// read (a request sent in pieces is in no slot whole, and its kept pieces are gone).
+    handed: Vec<Mutex<Option<wire::Request>>>,
     /// Where the reactor's next look at the ring starts (no slot waits behind the others).
     next_take: std::sync::atomic::AtomicUsize,
     /// The doorbell's value when the reactor last looked at every slot (`u64::MAX`: never):
@@ -435,6 +438,7 @@ fn accept(
         reactor_served: AtomicBool::new(false),
         reactor_in_flight: AtomicU64::new(0),
         pending: (0..SLOTS).map(|_| Mutex::new(None)).collect(),
+        handed: (0..SLOTS).map(|_| Mutex::new(None)).collect(),
         next_take: std::sync::atomic::AtomicUsize::new(0),
         looked_at_bell: AtomicU64::new(u64::MAX),
     });
@@ -588,7 +592,15 @@ fn take_and_serve(conn: &Conn, client: &mut Client) -> bool {
         {
             any = true;
             let started = Instant::now();
-            let (bytes, work) = serve_one(conn, client, read_request(conn, i));
+            let handed = conn.handed[i]
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take();
+            let request = match handed {
+                Some(request) => Ok(request),
+                None => read_request(conn, i),
+            };
+            let (bytes, work) = serve_one(conn, client, request);
             answer_counted(conn, i, work, started, bytes);
         }
     }
@@ -674,7 +686,8 @@ fn answer_counted(conn: &Conn, i: usize, work: Work, started: Instant, bytes: wi
 
 /// Hands slot `i`, taken by the reactor, to the connection's workers (they sleep on the
 /// doorbell, which this moves once).
-fn hand_off(conn: &Conn, i: usize) {
+fn hand_off(conn: &Conn, i: usize, request: wire::Request) {
+    *conn.handed[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(request);
     conn.region.slot(i).state.store(HANDOFF, Ordering::SeqCst);
     let h = conn.region.header();
     h.doorbell.fetch_add(1, Ordering::SeqCst);
@@ -895,7 +908,7 @@ impl reactor::source::Source for ReactorSide {
                 Ok(wire::Request::Op(op)) => op,
                 Ok(wire::Request::ServerStats) => {
                     // Needs a reactor client: a worker's.
-                    hand_off(conn, i);
+                    hand_off(conn, i, wire::Request::ServerStats);
                     handed_off += 1;
                     continue;
                 }
@@ -924,8 +937,8 @@ impl reactor::source::Source for ReactorSide {
             };
             if !conn.caller.is_root() && !access::needs_no_check(&op) {
                 // A permission check needs lookups the reactor cannot make from here: a
-                // worker takes it (and reads and checks it afresh).
-                hand_off(conn, i);
+                // worker takes it as read here (and checks it).
+                hand_off(conn, i, wire::Request::Op(op));
                 handed_off += 1;
                 continue;
             }
