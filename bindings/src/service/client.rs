@@ -951,6 +951,7 @@ impl RemoteClient {
             }
         }
         let requests: Vec<Op> = if parts.is_empty() { vec![op] } else { parts };
+        let whole = requests.len() == 1;
         let mut sent = Vec::with_capacity(slots.len());
         let mut cut = None;
         for ((i, request), len) in slots.iter().zip(requests).zip(&lens) {
@@ -962,10 +963,16 @@ impl RemoteClient {
                     .store(FREE, Ordering::Release);
                 continue;
             }
-            match self.conn.send(*i, &wire::Request::Op(request)) {
+            let request = wire::Request::Op(request);
+            match self.conn.send(*i, &request) {
                 Ok(()) => {
                     self.sent += 1;
                     sent.push((*i, *len));
+                }
+                // An operation that must go whole (an append, an atomic batch) and does not
+                // fit a message: its pieces go now, its last as this operation.
+                Err(wire::Unsent::TooLarge) if whole => {
+                    return self.submit_in_pieces(&request, token, large, read);
                 }
                 // The slot is free again; the parts sent still complete.
                 Err(e) => cut = Some(EngineError::from(e)),
@@ -987,6 +994,82 @@ impl RemoteClient {
             into,
             cut,
         });
+        Ok(())
+    }
+
+    /// Submits `request`, too large for one message, as [`wire::Piece`]s: every piece but
+    /// the last is sent and answered now (in order: the server keeps them by arrival), the
+    /// last goes as the operation in flight. Completions already in are set aside first
+    /// (their slots freed), so the pieces find slots. A refused piece is the operation's
+    /// completion.
+    fn submit_in_pieces(
+        &mut self,
+        request: &wire::Request,
+        token: u64,
+        large: bool,
+        read: bool,
+    ) -> Result<(), SubmitError> {
+        let mut done = Vec::new();
+        self.poll(&mut done);
+        self.ready.extend(done);
+        let bytes = match postcard::to_allocvec(request) {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                let e = EngineError::Invalid(format!("the request cannot be encoded: {e}"));
+                self.ready.push_back(Completion {
+                    token,
+                    result: Err(e),
+                });
+                return Ok(());
+            }
+        };
+        let id = self.conn.next_piece_id.fetch_add(1, Ordering::Relaxed);
+        let mut pieces = bytes.chunks(ring::DATA_BYTES_MAX).peekable();
+        while let Some(bytes) = pieces.next() {
+            let last = pieces.peek().is_none();
+            let piece = wire::Request::Piece(wire::Piece {
+                id,
+                last,
+                bytes: bytes.to_vec(),
+            });
+            let result = if last {
+                self.conn.claim_waiting().and_then(|i| {
+                    self.conn.send(i, &piece).map_err(EngineError::from)?;
+                    self.sent += 1;
+                    self.in_flight.push(InFlight {
+                        parts: vec![(i, 0)],
+                        token,
+                        large,
+                        read,
+                        into: None,
+                        cut: None,
+                    });
+                    Ok(Reply::Done)
+                })
+            } else {
+                self.request(&piece)
+            };
+            match result {
+                Ok(Reply::Done) => {}
+                Ok(other) => {
+                    self.ready.push_back(Completion {
+                        token,
+                        result: Err(EngineError::Refused {
+                            errno: libc::EIO,
+                            message: format!("unexpected reply to a request's piece {other:?}"),
+                        }),
+                    });
+                    return Ok(());
+                }
+                Err(e) => {
+                    self.ready.push_back(Completion {
+                        token,
+                        result: Err(e),
+                    });
+                    return Ok(());
+                }
+            }
+        }
         Ok(())
     }
 
