@@ -999,9 +999,9 @@ impl RemoteClient {
 
     /// Submits `request`, too large for one message, as [`wire::Piece`]s: every piece but
     /// the last is sent and answered now (in order: the server keeps them by arrival), the
-    /// last goes as the operation in flight. Completions already in are set aside first
-    /// (their slots freed), so the pieces find slots. A refused piece is the operation's
-    /// completion.
+    /// last goes as the operation in flight, in a slot claimed before anything is sent (none
+    /// free: `Full`, as for any submit). Completions already in are set aside first (their
+    /// slots freed), so the pieces find slots. A refused piece is the operation's completion.
     fn submit_in_pieces(
         &mut self,
         request: &wire::Request,
@@ -1012,9 +1012,28 @@ impl RemoteClient {
         let mut done = Vec::new();
         self.poll(&mut done);
         self.ready.extend(done);
+        let last_slot = match (self.conn.claim(), request) {
+            (Some(i), _) => i,
+            (None, wire::Request::Op(op)) => return Err(SubmitError::Full(op.clone())),
+            (None, _) => {
+                let e = EngineError::Internal("a submitted request that is no operation".into());
+                self.ready.push_back(Completion {
+                    token,
+                    result: Err(e),
+                });
+                return Ok(());
+            }
+        };
+        let free_last = |conn: &Connection| {
+            conn.region
+                .slot(last_slot)
+                .state
+                .store(FREE, Ordering::Release)
+        };
         let bytes = match postcard::to_allocvec(request) {
             Ok(bytes) => bytes,
             Err(e) => {
+                free_last(&self.conn);
                 let e = EngineError::Invalid(format!("the request cannot be encoded: {e}"));
                 self.ready.push_back(Completion {
                     token,
@@ -1033,42 +1052,42 @@ impl RemoteClient {
                 bytes: bytes.to_vec(),
             });
             let result = if last {
-                self.conn.claim_waiting().and_then(|i| {
-                    self.conn.send(i, &piece).map_err(EngineError::from)?;
-                    self.sent += 1;
-                    self.in_flight.push(InFlight {
-                        parts: vec![(i, 0)],
-                        token,
-                        large,
-                        read,
-                        into: None,
-                        cut: None,
-                    });
-                    Ok(Reply::Done)
-                })
+                let i = last_slot;
+                self.conn
+                    .send(i, &piece)
+                    .map_err(EngineError::from)
+                    .map(|()| {
+                        self.sent += 1;
+                        self.in_flight.push(InFlight {
+                            parts: vec![(i, 0)],
+                            token,
+                            large,
+                            read,
+                            into: None,
+                            cut: None,
+                        });
+                        Reply::Done
+                    })
             } else {
                 self.request(&piece)
             };
-            match result {
-                Ok(Reply::Done) => {}
-                Ok(other) => {
-                    self.ready.push_back(Completion {
-                        token,
-                        result: Err(EngineError::Refused {
-                            errno: libc::EIO,
-                            message: format!("unexpected reply to a request's piece {other:?}"),
-                        }),
-                    });
-                    return Ok(());
-                }
-                Err(e) => {
-                    self.ready.push_back(Completion {
-                        token,
-                        result: Err(e),
-                    });
-                    return Ok(());
-                }
+            let error = match result {
+                Ok(Reply::Done) => continue,
+                Ok(other) => EngineError::Refused {
+                    errno: libc::EIO,
+                    message: format!("unexpected reply to a request's piece {other:?}"),
+                },
+                Err(e) => e,
+            };
+            // A failed send of the last piece freed its slot itself.
+            if !last {
+                free_last(&self.conn);
             }
+            self.ready.push_back(Completion {
+                token,
+                result: Err(error),
+            });
+            return Ok(());
         }
         Ok(())
     }
