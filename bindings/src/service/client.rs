@@ -855,18 +855,30 @@ impl RemoteClient {
         request: &wire::Request,
         decode: impl FnOnce(&[u8]) -> Result<T, EngineError>,
     ) -> Result<T, EngineError> {
+        let last = self.send_leading_pieces(request)?;
+        self.exchange(&last, decode)
+    }
+
+    /// Sends `request`'s encoding as [`wire::Piece`]s of at most one message's data, each
+    /// answered once the server kept it (in order: it keeps them by arrival), but the last,
+    /// which it returns for the caller to send as the request. A refused piece is the error
+    /// (the server dropped what it kept).
+    fn send_leading_pieces(
+        &mut self,
+        request: &wire::Request,
+    ) -> Result<wire::Request, EngineError> {
         let bytes = postcard::to_allocvec(request)
             .map_err(|e| EngineError::Invalid(format!("the request cannot be encoded: {e}")))?;
         let id = self.conn.next_piece_id.fetch_add(1, Ordering::Relaxed);
         let mut pieces = bytes.chunks(ring::DATA_BYTES_MAX).peekable();
-        while let Some(piece) = pieces.next() {
+        while let Some(bytes) = pieces.next() {
             let piece = wire::Request::Piece(wire::Piece {
                 id,
                 last: pieces.peek().is_none(),
-                bytes: piece.to_vec(),
+                bytes: bytes.to_vec(),
             });
             if pieces.peek().is_none() {
-                return self.exchange(&piece, decode);
+                return Ok(piece);
             }
             match self.request(&piece)? {
                 Reply::Done => {}
@@ -1024,70 +1036,36 @@ impl RemoteClient {
                 return Ok(());
             }
         };
-        let free_last = |conn: &Connection| {
-            conn.region
-                .slot(last_slot)
-                .state
-                .store(FREE, Ordering::Release)
-        };
-        let bytes = match postcard::to_allocvec(request) {
-            Ok(bytes) => bytes,
+        let sent = match self.send_leading_pieces(request) {
+            // A failed send frees its slot.
+            Ok(last) => self.conn.send(last_slot, &last).map_err(EngineError::from),
             Err(e) => {
-                free_last(&self.conn);
-                let e = EngineError::Invalid(format!("the request cannot be encoded: {e}"));
+                self.conn
+                    .region
+                    .slot(last_slot)
+                    .state
+                    .store(FREE, Ordering::Release);
+                Err(e)
+            }
+        };
+        match sent {
+            Ok(()) => {
+                self.sent += 1;
+                self.in_flight.push(InFlight {
+                    parts: vec![(last_slot, 0)],
+                    token,
+                    large,
+                    read,
+                    into: None,
+                    cut: None,
+                });
+            }
+            Err(e) => {
                 self.ready.push_back(Completion {
                     token,
                     result: Err(e),
                 });
-                return Ok(());
             }
-        };
-        let id = self.conn.next_piece_id.fetch_add(1, Ordering::Relaxed);
-        let mut pieces = bytes.chunks(ring::DATA_BYTES_MAX).peekable();
-        while let Some(bytes) = pieces.next() {
-            let last = pieces.peek().is_none();
-            let piece = wire::Request::Piece(wire::Piece {
-                id,
-                last,
-                bytes: bytes.to_vec(),
-            });
-            let result = if last {
-                let i = last_slot;
-                self.conn
-                    .send(i, &piece)
-                    .map_err(EngineError::from)
-                    .map(|()| {
-                        self.sent += 1;
-                        self.in_flight.push(InFlight {
-                            parts: vec![(i, 0)],
-                            token,
-                            large,
-                            read,
-                            into: None,
-                            cut: None,
-                        });
-                        Reply::Done
-                    })
-            } else {
-                self.request(&piece)
-            };
-            let error = match result {
-                Ok(Reply::Done) => continue,
-                Ok(other) => EngineError::Refused {
-                    errno: libc::EIO,
-                    message: format!("unexpected reply to a request's piece {other:?}"),
-                },
-                Err(e) => e,
-            };
-            // A failed send of the last piece freed its slot itself.
-            if !last {
-                free_last(&self.conn);
-            }
-            self.ready.push_back(Completion {
-                token,
-                result: Err(error),
-            });
-            return Ok(());
         }
         Ok(())
     }
