@@ -174,7 +174,7 @@ fn one_run(
                             let write = Op::Write {
                                 ino,
                                 offset,
-                                data: vec![(offset >> 12) as u8; 4096],
+                                data: vec![(offset >> 12) as u8; 4096].into(),
                             };
                             client.submit(write, 1).map_err(|e| format!("{e:?}"))?;
                             client

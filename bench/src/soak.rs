@@ -103,7 +103,7 @@ fn client_loop(
                 Op::Write {
                     ino,
                     offset: 0,
-                    data: data.clone(),
+                    data: data.clone().into(),
                 },
             )?;
             if pick % 3 == 0 {

@@ -721,7 +721,7 @@ fn fuzz_the_protocol(server_env: &[(&str, &str)]) {
             1 => Op::Write {
                 ino,
                 offset: rng.random_range(0..1 << 20),
-                data: vec![0xEE; rng.random_range(0..5000)],
+                data: vec![0xEE; rng.random_range(0..5000)].into(),
             },
             2 => Op::Release { ino },
             3 => Op::Fsync { ino },

@@ -69,7 +69,8 @@ impl Live for Filesystem {
     }
     fn write(&mut self, ino: u64, offset: u64, data: &[u8]) -> Result<(), EngineError> {
         if callers::on() {
-            if let Some(written) = self.write_lent_reading_edges(ino, offset, data) {
+            let data_shared = engine::Bytes::copy_from_slice(data);
+            if let Some(written) = self.write_lent_reading_edges(ino, offset, data_shared) {
                 return written.map(drop);
             }
         }

@@ -93,7 +93,7 @@ impl Live for Clients {
         self.done(Op::Write {
             ino,
             offset,
-            data: data.to_vec(),
+            data: data.to_vec().into(),
         })
     }
     fn link(&mut self, ino: u64, dir: u64, name: &[u8]) -> Result<(), EngineError> {

@@ -70,7 +70,7 @@ fn kill_child() {
                 reactor::Op::Write {
                     ino,
                     offset: index * CHUNK,
-                    data: block(index),
+                    data: block(index).into(),
                 },
                 1,
             )

@@ -35,7 +35,7 @@ pub(crate) fn read_block(dev: &mut dyn BlockDevice, block: u64) -> Result<Vec<u8
 }
 
 /// Bytes of whole-block pieces (what a write-back or a commit chunk hands the device).
-pub(crate) fn pieces_bytes(pieces: &[(u64, Vec<u8>)]) -> usize {
+pub(crate) fn pieces_bytes(pieces: &[(u64, bytes::Bytes)]) -> usize {
     pieces.iter().map(|(_, d)| d.len()).sum()
 }
 
@@ -140,7 +140,7 @@ fn pump(
 /// the page faults of fresh memory).
 pub(crate) struct Run {
     pub addr: u64,
-    pieces: Vec<Vec<u8>>,
+    pieces: Vec<bytes::Bytes>,
     bytes: usize,
 }
 
@@ -150,7 +150,7 @@ impl Run {
     }
 
     /// The pieces, for reuse once copied.
-    pub fn into_pieces(self) -> Vec<Vec<u8>> {
+    pub fn into_pieces(self) -> Vec<bytes::Bytes> {
         self.pieces
     }
 
@@ -171,7 +171,7 @@ impl Run {
 
 /// Sorts pieces of whole blocks by address and merges neighbours into runs no longer than
 /// the device's largest I/O: what one write request carries.
-pub(crate) fn coalesce(dev: &dyn BlockDevice, mut blocks: Vec<(u64, Vec<u8>)>) -> Vec<Run> {
+pub(crate) fn coalesce(dev: &dyn BlockDevice, mut blocks: Vec<(u64, bytes::Bytes)>) -> Vec<Run> {
     blocks.sort_unstable_by_key(|(addr, _)| *addr);
     let max_bytes = (dev.info().max_io_bytes as usize).max(BLOCK_BYTES);
     let mut runs: Vec<Run> = Vec::new();
@@ -184,12 +184,13 @@ pub(crate) fn coalesce(dev: &dyn BlockDevice, mut blocks: Vec<(u64, Vec<u8>)>) -
                 blocks.push((addr, piece));
                 continue;
             }
-            blocks.extend(
-                piece
-                    .chunks(BLOCK_BYTES)
-                    .enumerate()
-                    .map(|(i, b)| (addr + i as u64, b.to_vec())),
-            );
+            // Slices of the piece: no copy.
+            blocks.extend((0..piece.len() / BLOCK_BYTES).map(|i| {
+                (
+                    addr + i as u64,
+                    piece.slice(i * BLOCK_BYTES..(i + 1) * BLOCK_BYTES),
+                )
+            }));
         }
     }
     for (addr, block) in blocks {
@@ -217,7 +218,10 @@ pub(crate) fn coalesce(dev: &dyn BlockDevice, mut blocks: Vec<(u64, Vec<u8>)>) -
 
 /// Writes whole blocks, coalescing neighbours into larger I/Os, with as many in flight as the
 /// queue allows. Every completion is checked; the first failure is returned after all finish.
-pub(crate) fn write_blocks(dev: &mut dyn BlockDevice, blocks: Vec<(u64, Vec<u8>)>) -> Result<()> {
+pub(crate) fn write_blocks(
+    dev: &mut dyn BlockDevice,
+    blocks: Vec<(u64, bytes::Bytes)>,
+) -> Result<()> {
     let runs = coalesce(dev, blocks);
     let lbas: Vec<u64> = runs.iter().map(|run| block_lba(dev, run.addr)).collect();
     pump(

@@ -56,6 +56,9 @@ pub mod writeback;
 pub mod xattr;
 
 pub use atomic::AtomicBatch;
+/// Shared bytes: what a write hands the engine to stage without a copy
+/// ([`Filesystem::write_shared`]).
+pub use bytes::Bytes;
 pub use check::CheckReport;
 pub use commit::{CommitState, CommitStats};
 pub use delayed::DelayedStats;

@@ -316,9 +316,9 @@ impl CallerRuns {
                 // An edge block memory misses is read beside the queue while the cores are
                 // shared (as a data read is), instead of sending the write to the reactor.
                 let out = if self.device_always || crate::contention::contended() {
-                    fs.write_lent_reading_edges(ino, offset, data)
+                    fs.write_lent_reading_edges(ino, offset, data.clone())
                 } else {
-                    fs.write_lent(ino, offset, data)
+                    fs.write_lent(ino, offset, data.clone())
                 };
                 out.map(|r| r.map(Reply::Written))
             }

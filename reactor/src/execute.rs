@@ -55,7 +55,7 @@ pub(crate) fn execute_on(fs: &mut Filesystem, op: &Op) -> Result<Reply, EngineEr
             owner,
         } => Reply::Stat(fs.mknod(dir, name, mode, rdev, owner.uid, owner.gid)?),
         Op::Append { ino, ref data } => {
-            let (offset, written) = fs.append(ino, data)?;
+            let (offset, written) = fs.append_shared(ino, data.clone())?;
             Reply::Appended { offset, written }
         }
         Op::Hold { ino } => fs.hold(ino).map(|()| Reply::Done)?,
@@ -81,7 +81,7 @@ pub(crate) fn execute_on(fs: &mut Filesystem, op: &Op) -> Result<Reply, EngineEr
             ino,
             offset,
             ref data,
-        } => Reply::Written(fs.write(ino, offset, data)?),
+        } => Reply::Written(fs.write_shared(ino, offset, data.clone())?),
         Op::Truncate { ino, size } => fs.truncate(ino, size).map(|()| Reply::Done)?,
         Op::Fallocate {
             ino,

@@ -153,17 +153,18 @@ pub enum Op {
         offset: u64,
         len: usize,
     },
+    /// The bytes are shared ([`bytes::Bytes`], made from a `Vec` without a copy): the engine
+    /// stages them as they are ([`engine::Filesystem::write_shared`]), and a request parked
+    /// to run again keeps them.
     Write {
         ino: u64,
         offset: u64,
-        #[serde(with = "serde_bytes")]
-        data: Vec<u8>,
+        data: bytes::Bytes,
     },
     /// Writes at the end of the file, atomically (O_APPEND): [`Reply::Appended`].
     Append {
         ino: u64,
-        #[serde(with = "serde_bytes")]
-        data: Vec<u8>,
+        data: bytes::Bytes,
     },
     /// An open handle or kernel reference to `ino`: while one is held, the inode outlives
     /// its last name (an orphan), and goes at the last [`Op::Release`].

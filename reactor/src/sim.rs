@@ -359,7 +359,7 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
                             Op::Write {
                                 ino,
                                 offset: at,
-                                data,
+                                data: data.into(),
                             },
                             Op::Fsync { ino },
                         )
@@ -396,7 +396,7 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
                     let write = Op::Write {
                         ino,
                         offset: index * BLOCK as u64,
-                        data: block(c, f, index),
+                        data: block(c, f, index).into(),
                     };
                     sc.client
                         .submit(write, 4)
@@ -411,7 +411,7 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
                 let write = Op::Write {
                     ino,
                     offset: index * BLOCK as u64,
-                    data: block(c, f, index),
+                    data: block(c, f, index).into(),
                 };
                 let sync = if rng.random_bool(0.5) {
                     Op::Fsync { ino }
@@ -471,7 +471,7 @@ pub fn run(config: &SimConfig) -> Result<SimOutcome, String> {
             Op::Write {
                 ino: sc.inos[0],
                 offset: 0,
-                data: vec![0; 1],
+                data: vec![0; 1].into(),
             },
             9,
         );

@@ -147,7 +147,7 @@ fn writer(client: &mut Client, seed: u64, index: usize, deadline: Instant) -> (u
                     .call(Op::Write {
                         ino: entry.0,
                         offset: entry.1,
-                        data: vec![entry.2; grow as usize],
+                        data: vec![entry.2; grow as usize].into(),
                     })
                     .unwrap_or_else(|e| panic!("{what}: write {name}: {e}"));
                 entry.1 += grow;
@@ -276,7 +276,7 @@ fn lookups_run_by_callers_see_every_answered_change() {
                     .call(Op::Write {
                         ino,
                         offset: 0,
-                        data: vec![1; size as usize],
+                        data: vec![1; size as usize].into(),
                     })
                     .unwrap();
             }
@@ -424,7 +424,7 @@ fn data_reads_run_by_callers_return_the_bytes_the_reactor_would() {
                 .call(Op::Write {
                     ino,
                     offset: (i * (128 << 10)) as u64,
-                    data: chunk.to_vec(),
+                    data: chunk.to_vec().into(),
                 })
                 .unwrap();
         }
@@ -487,7 +487,7 @@ fn data_reads_run_by_callers_return_the_bytes_the_reactor_would() {
                     c.call(Op::Write {
                         ino: rewritten,
                         offset,
-                        data,
+                        data: data.into(),
                     })
                     .unwrap();
                     if rng.random_ratio(1, 4) {
@@ -565,7 +565,7 @@ fn submits_run_by_their_caller_complete_at_the_next_poll() {
         .call(Op::Write {
             ino,
             offset: 0,
-            data: bytes.clone(),
+            data: bytes.clone().into(),
         })
         .unwrap();
     client.call(Op::Sync).expect("sync");

@@ -68,7 +68,7 @@ fn neighbours_make_the_process_contended_and_calls_go_on() {
             .call(Op::Write {
                 ino: file,
                 offset: (i % 1024) * 4096,
-                data: vec![i as u8; 4096],
+                data: vec![i as u8; 4096].into(),
             })
             .unwrap();
         client.call(Op::Fsync { ino: file }).unwrap();
@@ -80,7 +80,7 @@ fn neighbours_make_the_process_contended_and_calls_go_on() {
             .call(Op::Write {
                 ino: file,
                 offset: (j % 1024) * 4096,
-                data: vec![j as u8; 4096],
+                data: vec![j as u8; 4096].into(),
             })
             .unwrap();
         client.call(Op::Fsync { ino: file }).unwrap();

@@ -129,7 +129,7 @@ fn a_panicking_reactor_fails_the_runtime(reactors: usize) {
         c.call(Op::Write {
             ino,
             offset: 0,
-            data: vec![i as u8; 6000],
+            data: vec![i as u8; 6000].into(),
         })
         .unwrap();
         c.call(Op::Fsync { ino }).unwrap();
@@ -153,7 +153,7 @@ fn a_panicking_reactor_fails_the_runtime(reactors: usize) {
         Op::Write {
             ino: victim_file,
             offset: 100,
-            data: vec![0xee; 100],
+            data: vec![0xee; 100].into(),
         },
         Op::Read {
             ino: victim_file,
@@ -164,7 +164,7 @@ fn a_panicking_reactor_fails_the_runtime(reactors: usize) {
         Op::Write {
             ino: victim_file,
             offset: 8192,
-            data: vec![0xee; 100],
+            data: vec![0xee; 100].into(),
         },
     ];
     for (token, op) in queued.iter().enumerate() {
@@ -192,7 +192,7 @@ fn a_panicking_reactor_fails_the_runtime(reactors: usize) {
         Op::Write {
             ino: bystander_file,
             offset: 0,
-            data: vec![1; 10],
+            data: vec![1; 10].into(),
         },
         Op::Fsync {
             ino: bystander_file,

@@ -61,7 +61,7 @@ fn fsyncs(client: &mut Client, ino: u64, rounds: u64) {
             .call(Op::Write {
                 ino,
                 offset: (round % 64) * (64 << 10),
-                data: vec![round as u8; 64 << 10],
+                data: vec![round as u8; 64 << 10].into(),
             })
             .unwrap();
         client.call(Op::Fsync { ino }).unwrap();

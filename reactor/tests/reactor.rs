@@ -147,7 +147,7 @@ fn client_workload(
                     .call(Op::Write {
                         ino: *ino,
                         offset,
-                        data: data.clone(),
+                        data: data.clone().into(),
                     })
                     .unwrap();
                 let end = offset as usize + len;
@@ -370,7 +370,7 @@ fn fsyncs_grouped(reactors: usize) {
                     Op::Write {
                         ino,
                         offset: round as u64 * 4096,
-                        data,
+                        data: data.into(),
                     },
                     i as u64,
                 )
@@ -416,7 +416,7 @@ fn reads_queued_together_are_served_together_and_in_order_with_writes() {
                 .call(Op::Write {
                     ino,
                     offset: b * 4096,
-                    data: block(ino, b, 0),
+                    data: block(ino, b, 0).into(),
                 })
                 .unwrap();
         }
@@ -431,7 +431,7 @@ fn reads_queued_together_are_served_together_and_in_order_with_writes() {
             Op::Write {
                 ino: busy,
                 offset: 0,
-                data: vec![7; 8 << 20],
+                data: vec![7; 8 << 20].into(),
             },
             7_777,
         )
@@ -447,7 +447,7 @@ fn reads_queued_together_are_served_together_and_in_order_with_writes() {
                     Op::Write {
                         ino: inos[0],
                         offset: 0,
-                        data: block(inos[0], 0, 1),
+                        data: block(inos[0], 0, 1).into(),
                     },
                     9_999,
                 )
@@ -527,7 +527,7 @@ fn shutdown_under_load(reactors: usize) {
                         let write = client.call(Op::Write {
                             ino,
                             offset: acked * 4096,
-                            data,
+                            data: data.into(),
                         });
                         if write.is_err() || client.call(Op::Fsync { ino }).is_err() {
                             return acked;
@@ -615,7 +615,7 @@ fn power_cut_during_fsyncs(reactors: usize, callers_device_always: bool) {
                             .call(Op::Write {
                                 ino,
                                 offset: b * 4096,
-                                data: vec![(b + 1) as u8; 4096],
+                                data: vec![(b + 1) as u8; 4096].into(),
                             })
                             .unwrap();
                         client.call(Op::Fsync { ino }).unwrap();
@@ -822,7 +822,7 @@ fn a_device_error_under_concurrent_fsyncs_fails_stop_and_loses_nothing_acknowled
                         let w = client.call(Op::Write {
                             ino,
                             offset: i * 4096,
-                            data: vec![(i as u8) ^ (c as u8); 4096],
+                            data: vec![(i as u8) ^ (c as u8); 4096].into(),
                         });
                         let f = w.and_then(|_| client.call(Op::Fsync { ino }));
                         match f {
@@ -855,7 +855,7 @@ fn a_device_error_under_concurrent_fsyncs_fails_stop_and_loses_nothing_acknowled
             client.call(Op::Write {
                 ino: inos[0],
                 offset: 0,
-                data: vec![1; 10],
+                data: vec![1; 10].into(),
             }),
             Err(EngineError::ReadOnly(_))
         ),
@@ -927,7 +927,7 @@ fn clients_filling_the_device_get_enospc_and_lose_nothing_durable() {
                                 .call(Op::Write {
                                     ino,
                                     offset: i * (64 << 10),
-                                    data,
+                                    data: data.into(),
                                 })
                                 .and_then(|_| client.call(Op::Fsync { ino }));
                             match r {
@@ -953,7 +953,7 @@ fn clients_filling_the_device_get_enospc_and_lose_nothing_durable() {
         .call(Op::Write {
             ino: durable[0][0].0,
             offset: 1 << 30,
-            data: vec![1; 1 << 20],
+            data: vec![1; 1 << 20].into(),
         })
         .unwrap_err();
     assert_eq!(err.errno(), 28, "{err}");
@@ -983,7 +983,7 @@ fn clients_filling_the_device_get_enospc_and_lose_nothing_durable() {
         .call(Op::Write {
             ino,
             offset: 0,
-            data: vec![7; 256 << 10],
+            data: vec![7; 256 << 10].into(),
         })
         .unwrap();
     client.call(Op::Fsync { ino }).unwrap();
@@ -1056,7 +1056,7 @@ fn a_directory_renamed_on_another_reactor_is_durable_before_an_fsync_below_it() 
     c.call(Op::Write {
         ino: f,
         offset: 0,
-        data: vec![7; 4096],
+        data: vec![7; 4096].into(),
     })
     .unwrap();
     c.call(Op::Rename {
@@ -1080,7 +1080,7 @@ fn a_directory_renamed_on_another_reactor_is_durable_before_an_fsync_below_it() 
     c.call(Op::Write {
         ino: f,
         offset: 4096,
-        data: vec![8; 4096],
+        data: vec![8; 4096].into(),
     })
     .unwrap();
     c.call(Op::Fsync { ino: f }).unwrap();
@@ -1198,7 +1198,7 @@ fn write_filled_block(client: &mut Client, ino: u64, b: u64) {
         .call(Op::Write {
             ino,
             offset: b * 4096,
-            data: vec![b as u8 + 1; 4096],
+            data: vec![b as u8 + 1; 4096].into(),
         })
         .unwrap();
 }
@@ -1358,7 +1358,7 @@ fn owners_special_files_held_inodes_and_concurrent_appends() {
         c.call(Op::Write {
             ino: file.ino,
             offset: 0,
-            data: b"kept while open".to_vec(),
+            data: b"kept while open".to_vec().into(),
         })
         .unwrap();
         c.call(Op::Hold { ino: file.ino }).unwrap();
@@ -1432,7 +1432,7 @@ fn owners_special_files_held_inodes_and_concurrent_appends() {
                                 match client
                                     .call(Op::Append {
                                         ino: log,
-                                        data: record.clone(),
+                                        data: record.clone().into(),
                                     })
                                     .unwrap()
                                 {
@@ -1560,7 +1560,7 @@ fn spiky_runtime_with_a_hot_file(
     fast.call(Op::Write {
         ino: hot,
         offset: 0,
-        data: HOT_BYTES.to_vec(),
+        data: HOT_BYTES.to_vec().into(),
     })
     .unwrap();
     (runtime, faults, fast, hot)
@@ -1646,7 +1646,7 @@ fn a_client_streams_while_only_large_transfers_are_in_flight() {
         let op = Op::Write {
             ino,
             offset: (i * MIB) as u64,
-            data,
+            data: data.into(),
         };
         client.submit(op, i as u64).unwrap();
     }
@@ -1791,7 +1791,7 @@ fn a_read_whose_extents_are_cold_parks_and_keeps_its_clients_order() {
             Op::Write {
                 ino: target,
                 offset: 0,
-                data: b"rewritten".to_vec(),
+                data: b"rewritten".to_vec().into(),
             },
             8,
         ),
@@ -1938,7 +1938,7 @@ fn a_writer_outpacing_the_device_parks_at_the_staging_bound_and_others_are_serve
                 Op::Write {
                     ino: big,
                     offset: (i * CHUNK) as u64,
-                    data: chunk(i),
+                    data: chunk(i).into(),
                 },
                 i as u64,
             )
@@ -2024,7 +2024,7 @@ fn a_due_commit_waits_for_records_in_flight_without_holding_the_reactor() {
     fast.call(Op::Write {
         ino: hot,
         offset: 0,
-        data: HOT_BYTES.to_vec(),
+        data: HOT_BYTES.to_vec().into(),
     })
     .unwrap();
     let logged = create_in_root(&mut writer, b"logged");
@@ -2032,7 +2032,7 @@ fn a_due_commit_waits_for_records_in_flight_without_holding_the_reactor() {
         .call(Op::Write {
             ino: logged,
             offset: 0,
-            data: vec![7; 4096],
+            data: vec![7; 4096].into(),
         })
         .unwrap();
     // Every device write from here completes only when the spike ends (below): the fsync's
@@ -2160,7 +2160,7 @@ fn a_write_inside_an_uncached_block_parks_until_the_block_is_in() {
         Op::Write {
             ino: target,
             offset: 100,
-            data: b"in the middle".to_vec(),
+            data: b"in the middle".to_vec().into(),
         },
         8,
     )

@@ -34,7 +34,7 @@ fn fill(mut client: Client, ino: u64, file: u8) -> u64 {
         match client.call(Op::Write {
             ino,
             offset: i << 20,
-            data: mib(file, i),
+            data: mib(file, i).into(),
         }) {
             Ok(_) => i += 1,
             Err(EngineError::NoSpace) => break,

@@ -42,7 +42,7 @@ fn an_fsync_group_opens_a_span_with_its_size() {
         .call(Op::Write {
             ino,
             offset: 0,
-            data: vec![7; 4096],
+            data: vec![7; 4096].into(),
         })
         .unwrap();
     client.call(Op::Fsync { ino }).unwrap();

@@ -338,7 +338,7 @@ impl Session for CorefsSession {
         match self.call(Op::Write {
             ino,
             offset,
-            data: data.to_vec(),
+            data: data.to_vec().into(),
         })? {
             Reply::Written(n) if n == data.len() => Ok(()),
             other => Err(format!("short write: {other:?}")),

@@ -336,12 +336,15 @@ pub unsafe extern "C" fn corefs_pwrite(
 /// The write of `data` through handle `f`: at `offset`, or an atomic append.
 pub(super) fn write_op(f: &OpenFile, offset: u64, data: Vec<u8>) -> Op {
     if f.append {
-        Op::Append { ino: f.ino, data }
+        Op::Append {
+            ino: f.ino,
+            data: data.into(),
+        }
     } else {
         Op::Write {
             ino: f.ino,
             offset,
-            data,
+            data: data.into(),
         }
     }
 }

@@ -639,7 +639,7 @@ fn parts_of(op: &Op) -> Option<Vec<Op>> {
             .map(|(k, part)| Op::Write {
                 ino: *ino,
                 offset: offset + (k * ring::DATA_BYTES_MAX) as u64,
-                data: part.to_vec(),
+                data: part.to_vec().into(),
             })
             .collect(),
         _ => return None,
@@ -693,7 +693,7 @@ impl RemoteClient {
                     let r = self.one(Op::Write {
                         ino,
                         offset: offset + written as u64,
-                        data: part.to_vec(),
+                        data: part.to_vec().into(),
                     });
                     match r {
                         Ok(Reply::Written(n)) => {

@@ -342,7 +342,7 @@ mod tests {
             then: Box::new(Op::Write {
                 ino: 0,
                 offset: 7,
-                data: vec![9; 5000],
+                data: vec![9; 5000].into(),
             }),
         };
         let request = Request::Op(op);

@@ -609,7 +609,7 @@ impl Filesystem for CorefsFuse {
         let op = Op::Write {
             ino: to_engine(ino),
             offset,
-            data: data[..len].to_vec(),
+            data: data[..len].to_vec().into(),
         };
         let work = |c: &mut Client| expect!(call(c, op)?, Reply::Written);
         self.answer(reply, work, |reply, n| reply.written(n as u32));

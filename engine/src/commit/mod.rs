@@ -118,7 +118,7 @@ pub(crate) struct CommitInFlight {
     pub slicing: Vec<u32>,
     /// Blocks serialized and not yet handed to the device (submitted in chunks of
     /// [`COMMIT_CHUNK_BLOCKS`], the last with the flush).
-    pub chunk: Vec<(u64, Vec<u8>)>,
+    pub chunk: Vec<(u64, bytes::Bytes)>,
 }
 
 /// Tree nodes one commit slice serializes by default

@@ -341,7 +341,7 @@ impl Filesystem {
                 let copy = SUPERBLOCK_ADDRS[(c.generation % 2) as usize];
                 let _span =
                     tracing::debug_span!("super_write", generation = c.generation, copy).entered();
-                let ticket = self.submit_commit_io(vec![(copy, sb.encode())], true)?;
+                let ticket = self.submit_commit_io(vec![(copy, sb.encode().into())], true)?;
                 self.commit
                     .in_flight
                     .as_mut()
@@ -388,7 +388,7 @@ impl Filesystem {
     fn freeze_trees(
         &mut self,
         generation: u64,
-    ) -> Result<(Vec<(u32, ShardRoot)>, Vec<u32>, Vec<(u64, Vec<u8>)>)> {
+    ) -> Result<(Vec<(u32, ShardRoot)>, Vec<u32>, Vec<(u64, bytes::Bytes)>)> {
         let staged = self.take_all_staged();
         let mut roots = Vec::with_capacity(self.shards.len());
         let mut slicing = Vec::new();

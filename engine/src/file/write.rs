@@ -14,6 +14,47 @@ use crate::format::items::{ExtentItem, Timespec, MAX_EXTENT_BLOCKS};
 use crate::format::BLOCK_BYTES;
 use crate::fs::{Filesystem, Needs};
 use crate::space::MetaNeed;
+use bytes::Bytes;
+
+/// A write's bytes as the engine gets them: borrowed from its caller, and copied once when
+/// they are staged, or shared (a reactor's request owns them, as a [`Bytes`]), and staged
+/// as they are. Cloning either copies no byte (the closures [`Filesystem::run_op`] retries
+/// take a clone).
+#[derive(Clone)]
+enum WriteBytes<'a> {
+    Borrowed(&'a [u8]),
+    Shared(Bytes),
+}
+
+impl<'a> WriteBytes<'a> {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            WriteBytes::Borrowed(b) => b,
+            WriteBytes::Shared(b) => b,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+
+    /// Bytes `range` of these, borrowed or shared as these are.
+    fn slice(&self, range: std::ops::Range<usize>) -> WriteBytes<'a> {
+        match self {
+            WriteBytes::Borrowed(b) => WriteBytes::Borrowed(&b[range]),
+            WriteBytes::Shared(b) => WriteBytes::Shared(b.slice(range)),
+        }
+    }
+
+    /// The bytes for staging: a borrowed write's copied (its caller keeps its buffer), a
+    /// shared one's as they are.
+    fn into_staged(self) -> Bytes {
+        match self {
+            WriteBytes::Borrowed(b) => Bytes::copy_from_slice(b),
+            WriteBytes::Shared(b) => b,
+        }
+    }
+}
 
 impl Filesystem {
     /// The extent that ends at file block `at`, grown by `next` (a new extent at `at`), when
@@ -75,13 +116,19 @@ impl Filesystem {
     /// refused), then the metadata the change may allocate is reserved, before anything
     /// changes. The data is staged ([`crate::writeback`]) and reaches the device before any
     /// record or commit that makes the new extents durable.
-    fn write_blocks(&mut self, ino: u64, first: u64, data: &[u8], size: u64) -> Result<i64> {
+    fn write_blocks(
+        &mut self,
+        ino: u64,
+        first: u64,
+        data: WriteBytes<'_>,
+        size: u64,
+    ) -> Result<i64> {
         assert_eq!(data.len() % BLOCK_BYTES, 0);
         let count = (data.len() / BLOCK_BYTES) as u64;
         // One lookup of what the write covers serves both paths (it changes nothing, and
         // allocating changes no extent).
         let overlapping = self.extents_in(ino, first, first + count)?;
-        if self.write_into_prealloc(ino, first, data, &overlapping)? {
+        if self.write_into_prealloc(ino, first, &data, &overlapping)? {
             return Ok(0);
         }
         let shard = self.shard_of(ino);
@@ -107,9 +154,13 @@ impl Filesystem {
         // The write as a whole decides, not each allocation run it lands in.
         let streaming = data.len() >= crate::writeback::STREAM_WRITE_BYTES;
         for &(disk, got) in &runs {
-            let bytes = &data[(done * BLOCK) as usize..((done + got) * BLOCK) as usize];
-            let crcs = bytes.chunks(BLOCK_BYTES).map(crc32c::crc32c).collect();
-            self.stage_data(ino, disk, bytes, streaming)?;
+            let bytes = data.slice((done * BLOCK) as usize..((done + got) * BLOCK) as usize);
+            let crcs = bytes
+                .as_slice()
+                .chunks(BLOCK_BYTES)
+                .map(crc32c::crc32c)
+                .collect();
+            self.stage_data(ino, disk, bytes.into_staged(), streaming)?;
             items.push((
                 first + done,
                 ExtentItem {
@@ -199,7 +250,7 @@ impl Filesystem {
         &mut self,
         ino: u64,
         first: u64,
-        data: &[u8],
+        data: &WriteBytes<'_>,
         extents: &[super::Extent],
     ) -> Result<bool> {
         let count = (data.len() / BLOCK_BYTES) as u64;
@@ -232,10 +283,14 @@ impl Filesystem {
             let cut_to = extent.end().min(end);
             let skip = cut_from - extent.file_block;
             let disk = extent.item.disk_block + skip;
-            let bytes =
-                &data[((cut_from - first) * BLOCK) as usize..((cut_to - first) * BLOCK) as usize];
-            let crcs: Vec<u32> = bytes.chunks(BLOCK_BYTES).map(crc32c::crc32c).collect();
-            self.stage_data(ino, disk, bytes, streaming)?;
+            let bytes = data
+                .slice(((cut_from - first) * BLOCK) as usize..((cut_to - first) * BLOCK) as usize);
+            let crcs: Vec<u32> = bytes
+                .as_slice()
+                .chunks(BLOCK_BYTES)
+                .map(crc32c::crc32c)
+                .collect();
+            self.stage_data(ino, disk, bytes.into_staged(), streaming)?;
             let prealloc = |from: u64, to: u64| ExtentItem {
                 disk_block: extent.item.disk_block + (from - extent.file_block),
                 blocks: (to - from) as u32,
@@ -273,16 +328,35 @@ impl Filesystem {
     /// Like write(2), a write longer than [`MAX_RW_BYTES`] writes that much and returns it;
     /// a position past `i64::MAX` is EINVAL ([`rw_len`]).
     pub fn write(&mut self, ino: u64, offset: u64, data: &[u8]) -> Result<usize> {
-        let data = &data[..rw_len(offset, data.len())?];
-        self.run_op(|fs| fs.write_once(ino, offset, data))
+        self.write_bytes(ino, offset, WriteBytes::Borrowed(data))
+    }
+
+    /// [`Filesystem::write`] of bytes the caller hands over: they are staged as they are,
+    /// not copied (a reactor's write request owns its bytes).
+    pub fn write_shared(&mut self, ino: u64, offset: u64, data: Bytes) -> Result<usize> {
+        self.write_bytes(ino, offset, WriteBytes::Shared(data))
+    }
+
+    fn write_bytes(&mut self, ino: u64, offset: u64, data: WriteBytes<'_>) -> Result<usize> {
+        let data = data.slice(0..rw_len(offset, data.len())?);
+        self.run_op(|fs| fs.write_once(ino, offset, data.clone()))
     }
 
     /// Appends `data` at the end of the file, atomically: the end is read and written in
     /// one operation, so two appenders never write at the same place (O_APPEND). Returns
     /// the offset it wrote at and the bytes written.
     pub fn append(&mut self, ino: u64, data: &[u8]) -> Result<(u64, usize)> {
+        self.append_bytes(ino, WriteBytes::Borrowed(data))
+    }
+
+    /// [`Filesystem::append`] of bytes the caller hands over, staged without a copy.
+    pub fn append_shared(&mut self, ino: u64, data: Bytes) -> Result<(u64, usize)> {
+        self.append_bytes(ino, WriteBytes::Shared(data))
+    }
+
+    fn append_bytes(&mut self, ino: u64, data: WriteBytes<'_>) -> Result<(u64, usize)> {
         let offset = self.file_inode(ino)?.size;
-        let written = self.write(ino, offset, data)?;
+        let written = self.write_bytes(ino, offset, data)?;
         Ok((offset, written))
     }
 
@@ -328,26 +402,27 @@ impl Filesystem {
         for (offset, data) in writes {
             // Nested, so the write's own reservation is the one made above (only the
             // outermost operation reserves): at depth 1 it would reserve again, on top.
-            self.run_op(|fs| fs.write_once(ino, *offset, data))?;
+            self.run_op(|fs| fs.write_once(ino, *offset, WriteBytes::Borrowed(data)))?;
         }
         Ok(())
     }
 
-    fn write_once(&mut self, ino: u64, offset: u64, data: &[u8]) -> Result<usize> {
+    fn write_once(&mut self, ino: u64, offset: u64, data: WriteBytes<'_>) -> Result<usize> {
         let mut item = self.file_inode(ino)?;
-        if data.is_empty() {
+        let len = data.len();
+        if len == 0 {
             return Ok(0);
         }
         let end = offset
-            .checked_add(data.len() as u64)
+            .checked_add(len as u64)
             .filter(|&e| e <= MAX_FILE_BYTES)
             .ok_or_else(|| EngineError::TooBig("file offset".into()))?;
         let first = offset / BLOCK;
         let delta = if offset % BLOCK == 0 && end % BLOCK == 0 {
-            // Whole blocks: written as they are, no staging copy.
+            // Whole blocks: staged as they are (a shared write's bytes are not copied).
             self.write_blocks(ino, first, data, item.size)?
         } else {
-            self.write_partial(ino, offset, end, data, item.size)?
+            self.write_partial(ino, offset, end, data.as_slice(), item.size)?
         };
         item.blocks = item.blocks.saturating_add_signed(delta);
         item.size = item.size.max(end);
@@ -355,7 +430,7 @@ impl Filesystem {
         item.mtime = now;
         item.ctime = now;
         self.store_inode(ino, &item)?;
-        Ok(data.len())
+        Ok(len)
     }
 
     /// A write run by a thread the engine is lent to (a client while its reactor sleeps):
@@ -365,7 +440,8 @@ impl Filesystem {
     /// block the previous append left there; [`Filesystem::edges_to_read`]); and staging keeps room below the write-back threshold, so no write-back
     /// starts (the device's queue is the owner's). `None`, untouched, otherwise: the owner
     /// runs it. What runs is [`Filesystem::write`], through [`Filesystem::change_lent`].
-    pub fn write_lent(&mut self, ino: u64, offset: u64, data: &[u8]) -> Option<Result<usize>> {
+    /// The bytes are the request's, staged as they are ([`Filesystem::write_shared`]).
+    pub fn write_lent(&mut self, ino: u64, offset: u64, data: Bytes) -> Option<Result<usize>> {
         self.write_lent_edges(ino, offset, data, false)
     }
 
@@ -379,7 +455,7 @@ impl Filesystem {
         &mut self,
         ino: u64,
         offset: u64,
-        data: &[u8],
+        data: Bytes,
     ) -> Option<Result<usize>> {
         self.write_lent_edges(ino, offset, data, true)
     }
@@ -388,7 +464,7 @@ impl Filesystem {
         &mut self,
         ino: u64,
         offset: u64,
-        data: &[u8],
+        data: Bytes,
         read_edges: bool,
     ) -> Option<Result<usize>> {
         if !self.dev.reads_beside_queue() || self.failed.is_some() {
@@ -433,7 +509,7 @@ impl Filesystem {
         };
         let out = self.change_lent(|fs| {
             fs.read_edges_beside(&reads)?;
-            fs.write(ino, offset, data)
+            fs.write_shared(ino, offset, data.clone())
         });
         self.fetch.stats.lent_writes += out.is_some() as u64;
         self.fetch.stats.lent_write_edge_reads += reads.len() as u64;
@@ -533,7 +609,8 @@ impl Filesystem {
             blocks[at..at + old.len()].copy_from_slice(&old);
         }
         blocks[head..head + data.len()].copy_from_slice(data);
-        self.write_blocks(ino, first, &blocks, size)
+        // Staged as built: no second copy.
+        self.write_blocks(ino, first, WriteBytes::Shared(blocks.into()), size)
     }
 
     /// The old bytes of file block `block` (inside the file of `size` bytes, up to its end)

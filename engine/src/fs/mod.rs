@@ -196,7 +196,7 @@ pub(crate) struct ShardIo<'a> {
     /// evicted while the commit still slices the other shards; read back from the device
     /// they would be the block's previous contents (an older node, or data from before the
     /// block was freed).
-    pub unsubmitted: &'a [(u64, Vec<u8>)],
+    pub unsubmitted: &'a [(u64, bytes::Bytes)],
 }
 
 impl NodeIo for ShardIo<'_> {

@@ -92,7 +92,7 @@ impl Pipeline {
 impl Filesystem {
     /// Submits `blocks` (a record and, for a large fsync, its data) as background writes
     /// under a new ticket; the flush follows when they complete.
-    pub(crate) fn submit_record(&mut self, blocks: Vec<(u64, Vec<u8>)>) -> Result<u64> {
+    pub(crate) fn submit_record(&mut self, blocks: Vec<(u64, bytes::Bytes)>) -> Result<u64> {
         let after = self.commit_in_flight();
         self.submit_background(blocks, false, after, 0)
     }
@@ -100,7 +100,7 @@ impl Filesystem {
     /// Writes staged file data back in the background under a new ticket, done when the
     /// writes complete: no flush of its own, so the data is durable only at the next flush
     /// (`unflushed_writes`), and the next record's flush waits for these writes.
-    pub(crate) fn submit_writeback(&mut self, blocks: Vec<(u64, Vec<u8>)>) -> Result<u64> {
+    pub(crate) fn submit_writeback(&mut self, blocks: Vec<(u64, bytes::Bytes)>) -> Result<u64> {
         let bytes = crate::blocks::pieces_bytes(&blocks);
         let ticket = self.submit_background(blocks, false, None, bytes)?;
         self.log.unflushed_writes = true;
@@ -121,7 +121,7 @@ impl Filesystem {
     /// A chunk of a commit's serialized blocks: written in the background with no flush of
     /// its own, done when its writes complete; the commit's last chunk is a record whose
     /// flush waits for these writes (as for a write-back) and so covers them.
-    pub(crate) fn submit_commit_chunk(&mut self, blocks: Vec<(u64, Vec<u8>)>) -> Result<u64> {
+    pub(crate) fn submit_commit_chunk(&mut self, blocks: Vec<(u64, bytes::Bytes)>) -> Result<u64> {
         assert!(!blocks.is_empty(), "a commit chunk has blocks");
         let bytes = crate::blocks::pieces_bytes(&blocks);
         self.submit_background(blocks, false, None, bytes)
@@ -129,7 +129,7 @@ impl Filesystem {
 
     /// As [`Filesystem::submit_record`] with every write FUA and no flush after: durable when
     /// the writes complete (a small record that carries its data).
-    pub(crate) fn submit_fua(&mut self, blocks: Vec<(u64, Vec<u8>)>) -> Result<u64> {
+    pub(crate) fn submit_fua(&mut self, blocks: Vec<(u64, bytes::Bytes)>) -> Result<u64> {
         let after = self.commit_in_flight();
         self.submit_background(blocks, true, after, 0)
     }
@@ -138,7 +138,7 @@ impl Filesystem {
     /// the commit in flight, which they are.
     pub(crate) fn submit_commit_io(
         &mut self,
-        blocks: Vec<(u64, Vec<u8>)>,
+        blocks: Vec<(u64, bytes::Bytes)>,
         fua: bool,
     ) -> Result<u64> {
         self.submit_background(blocks, fua, None, 0)
@@ -149,7 +149,7 @@ impl Filesystem {
     /// durable only then (even when its own writes finished first).
     fn submit_background(
         &mut self,
-        blocks: Vec<(u64, Vec<u8>)>,
+        blocks: Vec<(u64, bytes::Bytes)>,
         fua: bool,
         after: Option<u64>,
         writeback_bytes: usize,
@@ -192,7 +192,7 @@ impl Filesystem {
     /// with nothing in flight, so the flush covers every write the ticket may reference.
     fn submit_side(
         &mut self,
-        blocks: Vec<(u64, Vec<u8>)>,
+        blocks: Vec<(u64, bytes::Bytes)>,
         fua: bool,
         after: Option<u64>,
         writeback_bytes: usize,

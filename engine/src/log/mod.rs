@@ -54,12 +54,16 @@ mod ops;
 
 /// A record's blocks at `at` and the data blocks written in place beside it: one batch, all
 /// in flight at once, made durable by one flush.
-fn record_and_data(at: u64, record: Vec<u8>, mut data: Vec<(u64, Vec<u8>)>) -> Vec<(u64, Vec<u8>)> {
+fn record_and_data(
+    at: u64,
+    record: Vec<u8>,
+    mut data: Vec<(u64, bytes::Bytes)>,
+) -> Vec<(u64, bytes::Bytes)> {
     data.extend(
         record
             .chunks(BLOCK_BYTES)
             .enumerate()
-            .map(|(i, b)| (at + i as u64, b.to_vec())),
+            .map(|(i, b)| (at + i as u64, bytes::Bytes::copy_from_slice(b))),
     );
     data
 }

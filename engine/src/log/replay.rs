@@ -372,9 +372,10 @@ impl Filesystem {
         }
         // Carried data goes to its place now; the replay's commit flushes it before its
         // superblock. Only blocks a logged extent references are written.
-        let carried: Vec<(u64, Vec<u8>)> = embedded
+        let carried: Vec<(u64, bytes::Bytes)> = embedded
             .into_iter()
             .filter(|(block, _)| referenced.contains_key(block))
+            .map(|(block, data)| (block, data.into()))
             .collect();
         crate::blocks::write_blocks(&mut *self.dev, carried)?;
         let mut created: BTreeMap<u32, u64> = BTreeMap::new();

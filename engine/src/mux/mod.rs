@@ -77,7 +77,7 @@ pub struct DeviceMux {
     /// The bytes of every background write queued or in flight, by first block: (blocks,
     /// ticket token, the run's pieces). A foreground read of them is answered from here;
     /// the backlog copies from here into DMA buffers as room frees.
-    writing: std::collections::BTreeMap<u64, (u64, u64, Vec<Vec<u8>>)>,
+    writing: std::collections::BTreeMap<u64, (u64, u64, Vec<bytes::Bytes>)>,
     /// Background writes not yet completed, per ticket token (its blocks leave `writing`
     /// when the count reaches 0).
     writes_outstanding: std::collections::HashMap<u64, (u32, Vec<u64>)>,
@@ -418,10 +418,15 @@ impl DeviceMux {
         for first in blocks {
             if let Some((_, _, pieces)) = self.writing.remove(&first) {
                 for piece in pieces {
-                    if piece.len() == crate::format::BLOCK_BYTES
-                        && self.spare_blocks.len() < SPARE_BLOCKS_MAX
+                    if piece.len() != crate::format::BLOCK_BYTES
+                        || self.spare_blocks.len() >= SPARE_BLOCKS_MAX
                     {
-                        self.spare_blocks.push(piece);
+                        continue;
+                    }
+                    // A block nobody else holds (a tree node's) is reused; a slice of a
+                    // staged write's bytes is not, its allocation is the write's.
+                    if let Ok(block) = piece.try_into_mut() {
+                        self.spare_blocks.push(block.into());
                     }
                 }
             }

@@ -103,7 +103,10 @@ fn read(mux: &mut DeviceMux, token: u64, block: u64) -> Vec<u8> {
 fn reads_beside_a_background_write_never_wait_for_it_and_see_its_bytes() {
     let (mut mux, released) = mux();
     let token = BACKGROUND | 7 << 1;
-    let blocks = vec![(10, vec![0xAB; BLOCK_BYTES]), (11, vec![0xCD; BLOCK_BYTES])];
+    let blocks = vec![
+        (10, vec![0xAB; BLOCK_BYTES].into()),
+        (11, vec![0xCD; BLOCK_BYTES].into()),
+    ];
     let mut runs = crate::blocks::coalesce(&mux, blocks);
     assert_eq!(runs.len(), 1, "neighbours make one run");
     let run = runs.pop().expect("one run");
@@ -143,8 +146,8 @@ fn a_pump_hands_the_device_a_bounded_amount_and_the_backlog_drains_over_calls() 
     // 64 separate 32 KiB runs (2 MiB), every other 8 blocks, so none coalesce.
     for i in 0..64u64 {
         let first = 100 + i * 16;
-        let blocks: Vec<(u64, Vec<u8>)> = (0..8)
-            .map(|b| (first + b, vec![i as u8; BLOCK_BYTES]))
+        let blocks: Vec<(u64, bytes::Bytes)> = (0..8)
+            .map(|b| (first + b, vec![i as u8; BLOCK_BYTES].into()))
             .collect();
         let mut runs = crate::blocks::coalesce(&mux, blocks);
         let run = runs.pop().expect("one run");
@@ -210,7 +213,10 @@ fn an_async_read_partly_over_a_background_write_waits_for_it_without_holding_any
     released.store(false, Ordering::Relaxed);
 
     let token = BACKGROUND | 5 << 1;
-    let blocks = vec![(10, vec![0xAB; BLOCK_BYTES]), (11, vec![0xCD; BLOCK_BYTES])];
+    let blocks = vec![
+        (10, vec![0xAB; BLOCK_BYTES].into()),
+        (11, vec![0xCD; BLOCK_BYTES].into()),
+    ];
     let run = crate::blocks::coalesce(&mux, blocks)
         .pop()
         .expect("one run");

@@ -81,7 +81,7 @@ impl MemIo {
     }
 
     /// Writes a block of a generation being committed: never one the committed root reaches.
-    fn write(&mut self, addr: u64, block: Vec<u8>) {
+    fn write(&mut self, addr: u64, block: bytes::Bytes) {
         assert!(
             !self.committed.contains(&addr),
             "writing block {addr}, which the committed root reaches"
@@ -90,7 +90,7 @@ impl MemIo {
             !self.pinned_frozen.contains(&addr),
             "writing block {addr}, freed in the frozen generation"
         );
-        self.blocks.insert(addr, block);
+        self.blocks.insert(addr, block.to_vec());
     }
 
     /// The blocks a root reaches on disk.

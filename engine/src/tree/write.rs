@@ -30,7 +30,7 @@ pub(super) struct Frozen {
     /// Every node written so far (by address): its final pointer.
     pub(super) written: std::collections::HashMap<u64, BlockPtr>,
     /// Blocks encoded ahead (leaves saved) and not yet handed out.
-    pub(super) ready: Vec<(u64, Vec<u8>)>,
+    pub(super) ready: Vec<(u64, bytes::Bytes)>,
 }
 
 /// What [`Tree::write_frozen`] reports.
@@ -51,7 +51,7 @@ impl Tree {
     pub fn write_dirty(
         &mut self,
         generation: u64,
-        out: &mut Vec<(u64, Vec<u8>)>,
+        out: &mut Vec<(u64, bytes::Bytes)>,
         spare: &mut Vec<Vec<u8>>,
     ) -> (BlockPtr, u8) {
         assert!(
@@ -74,7 +74,7 @@ impl Tree {
         &mut self,
         id: NodeId,
         generation: u64,
-        out: &mut Vec<(u64, Vec<u8>)>,
+        out: &mut Vec<(u64, bytes::Bytes)>,
         spare: &mut Vec<Vec<u8>>,
     ) -> BlockPtr {
         if let Body::Internal(children) = &self.node(id).body {
@@ -106,7 +106,7 @@ impl Tree {
                 encode_internal(&header, &entries, &mut block)
             }
         };
-        out.push((node.addr, block));
+        out.push((node.addr, block.into()));
         self.node_mut(id).dirty = false;
         self.dirty_count -= 1;
         BlockPtr {
@@ -197,7 +197,7 @@ impl Tree {
     pub fn write_frozen(
         &mut self,
         max_nodes: usize,
-        out: &mut Vec<(u64, Vec<u8>)>,
+        out: &mut Vec<(u64, bytes::Bytes)>,
         spare: &mut Vec<Vec<u8>>,
     ) -> FrozenProgress {
         let mut f = self.frozen.take().expect("a frozen generation");
@@ -242,7 +242,7 @@ impl Tree {
                 ptr
             };
             f.written.insert(addr, ptr);
-            out.push((addr, block));
+            out.push((addr, block.into()));
         }
         if f.next < f.order.len() {
             self.frozen = Some(f);
@@ -296,7 +296,7 @@ impl Tree {
                         crc,
                     },
                 );
-                f.ready.push((node.addr, block));
+                f.ready.push((node.addr, block.into()));
             }
             Body::Internal(children) => {
                 f.saved.insert(node.addr, (node.level, children.clone()));

@@ -411,8 +411,9 @@ pub(crate) struct Staged {
 pub(crate) struct Run {
     /// Its first disk block.
     disk: u64,
-    /// Whole blocks of data.
-    data: Vec<u8>,
+    /// Whole blocks of data: a slice of the write's bytes, shared with the other runs the
+    /// write was staged in (none of them copies).
+    data: bytes::Bytes,
     /// Every block of it is carried by an fsync record of this generation (a record that
     /// references one of them later needs not carry it again: replay writes it from the
     /// earlier record, which replays first). Commits take every run, so a mark never
@@ -444,7 +445,7 @@ pub const STREAM_WRITE_BYTES: usize = 256 << 10;
 
 /// Moves staged runs into `out`, each a piece of whole blocks (at most
 /// [`STAGE_PIECE_BYTES`]), without copying them.
-fn move_pieces(runs: Vec<Run>, out: &mut Vec<(u64, Vec<u8>)>) {
+fn move_pieces(runs: Vec<Run>, out: &mut Vec<(u64, bytes::Bytes)>) {
     for Run { disk, data, .. } in runs {
         assert!(
             data.len() % BLOCK_BYTES == 0 && data.len() <= STAGE_PIECE_BYTES,
