@@ -61,7 +61,8 @@ impl Conn {
     }
 
     /// Reads up to `out.len()` bytes of `ino` at `offset` into `out`; returns how many.
-    /// Through a service the answer's data goes from its slot straight into `out`.
+    /// In process a read memory answers is copied once, into `out`; through a service the
+    /// answer's data goes from its slot straight into `out`.
     pub fn read_into(
         &mut self,
         ino: u64,
@@ -69,19 +70,7 @@ impl Conn {
         out: &mut [u8],
     ) -> Result<usize, EngineError> {
         match self {
-            Conn::Local(c) => {
-                let len = out.len();
-                match c.call(Op::Read { ino, offset, len })? {
-                    Reply::Data(d) if d.len() <= len => {
-                        out[..d.len()].copy_from_slice(&d);
-                        Ok(d.len())
-                    }
-                    other => Err(EngineError::Refused {
-                        errno: libc::EIO,
-                        message: format!("unexpected reply to a read {other:?}"),
-                    }),
-                }
-            }
+            Conn::Local(c) => c.read_into(ino, offset, out),
             Conn::Remote(c) => c.read_into(ino, offset, out),
         }
     }

@@ -264,21 +264,52 @@ fn random_lent_writes_and_reads_match_the_model() {
                     let size = models[f].len() as u64;
                     let offset = rng.random_range(0..size + 5000);
                     let len = rng.random_range(0..70_000);
-                    let got = match fs.read_lent(ino, offset, len) {
+                    // Into a buffer of the caller's (holding anything: holes and
+                    // preallocated ranges must come back as zeroes), or a new one.
+                    let into = rng.random_range(0..3);
+                    let mut buf = vec![rng.random::<u8>() | 1; len];
+                    let lent = match into {
+                        0 => fs.read_lent(ino, offset, len),
+                        1 => fs
+                            .read_lent_into(ino, offset, &mut buf)
+                            .map(|r| r.map(|n| buf[..n].to_vec())),
+                        _ => fs
+                            .read_from_memory_into(ino, offset, &mut buf)
+                            .map(|r| r.map(|n| buf[..n].to_vec())),
+                    };
+                    let got = match lent {
                         Some(result) => {
                             lent_reads += 1;
                             result
                         }
                         None => fs.read(ino, offset, len),
                     }
-                    .unwrap_or_else(|e| panic!("{ctx}: read: {e}"));
+                    .unwrap_or_else(|e| panic!("{ctx}: read ({into}): {e}"));
                     let model = &models[f];
                     let from = (offset as usize).min(model.len());
                     let to = (offset as usize).saturating_add(len).min(model.len());
                     assert!(got == model[from..to], "{ctx}: read {len} at {offset}");
                 }
-                85..=94 => {
+                85..=89 => {
                     fs.fsync(ino).unwrap();
+                }
+                90..=94 => {
+                    // Preallocated space, inside the file or past its end (kept size):
+                    // reads of it are zeroes until written.
+                    let size = models[f].len() as u64;
+                    let offset = rng.random_range(0..size + 20_000);
+                    let len = rng.random_range(1..100_000);
+                    let keep_size = rng.random();
+                    let mode = engine::FallocateMode {
+                        keep_size,
+                        ..Default::default()
+                    };
+                    fs.fallocate(ino, mode, offset, len)
+                        .unwrap_or_else(|e| panic!("{ctx}: fallocate: {e}"));
+                    let end = (offset + len) as usize;
+                    if !keep_size && models[f].len() < end {
+                        models[f].resize(end, 0);
+                    }
                 }
                 _ => {
                     fs.commit().unwrap();

@@ -249,12 +249,15 @@ impl CallerRuns {
     /// record is written through `side_io` (the client's own handle beside the queue, made
     /// at its first fsync) after the engine is given back.
     /// `wake` rings the reactor: called when a change made a commit due, so the reactor
-    /// commits soon, and when the reactor waits for a record written here.
+    /// commits soon, and when the reactor waits for a record written here. `into`: a read's
+    /// bytes go there (the caller's buffer, at least as long as the read) and it answers
+    /// [`Reply::Placed`], so they are copied once.
     pub(crate) fn try_run(
         &self,
         op: &Op,
         side_io: &mut Option<Box<dyn nvme::AnyThreadIo>>,
         wake: impl FnOnce(),
+        into: Option<&mut [u8]>,
     ) -> Option<Result<Reply, EngineError>> {
         let kind = op.caller_run();
         if !self.enabled
@@ -297,14 +300,24 @@ impl CallerRuns {
             // a file image: 21k reads/s through the reactor, 18k beside the queue; with one
             // neighbour 10k and 16k). And only where changes may run too
             // (`COREFS_CALLERS_RUN=lookups` keeps a caller to memory).
-            (_, &Op::Read { ino, offset, len })
-                if self.changes && (self.device_always || crate::contention::contended()) =>
-            {
-                fs.read_lent(ino, offset, len).map(|r| r.map(Reply::Data))
+            (_, &Op::Read { ino, offset, len }) => {
+                let beside = self.changes && (self.device_always || crate::contention::contended());
+                match into {
+                    Some(into) => {
+                        let into = &mut into[..len];
+                        let placed = if beside {
+                            fs.read_lent_into(ino, offset, into)
+                        } else {
+                            fs.read_from_memory_into(ino, offset, into)
+                        };
+                        placed.map(|r| r.map(Reply::Placed))
+                    }
+                    None if beside => fs.read_lent(ino, offset, len).map(|r| r.map(Reply::Data)),
+                    None => fs
+                        .read_from_memory(ino, offset, len)
+                        .map(|r| r.map(Reply::Data)),
+                }
             }
-            (_, &Op::Read { ino, offset, len }) => fs
-                .read_from_memory(ino, offset, len)
-                .map(|r| r.map(Reply::Data)),
             (
                 CallerRun::Write,
                 &Op::Write {

@@ -132,9 +132,10 @@ impl Client {
         }
         if alone {
             let shared = &self.shared;
-            if let Some(result) = shared
-                .caller
-                .try_run(&op, &mut self.side_io, || shared.doorbell.ring())
+            if let Some(result) =
+                shared
+                    .caller
+                    .try_run(&op, &mut self.side_io, || shared.doorbell.ring(), None)
             {
                 self.ran_here += 1;
                 shared.caller_ran(&op);
@@ -242,6 +243,35 @@ impl Client {
     /// Runs one operation and waits for its result (the synchronous API). Completions of
     /// earlier asynchronous submissions that arrive meanwhile are kept for the next poll.
     pub fn call(&mut self, op: Op) -> Result<Reply, EngineError> {
+        self.call_into(op, None)
+    }
+
+    /// Reads up to `out.len()` bytes of `ino` at `offset` into `out`; returns how many. A
+    /// read memory answers in this thread is copied once, from the cache straight into
+    /// `out`; one the reactor runs comes back as its bytes, copied here.
+    pub fn read_into(
+        &mut self,
+        ino: u64,
+        offset: u64,
+        out: &mut [u8],
+    ) -> Result<usize, EngineError> {
+        let len = out.len();
+        match self.call_into(Op::Read { ino, offset, len }, Some(&mut *out))? {
+            Reply::Placed(n) if n <= len => Ok(n),
+            Reply::Data(d) if d.len() <= len => {
+                out[..d.len()].copy_from_slice(&d);
+                Ok(d.len())
+            }
+            other => Err(EngineError::Refused {
+                errno: libc::EIO,
+                message: format!("unexpected reply to a read {other:?}"),
+            }),
+        }
+    }
+
+    /// [`Client::call`]; a read run in this thread puts its bytes in `into` (see
+    /// [`crate::caller::CallerRuns::try_run`]).
+    fn call_into(&mut self, op: Op, into: Option<&mut [u8]>) -> Result<Reply, EngineError> {
         if self.in_flight >= self.capacity {
             return Err(EngineError::Invalid(format!(
                 "client has {} operations in flight (its capacity): poll them first",
@@ -252,9 +282,10 @@ impl Client {
         // reactor sleeps: no wake-up on either side ([`crate::caller`]).
         if self.in_flight == 0 {
             let shared = &self.shared;
-            if let Some(result) = shared
-                .caller
-                .try_run(&op, &mut self.side_io, || shared.doorbell.ring())
+            if let Some(result) =
+                shared
+                    .caller
+                    .try_run(&op, &mut self.side_io, || shared.doorbell.ring(), into)
             {
                 self.ran_here += 1;
                 shared.caller_ran(&op);

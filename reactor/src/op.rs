@@ -449,7 +449,8 @@ pub enum Reply {
     Statfs(StatFs),
     Stats(Box<crate::stats::ReactorStats>),
     /// A read's bytes (this many), already in the buffer its caller gave: a storage-service
-    /// client decodes an answer's data straight there. Never a reactor's reply.
+    /// client decodes an answer's data straight there, a read run in the caller's thread
+    /// copies it there ([`crate::Client::read_into`]). Never a reactor's reply.
     Placed(usize),
 }
 

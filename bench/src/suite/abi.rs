@@ -92,6 +92,7 @@ impl CAbiMount {
         Box::new(CAbiSession {
             fs: self.fs,
             files: Handles::new(),
+            read_buf: Vec::new(),
         })
     }
 
@@ -114,6 +115,7 @@ impl Drop for CAbiMount {
 struct CAbiSession {
     fs: corefs_fs,
     files: Handles<corefs_fd>,
+    read_buf: Vec<u8>,
 }
 
 impl CAbiSession {
@@ -163,7 +165,7 @@ impl Session for CAbiSession {
 
     fn pread(&mut self, fh: Fh, offset: u64, len: usize) -> R<usize> {
         let fd = *self.files.get(fh)?;
-        let mut buf = vec![0u8; len];
+        let buf = super::session::read_buf(&mut self.read_buf, len);
         // SAFETY: a live buffer of the length given.
         let n = unsafe { corefs_pread(self.fs, fd, buf.as_mut_ptr(), len, offset) };
         checked("corefs_pread", "", n).map(|n| n as usize)

@@ -16,6 +16,16 @@ pub type R<T> = Result<T, String>;
 /// A file handle within one session.
 pub type Fh = usize;
 
+/// The first `len` bytes of a session's read buffer, grown as needed: every target reads
+/// into a buffer its client reuses, as a program does (an allocation per read measured the
+/// allocator, the same on every target).
+pub fn read_buf(buf: &mut Vec<u8>, len: usize) -> &mut [u8] {
+    if buf.len() < len {
+        buf.resize(len, 0);
+    }
+    &mut buf[..len]
+}
+
 /// One client thread's view of a target.
 pub trait Session: Send {
     /// Creates a new file (fails if it exists) and opens it for reading and writing.

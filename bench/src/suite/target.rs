@@ -188,6 +188,7 @@ impl Target for CorefsTarget {
             client: runtime.client(64),
             dirs: HashMap::new(),
             files: Handles::new(),
+            read_buf: Vec::new(),
         }))
     }
 
@@ -260,6 +261,7 @@ struct CorefsSession {
     dirs: HashMap<String, u64>,
     /// Handle → inode number.
     files: Handles<u64>,
+    read_buf: Vec<u8>,
 }
 
 impl CorefsSession {
@@ -347,10 +349,10 @@ impl Session for CorefsSession {
 
     fn pread(&mut self, fh: Fh, offset: u64, len: usize) -> R<usize> {
         let ino = self.ino(fh)?;
-        match self.call(Op::Read { ino, offset, len })? {
-            Reply::Data(d) => Ok(d.len()),
-            other => Err(format!("unexpected reply {other:?}")),
-        }
+        let buf = super::session::read_buf(&mut self.read_buf, len);
+        self.client
+            .read_into(ino, offset, buf)
+            .map_err(|e| e.to_string())
     }
 
     fn fsync(&mut self, fh: Fh) -> R<()> {
@@ -612,6 +614,7 @@ pub(super) fn kernel_session(root: PathBuf) -> Box<dyn Session> {
     Box::new(KernelSession {
         root,
         files: Handles::new(),
+        read_buf: Vec::new(),
     })
 }
 
@@ -619,6 +622,7 @@ struct KernelSession {
     root: PathBuf,
     /// Handle → (path, open file).
     files: Handles<(PathBuf, std::fs::File)>,
+    read_buf: Vec<u8>,
 }
 
 fn io(path: &Path, e: std::io::Error) -> String {
@@ -669,10 +673,9 @@ impl Session for KernelSession {
     }
 
     fn pread(&mut self, fh: Fh, offset: u64, len: usize) -> R<usize> {
-        let mut buf = vec![0u8; len];
-        self.file(fh)?
-            .read_at(&mut buf, offset)
-            .map_err(|e| format!("pread: {e}"))
+        let file = self.files.get(fh).map(|(_, f)| f)?;
+        let buf = super::session::read_buf(&mut self.read_buf, len);
+        file.read_at(buf, offset).map_err(|e| format!("pread: {e}"))
     }
 
     fn fsync(&mut self, fh: Fh) -> R<()> {

@@ -66,6 +66,13 @@ pub(crate) struct ReadMap {
     pub moves_atime: bool,
 }
 
+impl ReadMap {
+    /// Bytes the read returns (it stops at the end of the file).
+    pub(crate) fn len(&self) -> usize {
+        (self.end - self.offset) as usize
+    }
+}
+
 /// A device read one request of a read set ([`crate::reads`]) waits for: `count` blocks at
 /// `disk` (verified against `crcs`), whose bytes `src` go to the request's output bytes
 /// `dst`. `joins`: the blocks come from a read-ahead's device read already on its way

@@ -308,6 +308,28 @@ impl Filesystem {
         map: ReadMap,
         pieces: &mut Vec<ReadPiece>,
     ) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; map.len()];
+        self.plan_read_into(request, map, pieces, &mut out, true)?;
+        Ok(out)
+    }
+
+    /// [`Filesystem::plan_read`] into `out` (exactly [`ReadMap::len`] bytes), the caller's
+    /// buffer: a read from memory in the caller's thread copies each byte once, into it.
+    /// `zeroed`: `out` holds zeroes already, so holes and preallocated ranges are left as
+    /// they are; otherwise they are zeroed here (and nothing else is written twice).
+    pub(crate) fn plan_read_into(
+        &mut self,
+        request: usize,
+        map: ReadMap,
+        pieces: &mut Vec<ReadPiece>,
+        out: &mut [u8],
+        zeroed: bool,
+    ) -> Result<()> {
+        assert_eq!(
+            out.len(),
+            map.len(),
+            "a read's output is as long as its map"
+        );
         let ReadMap {
             ino,
             offset,
@@ -316,15 +338,31 @@ impl Filesystem {
             ..
         } = map;
         if end == offset {
-            return Ok(Vec::new());
+            return Ok(());
         }
-        let mut out = vec![0u8; (end - offset) as usize];
         let first = offset / BLOCK;
         let last = end.div_ceil(BLOCK);
+        // Bytes before this (relative to `offset`) are written or zeroed.
+        let mut filled = 0usize;
+        let zero = |out: &mut [u8], to: usize, filled: &mut usize| {
+            if to > *filled {
+                if !zeroed {
+                    out[*filled..to].fill(0);
+                }
+                *filled = to;
+            }
+        };
         for extent in extents {
+            // Extents come in file order and do not overlap: what lies between the last one
+            // and this one is a hole.
+            let from_byte = ((extent.file_block * BLOCK).max(offset) - offset) as usize;
+            let to_byte = ((extent.end() * BLOCK).min(end) - offset) as usize;
+            zero(out, from_byte, &mut filled);
             if extent.item.prealloc {
+                zero(out, to_byte, &mut filled);
                 continue;
             }
+            filled = filled.max(to_byte);
             // The extent's blocks the read covers go in runs: blocks the cache holds are
             // copied now, blocks a read-ahead is fetching are taken from its device read
             // when it completes, and the rest are read. (All-or-nothing per extent made a
@@ -376,7 +414,8 @@ impl Filesystem {
                 pieces.push(piece);
             }
         }
-        Ok(out)
+        zero(out, out.len(), &mut filled);
+        Ok(())
     }
 
     /// Removes the extents covering file blocks `first..end`, keeping the parts outside, and

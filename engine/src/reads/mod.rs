@@ -379,3 +379,40 @@ fn copy_piece(piece: &ReadPiece, at: usize, bytes: &[u8], out: &mut [u8]) {
         out[to..to + (hi - lo)].copy_from_slice(&bytes[lo - at..hi - at]);
     }
 }
+
+/// Where a read from memory puts its bytes: a new buffer (asked as a length) or the
+/// caller's. A length is answered as [`ReadOut::Vec`], a buffer as itself cut to the bytes
+/// read.
+pub(crate) enum ReadOut<'a> {
+    Alloc(usize),
+    Vec(Vec<u8>),
+    Into(&'a mut [u8]),
+}
+
+impl ReadOut<'_> {
+    /// How many bytes the read asks for; once answered, how many it read.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            ReadOut::Alloc(len) => *len,
+            ReadOut::Vec(v) => v.len(),
+            ReadOut::Into(out) => out.len(),
+        }
+    }
+
+    /// The bytes read so far (a planned read's, or its device pieces' to fill).
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            ReadOut::Alloc(_) => &mut [],
+            ReadOut::Vec(v) => v,
+            ReadOut::Into(out) => out,
+        }
+    }
+
+    /// The bytes of a read asked as a length.
+    pub(crate) fn into_vec(self) -> Vec<u8> {
+        match self {
+            ReadOut::Vec(v) => v,
+            _ => unreachable!("a read asked as a length is answered in a Vec"),
+        }
+    }
+}

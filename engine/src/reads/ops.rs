@@ -7,8 +7,8 @@
 //! device multiplexer. [`super`] states the invariants and the fault model.
 
 use super::{
-    check_blocks, copy_piece, give_joined, take_blocks, ReadIo, ReadResult, ReadSet, ReadStart,
-    ReadStats, ReadsStarted, RunSource, SetKind, Stream, LENT_READ_BYTES_MAX, STREAMS,
+    check_blocks, copy_piece, give_joined, take_blocks, ReadIo, ReadOut, ReadResult, ReadSet,
+    ReadStart, ReadStats, ReadsStarted, RunSource, SetKind, Stream, LENT_READ_BYTES_MAX, STREAMS,
 };
 use crate::blocks::block_lba;
 use crate::error::{EngineError, Result};
@@ -177,10 +177,34 @@ impl Filesystem {
         offset: u64,
         len: usize,
     ) -> Option<Result<Vec<u8>>> {
+        self.memory_read_out(ino, offset, ReadOut::Alloc(len))
+            .map(|r| r.map(ReadOut::into_vec))
+    }
+
+    /// [`Filesystem::read_from_memory`] into the caller's `out`: how many bytes it read
+    /// there (fewer at the end of the file). Each byte is copied once, from the block cache
+    /// or staging into `out`; nothing is allocated for the data.
+    pub fn read_from_memory_into(
+        &mut self,
+        ino: u64,
+        offset: u64,
+        out: &mut [u8],
+    ) -> Option<Result<usize>> {
+        self.memory_read_out(ino, offset, ReadOut::Into(out))
+            .map(|r| r.map(|out| out.len()))
+    }
+
+    fn memory_read_out<'a>(
+        &mut self,
+        ino: u64,
+        offset: u64,
+        out: ReadOut<'a>,
+    ) -> Option<Result<ReadOut<'a>>> {
+        let len = out.len();
         if self.stream_fetch_due(ino, offset, len as u64) {
             return None;
         }
-        let (out, _) = self.run_from_memory(|fs| fs.plan_from_memory(ino, offset, len), false)?;
+        let (out, _) = self.run_from_memory(|fs| fs.plan_from_memory(ino, offset, out), false)?;
         if out.is_ok() {
             self.follow_stream_lent(ino, offset, len);
         }
@@ -197,14 +221,37 @@ impl Filesystem {
     /// writes it back before reading the device), or when the read is longer than
     /// [`LENT_READ_BYTES_MAX`]. A device error fails the filesystem, as on the owner's path.
     pub fn read_lent(&mut self, ino: u64, offset: u64, len: usize) -> Option<Result<Vec<u8>>> {
+        self.lent_out(ino, offset, ReadOut::Alloc(len))
+            .map(|r| r.map(ReadOut::into_vec))
+    }
+
+    /// [`Filesystem::read_lent`] into the caller's `out`, as
+    /// [`Filesystem::read_from_memory_into`]: how many bytes it read there.
+    pub fn read_lent_into(
+        &mut self,
+        ino: u64,
+        offset: u64,
+        out: &mut [u8],
+    ) -> Option<Result<usize>> {
+        self.lent_out(ino, offset, ReadOut::Into(out))
+            .map(|r| r.map(|out| out.len()))
+    }
+
+    fn lent_out<'a>(
+        &mut self,
+        ino: u64,
+        offset: u64,
+        out: ReadOut<'a>,
+    ) -> Option<Result<ReadOut<'a>>> {
+        let len = out.len();
         if !self.dev.reads_beside_queue() || len > LENT_READ_BYTES_MAX {
-            return self.read_from_memory(ino, offset, len);
+            return self.memory_read_out(ino, offset, out);
         }
         if self.stream_fetch_due(ino, offset, len as u64) {
             return None;
         }
         let (out, pieces) =
-            self.run_from_memory(|fs| fs.plan_from_memory(ino, offset, len), true)?;
+            self.run_from_memory(|fs| fs.plan_from_memory(ino, offset, out), true)?;
         let mut out = match out {
             Ok(out) if pieces.is_empty() => {
                 self.follow_stream_lent(ino, offset, len);
@@ -226,7 +273,7 @@ impl Filesystem {
             match self.read_piece_beside(piece) {
                 Ok(bytes) => {
                     self.reads.stats.lent_read_blocks += piece.count;
-                    copy_piece(piece, 0, &bytes, &mut out);
+                    copy_piece(piece, 0, &bytes, out.bytes_mut());
                 }
                 Err(e) => {
                     result = Err(e);
@@ -280,16 +327,29 @@ impl Filesystem {
     /// The plan of a read from memory alone (run by [`Filesystem::run_from_memory`]):
     /// what memory holds, copied; the data blocks it misses noted; declined when the read
     /// would move the access time (a change for the owner).
-    fn plan_from_memory(&mut self, ino: u64, offset: u64, len: usize) -> Result<Vec<u8>> {
-        let map = self.map_read(ino, offset, len)?;
+    fn plan_from_memory<'a>(
+        &mut self,
+        ino: u64,
+        offset: u64,
+        out: ReadOut<'a>,
+    ) -> Result<ReadOut<'a>> {
+        let map = self.map_read(ino, offset, out.len())?;
         if map.moves_atime {
             self.fetch.declined = true;
             return Err(crate::EngineError::WouldBlock);
         }
         let mut pieces = Vec::new();
-        let out = self.plan_read(0, map, &mut pieces);
+        let out = match out {
+            ReadOut::Alloc(_) => self.plan_read(0, map, &mut pieces).map(ReadOut::Vec)?,
+            ReadOut::Into(out) => {
+                let out = &mut out[..map.len()];
+                self.plan_read_into(0, map, &mut pieces, out, false)?;
+                ReadOut::Into(out)
+            }
+            ReadOut::Vec(_) => unreachable!("asked as a length or a buffer"),
+        };
         assert!(pieces.is_empty(), "a run from memory plans no device read");
-        out
+        Ok(out)
     }
 
     /// [`Filesystem::follow_stream`] for a read a lent engine answered: a read-ahead it
