@@ -10,13 +10,14 @@
 //! - A buffer index is owned by at most one [`DmaBuf`] at a time; dropping the buffer returns
 //!   the index to a bounded lock-free free list. This single ownership is what makes handing the
 //!   buffer's memory to the device (and to another thread) sound.
+//! - The free list hands out the buffer freed last ([`FreeStack`]): I/O cycles through as few
+//!   buffers as it keeps in flight, whose memory the caches still hold.
 //! - Every buffer starts at a multiple of its size within a 2 MiB-aligned slab, and sizes are
 //!   multiples of 4 KiB, so buffers are aligned for every LBA size up to 4 KiB.
 //! - An exhausted pool returns `None` from [`DmaPool::alloc`]: backpressure, never growth.
 
-use crossbeam_queue::ArrayQueue;
 use memmap2::{MmapMut, MmapOptions};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 const HUGEPAGE_BYTES: usize = 2 << 20;
@@ -82,6 +83,91 @@ pub fn check_geometry(buf_bytes: usize, buf_count: u32) -> Result<usize, String>
     Ok(pool_bytes.next_multiple_of(HUGEPAGE_BYTES))
 }
 
+/// The free buffer indexes of a pool, the last freed on top: a bounded lock-free stack
+/// (Treiber's, its head tagged against ABA), so that allocation reuses the buffer freed
+/// last. With a first-in, first-out list every transfer went through the whole slab in
+/// turn, 32 MiB by default, a working set no cache holds: fio's 1 MiB QD8 reads through
+/// libcorefs ran at 1,238-1,318 MiB/s with 256 buffers and 1,517-1,636 with 64 (3 runs
+/// each, 2026-12-07), writes 1,120-1,246 against 1,229-1,358.
+struct FreeStack {
+    /// `tag << 32 | top + 1`, where `top` is the index on top and 0 means empty; the tag
+    /// changes with every push and pop, so a pop that read the head before another thread
+    /// popped and pushed again fails its exchange instead of linking a stale `next`.
+    head: AtomicU64,
+    /// Per index: the index below it on the stack, plus one (0: the bottom).
+    next: Box<[AtomicU32]>,
+    /// Per index: on the stack now (a buffer returned twice is caught here).
+    free: Box<[AtomicBool]>,
+    len: AtomicUsize,
+}
+
+impl FreeStack {
+    /// A stack of every index of `count`, index 0 on top.
+    fn new(count: u32) -> FreeStack {
+        let stack = FreeStack {
+            head: AtomicU64::new(0),
+            next: (0..count).map(|_| AtomicU32::new(0)).collect(),
+            free: (0..count).map(|_| AtomicBool::new(false)).collect(),
+            len: AtomicUsize::new(0),
+        };
+        for index in (0..count).rev() {
+            stack.push(index);
+        }
+        stack
+    }
+
+    fn push(&self, index: u32) {
+        let was_free = self.free[index as usize].swap(true, Ordering::AcqRel);
+        assert!(!was_free, "DMA buffer {index} returned twice");
+        // Counted before it can be popped, so the count never goes below zero.
+        self.len.fetch_add(1, Ordering::Relaxed);
+        let mut head = self.head.load(Ordering::Acquire);
+        loop {
+            self.next[index as usize].store(head as u32, Ordering::Relaxed);
+            let new = ((head >> 32).wrapping_add(1) << 32) | (index as u64 + 1);
+            // Release: a pop that sees this head sees `next` above.
+            match self
+                .head
+                .compare_exchange_weak(head, new, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return,
+                Err(now) => head = now,
+            }
+        }
+    }
+
+    fn pop(&self) -> Option<u32> {
+        let mut head = self.head.load(Ordering::Acquire);
+        loop {
+            let top = head as u32;
+            if top == 0 {
+                return None;
+            }
+            let index = top - 1;
+            // Stale if another thread took `index` meanwhile: then the head's tag moved and
+            // the exchange below fails.
+            let below = self.next[index as usize].load(Ordering::Relaxed);
+            let new = ((head >> 32).wrapping_add(1) << 32) | below as u64;
+            match self
+                .head
+                .compare_exchange_weak(head, new, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => {
+                    self.free[index as usize].store(false, Ordering::Release);
+                    self.len.fetch_sub(1, Ordering::Relaxed);
+                    return Some(index);
+                }
+                Err(now) => head = now,
+            }
+        }
+    }
+
+    /// Free buffers (exact when no other thread pushes or pops meanwhile; never fewer).
+    fn len(&self) -> usize {
+        self.len.load(Ordering::Relaxed)
+    }
+}
+
 static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
 static WARNED_NO_HUGEPAGES: AtomicBool = AtomicBool::new(false);
 
@@ -91,7 +177,7 @@ struct PoolInner {
     buf_bytes: usize,
     buf_count: u32,
     backing: PoolBacking,
-    free: ArrayQueue<u32>,
+    free: FreeStack,
     /// Keeps the mapping alive; `base` points into it.
     _map: MmapMut,
 }
@@ -161,11 +247,7 @@ impl DmaPool {
             HugepagePolicy::Never => (Self::map_anonymous(slab_bytes)?, PoolBacking::Anonymous),
         };
 
-        let free = ArrayQueue::new(buf_count as usize);
-        for index in 0..buf_count {
-            free.push(index)
-                .expect("free list sized to the buffer count");
-        }
+        let free = FreeStack::new(buf_count);
         let mut map = map;
         let base = map.as_mut_ptr();
         assert_eq!(
@@ -309,10 +391,8 @@ impl DmaBuf {
 
 impl Drop for DmaBuf {
     fn drop(&mut self) {
-        // The free list holds exactly buf_count slots and this index was taken from it, so the
-        // push cannot fail unless the single-ownership invariant is broken.
-        let pushed = self.pool.free.push(self.index);
-        assert!(pushed.is_ok(), "DMA buffer {} returned twice", self.index);
+        // The stack asserts that the index was not free already (single ownership).
+        self.pool.free.push(self.index);
     }
 }
 
@@ -346,6 +426,51 @@ mod tests {
         assert!(a.belongs_to(&pool) && c.belongs_to(&pool) && d.belongs_to(&pool));
         let other = DmaPool::new(4096, 1, HugepagePolicy::Never).unwrap();
         assert!(!a.belongs_to(&other));
+    }
+
+    /// The buffer freed last is the next one handed out, and threads taking and returning
+    /// buffers at once never get one that is taken (each writes its mark and finds it
+    /// unchanged) nor lose one (the pool is whole again at the end).
+    #[test]
+    fn the_last_buffer_freed_is_reused_first_and_none_is_shared() {
+        let pool = DmaPool::new(4096, 64, HugepagePolicy::Never).unwrap();
+        let a = pool.alloc(4096).unwrap();
+        let b = pool.alloc(4096).unwrap();
+        let (a_index, b_index) = (a.index(), b.index());
+        drop(a);
+        drop(b);
+        assert_eq!(pool.alloc(4096).unwrap().index(), b_index);
+        let again = pool.alloc(4096).unwrap();
+        assert_eq!(again.index(), b_index, "the one dropped just before");
+        drop(again);
+        assert_ne!(a_index, b_index);
+
+        std::thread::scope(|s| {
+            for t in 0..4u8 {
+                let pool = pool.clone();
+                s.spawn(move || {
+                    let mut held: Vec<DmaBuf> = Vec::new();
+                    for round in 0..20_000u32 {
+                        if held.len() < 8 && round % 3 != 2 {
+                            if let Some(mut buf) = pool.alloc(4096) {
+                                buf.as_mut_slice()[..4].copy_from_slice(&round.to_le_bytes());
+                                buf.as_mut_slice()[4] = t;
+                                held.push(buf);
+                            }
+                        } else if let Some(buf) = held.pop() {
+                            assert_eq!(buf.as_slice()[4], t, "a buffer two threads held");
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(pool.free_count(), 64, "every buffer came back");
+        let all: Vec<DmaBuf> = (0..64).map(|_| pool.alloc(4096).unwrap()).collect();
+        let mut indexes: Vec<u16> = all.iter().map(|b| b.index()).collect();
+        indexes.sort_unstable();
+        indexes.dedup();
+        assert_eq!(indexes.len(), 64, "no index handed out twice");
+        assert!(pool.alloc(4096).is_none());
     }
 
     #[test]
