@@ -423,10 +423,15 @@ impl DeviceMux {
                     {
                         continue;
                     }
-                    // A block nobody else holds (a tree node's) is reused; a slice of a
-                    // staged write's bytes is not, its allocation is the write's.
+                    // A block nobody else holds and whose allocation is that block alone (a
+                    // tree node's) is reused. The last slice of a staged write may be the
+                    // only holder of the write's whole allocation: kept, it would pin
+                    // that much memory as a 4 KiB spare.
                     if let Ok(block) = piece.try_into_mut() {
-                        self.spare_blocks.push(block.into());
+                        let block: Vec<u8> = block.into();
+                        if block.capacity() == crate::format::BLOCK_BYTES {
+                            self.spare_blocks.push(block);
+                        }
                     }
                 }
             }

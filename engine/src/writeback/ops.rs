@@ -334,16 +334,21 @@ mod tests {
     use nvme::backend::mem::{MemConfig, MemDevice};
 
     fn mounted() -> Filesystem {
+        mounted_with(128 << 10, MountOptions::default())
+    }
+
+    /// A fresh filesystem on a memory device whose largest I/O is `buf_bytes`.
+    fn mounted_with(buf_bytes: usize, options: MountOptions) -> Filesystem {
         let dev = MemDevice::new(MemConfig {
             capacity_bytes: 64 << 20,
             lba_size_bytes: 4096,
             queue_depth: 32,
-            buf_bytes: 128 << 10,
+            buf_bytes,
             buf_count: 64,
         })
         .unwrap();
         let dev = Filesystem::mkfs(Box::new(dev), &MkfsOptions::default()).unwrap();
-        Filesystem::mount(dev, MountOptions::default()).unwrap()
+        Filesystem::mount(dev, options).unwrap()
     }
 
     /// Where each staged run of `ino` lies: true for a run inside `within`.
@@ -391,6 +396,44 @@ mod tests {
         fs.sync().unwrap();
         for ino in [shared, borrowed] {
             assert_eq!(fs.read(ino, 0, data.len()).unwrap(), &data[..]);
+        }
+    }
+
+    /// The blocks written back are kept for reuse as tree nodes only when each is a block's
+    /// allocation alone. On a device whose largest I/O (16 KiB) is smaller than a staged run,
+    /// write-back cuts runs into single blocks, slices of the handed-over write: the last of
+    /// them to go is the only holder of the whole write's memory.
+    #[test]
+    fn spare_blocks_never_pin_a_whole_writes_memory() {
+        // Write-back starts at once: staging lets go of the runs it hands the device.
+        let mut fs = mounted_with(
+            16 << 10,
+            MountOptions {
+                writeback_start_bytes: 16 << 10,
+                ..MountOptions::default()
+            },
+        );
+        let root = fs.root();
+        for i in 0..8u8 {
+            let ino = fs
+                .create(root, format!("f{i}").as_bytes(), 0o644, 0, 0)
+                .unwrap()
+                .ino;
+            let data = Bytes::from(vec![i; 68 << 10]);
+            fs.write_shared(ino, 0, data).unwrap();
+        }
+        fs.sync().unwrap();
+        let spare = &fs.dev.spare_blocks;
+        assert!(
+            !spare.is_empty(),
+            "a commit's node blocks are kept for reuse"
+        );
+        for block in spare {
+            assert_eq!(
+                block.capacity(),
+                crate::format::BLOCK_BYTES,
+                "a spare pins more"
+            );
         }
     }
 }
