@@ -271,10 +271,10 @@ fn random_lent_writes_and_reads_match_the_model() {
                     let lent = match into {
                         0 => fs.read_lent(ino, offset, len),
                         1 => fs
-                            .read_lent_into(ino, offset, &mut buf)
+                            .read_memory_into(ino, offset, &mut buf, true)
                             .map(|r| r.map(|n| buf[..n].to_vec())),
                         _ => fs
-                            .read_from_memory_into(ino, offset, &mut buf)
+                            .read_memory_into(ino, offset, &mut buf, false)
                             .map(|r| r.map(|n| buf[..n].to_vec())),
                     };
                     let got = match lent {

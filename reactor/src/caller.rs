@@ -305,12 +305,8 @@ impl CallerRuns {
                 match into {
                     Some(into) => {
                         let into = &mut into[..len];
-                        let placed = if beside {
-                            fs.read_lent_into(ino, offset, into)
-                        } else {
-                            fs.read_from_memory_into(ino, offset, into)
-                        };
-                        placed.map(|r| r.map(Reply::Placed))
+                        fs.read_memory_into(ino, offset, into, beside)
+                            .map(|r| r.map(Reply::Placed))
                     }
                     None if beside => fs.read_lent(ino, offset, len).map(|r| r.map(Reply::Data)),
                     None => fs

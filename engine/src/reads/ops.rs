@@ -177,74 +177,36 @@ impl Filesystem {
         offset: u64,
         len: usize,
     ) -> Option<Result<Vec<u8>>> {
-        self.memory_read_out(ino, offset, ReadOut::Alloc(len))
+        self.read_out(ino, offset, ReadOut::Alloc(len), false)
             .map(|r| r.map(ReadOut::into_vec))
     }
 
-    /// [`Filesystem::read_from_memory`] into the caller's `out`: how many bytes it read
-    /// there (fewer at the end of the file). Each byte is copied once, from the block cache
-    /// or staging into `out`; nothing is allocated for the data.
-    pub fn read_from_memory_into(
+    /// [`Filesystem::read_from_memory`] (`beside_queue`: [`Filesystem::read_lent`]) into the
+    /// caller's `out`: how many bytes it read there (fewer at the end of the file). Each byte
+    /// is copied once, from the block cache, staging or the block read beside the queue into
+    /// `out`; nothing is allocated for the data.
+    pub fn read_memory_into(
         &mut self,
         ino: u64,
         offset: u64,
         out: &mut [u8],
+        beside_queue: bool,
     ) -> Option<Result<usize>> {
-        self.memory_read_out(ino, offset, ReadOut::Into(out))
+        self.read_out(ino, offset, ReadOut::Into(out), beside_queue)
             .map(|r| r.map(|out| out.len()))
     }
 
-    fn memory_read_out<'a>(
+    /// A read from memory into `out`; `beside`: data blocks memory misses are read beside
+    /// the queue ([`Filesystem::read_lent`]).
+    fn read_out<'a>(
         &mut self,
         ino: u64,
         offset: u64,
         out: ReadOut<'a>,
+        beside: bool,
     ) -> Option<Result<ReadOut<'a>>> {
         let len = out.len();
-        if self.stream_fetch_due(ino, offset, len as u64) {
-            return None;
-        }
-        let (out, _) = self.run_from_memory(|fs| fs.plan_from_memory(ino, offset, out), false)?;
-        if out.is_ok() {
-            self.follow_stream_lent(ino, offset, len);
-        }
-        Some(out)
-    }
-
-    /// As [`Filesystem::read_from_memory`], and when what misses is data blocks alone (the
-    /// file's inode and extents are in memory), reads them synchronously beside the device's
-    /// queue ([`nvme::AnyThreadIo`]) in the calling thread: for a client whose reactor
-    /// sleeps, one system call on its own core instead of two wake-ups (docs/reactors.md).
-    /// Blocks a background write holds come from it. Each block is checked against its
-    /// extent's crc as the reactor's reads check it, and cached. `None`, untouched, as
-    /// [`Filesystem::read_from_memory`], and also when the file has data staged (the owner
-    /// writes it back before reading the device), or when the read is longer than
-    /// [`LENT_READ_BYTES_MAX`]. A device error fails the filesystem, as on the owner's path.
-    pub fn read_lent(&mut self, ino: u64, offset: u64, len: usize) -> Option<Result<Vec<u8>>> {
-        self.lent_out(ino, offset, ReadOut::Alloc(len))
-            .map(|r| r.map(ReadOut::into_vec))
-    }
-
-    /// [`Filesystem::read_lent`] into the caller's `out`, as
-    /// [`Filesystem::read_from_memory_into`]: how many bytes it read there.
-    pub fn read_lent_into(
-        &mut self,
-        ino: u64,
-        offset: u64,
-        out: &mut [u8],
-    ) -> Option<Result<usize>> {
-        self.lent_out(ino, offset, ReadOut::Into(out))
-            .map(|r| r.map(|out| out.len()))
-    }
-
-    fn lent_out<'a>(
-        &mut self,
-        ino: u64,
-        offset: u64,
-        out: ReadOut<'a>,
-    ) -> Option<Result<ReadOut<'a>>> {
-        let len = out.len();
-        if !self.dev.reads_beside_queue() || len > LENT_READ_BYTES_MAX {
+        if !beside || !self.dev.reads_beside_queue() || len > LENT_READ_BYTES_MAX {
             return self.memory_read_out(ino, offset, out);
         }
         if self.stream_fetch_due(ino, offset, len as u64) {
@@ -287,6 +249,37 @@ impl Filesystem {
             self.follow_stream_lent(ino, offset, len);
         }
         Some(result.map(|()| out))
+    }
+
+    fn memory_read_out<'a>(
+        &mut self,
+        ino: u64,
+        offset: u64,
+        out: ReadOut<'a>,
+    ) -> Option<Result<ReadOut<'a>>> {
+        let len = out.len();
+        if self.stream_fetch_due(ino, offset, len as u64) {
+            return None;
+        }
+        let (out, _) = self.run_from_memory(|fs| fs.plan_from_memory(ino, offset, out), false)?;
+        if out.is_ok() {
+            self.follow_stream_lent(ino, offset, len);
+        }
+        Some(out)
+    }
+
+    /// As [`Filesystem::read_from_memory`], and when what misses is data blocks alone (the
+    /// file's inode and extents are in memory), reads them synchronously beside the device's
+    /// queue ([`nvme::AnyThreadIo`]) in the calling thread: for a client whose reactor
+    /// sleeps, one system call on its own core instead of two wake-ups (docs/reactors.md).
+    /// Blocks a background write holds come from it. Each block is checked against its
+    /// extent's crc as the reactor's reads check it, and cached. `None`, untouched, as
+    /// [`Filesystem::read_from_memory`], and also when the file has data staged (the owner
+    /// writes it back before reading the device), or when the read is longer than
+    /// [`LENT_READ_BYTES_MAX`]. A device error fails the filesystem, as on the owner's path.
+    pub fn read_lent(&mut self, ino: u64, offset: u64, len: usize) -> Option<Result<Vec<u8>>> {
+        self.read_out(ino, offset, ReadOut::Alloc(len), true)
+            .map(|r| r.map(ReadOut::into_vec))
     }
 
     /// Reads `pieces` (single edge blocks of a lent write, [`Filesystem::write_lent_reading_edges`])
