@@ -810,7 +810,7 @@ impl BlockDevice for HoldWrites {
         self.inner.pool()
     }
     fn submit(&mut self, request: Request) -> Result<(), Rejected> {
-        if matches!(request.op, IoOp::Write { .. }) && self.hold.load(Ordering::SeqCst) {
+        if request.op.kind() == nvme::OpKind::Write && self.hold.load(Ordering::SeqCst) {
             self.held.push(request);
             return Ok(());
         }

@@ -15,6 +15,12 @@ pub enum DevError {
     PoolExhausted,
     #[error("buffer does not belong to this queue's registered DMA pool")]
     ForeignBuffer,
+    #[error("shared write piece at {addr:#x}, {len_bytes} bytes, is not aligned to {lba_size_bytes}-byte LBAs in memory and length")]
+    Misaligned {
+        addr: usize,
+        len_bytes: usize,
+        lba_size_bytes: u32,
+    },
     #[error("transfer of {len_bytes} bytes is not a whole number of {lba_size_bytes}-byte LBAs between 1 LBA and {max_io_bytes} bytes")]
     BadLength {
         len_bytes: u64,

@@ -23,7 +23,9 @@
 //!   writes, the caller's buffer handed back.
 //! - Data buffers come from the queue's [`DmaPool`], are aligned to the LBA size, and their length
 //!   is a whole number of LBAs. A buffer in flight is owned by the device, so it cannot be touched
-//!   while the hardware reads or writes it.
+//!   while the hardware reads or writes it. A shared write ([`IoOp::WriteShared`], [`shared`])
+//!   writes from immutable bytes instead, held by the queue until it completes and aligned as
+//!   a DMA buffer is.
 //!
 //! # Fault model
 //! A completion's result is the device's word: `Ok` means the operation is done as the device
@@ -36,6 +38,7 @@ pub mod error;
 pub mod limits;
 pub mod lock;
 pub mod probe;
+pub mod shared;
 pub mod spec;
 #[cfg(feature = "sim")]
 pub mod wrap;
@@ -43,6 +46,7 @@ pub mod wrap;
 pub use dma::{DmaBuf, DmaPool, PoolBacking};
 pub use error::{DevError, NvmeStatus};
 pub use lock::Access;
+pub use shared::{aligned_copy, SharedWrite};
 pub use spec::{open_device, DeviceSpec, OpenOptions};
 
 use std::time::Duration;
@@ -56,6 +60,14 @@ pub enum IoOp {
     Read { lba: u64, buf: DmaBuf },
     /// Writes `buf` at `lba`; with `fua` the data is durable when the write completes.
     Write { lba: u64, buf: DmaBuf, fua: bool },
+    /// Writes `data`'s pieces, in order, at `lba` straight from the memory they share, on a
+    /// queue whose [`DeviceInfo::shared_writes`] says it can ([`shared`]); otherwise as
+    /// [`IoOp::Write`]. Its completion hands back no buffer.
+    WriteShared {
+        lba: u64,
+        data: SharedWrite,
+        fua: bool,
+    },
     /// Makes every write completed before this flush was submitted durable.
     Flush,
     /// Sets `lbas` blocks from `lba` to zero without transferring data.
@@ -80,7 +92,7 @@ impl IoOp {
     pub fn kind(&self) -> OpKind {
         match self {
             IoOp::Read { .. } => OpKind::Read,
-            IoOp::Write { .. } => OpKind::Write,
+            IoOp::Write { .. } | IoOp::WriteShared { .. } => OpKind::Write,
             IoOp::Flush => OpKind::Flush,
             IoOp::WriteZeroes { .. } => OpKind::WriteZeroes,
             IoOp::Deallocate { .. } => OpKind::Deallocate,
@@ -92,6 +104,9 @@ impl IoOp {
         match self {
             IoOp::Read { lba, buf } | IoOp::Write { lba, buf, .. } => {
                 Some((*lba, buf.len() as u64 / lba_size_bytes as u64))
+            }
+            IoOp::WriteShared { lba, data, .. } => {
+                Some((*lba, data.len() as u64 / lba_size_bytes as u64))
             }
             IoOp::WriteZeroes { lba, lbas } | IoOp::Deallocate { lba, lbas } => {
                 Some((*lba, *lbas as u64))
@@ -113,7 +128,26 @@ impl IoOp {
         }
     }
 
-    /// Takes the data buffer out of a read or write.
+    /// A write's first LBA, bytes and FUA flag, whichever memory they are in: for queues that
+    /// model a device and keep the bytes (a shared write's pieces are joined in a copy).
+    pub fn as_write(&self) -> Option<(u64, std::borrow::Cow<'_, [u8]>, bool)> {
+        match self {
+            IoOp::Write { lba, buf, fua } => Some((*lba, buf.as_slice().into(), *fua)),
+            IoOp::WriteShared { lba, data, fua } => Some((*lba, data.to_vec().into(), *fua)),
+            _ => None,
+        }
+    }
+
+    /// Bytes a read or write moves; 0 for the rest.
+    pub fn transfer_bytes(&self) -> usize {
+        match self {
+            IoOp::Read { buf, .. } | IoOp::Write { buf, .. } => buf.len(),
+            IoOp::WriteShared { data, .. } => data.len(),
+            IoOp::Flush | IoOp::WriteZeroes { .. } | IoOp::Deallocate { .. } => 0,
+        }
+    }
+
+    /// Takes the data buffer out of a read or write (a shared write has none).
     pub fn into_buf(self) -> Option<DmaBuf> {
         match self {
             IoOp::Read { buf, .. } | IoOp::Write { buf, .. } => Some(buf),
@@ -174,6 +208,9 @@ pub struct DeviceInfo {
     pub fua_native: bool,
     /// How completions are found: interrupt-driven, polled, or immediate (memory).
     pub completion_mode: CompletionMode,
+    /// True when the queue takes [`IoOp::WriteShared`]: writes straight from memory the
+    /// caller shares, aligned to the LBA size ([`shared`]), instead of from a DMA buffer.
+    pub shared_writes: bool,
 }
 
 impl DeviceInfo {
@@ -414,6 +451,10 @@ pub fn validate(info: &DeviceInfo, pool: &DmaPool, op: &IoOp) -> Result<(), DevE
             return Err(DevError::ForeignBuffer);
         }
         check_len(info, buf.len() as u64)?;
+    }
+    if let IoOp::WriteShared { data, .. } = op {
+        data.check(info)?;
+        check_len(info, data.len() as u64)?;
     }
     if let Some((lba, lbas)) = op.lba_range(info.lba_size_bytes) {
         check_lbas(info, lba, lbas)?;

@@ -1,13 +1,15 @@
 //! One conformance suite for every backend that runs on this machine (memory, io_uring file at
 //! 512 B and 4 KiB LBAs, SQPOLL, and both wrappers): random operation sequences at queue depth up
-//! to 64 checked against an in-memory model, plus the rejection contract (queue full, range,
-//! alignment, foreign buffers). Seeds are printed so a failure replays.
+//! to 64 checked against an in-memory model (writes from DMA buffers and, where the queue
+//! takes them, from shared memory in pieces), plus the rejection contract (queue full, range,
+//! alignment, foreign buffers, misaligned shared memory). Seeds are printed so a failure
+//! replays.
 
 use nvme::backend::mem::{MemConfig, MemDevice};
 use nvme::backend::uring_file::{FileConfig, FileDevice};
 use nvme::dma::HugepagePolicy;
 use nvme::wrap::{FaultConfig, FaultDevice, OverlayDevice, RecordingDevice};
-use nvme::{BlockDevice, DevError, IoCompletion, IoOp, Request};
+use nvme::{BlockDevice, DevError, IoCompletion, IoOp, Request, SharedWrite};
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
@@ -49,6 +51,38 @@ enum Expect {
     Other,
 }
 
+/// `data` as a shared write of 1-4 pieces cut at random LBA boundaries, each piece a slice of
+/// one aligned copy of the whole (pieces that follow each other in memory, as a staged
+/// write's do) or an aligned copy of its own (as pieces of different writes are).
+fn shared_pieces(data: &[u8], lba: usize, rng: &mut Xoshiro256PlusPlus) -> SharedWrite {
+    // An aligned copy of at least a page, sliced to `bytes`' length: aligned whatever it is.
+    let aligned = |bytes: &[u8]| {
+        let mut padded = bytes.to_vec();
+        padded.resize(bytes.len().max(nvme::shared::ALIGN_BYTES), 0);
+        nvme::aligned_copy(&padded).slice(..bytes.len())
+    };
+    let whole = aligned(data);
+    let lbas = data.len() / lba;
+    let mut cuts = vec![0, lbas];
+    for _ in 0..rng.random_range(0..4) {
+        cuts.push(rng.random_range(0..=lbas));
+    }
+    cuts.sort_unstable();
+    cuts.dedup();
+    let pieces = cuts
+        .windows(2)
+        .map(|w| {
+            let range = w[0] * lba..w[1] * lba;
+            if rng.random_bool(0.5) {
+                whole.slice(range)
+            } else {
+                aligned(&data[range])
+            }
+        })
+        .collect();
+    SharedWrite::new(pieces)
+}
+
 /// Runs `ops` random operations with up to `depth` in flight and checks every read against the
 /// model. Overlapping in-flight operations are avoided, because their order is undefined.
 fn run_model(dev: &mut dyn BlockDevice, seed: u64, ops: usize, depth: usize) {
@@ -81,7 +115,19 @@ fn run_model(dev: &mut dyn BlockDevice, seed: u64, ops: usize, depth: usize) {
             let kind = rng.random_range(0..100);
             if !overlaps {
                 let range = lba as usize * lba_size..(lba + lbas) as usize * lba_size;
-                let (op, expect) = if kind < 45 {
+                let (op, expect) = if kind < 45 && info.shared_writes && kind % 2 == 0 {
+                    let mut data = vec![0u8; range.len()];
+                    rng.fill(&mut data[..]);
+                    model[range].copy_from_slice(&data);
+                    (
+                        IoOp::WriteShared {
+                            lba,
+                            data: shared_pieces(&data, lba_size, &mut rng),
+                            fua: kind < 5,
+                        },
+                        Expect::Other,
+                    )
+                } else if kind < 45 {
                     let mut buf = dev.pool().alloc(range.len()).expect("pool sized for depth");
                     rng.fill(buf.as_mut_slice());
                     model[range].copy_from_slice(buf.as_slice());
@@ -312,6 +358,31 @@ fn check_rejections(dev: &mut dyn BlockDevice) {
         })
         .unwrap_err();
     assert_eq!(r.reason, DevError::ForeignBuffer);
+    // Shared memory: refused where the queue takes none, and misaligned where it does.
+    let page = nvme::aligned_copy(&[7u8; 2 * nvme::shared::ALIGN_BYTES]);
+    let r = dev
+        .submit(Request {
+            token: 1,
+            op: IoOp::WriteShared {
+                lba: 0,
+                data: SharedWrite::new(vec![page.slice(1..1 + lba)]),
+                fua: false,
+            },
+        })
+        .unwrap_err();
+    if info.shared_writes {
+        assert!(
+            matches!(r.reason, DevError::Misaligned { .. }),
+            "{}",
+            r.reason
+        );
+    } else {
+        assert!(
+            matches!(r.reason, DevError::Unsupported { .. }),
+            "{}",
+            r.reason
+        );
+    }
     // Queue full: fill the queue without polling, the next one bounces and comes back whole.
     for token in 0..info.queue_depth as u64 {
         dev.submit(Request {

@@ -46,11 +46,12 @@ impl<'a> WriteBytes<'a> {
         }
     }
 
-    /// The bytes for staging: a borrowed write's copied (its caller keeps its buffer), a
-    /// shared one's as they are.
+    /// The bytes for staging: a borrowed write's copied (its caller keeps its buffer) into
+    /// aligned memory the device can write from ([`nvme::aligned_copy`]), a shared one's as
+    /// they are.
     fn into_staged(self) -> Bytes {
         match self {
-            WriteBytes::Borrowed(b) => Bytes::copy_from_slice(b),
+            WriteBytes::Borrowed(b) => nvme::aligned_copy(b),
             WriteBytes::Shared(b) => b,
         }
     }

@@ -67,6 +67,12 @@ pub struct DeviceWaitStats {
     pub lent_reads_from_writes: u64,
     /// Background write runs a lent engine made beside the queue ([`Lent::Writes`]).
     pub lent_writes: u64,
+    /// Background writes the device made from the staged bytes themselves
+    /// ([`nvme::IoOp::WriteShared`]), and those copied into a DMA buffer first (the device
+    /// takes no shared writes, or a piece is not aligned: a tree node, an edge block, a
+    /// write at an offset that is not a multiple of the LBA size).
+    pub shared_writes: u64,
+    pub copied_writes: u64,
 }
 
 /// The engine's device with background requests kept apart (see the module comment).
@@ -567,15 +573,10 @@ impl DeviceMux {
     fn submit_ordered(&mut self, request: Request) -> std::result::Result<(), Rejected> {
         let lba_bytes = self.inner.info().lba_size_bytes as u64;
         let block_bytes = crate::format::BLOCK_BYTES as u64;
-        let range = match &request.op {
-            IoOp::Read { lba, buf } | IoOp::Write { lba, buf, .. } => {
-                Some((lba * lba_bytes, buf.as_slice().len() as u64))
-            }
-            IoOp::WriteZeroes { lba, lbas } | IoOp::Deallocate { lba, lbas } => {
-                Some((lba * lba_bytes, *lbas as u64 * lba_bytes))
-            }
-            IoOp::Flush => None,
-        };
+        let range = request
+            .op
+            .lba_range(lba_bytes as u32)
+            .map(|(lba, lbas)| (lba * lba_bytes, lbas * lba_bytes));
         let Some((byte, bytes)) = range else {
             // A flush covers every write completed before it: the background ones too.
             if let Err(reason) = self.drain_background() {
@@ -748,39 +749,50 @@ impl DeviceMux {
 
     /// Submits queued background writes while the queue and the DMA pool have room, leaving
     /// a quarter of each to foreground I/O: a read that runs beside a commit's writes finds a
-    /// buffer and a slot instead of waiting for them. At most [`PUMP_BYTES_MAX`] per call
-    /// (and at least one write when there is room), so the copies into DMA buffers of a
-    /// commit's megabytes spread over the reactor's loop turns instead of filling one.
+    /// buffer and a slot instead of waiting for them. A write whose pieces the device can
+    /// write from where they are (aligned staged data, [`nvme::shared`]) goes as a shared
+    /// write, without a buffer or a copy; the rest is copied into a DMA buffer. At most
+    /// [`PUMP_BYTES_MAX`] per call (and at least one write when there is room), so the copies
+    /// of a commit's megabytes spread over the reactor's loop turns instead of filling one.
     pub(crate) fn pump(&mut self) -> std::result::Result<(), DevError> {
         let pool_keep = self.inner.pool().buf_count() as usize / 4;
-        let slots = self.inner.info().queue_depth;
+        let info = self.inner.info();
+        let (slots, shared_writes, lba_bytes) =
+            (info.queue_depth, info.shared_writes, info.lba_size_bytes);
         let slots_keep = slots / 4;
         let mut pumped_bytes = 0usize;
         while let Some((token, lba, addr, fua)) = self.backlog.pop_front() {
-            if self.inner.pool().free_count() <= pool_keep
+            let (blocks, _, pieces) = &self.writing[&addr];
+            let shared = shared_writes && nvme::SharedWrite::aligned(pieces, lba_bytes);
+            if (!shared && self.inner.pool().free_count() <= pool_keep)
                 || self.background_in_flight >= slots - slots_keep
                 || pumped_bytes >= PUMP_BYTES_MAX
             {
                 self.backlog.push_front((token, lba, addr, fua));
                 return Ok(());
             }
-            let (blocks, _, pieces) = &self.writing[&addr];
             let len = *blocks as usize * crate::format::BLOCK_BYTES;
-            let Some(mut buf) = self.inner.pool().alloc(len) else {
-                self.backlog.push_front((token, lba, addr, fua));
-                return Ok(());
+            let op = if shared {
+                let data = nvme::SharedWrite::new(pieces.clone());
+                assert_eq!(data.len(), len, "a run's pieces are its blocks");
+                self.waits.shared_writes += 1;
+                IoOp::WriteShared { lba, data, fua }
+            } else {
+                let Some(mut buf) = self.inner.pool().alloc(len) else {
+                    self.backlog.push_front((token, lba, addr, fua));
+                    return Ok(());
+                };
+                let dst = buf.as_mut_slice();
+                let mut at = 0;
+                for piece in pieces {
+                    dst[at..at + piece.len()].copy_from_slice(piece);
+                    at += piece.len();
+                }
+                assert_eq!(at, len, "a run's pieces fill its buffer");
+                self.waits.copied_writes += 1;
+                IoOp::Write { lba, buf, fua }
             };
-            let dst = buf.as_mut_slice();
-            let mut at = 0;
-            for piece in pieces {
-                dst[at..at + piece.len()].copy_from_slice(piece);
-                at += piece.len();
-            }
-            assert_eq!(at, len, "a run's pieces fill its buffer");
-            let request = Request {
-                token,
-                op: IoOp::Write { lba, buf, fua },
-            };
+            let request = Request { token, op };
             self.assert_owner();
             match self.inner.submit(request) {
                 Ok(()) => {

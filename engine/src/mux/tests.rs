@@ -37,7 +37,7 @@ impl BlockDevice for HoldWrites {
         self.inner.pool()
     }
     fn submit(&mut self, request: Request) -> std::result::Result<(), Rejected> {
-        if matches!(request.op, IoOp::Write { .. }) {
+        if request.op.kind() == nvme::OpKind::Write {
             self.held.push(request);
             return Ok(());
         }

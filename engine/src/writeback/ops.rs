@@ -399,6 +399,47 @@ mod tests {
         }
     }
 
+    /// Staged data goes to the device from the staged bytes themselves when they are aligned
+    /// (a borrowed write at a block offset is copied into aligned memory: the one copy it
+    /// needs), and through a DMA buffer when not (a write at an offset that is not a
+    /// multiple of the block size leaves its blocks misaligned in its copy). Either way the
+    /// device ends up holding the data: a remount reads it back.
+    #[test]
+    fn aligned_staged_writes_go_to_the_device_without_a_copy() {
+        let mut fs = mounted();
+        let root = fs.root();
+        let aligned = fs.create(root, b"aligned", 0o644, 0, 0).unwrap().ino;
+        let shifted = fs.create(root, b"shifted", 0o644, 0, 0).unwrap().ino;
+        let data: Vec<u8> = (0..1usize << 20).map(|i| (i % 251) as u8).collect();
+        fs.sync().unwrap();
+        let runs_min = (data.len() / (128 << 10)) as u64;
+
+        let before = fs.device_wait_stats();
+        fs.write(aligned, 0, &data).unwrap();
+        fs.sync().unwrap();
+        let after = fs.device_wait_stats();
+        assert!(
+            after.shared_writes - before.shared_writes >= runs_min,
+            "an aligned 1 MiB write went out copied: {before:?} -> {after:?}"
+        );
+
+        let before = after;
+        fs.write(shifted, 512, &data).unwrap();
+        fs.sync().unwrap();
+        let after = fs.device_wait_stats();
+        assert!(
+            after.copied_writes - before.copied_writes >= runs_min,
+            "a misaligned write's runs were not copied: {before:?} -> {after:?}"
+        );
+
+        let dev = fs.unmount().unwrap();
+        let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+        assert_eq!(fs.read(aligned, 0, data.len()).unwrap(), &data[..]);
+        let mut expect = vec![0u8; 512];
+        expect.extend_from_slice(&data);
+        assert_eq!(fs.read(shifted, 0, expect.len()).unwrap(), expect);
+    }
+
     /// The blocks written back are kept for reuse as tree nodes only when each is a block's
     /// allocation alone. On a device whose largest I/O (16 KiB) is smaller than a staged run,
     /// write-back cuts runs into single blocks, slices of the handed-over write: the last of

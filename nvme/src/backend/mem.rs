@@ -97,6 +97,7 @@ impl MemDevice {
                     .expect("buf_bytes is at most BUF_BYTES_MAX, checked above"),
                 fua_native: true,
                 completion_mode: CompletionMode::Immediate,
+                shared_writes: true,
             },
             pool,
             store: Arc::new(Mutex::new(store)),
@@ -237,6 +238,11 @@ impl BlockDevice for MemDevice {
                 let range = self.byte_range(lba, buf.len());
                 self.store()[range].copy_from_slice(buf.as_slice());
                 Some(buf)
+            }
+            IoOp::WriteShared { lba, data, .. } => {
+                let range = self.byte_range(lba, data.len());
+                data.copy_to(&mut self.store()[range]);
+                None
             }
             IoOp::WriteZeroes { lba, lbas } | IoOp::Deallocate { lba, lbas } => {
                 let range = self.byte_range(lba, lbas as usize * lba_size);

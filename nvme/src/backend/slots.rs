@@ -5,7 +5,7 @@
 //! submit and released exactly once, when its CQE is reaped; `user_data` is the slot index, so a
 //! CQE naming a free or out-of-range slot is a kernel or memory-safety bug and panics.
 
-use crate::{DmaBuf, OpKind};
+use crate::{DmaBuf, OpKind, SharedWrite};
 
 pub(crate) struct InFlight {
     pub token: u64,
@@ -16,6 +16,38 @@ pub(crate) struct InFlight {
     pub expect_bytes: u32,
     /// True when the op's buffer is internal (a DSM range list) and is not handed back.
     pub internal_buf: bool,
+    /// A shared write's memory, held until the device is done reading it (never read here:
+    /// the device reads what it points to).
+    #[allow(dead_code)]
+    pub held: Option<Held>,
+}
+
+/// What a shared write ([`crate::IoOp::WriteShared`]) keeps alive while in flight: its
+/// pieces, and the `iovec` list naming them that a vectored write's SQE points to.
+pub(crate) struct Held {
+    #[allow(dead_code)]
+    pub data: SharedWrite,
+    pub iovecs: Box<[libc::iovec]>,
+}
+
+// SAFETY: the iovecs point into `data`'s pieces, which are immutable shared bytes (`Bytes`
+// is Send and Sync) kept alive by `data` beside them; the raw pointers are only what makes
+// `iovec` not Send.
+unsafe impl Send for Held {}
+
+impl Held {
+    /// Holds `data` with its memory ranges as iovecs ([`SharedWrite::ranges`]).
+    pub fn new(data: SharedWrite) -> Held {
+        let iovecs = data
+            .ranges()
+            .into_iter()
+            .map(|(at, len)| libc::iovec {
+                iov_base: at.cast_mut().cast(),
+                iov_len: len,
+            })
+            .collect();
+        Held { data, iovecs }
+    }
 }
 
 pub(crate) struct Slots {

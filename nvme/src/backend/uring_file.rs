@@ -2,7 +2,9 @@
 //! file-backed image, and the way to run corefs on any block device the kernel drives.
 //!
 //! Mapping: read/write → `READ_FIXED`/`WRITE_FIXED` on the registered DMA pool (plain
-//! `READ`/`WRITE` if registration failed), every request naming the file by its registered
+//! `READ`/`WRITE` if registration failed); a shared write → `WRITE` from its one memory range
+//! or `WRITEV` over several, the pieces and the `iovec` list held in the in-flight slot; every
+//! request naming the file by its registered
 //! index (the descriptor itself if that registration failed); FUA → `RWF_DSYNC` on the write (a real FUA on a block
 //! device, data+allocation sync on a file); flush → `fdatasync` through the ring; write-zeroes →
 //! `fallocate(ZERO_RANGE|KEEP_SIZE)`; deallocate → `fallocate(PUNCH_HOLE|KEEP_SIZE)`. SQPOLL is
@@ -18,7 +20,7 @@
 //! at open (it may come from a device string or a C caller): a bad one is an error.
 
 use super::ring::{drain_before_drop, FailStop, Ring, RingSetup};
-use super::slots::{InFlight, Slots};
+use super::slots::{Held, InFlight, Slots};
 use super::{admit, Gate};
 use crate::dma::HugepagePolicy;
 use crate::lock::{self, Access, DeviceLock};
@@ -250,6 +252,7 @@ impl FileDevice {
                     .expect("buf_bytes is at most BUF_BYTES_MAX, checked above"),
                 fua_native: false,
                 completion_mode: CompletionMode::Interrupt,
+                shared_writes: true,
             },
             pool,
             file,
@@ -269,7 +272,8 @@ impl FileDevice {
         self.ring.fixed_file
     }
 
-    fn build_sqe(&self, op: &IoOp, user_data: u64) -> squeue::Entry {
+    /// The SQE for `op`; a shared write's memory is named by `held`'s iovecs.
+    fn build_sqe(&self, op: &IoOp, held: Option<&Held>, user_data: u64) -> squeue::Entry {
         let lba_size = self.info.lba_size_bytes as u64;
         let fixed = self.ring.fixed_buffers;
         // The file by its registered index when it has one, else by descriptor. The opcode
@@ -305,6 +309,24 @@ impl FileDevice {
                                 .offset(lba * lba_size)
                                 .rw_flags(flags)
                                 .build()
+                        }
+                    }
+                    IoOp::WriteShared { lba, fua, .. } => {
+                        let flags = if *fua { libc::RWF_DSYNC } else { 0 };
+                        let iovecs = &held.expect("a shared write is held").iovecs;
+                        // One range (a write staged as one allocation) is a plain write;
+                        // more, a vectored one.
+                        match &iovecs[..] {
+                            [one] => {
+                                opcode::Write::new(fd, one.iov_base.cast(), one.iov_len as u32)
+                                    .offset(lba * lba_size)
+                                    .rw_flags(flags)
+                                    .build()
+                            }
+                            many => opcode::Writev::new(fd, many.as_ptr(), many.len() as u32)
+                                .offset(lba * lba_size)
+                                .rw_flags(flags)
+                                .build(),
                         }
                     }
                     IoOp::Flush => opcode::Fsync::new(fd)
@@ -403,14 +425,16 @@ impl BlockDevice for FileDevice {
             return Err(Rejected { request, reason });
         }
         let kind = request.op.kind();
-        let expect_bytes = match &request.op {
-            IoOp::Read { buf, .. } | IoOp::Write { buf, .. } => buf.len() as u32,
-            _ => 0,
+        let expect_bytes = request.op.transfer_bytes() as u32;
+        let held = match &request.op {
+            IoOp::WriteShared { data, .. } => Some(Held::new(data.clone())),
+            _ => None,
         };
         // The SQE is built while the request still owns the buffer; the pointers stay valid
-        // because the buffer then moves into the slot, and moving a DmaBuf does not move memory.
+        // because the buffer (or a shared write's pieces and iovecs) then moves into the
+        // slot, and moving a DmaBuf, a Bytes or a Box does not move the memory they own.
         let user_data = self.slots.next_index();
-        let sqe = self.build_sqe(&request.op, user_data);
+        let sqe = self.build_sqe(&request.op, held.as_ref(), user_data);
         if let Err(reason) = self.failed.on(self.ring.push(&sqe)) {
             return Err(Rejected { request, reason });
         }
@@ -420,6 +444,7 @@ impl BlockDevice for FileDevice {
             buf: request.op.into_buf(),
             expect_bytes,
             internal_buf: false,
+            held,
         };
         self.slots.take(user_data, entry);
         Ok(())

@@ -451,11 +451,13 @@ impl<D: BlockDevice> BlockDevice for FaultDevice<D> {
         let mut ignored = false;
         let capacity = self.inner.info().capacity_lbas;
         let lba_size = self.inner.info().lba_size_bytes;
+        let transfer_bytes = op.transfer_bytes();
         match &mut op {
             IoOp::Write {
-                lba: target,
-                buf,
-                fua,
+                lba: target, fua, ..
+            }
+            | IoOp::WriteShared {
+                lba: target, fua, ..
             } => {
                 if self.chance(self.config.lost_write) {
                     self.stats.lost += 1;
@@ -463,7 +465,7 @@ impl<D: BlockDevice> BlockDevice for FaultDevice<D> {
                     self.synthesize(caller_token, kind, Ok(()), buf);
                     return Ok(());
                 }
-                let lbas = buf.len() as u64 / lba_size as u64;
+                let lbas = transfer_bytes as u64 / lba_size as u64;
                 if self.chance(self.config.misdirected_write) && capacity > lbas {
                     self.stats.misdirected += 1;
                     *target = self.rng.random_range(0..capacity - lbas + 1);

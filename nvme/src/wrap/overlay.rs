@@ -169,11 +169,13 @@ impl BlockDevice for OverlayDevice {
         let lba_bytes = self.lba_bytes();
         let (result, buf) = match op {
             IoOp::Read { lba, buf } => self.read(lba, buf),
-            IoOp::Write { lba, buf, .. } => {
-                for (i, block) in buf.as_slice().chunks(lba_bytes).enumerate() {
+            op @ (IoOp::Write { .. } | IoOp::WriteShared { .. }) => {
+                let (lba, data, _) = op.as_write().expect("a write");
+                for (i, block) in data.chunks(lba_bytes).enumerate() {
                     self.written.insert(lba + i as u64, block.into());
                 }
-                (Ok(()), Some(buf))
+                drop(data);
+                (Ok(()), op.into_buf())
             }
             IoOp::WriteZeroes { lba, lbas } | IoOp::Deallocate { lba, lbas } => {
                 // validate checked lba + lbas against the capacity, so the sum cannot wrap.

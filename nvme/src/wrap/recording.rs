@@ -252,11 +252,14 @@ impl<D: BlockDevice> BlockDevice for RecordingDevice<D> {
 
     fn submit(&mut self, request: Request) -> Result<(), Rejected> {
         let record = match &request.op {
-            IoOp::Write { lba, buf, fua } => Some(Record::Write {
-                lba: *lba,
-                data: Arc::from(buf.as_slice()),
-                fua: *fua,
-            }),
+            op @ (IoOp::Write { .. } | IoOp::WriteShared { .. }) => {
+                let (lba, data, fua) = op.as_write().expect("a write");
+                Some(Record::Write {
+                    lba,
+                    data: Arc::from(&*data),
+                    fua,
+                })
+            }
             IoOp::WriteZeroes { lba, lbas } => Some(Record::WriteZeroes {
                 lba: *lba,
                 lbas: *lbas,

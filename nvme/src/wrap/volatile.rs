@@ -129,8 +129,8 @@ impl VolatileCacheDevice {
     fn run(&mut self, op: &mut IoOp) -> Result<(), DevError> {
         let lba_bytes = self.lba_bytes();
         match op {
-            IoOp::Write { lba, buf, .. } => {
-                let (lba, data) = (*lba, buf.as_slice().to_vec());
+            IoOp::Write { .. } | IoOp::WriteShared { .. } => {
+                let (lba, data, _) = op.as_write().expect("a write");
                 self.cache_write(lba, &data)
             }
             IoOp::Read { lba, buf } => {
@@ -221,13 +221,10 @@ impl BlockDevice for VolatileCacheDevice {
                 });
                 return Ok(());
             }
-            IoOp::Write {
-                lba,
-                buf,
-                fua: true,
-            } => {
+            IoOp::Write { fua: true, .. } | IoOp::WriteShared { fua: true, .. } => {
                 // Readable at once (from the cache), durable only at its completion.
-                let (lba, data) = (*lba, buf.as_slice().to_vec());
+                let (lba, data, _) = op.as_write().expect("a write");
+                let data = data.into_owned();
                 let cached = self.cache_write(lba, &data);
                 if cached.is_ok() {
                     self.deferred.push_back(Deferred {

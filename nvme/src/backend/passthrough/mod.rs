@@ -237,6 +237,10 @@ impl PassthroughDevice {
                 } else {
                     CompletionMode::Interrupt
                 },
+                // Not yet: a command names one buffer (or a vectored list, which older
+                // kernels lack), and the registered pool is what this queue maps; writes
+                // come in DMA buffers.
+                shared_writes: false,
             },
             pool,
             file,
@@ -313,6 +317,9 @@ impl PassthroughDevice {
                     cmd.cdw12 |= CDW12_FUA;
                 }
                 (cmd, false)
+            }
+            IoOp::WriteShared { .. } => {
+                unreachable!("refused at admit: this queue takes no shared writes")
             }
             IoOp::Flush => {
                 cmd.opcode = NVME_CMD_FLUSH;
@@ -512,6 +519,7 @@ impl BlockDevice for PassthroughDevice {
             buf,
             expect_bytes,
             internal_buf,
+            held: None,
         };
         self.slots.take(user_data, entry);
         Ok(())
