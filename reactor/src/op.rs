@@ -153,17 +153,21 @@ pub enum Op {
         offset: u64,
         len: usize,
     },
-    /// The bytes are shared ([`bytes::Bytes`], made from a `Vec` without a copy): the engine
-    /// stages them as they are ([`engine::Filesystem::write_shared`]), and a request parked
-    /// to run again keeps them.
+    /// The bytes are shared ([`bytes::Bytes`]): the engine stages them as they are
+    /// ([`engine::Filesystem::write_shared`]) and, when they are aligned
+    /// ([`nvme::aligned_copy`]), the device writes them back from there; a request parked to
+    /// run again keeps them. Read from a message (the storage service's), they are copied
+    /// once, aligned ([`aligned_bytes`]).
     Write {
         ino: u64,
         offset: u64,
+        #[serde(deserialize_with = "aligned_bytes")]
         data: bytes::Bytes,
     },
     /// Writes at the end of the file, atomically (O_APPEND): [`Reply::Appended`].
     Append {
         ino: u64,
+        #[serde(deserialize_with = "aligned_bytes")]
         data: bytes::Bytes,
     },
     /// An open handle or kernel reference to `ino`: while one is held, the inode outlives
@@ -238,6 +242,34 @@ fn walk_then<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Box<Op>, D::Error
     let then = Op::deserialize(d);
     IN_WALK.with(|w| w.set(false));
     then.map(Box::new)
+}
+
+/// A write's bytes as read from a message: copied once, out of the message and into
+/// aligned memory ([`nvme::aligned_copy`]) that the device can write from, instead of into
+/// an ordinary allocation that the write back would copy again.
+fn aligned_bytes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bytes::Bytes, D::Error> {
+    struct Aligned;
+    impl<'de> serde::de::Visitor<'de> for Aligned {
+        type Value = bytes::Bytes;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a write's bytes")
+        }
+        fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<Self::Value, E> {
+            Ok(nvme::aligned_copy(v))
+        }
+        // A self-describing format without a bytes type (JSON) writes them as a sequence.
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(
+            self,
+            mut seq: A,
+        ) -> Result<Self::Value, A::Error> {
+            let mut v = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 20));
+            while let Some(b) = seq.next_element::<u8>()? {
+                v.push(b);
+            }
+            Ok(nvme::aligned_copy(&v))
+        }
+    }
+    d.deserialize_bytes(Aligned)
 }
 
 impl Op {

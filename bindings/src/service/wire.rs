@@ -351,6 +351,14 @@ mod tests {
         let Request::Op(op) = back else {
             unreachable!()
         };
+        // A write's bytes come out of the message aligned, for the device to write from.
+        let Op::Walk { then, .. } = &op else {
+            unreachable!()
+        };
+        let Op::Write { data, .. } = &**then else {
+            unreachable!()
+        };
+        assert_eq!(data.as_ptr() as usize % nvme::shared::ALIGN_BYTES, 0);
         let nested = Op::Walk {
             from: 1,
             path: vec![],
