@@ -61,7 +61,7 @@ pub enum IoOp {
     /// Writes `buf` at `lba`; with `fua` the data is durable when the write completes.
     Write { lba: u64, buf: DmaBuf, fua: bool },
     /// Writes `data`'s pieces, in order, at `lba` straight from the memory they share, on a
-    /// queue whose [`DeviceInfo::shared_writes`] says it can ([`shared`]); otherwise as
+    /// queue whose [`DeviceInfo::shared_write_ranges_max`] says it can ([`shared`]); otherwise as
     /// [`IoOp::Write`]. Its completion hands back no buffer.
     WriteShared {
         lba: u64,
@@ -208,9 +208,10 @@ pub struct DeviceInfo {
     pub fua_native: bool,
     /// How completions are found: interrupt-driven, polled, or immediate (memory).
     pub completion_mode: CompletionMode,
-    /// True when the queue takes [`IoOp::WriteShared`]: writes straight from memory the
-    /// caller shares, aligned to the LBA size ([`shared`]), instead of from a DMA buffer.
-    pub shared_writes: bool,
+    /// How many memory ranges one [`IoOp::WriteShared`] may span (pieces that follow each
+    /// other in memory count as one, [`SharedWrite::range_count`]); 0 when the queue takes
+    /// no shared writes and writes only from DMA buffers ([`shared`]).
+    pub shared_write_ranges_max: u32,
 }
 
 impl DeviceInfo {

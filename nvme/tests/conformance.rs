@@ -53,8 +53,14 @@ enum Expect {
 
 /// `data` as a shared write of 1-4 pieces cut at random LBA boundaries, each piece a slice of
 /// one aligned copy of the whole (pieces that follow each other in memory, as a staged
-/// write's do) or an aligned copy of its own (as pieces of different writes are).
-fn shared_pieces(data: &[u8], lba: usize, rng: &mut Xoshiro256PlusPlus) -> SharedWrite {
+/// write's do) or, where the queue takes more than one range, an aligned copy of its own (as
+/// pieces of different writes are).
+fn shared_pieces(
+    data: &[u8],
+    info: &nvme::DeviceInfo,
+    rng: &mut Xoshiro256PlusPlus,
+) -> SharedWrite {
+    let lba = info.lba_size_bytes as usize;
     // An aligned copy of at least a page, sliced to `bytes`' length: aligned whatever it is.
     let aligned = |bytes: &[u8]| {
         let mut padded = bytes.to_vec();
@@ -73,7 +79,7 @@ fn shared_pieces(data: &[u8], lba: usize, rng: &mut Xoshiro256PlusPlus) -> Share
         .windows(2)
         .map(|w| {
             let range = w[0] * lba..w[1] * lba;
-            if rng.random_bool(0.5) {
+            if info.shared_write_ranges_max == 1 || rng.random_bool(0.5) {
                 whole.slice(range)
             } else {
                 aligned(&data[range])
@@ -115,14 +121,15 @@ fn run_model(dev: &mut dyn BlockDevice, seed: u64, ops: usize, depth: usize) {
             let kind = rng.random_range(0..100);
             if !overlaps {
                 let range = lba as usize * lba_size..(lba + lbas) as usize * lba_size;
-                let (op, expect) = if kind < 45 && info.shared_writes && kind % 2 == 0 {
+                let (op, expect) = if kind < 45 && info.shared_write_ranges_max > 0 && kind % 2 == 0
+                {
                     let mut data = vec![0u8; range.len()];
                     rng.fill(&mut data[..]);
                     model[range].copy_from_slice(&data);
                     (
                         IoOp::WriteShared {
                             lba,
-                            data: shared_pieces(&data, lba_size, &mut rng),
+                            data: shared_pieces(&data, &info, &mut rng),
                             fua: kind < 5,
                         },
                         Expect::Other,
@@ -370,7 +377,7 @@ fn check_rejections(dev: &mut dyn BlockDevice) {
             },
         })
         .unwrap_err();
-    if info.shared_writes {
+    if info.shared_write_ranges_max > 0 {
         assert!(
             matches!(r.reason, DevError::Misaligned { .. }),
             "{}",

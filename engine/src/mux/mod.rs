@@ -756,14 +756,12 @@ impl DeviceMux {
     /// of a commit's megabytes spread over the reactor's loop turns instead of filling one.
     pub(crate) fn pump(&mut self) -> std::result::Result<(), DevError> {
         let pool_keep = self.inner.pool().buf_count() as usize / 4;
-        let info = self.inner.info();
-        let (slots, shared_writes, lba_bytes) =
-            (info.queue_depth, info.shared_writes, info.lba_size_bytes);
+        let slots = self.inner.info().queue_depth;
         let slots_keep = slots / 4;
         let mut pumped_bytes = 0usize;
         while let Some((token, lba, addr, fua)) = self.backlog.pop_front() {
             let (blocks, _, pieces) = &self.writing[&addr];
-            let shared = shared_writes && nvme::SharedWrite::aligned(pieces, lba_bytes);
+            let shared = nvme::SharedWrite::fits(pieces, self.inner.info());
             if (!shared && self.inner.pool().free_count() <= pool_keep)
                 || self.background_in_flight >= slots - slots_keep
                 || pumped_bytes >= PUMP_BYTES_MAX

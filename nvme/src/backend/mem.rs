@@ -97,7 +97,7 @@ impl MemDevice {
                     .expect("buf_bytes is at most BUF_BYTES_MAX, checked above"),
                 fua_native: true,
                 completion_mode: CompletionMode::Immediate,
-                shared_writes: true,
+                shared_write_ranges_max: u32::MAX,
             },
             pool,
             store: Arc::new(Mutex::new(store)),

@@ -252,7 +252,8 @@ impl FileDevice {
                     .expect("buf_bytes is at most BUF_BYTES_MAX, checked above"),
                 fua_native: false,
                 completion_mode: CompletionMode::Interrupt,
-                shared_writes: true,
+                // WRITEV's limit (UIO_MAXIOV); a run has at most a piece per block.
+                shared_write_ranges_max: 1024,
             },
             pool,
             file,

@@ -7,7 +7,7 @@
 
 use nvme::backend::passthrough::{IoPoll, PassthroughConfig, PassthroughDevice};
 use nvme::dma::HugepagePolicy;
-use nvme::{Access, BlockDevice, CompletionMode, DevError, IoOp, Request};
+use nvme::{Access, BlockDevice, CompletionMode, DevError, IoOp, Request, SharedWrite};
 use std::path::Path;
 use std::time::Duration;
 
@@ -119,6 +119,70 @@ fn write_read_patterns(dev: &mut PassthroughDevice) -> Check {
     (back == data)
         .then_some(())
         .ok_or_else(|| format!("{blocks}-block transfer differs"))
+}
+
+/// A shared write ([`IoOp::WriteShared`]): pieces of one aligned allocation, joined into one
+/// range the kernel maps for the command (not a registered buffer), plain and FUA, read back
+/// through DMA buffers; pieces apart in memory are refused, as a misaligned piece is.
+fn shared_writes(dev: &mut PassthroughDevice) -> Check {
+    let info = dev.info().clone();
+    let lba_size = info.lba_size_bytes as usize;
+    let blocks = (info.max_io_bytes as usize / lba_size).min(64);
+    let data: Vec<u8> = (0..blocks as u64)
+        .flat_map(|b| pattern(300 + b, 0x33, lba_size))
+        .collect();
+    let copy = nvme::aligned_copy(&data);
+    let half = (blocks / 2).max(1) * lba_size;
+    let mut others = Vec::new();
+    for (lba, fua) in [(300u64, false), (300 + blocks as u64, true)] {
+        let write = SharedWrite::new(vec![copy.slice(..half), copy.slice(half..)]);
+        let c = nvme::run_sync(
+            dev,
+            IoOp::WriteShared {
+                lba,
+                data: write,
+                fua,
+            },
+            &mut others,
+        )
+        .map_err(|e| format!("shared write at {lba}: {e}"))?;
+        c.result
+            .map_err(|e| format!("shared write at {lba}: {e}"))?;
+        let mut back = vec![0u8; data.len()];
+        nvme::read_sync(dev, lba, &mut back).map_err(|e| e.to_string())?;
+        if back != data {
+            return Err(format!(
+                "shared write at {lba} (fua {fua}) read back different data"
+            ));
+        }
+    }
+    let other = nvme::aligned_copy(&data);
+    let apart = SharedWrite::new(vec![copy.slice(..lba_size), other.slice(..lba_size)]);
+    match dev.submit(Request {
+        token: 1,
+        op: IoOp::WriteShared {
+            lba: 0,
+            data: apart,
+            fua: false,
+        },
+    }) {
+        Err(r) if matches!(r.reason, DevError::Unsupported { .. }) => {}
+        Err(r) => return Err(format!("two ranges refused with {}", r.reason)),
+        Ok(()) => return Err("a shared write in two ranges was taken".into()),
+    }
+    let misaligned = SharedWrite::new(vec![copy.slice(1..1 + lba_size)]);
+    match dev.submit(Request {
+        token: 1,
+        op: IoOp::WriteShared {
+            lba: 0,
+            data: misaligned,
+            fua: false,
+        },
+    }) {
+        Err(r) if matches!(r.reason, DevError::Misaligned { .. }) => Ok(()),
+        Err(r) => Err(format!("a misaligned piece refused with {}", r.reason)),
+        Ok(()) => Err("a misaligned shared write was taken".into()),
+    }
 }
 
 fn flush_and_fua(dev: &mut PassthroughDevice) -> Check {
@@ -557,6 +621,7 @@ fn main() {
             );
             report("write/read patterns", write_read_patterns(&mut dev));
             report("flush and FUA", flush_and_fua(&mut dev));
+            report("shared writes", shared_writes(&mut dev));
             report("I/O beside the queue", io_beside_the_queue(&mut dev));
             report(
                 "write zeroes and deallocate",

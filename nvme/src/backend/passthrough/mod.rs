@@ -28,7 +28,7 @@ pub mod abi;
 mod retry;
 
 use super::ring::{drain_before_drop, FailStop, Ring, RingSetup};
-use super::slots::{InFlight, Slots};
+use super::slots::{Held, InFlight, Slots};
 use super::{admit, Gate};
 use crate::dma::HugepagePolicy;
 use crate::lock::{self, Access, DeviceLock};
@@ -237,10 +237,10 @@ impl PassthroughDevice {
                 } else {
                     CompletionMode::Interrupt
                 },
-                // Not yet: a command names one buffer (or a vectored list, which older
-                // kernels lack), and the registered pool is what this queue maps; writes
-                // come in DMA buffers.
-                shared_writes: false,
+                // A command names one buffer (a vectored list needs a newer kernel than
+                // 6.1): one range, mapped by the kernel for the command (not a fixed
+                // buffer); anything else comes in a DMA buffer.
+                shared_write_ranges_max: 1,
             },
             pool,
             file,
@@ -318,8 +318,20 @@ impl PassthroughDevice {
                 }
                 (cmd, false)
             }
-            IoOp::WriteShared { .. } => {
-                unreachable!("refused at admit: this queue takes no shared writes")
+            IoOp::WriteShared { lba, data, fua } => {
+                // One memory range (more are refused at admit), which the kernel maps for
+                // the command: not one of the registered buffers.
+                let [(at, len)] = data.ranges()[..] else {
+                    unreachable!("refused at admit: a shared write here is one range")
+                };
+                cmd.opcode = NVME_CMD_WRITE;
+                cmd.addr = at as u64;
+                cmd.data_len = len as u32;
+                set_range(&mut cmd, *lba, len as u64 / lba_size);
+                if *fua {
+                    cmd.cdw12 |= CDW12_FUA;
+                }
+                (cmd, false)
             }
             IoOp::Flush => {
                 cmd.opcode = NVME_CMD_FLUSH;
@@ -512,6 +524,11 @@ impl BlockDevice for PassthroughDevice {
         let kind = request.op.kind();
         let expect_bytes = cmd.data_len;
         let internal_buf = dsm.is_some();
+        // A shared write's pieces stay alive until its completion (and any resubmission).
+        let held = match &request.op {
+            IoOp::WriteShared { data, .. } => Some(Held::new(data.clone())),
+            _ => None,
+        };
         let buf = dsm.or_else(|| request.op.into_buf());
         let entry = InFlight {
             token: request.token,
@@ -519,7 +536,7 @@ impl BlockDevice for PassthroughDevice {
             buf,
             expect_bytes,
             internal_buf,
-            held: None,
+            held,
         };
         self.slots.take(user_data, entry);
         Ok(())
