@@ -46,7 +46,7 @@ pub mod wrap;
 pub use dma::{DmaBuf, DmaPool, PoolBacking};
 pub use error::{DevError, NvmeStatus};
 pub use lock::Access;
-pub use shared::{aligned_copy, SharedWrite};
+pub use shared::{aligned_copy, staging_copy, SharedWrite};
 pub use spec::{open_device, DeviceSpec, OpenOptions};
 
 use std::time::Duration;

@@ -61,12 +61,7 @@ fn shared_pieces(
     rng: &mut Xoshiro256PlusPlus,
 ) -> SharedWrite {
     let lba = info.lba_size_bytes as usize;
-    // An aligned copy of at least a page, sliced to `bytes`' length: aligned whatever it is.
-    let aligned = |bytes: &[u8]| {
-        let mut padded = bytes.to_vec();
-        padded.resize(bytes.len().max(nvme::shared::ALIGN_BYTES), 0);
-        nvme::aligned_copy(&padded).slice(..bytes.len())
-    };
+    let aligned = nvme::aligned_copy;
     let whole = aligned(data);
     let lbas = data.len() / lba;
     let mut cuts = vec![0, lbas];

@@ -155,7 +155,7 @@ pub enum Op {
     },
     /// The bytes are shared ([`bytes::Bytes`]): the engine stages them as they are
     /// ([`engine::Filesystem::write_shared`]) and, when they are aligned
-    /// ([`nvme::aligned_copy`]), the device writes them back from there; a request parked to
+    /// ([`nvme::staging_copy`]), the device writes them back from there; a request parked to
     /// run again keeps them. Read from a message (the storage service's), they are copied
     /// once, aligned ([`aligned_bytes`]).
     Write {
@@ -245,7 +245,7 @@ fn walk_then<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Box<Op>, D::Error
 }
 
 /// A write's bytes as read from a message: copied once, out of the message and into
-/// aligned memory ([`nvme::aligned_copy`]) that the device can write from, instead of into
+/// aligned memory ([`nvme::staging_copy`]) that the device can write from, instead of into
 /// an ordinary allocation that the write back would copy again.
 fn aligned_bytes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bytes::Bytes, D::Error> {
     struct Aligned;
@@ -255,7 +255,7 @@ fn aligned_bytes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bytes::Bytes,
             f.write_str("a write's bytes")
         }
         fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<Self::Value, E> {
-            Ok(nvme::aligned_copy(v))
+            Ok(nvme::staging_copy(v))
         }
         // A self-describing format without a bytes type (JSON) writes them as a sequence.
         fn visit_seq<A: serde::de::SeqAccess<'de>>(
@@ -266,7 +266,7 @@ fn aligned_bytes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bytes::Bytes,
             while let Some(b) = seq.next_element::<u8>()? {
                 v.push(b);
             }
-            Ok(nvme::aligned_copy(&v))
+            Ok(nvme::staging_copy(&v))
         }
     }
     d.deserialize_bytes(Aligned)

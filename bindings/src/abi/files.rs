@@ -328,14 +328,14 @@ pub unsafe extern "C" fn corefs_pwrite(
         if let Some(staged) = f.batch().with(|batch| batch.stage(offset, data)) {
             return staged.map(|()| len as i64).map_err(Error::from);
         }
-        let reply = call(&fs, write_op(&f, offset, nvme::aligned_copy(data)))?;
+        let reply = call(&fs, write_op(&f, offset, nvme::staging_copy(data)))?;
         expect_reply!(reply, Reply::Written(n) | Reply::Appended { written: n, .. } => n as i64)
     })
 }
 
 /// The write of `data` through handle `f`: at `offset`, or an atomic append. The caller's
-/// bytes come copied once, aligned ([`nvme::aligned_copy`]): the device then writes them
-/// from that copy, with none into a DMA buffer.
+/// bytes come copied once ([`nvme::staging_copy`]); a large write's copy is aligned, and the
+/// device writes it from there, with no copy into a DMA buffer.
 pub(super) fn write_op(f: &OpenFile, offset: u64, data: engine::Bytes) -> Op {
     if f.append {
         Op::Append { ino: f.ino, data }

@@ -134,7 +134,7 @@ pub unsafe extern "C" fn corefs_submit_pwrite(
         // Bounded before the copy: a huge `len` never sizes an allocation.
         let len = io_len(if f.append { 0 } else { offset }, len)?;
         // SAFETY: forwarded from this function's contract (`len` only shrank).
-        let data = nvme::aligned_copy(unsafe { bytes(buf, len, "buf") }?);
+        let data = nvme::staging_copy(unsafe { bytes(buf, len, "buf") }?);
         submit(&fs, &f, write_op(&f, offset, data), token, None)
     })
 }

@@ -342,7 +342,8 @@ mod tests {
             then: Box::new(Op::Write {
                 ino: 0,
                 offset: 7,
-                data: vec![9; 5000].into(),
+                // Large enough to be staged aligned (`nvme::staging_copy`).
+                data: vec![9; nvme::shared::STAGING_ALIGNED_FROM_BYTES + 5000].into(),
             }),
         };
         let request = Request::Op(op);
@@ -351,7 +352,7 @@ mod tests {
         let Request::Op(op) = back else {
             unreachable!()
         };
-        // A write's bytes come out of the message aligned, for the device to write from.
+        // A large write's bytes come out of the message aligned, for the device to write from.
         let Op::Walk { then, .. } = &op else {
             unreachable!()
         };

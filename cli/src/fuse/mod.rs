@@ -609,8 +609,8 @@ impl Filesystem for CorefsFuse {
         let op = Op::Write {
             ino: to_engine(ino),
             offset,
-            // Aligned, so the device writes from this copy ([`nvme::aligned_copy`]).
-            data: nvme::aligned_copy(&data[..len]),
+            // Aligned when large, so the device writes from this copy.
+            data: nvme::staging_copy(&data[..len]),
         };
         let work = |c: &mut Client| expect!(call(c, op)?, Reply::Written);
         self.answer(reply, work, |reply, n| reply.written(n as u32));

@@ -47,11 +47,11 @@ impl<'a> WriteBytes<'a> {
     }
 
     /// The bytes for staging: a borrowed write's copied (its caller keeps its buffer) into
-    /// aligned memory the device can write from ([`nvme::aligned_copy`]), a shared one's as
+    /// memory the device can write from when large ([`nvme::staging_copy`]), a shared one's as
     /// they are.
     fn into_staged(self) -> Bytes {
         match self {
-            WriteBytes::Borrowed(b) => nvme::aligned_copy(b),
+            WriteBytes::Borrowed(b) => nvme::staging_copy(b),
             WriteBytes::Shared(b) => b,
         }
     }
