@@ -170,11 +170,32 @@ impl Run {
 }
 
 /// Sorts pieces of whole blocks by address and merges neighbours into runs no longer than
-/// the device's largest I/O: what one write request carries.
-pub(crate) fn coalesce(dev: &dyn BlockDevice, mut blocks: Vec<(u64, bytes::Bytes)>) -> Vec<Run> {
+/// the device's largest I/O: what one write request carries. With `shared`, for a queue
+/// that writes the runs from their pieces (the mux's pump), a run whose pieces the device
+/// can take as one shared write ([`nvme::SharedWrite::fits`]) grows on to the device's
+/// largest shared write: such a run longer than the largest I/O always fits.
+pub(crate) fn coalesce(
+    dev: &dyn BlockDevice,
+    mut blocks: Vec<(u64, bytes::Bytes)>,
+    shared: bool,
+) -> Vec<Run> {
     blocks.sort_unstable_by_key(|(addr, _)| *addr);
-    let max_bytes = (dev.info().max_io_bytes as usize).max(BLOCK_BYTES);
+    let info = dev.info();
+    let max_bytes = (info.max_io_bytes as usize).max(BLOCK_BYTES);
+    let shared_max_bytes = if shared && info.shared_write_ranges_max > 0 {
+        (info.shared_write_bytes_max as usize).max(max_bytes)
+    } else {
+        max_bytes
+    };
+    let lba = info.lba_size_bytes as usize;
+    let aligned = |piece: &bytes::Bytes| piece.as_ptr() as usize % lba == 0;
     let mut runs: Vec<Run> = Vec::new();
+    // The last run's shared-write state, kept as it grows ([`SharedWrite::fits`] without
+    // going over its pieces again): every piece aligned, how many memory ranges, where the
+    // last one ends.
+    let mut last_fits = false;
+    let mut last_ranges = 0usize;
+    let mut last_end: *const u8 = std::ptr::null();
     // A piece larger than the largest I/O (staged data on a device with small buffers) is
     // cut into single blocks first.
     if blocks.iter().any(|(_, b)| b.len() > max_bytes) {
@@ -198,19 +219,28 @@ pub(crate) fn coalesce(dev: &dyn BlockDevice, mut blocks: Vec<(u64, bytes::Bytes
             !block.is_empty() && block.len() % BLOCK_BYTES == 0,
             "whole blocks only"
         );
+        let ranges = last_ranges + usize::from(block.as_ptr() != last_end);
+        let fits = last_fits && aligned(&block) && ranges <= info.shared_write_ranges_max as usize;
         match runs.last_mut() {
             Some(run)
                 if run.addr + (run.bytes / BLOCK_BYTES) as u64 == addr
-                    && run.bytes + block.len() <= max_bytes =>
+                    && (run.bytes + block.len() <= max_bytes
+                        || (fits && run.bytes + block.len() <= shared_max_bytes)) =>
             {
+                (last_fits, last_ranges) = (fits, ranges);
+                last_end = block.as_ptr().wrapping_add(block.len());
                 run.bytes += block.len();
                 run.pieces.push(block);
             }
-            _ => runs.push(Run {
-                addr,
-                bytes: block.len(),
-                pieces: vec![block],
-            }),
+            _ => {
+                (last_fits, last_ranges) = (aligned(&block) && info.shared_write_ranges_max > 0, 1);
+                last_end = block.as_ptr().wrapping_add(block.len());
+                runs.push(Run {
+                    addr,
+                    bytes: block.len(),
+                    pieces: vec![block],
+                });
+            }
         }
     }
     runs
@@ -222,7 +252,7 @@ pub(crate) fn write_blocks(
     dev: &mut dyn BlockDevice,
     blocks: Vec<(u64, bytes::Bytes)>,
 ) -> Result<()> {
-    let runs = coalesce(dev, blocks);
+    let runs = coalesce(dev, blocks, false);
     let lbas: Vec<u64> = runs.iter().map(|run| block_lba(dev, run.addr)).collect();
     pump(
         dev,

@@ -212,6 +212,10 @@ pub struct DeviceInfo {
     /// other in memory count as one, [`SharedWrite::range_count`]); 0 when the queue takes
     /// no shared writes and writes only from DMA buffers ([`shared`]).
     pub shared_write_ranges_max: u32,
+    /// Largest [`IoOp::WriteShared`], in bytes: at least `max_io_bytes`, and more where the
+    /// queue is not bound by its DMA buffers' size (a file: fewer, larger writes cost the
+    /// kernel and the host less per byte).
+    pub shared_write_bytes_max: u32,
 }
 
 impl DeviceInfo {
@@ -455,7 +459,17 @@ pub fn validate(info: &DeviceInfo, pool: &DmaPool, op: &IoOp) -> Result<(), DevE
     }
     if let IoOp::WriteShared { data, .. } = op {
         data.check(info)?;
-        check_len(info, data.len() as u64)?;
+        let len_bytes = data.len() as u64;
+        if len_bytes == 0
+            || len_bytes % info.lba_size_bytes as u64 != 0
+            || len_bytes > info.shared_write_bytes_max as u64
+        {
+            return Err(DevError::BadLength {
+                len_bytes,
+                lba_size_bytes: info.lba_size_bytes,
+                max_io_bytes: info.shared_write_bytes_max,
+            });
+        }
     }
     if let Some((lba, lbas)) = op.lba_range(info.lba_size_bytes) {
         check_lbas(info, lba, lbas)?;

@@ -225,6 +225,7 @@ mod tests {
             fua_native: false,
             completion_mode: crate::CompletionMode::Immediate,
             shared_write_ranges_max: 1,
+            shared_write_bytes_max: 128 << 10,
         };
         let a = aligned_copy(&[1u8; 8192]);
         assert!(SharedWrite::new(vec![a.slice(512..1024)])

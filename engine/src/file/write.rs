@@ -46,6 +46,15 @@ impl<'a> WriteBytes<'a> {
         }
     }
 
+    /// These bytes staged whole before they are cut into runs: a borrowed write is copied
+    /// once, as a whole, so its size decides whether the copy is aligned
+    /// ([`nvme::staging_copy`]) and its runs are slices of that copy (copied run by run, a
+    /// 1 MiB write's short allocation runs were small copies the device could not write
+    /// from).
+    fn staged_whole(self) -> WriteBytes<'static> {
+        WriteBytes::Shared(self.into_staged())
+    }
+
     /// The bytes for staging: a borrowed write's copied (its caller keeps its buffer) into
     /// memory the device can write from when large ([`nvme::staging_copy`]), a shared one's as
     /// they are.
@@ -154,6 +163,7 @@ impl Filesystem {
         let mut items = Vec::with_capacity(runs.len());
         // The write as a whole decides, not each allocation run it lands in.
         let streaming = data.len() >= crate::writeback::STREAM_WRITE_BYTES;
+        let data = data.staged_whole();
         for &(disk, got) in &runs {
             let bytes = data.slice((done * BLOCK) as usize..((done + got) * BLOCK) as usize);
             let crcs = bytes
@@ -278,6 +288,7 @@ impl Filesystem {
         );
         self.reserve(&needs, MetaNeed::Shrink)?;
         let streaming = data.len() >= crate::writeback::STREAM_WRITE_BYTES;
+        let data = data.clone().staged_whole();
         for extent in extents {
             let extent = extent.clone();
             let cut_from = extent.file_block.max(first);

@@ -165,7 +165,9 @@ impl Filesystem {
         while self.records_on_device() >= MAX_IN_FLIGHT {
             self.log_progress(Some(Duration::from_millis(100)))?;
         }
-        let runs = crate::blocks::coalesce(&*self.dev, blocks);
+        // Runs the device takes as shared writes may be longer than its largest I/O (the
+        // mux's pump sends them from their pieces).
+        let runs = crate::blocks::coalesce(&*self.dev, blocks, true);
         // FUA writes are durable when they complete, a write-back is done then: no flush.
         let no_flush = fua || writeback_bytes > 0;
         let ticket = self.start_ticket(runs.len(), no_flush, fua, after, writeback_bytes);
@@ -201,7 +203,8 @@ impl Filesystem {
             after.is_none() && self.log.pipeline.in_flight.is_empty(),
             "writes beside the queue only with nothing in flight"
         );
-        let runs = crate::blocks::coalesce(&*self.dev, blocks);
+        // Written beside the queue through a bounce buffer: no longer than the largest I/O.
+        let runs = crate::blocks::coalesce(&*self.dev, blocks, false);
         let flush = !fua && writeback_bytes == 0;
         // The caller flushes (or the writes are FUA, or a write-back needs none): the
         // pipeline submits no flush of its own.

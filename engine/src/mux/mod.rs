@@ -73,6 +73,8 @@ pub struct DeviceWaitStats {
     /// write at an offset that is not a multiple of the LBA size).
     pub shared_writes: u64,
     pub copied_writes: u64,
+    pub shared_write_bytes: u64,
+    pub copied_write_bytes: u64,
 }
 
 /// The engine's device with background requests kept apart (see the module comment).
@@ -463,12 +465,14 @@ impl DeviceMux {
 
     /// Tickets of the background writes (queued or in flight) overlapping blocks
     /// `first..first + count`. Runs never overlap each other, and none is longer than the
-    /// largest I/O, so the runs starting within that much before `first` are all there is
-    /// to look at.
+    /// largest I/O or shared write, so the runs starting within that much before `first`
+    /// are all there is to look at.
     fn overlapping_writes(&self, first: u64, count: u64) -> Vec<u64> {
         let end = first + count;
-        let reach =
-            (self.inner.info().max_io_bytes as u64 / crate::format::BLOCK_BYTES as u64).max(1);
+        let info = self.inner.info();
+        let reach = (info.max_io_bytes.max(info.shared_write_bytes_max) as u64
+            / crate::format::BLOCK_BYTES as u64)
+            .max(1);
         let mut tokens: Vec<u64> = self
             .writing
             .range(first.saturating_sub(reach)..end)
@@ -774,8 +778,13 @@ impl DeviceMux {
                 let data = nvme::SharedWrite::new(pieces.clone());
                 assert_eq!(data.len(), len, "a run's pieces are its blocks");
                 self.waits.shared_writes += 1;
+                self.waits.shared_write_bytes += len as u64;
                 IoOp::WriteShared { lba, data, fua }
             } else {
+                assert!(
+                    len <= self.inner.info().max_io_bytes as usize,
+                    "a run longer than the largest I/O is made a shared write only"
+                );
                 let Some(mut buf) = self.inner.pool().alloc(len) else {
                     self.backlog.push_front((token, lba, addr, fua));
                     return Ok(());
@@ -788,6 +797,7 @@ impl DeviceMux {
                 }
                 assert_eq!(at, len, "a run's pieces fill its buffer");
                 self.waits.copied_writes += 1;
+                self.waits.copied_write_bytes += len as u64;
                 IoOp::Write { lba, buf, fua }
             };
             let request = Request { token, op };

@@ -107,7 +107,7 @@ fn reads_beside_a_background_write_never_wait_for_it_and_see_its_bytes() {
         (10, vec![0xAB; BLOCK_BYTES].into()),
         (11, vec![0xCD; BLOCK_BYTES].into()),
     ];
-    let mut runs = crate::blocks::coalesce(&mux, blocks);
+    let mut runs = crate::blocks::coalesce(&mux, blocks, false);
     assert_eq!(runs.len(), 1, "neighbours make one run");
     let run = runs.pop().expect("one run");
     let lba = block_lba(&mux, 10);
@@ -149,7 +149,7 @@ fn a_pump_hands_the_device_a_bounded_amount_and_the_backlog_drains_over_calls() 
         let blocks: Vec<(u64, bytes::Bytes)> = (0..8)
             .map(|b| (first + b, vec![i as u8; BLOCK_BYTES].into()))
             .collect();
-        let mut runs = crate::blocks::coalesce(&mux, blocks);
+        let mut runs = crate::blocks::coalesce(&mux, blocks, false);
         let run = runs.pop().expect("one run");
         let lba = block_lba(&mux, first);
         mux.queue_background_write(token, lba, run, false)
@@ -217,7 +217,7 @@ fn an_async_read_partly_over_a_background_write_waits_for_it_without_holding_any
         (10, vec![0xAB; BLOCK_BYTES].into()),
         (11, vec![0xCD; BLOCK_BYTES].into()),
     ];
-    let run = crate::blocks::coalesce(&mux, blocks)
+    let run = crate::blocks::coalesce(&mux, blocks, false)
         .pop()
         .expect("one run");
     mux.queue_background_write(token, block_lba(&mux, 10), run, false)

@@ -400,10 +400,12 @@ mod tests {
     }
 
     /// Staged data goes to the device from the staged bytes themselves when they are aligned
-    /// (a borrowed write at a block offset is copied into aligned memory: the one copy it
-    /// needs), and through a DMA buffer when not (a write at an offset that is not a
-    /// multiple of the block size leaves its blocks misaligned in its copy). Either way the
-    /// device ends up holding the data: a remount reads it back.
+    /// (a large borrowed write at a block offset is copied into aligned memory: the one copy
+    /// it needs), in runs longer than the largest I/O (the device's largest shared write),
+    /// and through a DMA buffer when not aligned (a write at an offset that is not a
+    /// multiple of the block size leaves its blocks misaligned in its copy), in runs no
+    /// longer than the largest I/O. Either way the device ends up holding the data: a
+    /// remount reads it back.
     #[test]
     fn aligned_staged_writes_go_to_the_device_without_a_copy() {
         let mut fs = mounted();
@@ -418,9 +420,15 @@ mod tests {
         fs.write(aligned, 0, &data).unwrap();
         fs.sync().unwrap();
         let after = fs.device_wait_stats();
+        let shared_bytes = after.shared_write_bytes - before.shared_write_bytes;
+        let shared = after.shared_writes - before.shared_writes;
         assert!(
-            after.shared_writes - before.shared_writes >= runs_min,
+            shared_bytes >= data.len() as u64,
             "an aligned 1 MiB write went out copied: {before:?} -> {after:?}"
+        );
+        assert!(
+            shared < runs_min,
+            "{shared} shared writes: none longer than the largest I/O"
         );
 
         let before = after;
@@ -428,9 +436,10 @@ mod tests {
         fs.sync().unwrap();
         let after = fs.device_wait_stats();
         assert!(
-            after.copied_writes - before.copied_writes >= runs_min,
+            after.copied_write_bytes - before.copied_write_bytes >= data.len() as u64,
             "a misaligned write's runs were not copied: {before:?} -> {after:?}"
         );
+        assert!(after.copied_writes - before.copied_writes >= runs_min);
 
         let dev = fs.unmount().unwrap();
         let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();

@@ -98,6 +98,9 @@ impl MemDevice {
                 fua_native: true,
                 completion_mode: CompletionMode::Immediate,
                 shared_write_ranges_max: u32::MAX,
+                // As a file's (so the engine's long runs are tested on memory too).
+                shared_write_bytes_max: crate::backend::uring_file::SHARED_WRITE_BYTES_MAX
+                    .max(config.buf_bytes as u32),
             },
             pool,
             store: Arc::new(Mutex::new(store)),

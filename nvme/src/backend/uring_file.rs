@@ -51,6 +51,10 @@ fn busy_block_device(path: &Path, path_text: &str) -> DevError {
     }
 }
 
+/// The largest shared write ([`DeviceInfo::shared_write_bytes_max`]) on a file or block
+/// device, when the DMA buffers are smaller.
+pub const SHARED_WRITE_BYTES_MAX: u32 = 1 << 20;
+
 /// How to open a file or block device.
 #[derive(Debug, Clone)]
 pub struct FileConfig {
@@ -254,6 +258,10 @@ impl FileDevice {
                 completion_mode: CompletionMode::Interrupt,
                 // WRITEV's limit (UIO_MAXIOV); a run has at most a piece per block.
                 shared_write_ranges_max: 1024,
+                // 1 MiB writes from a fio job ran 3-43% faster than the same cut into
+                // 128 KiB (3 alternating pairs), at less CPU: what a loop device under
+                // ext4 sends its file too.
+                shared_write_bytes_max: SHARED_WRITE_BYTES_MAX.max(config.buf_bytes as u32),
             },
             pool,
             file,

@@ -241,6 +241,7 @@ impl PassthroughDevice {
                 // 6.1): one range, mapped by the kernel for the command (not a fixed
                 // buffer); anything else comes in a DMA buffer.
                 shared_write_ranges_max: 1,
+                shared_write_bytes_max: max_io_bytes,
             },
             pool,
             file,
