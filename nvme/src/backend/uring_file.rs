@@ -4,9 +4,9 @@
 //! Mapping: read/write → `READ_FIXED`/`WRITE_FIXED` on the registered DMA pool (plain
 //! `READ`/`WRITE` if registration failed); a shared write → `WRITE` from its one memory range
 //! or `WRITEV` over several, the pieces and the `iovec` list held in the in-flight slot; every
-//! request naming the file by its registered
-//! index (the descriptor itself if that registration failed); FUA → `RWF_DSYNC` on the write (a real FUA on a block
-//! device, data+allocation sync on a file); flush → `fdatasync` through the ring; write-zeroes →
+//! request names the file by its registered index (the descriptor itself if that registration
+//! failed); FUA → `RWF_DSYNC` on the write (a real FUA on a block device, data+allocation sync
+//! on a file); flush → `fdatasync` through the ring; write-zeroes →
 //! `fallocate(ZERO_RANGE|KEEP_SIZE)`; deallocate → `fallocate(PUNCH_HOLE|KEEP_SIZE)`. SQPOLL is
 //! optional.
 //!
