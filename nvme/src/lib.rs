@@ -359,7 +359,7 @@ pub(crate) fn check_any_thread_io(
     lba: u64,
     len_bytes: usize,
 ) -> Result<(), DevError> {
-    check_len(info, len_bytes as u64)?;
+    check_len(info, len_bytes as u64, info.max_io_bytes)?;
     check_lbas(info, lba, len_bytes as u64 / info.lba_size_bytes as u64)
 }
 
@@ -382,14 +382,15 @@ pub(crate) fn check_any_thread_write(
     Ok(())
 }
 
-/// A transfer's length: whole LBAs, at least one, at most the device's largest transfer.
-fn check_len(info: &DeviceInfo, len_bytes: u64) -> Result<(), DevError> {
+/// A transfer's length: whole LBAs, at least one, at most `max_bytes` (the largest I/O, or
+/// the largest shared write).
+fn check_len(info: &DeviceInfo, len_bytes: u64, max_bytes: u32) -> Result<(), DevError> {
     let lba_size = info.lba_size_bytes as u64;
-    if len_bytes == 0 || len_bytes % lba_size != 0 || len_bytes > info.max_io_bytes as u64 {
+    if len_bytes == 0 || len_bytes % lba_size != 0 || len_bytes > max_bytes as u64 {
         return Err(DevError::BadLength {
             len_bytes,
             lba_size_bytes: info.lba_size_bytes,
-            max_io_bytes: info.max_io_bytes,
+            max_io_bytes: max_bytes,
         });
     }
     Ok(())
@@ -455,21 +456,10 @@ pub fn validate(info: &DeviceInfo, pool: &DmaPool, op: &IoOp) -> Result<(), DevE
         if !buf.belongs_to(pool) {
             return Err(DevError::ForeignBuffer);
         }
-        check_len(info, buf.len() as u64)?;
+        check_len(info, buf.len() as u64, info.max_io_bytes)?;
     }
     if let IoOp::WriteShared { data, .. } = op {
         data.check(info)?;
-        let len_bytes = data.len() as u64;
-        if len_bytes == 0
-            || len_bytes % info.lba_size_bytes as u64 != 0
-            || len_bytes > info.shared_write_bytes_max as u64
-        {
-            return Err(DevError::BadLength {
-                len_bytes,
-                lba_size_bytes: info.lba_size_bytes,
-                max_io_bytes: info.shared_write_bytes_max,
-            });
-        }
     }
     if let Some((lba, lbas)) = op.lba_range(info.lba_size_bytes) {
         check_lbas(info, lba, lbas)?;

@@ -52,15 +52,7 @@ impl SharedWrite {
     /// How many memory ranges `pieces` make: those that follow each other in memory (slices
     /// of one staged write) count as one.
     pub fn range_count_of(pieces: &[Bytes]) -> usize {
-        let mut count = 0;
-        let mut end = std::ptr::null();
-        for piece in pieces {
-            if piece.as_ptr() != end || count == 0 {
-                count += 1;
-            }
-            end = piece.as_ptr().wrapping_add(piece.len());
-        }
-        count
+        ranges_of(pieces).count()
     }
 
     /// [`SharedWrite::range_count_of`] this write's pieces.
@@ -72,14 +64,7 @@ impl SharedWrite {
     /// memory (slices of one staged write) joined, so a write staged as one allocation goes
     /// as one range. The ranges point into `self`, which must outlive their use.
     pub fn ranges(&self) -> Vec<(*const u8, usize)> {
-        let mut ranges: Vec<(*const u8, usize)> = Vec::with_capacity(self.pieces.len());
-        for piece in &self.pieces {
-            match ranges.last_mut() {
-                Some((at, len)) if at.wrapping_add(*len) == piece.as_ptr() => *len += piece.len(),
-                _ => ranges.push((piece.as_ptr(), piece.len())),
-            }
-        }
-        ranges
+        ranges_of(&self.pieces).collect()
     }
 
     /// Copies the pieces, in order, into `out` (exactly as long as the write): for queues
@@ -100,43 +85,61 @@ impl SharedWrite {
         out
     }
 
-    /// Whether a queue described by `info` may take this write: it writes from shared memory
-    /// at all, from this many ranges, and every piece is aligned and sized as the module's
-    /// invariants say.
+    /// Whether a queue described by `info` may take this write ([`check_pieces`]).
     pub fn check(&self, info: &DeviceInfo) -> Result<(), DevError> {
-        if info.shared_write_ranges_max == 0 {
-            return Err(DevError::Unsupported {
-                what: "writes from shared memory",
-            });
-        }
-        if self.range_count() > info.shared_write_ranges_max as usize {
-            return Err(DevError::Unsupported {
-                what: "a shared write in more memory ranges than the queue takes",
-            });
-        }
-        let lba = info.lba_size_bytes as usize;
-        for piece in &self.pieces {
-            if piece.as_ptr() as usize % lba != 0 || piece.len() % lba != 0 {
-                return Err(DevError::Misaligned {
-                    addr: piece.as_ptr() as usize,
-                    len_bytes: piece.len(),
-                    lba_size_bytes: info.lba_size_bytes,
-                });
-            }
-        }
-        Ok(())
+        check_pieces(&self.pieces, info)
     }
 
     /// True when a queue described by `info` takes `pieces` as one shared write
-    /// ([`SharedWrite::check`]'s test, for a caller choosing between that and a copy).
+    /// ([`check_pieces`], for a caller choosing between that and a copy).
     pub fn fits(pieces: &[Bytes], info: &DeviceInfo) -> bool {
-        let lba = info.lba_size_bytes as usize;
-        info.shared_write_ranges_max > 0
-            && pieces
-                .iter()
-                .all(|p| p.as_ptr() as usize % lba == 0 && p.len() % lba == 0)
-            && Self::range_count_of(pieces) <= info.shared_write_ranges_max as usize
+        check_pieces(pieces, info).is_ok()
     }
+}
+
+/// Whether a queue described by `info` may take `pieces` as one shared write: it writes from
+/// shared memory at all, every piece is aligned and sized as the module's invariants say,
+/// they span few enough memory ranges, and together they are a transfer the queue takes.
+fn check_pieces(pieces: &[Bytes], info: &DeviceInfo) -> Result<(), DevError> {
+    if info.shared_write_ranges_max == 0 {
+        return Err(DevError::Unsupported {
+            what: "writes from shared memory",
+        });
+    }
+    let lba = info.lba_size_bytes as usize;
+    for piece in pieces {
+        if piece.as_ptr() as usize % lba != 0 || piece.len() % lba != 0 {
+            return Err(DevError::Misaligned {
+                addr: piece.as_ptr() as usize,
+                len_bytes: piece.len(),
+                lba_size_bytes: info.lba_size_bytes,
+            });
+        }
+    }
+    if ranges_of(pieces).count() > info.shared_write_ranges_max as usize {
+        return Err(DevError::Unsupported {
+            what: "a shared write in more memory ranges than the queue takes",
+        });
+    }
+    crate::check_len(
+        info,
+        pieces.iter().map(|p| p.len() as u64).sum(),
+        info.shared_write_bytes_max,
+    )
+}
+
+/// The memory ranges `pieces` make, in order: runs of pieces that follow each other in
+/// memory joined into one.
+fn ranges_of(pieces: &[Bytes]) -> impl Iterator<Item = (*const u8, usize)> + '_ {
+    let mut rest = pieces.iter().peekable();
+    std::iter::from_fn(move || {
+        let first = rest.next()?;
+        let (at, mut len) = (first.as_ptr(), first.len());
+        while let Some(next) = rest.next_if(|p| at.wrapping_add(len) == p.as_ptr()) {
+            len += next.len();
+        }
+        Some((at, len))
+    })
 }
 
 /// A copy of `data` at an [`ALIGN_BYTES`]-aligned address, so that its slices at block

@@ -157,17 +157,17 @@ pub enum Op {
     /// ([`engine::Filesystem::write_shared`]) and, when they are aligned
     /// ([`nvme::staging_copy`]), the device writes them back from there; a request parked to
     /// run again keeps them. Read from a message (the storage service's), they are copied
-    /// once, aligned ([`aligned_bytes`]).
+    /// once, into a staging copy ([`staged_bytes`]).
     Write {
         ino: u64,
         offset: u64,
-        #[serde(deserialize_with = "aligned_bytes")]
+        #[serde(deserialize_with = "staged_bytes")]
         data: bytes::Bytes,
     },
     /// Writes at the end of the file, atomically (O_APPEND): [`Reply::Appended`].
     Append {
         ino: u64,
-        #[serde(deserialize_with = "aligned_bytes")]
+        #[serde(deserialize_with = "staged_bytes")]
         data: bytes::Bytes,
     },
     /// An open handle or kernel reference to `ino`: while one is held, the inode outlives
@@ -244,12 +244,12 @@ fn walk_then<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Box<Op>, D::Error
     then.map(Box::new)
 }
 
-/// A write's bytes as read from a message: copied once, out of the message and into
-/// aligned memory ([`nvme::staging_copy`]) that the device can write from, instead of into
-/// an ordinary allocation that the write back would copy again.
-fn aligned_bytes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bytes::Bytes, D::Error> {
-    struct Aligned;
-    impl<'de> serde::de::Visitor<'de> for Aligned {
+/// A write's bytes as read from a message: copied once, out of the message and into a
+/// staging copy ([`nvme::staging_copy`]: aligned when large, so the device writes from it),
+/// instead of into an ordinary allocation that the write back would copy again.
+fn staged_bytes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bytes::Bytes, D::Error> {
+    struct Staged;
+    impl<'de> serde::de::Visitor<'de> for Staged {
         type Value = bytes::Bytes;
         fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
             f.write_str("a write's bytes")
@@ -269,7 +269,7 @@ fn aligned_bytes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bytes::Bytes,
             Ok(nvme::staging_copy(&v))
         }
     }
-    d.deserialize_bytes(Aligned)
+    d.deserialize_bytes(Staged)
 }
 
 impl Op {
