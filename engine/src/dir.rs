@@ -133,10 +133,27 @@ impl Filesystem {
             return Err(EngineError::NameTooLong);
         }
         self.dir_inode(dir)?;
-        Ok(self
-            .name_chain(dir, name)?
-            .get(name)
-            .map(|e| (e.target, e.kind)))
+        let hash = self.name_hash(name);
+        if let Some(found) = self.decoded.name(dir, hash, name) {
+            #[cfg(debug_assertions)]
+            self.check_decoded_name(dir, hash, name, found);
+            return Ok(found);
+        }
+        let chain = self.read_chain::<NameEntry>(dir, ItemKind::DirItem, hash)?;
+        self.decoded.put_chain(dir, hash, chain.entries());
+        Ok(chain.get(name).map(|e| (e.target, e.kind)))
+    }
+
+    /// Debug builds: a kept name chain answers as the tree does ([`crate::decoded`]).
+    #[cfg(debug_assertions)]
+    fn check_decoded_name(&mut self, dir: u64, hash: u32, name: &[u8], kept: Option<(u64, u8)>) {
+        if let Ok(chain) = self.read_chain::<NameEntry>(dir, ItemKind::DirItem, hash) {
+            let tree = chain.get(name).map(|e| (e.target, e.kind));
+            assert_eq!(
+                tree, kept,
+                "name {name:?} in {dir} kept decoded differs from its tree"
+            );
+        }
     }
 
     /// Loads what adding or checking `name` in `dir` needs: the directory's inode (it must

@@ -29,6 +29,7 @@ macro_rules! mutated {
 
 pub mod check;
 pub mod commit;
+pub mod decoded;
 pub mod delayed;
 pub mod dir;
 pub mod error;

@@ -100,6 +100,8 @@ impl Filesystem {
         // unpinned before a shard leaves, so none is left pinned for an engine that never
         // unpins that generation.
         self.complete_commit();
+        // Another engine may change what these shards hold before they come back.
+        self.decoded.clear();
         let count = self.shard_count() as u64;
         let mut parts = Vec::with_capacity(ids.len());
         for &id in ids {
@@ -178,6 +180,7 @@ impl Filesystem {
     /// If the engine that gave them back had failed, this one fails stop too.
     pub fn put_shards(&mut self, lent: Lent) {
         let Lent { set, inodes } = lent;
+        self.decoded.clear();
         for part in set.parts {
             assert!(
                 self.shards[part.id as usize].is_none(),
@@ -232,6 +235,7 @@ impl Filesystem {
             op: Default::default(),
             reads: Default::default(),
             fetch: Default::default(),
+            decoded: Default::default(),
         };
         fs.put_shards(lent);
         // The mount's metadata cache budget is shared out by shards held.

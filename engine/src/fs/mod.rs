@@ -101,6 +101,8 @@ pub struct Filesystem {
     pub(crate) reads: crate::reads::Reads,
     /// Deferred lookups: node blocks fetched in the background ([`crate::fetch`]).
     pub(crate) fetch: crate::fetch::NodeFetch,
+    /// Inode items and name chains kept decoded for lookups ([`crate::decoded`]).
+    pub(crate) decoded: crate::decoded::DecodedCache,
 }
 
 /// Whether an engine is a whole filesystem or one engine of a filesystem split into
@@ -375,11 +377,17 @@ impl Filesystem {
         tree.take_changed(&mut changed);
         let grew = tree.loaded_nodes() > loaded_before;
         for key in changed.drain(..) {
+            self.decoded.forget(&key);
             self.log.note(key);
         }
         self.log.scratch = changed;
         if grew {
             self.trim_cache();
+        }
+        if mutating && result.is_err() {
+            // A change that failed may have changed part of what it touched without saying
+            // which keys: nothing decoded is trusted past it.
+            self.decoded.clear();
         }
         match &result {
             Err(e @ EngineError::Device(_)) => {

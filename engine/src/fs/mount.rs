@@ -333,6 +333,7 @@ impl Filesystem {
             op: OpState::default(),
             reads: Default::default(),
             fetch: Default::default(),
+            decoded: Default::default(),
         };
         // Records written after the last super-commit are applied and committed here: the only
         // time mount writes. Replay may use every free block, as a commit does: it redoes

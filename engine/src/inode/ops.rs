@@ -28,6 +28,17 @@ impl Filesystem {
         if ino < FIRST_INODE {
             return Err(EngineError::NotFound);
         }
+        if let Some(item) = self.decoded.inode(ino) {
+            #[cfg(debug_assertions)]
+            self.check_decoded_inode(ino, &item);
+            return Ok(item);
+        }
+        let item = self.load_inode_from_tree(ino)?;
+        self.decoded.put_inode(ino, item);
+        Ok(item)
+    }
+
+    fn load_inode_from_tree(&mut self, ino: u64) -> Result<InodeItem> {
         let shard = self.shard_of(ino);
         self.with_tree(shard, false, |tree, io| {
             tree.get_with(io, &inode_key(ino), InodeItem::decode)
@@ -36,12 +47,27 @@ impl Filesystem {
         .map_err(|why| EngineError::corrupt("inode item", ino, why))
     }
 
+    /// Debug builds: a kept inode item is what the tree holds ([`crate::decoded`]). A read
+    /// the tree cannot answer from memory now (a lookup run from memory) checks nothing.
+    #[cfg(debug_assertions)]
+    fn check_decoded_inode(&mut self, ino: u64, kept: &InodeItem) {
+        match self.load_inode_from_tree(ino) {
+            Ok(item) => assert_eq!(
+                &item, kept,
+                "inode {ino} kept decoded differs from its tree"
+            ),
+            Err(EngineError::NotFound) => panic!("inode {ino} kept decoded is not in its tree"),
+            Err(_) => {}
+        }
+    }
+
     pub(crate) fn store_inode(&mut self, ino: u64, item: &InodeItem) -> Result<()> {
         let shard = self.shard_of(ino);
         let bytes = item.encode();
         let old = self.with_tree(shard, true, |tree, io| {
             tree.insert(io, inode_key(ino), bytes)
         })?;
+        self.decoded.put_inode(ino, *item);
         // fdatasync skips an inode whose only change is its timestamps.
         let times_only = old
             .and_then(|old| InodeItem::decode(&old).ok())
