@@ -102,11 +102,25 @@ impl CallerPolicy {
 }
 
 /// How long a client waits for a reactor that holds its engine to lend it again before it
-/// sends its request instead ([`CallerRuns::take`]).
+/// sends its request instead ([`CallerRuns::take`]), while the cores are shared with other
+/// work (a request sent then costs two wake-ups).
 const TAKE_WAIT: std::time::Duration = std::time::Duration::from_micros(20);
+/// The same on a quiet machine, where a request sent to the polling reactor costs about
+/// 2.5 µs there and back: about the length of an idle reactor's turn between two lends
+/// (IDLE_LEND_MAX apart), so a call that comes during one waits for its end instead of
+/// paying the round trip. With it abi-stat's p99 went from 2.6 µs to 0.9 µs and its rate
+/// up 15%, abi-open-close's up 12% (3 alternating pairs). 20 µs here, before the slot had
+/// cache lines of its own, cost quiet abi-stat a sixth of its rate (docs/reactors.md).
+const TAKE_WAIT_QUIET: std::time::Duration = std::time::Duration::from_micros(2);
 
 /// The slot through which a reactor lends its engine (one per reactor, in
-/// [`crate::queue::Shared`]).
+/// [`crate::queue::Shared`]). Aligned to a pair of cache lines of its own: a client takes
+/// and gives back the slot on every call it runs, and the fields beside it in `Shared` are
+/// what the reactor reads in every pass of its idle loop (its queue's state, `stopping`,
+/// `control_pending`): sharing their line, each take and each give-back had to pull the line
+/// back from the reactor's core (a stat run here spent a fifth of its time on those two
+/// accesses, perf on abi-stat).
+#[repr(align(128))]
 pub(crate) struct CallerRuns {
     state: AtomicU8,
     /// The reactor waits to take its engine back: clients stop taking it, so a stream of
@@ -211,12 +225,12 @@ impl CallerRuns {
 
     /// Takes the lent engine (`LENT` to `CALLER`). A reactor that holds it is usually
     /// finishing a turn (it delivered a reply and goes back to its queue) and lends it again
-    /// within microseconds: while the cores are shared with other work (a request sent then
-    /// costs two wake-ups), the caller waits up to [`TAKE_WAIT`] for that rather than send
-    /// its request to a reactor that would then serve it, and the next, and the next (a
-    /// client's request sent while the reactor finishes a turn keeps the reactor awake for
-    /// the client's next one: eight dbench clients found the engine held in half of their
-    /// tries, and every unlink after an fsync went to the reactor).
+    /// within microseconds: the caller waits up to [`TAKE_WAIT`] for that while the cores
+    /// are shared, [`TAKE_WAIT_QUIET`] on a quiet machine, rather than send its request to a
+    /// reactor that would then serve it, and the next, and the next (a client's request sent
+    /// while the reactor finishes a turn keeps the reactor awake for the client's next one:
+    /// eight dbench clients found the engine held in half of their tries, and every unlink
+    /// after an fsync went to the reactor).
     fn take(&self) -> bool {
         let mut waited_since = None;
         loop {
@@ -225,15 +239,14 @@ impl CallerRuns {
                 .compare_exchange(LENT, CALLER, Ordering::Acquire, Ordering::Relaxed)
             {
                 Ok(_) => return true,
-                // Only while the cores are shared: on a quiet machine both sides poll and a
-                // request sent costs microseconds, less than the wait (quiet abi-stat went
-                // from 1.26x to 1.06x ext4 with the wait).
-                Err(REACTOR)
-                    if !self.reclaiming.load(Ordering::Relaxed)
-                        && crate::contention::contended() =>
-                {
+                Err(REACTOR) if !self.reclaiming.load(Ordering::Relaxed) => {
+                    let wait = if crate::contention::contended() {
+                        TAKE_WAIT
+                    } else {
+                        TAKE_WAIT_QUIET
+                    };
                     let since = *waited_since.get_or_insert_with(std::time::Instant::now);
-                    if since.elapsed() >= TAKE_WAIT {
+                    if since.elapsed() >= wait {
                         return false;
                     }
                     std::hint::spin_loop();
