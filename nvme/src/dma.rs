@@ -11,7 +11,9 @@
 //!   the index to a bounded lock-free free list. This single ownership is what makes handing the
 //!   buffer's memory to the device (and to another thread) sound.
 //! - The free list hands out the buffer freed last ([`FreeStack`]): I/O cycles through as few
-//!   buffers as it keeps in flight, whose memory the caches still hold.
+//!   buffers as it keeps in flight, whose memory the caches still hold, and an ordinary-memory
+//!   slab (mapped, not faulted in) becomes resident only as far as buffers are ever in use at
+//!   once (a ring registers it a 2 MiB chunk at a time, [`DmaPool::bufs_per_chunk`]).
 //! - Every buffer starts at a multiple of its size within a 2 MiB-aligned slab, and sizes are
 //!   multiples of 4 KiB, so buffers are aligned for every LBA size up to 4 KiB.
 //! - An exhausted pool returns `None` from [`DmaPool::alloc`]: backpressure, never growth.
@@ -275,9 +277,13 @@ impl DmaPool {
             .map_err(|e| crate::DevError::setup("mapping the DMA buffer pool", &e, ""))?;
         // A failed hint costs speed only, so it is not an error.
         let _ = map.advise(memmap2::Advice::HugePage);
-        // Fault the whole slab in now, at start-up: otherwise the first use of each buffer
-        // pays a page fault (with transparent hugepages, zeroing 2 MiB) on the I/O path.
-        let _ = map.advise(memmap2::Advice::PopulateWrite);
+        // Not faulted in here: a ring registers (and so pins, and the kernel zeroes) its pool
+        // a chunk at a time as buffers are first used ([`crate::backend`]'s rings), so a queue
+        // that never has more than a few buffers in use never pays for the rest. Faulting in
+        // all 32 MiB at open was a tenth of a second of CPU per queue on this VM (fresh guest
+        // memory), three times for a fio run (its layout mounts and its job's), and as much
+        // resident memory whether used or not. Where nothing registers the pool, a buffer's
+        // first use takes the page fault instead.
         Ok(map)
     }
 
@@ -303,6 +309,12 @@ impl DmaPool {
     pub fn buf_count(&self) -> u32 {
         self.inner.buf_count
     }
+
+    /// Buffers in one 2 MiB stretch of the slab (at least one): what a ring registers at
+    /// once when a buffer past those registered is first used.
+    pub fn bufs_per_chunk(&self) -> u32 {
+        (HUGEPAGE_BYTES / self.inner.buf_bytes).max(1) as u32
+    }
     pub fn free_count(&self) -> usize {
         self.inner.free.len()
     }
@@ -318,7 +330,13 @@ impl DmaPool {
     /// `blk_rq_map_user_bvec` rejects it (EINVAL) once that exceeds the queue's segment limit.
     /// Per-buffer registration keeps each iterator to one buffer's pages.
     pub fn iovecs(&self) -> Vec<libc::iovec> {
-        (0..self.inner.buf_count as usize)
+        self.iovecs_of(0..self.inner.buf_count)
+    }
+
+    /// The buffers of `indexes` as iovecs (for a ring's registration of them).
+    pub fn iovecs_of(&self, indexes: std::ops::Range<u32>) -> Vec<libc::iovec> {
+        assert!(indexes.end <= self.inner.buf_count, "buffers past the pool");
+        (indexes.start as usize..indexes.end as usize)
             .map(|index| libc::iovec {
                 // SAFETY: index < buf_count, so the offset stays inside the slab.
                 iov_base: unsafe { self.inner.base.add(index * self.inner.buf_bytes) }.cast(),

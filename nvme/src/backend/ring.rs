@@ -57,6 +57,10 @@ pub(crate) struct Ring<S: squeue::EntryMarker, C: cqueue::EntryMarker> {
     /// False until the owning thread enables a ring created disabled (deferred task run).
     enabled: bool,
     pub fixed_buffers: bool,
+    /// With a sparse table ([`Ring::register_pool`]): the pool whose buffers are registered
+    /// as they are first used, and how many (from index 0) are so far.
+    sparse_pool: Option<crate::DmaPool>,
+    registered_bufs: u32,
     /// The device's descriptor is registered as fixed file 0 ([`Ring::register_file`]).
     pub fixed_file: bool,
     /// The submitting thread has an io_uring context (it has submitted): io-wq can be placed
@@ -137,6 +141,8 @@ impl<S: squeue::EntryMarker, C: cqueue::EntryMarker> Ring<S, C> {
             taskrun_flag: mode != TaskRun::Plain,
             enabled: mode != TaskRun::Deferred,
             fixed_buffers: false,
+            sparse_pool: None,
+            registered_bufs: 0,
             fixed_file: false,
             io_context: false,
         })
@@ -156,9 +162,25 @@ impl<S: squeue::EntryMarker, C: cqueue::EntryMarker> Ring<S, C> {
         Ok(())
     }
 
-    /// Registers each pool buffer as the fixed buffer of the same index. Failure (RLIMIT_MEMLOCK, old kernel) is not
-    /// fatal: I/O then goes through unregistered buffers, and we say so once.
+    /// Makes each pool buffer the fixed buffer of the same index. The table is registered
+    /// sparse (Linux 5.19+), empty, and filled a 2 MiB chunk at a time as buffers are first
+    /// used ([`Ring::ensure_registered`]): registering pins the memory, which faults it in,
+    /// so a whole pool registered at open cost its every page whether the queue ever used
+    /// it or not. A kernel without sparse tables gets the whole pool at once. Failure
+    /// (RLIMIT_MEMLOCK, an old kernel) is not fatal: I/O then goes through unregistered
+    /// buffers, and we say so once.
     pub fn register_pool(&mut self, pool: &crate::DmaPool, what: &str) {
+        if self
+            .ring
+            .submitter()
+            .register_buffers_sparse(pool.buf_count())
+            .is_ok()
+        {
+            self.fixed_buffers = true;
+            self.sparse_pool = Some(pool.clone());
+            self.registered_bufs = 0;
+            return;
+        }
         let iovecs = pool.iovecs();
         // SAFETY: the slab stays mapped for as long as the pool lives, and every device holding
         // this ring also holds a clone of the pool, dropped after the ring (field order) and
@@ -177,6 +199,51 @@ impl<S: squeue::EntryMarker, C: cqueue::EntryMarker> Ring<S, C> {
                 }
             }
         }
+    }
+
+    /// Registers buffer `index` (and every one before it not registered yet, to the end of
+    /// its 2 MiB chunk) before a request names it as a fixed buffer. A registration the
+    /// kernel refuses (the locked-memory limit reached) turns fixed buffers off for the
+    /// requests to come: they name their memory plainly, which works for every buffer.
+    pub fn ensure_registered(&mut self, index: u16, what: &str) {
+        let Some(pool) = &self.sparse_pool else {
+            return;
+        };
+        let index = u32::from(index);
+        if index < self.registered_bufs {
+            return;
+        }
+        let chunk = pool.bufs_per_chunk();
+        let end = ((index / chunk + 1) * chunk).min(pool.buf_count());
+        let iovecs = pool.iovecs_of(self.registered_bufs..end);
+        // SAFETY: as in `register_pool`: the slab outlives the ring and the requests in
+        // flight, and slots at and past `registered_bufs` are named by no request yet.
+        match unsafe {
+            self.ring
+                .submitter()
+                .register_buffers_update(self.registered_bufs, &iovecs, None)
+        } {
+            Ok(()) => self.registered_bufs = end,
+            Err(e) => {
+                if !WARNED_REGISTER.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        "{what}: registering DMA buffers {}..{end} failed ({}); using \
+                         unregistered buffers from now on (one page-pinning per I/O). Raise \
+                         the locked-memory limit (ulimit -l unlimited, or \
+                         LimitMEMLOCK=infinity) or run with CAP_IPC_LOCK",
+                        self.registered_bufs,
+                        crate::error::errno_name(e.raw_os_error().unwrap_or(0))
+                    );
+                }
+                self.fixed_buffers = false;
+                self.sparse_pool = None;
+            }
+        }
+    }
+
+    /// Fixed buffers registered so far (the whole pool where the table is not sparse).
+    pub fn registered_bufs(&self) -> Option<u32> {
+        self.sparse_pool.as_ref().map(|_| self.registered_bufs)
     }
 
     /// Registers `fd` as fixed file 0, so each request names it by index and the kernel

@@ -276,6 +276,13 @@ impl FileDevice {
         self.ring.fixed_buffers
     }
 
+    /// With a sparse buffer table (Linux 5.19+): how many pool buffers are registered so
+    /// far, from index 0 (a chunk at a time, as they are first used). `None` when the whole
+    /// pool was registered at open, or none of it is.
+    pub fn registered_bufs(&self) -> Option<u32> {
+        self.ring.registered_bufs()
+    }
+
     /// True when requests name the file by its registered index (fixed file).
     pub fn fixed_file(&self) -> bool {
         self.ring.fixed_file
@@ -442,6 +449,9 @@ impl BlockDevice for FileDevice {
         // The SQE is built while the request still owns the buffer; the pointers stay valid
         // because the buffer (or a shared write's pieces and iovecs) then moves into the
         // slot, and moving a DmaBuf, a Bytes or a Box does not move the memory they own.
+        if let IoOp::Read { buf, .. } | IoOp::Write { buf, .. } = &request.op {
+            self.ring.ensure_registered(buf.index(), &self.info.name);
+        }
         let user_data = self.slots.next_index();
         let sqe = self.build_sqe(&request.op, held.as_ref(), user_data);
         if let Err(reason) = self.failed.on(self.ring.push(&sqe)) {

@@ -628,6 +628,17 @@ fn main() {
                 write_zeroes_and_deallocate(&mut dev),
             );
             report("32+ in flight", many_in_flight(&mut dev));
+            report(
+                "buffers registered as used",
+                match dev.registered_bufs() {
+                    Some(n) if n > 0 && n < dev.pool().buf_count() => Ok(()),
+                    other => Err(format!(
+                        "{other:?} of {} pool buffers registered after I/O: expected a sparse \
+                         table filled a chunk at a time (Linux 5.19+)",
+                        dev.pool().buf_count()
+                    )),
+                },
+            );
             report("completion eventfd", completion_eventfd(&mut dev));
             // NVME_GUEST_RESETS=N repeats the reset N times (a stress run: does a reset that
             // meets a stalled emulated controller lose the device?).

@@ -265,6 +265,11 @@ impl PassthroughDevice {
         self.data_ring.fixed_buffers
     }
 
+    /// With a sparse buffer table: pool buffers registered so far ([`crate::backend::uring_file::FileDevice::registered_bufs`]).
+    pub fn registered_bufs(&self) -> Option<u32> {
+        self.data_ring.registered_bufs()
+    }
+
     /// Commands sent again after the host cancelled them (controller resets), since open.
     pub fn commands_sent_again(&self) -> u64 {
         self.resubmits.sent_again_total()
@@ -509,6 +514,9 @@ impl BlockDevice for PassthroughDevice {
             (IoOp::Read { buf, .. } | IoOp::Write { buf, .. }, None) => Some(buf.index()),
             _ => None,
         };
+        if let (Some(index), false) = (buf_index, dataless) {
+            self.data_ring.ensure_registered(index, &self.info.name);
+        }
         if self.data_ring.fixed_buffers && !dataless {
             uring_cmd = uring_cmd.buf_index(buf_index);
         }
