@@ -597,6 +597,13 @@ fn model_check(dev: Box<dyn BlockDevice>, rounds: u32, steps: u32, hash_bits: u8
             0,
             "seed {seed} round {round}: an operation allocated past its reservation"
         );
+        // The model's answers came through the decoded inodes and name chains too (coherent
+        // with the trees through every change above, or the comparisons would have failed).
+        let decoded = fs.decoded_stats();
+        assert!(
+            decoded.inode_hits > 0 && decoded.chain_hits > 0,
+            "seed {seed} round {round}: lookups never used the decoded cache: {decoded:?}"
+        );
         dev = fs.unmount().unwrap();
     }
 }

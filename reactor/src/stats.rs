@@ -96,6 +96,10 @@ pub struct ReactorStats {
     /// File data blocks reads took from the engine's block cache, and from the device.
     pub data_cache_hits: u64,
     pub data_blocks_read: u64,
+    /// Inode items and name chains lookups found decoded in memory, and those they read
+    /// from the trees ([`engine::decoded`]).
+    pub decoded_hits: u64,
+    pub decoded_misses: u64,
     /// The pool of block groups: free groups, and the groups shards took from it and gave
     /// back since the mount (one pool for the whole filesystem, whatever the reactors).
     pub space: engine::space::PoolStats,
@@ -144,6 +148,8 @@ impl ReactorStats {
         self.read_groups += other.read_groups;
         self.data_cache_hits += other.data_cache_hits;
         self.data_blocks_read += other.data_blocks_read;
+        self.decoded_hits += other.decoded_hits;
+        self.decoded_misses += other.decoded_misses;
         let (r, o) = (&mut self.reads, &other.reads);
         r.sets_async += o.sets_async;
         r.device_reads += o.device_reads;

@@ -38,6 +38,11 @@ impl Filesystem {
         Ok(item)
     }
 
+    /// How lookups of inode items and name chains fared since mount ([`crate::decoded`]).
+    pub fn decoded_stats(&self) -> crate::decoded::DecodedStats {
+        self.decoded.stats
+    }
+
     fn load_inode_from_tree(&mut self, ino: u64) -> Result<InodeItem> {
         let shard = self.shard_of(ino);
         self.with_tree(shard, false, |tree, io| {

@@ -241,7 +241,8 @@ impl<S: squeue::EntryMarker, C: cqueue::EntryMarker> Ring<S, C> {
         }
     }
 
-    /// Fixed buffers registered so far (the whole pool where the table is not sparse).
+    /// With a sparse table, the pool buffers registered so far; `None` when the whole pool
+    /// was registered at open, or none of it is.
     pub fn registered_bufs(&self) -> Option<u32> {
         self.sparse_pool.as_ref().map(|_| self.registered_bufs)
     }

@@ -926,6 +926,9 @@ impl Reactor {
         s.barrier_parks = self.meta.barrier_parks;
         s.fetch = self.fs.fetch_stats();
         (s.data_cache_hits, s.data_blocks_read) = self.fs.data_cache_hits();
+        let decoded = self.fs.decoded_stats();
+        s.decoded_hits = decoded.inode_hits + decoded.chain_hits;
+        s.decoded_misses = decoded.inode_misses + decoded.chain_misses;
         s.space = self.fs.space_pool().stats();
         s
     }

@@ -403,6 +403,8 @@ pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, confi
         caller_writes = stats.fetch.lent_writes,
         caller_fsyncs = stats.fetch.lent_fsyncs,
         caller_fsyncs_declined = stats.fetch.lent_fsyncs_declined,
+        decoded_hits = stats.decoded_hits,
+        decoded_misses = stats.decoded_misses,
         "reactor stopping"
     );
     Ran::Stopped(Box::new((stats, reactor.hist.clone())))
