@@ -172,7 +172,7 @@ impl Run {
 /// Sorts pieces of whole blocks by address and merges neighbours into runs no longer than
 /// the device's largest I/O: what one write request carries. With `shared`, for a queue
 /// that writes the runs from their pieces (the mux's pump), a run whose pieces the device
-/// can take as one shared write ([`nvme::SharedWrite::fits`]) grows on to the device's
+/// can take as one shared write ([`nvme::SharedFit`], kept as it grows) grows on to the device's
 /// largest shared write: such a run longer than the largest I/O always fits.
 pub(crate) fn coalesce(
     dev: &dyn BlockDevice,
@@ -187,15 +187,13 @@ pub(crate) fn coalesce(
     } else {
         max_bytes
     };
-    let lba = info.lba_size_bytes as usize;
-    let aligned = |piece: &bytes::Bytes| piece.as_ptr() as usize % lba == 0;
+    // The last run's shared-write account, kept as it grows: `None` once the run no longer
+    // makes one shared write (or the queue takes none).
+    let mut last_fit: Option<nvme::SharedFit> = None;
+    let grow = |fit: Option<nvme::SharedFit>, block: &bytes::Bytes| {
+        fit.and_then(|mut fit| fit.push(block).ok().map(|()| fit))
+    };
     let mut runs: Vec<Run> = Vec::new();
-    // The last run's shared-write state, kept as it grows ([`SharedWrite::fits`] without
-    // going over its pieces again): every piece aligned, how many memory ranges, where the
-    // last one ends.
-    let mut last_fits = false;
-    let mut last_ranges = 0usize;
-    let mut last_end: *const u8 = std::ptr::null();
     // A piece larger than the largest I/O (staged data on a device with small buffers) is
     // cut into single blocks first.
     if blocks.iter().any(|(_, b)| b.len() > max_bytes) {
@@ -219,22 +217,19 @@ pub(crate) fn coalesce(
             !block.is_empty() && block.len() % BLOCK_BYTES == 0,
             "whole blocks only"
         );
-        let ranges = last_ranges + usize::from(block.as_ptr() != last_end);
-        let fits = last_fits && aligned(&block) && ranges <= info.shared_write_ranges_max as usize;
+        let grown = grow(last_fit, &block);
         match runs.last_mut() {
             Some(run)
                 if run.addr + (run.bytes / BLOCK_BYTES) as u64 == addr
                     && (run.bytes + block.len() <= max_bytes
-                        || (fits && run.bytes + block.len() <= shared_max_bytes)) =>
+                        || (grown.is_some() && run.bytes + block.len() <= shared_max_bytes)) =>
             {
-                (last_fits, last_ranges) = (fits, ranges);
-                last_end = block.as_ptr().wrapping_add(block.len());
+                last_fit = grown;
                 run.bytes += block.len();
                 run.pieces.push(block);
             }
             _ => {
-                (last_fits, last_ranges) = (aligned(&block) && info.shared_write_ranges_max > 0, 1);
-                last_end = block.as_ptr().wrapping_add(block.len());
+                last_fit = grow(nvme::SharedFit::new(info).ok(), &block);
                 runs.push(Run {
                     addr,
                     bytes: block.len(),
@@ -268,4 +263,55 @@ pub(crate) fn write_blocks(
         },
         |_, _| {},
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nvme::backend::mem::{MemConfig, MemDevice};
+
+    const KIB: usize = 1024;
+
+    /// Run lengths in KiB.
+    fn run_kib(dev: &MemDevice, blocks: &[(u64, bytes::Bytes)], shared: bool) -> Vec<usize> {
+        coalesce(dev, blocks.to_vec(), shared)
+            .iter()
+            .map(|run| run.len_bytes() / KIB)
+            .collect()
+    }
+
+    #[test]
+    fn a_run_grows_past_the_largest_io_only_while_it_makes_one_shared_write() {
+        let dev = MemDevice::new(MemConfig {
+            buf_bytes: 128 * KIB,
+            ..MemConfig::default()
+        })
+        .expect("memory device");
+        assert_eq!(dev.info().max_io_bytes as usize, 128 * KIB);
+        let blocks_of = |data: &bytes::Bytes, at: usize, first: u64, count: usize| {
+            (0..count)
+                .map(|i| {
+                    let start = at + i * BLOCK_BYTES;
+                    (first + i as u64, data.slice(start..start + BLOCK_BYTES))
+                })
+                .collect::<Vec<_>>()
+        };
+        let staged = nvme::aligned_copy(&vec![7u8; 512 * KIB + 1]);
+        let aligned = blocks_of(&staged, 0, 100, 128);
+        let misaligned = blocks_of(&staged, 1, 100, 128);
+        // Slices of one aligned copy: one shared write; copied, in runs of the largest I/O.
+        assert_eq!(run_kib(&dev, &aligned, true), [512]);
+        assert_eq!(run_kib(&dev, &aligned, false), [128; 4]);
+        // Misaligned in memory: no shared write, whatever was asked.
+        assert_eq!(run_kib(&dev, &misaligned, true), [128; 4]);
+        // Aligned then not: the run stops growing where its pieces stop fitting.
+        let mut mixed = aligned[..64].to_vec();
+        mixed.extend(blocks_of(&staged, 1, 164, 64));
+        assert_eq!(run_kib(&dev, &mixed, true), [256, 128, 128]);
+        // Unsorted pieces come out sorted, and a gap in the addresses ends a run.
+        let mut gapped = aligned[..4].to_vec();
+        gapped.reverse();
+        gapped.push((200, staged.slice(0..BLOCK_BYTES)));
+        assert_eq!(run_kib(&dev, &gapped, true), [16, 4]);
+    }
 }

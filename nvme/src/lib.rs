@@ -46,7 +46,7 @@ pub mod wrap;
 pub use dma::{DmaBuf, DmaPool, PoolBacking};
 pub use error::{DevError, NvmeStatus};
 pub use lock::Access;
-pub use shared::{aligned_copy, staging_copy, SharedWrite};
+pub use shared::{aligned_copy, staging_copy, SharedFit, SharedWrite};
 pub use spec::{open_device, DeviceSpec, OpenOptions};
 
 use std::time::Duration;
@@ -209,7 +209,7 @@ pub struct DeviceInfo {
     /// How completions are found: interrupt-driven, polled, or immediate (memory).
     pub completion_mode: CompletionMode,
     /// How many memory ranges one [`IoOp::WriteShared`] may span (pieces that follow each
-    /// other in memory count as one, [`SharedWrite::range_count`]); 0 when the queue takes
+    /// other in memory count as one, [`SharedFit::ranges`]); 0 when the queue takes
     /// no shared writes and writes only from DMA buffers ([`shared`]).
     pub shared_write_ranges_max: u32,
     /// Largest [`IoOp::WriteShared`], in bytes: at least `max_io_bytes`, and more where the

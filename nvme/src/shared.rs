@@ -49,17 +49,6 @@ impl SharedWrite {
         self.len() == 0
     }
 
-    /// How many memory ranges `pieces` make: those that follow each other in memory (slices
-    /// of one staged write) count as one.
-    pub fn range_count_of(pieces: &[Bytes]) -> usize {
-        ranges_of(pieces).count()
-    }
-
-    /// [`SharedWrite::range_count_of`] this write's pieces.
-    pub fn range_count(&self) -> usize {
-        Self::range_count_of(&self.pieces)
-    }
-
     /// The memory ranges to hand the device: the pieces, with those that follow each other in
     /// memory (slices of one staged write) joined, so a write staged as one allocation goes
     /// as one range. The ranges point into `self`, which must outlive their use.
@@ -98,34 +87,82 @@ impl SharedWrite {
 }
 
 /// Whether a queue described by `info` may take `pieces` as one shared write: it writes from
-/// shared memory at all, every piece is aligned and sized as the module's invariants say,
-/// they span few enough memory ranges, and together they are a transfer the queue takes.
+/// shared memory at all ([`SharedFit::new`]), every piece is aligned and sized as the module's
+/// invariants say and they span few enough memory ranges ([`SharedFit::push`]), and together
+/// they are a transfer the queue takes.
 fn check_pieces(pieces: &[Bytes], info: &DeviceInfo) -> Result<(), DevError> {
-    if info.shared_write_ranges_max == 0 {
-        return Err(DevError::Unsupported {
-            what: "writes from shared memory",
-        });
-    }
-    let lba = info.lba_size_bytes as usize;
+    let mut fit = SharedFit::new(info)?;
     for piece in pieces {
-        if piece.as_ptr() as usize % lba != 0 || piece.len() % lba != 0 {
-            return Err(DevError::Misaligned {
-                addr: piece.as_ptr() as usize,
-                len_bytes: piece.len(),
-                lba_size_bytes: info.lba_size_bytes,
+        fit.push(piece)?;
+    }
+    crate::check_len(info, fit.len_bytes, info.shared_write_bytes_max)
+}
+
+/// Whether pieces added one at a time still make one shared write a queue takes, kept as
+/// they come: the one definition of alignment and of memory ranges, for a whole write
+/// ([`SharedWrite::check`]) and for a caller growing a write piece by piece, which would
+/// otherwise walk its pieces again for every piece added. The length against the queue's
+/// largest transfer is the caller's to check ([`SharedFit::len_bytes`]).
+#[derive(Debug, Clone, Copy)]
+pub struct SharedFit {
+    lba_size_bytes: usize,
+    ranges_max: usize,
+    ranges: usize,
+    /// The address just past the last piece: a piece starting there joins its range.
+    end_addr: usize,
+    len_bytes: u64,
+}
+
+impl SharedFit {
+    /// An empty write for a queue described by `info`; an error when the queue takes no
+    /// writes from shared memory.
+    pub fn new(info: &DeviceInfo) -> Result<SharedFit, DevError> {
+        if info.shared_write_ranges_max == 0 {
+            return Err(DevError::Unsupported {
+                what: "writes from shared memory",
             });
         }
+        Ok(SharedFit {
+            lba_size_bytes: info.lba_size_bytes as usize,
+            ranges_max: info.shared_write_ranges_max as usize,
+            ranges: 0,
+            end_addr: 0,
+            len_bytes: 0,
+        })
     }
-    if ranges_of(pieces).count() > info.shared_write_ranges_max as usize {
-        return Err(DevError::Unsupported {
-            what: "a shared write in more memory ranges than the queue takes",
-        });
+
+    /// Adds `piece` at the end; an error (and `self` unchanged) when it is misaligned or
+    /// would open one memory range more than the queue takes.
+    pub fn push(&mut self, piece: &Bytes) -> Result<(), DevError> {
+        let addr = piece.as_ptr() as usize;
+        if addr % self.lba_size_bytes != 0 || piece.len() % self.lba_size_bytes != 0 {
+            return Err(DevError::Misaligned {
+                addr,
+                len_bytes: piece.len(),
+                lba_size_bytes: self.lba_size_bytes as u32,
+            });
+        }
+        let ranges = self.ranges + usize::from(self.ranges == 0 || addr != self.end_addr);
+        if ranges > self.ranges_max {
+            return Err(DevError::Unsupported {
+                what: "a shared write in more memory ranges than the queue takes",
+            });
+        }
+        self.ranges = ranges;
+        self.end_addr = addr + piece.len();
+        self.len_bytes += piece.len() as u64;
+        Ok(())
     }
-    crate::check_len(
-        info,
-        pieces.iter().map(|p| p.len() as u64).sum(),
-        info.shared_write_bytes_max,
-    )
+
+    /// The memory ranges the pieces so far make ([`SharedWrite::ranges`] counted).
+    pub fn ranges(&self) -> usize {
+        self.ranges
+    }
+
+    /// Bytes of the pieces so far.
+    pub fn len_bytes(&self) -> u64 {
+        self.len_bytes
+    }
 }
 
 /// The memory ranges `pieces` make, in order: runs of pieces that follow each other in
@@ -204,22 +241,30 @@ mod tests {
         let write = SharedWrite::new(vec![a.slice(0..4096), a.slice(4096..8192), b.clone()]);
         let ranges = write.ranges();
         assert_eq!(ranges.len(), 2, "{ranges:?}");
-        assert_eq!(write.range_count(), 2);
         assert_eq!(ranges[0], (a.as_ptr(), 8192));
         assert_eq!(ranges[1], (b.as_ptr(), 4096));
+        // Counted as they come, the same ranges.
+        let info = DeviceInfo {
+            shared_write_ranges_max: 8,
+            ..test_info()
+        };
+        let mut fit = SharedFit::new(&info).unwrap();
+        for (i, piece) in write.pieces().iter().enumerate() {
+            fit.push(piece).unwrap();
+            assert_eq!(fit.ranges(), [1, 1, 2][i], "after piece {i}");
+        }
+        assert_eq!(fit.len_bytes(), write.len() as u64);
         // Out of order in memory: not joined, whatever their addresses.
         let swapped = SharedWrite::new(vec![a.slice(4096..8192), a.slice(0..4096)]);
         assert_eq!(swapped.ranges().len(), 2);
-        assert_eq!(swapped.range_count(), 2);
         let mut out = vec![0; write.len()];
         write.copy_to(&mut out);
         assert_eq!(&out[..8192], &[1u8; 8192][..]);
         assert_eq!(&out[8192..], &[2u8; 4096][..]);
     }
 
-    #[test]
-    fn misaligned_pieces_are_refused_with_their_address() {
-        let info = DeviceInfo {
+    fn test_info() -> DeviceInfo {
+        DeviceInfo {
             name: "test".into(),
             lba_size_bytes: 512,
             capacity_lbas: 1 << 20,
@@ -229,7 +274,12 @@ mod tests {
             completion_mode: crate::CompletionMode::Immediate,
             shared_write_ranges_max: 1,
             shared_write_bytes_max: 128 << 10,
-        };
+        }
+    }
+
+    #[test]
+    fn misaligned_pieces_are_refused_with_their_address() {
+        let info = test_info();
         let a = aligned_copy(&[1u8; 8192]);
         assert!(SharedWrite::new(vec![a.slice(512..1024)])
             .check(&info)
@@ -250,6 +300,15 @@ mod tests {
         assert!(!SharedWrite::fits(&apart, &info));
         let err = SharedWrite::new(apart.to_vec()).check(&info).unwrap_err();
         assert!(matches!(err, DevError::Unsupported { .. }), "{err}");
+        // A refused piece leaves the running account as it was.
+        let mut fit = SharedFit::new(&info).unwrap();
+        fit.push(&apart[0]).unwrap();
+        assert!(fit.push(&apart[1]).is_err());
+        assert!(fit.push(&a.slice(100..612)).is_err());
+        assert_eq!((fit.ranges(), fit.len_bytes()), (1, 4096));
+        // Too long for the queue: the length is the whole write's check.
+        let long = aligned_copy(&vec![3u8; 256 << 10]);
+        assert!(!SharedWrite::fits(&[long], &info));
         let unsupported = DeviceInfo {
             shared_write_ranges_max: 0,
             ..info
