@@ -69,7 +69,7 @@ impl Live for Filesystem {
     }
     fn write(&mut self, ino: u64, offset: u64, data: &[u8]) -> Result<(), EngineError> {
         if callers::on() {
-            let data_shared = engine::Bytes::copy_from_slice(data);
+            let data_shared = engine::Staged::copy_of(data);
             if let Some(written) = self.write_lent_reading_edges(ino, offset, data_shared) {
                 return written.map(drop);
             }

@@ -66,7 +66,7 @@ pub use delayed::DelayedStats;
 pub use dir::{DirEntry, RenameFlags};
 pub use error::{EngineError, Result};
 pub use fetch::{Deferred, FetchStats};
-pub use file::FallocateMode;
+pub use file::{FallocateMode, Staged};
 pub use fs::{Filesystem, MkfsOptions, MountOptions};
 pub use inode::{Atime, SetAttr, Stat};
 pub use log::LogStats;

@@ -39,7 +39,7 @@ fn a_lent_write_stages_its_bytes_or_leaves_the_write_untouched() {
     // A new file, from 0 to an unaligned end: its tail block lies past the end.
     let first: Vec<u8> = (0..10_000u32).map(|i| (i % 253) as u8).collect();
     assert_eq!(
-        fs.write_lent(a, 0, engine::Bytes::copy_from_slice(&first))
+        fs.write_lent(a, 0, engine::Staged::copy_of(&first))
             .expect("runs lent")
             .unwrap(),
         10_000
@@ -48,14 +48,14 @@ fn a_lent_write_stages_its_bytes_or_leaves_the_write_untouched() {
     // left in the block cache (a WAL's or a log's appends): it runs lent too.
     let reads_before = fs.read_stats().device_reads;
     assert_eq!(
-        fs.write_lent(a, 10_000, engine::Bytes::copy_from_slice(b"more"))
+        fs.write_lent(a, 10_000, engine::Staged::copy_of(b"more"))
             .expect("the edge block is cached")
             .unwrap(),
         4
     );
     // So does a write inside the file over a cached block in part.
     assert_eq!(
-        fs.write_lent(a, 100, engine::Bytes::copy_from_slice(b"x"))
+        fs.write_lent(a, 100, engine::Staged::copy_of(b"x"))
             .expect("cached edge")
             .unwrap(),
         1
@@ -63,11 +63,11 @@ fn a_lent_write_stages_its_bytes_or_leaves_the_write_untouched() {
     assert_eq!(fs.read_stats().device_reads, reads_before, "no device read");
     // Whole blocks inside the file, and a write past the end with a gap, run.
     assert!(fs
-        .write_lent(a, 4096, engine::Bytes::copy_from_slice(&[7u8; 4096]))
+        .write_lent(a, 4096, engine::Staged::copy_of(&[7u8; 4096]))
         .unwrap()
         .is_ok());
     assert!(fs
-        .write_lent(a, 20_000, engine::Bytes::copy_from_slice(b"far"))
+        .write_lent(a, 20_000, engine::Staged::copy_of(b"far"))
         .unwrap()
         .is_ok());
     let mut model = first.clone();
@@ -84,7 +84,7 @@ fn a_lent_write_stages_its_bytes_or_leaves_the_write_untouched() {
     let mut at = 1 << 20;
     let mut declined = false;
     for _ in 0..64 {
-        match fs.write_lent(a, at, engine::Bytes::copy_from_slice(&big)) {
+        match fs.write_lent(a, at, engine::Staged::copy_of(&big)) {
             Some(result) => {
                 result.unwrap();
                 model.resize(at as usize, 0);
@@ -110,10 +110,10 @@ fn a_lent_write_stages_its_bytes_or_leaves_the_write_untouched() {
     // would read it from the device, the owner's queue. Declined, nothing changed.
     let stat = fs.stat(a).unwrap();
     assert!(fs
-        .write_lent(a, 200, engine::Bytes::copy_from_slice(b"y"))
+        .write_lent(a, 200, engine::Staged::copy_of(b"y"))
         .is_none());
     assert!(fs
-        .write_lent(a, 10_002, engine::Bytes::copy_from_slice(b"yy"))
+        .write_lent(a, 10_002, engine::Staged::copy_of(b"yy"))
         .is_none());
     assert_eq!(
         fs.stat(a).unwrap(),
@@ -133,7 +133,7 @@ fn an_fsync_after_a_lent_write_makes_it_durable() {
     let a = fs.create(root, b"a", 0o644, 0, 0).unwrap().ino;
     fs.commit().unwrap();
     let bytes: Vec<u8> = (0..12_345u32).map(|i| (i * 7 % 251) as u8).collect();
-    fs.write_lent(a, 0, engine::Bytes::copy_from_slice(&bytes))
+    fs.write_lent(a, 0, engine::Staged::copy_of(&bytes))
         .expect("runs lent")
         .unwrap();
     fs.fsync(a).unwrap();
@@ -156,7 +156,7 @@ fn a_lent_write_refused_for_space_is_left_to_the_owner_untouched() {
     for i in 0..20_000u64 {
         let offset = (i % 64) * 65536;
         let data = vec![i as u8; 65536];
-        match fs.write_lent(a, offset, engine::Bytes::copy_from_slice(&data)) {
+        match fs.write_lent(a, offset, engine::Staged::copy_of(&data)) {
             Some(result) => {
                 result.unwrap_or_else(|e| panic!("write {i} ran lent and failed: {e}"));
                 lent += 1;
@@ -244,14 +244,13 @@ fn random_lent_writes_and_reads_match_the_model() {
                         _ => rng.random_range(1..200_000),
                     };
                     let data: Vec<u8> = (0..len).map(|_| rng.random()).collect();
-                    let written =
-                        match fs.write_lent(ino, offset, engine::Bytes::copy_from_slice(&data)) {
-                            Some(result) => {
-                                lent_writes += 1;
-                                result
-                            }
-                            None => fs.write(ino, offset, &data),
-                        };
+                    let written = match fs.write_lent(ino, offset, engine::Staged::copy_of(&data)) {
+                        Some(result) => {
+                            lent_writes += 1;
+                            result
+                        }
+                        None => fs.write(ino, offset, &data),
+                    };
                     assert_eq!(written.unwrap_or_else(|e| panic!("{ctx}: {e}")), len);
                     let model = &mut models[f];
                     let end = offset as usize + len;
@@ -345,17 +344,13 @@ fn a_lent_write_counts_every_block_it_covers_against_the_write_back_threshold() 
     });
     let root = fs.root();
     let a = fs.create(root, b"a", 0o644, 0, 0).unwrap().ino;
-    fs.write_lent(a, 0, engine::Bytes::copy_from_slice(&[1u8; 7 * 4096]))
+    fs.write_lent(a, 0, engine::Staged::copy_of(&[1u8; 7 * 4096]))
         .expect("runs lent")
         .unwrap();
     assert_eq!(fs.staged_bytes(), 7 * 4096);
     // From inside block 7 (at the end of the file: nothing to read) into block 8.
     assert!(fs
-        .write_lent(
-            a,
-            8 * 4096 - 50,
-            engine::Bytes::copy_from_slice(&[2u8; 100])
-        )
+        .write_lent(a, 8 * 4096 - 50, engine::Staged::copy_of(&[2u8; 100]))
         .is_none());
     // The owner runs it (and starts the write-back).
     fs.write(a, 8 * 4096 - 50, &[2u8; 100]).unwrap();

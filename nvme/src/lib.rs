@@ -46,7 +46,10 @@ pub mod wrap;
 pub use dma::{DmaBuf, DmaPool, PoolBacking};
 pub use error::{DevError, NvmeStatus};
 pub use lock::Access;
-pub use shared::{aligned_copy, staging_copy, SharedFit, SharedWrite};
+pub use shared::{
+    aligned_copy, aligned_copy_visiting, staging_copy, staging_copy_visiting, SharedFit,
+    SharedWrite,
+};
 pub use spec::{open_device, DeviceSpec, OpenOptions};
 
 use std::time::Duration;

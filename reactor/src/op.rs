@@ -153,22 +153,23 @@ pub enum Op {
         offset: u64,
         len: usize,
     },
-    /// The bytes are shared ([`bytes::Bytes`]): the engine stages them as they are
+    /// The bytes are shared ([`engine::Staged`]): the engine stages them as they are
     /// ([`engine::Filesystem::write_shared`]) and, when they are aligned
     /// ([`nvme::staging_copy`]), the device writes them back from there; a request parked to
-    /// run again keeps them. Read from a message (the storage service's), they are copied
-    /// once, into a staging copy ([`staged_bytes`]).
+    /// run again keeps them. Made with [`engine::Staged::copy_of`], they bring their blocks'
+    /// crcs, taken while the copy was hot. Read from a message (the storage service's), they
+    /// are copied once, into a staging copy ([`staged_in`]).
     Write {
         ino: u64,
         offset: u64,
-        #[serde(deserialize_with = "staged_bytes")]
-        data: bytes::Bytes,
+        #[serde(serialize_with = "staged_out", deserialize_with = "staged_in")]
+        data: engine::Staged,
     },
     /// Writes at the end of the file, atomically (O_APPEND): [`Reply::Appended`].
     Append {
         ino: u64,
-        #[serde(deserialize_with = "staged_bytes")]
-        data: bytes::Bytes,
+        #[serde(serialize_with = "staged_out", deserialize_with = "staged_in")]
+        data: engine::Staged,
     },
     /// An open handle or kernel reference to `ino`: while one is held, the inode outlives
     /// its last name (an orphan), and goes at the last [`Op::Release`].
@@ -244,18 +245,25 @@ fn walk_then<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Box<Op>, D::Error
     then.map(Box::new)
 }
 
+/// A write's bytes as written to a message: the bytes alone (their blocks' crcs are worked
+/// out again by the side that reads them, [`staged_in`]).
+fn staged_out<S: serde::Serializer>(data: &engine::Staged, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_bytes(data)
+}
+
 /// A write's bytes as read from a message: copied once, out of the message and into a
-/// staging copy ([`nvme::staging_copy`]: aligned when large, so the device writes from it),
-/// instead of into an ordinary allocation that the write back would copy again.
-fn staged_bytes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bytes::Bytes, D::Error> {
+/// staging copy ([`engine::Staged::copy_of`]: aligned when large, so the device writes from
+/// it, and each block's crc32c taken as it is copied), instead of into an ordinary allocation
+/// that the write back would copy again.
+fn staged_in<'de, D: serde::Deserializer<'de>>(d: D) -> Result<engine::Staged, D::Error> {
     struct Staged;
     impl<'de> serde::de::Visitor<'de> for Staged {
-        type Value = bytes::Bytes;
+        type Value = engine::Staged;
         fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
             f.write_str("a write's bytes")
         }
         fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<Self::Value, E> {
-            Ok(nvme::staging_copy(v))
+            Ok(engine::Staged::copy_of(v))
         }
         // A self-describing format without a bytes type (JSON) writes them as a sequence.
         fn visit_seq<A: serde::de::SeqAccess<'de>>(
@@ -266,7 +274,7 @@ fn staged_bytes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bytes::Bytes, 
             while let Some(b) = seq.next_element::<u8>()? {
                 v.push(b);
             }
-            Ok(nvme::staging_copy(&v))
+            Ok(engine::Staged::copy_of(&v))
         }
     }
     d.deserialize_bytes(Staged)

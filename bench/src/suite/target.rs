@@ -340,7 +340,9 @@ impl Session for CorefsSession {
         match self.call(Op::Write {
             ino,
             offset,
-            data: data.to_vec().into(),
+            // Copied as the C ABI copies a caller's bytes: the staging copy, with the
+            // blocks' crcs taken as it is made.
+            data: engine::Staged::copy_of(data),
         })? {
             Reply::Written(n) if n == data.len() => Ok(()),
             other => Err(format!("short write: {other:?}")),

@@ -328,15 +328,26 @@ pub unsafe extern "C" fn corefs_pwrite(
         if let Some(staged) = f.batch().with(|batch| batch.stage(offset, data)) {
             return staged.map(|()| len as i64).map_err(Error::from);
         }
-        let reply = call(&fs, write_op(&f, offset, nvme::staging_copy(data)))?;
+        let reply = call(&fs, write_op(&f, offset, staged(&fs, data)))?;
         expect_reply!(reply, Reply::Written(n) | Reply::Appended { written: n, .. } => n as i64)
     })
 }
 
-/// The write of `data` through handle `f`: at `offset`, or an atomic append. The caller's
-/// bytes come copied once ([`nvme::staging_copy`]); a large write's copy is aligned, and the
-/// device writes it from there, with no copy into a DMA buffer.
-pub(super) fn write_op(f: &OpenFile, offset: u64, data: engine::Bytes) -> Op {
+/// The caller's bytes for a write through `fs`, copied once. In process, into the staging
+/// copy ([`engine::Staged::copy_of`]): a large write's copy is aligned and the device writes
+/// it from there, with no copy into a DMA buffer, and each block's crc32c is taken in the
+/// caller's thread while the copy is hot, not by the reactor later. Through the service,
+/// plainly: the client only encodes them into its message, and the server stages them.
+pub(super) fn staged(fs: &Fs, data: &[u8]) -> engine::Staged {
+    if fs.remote.is_some() {
+        engine::Bytes::copy_from_slice(data).into()
+    } else {
+        engine::Staged::copy_of(data)
+    }
+}
+
+/// The write of `data` ([`staged`]) through handle `f`: at `offset`, or an atomic append.
+pub(super) fn write_op(f: &OpenFile, offset: u64, data: engine::Staged) -> Op {
     if f.append {
         Op::Append { ino: f.ino, data }
     } else {

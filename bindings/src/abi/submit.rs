@@ -2,7 +2,7 @@
 //! completions polled.
 //! (Part of the C ABI: [`super`] states its conventions.)
 
-use super::files::{no_batch, sync_op, writable, write_op};
+use super::files::{no_batch, staged, sync_op, writable, write_op};
 use super::*;
 
 /// An asynchronous operation in flight on this thread.
@@ -134,7 +134,7 @@ pub unsafe extern "C" fn corefs_submit_pwrite(
         // Bounded before the copy: a huge `len` never sizes an allocation.
         let len = io_len(if f.append { 0 } else { offset }, len)?;
         // SAFETY: forwarded from this function's contract (`len` only shrank).
-        let data = nvme::staging_copy(unsafe { bytes(buf, len, "buf") }?);
+        let data = staged(&fs, unsafe { bytes(buf, len, "buf") }?);
         submit(&fs, &f, write_op(&f, offset, data), token, None)
     })
 }

@@ -610,7 +610,7 @@ impl Filesystem for CorefsFuse {
             ino: to_engine(ino),
             offset,
             // Aligned when large, so the device writes from this copy.
-            data: nvme::staging_copy(&data[..len]),
+            data: engine::Staged::copy_of(&data[..len]),
         };
         let work = |c: &mut Client| expect!(call(c, op)?, Reply::Written);
         self.answer(reply, work, |reply, n| reply.written(n as u32));

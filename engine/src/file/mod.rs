@@ -21,7 +21,10 @@ use crate::format::items::ExtentItem;
 use crate::format::{ItemKind, Key, BLOCK_BYTES};
 
 mod resize;
+mod staged;
 mod write;
+
+pub use staged::Staged;
 
 const BLOCK: u64 = BLOCK_BYTES as u64;
 /// Largest file offset (keeps every byte offset and block count in range): the format's.

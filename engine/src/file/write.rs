@@ -8,22 +8,22 @@
 //! - A lent write reads nothing from the queue: its edge blocks are cached, read beside the
 //!   queue, or it goes to the owner untouched.
 
+use super::Staged;
 use super::{extent_key, rw_len, ReadPiece, BLOCK, MAX_FILE_BYTES};
 use crate::error::{EngineError, Result};
 use crate::format::items::{ExtentItem, Timespec, MAX_EXTENT_BLOCKS};
 use crate::format::BLOCK_BYTES;
 use crate::fs::{Filesystem, Needs};
 use crate::space::MetaNeed;
-use bytes::Bytes;
 
 /// A write's bytes as the engine gets them: borrowed from its caller, and copied once when
-/// they are staged, or shared (a reactor's request owns them, as a [`Bytes`]), and staged
+/// they are staged, or shared (a reactor's request owns them, as a [`Staged`]), and staged
 /// as they are. Cloning either copies no byte (the closures [`Filesystem::run_op`] retries
 /// take a clone).
 #[derive(Clone)]
 enum WriteBytes<'a> {
     Borrowed(&'a [u8]),
-    Shared(Bytes),
+    Shared(Staged),
 }
 
 impl<'a> WriteBytes<'a> {
@@ -58,9 +58,9 @@ impl<'a> WriteBytes<'a> {
     /// The bytes for staging: a borrowed write's copied (its caller keeps its buffer) into
     /// memory the device can write from when large ([`nvme::staging_copy`]), a shared one's as
     /// they are.
-    fn into_staged(self) -> Bytes {
+    fn into_staged(self) -> Staged {
         match self {
-            WriteBytes::Borrowed(b) => nvme::staging_copy(b),
+            WriteBytes::Borrowed(b) => Staged::copy_of(b),
             WriteBytes::Shared(b) => b,
         }
     }
@@ -166,12 +166,9 @@ impl Filesystem {
         let data = data.staged_whole();
         for &(disk, got) in &runs {
             let bytes = data.slice((done * BLOCK) as usize..((done + got) * BLOCK) as usize);
-            let crcs = bytes
-                .as_slice()
-                .chunks(BLOCK_BYTES)
-                .map(crc32c::crc32c)
-                .collect();
-            self.stage_data(ino, disk, bytes.into_staged(), streaming)?;
+            let bytes = bytes.into_staged();
+            let crcs = bytes.block_crcs();
+            self.stage_data(ino, disk, bytes.into_bytes(), streaming)?;
             items.push((
                 first + done,
                 ExtentItem {
@@ -297,12 +294,9 @@ impl Filesystem {
             let disk = extent.item.disk_block + skip;
             let bytes = data
                 .slice(((cut_from - first) * BLOCK) as usize..((cut_to - first) * BLOCK) as usize);
-            let crcs: Vec<u32> = bytes
-                .as_slice()
-                .chunks(BLOCK_BYTES)
-                .map(crc32c::crc32c)
-                .collect();
-            self.stage_data(ino, disk, bytes.into_staged(), streaming)?;
+            let bytes = bytes.into_staged();
+            let crcs = bytes.block_crcs();
+            self.stage_data(ino, disk, bytes.into_bytes(), streaming)?;
             let prealloc = |from: u64, to: u64| ExtentItem {
                 disk_block: extent.item.disk_block + (from - extent.file_block),
                 blocks: (to - from) as u32,
@@ -345,7 +339,7 @@ impl Filesystem {
 
     /// [`Filesystem::write`] of bytes the caller hands over: they are staged as they are,
     /// not copied (a reactor's write request owns its bytes).
-    pub fn write_shared(&mut self, ino: u64, offset: u64, data: Bytes) -> Result<usize> {
+    pub fn write_shared(&mut self, ino: u64, offset: u64, data: Staged) -> Result<usize> {
         self.write_bytes(ino, offset, WriteBytes::Shared(data))
     }
 
@@ -362,7 +356,7 @@ impl Filesystem {
     }
 
     /// [`Filesystem::append`] of bytes the caller hands over, staged without a copy.
-    pub fn append_shared(&mut self, ino: u64, data: Bytes) -> Result<(u64, usize)> {
+    pub fn append_shared(&mut self, ino: u64, data: Staged) -> Result<(u64, usize)> {
         self.append_bytes(ino, WriteBytes::Shared(data))
     }
 
@@ -453,7 +447,7 @@ impl Filesystem {
     /// starts (the device's queue is the owner's). `None`, untouched, otherwise: the owner
     /// runs it. What runs is [`Filesystem::write`], through [`Filesystem::change_lent`].
     /// The bytes are the request's, staged as they are ([`Filesystem::write_shared`]).
-    pub fn write_lent(&mut self, ino: u64, offset: u64, data: Bytes) -> Option<Result<usize>> {
+    pub fn write_lent(&mut self, ino: u64, offset: u64, data: Staged) -> Option<Result<usize>> {
         self.write_lent_edges(ino, offset, data, false)
     }
 
@@ -467,7 +461,7 @@ impl Filesystem {
         &mut self,
         ino: u64,
         offset: u64,
-        data: Bytes,
+        data: Staged,
     ) -> Option<Result<usize>> {
         self.write_lent_edges(ino, offset, data, true)
     }
@@ -476,7 +470,7 @@ impl Filesystem {
         &mut self,
         ino: u64,
         offset: u64,
-        data: Bytes,
+        data: Staged,
         read_edges: bool,
     ) -> Option<Result<usize>> {
         if !self.dev.reads_beside_queue() || self.failed.is_some() {
@@ -622,7 +616,7 @@ impl Filesystem {
         }
         blocks[head..head + data.len()].copy_from_slice(data);
         // Staged as built: no second copy.
-        self.write_blocks(ino, first, WriteBytes::Shared(blocks.into()), size)
+        self.write_blocks(ino, first, WriteBytes::Shared(Staged::from(blocks)), size)
     }
 
     /// The old bytes of file block `block` (inside the file of `size` bytes, up to its end)

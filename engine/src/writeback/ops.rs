@@ -373,7 +373,7 @@ mod tests {
         let data = Bytes::from(data);
 
         assert_eq!(
-            fs.write_shared(shared, 0, data.clone()).unwrap(),
+            fs.write_shared(shared, 0, data.clone().into()).unwrap(),
             data.len()
         );
         let inside = runs_inside(&fs, shared, &data);
@@ -470,7 +470,7 @@ mod tests {
                 .unwrap()
                 .ino;
             let data = Bytes::from(vec![i; 68 << 10]);
-            fs.write_shared(ino, 0, data).unwrap();
+            fs.write_shared(ino, 0, data.into()).unwrap();
         }
         fs.sync().unwrap();
         let spare = &fs.dev.spare_blocks;
