@@ -776,20 +776,39 @@ fn fuzz_the_protocol(server_env: &[(&str, &str)]) {
                 name: name(&mut rng),
             },
         };
+        // A write whose bytes go beside its message: any length, past the slot's data area
+        // too, with bytes in that area or not.
+        let beside = corefs::service::wire::Request::Write(corefs::service::wire::WriteBeside {
+            ino,
+            offset: rng.random_range(0..1 << 20),
+            append: rng.random_bool(0.2),
+            len: match rng.random_range(0..4) {
+                0 => rng.random(),
+                1 => (ring::DATA_BYTES_MAX + rng.random_range(0..3)) as u32,
+                _ => rng.random_range(0..70_000),
+            },
+        });
         let request = if rng.random_ratio(1, 10) {
             // Pieces of requests, kept by the server until a last piece that may never come,
-            // may name another request or decode to nothing (or to a piece).
+            // may name another request or decode to nothing, to a piece, or to a write
+            // whose bytes would be beside it.
             let len = rng.random_range(0..5000);
             corefs::service::wire::Request::Piece(corefs::service::wire::Piece {
                 id: rng.random_range(0..100),
                 last: rng.random_bool(0.5),
-                bytes: if rng.random_bool(0.5) {
-                    postcard::to_stdvec(&corefs::service::wire::Request::Op(op.clone()))
-                        .unwrap_or_default()
-                } else {
-                    (0..len).map(|_| rng.random()).collect()
+                bytes: match rng.random_range(0..4) {
+                    0 | 1 => postcard::to_stdvec(&corefs::service::wire::Request::Op(op.clone()))
+                        .unwrap_or_default(),
+                    2 => postcard::to_stdvec(&beside).unwrap_or_default(),
+                    _ => (0..len).map(|_| rng.random()).collect(),
                 },
             })
+        } else if rng.random_ratio(1, 8) {
+            if rng.random_bool(0.7) {
+                let fill = rng.random_range(0..=ring::DATA_BYTES_MAX);
+                region.put_data(k % SLOTS, &vec![0xDD; fill]);
+            }
+            beside
         } else if rng.random_ratio(1, 8) {
             corefs::service::wire::Request::Lock(corefs::service::wire::LockRequest {
                 ino,

@@ -223,11 +223,21 @@ impl Connection {
     }
 
     /// Writes `request` into claimed slot `i` in place (no copy of the message: a write's
-    /// data goes from the caller's operation straight into shared memory) and submits it; on
-    /// an error (a request that does not fit) the slot is free again.
+    /// data goes from the caller's operation straight into shared memory, beside the message
+    /// that names it, [`wire::write_beside`]) and submits it; on an error (a request that does
+    /// not fit) the slot is free again.
     fn send(&self, i: usize, request: &wire::Request) -> Result<(), wire::Unsent> {
-        // SAFETY: slot `i` is this thread's (claimed), and no other view of it is live.
-        let written = wire::encode_request_into(request, unsafe { self.region.payload_mut(i) });
+        let beside = match request {
+            wire::Request::Op(op) => wire::write_beside(op),
+            _ => None,
+        };
+        // SAFETY: slot `i` is this thread's (claimed), and no other view of its payload is
+        // live while the encoder writes (the data goes in after, by `put_data`).
+        let payload = unsafe { self.region.payload_mut(i) };
+        let written = match &beside {
+            Some((head, _)) => wire::encode_request_into(head, &mut payload[..ring::DATA_AT]),
+            None => wire::encode_request_into(request, payload),
+        };
         let len = match written {
             Ok(len) => len,
             Err(e) => {
@@ -235,6 +245,9 @@ impl Connection {
                 return Err(e);
             }
         };
+        if let Some((_, data)) = beside {
+            self.region.put_data(i, data);
+        }
         let slot = self.region.slot(i);
         slot.len.store(len as u32, Ordering::Relaxed);
         slot.state.store(SUBMITTED, Ordering::SeqCst);
@@ -633,13 +646,13 @@ fn parts_of(op: &Op) -> Option<Vec<Op>> {
                 len: (len - at).min(ring::DATA_BYTES_MAX),
             })
             .collect(),
-        Op::Write { ino, offset, data } if data.len() > ring::DATA_BYTES_MAX => data
-            .chunks(ring::DATA_BYTES_MAX)
-            .enumerate()
-            .map(|(k, part)| Op::Write {
+        Op::Write { ino, offset, data } if data.len() > ring::DATA_BYTES_MAX => (0..data.len())
+            .step_by(ring::DATA_BYTES_MAX)
+            .map(|at| Op::Write {
                 ino: *ino,
-                offset: offset + (k * ring::DATA_BYTES_MAX) as u64,
-                data: part.to_vec().into(),
+                offset: offset + at as u64,
+                // A slice of the operation's bytes, not a copy.
+                data: data.slice(at..(at + ring::DATA_BYTES_MAX).min(data.len())),
             })
             .collect(),
         _ => return None,
@@ -689,16 +702,18 @@ impl RemoteClient {
             }
             Op::Write { ino, offset, data } if data.len() > ring::DATA_BYTES_MAX => {
                 let mut written = 0usize;
-                for part in data.chunks(ring::DATA_BYTES_MAX) {
+                for at in (0..data.len()).step_by(ring::DATA_BYTES_MAX) {
+                    let part = data.slice(at..(at + ring::DATA_BYTES_MAX).min(data.len()));
+                    let part_len = part.len();
                     let r = self.one(Op::Write {
                         ino,
                         offset: offset + written as u64,
-                        data: part.to_vec().into(),
+                        data: part,
                     });
                     match r {
                         Ok(Reply::Written(n)) => {
                             written += n;
-                            if n < part.len() {
+                            if n < part_len {
                                 break;
                             }
                         }
@@ -833,7 +848,7 @@ impl RemoteClient {
         let quick = match request {
             wire::Request::Op(op) => op.waits_awake(),
             wire::Request::Lock(_) => true,
-            wire::Request::ServerStats | wire::Request::Piece(_) => false,
+            wire::Request::ServerStats | wire::Request::Piece(_) | wire::Request::Write(_) => false,
         };
         self.conn.wait_done(i, None, quick)?;
         // A slow call looks at this thread's run delay and the machine's other work, as an

@@ -6,7 +6,9 @@
 //!   doorbell (bumped by the client after each submit) and how many server workers sleep on it.
 //! - Slot `i` at `HEADER_BYTES + i * SLOT_BYTES`: a 64-byte slot header ([`SlotHeader`]:
 //!   state, message length) on its own page, then the payload, page-aligned, where the
-//!   request is written and the reply replaces it.
+//!   request is written and the reply replaces it. A write's bytes go beside its message,
+//!   at [`DATA_AT`] in the payload ([`super::wire::Request::Write`]), where the server copies
+//!   them once, straight into the write's staging copy.
 //!
 //! # A slot's life
 //! `FREE` → (a client thread claims it) `CLAIMED` → (request written) `SUBMITTED` → (a
@@ -19,8 +21,11 @@
 //!
 //! # Fault model
 //! The client is not trusted: it can write anything anywhere in this memory at any time.
-//! So the server never reads a payload in place: it copies the request out (bounded by the
-//! payload size, whatever the length word says) and decodes the copy; it reads the state word
+//! So the server never decodes a payload in place: it copies the request out (bounded by the
+//! payload size, whatever the length word says) and decodes the copy. A write's bytes beside
+//! it are opaque: they are read once, by the copy that stages them (bounded by the data
+//! area, whatever the message says), and the checksums are taken of that copy; a client
+//! changing them meanwhile changes only what its own write writes. It reads the state word
 //! only to take a `SUBMITTED` slot and writes nothing the client could make it misread. A
 //! client scribbling over its own memory gets wrong answers for its own requests, nothing
 //! else. The server can die at any moment: a client never waits on a slot without a timeout
@@ -31,7 +36,7 @@ use std::time::Duration;
 
 /// "corefs\0" and the ring's version: a client refuses memory that does not start with them.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"corefsS1");
-pub const VERSION: u32 = 3;
+pub const VERSION: u32 = 4;
 
 /// Slots per connection: the requests a client process may have in flight at once.
 pub const SLOTS: usize = 64;
@@ -40,6 +45,10 @@ pub const SLOTS: usize = 64;
 pub const PAYLOAD_BYTES: usize = (1 << 20) + 4096;
 /// The most data one request moves; the rest of the payload is the message's header.
 pub const DATA_BYTES_MAX: usize = 1 << 20;
+/// Where a write's bytes start in the payload when they go beside its message
+/// ([`super::wire::Request::Write`]): after a page for the message, so the data area is
+/// page-aligned and runs to the payload's end.
+pub const DATA_AT: usize = PAGE_BYTES;
 const PAGE_BYTES: usize = 4096;
 const HEADER_BYTES: usize = PAGE_BYTES;
 /// A slot: its header page and its payload.
@@ -98,6 +107,7 @@ pub struct SlotHeader {
 const _: () = assert!(std::mem::size_of::<SlotHeader>() == 12);
 const _: () = assert!(PAYLOAD_BYTES <= u32::MAX as usize);
 const _: () = assert!(DATA_BYTES_MAX + 4096 <= PAYLOAD_BYTES);
+const _: () = assert!(DATA_AT + DATA_BYTES_MAX == PAYLOAD_BYTES);
 
 /// One connection's shared memory, mapped.
 pub struct Region {
@@ -236,6 +246,33 @@ impl Region {
         }
         // SAFETY: in bounds; nobody writes it while the caller owns it (contract).
         Some(unsafe { std::slice::from_raw_parts(self.payload(i), len) })
+    }
+
+    /// The first `len` bytes of slot `i`'s data area ([`DATA_AT`]) copied once, into a
+    /// write's staging copy, each block's crc32c taken of the copy as it is made; None when
+    /// `len` is past the data area (the server's side of [`super::wire::Request::Write`]).
+    pub fn stage_data(&self, i: usize, len: usize) -> Option<engine::Staged> {
+        if len > DATA_BYTES_MAX {
+            return None;
+        }
+        // SAFETY: within the payload (DATA_AT + DATA_BYTES_MAX is its end). The client may
+        // write these bytes while they are copied (only a misbehaving one): they are read
+        // once, by this copy, and what it sees is what its own write writes.
+        let data = unsafe { std::slice::from_raw_parts(self.payload(i).add(DATA_AT), len) };
+        Some(engine::Staged::copy_of(data))
+    }
+
+    /// Writes `data` into slot `i`'s data area (the client's side of
+    /// [`super::wire::Request::Write`]; the message goes in front with its length word).
+    pub fn put_data(&self, i: usize, data: &[u8]) {
+        assert!(
+            data.len() <= DATA_BYTES_MAX,
+            "data larger than a slot's area"
+        );
+        // SAFETY: within the payload (checked above).
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.payload(i).add(DATA_AT), data.len())
+        };
     }
 
     /// A copy of slot `i`'s message, or None when its length word is past the payload.

@@ -607,7 +607,9 @@ fn take_and_serve(conn: &Conn, client: &mut Client) -> bool {
     any
 }
 
-/// Slot `i`'s request, copied out of shared memory and decoded.
+/// Slot `i`'s request, copied out of shared memory and decoded; a write whose bytes are
+/// beside it ([`wire::Request::Write`]) as its operation, the bytes staged straight from the
+/// slot.
 fn read_request(conn: &Conn, i: usize) -> Result<wire::Request, EngineError> {
     let request = match conn.region.take(i) {
         Some(bytes) => wire::decode_request(&bytes)?,
@@ -618,6 +620,13 @@ fn read_request(conn: &Conn, i: usize) -> Result<wire::Request, EngineError> {
         }
     };
     match request {
+        wire::Request::Write(head) => match conn.region.stage_data(i, head.len as usize) {
+            Some(data) => Ok(wire::Request::Op(head.op(data))),
+            None => Err(EngineError::Invalid(format!(
+                "a write of {} bytes beside its message: more than a slot holds",
+                head.len
+            ))),
+        },
         // The last piece: the request is every kept piece's bytes, then its own.
         wire::Request::Piece(last) if last.last => {
             let kept = conn
@@ -635,6 +644,10 @@ fn read_request(conn: &Conn, i: usize) -> Result<wire::Request, EngineError> {
             match wire::decode_request(&bytes)? {
                 wire::Request::Piece(_) => Err(EngineError::Invalid(
                     "a request's piece inside a piece".into(),
+                )),
+                // Its bytes would be the last piece's slot's, which holds a piece.
+                wire::Request::Write(_) => Err(EngineError::Invalid(
+                    "a write beside its message inside a piece".into(),
                 )),
                 request => Ok(request),
             }
@@ -717,8 +730,15 @@ fn serve_one(
             wire::encode_server_stats(server_stats(conn, client)),
             Work::Metadata,
         ),
+        Ok(wire::Request::Write(_)) => (wire::encode_answer(Err(beside_unread())), Work::Metadata),
         Err(e) => (wire::encode_answer(Err(e)), Work::Metadata),
     }
+}
+
+/// The error for a [`wire::Request::Write`] that reached a server without its bytes: none
+/// does ([`read_request`] reads them with it), but the answer is an error, not a panic.
+fn beside_unread() -> EngineError {
+    EngineError::Invalid("a write beside its message, apart from its slot".into())
 }
 
 /// A read counts the bytes its answer carries.
@@ -922,6 +942,11 @@ impl reactor::source::Source for ReactorSide {
                     let work = Work::Write(piece.bytes.len() as u64);
                     let answer = wire::encode_answer(keep_piece(conn, piece));
                     answer_counted(conn, i, work, started, answer);
+                    continue;
+                }
+                Ok(wire::Request::Write(_)) => {
+                    let answer = wire::encode_answer(Err(beside_unread()));
+                    answer_counted(conn, i, Work::Metadata, started, answer);
                     continue;
                 }
                 Err(e) => {

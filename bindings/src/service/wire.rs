@@ -30,6 +30,67 @@ pub enum Request {
     /// `Reply::Done`, and at the `last` decodes their bytes, in order, as the request and
     /// serves it (a piece in a piece is refused).
     Piece(Piece),
+    /// A write whose bytes are not in the message but beside it, at [`ring::DATA_AT`] in the
+    /// slot ([`write_beside`] makes it of an [`Op::Write`] or [`Op::Append`]): the server
+    /// copies them once, straight into the write's staging copy
+    /// ([`ring::Region::stage_data`]), where a message holding them is copied out whole and
+    /// its bytes copied again as it is decoded. It names its slot's bytes, so it is refused
+    /// inside a [`Request::Piece`].
+    Write(WriteBeside),
+}
+
+/// A [`Request::Write`]'s arguments; its `len` bytes are in the slot's data area.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct WriteBeside {
+    pub ino: u64,
+    /// Ignored for an append.
+    pub offset: u64,
+    /// At the end of the file, atomically ([`Op::Append`]).
+    pub append: bool,
+    pub len: u32,
+}
+
+impl WriteBeside {
+    /// The operation this is, with its bytes (`data`, staged by the server).
+    pub fn op(&self, data: engine::Staged) -> Op {
+        assert_eq!(
+            data.len(),
+            self.len as usize,
+            "a write's bytes are its length"
+        );
+        if self.append {
+            Op::Append {
+                ino: self.ino,
+                data,
+            }
+        } else {
+            Op::Write {
+                ino: self.ino,
+                offset: self.offset,
+                data,
+            }
+        }
+    }
+}
+
+/// `op` as a [`Request::Write`] and the bytes that go beside it, when it is a write or an
+/// append whose bytes fit a slot's data area; None for anything else (it goes in the
+/// message, or in pieces).
+pub fn write_beside(op: &Op) -> Option<(Request, &[u8])> {
+    let (ino, offset, append, data) = match op {
+        Op::Write { ino, offset, data } => (*ino, *offset, false, data),
+        Op::Append { ino, data } => (*ino, 0, true, data),
+        _ => return None,
+    };
+    (data.len() <= ring::DATA_BYTES_MAX).then(|| {
+        let head = WriteBeside {
+            ino,
+            offset,
+            append,
+            len: data.len() as u32,
+        };
+        (Request::Write(head), &data[..])
+    })
 }
 
 /// One piece of an encoded request ([`Request::Piece`]); `id` names the request among the
@@ -406,6 +467,46 @@ mod tests {
             decode_answer(&too_long.to_vec()).unwrap_err().errno(),
             libc::EIO
         );
+    }
+
+    /// Writes and appends that fit a slot's data area go beside a message naming them, and
+    /// come back as the same operation; a larger one, or any other operation, does not.
+    #[test]
+    fn a_write_beside_its_message_is_the_same_write() {
+        let data: Vec<u8> = (0..ring::DATA_BYTES_MAX).map(|i| (i * 5) as u8).collect();
+        for len in [0, 1, 4096, ring::DATA_BYTES_MAX] {
+            for op in [
+                Op::Write {
+                    ino: 7,
+                    offset: 12_345,
+                    data: data[..len].to_vec().into(),
+                },
+                Op::Append {
+                    ino: 9,
+                    data: data[..len].to_vec().into(),
+                },
+            ] {
+                let (head, beside) = write_beside(&op).expect("fits beside");
+                assert_eq!(beside, &data[..len]);
+                let bytes = encode_request(&head).unwrap();
+                assert!(
+                    bytes.len() < ring::DATA_AT,
+                    "the message fits before the data"
+                );
+                let Request::Write(back) = decode_request(&bytes).unwrap() else {
+                    panic!("not a write beside its message");
+                };
+                let again = back.op(engine::Staged::copy_of(beside));
+                assert_eq!(format!("{again:?}"), format!("{op:?}"));
+            }
+        }
+        let long = Op::Write {
+            ino: 7,
+            offset: 0,
+            data: vec![0; ring::DATA_BYTES_MAX + 1].into(),
+        };
+        assert!(write_beside(&long).is_none());
+        assert!(write_beside(&Op::Sync).is_none());
     }
 
     #[test]
