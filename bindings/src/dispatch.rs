@@ -75,6 +75,30 @@ impl Conn {
         }
     }
 
+    /// Writes `data` at `offset` of `ino` (with `append`, at its end, atomically); the
+    /// reply is [`Reply::Written`] or [`Reply::Appended`]. In process the bytes are copied
+    /// once, into the staging copy the engine keeps ([`engine::Staged::copy_of`]); through a
+    /// service once, from `data` straight into the slot ([`RemoteClient::write_from`]).
+    pub fn write_from(
+        &mut self,
+        ino: u64,
+        offset: u64,
+        append: bool,
+        data: &[u8],
+    ) -> Result<Reply, EngineError> {
+        match self {
+            Conn::Local(c) => {
+                let data = engine::Staged::copy_of(data);
+                c.call(if append {
+                    Op::Append { ino, data }
+                } else {
+                    Op::Write { ino, offset, data }
+                })
+            }
+            Conn::Remote(c) => c.write_from(ino, offset, append, data),
+        }
+    }
+
     /// The service client, when this thread reaches the engine through a server.
     pub fn remote(&mut self) -> Option<&mut RemoteClient> {
         match self {

@@ -179,6 +179,28 @@ fn a_service_client_streams_while_only_large_transfers_are_in_flight() {
         back == big,
         "a 2.5 MiB submitted write read back different bytes"
     );
+    // A called write of more than one message, at an offset inside a block: its parts go
+    // from the caller's buffer straight into their slots, in order.
+    let called: Vec<u8> = (0..(5 << 19) + 333)
+        .map(|i: usize| (i % 241) as u8)
+        .collect();
+    let at = (4 << 20) + 1000;
+    // SAFETY: a live buffer of the length given.
+    let n = unsafe { corefs_pwrite(fs, fd, called.as_ptr(), called.len(), at) };
+    assert_eq!(n, called.len() as i64, "{}", last_error());
+    let mut back = vec![0u8; called.len() + 1000];
+    // SAFETY: `back` has room for `back.len()` bytes.
+    let n = unsafe { corefs_pread(fs, fd, back.as_mut_ptr(), back.len(), 4 << 20) };
+    assert_eq!(n, back.len() as i64, "{}", last_error());
+    assert_eq!(
+        back[..1000],
+        big[..1000],
+        "the bytes before the called write"
+    );
+    assert!(
+        back[1000..1000 + called.len()] == called[..],
+        "a 2.5 MiB called write read back different bytes"
+    );
     // An atomic batch larger than one message (a 2.5 MiB write, small ones before and after
     // it, one overlapping it) goes as one request in pieces the server keeps until the last;
     // it applies whole, in order.

@@ -328,7 +328,8 @@ pub unsafe extern "C" fn corefs_pwrite(
         if let Some(staged) = f.batch().with(|batch| batch.stage(offset, data)) {
             return staged.map(|()| len as i64).map_err(Error::from);
         }
-        let reply = call(&fs, write_op(&f, offset, staged(&fs, data)))?;
+        let reply = with_client(&fs, |c| c.write_from(f.ino, offset, f.append, data))?
+            .map_err(Error::from)?;
         expect_reply!(reply, Reply::Written(n) | Reply::Appended { written: n, .. } => n as i64)
     })
 }

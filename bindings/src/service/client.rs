@@ -227,15 +227,29 @@ impl Connection {
     /// that names it, [`wire::write_beside`]) and submits it; on an error (a request that does
     /// not fit) the slot is free again.
     fn send(&self, i: usize, request: &wire::Request) -> Result<(), wire::Unsent> {
-        let beside = match request {
-            wire::Request::Op(op) => wire::write_beside(op),
-            _ => None,
-        };
+        match request {
+            wire::Request::Op(op) => match wire::write_beside(op) {
+                Some((head, data)) => self.send_with(i, &head, Some(data)),
+                None => self.send_with(i, request, None),
+            },
+            _ => self.send_with(i, request, None),
+        }
+    }
+
+    /// [`Connection::send`] of `request` with `beside`, the bytes of a
+    /// [`wire::Request::Write`], written into the slot's data area (from wherever they are:
+    /// the caller's buffer, for [`RemoteClient::write_from`]).
+    fn send_with(
+        &self,
+        i: usize,
+        request: &wire::Request,
+        beside: Option<&[u8]>,
+    ) -> Result<(), wire::Unsent> {
         // SAFETY: slot `i` is this thread's (claimed), and no other view of its payload is
         // live while the encoder writes (the data goes in after, by `put_data`).
         let payload = unsafe { self.region.payload_mut(i) };
-        let written = match &beside {
-            Some((head, _)) => wire::encode_request_into(head, &mut payload[..ring::DATA_AT]),
+        let written = match beside {
+            Some(_) => wire::encode_request_into(request, &mut payload[..ring::DATA_AT]),
             None => wire::encode_request_into(request, payload),
         };
         let len = match written {
@@ -245,7 +259,7 @@ impl Connection {
                 return Err(e);
             }
         };
-        if let Some((_, data)) = beside {
+        if let Some(data) = beside {
             self.region.put_data(i, data);
         }
         let slot = self.region.slot(i);
@@ -701,28 +715,8 @@ impl RemoteClient {
                 Ok(Reply::Data(data))
             }
             Op::Write { ino, offset, data } if data.len() > ring::DATA_BYTES_MAX => {
-                let mut written = 0usize;
-                for at in (0..data.len()).step_by(ring::DATA_BYTES_MAX) {
-                    let part = data.slice(at..(at + ring::DATA_BYTES_MAX).min(data.len()));
-                    let part_len = part.len();
-                    let r = self.one(Op::Write {
-                        ino,
-                        offset: offset + written as u64,
-                        data: part,
-                    });
-                    match r {
-                        Ok(Reply::Written(n)) => {
-                            written += n;
-                            if n < part_len {
-                                break;
-                            }
-                        }
-                        // As pwrite(2): what was written counts; the error comes next call.
-                        Err(_) if written > 0 => break,
-                        other => return other,
-                    }
-                }
-                Ok(Reply::Written(written))
+                // Slices of the operation's bytes, each copied once, into its slot.
+                self.write_from(ino, offset, false, &data)
             }
             op => self.one(op),
         }
@@ -757,6 +751,49 @@ impl RemoteClient {
 
     fn one(&mut self, op: Op) -> Result<Reply, EngineError> {
         self.request(&wire::Request::Op(op))
+    }
+
+    /// Writes `data` at `offset` of `ino` (with `append`, at its end, atomically) from the
+    /// caller's buffer straight into the slot's data area, this side's only copy of the bytes
+    /// ([`wire::Request::Write`]). More than a slot's data goes as several writes, in order,
+    /// counted as pwrite(2) counts (up to a short part or an error; the error only when
+    /// nothing was written); an append of more goes whole, in pieces of its encoding (cut,
+    /// another appender could land between its parts).
+    pub fn write_from(
+        &mut self,
+        ino: u64,
+        offset: u64,
+        append: bool,
+        data: &[u8],
+    ) -> Result<Reply, EngineError> {
+        if data.len() <= ring::DATA_BYTES_MAX {
+            let head = wire::Request::Write(wire::WriteBeside {
+                ino,
+                offset,
+                append,
+                len: data.len() as u32,
+            });
+            return self.exchange_with(&head, Some(data), wire::decode_answer);
+        }
+        if append {
+            let data = engine::Bytes::copy_from_slice(data).into();
+            return self.one(Op::Append { ino, data });
+        }
+        let mut written = 0usize;
+        for part in data.chunks(ring::DATA_BYTES_MAX) {
+            match self.write_from(ino, offset + written as u64, false, part) {
+                Ok(Reply::Written(n)) => {
+                    written += n;
+                    if n < part.len() {
+                        break;
+                    }
+                }
+                // As pwrite(2): what was written counts; the error comes next call.
+                Err(_) if written > 0 => break,
+                other => return other,
+            }
+        }
+        Ok(Reply::Written(written))
     }
 
     /// A byte-range lock kept by the server ([`wire::Request::Lock`]).
@@ -831,6 +868,17 @@ impl RemoteClient {
         request: &wire::Request,
         decode: impl FnOnce(&[u8]) -> Result<T, EngineError>,
     ) -> Result<T, EngineError> {
+        self.exchange_with(request, None, decode)
+    }
+
+    /// [`RemoteClient::exchange`] of `request` and, for a [`wire::Request::Write`], the
+    /// bytes that go `beside` it ([`Connection::send_with`]).
+    fn exchange_with<T>(
+        &mut self,
+        request: &wire::Request,
+        beside: Option<&[u8]>,
+        decode: impl FnOnce(&[u8]) -> Result<T, EngineError>,
+    ) -> Result<T, EngineError> {
         // A server that went since the last look is found by the wait (every
         // `LIVENESS_CHECK`), not by a poll of the socket before every request.
         if self.conn.known_dead() {
@@ -839,16 +887,24 @@ impl RemoteClient {
         self.reap_posted(POSTED_MAX - 1)?;
         let i = self.conn.claim_waiting()?;
         let started = Instant::now();
-        match self.conn.send(i, request) {
+        let sent = match beside {
+            Some(_) => self.conn.send_with(i, request, beside),
+            None => self.conn.send(i, request),
+        };
+        match sent {
             Ok(()) => {}
-            Err(wire::Unsent::TooLarge) => return self.exchange_in_pieces(request, decode),
-            Err(wire::Unsent::Refused(e)) => return Err(e),
+            // A write beside its message always fits (its message is a few bytes).
+            Err(wire::Unsent::TooLarge) if beside.is_none() => {
+                return self.exchange_in_pieces(request, decode)
+            }
+            Err(e) => return Err(e.into()),
         }
         self.sent += 1;
         let quick = match request {
             wire::Request::Op(op) => op.waits_awake(),
-            wire::Request::Lock(_) => true,
-            wire::Request::ServerStats | wire::Request::Piece(_) | wire::Request::Write(_) => false,
+            // A write is quick (`Op::is_quick`).
+            wire::Request::Lock(_) | wire::Request::Write(_) => true,
+            wire::Request::ServerStats | wire::Request::Piece(_) => false,
         };
         self.conn.wait_done(i, None, quick)?;
         // A slow call looks at this thread's run delay and the machine's other work, as an
