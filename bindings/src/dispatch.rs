@@ -36,6 +36,34 @@ impl Conn {
         }
     }
 
+    /// Submits a write of `data` at `offset` of `ino` (with `append`, at its end,
+    /// atomically), copied during the call: in process into the staging copy
+    /// ([`engine::Staged::copy_of`]), through a service straight into the ring
+    /// ([`RemoteClient::submit_write`]).
+    pub fn submit_write(
+        &mut self,
+        ino: u64,
+        offset: u64,
+        append: bool,
+        data: &[u8],
+        token: u64,
+    ) -> Result<(), SubmitError> {
+        match self {
+            Conn::Local(c) => {
+                let data = engine::Staged::copy_of(data);
+                c.submit(
+                    if append {
+                        Op::Append { ino, data }
+                    } else {
+                        Op::Write { ino, offset, data }
+                    },
+                    token,
+                )
+            }
+            Conn::Remote(c) => c.submit_write(ino, offset, append, data, token),
+        }
+    }
+
     /// As [`Conn::submit`], for a read whose data goes to `into`: through a service it is
     /// decoded straight there and completes as [`Reply::Placed`]; in process it completes
     /// with its data as any read.

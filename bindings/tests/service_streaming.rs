@@ -8,7 +8,9 @@
 //! decoded straight into their buffers. Submitted reads and writes longer than one message
 //! go as several and complete whole (they came back short, or failed, before); an atomic
 //! batch or an append larger than one message, called or submitted, goes whole, as one
-//! request in pieces (they failed with EINVAL before).
+//! request in pieces (they failed with EINVAL before). Submitted writes take their slots
+//! all or none: in a ring with two slots free a three-message write is refused with EAGAIN
+//! and holds none of them.
 
 use corefs::abi::*;
 use std::ffi::{CStr, CString};
@@ -265,6 +267,62 @@ fn a_service_client_streams_while_only_large_transfers_are_in_flight() {
     assert!(back[..n as usize].chunks(record.len()).all(|r| r == record));
     assert_eq!(corefs_release(fs, afd), 0, "{}", last_error());
     assert_eq!(corefs_release(fs, rfd), 0, "{}", last_error());
+    assert_eq!(corefs_release(fs, fd), 0, "{}", last_error());
+    assert_eq!(corefs_close(fs), 0, "{}", last_error());
+
+    // A ring with two slots free: submitted 1 MiB writes (one message each, copied from the
+    // caller's buffer into their slots) fill all but two of a fresh connection's 64; a
+    // 2.5 MiB write needs three and goes whole or not at all: refused with EAGAIN, it holds
+    // none of the two (two more 1 MiB writes go), and writes nothing. Every accepted write
+    // completes whole and reads back.
+    // SAFETY: a NUL-terminated path; no options.
+    let fs = unsafe { corefs_connect(c_socket.as_ptr(), std::ptr::null()) };
+    assert!(fs > 0, "connect: {}", last_error());
+    // SAFETY: a NUL-terminated path.
+    let fd = unsafe { corefs_open(fs, c"ring".as_ptr(), libc::O_CREAT | libc::O_RDWR, 0o644) };
+    assert!(fd >= 0, "open: {}", last_error());
+    let mib = 1usize << 20;
+    let chunk = |k: usize| vec![(k % 200) as u8 + 1; mib];
+    let submit_chunk = |k: usize| {
+        let data = chunk(k);
+        // SAFETY: `data` is live for its length; the library copies it during the call.
+        unsafe { corefs_submit_pwrite(fs, fd, data.as_ptr(), mib, (k * mib) as u64, k as u64) }
+    };
+    for k in 0..62 {
+        assert_eq!(submit_chunk(k), 0, "submit {k}: {}", last_error());
+    }
+    let three = vec![0xABu8; (5 << 19) + 1];
+    let at = (64 * mib) as u64;
+    // SAFETY: `three` is live for its length.
+    let rc = unsafe { corefs_submit_pwrite(fs, fd, three.as_ptr(), three.len(), at, 999) };
+    assert_eq!(
+        rc,
+        -libc::EAGAIN,
+        "a write of three messages with two slots free"
+    );
+    for k in 62..64 {
+        assert_eq!(submit_chunk(k), 0, "submit {k}: {}", last_error());
+    }
+    assert_eq!(
+        submit_chunk(64),
+        -libc::EAGAIN,
+        "a 65th message in a ring of 64"
+    );
+    collect(fs, 64, &[mib; 64]);
+    let mut one = vec![0u8; mib];
+    for k in 0..64 {
+        // SAFETY: `one` has room for its length.
+        let n = unsafe { corefs_pread(fs, fd, one.as_mut_ptr(), one.len(), (k * mib) as u64) };
+        assert_eq!(n, mib as i64, "write {k}: {}", last_error());
+        assert!(
+            one == chunk(k),
+            "submitted write {k} read back different bytes"
+        );
+    }
+    // Nothing past the 64th: the refused write wrote nothing.
+    // SAFETY: `one` has room for its length.
+    let n = unsafe { corefs_pread(fs, fd, one.as_mut_ptr(), one.len(), (64 * mib) as u64) };
+    assert_eq!(n, 0, "bytes past the accepted writes: {}", last_error());
     assert_eq!(corefs_release(fs, fd), 0, "{}", last_error());
     assert_eq!(corefs_close(fs), 0, "{}", last_error());
     stop.store(true, Ordering::Release);

@@ -334,32 +334,6 @@ pub unsafe extern "C" fn corefs_pwrite(
     })
 }
 
-/// The caller's bytes for a write through `fs`, copied once. In process, into the staging
-/// copy ([`engine::Staged::copy_of`]): a large write's copy is aligned and the device writes
-/// it from there, with no copy into a DMA buffer, and each block's crc32c is taken in the
-/// caller's thread while the copy is hot, not by the reactor later. Through the service,
-/// plainly: the client only encodes them into its message, and the server stages them.
-pub(super) fn staged(fs: &Fs, data: &[u8]) -> engine::Staged {
-    if fs.remote.is_some() {
-        engine::Bytes::copy_from_slice(data).into()
-    } else {
-        engine::Staged::copy_of(data)
-    }
-}
-
-/// The write of `data` ([`staged`]) through handle `f`: at `offset`, or an atomic append.
-pub(super) fn write_op(f: &OpenFile, offset: u64, data: engine::Staged) -> Op {
-    if f.append {
-        Op::Append { ino: f.ino, data }
-    } else {
-        Op::Write {
-            ino: f.ino,
-            offset,
-            data,
-        }
-    }
-}
-
 /// The handle `fd` if it is a regular file open for writing (ftruncate(2) and fallocate(2)
 /// on a read-only descriptor are EBADF).
 pub(super) fn writable(fs: &Fs, fd: corefs_fd) -> Result<FileRef, Error> {

@@ -2,7 +2,7 @@
 //! completions polled.
 //! (Part of the C ABI: [`super`] states its conventions.)
 
-use super::files::{no_batch, staged, sync_op, writable, write_op};
+use super::files::{no_batch, sync_op, writable};
 use super::*;
 
 /// An asynchronous operation in flight on this thread.
@@ -19,13 +19,26 @@ thread_local! {
     static NEXT_TOKEN: std::cell::Cell<u64> = const { std::cell::Cell::new(1) };
 }
 
-/// Submits `op` on file handle `f` (pinned for this call); the operation holds the file
+/// What a submit sends: an operation, or a write of the caller's bytes, which are copied
+/// during the call (staged in process; through a service straight into the ring,
+/// [`crate::dispatch::Conn::submit_write`]).
+enum Submission<'a> {
+    Op(Op),
+    Write {
+        ino: u64,
+        offset: u64,
+        append: bool,
+        data: &'a [u8],
+    },
+}
+
+/// Submits `what` on file handle `f` (pinned for this call); the operation holds the file
 /// until its completion is polled, so a release meanwhile does not delete it under the
 /// operation ([`handles::InFlight`]).
 fn submit(
     fs: &FsRef,
     f: &handles::FileRef,
-    op: Op,
+    what: Submission<'_>,
     user_token: u64,
     read_into: Option<(*mut u8, usize)>,
 ) -> Result<(), Error> {
@@ -36,14 +49,23 @@ fn submit(
     });
     let in_flight = f.in_flight();
     in_flight.begin();
-    let submitted = with_client(fs, |c| match read_into {
-        Some((buf, len)) if len > 0 => {
+    let submitted = with_client(fs, |c| match (what, read_into) {
+        (
+            Submission::Write {
+                ino,
+                offset,
+                append,
+                data,
+            },
+            _,
+        ) => c.submit_write(ino, offset, append, data, token),
+        (Submission::Op(op), Some((buf, len))) if len > 0 => {
             // SAFETY: the submitter promised `buf` valid for `len` bytes until this read's
             // completion is polled.
             let into = unsafe { crate::service::client::ReadDest::new(buf, len) };
             c.submit_read(op, token, into)
         }
-        _ => c.submit(op, token),
+        (Submission::Op(op), _) => c.submit(op, token),
     })
     .and_then(|r| {
         r.map_err(|e| match e {
@@ -101,11 +123,11 @@ pub unsafe extern "C" fn corefs_submit_pread(
         submit(
             &fs,
             &f,
-            Op::Read {
+            Submission::Op(Op::Read {
                 ino: f.ino,
                 offset,
                 len,
-            },
+            }),
             token,
             Some((buf, len)),
         )
@@ -134,8 +156,14 @@ pub unsafe extern "C" fn corefs_submit_pwrite(
         // Bounded before the copy: a huge `len` never sizes an allocation.
         let len = io_len(if f.append { 0 } else { offset }, len)?;
         // SAFETY: forwarded from this function's contract (`len` only shrank).
-        let data = staged(&fs, unsafe { bytes(buf, len, "buf") }?);
-        submit(&fs, &f, write_op(&f, offset, data), token, None)
+        let data = unsafe { bytes(buf, len, "buf") }?;
+        let write = Submission::Write {
+            ino: f.ino,
+            offset,
+            append: f.append,
+            data,
+        };
+        submit(&fs, &f, write, token, None)
     })
 }
 
@@ -152,7 +180,13 @@ pub extern "C" fn corefs_submit_fsync(
     status("corefs_submit_fsync", || {
         let fs = fs_of(fs)?;
         let f = file(&fs, fd)?;
-        submit(&fs, &f, sync_op(f.ino, datasync != 0), token, None)
+        submit(
+            &fs,
+            &f,
+            Submission::Op(sync_op(f.ino, datasync != 0)),
+            token,
+            None,
+        )
     })
 }
 

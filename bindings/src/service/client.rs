@@ -205,6 +205,24 @@ impl Connection {
         })
     }
 
+    /// `n` slots, or none (the ones claimed are freed again): an operation in several
+    /// messages is sent whole or not at all.
+    fn claim_all(&self, n: usize) -> Option<Vec<usize>> {
+        let mut slots = Vec::with_capacity(n);
+        while slots.len() < n {
+            match self.claim() {
+                Some(i) => slots.push(i),
+                None => {
+                    for i in slots {
+                        self.region.slot(i).state.store(FREE, Ordering::Release);
+                    }
+                    return None;
+                }
+            }
+        }
+        Some(slots)
+    }
+
     /// A slot, waiting (bounded by the server's life) while all are in use.
     fn claim_waiting(&self) -> Result<usize, EngineError> {
         let mut checked = Instant::now();
@@ -558,6 +576,21 @@ impl Observer {
 pub const POSTED_MAX: usize = 8;
 
 /// An operation a thread submitted and has not collected.
+/// One message of a submitted operation: an operation, or a write whose bytes go beside
+/// its message from the caller's buffer ([`RemoteClient::submit_write`]).
+enum Outgoing<'a> {
+    Op(Op),
+    Beside(wire::Request, &'a [u8]),
+}
+
+/// What a submitted operation's completion needs to know ([`InFlight`]'s own fields).
+struct Sent {
+    token: u64,
+    large: bool,
+    read: bool,
+    into: Option<ReadDest>,
+}
+
 struct InFlight {
     /// Its requests' slots in order, with the bytes each reads or writes: one, unless a
     /// read or write larger than one message went as several ([`RemoteClient::submit_into`]).
@@ -977,11 +1010,7 @@ impl RemoteClient {
         token: u64,
         into: Option<ReadDest>,
     ) -> Result<(), SubmitError> {
-        if self.conn.known_dead() {
-            self.ready.push_back(Completion {
-                token,
-                result: Err(gone(&self.conn.socket_path)),
-            });
+        if self.refused_dead(token) {
             return Ok(());
         }
         let large = op.is_large_transfer();
@@ -1006,38 +1035,146 @@ impl RemoteClient {
                 (Vec::new(), vec![len])
             }
         };
-        if lens.len() > SLOTS {
-            self.ready.push_back(Completion {
-                token,
-                result: Err(EngineError::Invalid(format!(
-                    "an asynchronous read or write of more than {} MiB through the service                      (its ring's {SLOTS} messages of 1 MiB): submit it in smaller parts",
-                    (SLOTS * ring::DATA_BYTES_MAX) >> 20
-                ))),
-            });
+        if self.refused_too_many(lens.len(), token) {
             return Ok(());
         }
         // Every slot first, so an operation is sent whole or not at all.
-        let mut slots = Vec::with_capacity(lens.len());
-        while slots.len() < lens.len() {
-            match self.conn.claim() {
-                Some(i) => slots.push(i),
-                None => {
-                    for i in slots {
-                        self.conn
-                            .region
-                            .slot(i)
-                            .state
-                            .store(FREE, Ordering::Release);
-                    }
-                    return Err(SubmitError::Full(op));
-                }
+        let Some(slots) = self.conn.claim_all(lens.len()) else {
+            return Err(SubmitError::Full(op));
+        };
+        let requests: Vec<Outgoing> = if parts.is_empty() {
+            vec![Outgoing::Op(op)]
+        } else {
+            parts.into_iter().map(Outgoing::Op).collect()
+        };
+        let sent = Sent {
+            token,
+            large,
+            read,
+            into,
+        };
+        self.send_claimed(slots, requests, &lens, sent)
+    }
+
+    /// Submits a write of `data` at `offset` of `ino` (with `append`, at its end,
+    /// atomically), its bytes copied during the call from `data` straight into the slots'
+    /// data areas ([`wire::Request::Write`]); as [`RemoteClient::submit_into`] of the
+    /// operation otherwise: more than a slot's data goes as several writes (an append of
+    /// more goes whole, in pieces), all sent or none (`Full`).
+    pub fn submit_write(
+        &mut self,
+        ino: u64,
+        offset: u64,
+        append: bool,
+        data: &[u8],
+        token: u64,
+    ) -> Result<(), SubmitError> {
+        let owned = || {
+            let data = engine::Bytes::copy_from_slice(data).into();
+            if append {
+                Op::Append { ino, data }
+            } else {
+                Op::Write { ino, offset, data }
             }
+        };
+        if append && data.len() > ring::DATA_BYTES_MAX {
+            return self.submit_into(owned(), token, None);
         }
-        let requests: Vec<Op> = if parts.is_empty() { vec![op] } else { parts };
+        if self.refused_dead(token) {
+            return Ok(());
+        }
+        // One part at least: an empty write is a message too.
+        let parts: Vec<&[u8]> = if data.is_empty() {
+            vec![data]
+        } else {
+            data.chunks(ring::DATA_BYTES_MAX).collect()
+        };
+        // One part completes with its own reply, as a whole operation does (its length
+        // counts only in a sum of parts).
+        let lens: Vec<usize> = match parts.len() {
+            1 => vec![0],
+            _ => parts.iter().map(|p| p.len()).collect(),
+        };
+        if self.refused_too_many(lens.len(), token) {
+            return Ok(());
+        }
+        let Some(slots) = self.conn.claim_all(lens.len()) else {
+            return Err(SubmitError::Full(owned()));
+        };
+        let requests = parts
+            .iter()
+            .enumerate()
+            .map(|(k, part)| {
+                let head = wire::WriteBeside {
+                    ino,
+                    offset: offset + (k * ring::DATA_BYTES_MAX) as u64,
+                    append,
+                    len: part.len() as u32,
+                };
+                Outgoing::Beside(wire::Request::Write(head), part)
+            })
+            .collect();
+        let sent = Sent {
+            token,
+            // As `Op::is_large_transfer` says of the operation.
+            large: !append && data.len() >= reactor::op::LARGE_TRANSFER_BYTES,
+            read: false,
+            into: None,
+        };
+        self.send_claimed(slots, requests, &lens, sent)
+    }
+
+    /// Whether the server is known gone: then `token` completes with that error at once.
+    fn refused_dead(&mut self, token: u64) -> bool {
+        if !self.conn.known_dead() {
+            return false;
+        }
+        self.ready.push_back(Completion {
+            token,
+            result: Err(gone(&self.conn.socket_path)),
+        });
+        true
+    }
+
+    /// Whether an operation of `parts` messages needs more slots than the ring has: then
+    /// `token` completes with EINVAL at once.
+    fn refused_too_many(&mut self, parts: usize, token: u64) -> bool {
+        if parts <= SLOTS {
+            return false;
+        }
+        self.ready.push_back(Completion {
+            token,
+            result: Err(EngineError::Invalid(format!(
+                "an asynchronous read or write of more than {} MiB through the service \
+                 (its ring's {SLOTS} messages of 1 MiB): submit it in smaller parts",
+                (SLOTS * ring::DATA_BYTES_MAX) >> 20
+            ))),
+        });
+        true
+    }
+
+    /// Sends `requests`, the messages of one submitted operation, in `slots` (claimed, one
+    /// each, in order) and keeps the operation in flight; `lens` are the bytes each moves.
+    /// A part that cannot be sent frees its slot and those after it, and the operation
+    /// completes with the parts sent (or, with none, that error).
+    fn send_claimed(
+        &mut self,
+        slots: Vec<usize>,
+        requests: Vec<Outgoing<'_>>,
+        lens: &[usize],
+        sent_as: Sent,
+    ) -> Result<(), SubmitError> {
+        assert_eq!(slots.len(), requests.len(), "a slot for every message");
+        let Sent {
+            token,
+            large,
+            read,
+            into,
+        } = sent_as;
         let whole = requests.len() == 1;
         let mut sent = Vec::with_capacity(slots.len());
         let mut cut = None;
-        for ((i, request), len) in slots.iter().zip(requests).zip(&lens) {
+        for ((i, request), len) in slots.iter().zip(requests).zip(lens) {
             if cut.is_some() {
                 self.conn
                     .region
@@ -1046,15 +1183,22 @@ impl RemoteClient {
                     .store(FREE, Ordering::Release);
                 continue;
             }
-            let request = wire::Request::Op(request);
-            match self.conn.send(*i, &request) {
+            let (request, beside) = match request {
+                Outgoing::Op(op) => (wire::Request::Op(op), None),
+                Outgoing::Beside(head, data) => (head, Some(data)),
+            };
+            let result = match beside {
+                Some(_) => self.conn.send_with(*i, &request, beside),
+                None => self.conn.send(*i, &request),
+            };
+            match result {
                 Ok(()) => {
                     self.sent += 1;
                     sent.push((*i, *len));
                 }
                 // An operation that must go whole (an append, an atomic batch) and does not
                 // fit a message: its pieces go now, its last as this operation.
-                Err(wire::Unsent::TooLarge) if whole => {
+                Err(wire::Unsent::TooLarge) if whole && beside.is_none() => {
                     return self.submit_in_pieces(&request, token, large, read);
                 }
                 // The slot is free again; the parts sent still complete.
