@@ -51,14 +51,7 @@ impl Conn {
         match self {
             Conn::Local(c) => {
                 let data = engine::Staged::copy_of(data);
-                c.submit(
-                    if append {
-                        Op::Append { ino, data }
-                    } else {
-                        Op::Write { ino, offset, data }
-                    },
-                    token,
-                )
+                c.submit(Op::write_or_append(ino, offset, append, data), token)
             }
             Conn::Remote(c) => c.submit_write(ino, offset, append, data, token),
         }
@@ -117,11 +110,7 @@ impl Conn {
         match self {
             Conn::Local(c) => {
                 let data = engine::Staged::copy_of(data);
-                c.call(if append {
-                    Op::Append { ino, data }
-                } else {
-                    Op::Write { ino, offset, data }
-                })
+                c.call(Op::write_or_append(ino, offset, append, data))
             }
             Conn::Remote(c) => c.write_from(ino, offset, append, data),
         }

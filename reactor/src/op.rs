@@ -281,6 +281,16 @@ fn staged_in<'de, D: serde::Deserializer<'de>>(d: D) -> Result<engine::Staged, D
 }
 
 impl Op {
+    /// A write of `data` at `offset` of `ino`, or with `append` at its end, atomically
+    /// ([`Op::Append`], which has no offset).
+    pub fn write_or_append(ino: u64, offset: u64, append: bool, data: engine::Staged) -> Op {
+        if append {
+            Op::Append { ino, data }
+        } else {
+            Op::Write { ino, offset, data }
+        }
+    }
+
     /// What an absolute path (`a/b/c`; leading and repeated slashes ignored, every component
     /// a name) names: a [`Op::Walk`] to [`Op::Stat`].
     pub fn resolve(path: &str) -> Op {

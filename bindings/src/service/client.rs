@@ -1071,11 +1071,7 @@ impl RemoteClient {
     ) -> Result<(), SubmitError> {
         let owned = || {
             let data = engine::Bytes::copy_from_slice(data).into();
-            if append {
-                Op::Append { ino, data }
-            } else {
-                Op::Write { ino, offset, data }
-            }
+            Op::write_or_append(ino, offset, append, data)
         };
         if append && data.len() > ring::DATA_BYTES_MAX {
             return self.submit_into(owned(), token, None);

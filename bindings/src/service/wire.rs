@@ -58,18 +58,7 @@ impl WriteBeside {
             self.len as usize,
             "a write's bytes are its length"
         );
-        if self.append {
-            Op::Append {
-                ino: self.ino,
-                data,
-            }
-        } else {
-            Op::Write {
-                ino: self.ino,
-                offset: self.offset,
-                data,
-            }
-        }
+        Op::write_or_append(self.ino, self.offset, self.append, data)
     }
 }
 

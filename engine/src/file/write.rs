@@ -56,8 +56,8 @@ impl<'a> WriteBytes<'a> {
     }
 
     /// The bytes for staging: a borrowed write's copied (its caller keeps its buffer) into
-    /// memory the device can write from when large ([`nvme::staging_copy`]), a shared one's as
-    /// they are.
+    /// memory the device can write from when large, each block's crc taken as it is copied
+    /// ([`Staged::copy_of`]), a shared one's as they are.
     fn into_staged(self) -> Staged {
         match self {
             WriteBytes::Borrowed(b) => Staged::copy_of(b),
