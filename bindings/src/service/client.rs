@@ -240,29 +240,23 @@ impl Connection {
         }
     }
 
-    /// Writes `request` into claimed slot `i` in place (no copy of the message: a write's
-    /// data goes from the caller's operation straight into shared memory, beside the message
-    /// that names it, [`wire::write_beside`]) and submits it; on an error (a request that does
-    /// not fit) the slot is free again.
-    fn send(&self, i: usize, request: &wire::Request) -> Result<(), wire::Unsent> {
-        match request {
-            wire::Request::Op(op) => match wire::write_beside(op) {
-                Some((head, data)) => self.send_with(i, &head, Some(data)),
-                None => self.send_with(i, request, None),
-            },
-            _ => self.send_with(i, request, None),
-        }
-    }
-
-    /// [`Connection::send`] of `request` with `beside`, the bytes of a
-    /// [`wire::Request::Write`], written into the slot's data area (from wherever they are:
-    /// the caller's buffer, for [`RemoteClient::write_from`]).
-    fn send_with(
+    /// Writes `request` into claimed slot `i` in place (no copy of the message) and submits
+    /// it; on an error (a request that does not fit) the slot is free again. `beside` are the
+    /// bytes of a [`wire::Request::Write`], written into the slot's data area from wherever
+    /// they are (the caller's buffer, [`RemoteClient::write_from`]); a write operation sent
+    /// without them goes that way too, its bytes from the operation
+    /// ([`wire::write_beside`]).
+    fn send(
         &self,
         i: usize,
         request: &wire::Request,
         beside: Option<&[u8]>,
     ) -> Result<(), wire::Unsent> {
+        if let (wire::Request::Op(op), None) = (request, beside) {
+            if let Some((head, data)) = wire::write_beside(op) {
+                return self.send(i, &head, Some(data));
+            }
+        }
         // SAFETY: slot `i` is this thread's (claimed), and no other view of its payload is
         // live while the encoder writes (the data goes in after, by `put_data`).
         let payload = unsafe { self.region.payload_mut(i) };
@@ -872,7 +866,7 @@ impl RemoteClient {
         self.reap_posted(POSTED_MAX - 1)?;
         let i = self.conn.claim_waiting()?;
         self.conn
-            .send(i, &wire::Request::Op(Op::Release { ino }))
+            .send(i, &wire::Request::Op(Op::Release { ino }), None)
             .map_err(EngineError::from)?;
         self.sent += 1;
         self.posted.push_back(i);
@@ -905,7 +899,7 @@ impl RemoteClient {
     }
 
     /// [`RemoteClient::exchange`] of `request` and, for a [`wire::Request::Write`], the
-    /// bytes that go `beside` it ([`Connection::send_with`]).
+    /// bytes that go `beside` it ([`Connection::send`]).
     fn exchange_with<T>(
         &mut self,
         request: &wire::Request,
@@ -920,11 +914,7 @@ impl RemoteClient {
         self.reap_posted(POSTED_MAX - 1)?;
         let i = self.conn.claim_waiting()?;
         let started = Instant::now();
-        let sent = match beside {
-            Some(_) => self.conn.send_with(i, request, beside),
-            None => self.conn.send(i, request),
-        };
-        match sent {
+        match self.conn.send(i, request, beside) {
             Ok(()) => {}
             // A write beside its message always fits (its message is a few bytes).
             Err(wire::Unsent::TooLarge) if beside.is_none() => {
@@ -1183,11 +1173,7 @@ impl RemoteClient {
                 Outgoing::Op(op) => (wire::Request::Op(op), None),
                 Outgoing::Beside(head, data) => (head, Some(data)),
             };
-            let result = match beside {
-                Some(_) => self.conn.send_with(*i, &request, beside),
-                None => self.conn.send(*i, &request),
-            };
-            match result {
+            match self.conn.send(*i, &request, beside) {
                 Ok(()) => {
                     self.sent += 1;
                     sent.push((*i, *len));
@@ -1249,7 +1235,10 @@ impl RemoteClient {
         };
         let sent = match self.send_leading_pieces(request) {
             // A failed send frees its slot.
-            Ok(last) => self.conn.send(last_slot, &last).map_err(EngineError::from),
+            Ok(last) => self
+                .conn
+                .send(last_slot, &last, None)
+                .map_err(EngineError::from),
             Err(e) => {
                 self.conn
                     .region
