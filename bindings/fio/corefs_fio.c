@@ -782,6 +782,29 @@ static struct io_u *corefs_event(struct thread_data *td, int event)
 }
 
 /* fio finds an external engine through this symbol. */
+/* fio's I/O buffers come from corefs_buf_alloc: through a server (corefs_dev=serve:PATH) they
+ * lie in memory the server maps too, so their reads and writes are not copied on fio's side
+ * (the server copies once, between the buffer and the engine). fio allocates and frees them
+ * in the job's own thread; the length is kept for the free. */
+static __thread size_t corefs_iomem_bytes;
+
+static int corefs_iomem_alloc(struct thread_data *td, size_t total_mem)
+{
+	td->orig_buffer = (char *)corefs_buf_alloc(total_mem);
+	if (!td->orig_buffer) {
+		log_err("corefs: corefs_buf_alloc(%zu): %s\n", total_mem, corefs_last_error());
+		return 1;
+	}
+	corefs_iomem_bytes = total_mem;
+	return 0;
+}
+
+static void corefs_iomem_free(struct thread_data *td)
+{
+	corefs_buf_free((uint8_t *)td->orig_buffer, corefs_iomem_bytes);
+	td->orig_buffer = NULL;
+}
+
 struct ioengine_ops ioengine = {
 	.name = "corefs",
 	.version = FIO_IOOPS_VERSION,
@@ -801,6 +824,8 @@ struct ioengine_ops ioengine = {
 	.invalidate = corefs_invalidate,
 	.get_file_size = corefs_get_file_size,
 	.prepopulate_file = corefs_prepopulate_file,
+	.iomem_alloc = corefs_iomem_alloc,
+	.iomem_free = corefs_iomem_free,
 	.options = options,
 	.option_struct_size = sizeof(struct corefs_fio_options),
 };

@@ -212,9 +212,16 @@ struct corefs_completion {
 extern "C" {
 #endif // __cplusplus
 
-// Allocates a 4 KiB-aligned buffer of `len` bytes (zeroed) for I/O; NULL on failure. Today
-// the engine copies data between such buffers and its DMA slab: they save the caller an
-// alignment step, not a copy.
+// Allocates a 4 KiB-aligned buffer of `len` bytes (zeroed) for I/O; NULL on failure.
+//
+// The buffer comes from memory this process shares with every corefs server it connects
+// to (`corefs_connect`, `serve:` devices): a read or write through a server from or into
+// such a buffer is not copied on the caller's side (the server copies once, between it and
+// the engine), where any other buffer is copied once more into the connection's ring. In
+// process it saves the caller an alignment step, not a copy. The arena is 1 GiB of address
+// space (`COREFS_BUF_ARENA_MIB` sets it; 0 turns it off); when it is full, buffers come
+// from the heap. A buffer handed to `corefs_submit_pwrite` through a server must stay as it
+// is until the write's completion is polled.
 uint8_t *corefs_buf_alloc(size_t len);
 
 // Frees a buffer from `corefs_buf_alloc` (`len` as allocated). NULL is ignored.
@@ -507,11 +514,14 @@ int corefs_submit_pread(corefs_fs fs,
                         uint64_t token);
 
 // Submits a write of `len` bytes at `offset` (bounded as `corefs_pwrite`, and an atomic
-// append through a COREFS_O_APPEND handle; the data is copied: `buf` may be reused at
-// once). Completion as `corefs_submit_pread`.
+// append through a COREFS_O_APPEND handle). The data is copied during the call, so `buf`
+// may be reused at once, except a buffer from `corefs_buf_alloc` through a server: the
+// server reads it in place later, so it stays as it is until the completion is polled (as
+// with io_uring). Completion as `corefs_submit_pread`.
 //
 // # Safety
-// `buf` is valid for reading `len` bytes during the call.
+// `buf` is valid for reading `len` bytes during the call (a buffer from `corefs_buf_alloc`,
+// through a server: until the completion is polled).
 int corefs_submit_pwrite(corefs_fs fs,
                          corefs_fd fd,
                          const uint8_t *buf,

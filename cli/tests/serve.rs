@@ -695,7 +695,32 @@ fn fuzz_the_protocol(server_env: &[(&str, &str)]) {
     assert_eq!(corefs_fsync(fs, fd), 0);
     let kept_ino = stat(fs, "/kept").unwrap().ino;
 
-    let (_sock, region, reactor_doorbell) = corefs::service::connect_raw(&socket).unwrap();
+    let raw = corefs::service::connect_raw(&socket).unwrap();
+    let (region, reactor_doorbell) = (&raw.region, &raw.reactor_doorbell);
+    let arena = raw
+        .arena
+        .expect("the server maps this process's buffer arena");
+    // The hostile client's own buffers in its arena: the places its requests name are in
+    // them, or across or past the arena's end (refused), never another buffer of this process.
+    const PLAY_BYTES: usize = 8 << 20;
+    let play_at = arena
+        .offset_of(arena.alloc(PLAY_BYTES).unwrap(), PLAY_BYTES)
+        .unwrap();
+    let place = |rng: &mut rand_xoshiro::Xoshiro256PlusPlus, len: u32| -> u64 {
+        let len = u64::from(len);
+        match rng.random_range(0..5) {
+            0 => rng.random(),
+            1 => (arena.size_bytes() as u64).saturating_sub(rng.random_range(0..len.max(1))),
+            _ => play_at + rng.random_range(0..=(PLAY_BYTES as u64).saturating_sub(len)),
+        }
+    };
+    let any_len = |rng: &mut rand_xoshiro::Xoshiro256PlusPlus| -> u32 {
+        match rng.random_range(0..4) {
+            0 => rng.random(),
+            1 => (ring::DATA_BYTES_MAX + rng.random_range(0..3)) as u32,
+            _ => rng.random_range(0..70_000),
+        }
+    };
     assert_eq!(
         reactor_doorbell.is_some(),
         server_env.is_empty(),
@@ -777,16 +802,14 @@ fn fuzz_the_protocol(server_env: &[(&str, &str)]) {
             },
         };
         // A write whose bytes go beside its message: any length, past the slot's data area
-        // too, with bytes in that area or not.
+        // too, with bytes in that area or not, or in the buffer arena, anywhere.
+        let len = any_len(&mut rng);
         let beside = corefs::service::wire::Request::Write(corefs::service::wire::WriteBeside {
             ino,
             offset: rng.random_range(0..1 << 20),
             append: rng.random_bool(0.2),
-            len: match rng.random_range(0..4) {
-                0 => rng.random(),
-                1 => (ring::DATA_BYTES_MAX + rng.random_range(0..3)) as u32,
-                _ => rng.random_range(0..70_000),
-            },
+            len,
+            shared_at: rng.random_bool(0.3).then(|| place(&mut rng, len)),
         });
         let request = if rng.random_ratio(1, 10) {
             // Pieces of requests, kept by the server until a last piece that may never come,
@@ -809,6 +832,15 @@ fn fuzz_the_protocol(server_env: &[(&str, &str)]) {
                 region.put_data(k % SLOTS, &vec![0xDD; fill]);
             }
             beside
+        } else if rng.random_ratio(1, 8) {
+            // A read into the buffer arena: anywhere, any length.
+            let len = any_len(&mut rng);
+            corefs::service::wire::Request::Read(corefs::service::wire::ReadShared {
+                ino,
+                offset: rng.random_range(0..1 << 20),
+                len,
+                at: place(&mut rng, len),
+            })
         } else if rng.random_ratio(1, 8) {
             corefs::service::wire::Request::Lock(corefs::service::wire::LockRequest {
                 ino,
@@ -856,7 +888,7 @@ fn fuzz_the_protocol(server_env: &[(&str, &str)]) {
         let h = region.header();
         h.doorbell.fetch_add(1, Ordering::SeqCst);
         ring::futex_wake(&h.doorbell, 1);
-        if let Some(fd) = &reactor_doorbell {
+        if let Some(fd) = reactor_doorbell {
             if h.reactor_parked.load(Ordering::SeqCst) == 1 {
                 reactor::ring_eventfd(std::os::fd::AsRawFd::as_raw_fd(fd));
             }

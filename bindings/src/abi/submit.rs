@@ -135,11 +135,14 @@ pub unsafe extern "C" fn corefs_submit_pread(
 }
 
 /// Submits a write of `len` bytes at `offset` (bounded as `corefs_pwrite`, and an atomic
-/// append through a COREFS_O_APPEND handle; the data is copied: `buf` may be reused at
-/// once). Completion as `corefs_submit_pread`.
+/// append through a COREFS_O_APPEND handle). The data is copied during the call, so `buf`
+/// may be reused at once, except a buffer from `corefs_buf_alloc` through a server: the
+/// server reads it in place later, so it stays as it is until the completion is polled (as
+/// with io_uring). Completion as `corefs_submit_pread`.
 ///
 /// # Safety
-/// `buf` is valid for reading `len` bytes during the call.
+/// `buf` is valid for reading `len` bytes during the call (a buffer from `corefs_buf_alloc`,
+/// through a server: until the completion is polled).
 #[no_mangle]
 pub unsafe extern "C" fn corefs_submit_pwrite(
     fs: corefs_fs,

@@ -11,6 +11,7 @@
 //!   one before (a write's parts are not atomic together, as pwrite(2) on a kernel
 //!   filesystem promises no atomicity either).
 
+use super::arena::Arena;
 use super::ring::{self, Region, CLAIMED, DONE, FREE, SLOTS, SUBMITTED};
 use super::{socket, wire};
 use crate::error::Error;
@@ -77,6 +78,9 @@ enum Waiting {
 pub struct Connection {
     sock: UnixStream,
     region: Region,
+    /// This process's buffer arena, when the server mapped it: a read or write from a buffer
+    /// inside it names its place there instead of carrying its bytes.
+    arena: Option<&'static Arena>,
     /// Set once the server is known gone: every call fails at once from then on.
     dead: AtomicBool,
     /// The server's reactor's eventfd, when the reactor takes this ring's requests itself:
@@ -134,8 +138,6 @@ impl Connection {
         let mut fds = socket::recv_fds(&sock)
             .map_err(|e| io("connect to", e))?
             .into_iter();
-        sock.set_read_timeout(None)
-            .map_err(|e| io("connect to", e))?;
         let memory = fds.next().ok_or_else(|| {
             Error::new(libc::EPROTO, format!("connect to {path}: no shared memory"))
         })?;
@@ -145,9 +147,13 @@ impl Connection {
         region
             .check()
             .map_err(|why| Error::new(libc::EPROTO, format!("connect to {path}: {why}")))?;
+        let arena = share_arena(&sock, super::arena::process()).map_err(|e| io("connect to", e))?;
+        sock.set_read_timeout(None)
+            .map_err(|e| io("connect to", e))?;
         Ok(Arc::new(Connection {
             sock,
             region,
+            arena,
             dead: AtomicBool::new(false),
             reactor_doorbell,
             next_slot: AtomicUsize::new(0),
@@ -167,6 +173,11 @@ impl Connection {
             _partner: reactor::contention::Partner::new(server_pid),
             socket_path: path.to_string(),
         }))
+    }
+
+    /// Where `ptr..ptr + len` lies in the buffer arena the server shares, if it does.
+    fn shared_at(&self, ptr: *const u8, len: usize) -> Option<u64> {
+        self.arena?.offset_of(ptr, len)
     }
 
     /// Ends the connection (`corefs_close`): the server releases whatever it still holds
@@ -525,13 +536,50 @@ impl Connection {
     }
 }
 
-/// A connection's socket, ring and (when the server's reactor takes its requests itself) the
-/// reactor's doorbell, with nothing of the client library around them: for tests and tools
-/// that speak the ring themselves (the protocol fuzz test plays a hostile client with it).
+/// The handshake's second half: sends `arena`'s descriptor (or a byte alone, for none) and
+/// reads the server's answer, one byte: 1 when it mapped the arena. A refusal is said once
+/// in the log; buffers are then copied through this connection as any memory is.
+fn share_arena(
+    sock: &UnixStream,
+    arena: Option<&'static Arena>,
+) -> std::io::Result<Option<&'static Arena>> {
+    use std::io::Read;
+    let fds: Vec<std::os::fd::RawFd> = arena.iter().map(|a| a.fd()).collect();
+    socket::send_fds(sock, &fds)?;
+    let mut answer = [0u8];
+    (&*sock).read_exact(&mut answer)?;
+    match (arena, answer[0]) {
+        (Some(arena), 1) => Ok(Some(arena)),
+        (Some(_), _) => {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                tracing::warn!(
+                    "the corefs server did not map this process's buffer arena: reads and \
+                     writes from corefs_buf_alloc buffers are copied (see the server's log)"
+                )
+            });
+            Ok(None)
+        }
+        (None, _) => Ok(None),
+    }
+}
+
+/// A raw connection ([`connect_raw`]).
 #[doc(hidden)]
-pub fn connect_raw(
-    path: &std::path::Path,
-) -> std::io::Result<(UnixStream, Region, Option<std::os::fd::OwnedFd>)> {
+pub struct RawConnection {
+    pub sock: UnixStream,
+    pub region: Region,
+    /// The reactor's doorbell, when the server's reactor takes the ring's requests itself.
+    pub reactor_doorbell: Option<std::os::fd::OwnedFd>,
+    /// This process's buffer arena, when the server mapped it.
+    pub arena: Option<&'static Arena>,
+}
+
+/// A connection's socket, ring, the reactor's doorbell and the shared buffer arena, with
+/// nothing of the client library around them: for tests and tools that speak the ring
+/// themselves (the protocol fuzz test plays a hostile client with it).
+#[doc(hidden)]
+pub fn connect_raw(path: &std::path::Path) -> std::io::Result<RawConnection> {
     let sock = UnixStream::connect(path)?;
     let mut fds = socket::recv_fds(&sock)?.into_iter();
     let memory = fds
@@ -541,7 +589,13 @@ pub fn connect_raw(
     region
         .check()
         .map_err(|why| std::io::Error::new(std::io::ErrorKind::InvalidData, why))?;
-    Ok((sock, region, fds.next()))
+    let arena = share_arena(&sock, super::arena::process())?;
+    Ok(RawConnection {
+        sock,
+        region,
+        reactor_doorbell: fds.next(),
+        arena,
+    })
 }
 
 /// A connection that watches a server (`corefs top`): its statistics on demand.
@@ -569,12 +623,20 @@ impl Observer {
 /// one more waits for the oldest.
 pub const POSTED_MAX: usize = 8;
 
-/// An operation a thread submitted and has not collected.
-/// One message of a submitted operation: an operation, or a write whose bytes go beside
-/// its message from the caller's buffer ([`RemoteClient::submit_write`]).
-enum Outgoing<'a> {
-    Op(Op),
-    Beside(wire::Request, &'a [u8]),
+/// One message of a submitted operation: its request, and the bytes that go beside it in the
+/// slot's data area when they come from the caller's buffer ([`RemoteClient::submit_write`]).
+struct Outgoing<'a> {
+    request: wire::Request,
+    beside: Option<&'a [u8]>,
+}
+
+impl Outgoing<'_> {
+    fn alone(request: wire::Request) -> Outgoing<'static> {
+        Outgoing {
+            request,
+            beside: None,
+        }
+    }
 }
 
 /// What a submitted operation's completion needs to know ([`InFlight`]'s own fields).
@@ -583,8 +645,10 @@ struct Sent {
     large: bool,
     read: bool,
     into: Option<ReadDest>,
+    placed: bool,
 }
 
+/// An operation a thread submitted and has not collected.
 struct InFlight {
     /// Its requests' slots in order, with the bytes each reads or writes: one, unless a
     /// read or write larger than one message went as several ([`RemoteClient::submit_into`]).
@@ -594,6 +658,9 @@ struct InFlight {
     /// A read (else a write, or an operation of one part).
     read: bool,
     into: Option<ReadDest>,
+    /// `into` lies in the shared buffer arena: the server put the data there itself
+    /// ([`wire::Request::Read`]).
+    placed: bool,
     /// Why the parts after the last one sent were not sent.
     cut: Option<EngineError>,
 }
@@ -620,6 +687,9 @@ impl InFlight {
                 errno: libc::EIO,
                 message: format!("a read of {} bytes into a buffer of {}", at + len, dest.len),
             })),
+            Some(_) if self.placed => conn
+                .finish_with(i, |bytes| wire::decode_placed(bytes, len))
+                .map(Reply::Placed),
             Some(dest) => conn
                 .finish_with(i, |bytes| {
                     // SAFETY: `dest` is this read's buffer until its completion is polled
@@ -750,7 +820,8 @@ impl RemoteClient {
     }
 
     /// Reads `out.len()` bytes of `ino` at `offset` (fewer at the end of the file) straight
-    /// into `out`: each answer's data is copied once, from its slot into its place. A read
+    /// into `out`: each answer's data is copied once, from its slot into its place, or not at
+    /// all here when `out` lies in the shared buffer arena (the server puts it there). A read
     /// longer than one message goes as several, in order, stopping at a short one. Returns
     /// the bytes read.
     pub fn read_into(
@@ -759,16 +830,31 @@ impl RemoteClient {
         offset: u64,
         out: &mut [u8],
     ) -> Result<usize, EngineError> {
+        // A buffer in the shared arena gets its data from the server itself.
+        let shared_at = self.conn.shared_at(out.as_ptr(), out.len());
         let mut done = 0;
         loop {
             let part = (out.len() - done).min(ring::DATA_BYTES_MAX);
-            let request = wire::Request::Op(Op::Read {
-                ino,
-                offset: offset + done as u64,
-                len: part,
-            });
-            let into = &mut out[done..done + part];
-            let n = self.exchange(&request, |bytes| wire::decode_read_into(bytes, into))?;
+            let n = match shared_at {
+                Some(at) => {
+                    let request = wire::Request::Read(wire::ReadShared {
+                        ino,
+                        offset: offset + done as u64,
+                        len: part as u32,
+                        at: at + done as u64,
+                    });
+                    self.exchange(&request, |bytes| wire::decode_placed(bytes, part))?
+                }
+                None => {
+                    let request = wire::Request::Op(Op::Read {
+                        ino,
+                        offset: offset + done as u64,
+                        len: part,
+                    });
+                    let into = &mut out[done..done + part];
+                    self.exchange(&request, |bytes| wire::decode_read_into(bytes, into))?
+                }
+            };
             done += n;
             if n < part || done == out.len() {
                 return Ok(done);
@@ -782,7 +868,8 @@ impl RemoteClient {
 
     /// Writes `data` at `offset` of `ino` (with `append`, at its end, atomically) from the
     /// caller's buffer straight into the slot's data area, this side's only copy of the bytes
-    /// ([`wire::Request::Write`]). More than a slot's data goes as several writes, in order,
+    /// ([`wire::Request::Write`]), or with no copy here when `data` lies in the shared buffer
+    /// arena (the server copies it from there). More than a slot's data goes as several writes, in order,
     /// counted as pwrite(2) counts (up to a short part or an error; the error only when
     /// nothing was written); an append of more goes whole, in pieces of its encoding (cut,
     /// another appender could land between its parts).
@@ -794,13 +881,16 @@ impl RemoteClient {
         data: &[u8],
     ) -> Result<Reply, EngineError> {
         if data.len() <= ring::DATA_BYTES_MAX {
+            let shared_at = self.conn.shared_at(data.as_ptr(), data.len());
             let head = wire::Request::Write(wire::WriteBeside {
                 ino,
                 offset,
                 append,
                 len: data.len() as u32,
+                shared_at,
             });
-            return self.exchange_with(&head, Some(data), wire::decode_answer);
+            let beside = shared_at.is_none().then_some(data);
+            return self.exchange_with(&head, beside, wire::decode_answer);
         }
         if append {
             let data = engine::Bytes::copy_from_slice(data).into();
@@ -925,6 +1015,7 @@ impl RemoteClient {
         self.sent += 1;
         let quick = match request {
             wire::Request::Op(op) => op.waits_awake(),
+            wire::Request::Read(r) => r.op().waits_awake(),
             // A write is quick (`Op::is_quick`).
             wire::Request::Lock(_) | wire::Request::Write(_) => true,
             wire::Request::ServerStats | wire::Request::Piece(_) => false,
@@ -1028,29 +1119,51 @@ impl RemoteClient {
         if self.refused_too_many(lens.len(), token) {
             return Ok(());
         }
+        // A read into the shared buffer arena (all of it inside the caller's buffer): the
+        // server puts each part's data in its place there.
+        let placed_at = match (&op, into) {
+            (&Op::Read { offset, len, .. }, Some(dest)) if len <= dest.len => {
+                self.conn.shared_at(dest.ptr, len).map(|at| (at, offset))
+            }
+            _ => None,
+        };
+        let request = |op: Op| match (placed_at, op) {
+            (Some((at, first)), Op::Read { ino, offset, len }) => {
+                Outgoing::alone(wire::Request::Read(wire::ReadShared {
+                    ino,
+                    offset,
+                    len: len as u32,
+                    at: at + (offset - first),
+                }))
+            }
+            (_, op) => Outgoing::alone(wire::Request::Op(op)),
+        };
         // Every slot first, so an operation is sent whole or not at all.
         let Some(slots) = self.conn.claim_all(lens.len()) else {
             return Err(SubmitError::Full(op));
         };
         let requests: Vec<Outgoing> = if parts.is_empty() {
-            vec![Outgoing::Op(op)]
+            vec![request(op)]
         } else {
-            parts.into_iter().map(Outgoing::Op).collect()
+            parts.into_iter().map(request).collect()
         };
         let sent = Sent {
             token,
             large,
             read,
             into,
+            placed: placed_at.is_some(),
         };
         self.send_claimed(slots, requests, &lens, sent)
     }
 
     /// Submits a write of `data` at `offset` of `ino` (with `append`, at its end,
     /// atomically), its bytes copied during the call from `data` straight into the slots'
-    /// data areas ([`wire::Request::Write`]); as [`RemoteClient::submit_into`] of the
-    /// operation otherwise: more than a slot's data goes as several writes (an append of
-    /// more goes whole, in pieces), all sent or none (`Full`).
+    /// data areas ([`wire::Request::Write`]), or not at all when `data` lies in the shared
+    /// buffer arena: the server copies each part from there, so the caller keeps `data` as it
+    /// is until the completion. As [`RemoteClient::submit_into`] of the operation otherwise:
+    /// more than a slot's data goes as several writes (an append of more goes whole, in
+    /// pieces), all sent or none (`Full`).
     pub fn submit_write(
         &mut self,
         ino: u64,
@@ -1087,17 +1200,25 @@ impl RemoteClient {
         let Some(slots) = self.conn.claim_all(lens.len()) else {
             return Err(SubmitError::Full(owned()));
         };
+        // A buffer in the shared arena is not copied here: the server copies each part from
+        // there (the caller keeps it as it is until the completion, by contract).
+        let shared_at = self.conn.shared_at(data.as_ptr(), data.len());
         let requests = parts
             .iter()
             .enumerate()
             .map(|(k, part)| {
+                let at = k * ring::DATA_BYTES_MAX;
                 let head = wire::WriteBeside {
                     ino,
-                    offset: offset + (k * ring::DATA_BYTES_MAX) as u64,
+                    offset: offset + at as u64,
                     append,
                     len: part.len() as u32,
+                    shared_at: shared_at.map(|s| s + at as u64),
                 };
-                Outgoing::Beside(wire::Request::Write(head), part)
+                Outgoing {
+                    request: wire::Request::Write(head),
+                    beside: shared_at.is_none().then_some(*part),
+                }
             })
             .collect();
         let sent = Sent {
@@ -1106,6 +1227,7 @@ impl RemoteClient {
             large: !append && data.len() >= reactor::op::LARGE_TRANSFER_BYTES,
             read: false,
             into: None,
+            placed: false,
         };
         self.send_claimed(slots, requests, &lens, sent)
     }
@@ -1156,6 +1278,7 @@ impl RemoteClient {
             large,
             read,
             into,
+            placed,
         } = sent_as;
         let whole = requests.len() == 1;
         let mut sent = Vec::with_capacity(slots.len());
@@ -1169,10 +1292,7 @@ impl RemoteClient {
                     .store(FREE, Ordering::Release);
                 continue;
             }
-            let (request, beside) = match request {
-                Outgoing::Op(op) => (wire::Request::Op(op), None),
-                Outgoing::Beside(head, data) => (head, Some(data)),
-            };
+            let Outgoing { request, beside } = request;
             match self.conn.send(*i, &request, beside) {
                 Ok(()) => {
                     self.sent += 1;
@@ -1201,6 +1321,7 @@ impl RemoteClient {
             large,
             read,
             into,
+            placed,
             cut,
         });
         Ok(())
@@ -1257,6 +1378,7 @@ impl RemoteClient {
                     large,
                     read,
                     into: None,
+                    placed: false,
                     cut: None,
                 });
             }

@@ -2,7 +2,9 @@
 //! reactors and the commit coordinator; other processes connect over a Unix socket
 //! (`corefs_connect`, or the device string `serve:PATH`) and use the same C ABI, their calls
 //! carried over shared memory ([`ring`]) as the reactor operations the in-process library
-//! sends its reactors ([`reactor::Op`], encoded by [`wire`]).
+//! sends its reactors ([`reactor::Op`], encoded by [`wire`]). Buffers from `corefs_buf_alloc`
+//! live in a memory area each server maps too ([`arena`]): their bytes cross without a copy
+//! on the client's side.
 //!
 //! # The split
 //! The client library keeps what is the caller's own: path parsing, its handle table, its
@@ -28,10 +30,11 @@
 //! [`client::LIVENESS_CHECK`] and then fails that call and every later one with ENOTCONN.
 
 pub(crate) mod access;
+pub mod arena;
 pub(crate) mod client;
-#[doc(hidden)]
-pub use client::connect_raw;
 pub use client::Observer;
+#[doc(hidden)]
+pub use client::{connect_raw, RawConnection};
 pub use wire::Answer;
 pub mod ring;
 pub mod server;

@@ -36,7 +36,7 @@ use std::time::Duration;
 
 /// "corefs\0" and the ring's version: a client refuses memory that does not start with them.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"corefsS1");
-pub const VERSION: u32 = 4;
+pub const VERSION: u32 = 5;
 
 /// Slots per connection: the requests a client process may have in flight at once.
 pub const SLOTS: usize = 64;

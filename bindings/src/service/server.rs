@@ -21,6 +21,7 @@
 //! entries, a connection holds at most [`HOLDS_MAX`] inodes.
 
 use super::access::{self, Caller};
+use super::arena::ClientArena;
 use super::ring::{self, Region, DONE, HANDOFF, SLOTS, SUBMITTED, TAKEN};
 use super::stats::{ClientStats, Counters, ServerStats, Work};
 use super::{socket, wire};
@@ -28,7 +29,7 @@ use crate::locks::{Kind, LockTable, Refused, RANGES_MAX};
 use engine::EngineError;
 use reactor::{Client, Op, Opened, Reply, Runtime};
 use std::collections::HashMap;
-use std::io::Read as _;
+use std::io::{Read as _, Write as _};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -101,6 +102,9 @@ enum Need {
 struct Conn {
     id: u64,
     region: Region,
+    /// The client's buffer arena, once mapped (the handshake's second half, read by the
+    /// connection's watcher): requests naming places in it fail until then.
+    arena: std::sync::OnceLock<ClientArena>,
     caller: Caller,
     pid: i32,
     /// The client's CPU time is this server's own work when judging contention (see
@@ -420,6 +424,7 @@ fn accept(
     let conn = Arc::new(Conn {
         id,
         region,
+        arena: std::sync::OnceLock::new(),
         caller: Caller {
             uid: peer.uid,
             gid: peer.gid,
@@ -485,9 +490,12 @@ fn accept(
     let watcher = std::thread::Builder::new()
         .name(format!("corefs-conn{id}"))
         .spawn(move || {
-            // The client sends nothing on the socket: a read returns when it closes.
-            let mut byte = [0u8; 1];
-            while matches!(watch_sock.read(&mut byte), Ok(n) if n > 0) {}
+            // The client sends one message, its buffer arena (or none), then nothing: a read
+            // returns when it closes.
+            if take_arena(&conn, &mut watch_sock) {
+                let mut byte = [0u8; 1];
+                while matches!(watch_sock.read(&mut byte), Ok(n) if n > 0) {}
+            }
             conn.gone.store(true, Ordering::Release);
             if conn.reactor_served.load(Ordering::Acquire) {
                 // The reactor stops looking at the ring; what it took still completes (an
@@ -522,6 +530,88 @@ fn accept(
             released
         })?;
     Ok(Live { sock, watcher })
+}
+
+/// The handshake's second half: the client's buffer arena, mapped if it comes and is one
+/// ([`ClientArena::map`]), and the answer (1 mapped, 0 not). False when the client went
+/// before it said anything.
+fn take_arena(conn: &Conn, sock: &mut UnixStream) -> bool {
+    let fds = match socket::recv_fds(sock) {
+        Ok(fds) => fds,
+        Err(_) => return false,
+    };
+    let mapped = match fds.into_iter().next().map(ClientArena::map) {
+        Some(Ok(arena)) => conn.arena.set(arena).is_ok(),
+        Some(Err(why)) => {
+            tracing::warn!(
+                connection = conn.id,
+                pid = conn.pid,
+                "the client's buffer arena is refused ({why}): its buffers are copied"
+            );
+            false
+        }
+        None => false,
+    };
+    sock.write_all(&[mapped as u8]).is_ok()
+}
+
+/// The client's arena, or the error for a request that names a place in it.
+fn arena(conn: &Conn) -> Result<&ClientArena, EngineError> {
+    conn.arena.get().ok_or_else(|| {
+        EngineError::Invalid("a request names the buffer arena of a connection without one".into())
+    })
+}
+
+/// A range outside the client's arena.
+fn outside_arena(at: u64, len: usize) -> EngineError {
+    EngineError::Invalid(format!(
+        "{len} bytes at {at} of the buffer arena: past its end"
+    ))
+}
+
+/// The answer to read `r` ([`wire::Request::Read`]): its data put in the client's arena
+/// where `r` says, answered with how much; an error stays the error. Never more than `r`
+/// asked for: the bytes past it in the arena are another buffer's.
+fn place_read(
+    conn: &Conn,
+    r: &wire::ReadShared,
+    result: Result<Reply, EngineError>,
+) -> Result<Reply, EngineError> {
+    match result? {
+        Reply::Data(data) => {
+            if data.len() > r.len as usize {
+                return Err(EngineError::Internal(format!(
+                    "a read of {} bytes answered {}",
+                    r.len,
+                    data.len()
+                )));
+            }
+            if !arena(conn)?.place(r.at, &data) {
+                return Err(outside_arena(r.at, data.len()));
+            }
+            conn.counters
+                .bytes_shared
+                .fetch_add(data.len() as u64, Ordering::Relaxed);
+            Ok(Reply::Placed(data.len()))
+        }
+        other => Err(EngineError::Internal(format!("a read answered {other:?}"))),
+    }
+}
+
+/// Checks a [`wire::Request::Read`]'s place before its read runs (the read is bounded to a
+/// reply's size, so its data fits where the client said).
+fn check_read(conn: &Conn, r: &wire::ReadShared) -> Result<(), EngineError> {
+    let len = r.len as usize;
+    if len > ring::DATA_BYTES_MAX {
+        return Err(EngineError::Invalid(format!(
+            "a read of {len} bytes into shared memory: at most {} per request",
+            ring::DATA_BYTES_MAX
+        )));
+    }
+    if !arena(conn)?.holds(r.at, len) {
+        return Err(outside_arena(r.at, len));
+    }
+    Ok(())
 }
 
 /// Releases every hold a connection still has; returns how many.
@@ -620,13 +710,34 @@ fn read_request(conn: &Conn, i: usize) -> Result<wire::Request, EngineError> {
         }
     };
     match request {
-        wire::Request::Write(head) => match conn.region.stage_data(i, head.len as usize) {
-            Some(data) => Ok(wire::Request::Op(head.op(data))),
-            None => Err(EngineError::Invalid(format!(
-                "a write of {} bytes beside its message: more than a slot holds",
-                head.len
-            ))),
-        },
+        wire::Request::Write(head) => {
+            let len = head.len as usize;
+            let staged = match head.shared_at {
+                None => conn.region.stage_data(i, len).ok_or_else(|| {
+                    EngineError::Invalid(format!(
+                        "a write of {len} bytes beside its message: more than a slot holds"
+                    ))
+                })?,
+                // The same bound as in a slot: a request's staging copy is at most 1 MiB.
+                Some(at) if len > ring::DATA_BYTES_MAX => {
+                    return Err(EngineError::Invalid(format!(
+                        "a write of {len} bytes from shared memory at {at}: at most {} \
+                         per request",
+                        ring::DATA_BYTES_MAX
+                    )))
+                }
+                Some(at) => {
+                    let staged = arena(conn)?
+                        .stage(at, len)
+                        .ok_or_else(|| outside_arena(at, len))?;
+                    conn.counters
+                        .bytes_shared
+                        .fetch_add(len as u64, Ordering::Relaxed);
+                    staged
+                }
+            };
+            Ok(wire::Request::Op(head.op(staged)))
+        }
         // The last piece: the request is every kept piece's bytes, then its own.
         wire::Request::Piece(last) if last.last => {
             let kept = conn
@@ -731,6 +842,14 @@ fn serve_one(
             Work::Metadata,
         ),
         Ok(wire::Request::Write(_)) => (wire::encode_answer(Err(beside_unread())), Work::Metadata),
+        Ok(wire::Request::Read(r)) => {
+            let mut work = Work::Read(0);
+            let result = check_read(conn, &r)
+                .and_then(|()| execute(conn, client, r.op()))
+                .and_then(|reply| place_read(conn, &r, Ok(reply)));
+            count_read_bytes(&mut work, &result);
+            (wire::encode_answer(result), work)
+        }
         Err(e) => (wire::encode_answer(Err(e)), Work::Metadata),
     }
 }
@@ -741,10 +860,12 @@ fn beside_unread() -> EngineError {
     EngineError::Invalid("a write beside its message, apart from its slot".into())
 }
 
-/// A read counts the bytes its answer carries.
+/// A read counts the bytes its answer carries (or put in the client's arena).
 fn count_read_bytes(work: &mut Work, result: &Result<Reply, EngineError>) {
-    if let (Work::Read(n), Ok(Reply::Data(d))) = (work, result) {
-        *n = d.len() as u64;
+    match (work, result) {
+        (Work::Read(n), Ok(Reply::Data(d))) => *n = d.len() as u64,
+        (Work::Read(n), Ok(Reply::Placed(m))) => *n = *m as u64,
+        _ => {}
     }
 }
 
@@ -877,6 +998,8 @@ struct Pending {
     after: After,
     work: Work,
     taken: Instant,
+    /// A read whose data goes to the client's arena ([`wire::Request::Read`]).
+    place: Option<wire::ReadShared>,
 }
 
 /// A connection's ring as the reactor sees it ([`reactor::source`]): it takes the submitted
@@ -924,8 +1047,16 @@ impl reactor::source::Source for ReactorSide {
                 continue;
             }
             let started = Instant::now();
-            let op = match read_request(conn, i) {
-                Ok(wire::Request::Op(op)) => op,
+            let (op, place) = match read_request(conn, i) {
+                Ok(wire::Request::Op(op)) => (op, None),
+                Ok(wire::Request::Read(r)) => match check_read(conn, &r) {
+                    Ok(()) => (r.op(), Some(r)),
+                    Err(e) => {
+                        let answer = wire::encode_answer(Err(e));
+                        answer_counted(conn, i, Work::Read(0), started, answer);
+                        continue;
+                    }
+                },
                 Ok(wire::Request::ServerStats) => {
                     // Needs a reactor client: a worker's.
                     hand_off(conn, i, wire::Request::ServerStats);
@@ -963,7 +1094,11 @@ impl reactor::source::Source for ReactorSide {
             if !conn.caller.is_root() && !access::needs_no_check(&op) {
                 // A permission check needs lookups the reactor cannot make from here: a
                 // worker takes it as read here (and checks it).
-                hand_off(conn, i, wire::Request::Op(op));
+                let request = match place {
+                    Some(r) => wire::Request::Read(r),
+                    None => wire::Request::Op(op),
+                };
+                hand_off(conn, i, request);
                 handed_off += 1;
                 continue;
             }
@@ -975,6 +1110,7 @@ impl reactor::source::Source for ReactorSide {
                         after,
                         work,
                         taken: started,
+                        place,
                     });
                     conn.reactor_in_flight.fetch_add(1, Ordering::AcqRel);
                     take(op, i as u64);
@@ -1011,6 +1147,7 @@ impl reactor::source::CompletionSink for ReactorSide {
             after,
             mut work,
             taken,
+            place,
         }) = pending
         else {
             tracing::error!(slot = i, "an answer for a slot the reactor did not take");
@@ -1018,6 +1155,10 @@ impl reactor::source::CompletionSink for ReactorSide {
         };
         let result = completion.result;
         finish(conn, after, &result);
+        let result = match place {
+            Some(r) => place_read(conn, &r, result),
+            None => result,
+        };
         count_read_bytes(&mut work, &result);
         answer_counted(conn, i, work, taken, wire::encode_answer(result));
         conn.reactor_in_flight.fetch_sub(1, Ordering::AcqRel);

@@ -96,16 +96,24 @@ impl<'a> Message<'a> {
     }
 }
 
-/// Sends `fds` (at most [`FDS_MAX`]) with one byte of data.
+/// Sends `fds` (at most [`FDS_MAX`], perhaps none) with one byte of data.
 pub fn send_fds(sock: &UnixStream, fds: &[std::os::fd::RawFd]) -> io::Result<()> {
-    assert!(!fds.is_empty() && fds.len() <= FDS_MAX);
+    assert!(fds.len() <= FDS_MAX);
     let mut byte = [1u8];
     let bytes = std::mem::size_of_val(fds) as u32;
     let mut m = Message::new(&mut byte, bytes);
-    let msg = m.header();
+    let mut msg = m.header();
+    if fds.is_empty() {
+        msg.msg_control = std::ptr::null_mut();
+        msg.msg_controllen = 0;
+    }
     // SAFETY: the control buffer holds one cmsg with `fds` (CMSG_SPACE above).
     unsafe {
         let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        if cmsg.is_null() {
+            // No descriptors: the byte alone.
+            return send_msg(sock, &msg);
+        }
         (*cmsg).cmsg_level = libc::SOL_SOCKET;
         (*cmsg).cmsg_type = libc::SCM_RIGHTS;
         (*cmsg).cmsg_len = libc::CMSG_LEN(bytes) as _;
@@ -115,18 +123,24 @@ pub fn send_fds(sock: &UnixStream, fds: &[std::os::fd::RawFd]) -> io::Result<()>
             bytes as usize,
         );
     }
+    send_msg(sock, &msg)
+}
+
+fn send_msg(sock: &UnixStream, msg: &libc::msghdr) -> io::Result<()> {
     // SAFETY: a valid socket and a message whose buffers live across the call.
-    let sent = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+    let sent = unsafe { libc::sendmsg(sock.as_raw_fd(), msg, libc::MSG_NOSIGNAL) };
     if sent != 1 {
         return Err(io::Error::last_os_error());
     }
     Ok(())
 }
 
-/// The most descriptors one handshake carries: the ring's memory and the reactor's doorbell.
+/// The most descriptors one handshake message carries: the ring's memory and the reactor's
+/// doorbell (the server's), the buffer arena (the client's).
 pub const FDS_MAX: usize = 2;
 
-/// Receives the descriptors [`send_fds`] sent (blocking, as the socket is).
+/// Receives the descriptors [`send_fds`] sent (blocking, as the socket is): none if its
+/// byte came alone.
 pub fn recv_fds(sock: &UnixStream) -> io::Result<Vec<OwnedFd>> {
     let mut byte = [0u8];
     let most = (FDS_MAX * std::mem::size_of::<libc::c_int>()) as u32;
@@ -140,20 +154,20 @@ pub fn recv_fds(sock: &UnixStream) -> io::Result<Vec<OwnedFd>> {
     if got == 0 {
         return Err(io::Error::new(
             io::ErrorKind::UnexpectedEof,
-            "the server closed the connection before handing over its memory",
+            "the other end closed the connection during the handshake",
         ));
     }
     // SAFETY: the kernel filled `msg`; CMSG_FIRSTHDR checks the length it reported, and
     // the descriptors it carries are ours from here on.
     unsafe {
         let cmsg = libc::CMSG_FIRSTHDR(&msg);
-        if cmsg.is_null()
-            || (*cmsg).cmsg_level != libc::SOL_SOCKET
-            || (*cmsg).cmsg_type != libc::SCM_RIGHTS
-        {
+        if cmsg.is_null() {
+            return Ok(Vec::new());
+        }
+        if (*cmsg).cmsg_level != libc::SOL_SOCKET || (*cmsg).cmsg_type != libc::SCM_RIGHTS {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
-                "the server sent no shared memory",
+                "a handshake message with something else than descriptors",
             ));
         }
         let header = libc::CMSG_LEN(0) as usize;

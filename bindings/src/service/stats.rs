@@ -33,6 +33,9 @@ pub struct ClientStats {
     pub locks: u64,
     pub bytes_read: u64,
     pub bytes_written: u64,
+    /// Of those, bytes the server read or wrote in place in the client's buffer arena (from
+    /// and into buffers of `corefs_buf_alloc`: no copy on the client's side).
+    pub bytes_shared: u64,
     /// Time the server spent on this connection's requests, from taking one to answering it.
     pub service_ns_total: u64,
     /// Inodes it holds open (each open counted).
@@ -50,6 +53,7 @@ pub(crate) struct Counters {
     pub locks: AtomicU64,
     pub bytes_read: AtomicU64,
     pub bytes_written: AtomicU64,
+    pub bytes_shared: AtomicU64,
     pub service_ns_total: AtomicU64,
 }
 
@@ -94,6 +98,7 @@ impl Counters {
         stats.locks = get(&self.locks);
         stats.bytes_read = get(&self.bytes_read);
         stats.bytes_written = get(&self.bytes_written);
+        stats.bytes_shared = get(&self.bytes_shared);
         stats.service_ns_total = get(&self.service_ns_total);
     }
 }

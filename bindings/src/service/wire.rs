@@ -35,11 +35,18 @@ pub enum Request {
     /// copies them once, straight into the write's staging copy
     /// ([`ring::Region::stage_data`]), where a message holding them is copied out whole and
     /// its bytes copied again as it is decoded. It names its slot's bytes, so it is refused
-    /// inside a [`Request::Piece`].
+    /// inside a [`Request::Piece`]. With `shared_at` its bytes are in the connection's
+    /// buffer arena instead ([`super::arena`]): a buffer from `corefs_buf_alloc`, which the
+    /// client does not copy at all.
     Write(WriteBeside),
+    /// A read whose data the server puts straight into the connection's buffer arena, at
+    /// `at` ([`super::arena::ClientArena::place`]), answered [`Reply::Placed`] with the bytes
+    /// read: a read into a buffer from `corefs_buf_alloc`, which the client does not copy.
+    Read(ReadShared),
 }
 
-/// A [`Request::Write`]'s arguments; its `len` bytes are in the slot's data area.
+/// A [`Request::Write`]'s arguments; its `len` bytes are in the slot's data area, or at
+/// `shared_at` in the connection's buffer arena.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 pub struct WriteBeside {
     pub ino: u64,
@@ -48,6 +55,27 @@ pub struct WriteBeside {
     /// At the end of the file, atomically ([`Op::Append`]).
     pub append: bool,
     pub len: u32,
+    pub shared_at: Option<u64>,
+}
+
+/// A [`Request::Read`]'s arguments: `len` bytes of `ino` at `offset`, into the arena at `at`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct ReadShared {
+    pub ino: u64,
+    pub offset: u64,
+    pub len: u32,
+    pub at: u64,
+}
+
+impl ReadShared {
+    /// The read the server runs (its data then goes to `at`).
+    pub fn op(&self) -> Op {
+        Op::Read {
+            ino: self.ino,
+            offset: self.offset,
+            len: self.len as usize,
+        }
+    }
 }
 
 impl WriteBeside {
@@ -77,6 +105,7 @@ pub fn write_beside(op: &Op) -> Option<(Request, &[u8])> {
             offset,
             append,
             len: data.len() as u32,
+            shared_at: None,
         };
         (Request::Write(head), &data[..])
     })
@@ -307,6 +336,18 @@ fn data_answer_prefix() -> &'static [u8] {
         assert_eq!(empty.pop(), Some(0), "postcard's encoding of empty bytes");
         empty
     })
+}
+
+/// Decodes the answer to a [`Request::Read`] of `len` bytes: how many the server placed.
+/// An error answer is the engine's error; any other reply, or more than was asked for, EIO.
+pub fn decode_placed(bytes: &[u8], len: usize) -> Result<usize, EngineError> {
+    match decode_answer(bytes)? {
+        Reply::Placed(n) if n <= len => Ok(n),
+        other => Err(EngineError::Refused {
+            errno: libc::EIO,
+            message: format!("unexpected reply to a read into shared memory {other:?}"),
+        }),
+    }
 }
 
 /// Decodes `bytes`, the answer to a read of at most `out.len()` bytes, copying the data
