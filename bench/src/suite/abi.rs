@@ -92,7 +92,7 @@ impl CAbiMount {
         Box::new(CAbiSession {
             fs: self.fs,
             files: Handles::new(),
-            read_buf: Vec::new(),
+            read_buf: AbiBuf::default(),
         })
     }
 
@@ -115,7 +115,49 @@ impl Drop for CAbiMount {
 struct CAbiSession {
     fs: corefs_fs,
     files: Handles<corefs_fd>,
-    read_buf: Vec<u8>,
+    read_buf: AbiBuf,
+}
+
+/// A read buffer from `corefs_buf_alloc`, grown as needed and reused, as a C program that
+/// reads through a server keeps one: the server puts the data straight into it, with no copy
+/// on the client's side (docs/service.md). In process it is memory like any other.
+#[derive(Default)]
+struct AbiBuf {
+    ptr: Option<std::ptr::NonNull<u8>>,
+    len: usize,
+}
+
+// SAFETY: the buffer is this value's alone; the C ABI's buffers may move between threads.
+unsafe impl Send for AbiBuf {}
+
+impl AbiBuf {
+    /// Its first `len` bytes, grown (a new buffer) when it is shorter.
+    fn get(&mut self, len: usize) -> R<&mut [u8]> {
+        if self.len < len.max(1) {
+            self.free();
+            let want = len.max(4096);
+            let ptr = std::ptr::NonNull::new(corefs_buf_alloc(want))
+                .ok_or_else(|| format!("corefs_buf_alloc({want}): {}", last_error()))?;
+            (self.ptr, self.len) = (Some(ptr), want);
+        }
+        let ptr = self.ptr.expect("allocated above");
+        // SAFETY: `self.len >= len` bytes from corefs_buf_alloc, borrowed with `self`.
+        Ok(unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), len) })
+    }
+
+    fn free(&mut self) {
+        if let Some(ptr) = self.ptr.take() {
+            // SAFETY: from corefs_buf_alloc(self.len), not used after.
+            unsafe { corefs_buf_free(ptr.as_ptr(), self.len) };
+        }
+        self.len = 0;
+    }
+}
+
+impl Drop for AbiBuf {
+    fn drop(&mut self) {
+        self.free();
+    }
 }
 
 impl CAbiSession {
@@ -165,7 +207,7 @@ impl Session for CAbiSession {
 
     fn pread(&mut self, fh: Fh, offset: u64, len: usize) -> R<usize> {
         let fd = *self.files.get(fh)?;
-        let buf = super::session::read_buf(&mut self.read_buf, len);
+        let buf = self.read_buf.get(len)?;
         // SAFETY: a live buffer of the length given.
         let n = unsafe { corefs_pread(self.fs, fd, buf.as_mut_ptr(), len, offset) };
         checked("corefs_pread", "", n).map(|n| n as usize)
