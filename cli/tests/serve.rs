@@ -1008,13 +1008,20 @@ fn top_shows_a_busy_client_and_the_reactors() {
     let writing = {
         let stop = stop.clone();
         std::thread::spawn(move || {
-            let block = [7u8; 4096];
+            // Every other write from a buffer of corefs_buf_alloc: moved in place.
+            let heap = [7u8; 4096];
+            let shared = corefs_buf_alloc(4096) as usize;
             let mut k = 0u64;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                assert_eq!(pwrite(fs, fd, &block, (k % 256) * 4096), 4096);
+                // SAFETY: 4096 bytes from corefs_buf_alloc, this thread's alone.
+                let arena = unsafe { std::slice::from_raw_parts(shared as *const u8, 4096) };
+                let block = if k % 2 == 0 { &heap[..] } else { arena };
+                assert_eq!(pwrite(fs, fd, block, (k % 256) * 4096), 4096);
                 assert_eq!(corefs_fdatasync(fs, fd), 0);
                 k += 1;
             }
+            // SAFETY: from corefs_buf_alloc(4096), not used after.
+            unsafe { corefs_buf_free(shared as *mut u8, 4096) };
         })
     };
     let out = run(corefs()
@@ -1032,7 +1039,13 @@ fn top_shows_a_busy_client_and_the_reactors() {
         .iter()
         .find(|c| c["pid"].as_i64() == Some(me) && c["writes_per_s"].as_f64().unwrap() > 0.0)
         .unwrap_or_else(|| panic!("this process's connection is not in {out}"));
-    assert!(mine["written_mib_per_s"].as_f64().unwrap() > 0.0);
+    let written = mine["written_mib_per_s"].as_f64().unwrap();
+    let in_place = mine["in_place_mib_per_s"].as_f64().unwrap();
+    assert!(written > 0.0);
+    assert!(
+        in_place > 0.0 && in_place < written,
+        "half the writes are from an arena buffer: {out}"
+    );
     assert!(mine["fsyncs_per_s"].as_f64().unwrap() > 0.0);
     assert_eq!(mine["open"].as_i64(), Some(1), "one file open");
     eprintln!(

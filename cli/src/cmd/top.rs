@@ -104,6 +104,8 @@ struct ClientRates {
     locks: f64,
     read_mib: f64,
     written_mib: f64,
+    /// Of those, moved in place in the client's buffer arena (no copy on its side).
+    shared_mib: f64,
     /// Mean time the server took per request over the interval.
     mean_us: f64,
 }
@@ -137,6 +139,8 @@ impl View {
                     locks: rate(now.locks, was.locks, seconds),
                     read_mib: rate(now.bytes_read, was.bytes_read, seconds) / (1 << 20) as f64,
                     written_mib: rate(now.bytes_written, was.bytes_written, seconds)
+                        / (1 << 20) as f64,
+                    shared_mib: rate(now.bytes_shared, was.bytes_shared, seconds)
                         / (1 << 20) as f64,
                     mean_us: if requests > 0 {
                         service as f64 / requests as f64 / 1e3
@@ -205,7 +209,7 @@ impl View {
             }
         );
         out += &format!(
-            "{:>5} {:>8} {:>6} {:>9} {:>8} {:>8} {:>8} {:>8} {:>7} {:>9} {:>9} {:>8} {:>6}\n",
+            "{:>5} {:>8} {:>6} {:>9} {:>8} {:>8} {:>8} {:>8} {:>7} {:>9} {:>9} {:>9} {:>8} {:>6}\n",
             "conn",
             "pid",
             "uid",
@@ -217,6 +221,7 @@ impl View {
             "lock/s",
             "MiB/s in",
             "MiB/s out",
+            "in place",
             "mean us",
             "open"
         );
@@ -224,7 +229,7 @@ impl View {
         clients.sort_by(|x, y| y.requests.total_cmp(&x.requests));
         for c in clients {
             out += &format!(
-                "{:>5} {:>8} {:>6} {:>9.0} {:>8.0} {:>8.0} {:>8.0} {:>8.0} {:>7.0} {:>9.1} {:>9.1} {:>8.1} {:>6}\n",
+                "{:>5} {:>8} {:>6} {:>9.0} {:>8.0} {:>8.0} {:>8.0} {:>8.0} {:>7.0} {:>9.1} {:>9.1} {:>9.1} {:>8.1} {:>6}\n",
                 c.now.connection,
                 c.now.pid,
                 c.now.uid,
@@ -236,6 +241,7 @@ impl View {
                 c.locks,
                 c.written_mib,
                 c.read_mib,
+                c.shared_mib,
                 c.mean_us,
                 c.now.holds
             );
@@ -265,6 +271,7 @@ impl View {
                 "locks_per_s": c.locks,
                 "written_mib_per_s": c.written_mib,
                 "read_mib_per_s": c.read_mib,
+                "in_place_mib_per_s": c.shared_mib,
                 "mean_service_us": c.mean_us,
                 "open": c.now.holds,
             })).collect::<Vec<_>>(),
