@@ -7,17 +7,11 @@
 //! bytes moved in place is exactly what went through arena buffers (ordinary memory adds
 //! nothing to it); a read never writes past its own buffer in the arena.
 
-use corefs::abi::*;
-use std::ffi::{CStr, CString};
-use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
+#[path = "support/server.rs"]
+mod server;
 
-fn last_error() -> String {
-    // SAFETY: corefs_last_error returns a NUL-terminated string valid until the next call.
-    unsafe { CStr::from_ptr(corefs_last_error()) }
-        .to_string_lossy()
-        .into_owned()
-}
+use corefs::abi::*;
+use server::{last_error, InProcessServer};
 
 /// A buffer of `corefs_buf_alloc`, freed on drop.
 struct Buf {
@@ -67,30 +61,9 @@ fn poll_one(fs: corefs_fs) -> corefs_completion {
 
 #[test]
 fn buffers_from_buf_alloc_cross_a_service_without_a_client_copy() {
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("s.sock");
-    let runtime = reactor::Runtime::start(reactor::Config {
-        device: "mem:128MiB".into(),
-        mkfs: Some(Default::default()),
-        ..reactor::Config::default()
-    })
-    .expect("start the reactors");
-    let stop = Arc::new(AtomicBool::new(false));
-    let server = {
-        let (socket, stop) = (socket.clone(), stop.clone());
-        std::thread::spawn(move || {
-            corefs::service::server::serve(runtime, &socket, &stop, &Default::default())
-        })
-    };
-    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-        assert!(!server.is_finished(), "the server ended before it listened");
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-    let c_socket = CString::new(socket.to_str().unwrap()).unwrap();
-    // SAFETY: a NUL-terminated path; no options.
-    let fs = unsafe { corefs_connect(c_socket.as_ptr(), std::ptr::null()) };
-    assert!(fs > 0, "connect: {}", last_error());
-    let mut observer = corefs::service::Observer::connect(&socket).unwrap();
+    let server = InProcessServer::start();
+    let fs = server.connect();
+    let mut observer = corefs::service::Observer::connect(&server.socket).unwrap();
     // SAFETY: a NUL-terminated path.
     let fd = unsafe { corefs_open(fs, c"f".as_ptr(), libc::O_CREAT | libc::O_RDWR, 0o644) };
     assert!(fd >= 0, "open: {}", last_error());
@@ -189,6 +162,5 @@ fn buffers_from_buf_alloc_cross_a_service_without_a_client_copy() {
     assert_eq!(corefs_release(fs, fd), 0);
     assert_eq!(corefs_close(fs), 0);
     drop(observer);
-    stop.store(true, std::sync::atomic::Ordering::Release);
-    server.join().unwrap().expect("the server stops cleanly");
+    server.stop();
 }

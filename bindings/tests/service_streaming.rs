@@ -12,17 +12,11 @@
 //! all or none: in a ring with two slots free a three-message write is refused with EAGAIN
 //! and holds none of them.
 
-use corefs::abi::*;
-use std::ffi::{CStr, CString};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+#[path = "support/server.rs"]
+mod server;
 
-fn last_error() -> String {
-    // SAFETY: corefs_last_error returns a NUL-terminated string valid until the next call.
-    unsafe { CStr::from_ptr(corefs_last_error()) }
-        .to_string_lossy()
-        .into_owned()
-}
+use corefs::abi::*;
+use server::{last_error, InProcessServer};
 
 fn streaming(fs: corefs_fs) -> bool {
     test_hook_streaming(fs).expect("the filesystem is open")
@@ -51,29 +45,8 @@ fn collect(fs: corefs_fs, n: usize, lens: &[usize]) {
 
 #[test]
 fn a_service_client_streams_while_only_large_transfers_are_in_flight() {
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("s.sock");
-    let runtime = reactor::Runtime::start(reactor::Config {
-        device: "mem:128MiB".into(),
-        mkfs: Some(Default::default()),
-        ..reactor::Config::default()
-    })
-    .expect("start the reactors");
-    let stop = Arc::new(AtomicBool::new(false));
-    let server = {
-        let (socket, stop) = (socket.clone(), stop.clone());
-        std::thread::spawn(move || {
-            corefs::service::server::serve(runtime, &socket, &stop, &Default::default())
-        })
-    };
-    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-        assert!(!server.is_finished(), "the server ended before it listened");
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-    let c_socket = CString::new(socket.to_str().unwrap()).unwrap();
-    // SAFETY: a NUL-terminated path; no options.
-    let fs = unsafe { corefs_connect(c_socket.as_ptr(), std::ptr::null()) };
-    assert!(fs > 0, "connect: {}", last_error());
+    let server = InProcessServer::start();
+    let fs = server.connect();
     // SAFETY: a NUL-terminated path.
     let fd = unsafe { corefs_open(fs, c"big".as_ptr(), libc::O_CREAT | libc::O_RDWR, 0o644) };
     assert!(fd >= 0, "open: {}", last_error());
@@ -275,9 +248,7 @@ fn a_service_client_streams_while_only_large_transfers_are_in_flight() {
     // 2.5 MiB write needs three and goes whole or not at all: refused with EAGAIN, it holds
     // none of the two (two more 1 MiB writes go), and writes nothing. Every accepted write
     // completes whole and reads back.
-    // SAFETY: a NUL-terminated path; no options.
-    let fs = unsafe { corefs_connect(c_socket.as_ptr(), std::ptr::null()) };
-    assert!(fs > 0, "connect: {}", last_error());
+    let fs = server.connect();
     // SAFETY: a NUL-terminated path.
     let fd = unsafe { corefs_open(fs, c"ring".as_ptr(), libc::O_CREAT | libc::O_RDWR, 0o644) };
     assert!(fd >= 0, "open: {}", last_error());
@@ -325,6 +296,5 @@ fn a_service_client_streams_while_only_large_transfers_are_in_flight() {
     assert_eq!(n, 0, "bytes past the accepted writes: {}", last_error());
     assert_eq!(corefs_release(fs, fd), 0, "{}", last_error());
     assert_eq!(corefs_close(fs), 0, "{}", last_error());
-    stop.store(true, Ordering::Release);
-    server.join().unwrap().expect("the server stops cleanly");
+    server.stop();
 }

@@ -869,10 +869,10 @@ impl RemoteClient {
     /// Writes `data` at `offset` of `ino` (with `append`, at its end, atomically) from the
     /// caller's buffer straight into the slot's data area, this side's only copy of the bytes
     /// ([`wire::Request::Write`]), or with no copy here when `data` lies in the shared buffer
-    /// arena (the server copies it from there). More than a slot's data goes as several writes, in order,
-    /// counted as pwrite(2) counts (up to a short part or an error; the error only when
-    /// nothing was written); an append of more goes whole, in pieces of its encoding (cut,
-    /// another appender could land between its parts).
+    /// arena (the server copies it from there). More than a slot's data goes as several
+    /// writes, in order, counted as pwrite(2) counts (up to a short part or an error; the
+    /// error only when nothing was written); an append of more goes whole, in pieces of its
+    /// encoding (cut, another appender could land between its parts).
     pub fn write_from(
         &mut self,
         ino: u64,
