@@ -437,6 +437,9 @@ impl Filesystem {
                 ..Default::default()
             };
             fs.store_inode(ino, &item)?;
+            if mode & S_IFMT == S_IFREG {
+                fs.log.note_born(ino);
+            }
             fs.count_inodes(fs.shard_of(ino), 1);
             fs.add_name_at(
                 dir,

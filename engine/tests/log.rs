@@ -1291,3 +1291,121 @@ fn a_write_back_completion_another_poll_took_keeps_the_device_busy_until_counted
     }
     assert!(written_back, "the test never wrote back in the background");
 }
+
+/// `n` blocks of `seed`'s pattern, each block its own (what a file's content must be).
+fn blocks_of(seed: u8, n: usize) -> Vec<u8> {
+    (0..n as u8)
+        .flat_map(|i| block(seed.wrapping_add(i)))
+        .collect()
+}
+
+/// Bytes written to the device from record `from` of `log` on.
+fn bytes_written(log: &nvme::wrap::WriteLog, from: usize) -> usize {
+    log.snapshot()[from..]
+        .iter()
+        .filter_map(|r| match r {
+            Record::Write { data, .. } => Some(data.len()),
+            _ => None,
+        })
+        .sum()
+}
+
+/// An fsync of one new file in a directory of new files persists the others' names, not
+/// their unsynced data (dbench's shape: its flush wrote all eight files of its directory).
+/// After a power cut the siblings exist, empty, and the checker passes; an fsync of one of
+/// them later, or of the directory, brings its data; a sibling fsynced whole before and
+/// renamed since keeps every byte it was fsynced with.
+#[test]
+fn an_fsync_persists_new_siblings_by_name_and_leaves_their_data_to_their_own_fsync() {
+    let (mut fs, log) = mount_recorded(&fresh(2), MountOptions::default());
+    let root = fs.root();
+    let d = fs.mkdir(root, b"d", 0o755, 0, 0).unwrap().ino;
+    fs.sync().unwrap();
+    let siblings: Vec<u64> = (0..7u8)
+        .map(|i| {
+            let ino = fs.create(d, &[b's', b'0' + i], 0o644, 0, 0).unwrap().ino;
+            fs.write(ino, 0, &blocks_of(i * 16 + 1, 12)).unwrap();
+            ino
+        })
+        .collect();
+    let synced = fs.create(d, b"synced", 0o644, 0, 0).unwrap().ino;
+    let data = blocks_of(200, 12);
+    fs.write(synced, 0, &data).unwrap();
+    let before = log.len();
+    fs.fsync(synced).unwrap();
+    let written = bytes_written(&log, before);
+    assert_eq!(fs.log_stats().inodes_named_only, 7);
+    assert!(
+        written >= data.len() && written < 2 * data.len(),
+        "the fsync wrote {written} bytes: its own {} and the record, not the siblings' {}",
+        data.len(),
+        7 * data.len()
+    );
+
+    // Power cut: the siblings are there by name, empty.
+    let image = image_of(fs.into_device());
+    let mut after = mount(&image);
+    assert!(
+        after.read(synced, 0, data.len()).unwrap() == data,
+        "synced: wrong bytes"
+    );
+    for (i, &ino) in siblings.iter().enumerate() {
+        assert_eq!(after.lookup(d, &[b's', b'0' + i as u8]).unwrap().ino, ino);
+        let stat = after.stat(ino).unwrap();
+        assert_eq!((stat.size, stat.blocks_512), (0, 0), "sibling {i}");
+        assert!(after.read(ino, 0, 4096).unwrap().is_empty());
+    }
+    after.check().unwrap();
+
+    // The same run carried on: a sibling's own fsync brings its data; so does an fsync of
+    // the directory for the new files in it (docs/durability.md).
+    let mut fs = mount(&fresh(2));
+    let root = fs.root();
+    let d = fs.mkdir(root, b"d", 0o755, 0, 0).unwrap().ino;
+    fs.sync().unwrap();
+    let a = fs.create(d, b"a", 0o644, 0, 0).unwrap().ino;
+    fs.write(a, 0, &blocks_of(1, 12)).unwrap();
+    let b = fs.create(d, b"b", 0o644, 0, 0).unwrap().ino;
+    fs.write(b, 0, &blocks_of(30, 3)).unwrap();
+    fs.fsync(b).unwrap();
+    assert_eq!(fs.log_stats().inodes_named_only, 1);
+    fs.write(a, 12 * 4096, &block(99)).unwrap();
+    fs.fsync(a).unwrap();
+    let x = fs.create(d, b"x", 0o644, 0, 0).unwrap().ino;
+    fs.write(x, 0, &blocks_of(50, 12)).unwrap();
+    fs.fsync(d).unwrap();
+    assert_eq!(
+        fs.log_stats().inodes_named_only,
+        1,
+        "a directory's children come whole"
+    );
+    // A file logged whole, then renamed: entangled again by the rename, it is no longer
+    // born empty, and a sibling's fsync must not log it so.
+    fs.rename(d, b"a", d, b"a2", engine::RenameFlags::default())
+        .unwrap();
+    let c = fs.create(d, b"c", 0o644, 0, 0).unwrap().ino;
+    fs.write(c, 0, &block(70)).unwrap();
+    fs.fsync(c).unwrap();
+    let mut after = mount(&image_of(fs.into_device()));
+    let mut a_data = blocks_of(1, 12);
+    a_data.extend_from_slice(&block(99));
+    assert_eq!(after.lookup(d, b"a2").unwrap().ino, a);
+    assert!(
+        after.read(a, 0, 1 << 20).unwrap() == a_data,
+        "a: wrong bytes"
+    );
+    assert!(
+        after.read(b, 0, 1 << 20).unwrap() == blocks_of(30, 3),
+        "b: wrong bytes"
+    );
+    assert!(
+        after.read(x, 0, 1 << 20).unwrap() == blocks_of(50, 12),
+        "x: wrong bytes"
+    );
+    assert!(
+        after.read(c, 0, 1 << 20).unwrap() == block(70),
+        "c: wrong bytes"
+    );
+    assert!(after.lookup(d, b"a").is_err());
+    after.check().unwrap();
+}

@@ -184,6 +184,7 @@ impl ReactorStats {
         a.log_writes += b.log_writes;
         a.log_blocks += b.log_blocks;
         a.inodes_logged += b.inodes_logged;
+        a.inodes_named_only += b.inodes_named_only;
         a.already_logged += b.already_logged;
         a.fallback_log_full += b.fallback_log_full;
         a.fallback_too_big += b.fallback_too_big;

@@ -87,6 +87,9 @@ pub struct LogStats {
     pub fua_records: u64,
     /// Inodes written into records.
     pub inodes_logged: u64,
+    /// Of those, files carried for their names alone, their content left for later
+    /// (see "What a record holds" in docs/fsync-log.md).
+    pub inodes_named_only: u64,
     /// fsyncs that found nothing new to log (no I/O at all).
     pub already_logged: u64,
     /// fsyncs that committed the transaction instead, by reason.
@@ -119,6 +122,11 @@ pub(crate) struct Tracked {
     name_changed: bool,
     /// Inodes a name change couples this one to.
     links: LazySet<u64>,
+    /// A regular file created in this transaction and never logged whole since: nothing of
+    /// its content is durable yet, so a record that carries it only for its names may give
+    /// it the content it was born with (empty) and leave the rest tracked
+    /// ([`Filesystem::fsync_group_start`](crate::Filesystem::fsync_group_start)).
+    born: bool,
 }
 
 /// A set kept as a list that is appended to and deduplicated lazily. Noting a change is on
@@ -322,6 +330,11 @@ impl LogState {
         tracked.name_changed = true;
         tracked.links.insert(dir);
         self.inodes.entry(dir).or_default().links.insert(child);
+    }
+
+    /// `ino` is a regular file this transaction created (see [`Tracked::born`]).
+    pub fn note_born(&mut self, ino: u64) {
+        self.inodes.entry(ino).or_default().born = true;
     }
 
     /// An inode item changed in more than its timestamps.
