@@ -247,6 +247,7 @@ fn check_mounted(
     };
     for (i, point) in promised.iter().enumerate() {
         let at_point = &point.tree;
+        content_kept(&now, &promised[i..], in_flight, context)?;
         // A promise binds while what it promised is still what the live filesystem held at
         // every later persistence point before the crash. Later changes may supersede it, and
         // a change undone later (an xattr set, synced, then removed) still does: the sync made
@@ -327,6 +328,73 @@ fn check_mounted(
     fs.check()
         .map(drop)
         .map_err(|e| format!("{context}: checker after use: {e}"))
+}
+
+/// The content a persistence point made durable stays with its inode, whatever names the
+/// inode has later: while every later point shows the inode with that content (under any
+/// name), each name the crash state gives the inode shows it too, or what an operation in
+/// flight was persisting. A promise by path alone lapses at a rename; this one does not, so a
+/// record that logged a renamed file as new and empty (taking back what an earlier fsync or
+/// sync gave it) is caught.
+fn content_kept(
+    now: &Tree,
+    points: &[&Point],
+    in_flight: &[&Tree],
+    context: &str,
+) -> Result<(), String> {
+    let content_of = |tree: &Tree, ino: u64| -> Vec<Vec<u8>> {
+        tree.values()
+            .filter_map(|e| match e {
+                Entry::File { ino: i, data, .. } if *i == ino => Some(data.clone()),
+                _ => None,
+            })
+            .collect()
+    };
+    let point = points[0];
+    let promised: Vec<(u64, &Vec<u8>)> = match &point.promise {
+        Promise::Whole(_, Some(Entry::File { ino, data, .. })) => vec![(*ino, data)],
+        Promise::Data(path, Some(data)) => match point.tree.get(path) {
+            Some(Entry::File { ino, .. }) => vec![(*ino, data)],
+            _ => Vec::new(),
+        },
+        Promise::All(tree) => tree
+            .values()
+            .filter_map(|e| match e {
+                Entry::File { ino, data, .. } => Some((*ino, data)),
+                _ => None,
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
+    for (ino, data) in promised {
+        let kept = points.iter().all(|later| {
+            let found = content_of(&later.tree, ino);
+            !found.is_empty() && found.iter().all(|d| d == data)
+        });
+        if !kept {
+            continue;
+        }
+        for (path, entry) in now {
+            let Entry::File {
+                ino: i, data: got, ..
+            } = entry
+            else {
+                continue;
+            };
+            if *i == ino
+                && got != data
+                && !in_flight.iter().any(|t| content_of(t, ino).contains(got))
+            {
+                return Err(format!(
+                    "{context}: inode {ino} was made durable with {} bytes and kept them, \
+                     found /{path} with {}",
+                    data.len(),
+                    got.len()
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Creates a file in every directory, then deletes everything, deepest first.
