@@ -797,6 +797,8 @@ impl Filesystem {
             self.remove_name(dst_dir, dst_name, now)?;
             self.add_name(dst_dir, dst_name, src, src_kind, now)?;
             self.add_name(src_dir, src_name, dst_ino, dst_kind, now)?;
+            self.log.note_replacing(src);
+            self.log.note_replacing(dst_ino);
             if src_dir != dst_dir && src_is_dir != dst_is_dir {
                 let (gains, loses) = if src_is_dir {
                     (dst_dir, src_dir)
@@ -825,6 +827,7 @@ impl Filesystem {
                 _ => {}
             }
             let dst_item = self.load_inode(dst_ino)?;
+            self.log.note_replacing(src);
             self.need_remove_name(&mut needs, dst_dir, dst_ino);
             self.need_ops(&mut needs, self.shard_of(dst_dir), 1);
             self.need_drop_link(&mut needs, dst_ino, &dst_item)?;

@@ -1409,3 +1409,57 @@ fn an_fsync_persists_new_siblings_by_name_and_leaves_their_data_to_their_own_fsy
     assert!(after.lookup(d, b"a").is_err());
     after.check().unwrap();
 }
+
+/// A new file renamed over an old one without an fsync of its own (write a new file, rename
+/// it over the old: the atomic-replace pattern, or an exchange) is never persisted by name
+/// alone: a sibling's fsync brings its content with the name. By name alone the cut would
+/// show the old file gone and the name on an empty one.
+#[test]
+fn a_new_file_that_replaced_another_comes_whole_with_a_siblings_fsync() {
+    let mut fs = mount(&fresh(2));
+    let root = fs.root();
+    let d = fs.mkdir(root, b"d", 0o755, 0, 0).unwrap().ino;
+    let old = fs.create(d, b"config", 0o644, 0, 0).unwrap().ino;
+    fs.write(old, 0, &blocks_of(1, 3)).unwrap();
+    let kept = fs.create(d, b"swap", 0o644, 0, 0).unwrap().ino;
+    fs.write(kept, 0, &blocks_of(20, 2)).unwrap();
+    fs.sync().unwrap();
+    let new = fs.create(d, b"config.tmp", 0o644, 0, 0).unwrap().ino;
+    fs.write(new, 0, &blocks_of(40, 5)).unwrap();
+    fs.rename(
+        d,
+        b"config.tmp",
+        d,
+        b"config",
+        engine::RenameFlags::default(),
+    )
+    .unwrap();
+    let swapped = fs.create(d, b"swap.new", 0o644, 0, 0).unwrap().ino;
+    fs.write(swapped, 0, &blocks_of(60, 4)).unwrap();
+    let exchange = engine::RenameFlags {
+        exchange: true,
+        ..Default::default()
+    };
+    fs.rename(d, b"swap.new", d, b"swap", exchange).unwrap();
+    let sibling = fs.create(d, b"sibling", 0o644, 0, 0).unwrap().ino;
+    fs.write(sibling, 0, &block(9)).unwrap();
+    fs.fsync(sibling).unwrap();
+    assert_eq!(fs.log_stats().inodes_named_only, 0);
+    let mut after = mount(&image_of(fs.into_device()));
+    assert_eq!(after.lookup(d, b"config").unwrap().ino, new);
+    assert!(
+        after.read(new, 0, 1 << 20).unwrap() == blocks_of(40, 5),
+        "config: wrong bytes"
+    );
+    assert_eq!(after.lookup(d, b"swap").unwrap().ino, swapped);
+    assert!(
+        after.read(swapped, 0, 1 << 20).unwrap() == blocks_of(60, 4),
+        "swap: wrong bytes"
+    );
+    assert_eq!(after.lookup(d, b"swap.new").unwrap().ino, kept);
+    assert!(
+        after.read(kept, 0, 1 << 20).unwrap() == blocks_of(20, 2),
+        "swap.new: wrong bytes"
+    );
+    after.check().unwrap();
+}

@@ -122,9 +122,10 @@ pub(crate) struct Tracked {
     name_changed: bool,
     /// Inodes a name change couples this one to.
     links: LazySet<u64>,
-    /// A regular file created in this transaction and never logged whole since: nothing of
-    /// its content is durable yet, so a record that carries it only for its names may give
-    /// it the content it was born with (empty) and leave the rest tracked
+    /// A regular file created in this transaction, never logged whole since and never
+    /// renamed over another ([`LogState::note_replacing`]): nothing of its content is durable
+    /// yet, so a record that carries it only for its names may give it the content it was
+    /// born with (empty) and leave the rest tracked
     /// ([`Filesystem::fsync_group_start`](crate::Filesystem::fsync_group_start)).
     born: bool,
 }
@@ -335,6 +336,17 @@ impl LogState {
     /// `ino` is a regular file this transaction created (see [`Tracked::born`]).
     pub fn note_born(&mut self, ino: u64) {
         self.inodes.entry(ino).or_default().born = true;
+    }
+
+    /// `ino` took the name of another file (a rename over it, or an exchange): it is logged
+    /// whole from now on, never by name alone. The pattern is "write a new file, rename it
+    /// over the old one" without an fsync of the new one; by name alone a sibling's fsync
+    /// would persist the name with an empty file and the old file gone (ext4's
+    /// `auto_da_alloc` and btrfs's flush on a replacing rename exist for the same reason).
+    pub fn note_replacing(&mut self, ino: u64) {
+        if let Some(t) = self.inodes.get_mut(&ino) {
+            t.born = false;
+        }
     }
 
     /// An inode item changed in more than its timestamps.
