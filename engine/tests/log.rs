@@ -1463,3 +1463,39 @@ fn a_new_file_that_replaced_another_comes_whole_with_a_siblings_fsync() {
     );
     after.check().unwrap();
 }
+
+/// An fsync of a directory brings its new files' content, also of one a sibling's fsync
+/// already carried by name alone (the directory then has nothing of its own left to log).
+#[test]
+fn a_directory_fsync_brings_the_content_of_new_files_carried_by_name_before() {
+    let mut fs = mount(&fresh(2));
+    let root = fs.root();
+    let d = fs.mkdir(root, b"d", 0o755, 0, 0).unwrap().ino;
+    fs.sync().unwrap();
+    let a = fs.create(d, b"a", 0o644, 0, 0).unwrap().ino;
+    fs.write(a, 0, &blocks_of(3, 10)).unwrap();
+    let b = fs.create(d, b"b", 0o644, 0, 0).unwrap().ino;
+    fs.write(b, 0, &block(5)).unwrap();
+    fs.fsync(b).unwrap();
+    assert_eq!(fs.log_stats().inodes_named_only, 1);
+    let records = fs.log_stats().log_writes;
+    fs.fsync(d).unwrap();
+    assert_eq!(
+        fs.log_stats().log_writes,
+        records + 1,
+        "a record for a's content"
+    );
+    // Nothing left for a second one.
+    fs.fsync(d).unwrap();
+    assert_eq!(fs.log_stats().log_writes, records + 1);
+    let mut after = mount(&image_of(fs.into_device()));
+    assert!(
+        after.read(a, 0, 1 << 20).unwrap() == blocks_of(3, 10),
+        "a: wrong bytes"
+    );
+    assert!(
+        after.read(b, 0, 1 << 20).unwrap() == block(5),
+        "b: wrong bytes"
+    );
+    after.check().unwrap();
+}

@@ -267,6 +267,11 @@ pub(crate) struct LogState {
     /// Inodes changed this transaction by an operation that spanned partitions: an fsync
     /// reaching one commits instead of logging ([`crate::partition`]).
     pub(crate) cross: HashSet<u64>,
+    /// Per directory, the new files a record carried by name alone since the last commit
+    /// (their content still unlogged): an fsync of the directory logs them whole, since it
+    /// persists its new files' content (docs/durability.md), and by then the directory may
+    /// have nothing of its own left to log.
+    pub(crate) named_only_in: BTreeMap<u64, Vec<u64>>,
     /// Per shard: the next block of its log area, and the next record's shard sequence.
     pub(crate) heads: Vec<u64>,
     pub(crate) shard_seqs: Vec<u64>,
@@ -375,6 +380,7 @@ impl LogState {
             self.retired.append(&mut old);
         }
         self.cross.clear();
+        self.named_only_in.clear();
         self.tracked_keys = 0;
         #[cfg(feature = "mutations")]
         self.logged_this_generation.clear();

@@ -87,6 +87,16 @@ impl Filesystem {
         // (`FsyncStart::Pending` names the generation).
         self.log.stats.fsyncs += group.len() as u64;
         let mut wanted = Vec::with_capacity(group.len());
+        for &(ino, _) in group {
+            // A directory's new files carried by name alone come whole with its fsync. Looked
+            // up, not taken: an fsync that returns without a record (a commit instead, or one
+            // a lent engine leaves to its owner) must find them again.
+            for &child in self.log.named_only_in.get(&ino).into_iter().flatten() {
+                if self.log.inodes.get(&child).is_some_and(|t| t.born) && !wanted.contains(&child) {
+                    wanted.push(child);
+                }
+            }
+        }
         for &(ino, datasync) in group {
             let pending = self
                 .log
@@ -210,9 +220,12 @@ impl Filesystem {
         for ino in &members {
             if named_only.contains(ino) {
                 // Its names are logged, its content is not: it stays tracked (and born), no
-                // longer coupled to the directories just logged whole.
+                // longer coupled to the directories just logged whole, each of which brings
+                // it whole with its own fsync.
                 if let Some(t) = self.log.inodes.get_mut(ino) {
-                    t.links = Default::default();
+                    for dir in std::mem::take(&mut t.links).iter() {
+                        self.log.named_only_in.entry(*dir).or_default().push(*ino);
+                    }
                 }
                 continue;
             }
@@ -221,6 +234,9 @@ impl Filesystem {
             }
             #[cfg(feature = "mutations")]
             self.log.logged_this_generation.insert(*ino);
+        }
+        for (ino, _) in group {
+            self.log.named_only_in.remove(ino);
         }
         self.log.heads[shard as usize] += blocks;
         self.log.shard_seqs[shard as usize] += 1;
