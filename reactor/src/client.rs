@@ -10,7 +10,7 @@
 use crate::multi::Router;
 use crate::op::{Completion, Op, Reply};
 use crate::queue::{Request, Shared};
-use crate::reply::{wait_policy, ReplyQueue, Wait};
+use crate::reply::{wait_policy, ReplyQueue, Wait, DEEP_QUEUE_REQUESTS};
 use engine::EngineError;
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
@@ -108,6 +108,13 @@ impl Client {
         self.in_flight >= 2 && self.large.len() == self.in_flight
     }
 
+    /// Whether a [`Client::wait`] sleeps at once for the next reply instead of spinning:
+    /// while this client streams ([`Client::streaming`]) or keeps a deep queue
+    /// ([`DEEP_QUEUE_REQUESTS`] or more requests in flight, whatever their size).
+    pub fn waits_asleep(&self) -> bool {
+        self.streaming() || self.in_flight >= DEEP_QUEUE_REQUESTS
+    }
+
     /// Submits `op` with the caller's `token`; its completion carries the token back.
     ///
     /// With nothing of this client's in flight (nor at its last submit) and the reactor
@@ -197,8 +204,8 @@ impl Client {
         let deadline = started + timeout;
         loop {
             let n = self.poll(out);
-            let streaming = self.streaming();
-            if n > 0 || self.in_flight == 0 || !self.sleep_until_reply(deadline, false, streaming) {
+            let asleep = self.waits_asleep();
+            if n > 0 || self.in_flight == 0 || !self.sleep_until_reply(deadline, false, asleep) {
                 // A slow wait looks at whether this thread waited for a core, as a slow
                 // call does: a program driving the queue itself must not spin beside a
                 // neighbour unnoticed.
@@ -213,7 +220,7 @@ impl Client {
     /// Sleeps until the completion queue is not empty (true) or `deadline` passes (false).
     /// `quick`: the awaited operation normally completes without device I/O
     /// ([`Op::is_quick`], or a read the reactor has not sent to the device).
-    fn sleep_until_reply(&self, deadline: Instant, quick: bool, streaming: bool) -> bool {
+    fn sleep_until_reply(&self, deadline: Instant, quick: bool, asleep: bool) -> bool {
         // A short spin first (replies often come within microseconds), but only while every
         // waiting client can have a core besides the reactor's (see `Shared::waiters`).
         // Otherwise a client waiting for a quick operation yields its core for a while before
@@ -225,7 +232,7 @@ impl Client {
         // only takes the cores from clients with work to do.
         let shared = &self.shared;
         let waiting = shared.waiters.fetch_add(1, Ordering::AcqRel) + 1;
-        let wait = if streaming {
+        let wait = if asleep {
             Wait::Sleep
         } else {
             wait_policy(

@@ -57,6 +57,6 @@ pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 pub use client::{Client, SubmitError};
 pub use doorbell::ring_eventfd;
 pub use op::{Completion, Op, OpenHow, Opened, Owner, Reply, SAME_DIR};
-pub use reply::{wait_awake, wait_policy, Wait};
+pub use reply::{wait_awake, wait_policy, Wait, DEEP_QUEUE_REQUESTS};
 pub use runtime::{durable_spin_budget, Config, IdlePolicy, Runtime, DURABLE_SPIN_MAX};
 pub use stats::{Latency, ReactorStats};

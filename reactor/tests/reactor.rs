@@ -1613,6 +1613,66 @@ fn serve_hot_during_spike(
     assert!(matches!(answer(Op::Stat { ino: hot }), Reply::Stat(_)));
 }
 
+/// A client keeping a deep queue of small reads waits for them asleep: from
+/// `DEEP_QUEUE_REQUESTS` in flight on, not one fewer, and not once they are collected; and
+/// every read still comes back with its own bytes (a sleeping wait loses no completion).
+#[test]
+fn a_client_waits_asleep_with_a_deep_queue_of_small_reads() {
+    let (_, dev) = formatted_mem(64 << 20, 128 << 10, 2);
+    let mut fs = Filesystem::mount(dev, MountOptions::default()).unwrap();
+    let root = fs.root();
+    let ino = fs.create(root, b"deep", 0o644, 0, 0).unwrap().ino;
+    let runtime = Runtime::start_with_device(
+        Config {
+            device: "mem".into(),
+            ..Default::default()
+        },
+        fs.unmount().unwrap(),
+    )
+    .unwrap();
+    let deep = reactor::DEEP_QUEUE_REQUESTS;
+    let mut client = runtime.client(2 * deep);
+    let block = |i: usize| vec![(i as u8).wrapping_mul(37) ^ 0xA5; 4096];
+    for i in 0..deep {
+        let op = Op::Write {
+            ino,
+            offset: (i * 4096) as u64,
+            data: block(i).into(),
+        };
+        assert!(matches!(client.call(op), Ok(Reply::Written(4096))));
+    }
+    for i in 0..deep {
+        assert!(
+            !client.waits_asleep(),
+            "{i} small reads in flight: below the depth"
+        );
+        let op = Op::Read {
+            ino,
+            offset: (i * 4096) as u64,
+            len: 4096,
+        };
+        client.submit(op, i as u64).unwrap();
+    }
+    assert!(client.waits_asleep(), "{deep} small reads in flight");
+    assert!(!client.streaming(), "small reads are no stream");
+    let mut done = Vec::new();
+    while client.in_flight() > 0 {
+        client.wait(&mut done, Duration::from_secs(10));
+    }
+    assert!(!client.waits_asleep(), "nothing in flight");
+    assert_eq!(done.len(), deep);
+    done.sort_by_key(|c| c.token);
+    for (i, c) in done.into_iter().enumerate() {
+        assert_eq!(c.token, i as u64);
+        match c.result {
+            Ok(Reply::Data(d)) => assert!(d == block(i), "block {i} read back wrong"),
+            other => panic!("read {i}: {other:?}"),
+        }
+    }
+    drop(client);
+    runtime.shutdown().unwrap();
+}
+
 /// A client counts the large transfers it has in flight and forgets each when it is
 /// collected: with two or more in flight and nothing else it streams (its waits sleep
 /// instead of spinning), with a small request among them it does not, and every byte the

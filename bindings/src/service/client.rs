@@ -70,7 +70,7 @@ enum Waiting {
     /// Spin, yield or sleep as [`Connection::wait_done`] decides; `quick`: the request may be
     /// waited for awake ([`Op::waits_awake`]).
     Policy { quick: bool },
-    /// Sleep at once (a streaming thread's wait, [`RemoteClient::streaming`]).
+    /// Sleep at once (a streaming or deep-queued thread's wait, [`RemoteClient::waits_asleep`]).
     Asleep,
 }
 
@@ -1400,6 +1400,13 @@ impl RemoteClient {
         self.in_flight.len() >= 2 && self.in_flight.iter().all(|f| f.large)
     }
 
+    /// Whether [`RemoteClient::wait`] sleeps at once: while this thread streams, or keeps a
+    /// deep queue ([`reactor::DEEP_QUEUE_REQUESTS`] in flight), as an in-process client does
+    /// ([`reactor::Client::waits_asleep`]).
+    pub fn waits_asleep(&self) -> bool {
+        self.streaming() || self.in_flight.len() >= reactor::DEEP_QUEUE_REQUESTS
+    }
+
     /// Completions ready now.
     pub fn poll(&mut self, out: &mut Vec<Completion>) -> usize {
         let before = out.len();
@@ -1436,7 +1443,7 @@ impl RemoteClient {
                 return n;
             }
             let i = self.in_flight[0].waiting_slot(&self.conn);
-            let how = if self.streaming() {
+            let how = if self.waits_asleep() {
                 Waiting::Asleep
             } else {
                 Waiting::Policy { quick: false }
