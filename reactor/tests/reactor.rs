@@ -1286,6 +1286,26 @@ fn a_reactor_waiting_for_its_device_sleeps_on_the_doorbell_and_completions_wake_
     );
 }
 
+/// A busy-polling reactor waits for an fsync's record asleep on its doorbell once the record
+/// outlasts the durable-spin budget, which is nothing before the first record is timed: it
+/// sleeps at least for that one, completions wake it (not its 1 ms slice), and every fsync
+/// returns with its data there after a remount.
+#[test]
+fn a_busy_polling_reactor_sleeps_through_an_overdue_record_and_completions_wake_it() {
+    let (stats, _dir) = fsynced_blocks_on_a_file_image(IdlePolicy::BusyPoll, 20);
+    assert_eq!(stats.device_ring_reactors, 1);
+    assert!(
+        stats.device_sleeps > 0,
+        "the busy-polling reactor never slept for a record, not even the first"
+    );
+    assert!(
+        stats.device_sleep_timeouts < stats.device_sleeps,
+        "{} of {} device sleeps timed out: completions do not ring the doorbell",
+        stats.device_sleep_timeouts,
+        stats.device_sleeps
+    );
+}
+
 /// With two reactors a commit is coordinated: its figures in the statistics are the whole
 /// commit's (prepare to superblock, every reactor's half of the blocks), not the
 /// coordinator's own superblock write alone.

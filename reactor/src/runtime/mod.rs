@@ -55,7 +55,9 @@ use std::time::{Duration, Instant};
 /// What the reactor does when it has nothing to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IdlePolicy {
-    /// Poll without pause: lowest latency, one core at 100% (dedicated storage cores).
+    /// Poll without pause: lowest latency, one core at 100% (dedicated storage cores). An
+    /// fsync's record that outlasts twice the usual ([`durable_spin_budget`] with
+    /// [`DURABLE_SPIN_MAX`]) is waited for asleep on the doorbell, where the device rings it.
     BusyPoll,
     /// Poll for `spin`, then park until a client submits or a commit is due (shared cores:
     /// an idle reactor uses about no CPU). With an fsync waiting for its record, poll the

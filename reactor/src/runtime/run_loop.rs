@@ -10,7 +10,9 @@
 //!   and its control count again ([`crate::queue`]), so a submit or a control message ends
 //!   the sleep. A sleep inside the device wait lasts one slice at most (`LOG_WAIT_SLICE`,
 //!   `READ_WAIT_SLICE`). Every sleep is bounded, the idle park by the commit timer.
-//! - Busy-poll never sleeps on the doorbell; it yields its core between polls.
+//! - Busy-poll sleeps on the doorbell only while an fsync waits for a record that outlasted
+//!   the durable-spin budget ([`super::durable_spin_budget`] with [`DURABLE_SPIN_MAX`]);
+//!   otherwise it yields its core between polls.
 //! - A spin-then-park reactor waiting on its device polls (yielding) for a bounded time
 //!   before it sleeps: its idle spin, or with an fsync waiting the durable-spin budget
 //!   ([`super::durable_spin_budget`], at most `durable_spin_max`).
@@ -20,7 +22,7 @@
 //! - The loop ends only once every fsync waiter, parked read and parked request is answered,
 //!   or when the runtime fails ([`Ran`]).
 
-use super::{durable_spin_budget, Config, IdlePolicy, Reactor};
+use super::{durable_spin_budget, Config, IdlePolicy, Reactor, DURABLE_SPIN_MAX};
 use crate::delivery::deliver_failed;
 use crate::multi::{Router, ToCoordinator};
 use crate::queue::{Request, Shared};
@@ -180,8 +182,30 @@ pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, confi
             match idle_now(config) {
                 IdlePolicy::BusyPoll => {
                     reactor.poll_durable(None);
+                    // An fsync whose record outlasts the durable-spin budget is waited for
+                    // asleep on the doorbell, as a spin-then-park reactor waits for it: a
+                    // polling core then is a core the device's flush cannot have. On this VM
+                    // the host runs the emulated disk on the physical CPUs the virtual ones
+                    // use, and a reactor that yielded through every flush had its virtual CPU
+                    // taken for whole host slices (fsync-writers-64k p99 8-12 ms, 1.5-1.8 ms
+                    // parking; docs/reactors.md). On an isolated core a record seldom runs
+                    // past twice its usual time, and then a wake-up is small beside it.
+                    let fsync_overdue = device_rings
+                        && !reactor.pending.is_empty()
+                        && reactor.waiting_on_device()
+                        && !reactor.fs.commit_slicing()
+                        && spun >= durable_spin_budget(reactor.durable_ns_ewma, DURABLE_SPIN_MAX);
                     if reactor.only_reads_in_flight() && spun >= READ_SPIN {
                         reactor.collect_reads(Some(READ_WAIT_SLICE));
+                    } else if fsync_overdue {
+                        reactor.stats.device_sleeps += 1;
+                        match lent(reactor, shared, router, || {
+                            park_for_control(shared, LOG_WAIT_SLICE)
+                        }) {
+                            None => return Ran::Failed,
+                            Some(false) => reactor.stats.device_sleep_timeouts += 1,
+                            Some(true) => {}
+                        }
                     } else if lent(reactor, shared, router, yield_to_kernel_work).is_none() {
                         // Lent while it yields: an fsync's record takes hundreds of
                         // microseconds on a file image, and eight dbench clients found the
