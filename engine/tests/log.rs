@@ -551,6 +551,68 @@ fn records_in_flight_become_durable_in_order_and_every_cut_mounts_clean() {
     }
 }
 
+/// Records that need a flush (data written in place on a device whose FUA is emulated, as a
+/// file image's is) share one: three fsyncs started together, each with 64 KiB in place, make
+/// three records and one flush (there was a flush per record), and after it each file holds
+/// its data through a power cut.
+#[test]
+fn records_ready_together_share_one_flush() {
+    let mut fs = mount(&fresh(4));
+    let root = fs.root();
+    let inos: Vec<u64> = (0..3)
+        .map(|i| {
+            fs.create(root, format!("f{i}").as_bytes(), 0o644, 0, 0)
+                .unwrap()
+                .ino
+        })
+        .collect();
+    fs.sync().unwrap();
+    let image = image_of(fs.unmount().unwrap());
+    let dev = MemDevice::from_image(&image, config())
+        .unwrap()
+        .emulating_fua();
+    let recording = RecordingDevice::new(dev);
+    let log = recording.log();
+    let mut fs = Filesystem::mount(Box::new(recording), MountOptions::default()).unwrap();
+    // 16 blocks each: more than a record embeds, so the data goes in place.
+    let data = |i: usize| -> Vec<u8> {
+        (0..16)
+            .flat_map(|b| block((i * 16 + b) as u8 + 1))
+            .collect()
+    };
+    let mut tickets = Vec::new();
+    for (i, &ino) in inos.iter().enumerate() {
+        fs.write(ino, 0, &data(i)).unwrap();
+        match fs.fsync_group_start(&[(ino, false)]).unwrap() {
+            FsyncStart::Pending(t) => tickets.push(t),
+            other => panic!("fsync {i} was not left in flight: {other:?}"),
+        }
+    }
+    let last = *tickets.last().unwrap();
+    while fs.log_progress(None).unwrap() <= last {}
+    assert_eq!(fs.log_stats().log_writes, 3);
+    assert_eq!(fs.log_stats().fua_records, 0, "in-place data, emulated FUA");
+    let records = log.snapshot();
+    let flushes = records
+        .iter()
+        .filter(|r| matches!(r, Record::Flush { .. }))
+        .count();
+    assert_eq!(flushes, 1, "three records ready together share one flush");
+    assert!(
+        matches!(records.last(), Some(Record::Flush { .. })),
+        "the flush follows every record's writes"
+    );
+    let crashed = crash_image(&image, 512, &records, records.len(), CrashMode::DurableOnly);
+    let mut fs = mount(&crashed);
+    fs.check().unwrap();
+    for (i, &ino) in inos.iter().enumerate() {
+        assert!(
+            fs.read(ino, 0, 16 * 4096).unwrap() == data(i),
+            "file {i} lost its fsynced data"
+        );
+    }
+}
+
 /// A failed record write or flush (background I/O) is never acknowledged: the fsync fails,
 /// the filesystem fails stop (every later change and fsync fails), and a remount recovers the
 /// last durable state, with the data of every fsync that did succeed.

@@ -109,6 +109,13 @@ impl MemDevice {
     }
 
     /// A device holding a copy of `image` (a crash state, a saved test image).
+    /// This device, reporting its FUA as emulated (as a file image's is: a write and a
+    /// flush), so the engine sends records with in-place data plain and flushes after them.
+    pub fn emulating_fua(mut self) -> MemDevice {
+        self.info.fua_native = false;
+        self
+    }
+
     pub fn from_image(image: &[u8], mut config: MemConfig) -> Result<MemDevice, DevError> {
         config.capacity_bytes = image.len() as u64;
         let dev = MemDevice::new(config)?;
