@@ -41,6 +41,21 @@ fn mount_recorded(
     )
 }
 
+/// A fresh filesystem with `n` empty files `f0`.. under the root, committed.
+fn synced_files(n: usize) -> (Filesystem, Vec<u64>) {
+    let mut fs = mount(&fresh(4));
+    let root = fs.root();
+    let inos = (0..n)
+        .map(|i| {
+            fs.create(root, format!("f{i}").as_bytes(), 0o644, 0, 0)
+                .unwrap()
+                .ino
+        })
+        .collect();
+    fs.sync().unwrap();
+    (fs, inos)
+}
+
 fn block(seed: u8) -> Vec<u8> {
     (0..4096u32)
         .map(|i| (i as u8).wrapping_mul(seed) ^ seed)
@@ -184,16 +199,7 @@ fn fdatasync_skips_a_timestamp_only_change_and_fsync_does_not() {
 
 #[test]
 fn a_grouped_fsync_writes_one_record_for_every_member() {
-    let mut fs = mount(&fresh(4));
-    let root = fs.root();
-    let inos: Vec<u64> = (0..8)
-        .map(|i| {
-            fs.create(root, format!("f{i}").as_bytes(), 0o644, 0, 0)
-                .unwrap()
-                .ino
-        })
-        .collect();
-    fs.sync().unwrap();
+    let (mut fs, inos) = synced_files(8);
     for (i, &ino) in inos.iter().enumerate() {
         fs.write(ino, 0, &block(i as u8 + 1)).unwrap();
     }
@@ -557,16 +563,7 @@ fn records_in_flight_become_durable_in_order_and_every_cut_mounts_clean() {
 /// its data through a power cut.
 #[test]
 fn records_ready_together_share_one_flush() {
-    let mut fs = mount(&fresh(4));
-    let root = fs.root();
-    let inos: Vec<u64> = (0..3)
-        .map(|i| {
-            fs.create(root, format!("f{i}").as_bytes(), 0o644, 0, 0)
-                .unwrap()
-                .ino
-        })
-        .collect();
-    fs.sync().unwrap();
+    let (fs, inos) = synced_files(3);
     let image = image_of(fs.unmount().unwrap());
     let dev = MemDevice::from_image(&image, config())
         .unwrap()

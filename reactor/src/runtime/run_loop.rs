@@ -78,6 +78,22 @@ fn yield_to_kernel_work() {
     std::thread::yield_now();
 }
 
+/// Sleeps on the doorbell for one device-wait slice, the engine lent meanwhile, counting the
+/// sleep and whether it ran out (a completion or a request rings it sooner). False when the
+/// runtime failed.
+fn sleep_for_device(reactor: &mut Reactor, shared: &Shared, router: &Router) -> bool {
+    reactor.stats.device_sleeps += 1;
+    match lent(reactor, shared, router, || {
+        park_for_control(shared, LOG_WAIT_SLICE)
+    }) {
+        None => false,
+        Some(rang) => {
+            reactor.stats.device_sleep_timeouts += u64::from(!rang);
+            true
+        }
+    }
+}
+
 /// How a reactor's loop ended.
 pub(super) enum Ran {
     /// Shut down: every request answered; the final statistics.
@@ -198,13 +214,8 @@ pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, confi
                     if reactor.only_reads_in_flight() && spun >= READ_SPIN {
                         reactor.collect_reads(Some(READ_WAIT_SLICE));
                     } else if fsync_overdue {
-                        reactor.stats.device_sleeps += 1;
-                        match lent(reactor, shared, router, || {
-                            park_for_control(shared, LOG_WAIT_SLICE)
-                        }) {
-                            None => return Ran::Failed,
-                            Some(false) => reactor.stats.device_sleep_timeouts += 1,
-                            Some(true) => {}
+                        if !sleep_for_device(reactor, shared, router) {
+                            return Ran::Failed;
                         }
                     } else if lent(reactor, shared, router, yield_to_kernel_work).is_none() {
                         // Lent while it yields: an fsync's record takes hundreds of
@@ -253,13 +264,8 @@ pub(super) fn run(reactor: &mut Reactor, shared: &Shared, router: &Router, confi
                             }
                             continue;
                         }
-                        reactor.stats.device_sleeps += 1;
-                        match lent(reactor, shared, router, || {
-                            park_for_control(shared, LOG_WAIT_SLICE)
-                        }) {
-                            None => return Ran::Failed,
-                            Some(false) => reactor.stats.device_sleep_timeouts += 1,
-                            Some(true) => {}
+                        if !sleep_for_device(reactor, shared, router) {
+                            return Ran::Failed;
                         }
                     }
                 }
