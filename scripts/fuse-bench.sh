@@ -2,7 +2,8 @@
 # fuse-bench.sh - what a user of the FUSE mount sees, beside ext4 on the same disk (issue 37):
 # `cp -a /usr/include` made durable (`sync -f` on ext4; `corefs sync` on corefs, since Linux passes
 # syncfs to no FUSE server but virtiofs and `sync -f` there returns at once), a 1 GiB `dd bs=1M conv=fsync` write, and a cold 1 GiB
-# `dd bs=1M` read (page cache dropped) and the same read again (cache warm), on `corefs mount` of a file image and on ext4 on a
+# `dd bs=1M` read (page cache dropped) and the same read again (cache warm), and `find -printf
+# '%s %m'` over the copy with the kernel's caches dropped (every name listed and stat-ed), on `corefs mount` of a file image and on ext4 on a
 # direct-I/O loop device, both images in /var/tmp. Runs are interleaved (corefs, ext4, corefs,
 # ...) and each row prints every run's seconds, the medians and ext4's median over corefs's
 # (above 1 corefs is faster). Needs root (mounts, loop devices, drop_caches).
@@ -47,6 +48,9 @@ seconds() { local t0 t1; t0=$(date +%s.%N); "$@" >/dev/null 2>&1; t1=$(date +%s.
 durable() { if [[ $1 == "$cf"* ]]; then "$bin" sync "$1"; else sync -f "$1"; fi; }
 copy() { cp -a /usr/include "$1/inc" && durable "$1/inc"; }
 write() { dd if=/dev/zero of="$1/big" bs=1M count=1024 conv=fsync; }
+# A metadata walk over the copy with the kernel's caches cold, as find, du and backup tools
+# make: every name listed and stat-ed.
+walk() { sync; echo 3 >/proc/sys/vm/drop_caches; find "$1/inc" -printf '%s %m\n'; }
 read_cold() { sync; echo 3 >/proc/sys/vm/drop_caches; dd if="$1/big" of=/dev/null bs=1M; }
 read_again() { dd if="$1/big" of=/dev/null bs=1M; }
 clean() { rm -rf "$1/inc" "$1/big"; durable "$1"; }
@@ -56,6 +60,7 @@ for _ in $(seq "$repeats"); do
   for target in corefs ext4; do
     dir=$cf; [[ $target == ext4 ]] && dir=$e4
     runs[copy,$target]+="$(seconds copy "$dir") "
+    runs[walk,$target]+="$(seconds walk "$dir") "
     runs[write,$target]+="$(seconds write "$dir") "
     runs[read,$target]+="$(seconds read_cold "$dir") "
     runs[again,$target]+="$(seconds read_again "$dir") "
@@ -64,8 +69,8 @@ for _ in $(seq "$repeats"); do
 done
 median() { tr ' ' '\n' | grep . | sort -g | awk '{ a[NR] = $1 } END { print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2 }'; }
 printf '%-28s %-22s %-22s %s\n' "FUSE mount, $neighbours neighbours" "corefs s (median)" "ext4 s (median)" "ext4/corefs"
-for row in copy write read again; do
+for row in copy walk write read again; do
   c=$(median <<<"${runs[$row,corefs]}") e=$(median <<<"${runs[$row,ext4]}")
-  name=$row; case $row in copy) name="cp -a /usr/include + sync";; write) name="dd 1 GiB write + fsync";; read) name="dd 1 GiB read, cold";; again) name="dd 1 GiB read again";; esac
+  name=$row; case $row in copy) name="cp -a /usr/include + sync";; walk) name="find -printf of it, cold";; write) name="dd 1 GiB write + fsync";; read) name="dd 1 GiB read, cold";; again) name="dd 1 GiB read again";; esac
   printf '%-28s %-22s %-22s %.2fx\n' "$name" "${runs[$row,corefs]}($c)" "${runs[$row,ext4]}($e)" "$(awk -v c="$c" -v e="$e" 'BEGIN { print e / c }')"
 done

@@ -1015,6 +1015,84 @@ fn open_files_outlive_their_last_name_until_closed() {
     assert_eq!(fsck_inodes(&device), kept);
 }
 
+/// A listing hands the kernel each name's inode with its attributes (READDIRPLUS), as `ls
+/// -l`, `find` and `du` want them: after a remount (the kernel's caches cold), stat-ing every
+/// listed file gives the sizes and modes written and costs no LOOKUP for most of them (the
+/// kernel's first batch of a listing is always a READDIRPLUS; one page holds ~23 of these
+/// entries before Linux 6.16, the whole listing after). The references those entries gave the
+/// kernel are counted as lookups' are: files unlinked after being listed are deleted when
+/// the kernel forgets them, one held open lives until its close, and nothing is left at
+/// unmount.
+#[test]
+fn a_listing_carries_attributes_and_the_references_it_gives_are_counted() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    const FILES: usize = 100;
+    let (work, device) = work_and_image("corefs-mount-readdirplus-", "128MiB", 2);
+    let mnt = work.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let Some(mounted) = first_mount(&device, &mnt, 1) else {
+        return;
+    };
+    let base = used_inodes(&mnt);
+    let dir = mnt.join("d");
+    std::fs::create_dir(&dir).unwrap();
+    let mode_of = |i: usize| 0o600 | if i % 3 == 0 { 0o044 } else { 0 };
+    for i in 0..FILES {
+        let path = dir.join(format!("f{i}"));
+        std::fs::write(&path, vec![i as u8; i * 37]).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode_of(i))).unwrap();
+    }
+    mounted.unmount();
+
+    let mounted = Mounted::start_logging(&device, &mnt, 1, &[], None, "fuser=debug").unwrap();
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort_by_key(|n| n[1..].parse::<usize>().unwrap());
+    let want: Vec<String> = (0..FILES).map(|i| format!("f{i}")).collect();
+    assert_eq!(names, want);
+    for (i, name) in names.iter().enumerate() {
+        let meta = std::fs::symlink_metadata(dir.join(name)).unwrap();
+        assert_eq!(
+            (meta.len(), meta.mode() & 0o7777),
+            ((i * 37) as u64, mode_of(i)),
+            "{name}'s attributes"
+        );
+    }
+    let log = std::fs::read_to_string(&mounted.log).unwrap();
+    let requests = |op: &str| {
+        log.lines()
+            .filter(|l| l.contains(&format!(" {op} ")))
+            .count()
+    };
+    let (plus, lookups) = (requests("READDIRPLUS"), requests("LOOKUP"));
+    assert!(
+        plus >= 1 && lookups < FILES / 2,
+        "{plus} READDIRPLUS and {lookups} LOOKUP requests to list and stat {FILES} files"
+    );
+
+    // Every listed file unlinked, one of them open: the others go as the kernel forgets
+    // them, the open one at its close.
+    let kept = std::fs::File::open(dir.join("f7")).unwrap();
+    for name in &names {
+        std::fs::remove_file(dir.join(name)).unwrap();
+    }
+    wait_until("the listed files deleted but the open one", || {
+        used_inodes(&mnt) == base + 2
+    });
+    let mut back = vec![0u8; 7 * 37];
+    kept.read_exact_at(&mut back, 0).unwrap();
+    assert!(back.iter().all(|&b| b == 7), "read after the unlink");
+    drop(kept);
+    std::fs::remove_dir(&dir).unwrap();
+    wait_until("the open file deleted after its close", || {
+        used_inodes(&mnt) == base
+    });
+    mounted.unmount();
+    assert_eq!(fsck_inodes(&device), base, "nothing left held at unmount");
+}
+
 /// `corefs sync PATH` commits what was written through the mount, which `sync -f` cannot
 /// (Linux passes syncfs to no FUSE server but virtiofs): a tree written with no fsync and
 /// synced so is all there after the server is killed, well inside the commit interval; on a

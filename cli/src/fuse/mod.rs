@@ -21,7 +21,8 @@
 //! FUSE's `handle_killpriv`). Without `--allow-other` only the mounter may use the mount.
 //!
 //! Kernel references: every reply that hands the kernel an inode (lookup, create, mkdir,
-//! mknod, symlink, link) adds one to the kernel's lookup count of it, and `forget` takes
+//! mknod, symlink, link, and each entry but "." and ".." of a readdirplus) adds one to the
+//! kernel's lookup count of it, and `forget` takes
 //! counts back ([`KernelRefs`]). An inode's first reference takes an engine hold before the
 //! reply leaves, and its count reaching 0 releases the hold; so an inode the kernel still
 //! knows (an open file above all) outlives its last name as an orphan with nlink 0: reads,
@@ -54,11 +55,11 @@ pub use session::{mount_hint, serve, Access};
 
 use engine::{FallocateMode, RenameFlags, SetAttr, XattrFlags};
 use fuser::{
-    BsdFileFlags, CopyFileRangeFlags, Errno, FileHandle, FileType, Filesystem, FopenFlags,
-    Generation, INodeNo, InitFlags, IoctlFlags, KernelConfig, LockOwner, OpenFlags, PollEvents,
-    PollFlags, PollNotifier, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty,
-    ReplyEntry, ReplyIoctl, ReplyLseek, ReplyOpen, ReplyPoll, ReplyStatfs, ReplyWrite, ReplyXattr,
-    Request, TimeOrNow, WriteFlags,
+    BsdFileFlags, CopyFileRangeFlags, Errno, FileAttr, FileHandle, FileType, Filesystem,
+    FopenFlags, Generation, INodeNo, InitFlags, IoctlFlags, KernelConfig, LockOwner, OpenFlags,
+    PollEvents, PollFlags, PollNotifier, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory,
+    ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyIoctl, ReplyLseek, ReplyOpen, ReplyPoll,
+    ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 use reactor::{Client, Op, OpenHow, Opened, Reply, Runtime};
 
@@ -87,6 +88,15 @@ const TTL: Duration = Duration::from_secs(1);
 /// one of four workers and the reply went back through it: two more thread hops per request,
 /// which on a 2-core machine were most of a small request's time.
 pub const SESSION_THREADS: usize = 4;
+
+/// Names a `readdir` asks the engine for at a time: more than a page of entries holds.
+const READDIR_BATCH: usize = 128;
+
+/// Names a `readdirplus` asks the engine for at a time. A reply carries what fits the
+/// kernel's buffer (one page before Linux 6.16, then up to the caller's `getdents` buffer):
+/// with attributes an entry takes ~150 bytes, so a 4 KiB page holds ~25 and a 32 KiB
+/// buffer ~200; names fetched beyond what fits are fetched again by the next request.
+const READDIRPLUS_BATCH: usize = 32;
 
 /// Requests a session thread's reactor client may have in flight: a FUSE request makes its
 /// calls one at a time, so a small queue is enough.
@@ -675,48 +685,103 @@ impl Filesystem for CorefsFuse {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
-        // Offsets: 1 is ".", 2 is "..", and an entry with engine cookie c is c + 2.
         let dir = to_engine(ino);
         self.run(move |c| {
-            let mut offset = offset;
-            if offset == 0 {
-                if reply.add(ino, 1, FileType::Directory, ".") {
-                    return reply.ok();
-                }
-                offset = 1;
-            }
-            if offset == 1 {
-                if reply.add(INodeNo::ROOT, 2, FileType::Directory, "..") {
-                    return reply.ok();
-                }
-                offset = 2;
-            }
-            let mut cookie = offset - 2;
-            loop {
-                let op = Op::Readdir {
-                    dir,
-                    cookie,
-                    max: 128,
-                };
-                let entries = match call(c, op).and_then(|r| expect!(r, Reply::Entries)) {
-                    Ok(entries) => entries,
-                    Err(e) => return reply.error(fuse_errno(e)),
-                };
-                if entries.is_empty() {
-                    return reply.ok();
-                }
-                for e in entries {
-                    let kind = kind_of((e.kind as u32) << 12);
-                    if reply.add(
+            let walked = walk_dir(c, dir, offset, READDIR_BATCH, |_, entry| {
+                Ok(match entry {
+                    Listed::Dot => reply.add(ino, 1, FileType::Directory, "."),
+                    Listed::DotDot => reply.add(INodeNo::ROOT, 2, FileType::Directory, ".."),
+                    Listed::Named(e) => reply.add(
                         to_fuse(e.ino),
                         e.cookie + 2,
-                        kind,
+                        kind_of((e.kind as u32) << 12),
                         OsStr::from_bytes(&e.name),
-                    ) {
-                        return reply.ok();
+                    ),
+                })
+            });
+            match walked {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(fuse_errno(e)),
+            }
+        });
+    }
+
+    fn readdirplus(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectoryPlus,
+    ) {
+        // Each entry but "." and ".." hands the kernel its inode as a lookup would (the kernel
+        // counts a lookup for it and makes a dentry that holds its attributes for TTL), so
+        // `ls -l`, `find` and `du` stat what they list without one LOOKUP request per name.
+        // The kernel links no dentry for "." and ".." and counts no reference: their
+        // attributes are only carried.
+        let dir = to_engine(ino);
+        let refs = &self.refs;
+        self.run(move |c| {
+            let mut here = None;
+            let walked = walk_dir(c, dir, offset, READDIRPLUS_BATCH, |c, entry| {
+                let e = match entry {
+                    Listed::Dot | Listed::DotDot => {
+                        let here = match here {
+                            Some(here) => here,
+                            None => *here.insert(attr(&stat_reply(c, Op::Stat { ino: dir })?)),
+                        };
+                        return Ok(if matches!(entry, Listed::Dot) {
+                            reply.add(ino, 1, ".", &TTL, &here, Generation(0))
+                        } else {
+                            // ".." shows as the root, as in `readdir` (the entry's inode
+                            // number is its attributes').
+                            let root = FileAttr {
+                                ino: INodeNo::ROOT,
+                                ..here
+                            };
+                            reply.add(INodeNo::ROOT, 2, "..", &TTL, &root, Generation(0))
+                        });
                     }
-                    cookie = e.cookie;
+                    Listed::Named(e) => e,
+                };
+                // The reference first, then the attributes: a name unlinked since the
+                // listing whose inode went meanwhile is left out (as if listed after the
+                // unlink), and the attributes are the held inode's.
+                match refs.add(c, e.ino) {
+                    Ok(()) => {}
+                    Err(libc::ENOENT) => return Ok(false),
+                    Err(errno) => return Err(errno),
                 }
+                let s = match stat_reply(c, Op::Stat { ino: e.ino }) {
+                    Ok(s) => s,
+                    Err(errno) => {
+                        refs.forget(c, e.ino, 1);
+                        return if errno == libc::ENOENT {
+                            Ok(false)
+                        } else {
+                            Err(errno)
+                        };
+                    }
+                };
+                let name = OsStr::from_bytes(&e.name);
+                let full = reply.add(
+                    to_fuse(e.ino),
+                    e.cookie + 2,
+                    name,
+                    &TTL,
+                    &attr(&s),
+                    Generation(0),
+                );
+                if full {
+                    // The entry did not go, nor does its reference: the kernel asks again
+                    // from the last entry it was given.
+                    refs.forget(c, e.ino, 1);
+                }
+                Ok(full)
+            });
+            match walked {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(fuse_errno(e)),
             }
         });
     }
@@ -989,5 +1054,52 @@ impl Filesystem for CorefsFuse {
         reply: ReplyPoll,
     ) {
         reply.error(Errno::ENOSYS);
+    }
+}
+
+/// An entry of a directory listing as [`walk_dir`] hands it out.
+enum Listed {
+    /// "." (FUSE offset 1).
+    Dot,
+    /// ".." (FUSE offset 2).
+    DotDot,
+    /// A name, at FUSE offset `cookie + 2`.
+    Named(engine::DirEntry),
+}
+
+/// Hands `add` the entries of directory `dir` from FUSE offset `offset` on ("." at 1, ".." at
+/// 2, an entry with engine cookie c at c + 2), fetching `batch` names per engine call, until
+/// `add` says the reply is full (true) or the names end. A failed call or `add`'s error ends
+/// the walk with its errno.
+fn walk_dir(
+    c: &mut Client,
+    dir: u64,
+    offset: u64,
+    batch: usize,
+    mut add: impl FnMut(&mut Client, Listed) -> Result<bool, i32>,
+) -> Result<(), i32> {
+    if offset == 0 && add(c, Listed::Dot)? {
+        return Ok(());
+    }
+    if offset <= 1 && add(c, Listed::DotDot)? {
+        return Ok(());
+    }
+    let mut cookie = offset.saturating_sub(2);
+    loop {
+        let op = Op::Readdir {
+            dir,
+            cookie,
+            max: batch,
+        };
+        let entries = expect!(call(c, op)?, Reply::Entries)?;
+        if entries.is_empty() {
+            return Ok(());
+        }
+        for e in entries {
+            cookie = e.cookie;
+            if add(c, Listed::Named(e))? {
+                return Ok(());
+            }
+        }
     }
 }

@@ -17,9 +17,18 @@ pub enum Access {
     Everyone,
 }
 
-/// The INIT flags the mount asks for: parallel lookups and readdirs in one directory
-/// (FUSE_PARALLEL_DIROPS: the reactor orders what must be ordered, so the kernel need not
-/// serialize lookups of one directory).
+/// The INIT flags the mount asks for:
+/// - parallel lookups and readdirs in one directory (FUSE_PARALLEL_DIROPS: the reactor
+///   orders what must be ordered, so the kernel need not serialize lookups of one directory);
+/// - listings with attributes (FUSE_DO_READDIRPLUS), when the kernel judges them useful
+///   (FUSE_READDIRPLUS_AUTO: a listing's first batch, and later ones of a directory whose
+///   names were looked up since). A tool that stats what it lists then makes no LOOKUP per
+///   name: after `drop_caches`, `find -printf '%s %m'` and `du -s` of a copy of
+///   /usr/include (8,900 entries) took 0.15 and 0.14 s against 0.29 and 0.27 s without
+///   (ext4 on a loop device: 0.13 and 0.12 s), `ls -l` of 10,000 files 0.38-0.50 s against
+///   0.57-0.65 s (the rest is its two GETXATTRs per file). Asked always (no AUTO), plain
+///   `ls` of those 10,000 names took three times as long (0.065 s against 0.022 s), each
+///   name costing a hold and a stat nobody used, for 5-10% more on `find` and `du`.
 ///
 /// Not the kernel's writeback cache (FUSE_WRITEBACK_CACHE), though it would let write(2)
 /// return once the page cache holds the data: a write error (ENOSPC, EIO) would then come
@@ -28,7 +37,9 @@ pub enum Access {
 /// filesystem never ended); and on this VM it was slower, not faster (scripts/fuse-bench.sh,
 /// medians of 3: `cp -a /usr/include` 3.23 s against 2.45 s, 1 GiB `dd` write+fsync 1.07 s
 /// against 0.73 s).
-pub(super) const INIT_FLAGS: InitFlags = InitFlags::FUSE_PARALLEL_DIROPS;
+pub(super) const INIT_FLAGS: InitFlags = InitFlags::FUSE_PARALLEL_DIROPS
+    .union(InitFlags::FUSE_DO_READDIRPLUS)
+    .union(InitFlags::FUSE_READDIRPLUS_AUTO);
 
 /// The flags of an open or create reply for a file whose attributes are `stat`, on a mount
 /// whose atime rule is `atime`. The filesystem changes through this mount alone while it is
