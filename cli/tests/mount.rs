@@ -735,7 +735,7 @@ fn owners_special_files_statfs_and_times_through_the_mount() {
     assert_ne!(d.mode() & 0o2000, 0, "a directory takes the bit");
 
     // chown clears set-user-ID, and set-group-ID with group execute; so does a write by a
-    // user without CAP_FSETID (the kernel asks for it as a mode change).
+    // user without CAP_FSETID (the server kills them: a_write_truncate_and_chown_kill_...).
     let su = mnt.join("su");
     std::fs::write(&su, b"x").unwrap();
     std::fs::set_permissions(&su, std::fs::Permissions::from_mode(0o6755)).unwrap();
@@ -1091,6 +1091,149 @@ fn a_listing_carries_attributes_and_the_references_it_gives_are_counted() {
     });
     mounted.unmount();
     assert_eq!(fsck_inodes(&device), base, "nothing left held at unmount");
+}
+
+/// Privileges go as the kernel's VFS takes them, now that the kernel leaves it to the server
+/// (FUSE_HANDLE_KILLPRIV_V2): a write takes the file capability whoever writes, and
+/// set-user-ID and set-group-ID (the latter only with group execute) when the writer lacks
+/// CAP_FSETID; a truncate likewise; a chown of a file takes both bits; a directory keeps its.
+/// And a write no longer asks the server for `security.capability` first: 20 writes make at
+/// most one GETXATTR request (they made 20).
+#[test]
+fn a_write_truncate_and_chown_kill_privileges_as_the_kernel_would() {
+    use std::io::Write;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    if !is_root() {
+        eprintln!("not root: no second user to write as, and no capability to set");
+        return;
+    }
+    let (work, device) = work_and_image("corefs-mount-killpriv-", "128MiB", 2);
+    let mnt = work.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let mounted =
+        Mounted::start_logging(&device, &mnt, 1, &["--allow-other"], None, "fuser=debug").unwrap();
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().mode() & 0o7777;
+    let make = |name: &str, bits: u32| {
+        let p = mnt.join(name);
+        std::fs::write(&p, b"x").unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(bits)).unwrap();
+        p
+    };
+    // A file capability (cap_net_raw in the permitted set), as setcap writes it: revision 2,
+    // no effective bit, two 32-bit halves of permitted and inheritable sets.
+    let mut cap = Vec::new();
+    for word in [0x0200_0000u32, 1 << 13, 0, 0, 0] {
+        cap.extend_from_slice(&word.to_le_bytes());
+    }
+    let set_cap = |p: &Path| {
+        let name = c"security.capability";
+        // SAFETY: NUL-terminated path and name, and a buffer of `cap.len()` bytes.
+        let r = unsafe {
+            libc::setxattr(
+                c_path(p).as_ptr(),
+                name.as_ptr(),
+                cap.as_ptr().cast(),
+                cap.len(),
+                0,
+            )
+        };
+        assert_eq!(r, 0, "setxattr security.capability: errno {}", last_errno());
+    };
+    let has_cap = |p: &Path| {
+        let name = c"security.capability";
+        let mut buf = [0u8; 64];
+        // SAFETY: as above, into a buffer of its length.
+        let r = unsafe {
+            libc::getxattr(
+                c_path(p).as_ptr(),
+                name.as_ptr(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+            )
+        };
+        assert!(
+            r >= 0 || last_errno() == libc::ENODATA,
+            "getxattr: errno {}",
+            last_errno()
+        );
+        r >= 0
+    };
+    let append_as = |id: u32, p: &Path| {
+        let out = sh_as(id, "echo more >> \"$1\"", p);
+        assert!(out.status.success(), "{out:?}");
+    };
+    let truncate_as = |id: u32, p: &Path| {
+        let out = sh_as(id, "truncate -s 1 \"$1\"", p);
+        assert!(out.status.success(), "{out:?}");
+    };
+
+    // Root writes (CAP_FSETID): the bits stay, the capability goes.
+    let a = make("a", 0o6755);
+    set_cap(&a);
+    assert!(has_cap(&a));
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(&a)
+        .unwrap()
+        .write_all(b"r")
+        .unwrap();
+    assert_eq!(
+        mode(&a),
+        0o6755,
+        "root's write keeps set-user-ID and set-group-ID"
+    );
+    assert!(!has_cap(&a), "a write takes the file capability");
+
+    // Another user writes: set-user-ID goes, set-group-ID with group execute too, without it
+    // it stays (a mandatory-locking mark).
+    let b = make("b", 0o6777);
+    append_as(NOBODY, &b);
+    assert_eq!(mode(&b), 0o777);
+    let c = make("c", 0o6766);
+    append_as(NOBODY, &c);
+    assert_eq!(mode(&c), 0o2766);
+
+    // Truncates: by another user as its write; by root the bits stay, the capability goes.
+    let d = make("d", 0o6777);
+    truncate_as(NOBODY, &d);
+    assert_eq!((mode(&d), std::fs::metadata(&d).unwrap().len()), (0o777, 1));
+    let e = make("e", 0o4755);
+    set_cap(&e);
+    truncate_as(0, &e);
+    assert_eq!(mode(&e), 0o4755);
+    assert!(!has_cap(&e), "a truncate takes the file capability");
+
+    // chown: a file loses both bits (root's chown too), a directory keeps them.
+    let f = make("f", 0o6755);
+    std::os::unix::fs::chown(&f, Some(NOBODY), None).unwrap();
+    assert_eq!(mode(&f), 0o755);
+    let dir = mnt.join("dir");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o2775)).unwrap();
+    std::os::unix::fs::chown(&dir, Some(NOBODY), None).unwrap();
+    assert_eq!(mode(&dir), 0o2775);
+
+    // No GETXATTR per write.
+    let log_before = std::fs::read_to_string(&mounted.log).unwrap();
+    let getxattrs = |log: &str| log.lines().filter(|l| l.contains(" GETXATTR ")).count();
+    let mut file = std::fs::OpenOptions::new()
+        .append(true)
+        .open(mnt.join("b"))
+        .unwrap();
+    for _ in 0..20 {
+        file.write_all(b"w").unwrap();
+    }
+    drop(file);
+    let log_after = std::fs::read_to_string(&mounted.log).unwrap();
+    let asked = getxattrs(&log_after) - getxattrs(&log_before);
+    // At most the kernel's own look before the first write since the inode's mode changed
+    // (then it marks the inode as having nothing to kill); 20 before.
+    assert!(
+        asked <= 1,
+        "{asked} GETXATTR requests for 20 writes: {}",
+        &log_after[log_before.len()..]
+    );
+    mounted.unmount();
 }
 
 /// `corefs sync PATH` commits what was written through the mount, which `sync -f` cannot

@@ -16,9 +16,11 @@
 //! Who: creates (create, mkdir, mknod, symlink) are owned by the requesting process's uid
 //! and gid as the kernel passes them (a set-group-ID directory gives its group instead, in the
 //! engine). The kernel checks permissions against modes and owners (`default_permissions`),
-//! as for a kernel filesystem, and turns the set-user-ID and set-group-ID clearing that
-//! chown, truncate and write imply into a mode change it sends here (corefs does not ask for
-//! FUSE's `handle_killpriv`). Without `--allow-other` only the mounter may use the mount.
+//! as for a kernel filesystem. Killing privileges at a write, a truncate and a chown (the
+//! file capability, set-user-ID, set-group-ID with group execute) is the server's
+//! (FUSE_HANDLE_KILLPRIV_V2, [`kill_privs`]): the kernel says at a write whether the writer
+//! lacks CAP_FSETID; at a truncate fuser does not pass that on, so a caller other than root
+//! is taken to lack it. Without `--allow-other` only the mounter may use the mount.
 //!
 //! Kernel references: every reply that hands the kernel an inode (lookup, create, mkdir,
 //! mknod, symlink, link, and each entry but "." and ".." of a readdirplus) adds one to the
@@ -143,6 +145,9 @@ pub struct CorefsFuse {
     /// OPENDIR are answered ENOSYS once, after which the kernel opens on its own, keeping
     /// the page cache and caching directory listings.
     zero_message_opens: bool,
+    /// The kernel leaves killing privileges to the server (FUSE_HANDLE_KILLPRIV_V2 agreed):
+    /// see [`kill_privs`].
+    kills_privs: bool,
     /// Set at the first ioctl, which alone is logged (programs probe ioctls by the thousand).
     ioctl_logged: AtomicBool,
 }
@@ -160,6 +165,7 @@ impl CorefsFuse {
             atime,
             notifier,
             zero_message_opens: false,
+            kills_privs: false,
             ioctl_logged: AtomicBool::new(false),
         }
     }
@@ -340,6 +346,7 @@ impl Filesystem for CorefsFuse {
         }
         // Cannot fail: only flags the kernel offers are asked for.
         let _ = config.add_capabilities(wanted & kernel);
+        self.kills_privs = kernel.contains(InitFlags::FUSE_HANDLE_KILLPRIV_V2);
         self.zero_message_opens = self.atime == engine::Atime::Never
             && kernel
                 .contains(InitFlags::FUSE_NO_OPEN_SUPPORT | InitFlags::FUSE_NO_OPENDIR_SUPPORT);
@@ -404,7 +411,7 @@ impl Filesystem for CorefsFuse {
 
     fn setattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         mode: Option<u32>,
         uid: Option<u32>,
@@ -428,11 +435,22 @@ impl Filesystem for CorefsFuse {
             atime: atime.map(timespec_set),
             mtime: mtime.map(timespec_set),
         };
-        let op = Op::SetAttr {
-            ino: to_engine(ino),
-            change,
+        let ino = to_engine(ino);
+        // A chown of a file and a truncate are where the kernel, under FUSE_HANDLE_KILLPRIV_V2,
+        // leaves killing privileges to the server. It says whether the bits go (the caller
+        // lacks CAP_FSETID) in a flag fuser does not pass on: a chown always takes them, as
+        // the kernel asks; a truncate takes them when the caller is not root.
+        let kill = self.kills_privs
+            && mode.is_none()
+            && (uid.is_some() || gid.is_some() || size.is_some());
+        let suid_sgid = uid.is_some() || gid.is_some() || req.uid() != 0;
+        let work = move |c: &mut Client| {
+            if kill {
+                kill_privs(c, ino, suid_sgid)?;
+            }
+            stat_reply(c, Op::SetAttr { ino, change })
         };
-        self.reply_attr(op, reply);
+        self.answer(reply, work, |reply, s| reply.attr(&TTL, &attr(&s)));
     }
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
@@ -607,7 +625,7 @@ impl Filesystem for CorefsFuse {
         _fh: FileHandle,
         offset: u64,
         data: &[u8],
-        _write_flags: WriteFlags,
+        write_flags: WriteFlags,
         _flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
@@ -616,13 +634,21 @@ impl Filesystem for CorefsFuse {
             Ok(len) => len,
             Err(e) => return reply.error(fuse_errno(errno(&e))),
         };
+        let ino = to_engine(ino);
         let op = Op::Write {
-            ino: to_engine(ino),
+            ino,
             offset,
             // Aligned when large, so the device writes from this copy.
             data: engine::Staged::copy_of(&data[..len]),
         };
-        let work = |c: &mut Client| expect!(call(c, op)?, Reply::Written);
+        let kill = self.kills_privs;
+        let suid_sgid = write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID);
+        let work = move |c: &mut Client| {
+            if kill {
+                kill_privs(c, ino, suid_sgid)?;
+            }
+            expect!(call(c, op)?, Reply::Written)
+        };
         self.answer(reply, work, |reply, n| reply.written(n as u32));
     }
 
@@ -903,6 +929,7 @@ impl Filesystem for CorefsFuse {
         let owner = owner_of(req);
         let refs = &self.refs;
         let atime = self.atime;
+        let (kills_privs, caller_uid) = (self.kills_privs, req.uid());
         // One request creates (or, without O_EXCL, opens what a racing create made since the
         // kernel's lookup, as open(2) would) and holds the file for the kernel's reference.
         let how = OpenHow {
@@ -923,8 +950,22 @@ impl Filesystem for CorefsFuse {
             // open then starts over (a few times at most, as the C ABI's open).
             for _ in 0..OPEN_ATTEMPTS {
                 match call(c, open.clone())? {
-                    Reply::Opened(Opened::Found(s) | Opened::Created(s)) => {
+                    Reply::Opened(Opened::Created(s)) => {
                         refs.adopt(c, s.ino);
+                        return Ok(s);
+                    }
+                    Reply::Opened(Opened::Found(s)) => {
+                        refs.adopt(c, s.ino);
+                        // An existing file truncated by the open: as a truncate's setattr.
+                        if kills_privs && how.truncate && s.mode & libc::S_IFMT == libc::S_IFREG {
+                            let killed = kill_privs(c, s.ino, caller_uid != 0)
+                                .and_then(|()| stat_reply(c, Op::Stat { ino: s.ino }));
+                            if killed.is_err() {
+                                // No reply hands the reference over.
+                                refs.forget(c, s.ino, 1);
+                            }
+                            return killed;
+                        }
                         return Ok(s);
                     }
                     Reply::Opened(Opened::Gone) => continue,
@@ -1102,4 +1143,59 @@ fn walk_dir(
             }
         }
     }
+}
+
+/// The file capability's extended attribute, which a write, a truncate and a chown remove.
+const CAPABILITY_XATTR: &[u8] = b"security.capability";
+
+/// Kills `ino`'s privileges where the kernel, under FUSE_HANDLE_KILLPRIV_V2, leaves it to the
+/// server, as its own VFS would: the file capability goes at every write, truncate and chown;
+/// set-user-ID, and set-group-ID where group execute is set, go when `suid_sgid` (a chown, or
+/// a caller without CAP_FSETID), and then only from a regular file (a chown of a directory
+/// kills nothing). Run before the change it belongs to, inside the kernel's request: the
+/// kernel holds the inode's lock across a write and a setattr, and nothing else changes this
+/// filesystem while it is mounted, so no chmod comes in between.
+///
+/// Why: without the flag the kernel asks for `security.capability` (a GETXATTR request)
+/// before every write(2), since FUSE filesystems never get `SB_NOSEC`: two requests per small
+/// write. Here the same question is a call or two from memory, usually in the session thread.
+fn kill_privs(c: &mut Client, ino: u64, suid_sgid: bool) -> Result<(), i32> {
+    let mode = if suid_sgid {
+        let s = stat_reply(c, Op::Stat { ino })?;
+        if s.mode & libc::S_IFMT != libc::S_IFREG {
+            return Ok(());
+        }
+        Some(s.mode)
+    } else {
+        None
+    };
+    let name = CAPABILITY_XATTR.to_vec();
+    match call(
+        c,
+        Op::GetXattr {
+            ino,
+            name: name.clone(),
+        },
+    ) {
+        Ok(_) => {
+            call(c, Op::RemoveXattr { ino, name })?;
+        }
+        Err(libc::ENODATA) => {}
+        Err(e) => return Err(e),
+    }
+    let Some(mode) = mode else {
+        return Ok(());
+    };
+    let mut bits = mode & libc::S_ISUID;
+    if mode & (libc::S_ISGID | libc::S_IXGRP) == libc::S_ISGID | libc::S_IXGRP {
+        bits |= libc::S_ISGID;
+    }
+    if bits != 0 {
+        let change = SetAttr {
+            mode: Some(mode & 0o7777 & !bits),
+            ..SetAttr::default()
+        };
+        call(c, Op::SetAttr { ino, change })?;
+    }
+    Ok(())
 }

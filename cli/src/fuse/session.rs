@@ -29,6 +29,9 @@ pub enum Access {
 ///   0.57-0.65 s (the rest is its two GETXATTRs per file). Asked always (no AUTO), plain
 ///   `ls` of those 10,000 names took three times as long (0.065 s against 0.022 s), each
 ///   name costing a hold and a stat nobody used, for 5-10% more on `find` and `du`.
+/// - killing privileges in the server (FUSE_HANDLE_KILLPRIV_V2, [`super::kill_privs`]):
+///   otherwise the kernel asks for `security.capability` before every write(2), a GETXATTR
+///   request beside each WRITE.
 ///
 /// Not the kernel's writeback cache (FUSE_WRITEBACK_CACHE), though it would let write(2)
 /// return once the page cache holds the data: a write error (ENOSPC, EIO) would then come
@@ -39,7 +42,8 @@ pub enum Access {
 /// against 0.73 s).
 pub(super) const INIT_FLAGS: InitFlags = InitFlags::FUSE_PARALLEL_DIROPS
     .union(InitFlags::FUSE_DO_READDIRPLUS)
-    .union(InitFlags::FUSE_READDIRPLUS_AUTO);
+    .union(InitFlags::FUSE_READDIRPLUS_AUTO)
+    .union(InitFlags::FUSE_HANDLE_KILLPRIV_V2);
 
 /// The flags of an open or create reply for a file whose attributes are `stat`, on a mount
 /// whose atime rule is `atime`. The filesystem changes through this mount alone while it is
