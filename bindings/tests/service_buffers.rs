@@ -164,3 +164,59 @@ fn buffers_from_buf_alloc_cross_a_service_without_a_client_copy() {
     drop(observer);
     server.stop();
 }
+
+/// An append larger than a message from an arena buffer goes whole, as one request naming
+/// its place in the arena: the server copies it once from there (before, it was copied into
+/// an encoded request and sent in pieces, and moved nothing in place). Called and
+/// submitted, each lands whole at the end of the file.
+#[test]
+fn a_large_append_from_buf_alloc_crosses_whole_and_in_place() {
+    let server = InProcessServer::start();
+    let fs = server.connect();
+    let mut observer = corefs::service::Observer::connect(&server.socket).unwrap();
+    let flags = libc::O_CREAT | libc::O_RDWR | COREFS_O_APPEND;
+    // SAFETY: a NUL-terminated path.
+    let fd = unsafe { corefs_open(fs, c"log".as_ptr(), flags, 0o644) };
+    assert!(fd >= 0, "open: {}", last_error());
+    let shared_before = bytes_shared(&mut observer);
+
+    let head = pattern(3, 100);
+    // SAFETY: `head` holds its bytes; an ordinary buffer, through the ring.
+    let n = unsafe { corefs_pwrite(fs, fd, head.as_ptr(), head.len(), 0) };
+    assert_eq!(n, head.len() as i64, "append: {}", last_error());
+    assert_eq!(bytes_shared(&mut observer), shared_before, "ordinary memory");
+
+    let first = pattern(4, (3 << 20) + 77);
+    let mut a = Buf::new(first.len());
+    a.bytes().copy_from_slice(&first);
+    // SAFETY: `a` holds the bytes. The offset is ignored by an append handle.
+    let n = unsafe { corefs_pwrite(fs, fd, a.ptr, first.len(), 0) };
+    assert_eq!(n, first.len() as i64, "append: {}", last_error());
+    let mut moved = first.len() as u64;
+    assert_eq!(bytes_shared(&mut observer) - shared_before, moved);
+
+    let second = pattern(5, (2 << 20) + 5);
+    let mut b = Buf::new(second.len());
+    b.bytes().copy_from_slice(&second);
+    // SAFETY: `b` holds the bytes and outlives the completion polled below.
+    let rc = unsafe { corefs_submit_pwrite(fs, fd, b.ptr, second.len(), 0, 9) };
+    assert_eq!(rc, 0, "submit append: {}", last_error());
+    let c = poll_one(fs);
+    assert_eq!((c.token, c.result), (9, second.len() as i64));
+    moved += second.len() as u64;
+    assert_eq!(bytes_shared(&mut observer) - shared_before, moved);
+
+    let mut model = head.clone();
+    model.extend_from_slice(&first);
+    model.extend_from_slice(&second);
+    let mut back = vec![0u8; model.len() + 10];
+    // SAFETY: `back` holds that many bytes.
+    let n = unsafe { corefs_pread(fs, fd, back.as_mut_ptr(), back.len(), 0) };
+    assert_eq!(n, model.len() as i64, "pread: {}", last_error());
+    assert!(back[..model.len()] == model[..], "the appends, whole and in order");
+
+    assert_eq!(corefs_release(fs, fd), 0);
+    assert_eq!(corefs_close(fs), 0);
+    drop(observer);
+    server.stop();
+}

@@ -893,6 +893,20 @@ impl RemoteClient {
             return self.exchange_with(&head, beside, wire::decode_answer);
         }
         if append {
+            // Whole, as one request: from the arena, named by its place (the server copies it
+            // once); otherwise encoded, in pieces.
+            if let Some(shared_at) = self.conn.shared_at(data.as_ptr(), data.len()) {
+                if data.len() <= wire::SHARED_APPEND_BYTES_MAX {
+                    let head = wire::Request::Write(wire::WriteBeside {
+                        ino,
+                        offset,
+                        append,
+                        len: data.len() as u32,
+                        shared_at: Some(shared_at),
+                    });
+                    return self.exchange_with(&head, None, wire::decode_answer);
+                }
+            }
             let data = engine::Bytes::copy_from_slice(data).into();
             return self.one(Op::Append { ino, data });
         }
@@ -1176,14 +1190,21 @@ impl RemoteClient {
             let data = engine::Bytes::copy_from_slice(data).into();
             Op::write_or_append(ino, offset, append, data)
         };
-        if append && data.len() > ring::DATA_BYTES_MAX {
+        // A buffer in the shared arena is not copied here: the server copies each part from
+        // there (the caller keeps it as it is until the completion, by contract).
+        let shared_at = self.conn.shared_at(data.as_ptr(), data.len());
+        // An append goes whole: as one request naming its place in the arena, or else in
+        // pieces of its encoding.
+        let whole_from_arena =
+            append && shared_at.is_some() && data.len() <= wire::SHARED_APPEND_BYTES_MAX;
+        if append && data.len() > ring::DATA_BYTES_MAX && !whole_from_arena {
             return self.submit_into(owned(), token, None);
         }
         if self.refused_dead(token) {
             return Ok(());
         }
         // One part at least: an empty write is a message too.
-        let parts: Vec<&[u8]> = if data.is_empty() {
+        let parts: Vec<&[u8]> = if data.is_empty() || whole_from_arena {
             vec![data]
         } else {
             data.chunks(ring::DATA_BYTES_MAX).collect()
@@ -1200,9 +1221,6 @@ impl RemoteClient {
         let Some(slots) = self.conn.claim_all(lens.len()) else {
             return Err(SubmitError::Full(owned()));
         };
-        // A buffer in the shared arena is not copied here: the server copies each part from
-        // there (the caller keeps it as it is until the completion, by contract).
-        let shared_at = self.conn.shared_at(data.as_ptr(), data.len());
         let requests = parts
             .iter()
             .enumerate()

@@ -146,6 +146,7 @@ struct Conn {
 /// requests in pieces: what a client sends before its last piece is held in the server's
 /// memory.
 pub const PIECES_BYTES_MAX: usize = 256 << 20;
+const _: () = assert!(wire::SHARED_APPEND_BYTES_MAX == PIECES_BYTES_MAX);
 pub const PIECES_REQUESTS_MAX: usize = 64;
 
 /// A connection's requests sent in pieces ([`wire::Request::Piece`]): id → bytes so far.
@@ -718,12 +719,20 @@ fn read_request(conn: &Conn, i: usize) -> Result<wire::Request, EngineError> {
                         "a write of {len} bytes beside its message: more than a slot holds"
                     ))
                 })?,
-                // The same bound as in a slot: a request's staging copy is at most 1 MiB.
-                Some(at) if len > ring::DATA_BYTES_MAX => {
+                // The same bound as in a slot for a write, a request's staging copy being at
+                // most 1 MiB; an append (atomic, so whole) as much as a request in pieces.
+                Some(at)
+                    if len
+                        > if head.append {
+                            wire::SHARED_APPEND_BYTES_MAX
+                        } else {
+                            ring::DATA_BYTES_MAX
+                        } =>
+                {
                     return Err(EngineError::Invalid(format!(
-                        "a write of {len} bytes from shared memory at {at}: at most {} \
-                         per request",
-                        ring::DATA_BYTES_MAX
+                        "a {} of {len} bytes from shared memory at {at}: more than one request \
+                         may carry",
+                        if head.append { "append" } else { "write" }
                     )))
                 }
                 Some(at) => {

@@ -45,6 +45,12 @@ pub enum Request {
     Read(ReadShared),
 }
 
+/// The largest append a [`Request::Write`] may name in the connection's buffer arena: an
+/// append is atomic, so it is one request, and the server's staging copy of it is bounded as
+/// a request sent in pieces is (`server::PIECES_BYTES_MAX`). A write is at most
+/// [`ring::DATA_BYTES_MAX`] per request wherever its bytes are (a longer one goes as several).
+pub const SHARED_APPEND_BYTES_MAX: usize = 256 << 20;
+
 /// A [`Request::Write`]'s arguments; its `len` bytes are in the slot's data area, or at
 /// `shared_at` in the connection's buffer arena.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
