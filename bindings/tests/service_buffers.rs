@@ -184,7 +184,11 @@ fn a_large_append_from_buf_alloc_crosses_whole_and_in_place() {
     // SAFETY: `head` holds its bytes; an ordinary buffer, through the ring.
     let n = unsafe { corefs_pwrite(fs, fd, head.as_ptr(), head.len(), 0) };
     assert_eq!(n, head.len() as i64, "append: {}", last_error());
-    assert_eq!(bytes_shared(&mut observer), shared_before, "ordinary memory");
+    assert_eq!(
+        bytes_shared(&mut observer),
+        shared_before,
+        "ordinary memory"
+    );
 
     let first = pattern(4, (3 << 20) + 77);
     let mut a = Buf::new(first.len());
@@ -213,7 +217,10 @@ fn a_large_append_from_buf_alloc_crosses_whole_and_in_place() {
     // SAFETY: `back` holds that many bytes.
     let n = unsafe { corefs_pread(fs, fd, back.as_mut_ptr(), back.len(), 0) };
     assert_eq!(n, model.len() as i64, "pread: {}", last_error());
-    assert!(back[..model.len()] == model[..], "the appends, whole and in order");
+    assert!(
+        back[..model.len()] == model[..],
+        "the appends, whole and in order"
+    );
 
     assert_eq!(corefs_release(fs, fd), 0);
     assert_eq!(corefs_close(fs), 0);

@@ -443,10 +443,10 @@ impl Filesystem for CorefsFuse {
         let kill = self.kills_privs
             && mode.is_none()
             && (uid.is_some() || gid.is_some() || size.is_some());
-        let suid_sgid = uid.is_some() || gid.is_some() || req.uid() != 0;
+        let killer = Killer::of(req, uid.is_some() || gid.is_some(), req.uid() != 0);
         let work = move |c: &mut Client| {
             if kill {
-                kill_privs(c, ino, suid_sgid)?;
+                kill_privs(c, ino, killer)?;
             }
             stat_reply(c, Op::SetAttr { ino, change })
         };
@@ -620,7 +620,7 @@ impl Filesystem for CorefsFuse {
 
     fn write(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         _fh: FileHandle,
         offset: u64,
@@ -642,10 +642,11 @@ impl Filesystem for CorefsFuse {
             data: engine::Staged::copy_of(&data[..len]),
         };
         let kill = self.kills_privs;
-        let suid_sgid = write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID);
+        let without_fsetid = write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID);
+        let killer = Killer::of(req, false, without_fsetid);
         let work = move |c: &mut Client| {
             if kill {
-                kill_privs(c, ino, suid_sgid)?;
+                kill_privs(c, ino, killer)?;
             }
             expect!(call(c, op)?, Reply::Written)
         };
@@ -929,7 +930,8 @@ impl Filesystem for CorefsFuse {
         let owner = owner_of(req);
         let refs = &self.refs;
         let atime = self.atime;
-        let (kills_privs, caller_uid) = (self.kills_privs, req.uid());
+        let kills_privs = self.kills_privs;
+        let killer = Killer::of(req, false, req.uid() != 0);
         // One request creates (or, without O_EXCL, opens what a racing create made since the
         // kernel's lookup, as open(2) would) and holds the file for the kernel's reference.
         let how = OpenHow {
@@ -958,7 +960,7 @@ impl Filesystem for CorefsFuse {
                         refs.adopt(c, s.ino);
                         // An existing file truncated by the open: as a truncate's setattr.
                         if kills_privs && how.truncate && s.mode & libc::S_IFMT == libc::S_IFREG {
-                            let killed = kill_privs(c, s.ino, caller_uid != 0)
+                            let killed = kill_privs(c, s.ino, killer)
                                 .and_then(|()| stat_reply(c, Op::Stat { ino: s.ino }));
                             if killed.is_err() {
                                 // No reply hands the reference over.
@@ -1148,24 +1150,87 @@ fn walk_dir(
 /// The file capability's extended attribute, which a write, a truncate and a chown remove.
 const CAPABILITY_XATTR: &[u8] = b"security.capability";
 
+/// Who asks for a change that kills privileges, as far as the VFS's rules need it.
+#[derive(Debug, Clone, Copy)]
+struct Killer {
+    /// A chown (set-user-ID goes whoever asks), not a write or a truncate.
+    chown: bool,
+    /// The caller lacks CAP_FSETID: the kernel says so at a write; elsewhere a caller other
+    /// than root is taken to lack it.
+    without_fsetid: bool,
+    /// The caller's gid and process, for whether it is in the file's group.
+    gid: u32,
+    pid: u32,
+}
+
+impl Killer {
+    fn of(req: &Request, chown: bool, without_fsetid: bool) -> Killer {
+        Killer {
+            chown,
+            without_fsetid,
+            gid: req.gid(),
+            pid: req.pid(),
+        }
+    }
+
+    /// The set-ID bits of `mode` the change takes, as the VFS's `setattr_should_drop_sgid`
+    /// and `setattr_should_drop_suidgid` decide: set-user-ID at a chown, or from a caller
+    /// without CAP_FSETID; set-group-ID likewise when group execute is set, and without it
+    /// (a mandatory-locking mark) only from a caller without CAP_FSETID outside the file's
+    /// group.
+    fn drops(&self, mode: u32, file_gid: u32) -> u32 {
+        if !self.chown && !self.without_fsetid {
+            return 0;
+        }
+        let mut bits = mode & libc::S_ISUID;
+        if mode & libc::S_ISGID != 0
+            && (mode & libc::S_IXGRP != 0
+                || (self.without_fsetid && !in_group(self.gid, self.pid, file_gid)))
+        {
+            bits |= libc::S_ISGID;
+        }
+        bits
+    }
+}
+
+/// Whether a caller (gid `gid`, process `pid`) is in group `file_gid`: its own group, or one
+/// of its supplementary groups, which FUSE does not pass and /proc tells. A process gone
+/// meanwhile counts as outside (its bits go, the safe side).
+fn in_group(gid: u32, pid: u32, file_gid: u32) -> bool {
+    if gid == file_gid {
+        return true;
+    }
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return false;
+    };
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Groups:"))
+        .is_some_and(|groups| {
+            groups
+                .split_whitespace()
+                .any(|g| g.parse::<u32>() == Ok(file_gid))
+        })
+}
+
 /// Kills `ino`'s privileges where the kernel, under FUSE_HANDLE_KILLPRIV_V2, leaves it to the
-/// server, as its own VFS would: the file capability goes at every write, truncate and chown;
-/// set-user-ID, and set-group-ID where group execute is set, go when `suid_sgid` (a chown, or
-/// a caller without CAP_FSETID), and then only from a regular file (a chown of a directory
-/// kills nothing). Run before the change it belongs to, inside the kernel's request: the
-/// kernel holds the inode's lock across a write and a setattr, and nothing else changes this
-/// filesystem while it is mounted, so no chmod comes in between.
+/// server, as its own VFS would: the file capability goes at every write, truncate and chown
+/// of a file; set-user-ID and set-group-ID as [`Killer::drops`] says. Run before the change
+/// it belongs to, inside the kernel's request: the kernel holds the inode's lock across a
+/// write and a setattr, and nothing else changes this filesystem while it is mounted, so no
+/// chmod comes in between. A directory keeps everything (a chown of one kills nothing).
 ///
 /// Why: without the flag the kernel asks for `security.capability` (a GETXATTR request)
 /// before every write(2), since FUSE filesystems never get `SB_NOSEC`: two requests per small
-/// write. Here the same question is a call or two from memory, usually in the session thread.
-fn kill_privs(c: &mut Client, ino: u64, suid_sgid: bool) -> Result<(), i32> {
-    let mode = if suid_sgid {
+/// write. Here the same question is a call or two from memory, usually in the session thread
+/// (a stat only when set-ID bits may go).
+fn kill_privs(c: &mut Client, ino: u64, killer: Killer) -> Result<(), i32> {
+    let stat = if killer.chown || killer.without_fsetid {
         let s = stat_reply(c, Op::Stat { ino })?;
         if s.mode & libc::S_IFMT != libc::S_IFREG {
             return Ok(());
         }
-        Some(s.mode)
+        Some(s)
     } else {
         None
     };
@@ -1183,16 +1248,13 @@ fn kill_privs(c: &mut Client, ino: u64, suid_sgid: bool) -> Result<(), i32> {
         Err(libc::ENODATA) => {}
         Err(e) => return Err(e),
     }
-    let Some(mode) = mode else {
+    let Some(s) = stat else {
         return Ok(());
     };
-    let mut bits = mode & libc::S_ISUID;
-    if mode & (libc::S_ISGID | libc::S_IXGRP) == libc::S_ISGID | libc::S_IXGRP {
-        bits |= libc::S_ISGID;
-    }
+    let bits = killer.drops(s.mode, s.gid);
     if bits != 0 {
         let change = SetAttr {
-            mode: Some(mode & 0o7777 & !bits),
+            mode: Some(s.mode & 0o7777 & !bits),
             ..SetAttr::default()
         };
         call(c, Op::SetAttr { ino, change })?;
