@@ -714,7 +714,9 @@ impl Filesystem for CorefsFuse {
     ) {
         let dir = to_engine(ino);
         self.run(move |c| {
+            let mut added = 0usize;
             let walked = walk_dir(c, dir, offset, READDIR_BATCH, |_, entry| {
+                added += 1;
                 Ok(match entry {
                     Listed::Dot => reply.add(ino, 1, FileType::Directory, "."),
                     Listed::DotDot => reply.add(INodeNo::ROOT, 2, FileType::Directory, ".."),
@@ -727,8 +729,9 @@ impl Filesystem for CorefsFuse {
                 })
             });
             match walked {
-                Ok(()) => reply.ok(),
-                Err(e) => reply.error(fuse_errno(e)),
+                // What was listed before a failure goes; the next call meets it again.
+                Err(e) if added == 0 => reply.error(fuse_errno(e)),
+                _ => reply.ok(),
             }
         });
     }
@@ -750,6 +753,7 @@ impl Filesystem for CorefsFuse {
         let refs = &self.refs;
         self.run(move |c| {
             let mut here = None;
+            let mut added = 0usize;
             let walked = walk_dir(c, dir, offset, READDIRPLUS_BATCH, |c, entry| {
                 let e = match entry {
                     Listed::Dot | Listed::DotDot => {
@@ -757,6 +761,7 @@ impl Filesystem for CorefsFuse {
                             Some(here) => here,
                             None => *here.insert(attr(&stat_reply(c, Op::Stat { ino: dir })?)),
                         };
+                        added += 1;
                         return Ok(if matches!(entry, Listed::Dot) {
                             reply.add(ino, 1, ".", &TTL, &here, Generation(0))
                         } else {
@@ -803,12 +808,16 @@ impl Filesystem for CorefsFuse {
                     // The entry did not go, nor does its reference: the kernel asks again
                     // from the last entry it was given.
                     refs.forget(c, e.ino, 1);
+                } else {
+                    added += 1;
                 }
                 Ok(full)
             });
             match walked {
-                Ok(()) => reply.ok(),
-                Err(e) => reply.error(fuse_errno(e)),
+                // What was listed before a failure goes (an error would drop the entries
+                // whose references are counted); the next call meets the failure again.
+                Err(e) if added == 0 => reply.error(fuse_errno(e)),
+                _ => reply.ok(),
             }
         });
     }
